@@ -1,0 +1,6 @@
+"""Test-wide setup: make tests/helpers importable and keep Hypothesis quick."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

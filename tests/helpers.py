@@ -1,0 +1,91 @@
+"""Shared test helpers: a Clock-driven core, and timeouts for real-socket awaits."""
+
+from __future__ import annotations
+
+import attrs
+from twisted.internet.task import Clock, Cooperator
+
+from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
+from yieldproxy.gate import Gate
+from yieldproxy.metrics import Metrics
+from yieldproxy.parking import Entry, ParkingLot
+from yieldproxy.replay import Replayer
+from yieldproxy.state import YieldState
+
+
+def clock_cooperator(clock: Clock) -> Cooperator:
+    """A Cooperator that runs its steps on ``clock``, so tests advance it by hand."""
+    return Cooperator(scheduler=lambda step: clock.callLater(0, step))
+
+
+@attrs.define(eq=False)
+class Core:
+    """State, lot, replayer and gate on one Clock, wired as ``service.build`` does."""
+
+    clock: Clock
+    metrics: Metrics
+    state: YieldState
+    lot: ParkingLot
+    replayer: Replayer
+    gate: Gate
+
+    def run(self, seconds: float = 0.0, step: float = 0.001) -> None:
+        """Advance the clock by ``seconds`` in small steps, running due calls."""
+        self.clock.advance(0)
+        remaining = seconds
+        while remaining > 1e-12:
+            self.clock.advance(min(step, remaining))
+            remaining -= step
+        self.clock.advance(0)
+
+    def sample(self, name: str, **labels) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def make_core(config: Config | None = None, **replay) -> Core:
+    config = config or Config()
+    if replay:
+        config = attrs.evolve(config, replay=attrs.evolve(config.replay, **replay))
+    clock = Clock()
+    metrics = Metrics()
+    state = YieldState(clock)
+    lot = ParkingLot(
+        clock,
+        metrics,
+        max_parked=config.parking.max_parked,
+        max_parked_bytes=config.parking.max_parked_bytes,
+        class_max_parked={k: v.max_parked for k, v in config.classes.items()},
+        reject_status=config.parking.reject_status,
+    )
+    replayer = Replayer(
+        clock,
+        lot,
+        state,
+        metrics,
+        clock_cooperator(clock),
+        concurrency=config.replay.concurrency,
+        rate=config.replay.rate,
+        backoff_seconds=config.upstream.retry_backoff_seconds,
+        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
+    )
+    gate = Gate(clock, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status)
+    return Core(clock, metrics, state, lot, replayer, gate)
+
+
+def config_with(**sections) -> Config:
+    """A Config with some sections' keys replaced: ``config_with(parking={"max_parked": 2})``."""
+    config = Config()
+    changes = {}
+    for name, keys in sections.items():
+        if name == "classes":
+            classes = dict(config.classes)
+            for cls, cls_keys in keys.items():
+                classes[cls] = attrs.evolve(classes[cls], **cls_keys)
+            changes["classes"] = classes
+        else:
+            changes[name] = attrs.evolve(getattr(config, name), **keys)
+    return attrs.evolve(config, **changes)
+
+
+__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]

@@ -1,0 +1,247 @@
+"""The configuration: attrs values with defaults, loaded from one TOML file.
+
+Every key has a default and is checked at start; a bad value is reported with
+the file and the dotted key (``yieldproxy.toml: replay.rate: ...``), and the
+process does not start.  ``etc/yieldproxy.toml`` documents every key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+CLASS_NAMES = ("interactive", "batch", "long")
+POLICIES = ("park", "reject", "fallback")
+TRUST_MODES = ("loopback", "always", "never")
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded for the person who wrote the file."""
+
+
+def _at_least(minimum: float):
+    def check(instance, attribute, value):
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance, attribute, value):
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _status(instance, attribute, value):
+    if value not in (429, 503):
+        raise ValueError(f"must be 503 or 429, got {value!r}")
+
+
+def _http_url(instance, attribute, value):
+    if not (value.startswith("http://") or value.startswith("https://")):
+        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+
+
+@attrs.frozen
+class ProxyConfig:
+    listen: str = "tcp:11435:interface=127.0.0.1"
+    upstream: str = attrs.field(default="http://127.0.0.1:11434", validator=_http_url)
+    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
+    trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
+    idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
+    shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
+
+
+@attrs.frozen
+class AdminConfig:
+    listen: str = "tcp:11436:interface=127.0.0.1"
+    token_file: str = ""
+
+
+@attrs.frozen
+class ParkingConfig:
+    max_parked: int = attrs.field(default=10_000, validator=_at_least(1))
+    max_parked_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
+    reject_status: int = attrs.field(default=503, validator=_status)
+
+
+@attrs.frozen
+class ReplayConfig:
+    concurrency: int = attrs.field(default=4, validator=_at_least(1))
+    rate: float = attrs.field(default=0.0, validator=_at_least(0))
+
+
+@attrs.frozen
+class UpstreamConfig:
+    attempt_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.001))
+    max_attempts: int = attrs.field(default=5, validator=_at_least(1))
+    retry_backoff_seconds: float = attrs.field(default=0.5, validator=_at_least(0))
+    retry_backoff_max_seconds: float = attrs.field(default=10.0, validator=_at_least(0))
+    max_connections: int = attrs.field(default=64, validator=_at_least(1))
+
+
+@attrs.frozen
+class ClassConfig:
+    policy: str = attrs.field(default="park", validator=_one_of(POLICIES))
+    hold_seconds: float = attrs.field(default=600.0, validator=_at_least(0))
+    max_parked: int = attrs.field(default=0, validator=_at_least(0))
+
+
+def _default_classes() -> dict[str, ClassConfig]:
+    return {
+        "interactive": ClassConfig(hold_seconds=15.0),
+        "batch": ClassConfig(hold_seconds=600.0),
+        "long": ClassConfig(hold_seconds=3600.0),
+    }
+
+
+@attrs.frozen
+class Config:
+    proxy: ProxyConfig = attrs.Factory(ProxyConfig)
+    admin: AdminConfig = attrs.Factory(AdminConfig)
+    parking: ParkingConfig = attrs.Factory(ParkingConfig)
+    replay: ReplayConfig = attrs.Factory(ReplayConfig)
+    upstream: UpstreamConfig = attrs.Factory(UpstreamConfig)
+    classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
+
+    def with_overrides(self, **dotted: Any) -> "Config":
+        """A copy with ``section.key`` values replaced (command-line options)."""
+        sections = {}
+        for dotted_key, value in dotted.items():
+            if value is None:
+                continue
+            section, key = dotted_key.split(".")
+            sections.setdefault(section, {})[key] = value
+        changes = {name: attrs.evolve(getattr(self, name), **keys) for name, keys in sections.items()}
+        return attrs.evolve(self, **changes)
+
+
+_SECTIONS = {
+    "proxy": ProxyConfig,
+    "admin": AdminConfig,
+    "parking": ParkingConfig,
+    "replay": ReplayConfig,
+    "upstream": UpstreamConfig,
+}
+
+
+def _coerce(where: str, expected: type, value: Any) -> Any:
+    """Check a TOML value against the field's type; ints are fine where floats go."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
+        raise ConfigError(f"{where}: must be {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, table: Any, where: str) -> Any:
+    """One attrs section from its TOML table; every error names its own key."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table, got {type(table).__name__}")
+    types = typing.get_type_hints(cls)
+    fields = attrs.fields_dict(cls)
+    values = {}
+    for key, value in table.items():
+        if key not in types:
+            known = ", ".join(sorted(types))
+            raise ConfigError(f"{where}.{key}: unknown key (known keys: {known})")
+        value = _coerce(f"{where}.{key}", types[key], value)
+        validator = fields[key].validator
+        if validator is not None:
+            try:
+                validator(None, fields[key], value)
+            except ValueError as e:
+                raise ConfigError(f"{where}.{key}: {e}") from None
+        values[key] = value
+    return cls(**values)
+
+
+def from_dict(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    """Build a :class:`Config` from parsed TOML, with errors prefixed by ``source``."""
+    sections: dict[str, Any] = {}
+    try:
+        for name, table in data.items():
+            if name == "classes":
+                sections["classes"] = _classes(table)
+            elif name in _SECTIONS:
+                sections[name] = _build(_SECTIONS[name], table, name)
+            else:
+                known = ", ".join([*_SECTIONS, "classes"])
+                raise ConfigError(f"{name}: unknown section (known sections: {known})")
+        config = Config(**sections)
+        _check_combinations(config)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return config
+
+
+def _classes(table: Any) -> dict[str, ClassConfig]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"classes: must be a table, got {type(table).__name__}")
+    classes = _default_classes()
+    for name, body in table.items():
+        if name not in CLASS_NAMES:
+            raise ConfigError(f"classes.{name}: unknown class (known classes: {', '.join(CLASS_NAMES)})")
+        built = _build(ClassConfig, body, f"classes.{name}")
+        # Keys the file leaves out keep the class's own default, not the generic one.
+        given = body.keys()
+        defaults = classes[name]
+        classes[name] = attrs.evolve(
+            defaults, **{k: getattr(built, k) for k in given}
+        )
+    return classes
+
+
+def _check_combinations(config: Config) -> None:
+    """Rules that span keys: each names the key to change."""
+    for name, cls in config.classes.items():
+        if cls.policy == "fallback":
+            raise ConfigError(
+                f"classes.{name}.policy: 'fallback' needs a verified fallback backend, "
+                "which this version does not have yet; use 'park' or 'reject'"
+            )
+        if cls.max_parked > config.parking.max_parked:
+            raise ConfigError(
+                f"classes.{name}.max_parked: {cls.max_parked} is above parking.max_parked "
+                f"({config.parking.max_parked}); lower it or raise the global ceiling"
+            )
+    if config.upstream.retry_backoff_max_seconds < config.upstream.retry_backoff_seconds:
+        raise ConfigError(
+            "upstream.retry_backoff_max_seconds: must be >= upstream.retry_backoff_seconds"
+        )
+
+
+def load(path: str | Path | None) -> Config:
+    """Read a TOML file (or return the defaults when ``path`` is None)."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return from_dict(data, str(path))
+
+
+def read_token(config: Config) -> str | None:
+    """The admin token from ``admin.token_file`` (stripped), or None when unset."""
+    if not config.admin.token_file:
+        return None
+    try:
+        token = Path(config.admin.token_file).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ConfigError(f"admin.token_file: cannot read {config.admin.token_file}: {e.strerror or e}") from None
+    if not token:
+        raise ConfigError(f"admin.token_file: {config.admin.token_file} is empty")
+    return token

@@ -1,0 +1,156 @@
+"""The gate: decides, for each request, go now, park, or refuse with reasons.
+
+It ties the yield state, the parking lot and the replayer together, and is
+the only place that knows a class's policy and hold bound.  It also keeps the
+recent upstream service time, from which honest ``Retry-After`` values come.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import attrs
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from .config import ClassConfig
+from .metrics import Metrics
+from .parking import Entry, ParkingLot, Refused
+from .replay import Replayer
+from .state import YieldState
+
+log = Logger()
+
+#: Weight of the newest sample in the service-time average.
+_EWMA_WEIGHT = 0.1
+
+
+def _whole_seconds(seconds: float) -> int:
+    """Retry-After is whole seconds, at least 1; rounding noise must not add one."""
+    return max(1, math.ceil(seconds - 1e-6))
+
+
+@attrs.define(eq=False)
+class Gate:
+    """Admission for parkable requests."""
+
+    _clock: IReactorTime
+    _state: YieldState
+    _lot: ParkingLot
+    _replayer: Replayer
+    _metrics: Metrics
+    _classes: Mapping[str, ClassConfig]
+    reject_status: int = 503
+    #: Recent upstream service time (seconds), an exponentially weighted average.
+    service_seconds: float = 0.5
+    shutting_down: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._lot.retry_after = self.retry_after
+        self._lot.on_parked = self._replayer.kick
+        self._state.observe(self._state_changed)
+
+    @property
+    def state_name(self) -> str:
+        if self._state.yielded:
+            return "yielded"
+        return "draining" if self._lot else "available"
+
+    def admit(self, entry: Entry) -> Deferred:
+        """A Deferred that fires with ``entry`` when it may go upstream.
+
+        It fails with :class:`Refused` when the request is turned away, at
+        once or after waiting.  A request coming back after a failed attempt
+        (``entry.attempts > 0``) keeps its place in line and is not checked
+        against the ceilings again: it was accepted already.
+        """
+        if self.shutting_down:
+            raise Refused(
+                "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
+            )
+        returning = entry.attempts > 0
+        if not self._state.yielded and not self._lot and not returning:
+            self._replayer.started()
+            return succeed(entry)
+        cls = self._classes[entry.cls]
+        if self._state.yielded:
+            if cls.policy == "reject":
+                self._metrics.rejected_total.labels(entry.cls, "policy").inc()
+                raise Refused(
+                    "policy",
+                    f"policy rejects {entry.cls} requests during a yield",
+                    self.reject_status,
+                    self.retry_after(entry),
+                )
+            self._check_budget(entry, cls)
+        try:
+            return self._lot.park(entry, cls.hold_seconds, check_room=not returning)
+        except Refused as refusal:
+            self._metrics.rejected_total.labels(entry.cls, refusal.reason).inc()
+            raise
+
+    def finished(self, failed: bool = False, seconds: float | None = None) -> None:
+        """The upstream exchange of an admitted request ended."""
+        if seconds is not None and not failed:
+            self.service_seconds += _EWMA_WEIGHT * (seconds - self.service_seconds)
+        self._replayer.finished(failed)
+
+    def retry_after(self, entry: Entry | None = None) -> int:
+        """Seconds a refused caller should wait, from what is known.
+
+        The declared end of the yield when every hold gave one; else, while
+        yielded, as long again as the yield has lasted (a yield that has run
+        a minute is likely to run another); else the queue ahead of the
+        caller times the recent service time, spread over the replay slots.
+        """
+        now = self._clock.seconds()
+        if self._state.yielded:
+            end = self._state.expected_end()
+            if end is not None:
+                return _whole_seconds(end - now)
+            since = self._state.yielded_since if self._state.yielded_since is not None else now
+            return min(300, _whole_seconds(now - since))
+        ahead = len(self._lot)
+        return _whole_seconds(ahead * self.service_seconds / self._replayer.concurrency)
+
+    def refuse_all_parked(self, why: str) -> int:
+        """Answer every parked request with 503 (shutdown while yielded)."""
+        return self._lot.refuse_all(
+            lambda entry: Refused("shutdown", why, 503, self.retry_after(entry))
+        )
+
+    def _check_budget(self, entry: Entry, cls: ClassConfig) -> None:
+        """Refuse at once when the declared yield outlasts what this request may wait."""
+        end = self._state.expected_end()
+        if end is None:
+            return
+        remaining = end - self._clock.seconds()
+        budget = cls.hold_seconds if entry.max_wait is None else min(cls.hold_seconds, entry.max_wait)
+        if remaining <= budget:
+            return
+        self._metrics.rejected_total.labels(entry.cls, "over_budget").inc()
+        if entry.max_wait is not None and entry.max_wait < cls.hold_seconds:
+            why = (
+                f"wait longer than your X-Yield-Max-Wait: the GPU is expected back in "
+                f"{remaining:.0f}s, you allow {entry.max_wait:g}s"
+            )
+        else:
+            why = (
+                f"yielded past the hold bound: the GPU is expected back in {remaining:.0f}s, "
+                f"{entry.cls} requests are held at most {cls.hold_seconds:g}s"
+            )
+        raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
+
+    def _state_changed(self, yielded: bool) -> None:
+        self._metrics.yield_active.set(1 if yielded else 0)
+        counts = self._lot.count_by_class()
+        log.info(
+            "{state}: parked {parked}, in flight {inflight}",
+            state="yielded" if yielded else ("draining" if self._lot else "available"),
+            parked=", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none",
+            inflight=self._replayer.inflight,
+        )
+        if not yielded:
+            self._replayer.kick()

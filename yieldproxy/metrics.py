@@ -1,0 +1,153 @@
+"""Every Prometheus metric yieldproxy exports, on a registry passed in.
+
+One :class:`Metrics` per application, so building the app twice (as the tests
+do) never collides in prometheus_client's default registry.  Names and labels
+here are part of the public contract (dashboards and alert rules read them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+#: Time spent parked: from 10 ms (a short flap) to an hour (a long job's bound).
+PARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+#: Upstream answer times: embeddings take milliseconds, generations minutes.
+UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: Whole yields: a game session can last hours.
+YIELD_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+
+CLASSES = ("interactive", "batch", "long")
+
+__all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
+
+
+class _LiveCollector:
+    """Gauges read from the live objects at scrape time, so they cannot drift."""
+
+    def __init__(self, read: Callable[[], Iterable[GaugeMetricFamily]]):
+        self._read = read
+
+    def collect(self):
+        return self._read()
+
+
+@attrs.define(eq=False, slots=False)
+class Metrics:
+    """All metric objects of one proxy."""
+
+    registry: CollectorRegistry = attrs.field(factory=CollectorRegistry)
+
+    def __attrs_post_init__(self) -> None:
+        r = self.registry
+        self.yield_active = Gauge(
+            "yieldproxy_yield_active", "1 while any source holds the GPU (requests are parked).", registry=r
+        )
+        self.parked_requests = Gauge(
+            "yieldproxy_parked_requests", "Requests parked right now.", ["class"], registry=r
+        )
+        self.parked_bytes = Gauge(
+            "yieldproxy_parked_bytes", "Request body bytes held by parked requests.", registry=r
+        )
+        self.parked_capacity = Gauge(
+            "yieldproxy_parked_capacity", "The parked-queue ceiling (parking.max_parked).", registry=r
+        )
+        self.parked_bytes_capacity = Gauge(
+            "yieldproxy_parked_bytes_capacity",
+            "The parked-bytes ceiling (parking.max_parked_bytes).",
+            registry=r,
+        )
+        self.park_seconds = Histogram(
+            "yieldproxy_park_seconds",
+            "Time a request spent parked, observed when it leaves the lot for any reason.",
+            ["class"],
+            buckets=PARK_BUCKETS,
+            registry=r,
+        )
+        self.replay_total = Counter(
+            "yieldproxy_replay",
+            "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, fallback, shutdown.",
+            ["class", "outcome"],
+            registry=r,
+        )
+        self.rejected_total = Counter(
+            "yieldproxy_rejected",
+            "Requests refused at once: queue_full, over_budget, policy, too_large, bad_request.",
+            ["class", "reason"],
+            registry=r,
+        )
+        self.requests_total = Counter(
+            "yieldproxy_requests", "Answered requests by class and HTTP status.", ["class", "code"], registry=r
+        )
+        self.upstream_seconds = Histogram(
+            "yieldproxy_upstream_seconds",
+            "Time from sending a request upstream to the end of its answer.",
+            ["class"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
+        self.upstream_failures_total = Counter(
+            "yieldproxy_upstream_failures",
+            "Failed upstream attempts: refused, reset, timeout, status_502, status_503, gpu_error, other.",
+            ["class", "reason"],
+            registry=r,
+        )
+        self.retries_total = Counter(
+            "yieldproxy_retries",
+            "Failed attempts that went back into the lot to be tried again.",
+            ["class"],
+            registry=r,
+        )
+        self.inflight_requests = Gauge(
+            "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
+        )
+        self.yields_total = Counter(
+            "yieldproxy_yields", "Holds taken on the GPU, by source.", ["source"], registry=r
+        )
+        self.yield_seconds = Histogram(
+            "yieldproxy_yield_seconds",
+            "Length of whole yields (first hold taken to last hold ended).",
+            buckets=YIELD_BUCKETS,
+            registry=r,
+        )
+        for cls in CLASSES:
+            self.parked_requests.labels(cls)
+
+    def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+        """Register gauges computed at scrape time from live state."""
+        self.registry.register(_LiveCollector(read))
+
+    def render(self) -> bytes:
+        """The text exposition, synchronously (no thread pool, unlike prometheus_client.twisted)."""
+        return generate_latest(self.registry)
+
+
+def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
+    """Per-source hold gauges, built from the current holds at each scrape."""
+    active = GaugeMetricFamily("yieldproxy_hold_active", "1 for each source holding the GPU.", labels=["source"])
+    age = GaugeMetricFamily("yieldproxy_hold_age_seconds", "How long each hold has lasted.", labels=["source"])
+    expected = GaugeMetricFamily(
+        "yieldproxy_hold_expected_seconds",
+        "The duration each hold's source said to expect (absent when it gave none).",
+        labels=["source"],
+    )
+    for hold in holds:
+        active.add_metric([hold.source], 1)
+        age.add_metric([hold.source], max(0.0, now - hold.since))
+        if hold.expected_end is not None:
+            expected.add_metric([hold.source], max(0.0, hold.expected_end - hold.since))
+    return [active, age, expected]
+
+
+def oldest_parked_family(ages: dict[str, float]) -> GaugeMetricFamily:
+    """Age of the oldest parked request per class (0 when none is parked)."""
+    fam = GaugeMetricFamily(
+        "yieldproxy_oldest_parked_seconds", "Age of the oldest parked request per class.", labels=["class"]
+    )
+    for cls in CLASSES:
+        fam.add_metric([cls], ages.get(cls, 0.0))
+    return fam

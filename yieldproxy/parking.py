@@ -1,0 +1,209 @@
+"""The parking lot: a FIFO of cancellable Deferreds, with ceilings and deadlines.
+
+An entry waits here while the GPU is yielded.  It leaves in exactly one way:
+released (its Deferred fires with the entry), expired past its hold bound,
+abandoned by a client that went away (its Deferred was cancelled), or
+answered at shutdown.  Order is by arrival sequence number, so a request that
+failed mid-flight and comes back keeps its original place.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Callable
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from .metrics import Metrics
+
+_sequence = itertools.count()
+
+
+@attrs.define(eq=False)
+class Entry:
+    """One request as the gate and the lot see it."""
+
+    cls: str
+    size: int = 0
+    #: The API family of the route, for error bodies: ``ollama`` or ``openai``.
+    api: str = "ollama"
+    #: The caller's own budget from X-Yield-Max-Wait (seconds), if any.
+    max_wait: float | None = None
+    seq: int = attrs.Factory(lambda: next(_sequence))
+    attempts: int = 0
+    #: Total seconds spent parked so far (over every stay in the lot).
+    parked_seconds: float = 0.0
+    #: True once it has been in the lot; its outcome then counts as a replay.
+    was_parked: bool = False
+    #: Absolute time by which it must have left the lot (set on first park).
+    deadline: float | None = None
+    #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
+    bound_by_caller: bool = False
+    parked_at: float | None = None
+    _deferred: Deferred | None = None
+    _timer: IDelayedCall | None = None
+
+    def __lt__(self, other: "Entry") -> bool:
+        return self.seq < other.seq
+
+
+class Refused(Exception):
+    """The request was not parked, or left the lot without being released.
+
+    ``reason`` is a metric label (``queue_full``, ``over_budget``, ``expired``,
+    ``shutdown``, ...); ``message`` is the sentence the caller reads.
+    """
+
+    def __init__(self, reason: str, message: str, status: int = 503, retry_after: float | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status
+        self.retry_after = retry_after
+
+
+@attrs.define(eq=False)
+class ParkingLot:
+    """FIFO of parked entries with global and per-class ceilings."""
+
+    _clock: IReactorTime
+    _metrics: Metrics
+    max_parked: int
+    max_parked_bytes: int
+    class_max_parked: dict[str, int] = attrs.Factory(dict)
+    reject_status: int = 503
+    #: Estimates Retry-After for a refused entry (set by the gate).
+    retry_after: Callable[[Entry], float] = lambda entry: 1.0
+    _entries: list[Entry] = attrs.Factory(list)
+    _bytes: int = 0
+    _by_class: dict[str, int] = attrs.Factory(dict)
+    #: Called after any entry joins, so the replayer can be woken.
+    on_parked: Callable[[], None] = lambda: None
+
+    def __attrs_post_init__(self) -> None:
+        self._metrics.parked_capacity.set(self.max_parked)
+        self._metrics.parked_bytes_capacity.set(self.max_parked_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    @property
+    def parked_bytes(self) -> int:
+        return self._bytes
+
+    def count_by_class(self) -> dict[str, int]:
+        return dict(self._by_class)
+
+    def oldest_ages(self) -> dict[str, float]:
+        """Age of the oldest parked entry per class (for the stuck-request alert)."""
+        now = self._clock.seconds()
+        ages: dict[str, float] = {}
+        for entry in self._entries:
+            if entry.cls not in ages and entry.parked_at is not None:
+                ages[entry.cls] = now - entry.parked_at
+        return ages
+
+    def check_room(self, entry: Entry) -> None:
+        """Raise :class:`Refused` when parking ``entry`` would pass a ceiling."""
+        cls_cap = self.class_max_parked.get(entry.cls, 0)
+        if len(self._entries) >= self.max_parked:
+            why = f"parked queue full ({self.max_parked} requests parked)"
+        elif self._bytes + entry.size > self.max_parked_bytes:
+            why = f"parked queue full ({self._bytes} of {self.max_parked_bytes} bytes held)"
+        elif cls_cap and self._by_class.get(entry.cls, 0) >= cls_cap:
+            why = f"parked queue full for {entry.cls} requests ({cls_cap} parked)"
+        else:
+            return
+        raise Refused("queue_full", why, self.reject_status, self.retry_after(entry))
+
+    def park(self, entry: Entry, hold_seconds: float, check_room: bool = True) -> Deferred:
+        """Hold ``entry`` until released; its Deferred fires with the entry.
+
+        The hold bound counts from the first time the entry was parked, so a
+        request that comes back after a failed attempt is not held twice as
+        long.  Cancelling the Deferred (the client went away) removes it at once.
+        """
+        if check_room:
+            self.check_room(entry)
+        now = self._clock.seconds()
+        if entry.deadline is None:
+            entry.bound_by_caller = entry.max_wait is not None and entry.max_wait < hold_seconds
+            entry.deadline = now + (entry.max_wait if entry.bound_by_caller else hold_seconds)
+        entry.was_parked = True
+        entry.parked_at = now
+        entry._deferred = Deferred(canceller=lambda d: self._abandon(entry))
+        entry._timer = self._clock.callLater(max(0.0, entry.deadline - now), self._expire, entry)
+        bisect.insort(self._entries, entry)
+        self._account(entry, +1)
+        d = entry._deferred
+        self.on_parked()
+        return d
+
+    def peek(self) -> Entry | None:
+        return self._entries[0] if self._entries else None
+
+    def release_next(self) -> Entry | None:
+        """Take the head of the line out and fire its Deferred."""
+        if not self._entries:
+            return None
+        entry = self._entries[0]
+        self._leave(entry)
+        entry._deferred, d = None, entry._deferred
+        d.callback(entry)
+        return entry
+
+    def refuse_all(self, make_refusal: Callable[[Entry], Refused]) -> int:
+        """Answer every parked entry with a refusal (shutdown); returns how many."""
+        count = 0
+        while self._entries:
+            entry = self._entries[0]
+            self._fail(entry, make_refusal(entry))
+            count += 1
+        return count
+
+    def _expire(self, entry: Entry) -> None:
+        entry._timer = None
+        if entry.bound_by_caller:
+            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): the GPU is still yielded"
+        else:
+            why = "yielded past the hold bound: the GPU did not come back in time for this request"
+        self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
+
+    def _fail(self, entry: Entry, refusal: Refused) -> None:
+        self._leave(entry)
+        entry._deferred, d = None, entry._deferred
+        d.errback(refusal)
+
+    def _abandon(self, entry: Entry) -> None:
+        """Canceller: the client went away while parked."""
+        if entry._deferred is None:
+            return
+        self._leave(entry)
+        entry._deferred, d = None, entry._deferred
+        # A canceller that does not fire the Deferred gets CancelledError fired for it.
+        d.errback(CancelledError("client went away while parked"))
+
+    def _leave(self, entry: Entry) -> None:
+        index = bisect.bisect_left(self._entries, entry)
+        assert self._entries[index] is entry
+        del self._entries[index]
+        if entry._timer is not None and entry._timer.active():
+            entry._timer.cancel()
+        entry._timer = None
+        stayed = self._clock.seconds() - (entry.parked_at or self._clock.seconds())
+        entry.parked_seconds += stayed
+        entry.parked_at = None
+        self._account(entry, -1)
+        self._metrics.park_seconds.labels(entry.cls).observe(stayed)
+
+    def _account(self, entry: Entry, sign: int) -> None:
+        self._bytes += sign * entry.size
+        self._by_class[entry.cls] = self._by_class.get(entry.cls, 0) + sign
+        self._metrics.parked_requests.labels(entry.cls).set(self._by_class[entry.cls])
+        self._metrics.parked_bytes.set(self._bytes)

@@ -1,0 +1,264 @@
+"""The proxy listener: a Klein app that gates, parks and forwards every request.
+
+Each request ends in exactly one outcome: relayed from the upstream, or an
+explicit error in its API's shape (400/413/502/503/504...).  A client that
+goes away while parked leaves the lot at once and is never sent upstream.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import attrs
+from klein import Klein
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.web.http import HTTPChannel
+from twisted.web.server import Request, Site
+
+from .classify import CLASSES, PASSTHROUGH, api_family, classify, is_loopback
+from .config import Config
+from .errors import stream_error_chunk, write_error
+from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
+from .gate import Gate
+from .metrics import Metrics
+from .parking import Entry, Refused
+
+log = Logger()
+
+
+class ProxyRequest(Request):
+    """A request whose body is held in memory up to a limit, and discarded past it.
+
+    Twisted's own Request spools bodies over 100 KB to a temporary file and
+    accepts any size; a parked request must stay in memory (it is counted in
+    ``parking.max_parked_bytes``) and an oversized one must not fill the disk.
+    """
+
+    max_body_bytes = 32 * 1024 * 1024
+    too_large = False
+
+    def gotLength(self, length):
+        self.content = io.BytesIO()
+        if length is not None and length > self.max_body_bytes:
+            self.too_large = True
+
+    def handleContentChunk(self, data):
+        if self.too_large:
+            return
+        if self.content.tell() + len(data) > self.max_body_bytes:
+            self.too_large = True
+            self.content = io.BytesIO()
+            return
+        self.content.write(data)
+
+
+class _NoDelayChannel(HTTPChannel):
+    """An HTTP/1.1 channel with Nagle's algorithm off: small answers go out at once."""
+
+    def connectionMade(self):
+        super().connectionMade()
+        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_nodelay is not None:
+            try:
+                set_nodelay(True)
+            except OSError:
+                pass
+
+
+class ProxySite(Site):
+    """A Site with bodies in memory, TCP_NODELAY, and no per-request access log."""
+
+    displayTracebacks = False
+    protocol = _NoDelayChannel
+
+    def __init__(self, resource, max_body_bytes: int, **kwargs):
+        request_class = type("BoundedProxyRequest", (ProxyRequest,), {"max_body_bytes": max_body_bytes})
+        super().__init__(resource, requestFactory=request_class, **kwargs)
+
+    def log(self, request):
+        """The request log is ours (one line with class and outcome), not Twisted's."""
+
+
+def _peer_host(request) -> str | None:
+    peer = request.getClientAddress()
+    return getattr(peer, "host", None)
+
+
+@attrs.define(eq=False)
+class ProxyApp:
+    """The Klein app of the proxy listener."""
+
+    _clock: IReactorTime
+    _config: Config
+    _gate: Gate
+    _upstream: Upstream
+    _metrics: Metrics
+
+    app = Klein()
+
+    @app.route("/", branch=True, strict_slashes=False)
+    def proxy(self, request):
+        return Deferred.fromCoroutine(self._handle(request))
+
+    def site(self) -> ProxySite:
+        return ProxySite(
+            self.app.resource(),
+            self._config.proxy.max_body_bytes,
+            timeout=self._config.proxy.idle_timeout_seconds,
+        )
+
+    # -- the request's life -------------------------------------------------
+
+    async def _handle(self, request):
+        path = request.path
+        api = api_family(path)
+        if not request.uri.startswith(b"/"):
+            return self._reject(request, PASSTHROUGH, api, 400, "bad_request", "request target must be a path")
+        if request.too_large:
+            return self._reject(
+                request,
+                PASSTHROUGH,
+                api,
+                413,
+                "too_large",
+                f"request body larger than proxy.max_body_bytes ({self._config.proxy.max_body_bytes} bytes)",
+            )
+        class_header = request.getHeader(b"x-yield-class")
+        if class_header is not None and class_header.strip().lower().decode("ascii", "replace") not in CLASSES:
+            return self._reject(
+                request, PASSTHROUGH, api, 400, "bad_request",
+                "X-Yield-Class must be interactive, batch or long",
+            )
+        cls = classify(path, class_header, self._trusts_header(request))
+        max_wait = None
+        raw_wait = request.getHeader(b"x-yield-max-wait")
+        if raw_wait is not None:
+            try:
+                max_wait = float(raw_wait)
+                if not math.isfinite(max_wait) or max_wait < 0:
+                    raise ValueError
+            except ValueError:
+                return self._reject(
+                    request, cls, api, 400, "bad_request",
+                    "X-Yield-Max-Wait must be a number of seconds >= 0",
+                )
+        request.content.seek(0)
+        body = request.content.read()
+        if cls == PASSTHROUGH:
+            return await self._passthrough(request, body, api)
+        entry = Entry(cls=cls, size=len(body), api=api, max_wait=max_wait)
+        return await self._gated(request, entry, body)
+
+    async def _gated(self, request, entry: Entry, body: bytes):
+        max_attempts = self._config.upstream.max_attempts
+        while True:
+            try:
+                await self._gate.admit(entry)
+            except Refused as refusal:
+                if entry.was_parked:
+                    outcome = refusal.reason if refusal.reason in ("expired", "shutdown") else "rejected"
+                    self._metrics.replay_total.labels(entry.cls, outcome).inc()
+                return self._reject(
+                    request, entry.cls, entry.api, refusal.status, refusal.reason,
+                    refusal.message, refusal.retry_after, count=False,
+                )
+            except CancelledError:
+                self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+                raise
+            extra = []
+            if entry.was_parked:
+                extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
+            began = self._clock.seconds()
+            failed = True
+            try:
+                status = await Attempt(
+                    self._clock, self._upstream, request, body,
+                    self._config.upstream.attempt_timeout_seconds, extra,
+                ).run()
+                failed = False
+            except RetryableFailure as failure:
+                self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+                entry.attempts += 1
+                log.info(
+                    "{cls} attempt {n} failed ({reason}): {detail}",
+                    cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
+                )
+                if entry.attempts >= max_attempts:
+                    return self._upstream_gave_up(request, entry, failure)
+                self._metrics.retries_total.labels(entry.cls).inc()
+                continue
+            except RelayBroken as broken:
+                self._outcome(entry, "upstream_error")
+                return await self._broken(request, entry.api, str(broken))
+            except CancelledError:
+                if entry.was_parked:
+                    self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+                raise
+            finally:
+                elapsed = self._clock.seconds() - began
+                self._gate.finished(failed=failed, seconds=elapsed)
+            self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
+            self._metrics.requests_total.labels(entry.cls, str(status)).inc()
+            self._outcome(entry, "ok")
+            return None
+
+    async def _passthrough(self, request, body: bytes, api: str):
+        """Routes that never park: one attempt, failures reported as they are."""
+        try:
+            status = await Attempt(
+                self._clock, self._upstream, request, body,
+                self._config.upstream.attempt_timeout_seconds, retry_statuses=False,
+            ).run()
+        except RetryableFailure as failure:
+            code = 504 if failure.reason == "timeout" else 502
+            return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail)
+        except RelayBroken as broken:
+            return await self._broken(request, api, str(broken))
+        self._metrics.requests_total.labels(PASSTHROUGH, str(status)).inc()
+        return None
+
+    # -- outcomes -------------------------------------------------------------
+
+    def _outcome(self, entry: Entry, outcome: str) -> None:
+        if entry.was_parked:
+            self._metrics.replay_total.labels(entry.cls, outcome).inc()
+
+    def _upstream_gave_up(self, request, entry: Entry, failure: RetryableFailure):
+        self._outcome(entry, "upstream_error")
+        code = 504 if failure.reason == "timeout" else 502
+        return self._reject(
+            request, entry.cls, entry.api, code, "upstream_error",
+            f"upstream failed {entry.attempts} times, giving up: {failure.detail}",
+            count=False,
+        )
+
+    def _reject(self, request, cls, api, status, reason, message, retry_after=None, count=True):
+        if count and reason in ("too_large", "bad_request"):
+            self._metrics.rejected_total.labels(cls, reason).inc()
+        self._metrics.requests_total.labels(cls, str(status)).inc()
+        if status in (429, 503) and retry_after is None:
+            retry_after = self._gate.retry_after()
+        return write_error(request, api, status, message, reason, retry_after)
+
+    async def _broken(self, request, api: str, why: str):
+        """The upstream failed mid-answer: close the stream in its own error form, or cut it."""
+        content_type = (request.responseHeaders.getRawHeaders(b"content-type") or [b""])[0]
+        chunk = stream_error_chunk(content_type, api, f"upstream failed mid-answer: {why}")
+        if chunk is not None:
+            request.write(chunk)
+            return None
+        # A body of known length cannot be ended honestly: cut the connection so
+        # the client sees a truncated answer rather than a complete wrong one.
+        request.channel.transport.abortConnection()
+        await Deferred()  # Klein cancels this when the connection is gone.
+
+    def _trusts_header(self, request) -> bool:
+        mode = self._config.proxy.trust_class_header
+        if mode == "always":
+            return True
+        if mode == "never":
+            return False
+        return is_loopback(_peer_host(request))

@@ -1,0 +1,132 @@
+"""The paced, capped release of the parking lot, as a Cooperator task.
+
+When the GPU comes back, a burst of parked requests must not hit it at once:
+the replayer releases the head of the lot while fewer than ``concurrency``
+requests are in flight and no faster than ``rate`` starts a second.  After a
+retryable upstream failure it also backs off, so a restarting backend is not
+hammered.  A new yield stops the release; the rest stays parked, in order.
+"""
+
+from __future__ import annotations
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Cooperator, TaskDone, TaskStopped
+from twisted.logger import Logger
+
+from .metrics import Metrics
+from .parking import ParkingLot
+from .state import YieldState
+
+log = Logger()
+
+
+@attrs.define(eq=False)
+class Replayer:
+    """Releases the lot, FIFO, under a concurrency cap and a start rate."""
+
+    _clock: IReactorTime
+    _lot: ParkingLot
+    _state: YieldState
+    _metrics: Metrics
+    _cooperator: Cooperator
+    concurrency: int = 4
+    rate: float = 0.0
+    backoff_seconds: float = 0.5
+    backoff_max_seconds: float = 10.0
+    #: Requests sent upstream and not yet done (direct and replayed alike).
+    inflight: int = 0
+    _task: object = None
+    _waiting: Deferred | None = None
+    _timer: object = None
+    _next_start: float = 0.0
+    _backoff_until: float = 0.0
+    _failures_in_a_row: int = 0
+    _stopped: bool = False
+
+    @property
+    def draining(self) -> bool:
+        """True while parked requests are being let out (the GPU is back, the lot is not empty)."""
+        return bool(self._lot) and not self._state.yielded
+
+    def kick(self) -> None:
+        """Start the release task if there is work and none is running."""
+        if self._stopped or self._task is not None or not self.draining:
+            return
+        self._task = self._cooperator.cooperate(self._release())
+        self._task.whenDone().addBoth(self._task_ended)
+
+    def started(self) -> None:
+        """A request went upstream (directly or from the lot)."""
+        self.inflight += 1
+        self._metrics.inflight_requests.set(self.inflight)
+
+    def finished(self, failed: bool = False) -> None:
+        """A request's upstream exchange ended; free its slot."""
+        self.inflight -= 1
+        self._metrics.inflight_requests.set(self.inflight)
+        if failed:
+            self._failures_in_a_row += 1
+            # The first failure retries at once: it is often a stale pooled connection.
+            if self._failures_in_a_row > 1:
+                delay = min(
+                    self.backoff_max_seconds,
+                    self.backoff_seconds * 2 ** (self._failures_in_a_row - 2),
+                )
+                self._backoff_until = max(self._backoff_until, self._clock.seconds() + delay)
+        else:
+            self._failures_in_a_row = 0
+            self._backoff_until = 0.0
+        self._wake()
+
+    def stop(self) -> None:
+        """Stop releasing for good (shutdown)."""
+        self._stopped = True
+        if self._task is not None:
+            try:
+                self._task.stop()
+            except (TaskDone, TaskStopped):
+                pass
+        self._wake(cancel=True)
+
+    def _wake(self, cancel: bool = False) -> None:
+        """End the release task's wait: a slot freed, a pause ran out, or shutdown."""
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            if cancel:
+                waiting.cancel()
+            else:
+                waiting.callback(None)
+
+    def _sleep(self, seconds: float) -> Deferred:
+        """Wait until a slot frees or ``seconds`` pass (0: only a free slot wakes it)."""
+        self._waiting = Deferred()
+        if seconds > 0:
+            self._timer = self._clock.callLater(seconds, self._wake)
+        return self._waiting
+
+    def _release(self):
+        while self.draining and not self._stopped:
+            if self.inflight >= self.concurrency:
+                yield self._sleep(0)
+                continue
+            now = self._clock.seconds()
+            wait = max(self._next_start, self._backoff_until) - now
+            if wait > 0:
+                yield self._sleep(wait)
+                continue
+            if self.rate > 0:
+                self._next_start = now + 1.0 / self.rate
+            self.started()
+            self._lot.release_next()
+            yield None
+
+    def _task_ended(self, result) -> None:
+        self._task = None
+        if self._waiting is not None:
+            self._wake(cancel=True)
+        self.kick()

@@ -1,0 +1,152 @@
+"""Wiring: the object graph of one proxy, and the service that runs it.
+
+:func:`build` takes the reactor (or a Clock) and the config and returns every
+part, connected; tests use it with a Clock, ``tap.py`` with the real reactor.
+:class:`YieldProxyService` listens on both endpoints and stops gracefully:
+parked requests are answered (or released, if the GPU is back) and in-flight
+ones get a bounded time to finish.
+"""
+
+from __future__ import annotations
+
+import attrs
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Cooperator
+from twisted.logger import Logger
+
+from .admin import AdminApp
+from .config import Config
+from .forward import Upstream
+from .gate import Gate
+from .metrics import Metrics, hold_families, oldest_parked_family
+from .parking import ParkingLot
+from .proxy import ProxyApp
+from .replay import Replayer
+from .state import YieldState
+
+log = Logger()
+
+
+@attrs.define(eq=False)
+class Proxy:
+    """Every part of one running proxy."""
+
+    clock: IReactorTime
+    config: Config
+    metrics: Metrics
+    state: YieldState
+    lot: ParkingLot
+    replayer: Replayer
+    gate: Gate
+    upstream: Upstream
+    proxy_app: ProxyApp
+    admin_app: AdminApp
+
+
+def build(
+    reactor,
+    config: Config,
+    token: str | None = None,
+    cooperator: Cooperator | None = None,
+    metrics: Metrics | None = None,
+) -> Proxy:
+    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
+    metrics = metrics or Metrics()
+    if cooperator is None:
+        cooperator = Cooperator(scheduler=lambda step: reactor.callLater(0, step))
+    state = YieldState(reactor)
+    lot = ParkingLot(
+        reactor,
+        metrics,
+        max_parked=config.parking.max_parked,
+        max_parked_bytes=config.parking.max_parked_bytes,
+        class_max_parked={k: v.max_parked for k, v in config.classes.items()},
+        reject_status=config.parking.reject_status,
+    )
+    replayer = Replayer(
+        reactor,
+        lot,
+        state,
+        metrics,
+        cooperator,
+        concurrency=config.replay.concurrency,
+        rate=config.replay.rate,
+        backoff_seconds=config.upstream.retry_backoff_seconds,
+        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
+    )
+    gate = Gate(
+        reactor, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status
+    )
+    state.on_hold_taken(lambda hold: metrics.yields_total.labels(hold.source).inc())
+    state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
+    metrics.watch(
+        lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
+    )
+    upstream = Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
+    proxy_app = ProxyApp(reactor, config, gate, upstream, metrics)
+    admin_app = AdminApp(reactor, config, state, gate, lot, replayer, metrics, token=token)
+    return Proxy(reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app)
+
+
+class YieldProxyService(MultiService):
+    """Both listeners, and the graceful stop that keeps the "nothing lost" promise."""
+
+    def __init__(self, reactor, proxy: Proxy):
+        super().__init__()
+        self._reactor = reactor
+        self.proxy = proxy
+        self._proxy_listener = StreamServerEndpointService(
+            serverFromString(reactor, proxy.config.proxy.listen), proxy.proxy_app.site()
+        )
+        self._proxy_listener.setName("proxy")
+        self._proxy_listener._raiseSynchronously = True
+        self._proxy_listener.setServiceParent(self)
+        self._admin_listener = StreamServerEndpointService(
+            serverFromString(reactor, proxy.config.admin.listen), proxy.admin_app.site()
+        )
+        self._admin_listener.setName("admin")
+        self._admin_listener._raiseSynchronously = True
+        self._admin_listener.setServiceParent(self)
+
+    def stopService(self) -> Deferred:
+        """Stop taking requests, settle the parked ones, then let in-flight ones finish."""
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self):
+        proxy = self.proxy
+        await self._proxy_listener.stopService()
+        proxy.gate.shutting_down = True
+        if proxy.state.yielded:
+            count = proxy.gate.refuse_all_parked("the proxy is shutting down while the GPU is yielded")
+            log.info("shutdown: answered {count} parked requests with 503", count=count)
+        timeout = proxy.config.proxy.shutdown_timeout_seconds
+        settled = await self._wait_settled(timeout)
+        if not settled:
+            left = proxy.gate.refuse_all_parked("the proxy is shutting down")
+            log.warn(
+                "shutdown: {inflight} requests still in flight after {timeout}s; "
+                "{left} parked answered with 503",
+                inflight=proxy.replayer.inflight, timeout=timeout, left=left,
+            )
+        proxy.replayer.stop()
+        await proxy.upstream.close()
+        Service.stopService(self)
+        await self._admin_listener.stopService()
+
+    async def _wait_settled(self, timeout: float) -> bool:
+        """Poll until nothing is parked or in flight, up to ``timeout`` seconds."""
+        proxy = self.proxy
+        waited = 0.0
+        step = 0.05
+        while proxy.lot or proxy.replayer.inflight:
+            if waited >= timeout:
+                return False
+            d = Deferred()
+            self._reactor.callLater(step, d.callback, None)
+            await d
+            waited += step
+        return True

@@ -1,0 +1,168 @@
+"""The yield state: who holds the GPU, why, and until when.
+
+The GPU is yielded while *any* source holds it.  Each hold comes from a named
+source (``api``, ``signal``, ``file``, ...) so one broker resuming cannot end
+another's hold.  A hold may carry a lease (``for_seconds``): it ends by itself
+unless renewed, so a broker that dies mid-yield cannot park requests forever.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+log = Logger()
+
+
+@attrs.frozen
+class Hold:
+    """One source's claim on the GPU."""
+
+    source: str
+    reason: str
+    since: float
+    #: When the source expects to give the GPU back (from expected_seconds or the lease).
+    expected_end: float | None = None
+    #: When the lease runs out and the hold ends by itself.
+    expires_at: float | None = None
+
+    def as_json(self) -> dict:
+        return {
+            "source": self.source,
+            "reason": self.reason,
+            "since": self.since,
+            "expires_at": self.expires_at,
+            "expected_end": self.expected_end,
+        }
+
+
+@attrs.define(eq=False)
+class YieldState:
+    """The set of active holds, with lease timers on an injected clock."""
+
+    _clock: IReactorTime
+    _holds: dict[str, Hold] = attrs.Factory(dict)
+    _leases: dict[str, IDelayedCall] = attrs.Factory(dict)
+    _observers: list[Callable[[bool], None]] = attrs.Factory(list)
+    #: When the current yield began (first hold taken), for its length.
+    yielded_since: float | None = None
+    #: How long the last state lasted, for the transition log line.
+    last_change: float = attrs.field(default=None)
+    _on_yield_ended: list[Callable[[str, float], None]] = attrs.Factory(list)
+    _on_hold_taken: list[Callable[[Hold], None]] = attrs.Factory(list)
+
+    def __attrs_post_init__(self) -> None:
+        self.last_change = self._clock.seconds()
+
+    @property
+    def yielded(self) -> bool:
+        return bool(self._holds)
+
+    @property
+    def holds(self) -> list[Hold]:
+        return sorted(self._holds.values(), key=lambda h: h.since)
+
+    def observe(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(yielded)`` whenever the GPU is taken or given back."""
+        self._observers.append(callback)
+
+    def on_hold_taken(self, callback: Callable[[Hold], None]) -> None:
+        self._on_hold_taken.append(callback)
+
+    def on_yield_ended(self, callback: Callable[[str, float], None]) -> None:
+        """Call ``callback(last_source, seconds)`` when the last hold ends."""
+        self._on_yield_ended.append(callback)
+
+    def hold(
+        self,
+        source: str,
+        reason: str = "",
+        expected_seconds: float | None = None,
+        for_seconds: float | None = None,
+    ) -> Hold:
+        """Take (or renew) ``source``'s hold.  Renewing keeps its start time."""
+        now = self._clock.seconds()
+        previous = self._holds.get(source)
+        expires_at = now + for_seconds if for_seconds is not None else None
+        expected_end = now + expected_seconds if expected_seconds is not None else expires_at
+        hold = Hold(
+            source=source,
+            reason=reason or (previous.reason if previous else ""),
+            since=previous.since if previous else now,
+            expected_end=expected_end,
+            expires_at=expires_at,
+        )
+        was_yielded = self.yielded
+        self._holds[source] = hold
+        self._set_lease(source, for_seconds)
+        if previous is None:
+            for callback in self._on_hold_taken:
+                callback(hold)
+        if not was_yielded:
+            self.yielded_since = now
+            self._changed(True, hold)
+        return hold
+
+    def release(self, source: str) -> bool:
+        """End ``source``'s hold; True if it held the GPU."""
+        hold = self._holds.pop(source, None)
+        self._set_lease(source, None)
+        if hold is None:
+            return False
+        if not self._holds:
+            now = self._clock.seconds()
+            began = self.yielded_since if self.yielded_since is not None else now
+            self.yielded_since = None
+            for callback in self._on_yield_ended:
+                callback(source, now - began)
+            self._changed(False, hold)
+        else:
+            log.info(
+                "hold ended: source={source}, still held by {others}",
+                source=source,
+                others=", ".join(self._holds),
+            )
+        return True
+
+    def expected_end(self) -> float | None:
+        """When the yield should end: the latest expected end, if every hold gave one."""
+        ends = [h.expected_end for h in self._holds.values()]
+        if not ends or any(e is None for e in ends):
+            return None
+        return max(ends)
+
+    def release_all(self) -> None:
+        for source in list(self._holds):
+            self.release(source)
+
+    def _set_lease(self, source: str, for_seconds: float | None) -> None:
+        call = self._leases.pop(source, None)
+        if call is not None and call.active():
+            call.cancel()
+        if for_seconds is not None:
+            self._leases[source] = self._clock.callLater(for_seconds, self._lease_ran_out, source)
+
+    def _lease_ran_out(self, source: str) -> None:
+        self._leases.pop(source, None)
+        log.warn("hold lease ran out without renewal: source={source}", source=source)
+        self.release(source)
+
+    def _changed(self, yielded: bool, hold: Hold) -> None:
+        now = self._clock.seconds()
+        lasted = now - self.last_change
+        self.last_change = now
+        log.info(
+            "GPU {what}: source={source} reason={reason!r} (previous state lasted {lasted:.1f}s)",
+            what="yielded" if yielded else "available",
+            source=hold.source,
+            reason=hold.reason,
+            lasted=lasted,
+        )
+        for callback in list(self._observers):
+            try:
+                callback(yielded)
+            except Exception:
+                log.failure("yield-state observer failed")

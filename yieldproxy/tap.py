@@ -1,0 +1,69 @@
+"""The twistd plugin: ``twistd -n yieldproxy [--config FILE] [--upstream URL] ...``.
+
+This is the one module that touches the global reactor: everything else takes
+it as an argument.
+"""
+
+from __future__ import annotations
+
+import re
+
+from twisted.python import usage
+
+from .config import ConfigError, load, read_token
+
+_LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
+
+
+class Options(usage.Options):
+    synopsis = "[--config FILE] [--upstream URL] [--listen ENDPOINT] [--admin ENDPOINT]"
+    longdesc = (
+        "A reverse proxy for Ollama that parks requests while the GPU is yielded "
+        "and replays them, paced, when it returns. Command-line options override the config file."
+    )
+    optParameters = [
+        ["config", "c", None, "TOML config file (see etc/yieldproxy.toml)."],
+        ["upstream", "u", None, "Upstream URL (default http://127.0.0.1:11434)."],
+        ["listen", "l", None, "Proxy endpoint (default tcp:11435:interface=127.0.0.1)."],
+        ["admin", "a", None, "Admin endpoint (default tcp:11436:interface=127.0.0.1)."],
+    ]
+
+    def postOptions(self):
+        try:
+            config = load(self["config"])
+            config = config.with_overrides(
+                **{
+                    "proxy.upstream": self["upstream"],
+                    "proxy.listen": self["listen"],
+                    "admin.listen": self["admin"],
+                }
+            )
+            # Re-validate values that came from the command line.
+            if not config.proxy.upstream.startswith(("http://", "https://")):
+                raise ConfigError(f"--upstream: must be an http:// or https:// URL, got {config.proxy.upstream!r}")
+            token = read_token(config)
+        except (ConfigError, ValueError) as e:
+            raise usage.UsageError(str(e)) from None
+        if token is None and not admin_is_local(config.admin.listen):
+            raise usage.UsageError(
+                f"admin.listen: {config.admin.listen!r} is reachable from other hosts; "
+                "set admin.token_file (or listen on 127.0.0.1 or a unix socket)"
+            )
+        self.config = config
+        self.token = token
+
+
+def admin_is_local(endpoint: str) -> bool:
+    """True for unix sockets and TCP endpoints bound to a loopback interface."""
+    if endpoint.startswith("unix:"):
+        return True
+    return bool(_LOOPBACK_ENDPOINT.search(endpoint))
+
+
+def makeService(options: Options):
+    from twisted.internet import reactor
+
+    from .service import YieldProxyService, build
+
+    proxy = build(reactor, options.config, token=options.token)
+    return YieldProxyService(reactor, proxy)

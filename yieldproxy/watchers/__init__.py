@@ -1,0 +1,1 @@
+"""Yield-state watchers: the ways the proxy learns that the GPU is taken."""
