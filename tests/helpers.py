@@ -89,3 +89,76 @@ def config_with(**sections) -> Config:
 
 
 __all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
+
+
+# -- real sockets ---------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Stack:
+    """A simulated backend and a proxy (both listeners) on free 127.0.0.1 ports."""
+
+    reactor: object
+    sim: object
+    proxy: object
+    proxy_url: str
+    admin_url: str
+    _ports: list
+    #: A test's own backend in place of the sim, if any.
+    echo: object = None
+
+    async def stop(self) -> None:
+        for port in self._ports:
+            await port.stopListening()
+        self.proxy.replayer.stop()
+        await self.proxy.upstream.close()
+        if self.sim is not None:
+            await self.sim.stop()
+
+    def sample(self, name: str, **labels) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+async def start_stack(reactor, config: Config | None = None, upstream: str | None = None, token=None, **sim_options) -> Stack:
+    """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it."""
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
+    from yieldproxy.service import build
+    from yieldproxy.sim import SimOllama
+
+    sim = None
+    if upstream is None:
+        sim = SimOllama(reactor, **sim_options)
+        port = await sim.listen()
+        upstream = f"http://127.0.0.1:{port}"
+    config = (config or Config()).with_overrides(**{"proxy.upstream": upstream})
+    proxy = build(reactor, config, token=token)
+    ports = []
+    for site in (proxy.proxy_app.site(), proxy.admin_app.site()):
+        ports.append(await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site))
+    urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
+    return Stack(reactor, sim, proxy, urls[0], urls[1], ports)
+
+
+async def sleep(reactor, seconds: float) -> None:
+    from twisted.internet.task import deferLater
+
+    await deferLater(reactor, seconds)
+
+
+async def wait_for(reactor, predicate, timeout: float = 10.0, step: float = 0.01) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    waited = 0.0
+    while not predicate():
+        if waited >= timeout:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        await sleep(reactor, step)
+        waited += step
+
+
+def in_thread(reactor, function, *args, timeout: float = 120.0, **kwargs):
+    """Run a blocking client call in a thread; the Deferred fails after ``timeout``."""
+    from twisted.internet.threads import deferToThreadPool
+
+    return deferToThreadPool(reactor, reactor.getThreadPool(), function, *args, **kwargs).addTimeout(timeout, reactor)

@@ -14,12 +14,13 @@ and ends the response, never silently replayed.
 from __future__ import annotations
 
 import re
+from ipaddress import ip_address
 from typing import Callable
 from urllib.parse import urlsplit
 
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.ssl import optionsForClientTLS
@@ -156,6 +157,21 @@ class _FixedEndpointFactory:
         return self._endpoint
 
 
+def _client_endpoint(reactor, host: str, port: int) -> IStreamClientEndpoint:
+    """A plain TCP endpoint for an IP literal; HostnameEndpoint only for names.
+
+    HostnameEndpoint waits its ``attemptDelay`` (0.3 s) before reporting a
+    refused connection, which would slow every retry during an outage.
+    """
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return HostnameEndpoint(reactor, host, port)
+    if address.version == 6:
+        return TCP6ClientEndpoint(reactor, host, port)
+    return TCP4ClientEndpoint(reactor, host, port)
+
+
 class Upstream:
     """The configured upstream: its base URL and an Agent on a persistent pool."""
 
@@ -169,7 +185,7 @@ class Upstream:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.prefix = parts.path.rstrip("/").encode("ascii")
         self._base = f"{parts.scheme}://{parts.netloc}".encode("ascii")
-        endpoint: IStreamClientEndpoint = HostnameEndpoint(reactor, self.host, self.port)
+        endpoint = _client_endpoint(reactor, self.host, self.port)
         if parts.scheme == "https":
             endpoint = wrapClientTLS(optionsForClientTLS(self.host), endpoint)
         self.pool = HTTPConnectionPool(reactor, persistent=True)
@@ -318,15 +334,21 @@ class Attempt:
             self._pending.cancel()
 
     async def _await(self, d: Deferred):
-        """Wait on ``d`` so the attempt timeout can cancel it."""
+        """Wait on ``d`` so the attempt timeout can cancel it.
+
+        A cancelled Agent request fails with ``ResponseNeverReceived`` wrapping
+        the CancelledError, not with CancelledError itself, hence the flag.
+        """
         self._pending = d
         try:
             return await d
-        except CancelledError:
+        except Exception as e:
             if self._timed_out:
                 raise RetryableFailure(
                     "timeout", f"no answer from the upstream within {self._timeout:g}s"
                 ) from None
+            if _was_cancelled(e):
+                raise CancelledError("the client went away") from None
             raise
         finally:
             self._pending = None
@@ -408,6 +430,13 @@ class Attempt:
             raise
         except Exception:
             return b""
+
+
+def _was_cancelled(e: BaseException) -> bool:
+    """True for a CancelledError, bare or wrapped by the HTTP client's failure types."""
+    if isinstance(e, CancelledError):
+        return True
+    return any(f.check(CancelledError) for f in getattr(e, "reasons", None) or [])
 
 
 def _snippet(body: bytes) -> str:

@@ -153,4 +153,5 @@ class Gate:
             inflight=self._replayer.inflight,
         )
         if not yielded:
+            self._replayer.reset_backoff()
             self._replayer.kick()

@@ -67,18 +67,26 @@ class Replayer:
         self.inflight -= 1
         self._metrics.inflight_requests.set(self.inflight)
         if failed:
-            self._failures_in_a_row += 1
-            # The first failure retries at once: it is often a stale pooled connection.
-            if self._failures_in_a_row > 1:
-                delay = min(
-                    self.backoff_max_seconds,
-                    self.backoff_seconds * 2 ** (self._failures_in_a_row - 2),
-                )
-                self._backoff_until = max(self._backoff_until, self._clock.seconds() + delay)
+            now = self._clock.seconds()
+            # Concurrent requests failing together are one failure of the upstream,
+            # not many: the pause grows once per wave, not once per request.
+            if now >= self._backoff_until:
+                self._failures_in_a_row += 1
+                # The first failure retries at once: it is often a stale pooled connection.
+                if self._failures_in_a_row > 1:
+                    delay = min(
+                        self.backoff_max_seconds,
+                        self.backoff_seconds * 2 ** (self._failures_in_a_row - 2),
+                    )
+                    self._backoff_until = now + delay
         else:
-            self._failures_in_a_row = 0
-            self._backoff_until = 0.0
+            self.reset_backoff()
         self._wake()
+
+    def reset_backoff(self) -> None:
+        """Forget past failures: an answer came back, or the GPU was declared back."""
+        self._failures_in_a_row = 0
+        self._backoff_until = 0.0
 
     def stop(self) -> None:
         """Stop releasing for good (shutdown)."""
