@@ -1,0 +1,107 @@
+"""Configuration: defaults, TOML loading, and errors that name the file and the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from yieldproxy.config import Config, ConfigError, from_dict, load, read_token
+from yieldproxy.tap import Options, admin_is_local
+
+
+def test_defaults_match_the_contract():
+    config = Config()
+    assert config.proxy.upstream == "http://127.0.0.1:11434"
+    assert config.proxy.listen == "tcp:11435:interface=127.0.0.1"
+    assert config.admin.listen == "tcp:11436:interface=127.0.0.1"
+    assert config.replay.concurrency == 4 and config.replay.rate == 0
+    holds = {name: c.hold_seconds for name, c in config.classes.items()}
+    assert holds == {"interactive": 15, "batch": 600, "long": 3600}
+    assert config.parking.reject_status == 503
+
+
+def test_a_class_table_keeps_that_class_defaults(tmp_path):
+    path = tmp_path / "y.toml"
+    path.write_text("[classes.interactive]\nmax_parked = 50\n[replay]\nrate = 20\n")
+    config = load(path)
+    assert config.classes["interactive"].hold_seconds == 15
+    assert config.classes["interactive"].max_parked == 50
+    assert config.replay.rate == 20.0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[replay]\nconcurrency = 0\n", "replay.concurrency: must be >= 1"),
+        ("[replay]\nspeed = 3\n", "replay.speed: unknown key"),
+        ("[proxy]\nupstream = 'ollama:11434'\n", "proxy.upstream: must be an http:// or https:// URL"),
+        ("[parking]\nreject_status = 500\n", "parking.reject_status: must be 503 or 429"),
+        ("[parking]\nmax_parked = '10'\n", "parking.max_parked: must be int"),
+        ("[classes.batch]\npolicy = 'wait'\n", "classes.batch.policy: must be one of"),
+        ("[classes.urgent]\npolicy = 'park'\n", "classes.urgent: unknown class"),
+        ("[classes.batch]\nmax_parked = 99999\n", "classes.batch.max_parked: 99999 is above parking.max_parked"),
+        ("[gpu]\nx = 1\n", "gpu: unknown section"),
+        ("[replay\n", "not valid TOML"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(tmp_path, text, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    message = str(caught.value)
+    assert message.startswith(str(path))
+    assert expected in message
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load(tmp_path / "nope.toml")
+
+
+def test_token_file(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    assert read_token(from_dict({"admin": {"token_file": str(token)}})) == "s3cret"
+    token.write_text("  \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_token(from_dict({"admin": {"token_file": str(token)}}))
+
+
+def test_command_line_overrides_the_file(tmp_path):
+    path = tmp_path / "y.toml"
+    path.write_text("[proxy]\nupstream = 'http://10.0.0.1:1'\nlisten = 'tcp:9999'\n")
+    options = Options()
+    options.parseOptions(["--config", str(path), "--upstream", "http://127.0.0.1:5555"])
+    assert options.config.proxy.upstream == "http://127.0.0.1:5555"
+    assert options.config.proxy.listen == "tcp:9999"
+
+
+def test_bad_config_is_a_usage_error_not_a_traceback(tmp_path):
+    from twisted.python.usage import UsageError
+
+    path = tmp_path / "y.toml"
+    path.write_text("[replay]\nrate = -1\n")
+    with pytest.raises(UsageError, match="replay.rate"):
+        Options().parseOptions(["--config", str(path)])
+
+
+def test_admin_on_a_public_interface_needs_a_token(tmp_path):
+    from twisted.python.usage import UsageError
+
+    with pytest.raises(UsageError, match="admin.token_file"):
+        Options().parseOptions(["--admin", "tcp:11436"])
+    token = tmp_path / "token"
+    token.write_text("t")
+    path = tmp_path / "y.toml"
+    path.write_text(f"[admin]\ntoken_file = '{token}'\nlisten = 'tcp:11436'\n")
+    options = Options()
+    options.parseOptions(["--config", str(path)])
+    assert options.token == "t"
+
+
+def test_admin_is_local():
+    assert admin_is_local("tcp:11436:interface=127.0.0.1")
+    assert admin_is_local("tcp6:11436:interface=\\:\\:1")
+    assert admin_is_local("unix:/run/yieldproxy/admin.sock")
+    assert not admin_is_local("tcp:11436")
+    assert not admin_is_local("tcp:11436:interface=0.0.0.0")

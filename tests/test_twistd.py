@@ -1,0 +1,157 @@
+"""The packaged service: ``twistd -n yieldproxy`` as a real process, and its graceful stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ProcessProtocol
+
+from helpers import sleep, wait_for
+from yieldproxy.sim import SimOllama
+
+TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
+TIMEOUT = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Collect(ProcessProtocol):
+    """Keeps a child's output and fires ``ended`` with its exit code."""
+
+    def __init__(self):
+        self.output = b""
+        self.ended: Deferred = Deferred()
+
+    def outReceived(self, data):
+        self.output += data
+
+    errReceived = outReceived
+
+    def processEnded(self, reason):
+        # twistd stopped by SIGTERM re-raises it after a clean shutdown, so its
+        # status reflects the signal (systemd counts that as a clean stop).
+        status = reason.value
+        self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
+
+
+def run_twistd(*args) -> tuple[object, Collect]:
+    protocol = Collect()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = reactor.spawnProcess(
+        protocol, TWISTD, [TWISTD, "-n", "--pidfile=", "yieldproxy", *args], env=env
+    )
+    return process, protocol
+
+
+def test_twistd_lists_the_plugin():
+    result = subprocess.run([TWISTD, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "yieldproxy" in result.stdout
+
+
+def test_bad_config_stops_twistd_with_the_key_named(tmp_path):
+    path = tmp_path / "y.toml"
+    path.write_text("[replay]\nconcurrency = 0\n")
+    result = subprocess.run(
+        [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"{path}: replay.concurrency: must be >= 1" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+async def start_service(sim_port: int, *extra):
+    proxy_port, admin_port = free_port(), free_port()
+    process, protocol = run_twistd(
+        "--upstream", f"http://127.0.0.1:{sim_port}",
+        "--listen", f"tcp:{proxy_port}:interface=127.0.0.1",
+        "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
+        *extra,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    async def healthy():
+        for _ in range(200):
+            try:
+                response = await treq.get(admin + "/healthz", persistent=False).addTimeout(2, reactor)
+                if response.code == 200:
+                    return
+            except Exception:
+                pass
+            if protocol.ended.called:
+                raise AssertionError(f"twistd exited: {protocol.output.decode(errors='replace')}")
+            await sleep(reactor, 0.1)
+        raise AssertionError("twistd did not become healthy")
+
+    await healthy()
+    return process, protocol, f"http://127.0.0.1:{proxy_port}", admin
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_answers_parked_requests_before_exit():
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy, admin = await start_service(sim_port)
+    try:
+        ok = await treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": "a"}).addTimeout(TIMEOUT, reactor)
+        assert ok.code == 200
+        await treq.post(admin + "/yield", json={"reason": "game", "expected_seconds": 40}).addTimeout(TIMEOUT, reactor)
+        parked = [
+            treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": f"p{i}"}, persistent=False).addTimeout(TIMEOUT, reactor)
+            for i in range(3)
+        ]
+
+        async def parked_count():
+            status = await (await treq.get(admin + "/status", persistent=False)).json()
+            return status["parked_total"]
+
+        for _ in range(100):
+            if await parked_count() == 3:
+                break
+            await sleep(reactor, 0.05)
+        process.signalProcess("TERM")
+        for d in parked:
+            response = await d
+            assert response.code == 503
+            assert int(response.headers.getRawHeaders("retry-after")[0]) >= 1
+            assert "shutting down" in (await response.json())["error"]
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+        assert b"Server Shut Down." in protocol.output
+        assert sim.requests_total["/api/embed"] == 1
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_lets_in_flight_requests_finish():
+    sim = SimOllama(reactor, latency=1.0)
+    sim_port = await sim.listen()
+    process, protocol, proxy, admin = await start_service(sim_port)
+    try:
+        pending = treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": "slow"}, persistent=False).addTimeout(TIMEOUT, reactor)
+        await wait_for(reactor, lambda: sim.in_flight == 1)
+        process.signalProcess("TERM")
+        response = await pending
+        assert response.code == 200
+        assert (await response.json())["embeddings"]
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
