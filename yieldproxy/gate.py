@@ -8,7 +8,7 @@ recent upstream service time, from which honest ``Retry-After`` values come.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
@@ -46,6 +46,8 @@ class Gate:
     #: Recent upstream service time (seconds), an exponentially weighted average.
     service_seconds: float = 0.5
     shutting_down: bool = False
+    #: Called with each attempt's failure reason (None for an answer), for outage detection.
+    upstream_listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
@@ -96,6 +98,14 @@ class Gate:
         if seconds is not None and not failed:
             self.service_seconds += _EWMA_WEIGHT * (seconds - self.service_seconds)
         self._replayer.finished(failed)
+
+    def upstream_result(self, failure_reason: str | None) -> None:
+        """Report how an upstream attempt went (any class, passthrough too)."""
+        for listener in self.upstream_listeners:
+            try:
+                listener(failure_reason)
+            except Exception:
+                log.failure("upstream listener failed")
 
     def retry_after(self, entry: Entry | None = None) -> int:
         """Seconds a refused caller should wait, from what is known.

@@ -181,6 +181,7 @@ class ProxyApp:
                 failed = False
             except RetryableFailure as failure:
                 self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+                self._gate.upstream_result(failure.reason)
                 entry.attempts += 1
                 log.info(
                     "{cls} attempt {n} failed ({reason}): {detail}",
@@ -200,6 +201,7 @@ class ProxyApp:
             finally:
                 elapsed = self._clock.seconds() - began
                 self._gate.finished(failed=failed, seconds=elapsed)
+            self._gate.upstream_result(None)
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
             self._metrics.requests_total.labels(entry.cls, str(status)).inc()
             self._outcome(entry, "ok")
@@ -213,10 +215,12 @@ class ProxyApp:
                 self._config.upstream.attempt_timeout_seconds, retry_statuses=False,
             ).run()
         except RetryableFailure as failure:
+            self._gate.upstream_result(failure.reason)
             code = 504 if failure.reason == "timeout" else 502
             return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail)
         except RelayBroken as broken:
             return await self._broken(request, api, str(broken))
+        self._gate.upstream_result(None)
         self._metrics.requests_total.labels(PASSTHROUGH, str(status)).inc()
         return None
 
