@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
