@@ -57,6 +57,8 @@ def make_core(config: Config | None = None, **replay) -> Core:
         max_parked_bytes=config.parking.max_parked_bytes,
         class_max_parked={k: v.max_parked for k, v in config.classes.items()},
         reject_status=config.parking.reject_status,
+        priorities={k: v.priority for k, v in config.classes.items()},
+        min_shares={k: v.min_share for k, v in config.classes.items()},
     )
     replayer = Replayer(
         clock,

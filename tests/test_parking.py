@@ -135,7 +135,7 @@ def test_a_new_yield_stops_the_release_and_keeps_the_order():
     finish(core, outcomes[0])
     core.run(1)
     assert len(released(outcomes)) == 1
-    assert [e.seq for e in core.lot._entries] == [o["entry"].seq for o in outcomes[1:]]
+    assert [e.seq for e in core.lot.entries()] == [o["entry"].seq for o in outcomes[1:]]
     core.state.release("game")
     for o in outcomes[1:]:
         core.run(0.01)
@@ -234,7 +234,7 @@ def test_failed_attempt_goes_back_to_its_original_place():
     seen = []
     core.gate.admit(head).addCallback(seen.append)
     assert core.lot.peek() is head
-    assert [e.seq for e in core.lot._entries] == sorted(o["entry"].seq for o in outcomes)
+    assert [e.seq for e in core.lot.entries()] == sorted(o["entry"].seq for o in outcomes)
     core.state.release("api")
     core.run(0.01)
     assert seen == [head]

@@ -87,19 +87,48 @@ class UpstreamConfig:
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
 
 
+def _share(instance, attribute, value):
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {value!r}")
+
+
 @attrs.frozen
 class ClassConfig:
     policy: str = attrs.field(default="park", validator=_one_of(POLICIES))
     hold_seconds: float = attrs.field(default=600.0, validator=_at_least(0))
     max_parked: int = attrs.field(default=0, validator=_at_least(0))
+    #: Higher goes first when the lot drains.
+    priority: int = 0
+    #: The least share of releases this class gets while it waits (no starvation).
+    min_share: float = attrs.field(default=0.0, validator=_share)
 
 
 def _default_classes() -> dict[str, ClassConfig]:
     return {
-        "interactive": ClassConfig(hold_seconds=15.0),
-        "batch": ClassConfig(hold_seconds=600.0),
-        "long": ClassConfig(hold_seconds=3600.0),
+        "interactive": ClassConfig(hold_seconds=15.0, priority=2),
+        "batch": ClassConfig(hold_seconds=600.0, priority=1, min_share=0.25),
+        "long": ClassConfig(hold_seconds=3600.0, priority=0, min_share=0.1),
     }
+
+
+ROUTE_CLASSES = (*CLASS_NAMES, "passthrough")
+
+
+def _path(instance, attribute, value):
+    if value and not value.startswith("/"):
+        raise ValueError(f"must start with '/', got {value!r}")
+
+
+@attrs.frozen
+class RouteRule:
+    """One classification rule; the first rule that matches a request decides its class."""
+
+    cls: str = attrs.field(validator=_one_of(ROUTE_CLASSES))
+    path: str = attrs.field(default="", validator=_path)
+    prefix: str = attrs.field(default="", validator=_path)
+    methods: tuple[str, ...] = ()
+    #: Model names (shell-style patterns) matched against the JSON body's "model".
+    models: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -110,6 +139,7 @@ class Config:
     replay: ReplayConfig = attrs.Factory(ReplayConfig)
     upstream: UpstreamConfig = attrs.Factory(UpstreamConfig)
     classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
+    routes: tuple[RouteRule, ...] = ()
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
@@ -132,8 +162,12 @@ _SECTIONS = {
 }
 
 
-def _coerce(where: str, expected: type, value: Any) -> Any:
+def _coerce(where: str, expected: Any, value: Any) -> Any:
     """Check a TOML value against the field's type; ints are fine where floats go."""
+    if typing.get_origin(expected) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: must be a list of strings, got {value!r}")
+        return tuple(value)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if (expected is int and isinstance(value, bool)) or not isinstance(value, expected):
@@ -170,10 +204,12 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>") -> Config:
         for name, table in data.items():
             if name == "classes":
                 sections["classes"] = _classes(table)
+            elif name == "routes":
+                sections["routes"] = _routes(table)
             elif name in _SECTIONS:
                 sections[name] = _build(_SECTIONS[name], table, name)
             else:
-                known = ", ".join([*_SECTIONS, "classes"])
+                known = ", ".join([*_SECTIONS, "classes", "routes"])
                 raise ConfigError(f"{name}: unknown section (known sections: {known})")
         config = Config(**sections)
         _check_combinations(config)
@@ -199,6 +235,29 @@ def _classes(table: Any) -> dict[str, ClassConfig]:
     return classes
 
 
+def _routes(tables: Any) -> tuple[RouteRule, ...]:
+    """``[[routes]]`` tables, in order; each needs a class and a path or a prefix."""
+    if not isinstance(tables, list):
+        raise ConfigError("routes: must be an array of tables ([[routes]])")
+    rules = []
+    for index, table in enumerate(tables):
+        where = f"routes[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table")
+        table = dict(table)
+        if "class" not in table:
+            raise ConfigError(f"{where}.class: missing (one of {', '.join(ROUTE_CLASSES)})")
+        table["cls"] = table.pop("class")
+        if bool(table.get("path")) == bool(table.get("prefix")):
+            raise ConfigError(f"{where}: give exactly one of path or prefix")
+        try:
+            rule = _build(RouteRule, table, where)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace(f"{where}.cls", f"{where}.class")) from None
+        rules.append(attrs.evolve(rule, methods=tuple(m.upper() for m in rule.methods)))
+    return tuple(rules)
+
+
 def _check_combinations(config: Config) -> None:
     """Rules that span keys: each names the key to change."""
     for name, cls in config.classes.items():
@@ -212,6 +271,9 @@ def _check_combinations(config: Config) -> None:
                 f"classes.{name}.max_parked: {cls.max_parked} is above parking.max_parked "
                 f"({config.parking.max_parked}); lower it or raise the global ceiling"
             )
+    shares = sum(c.min_share for c in config.classes.values())
+    if shares > 1:
+        raise ConfigError(f"classes.*.min_share: the shares add up to {shares:g}, more than 1")
     if config.upstream.retry_backoff_max_seconds < config.upstream.retry_backoff_seconds:
         raise ConfigError(
             "upstream.retry_backoff_max_seconds: must be >= upstream.retry_backoff_seconds"

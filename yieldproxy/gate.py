@@ -55,6 +55,10 @@ class Gate:
         self._state.observe(self._state_changed)
 
     @property
+    def yielded(self) -> bool:
+        return self._state.yielded
+
+    @property
     def state_name(self) -> str:
         if self._state.yielded:
             return "yielded"

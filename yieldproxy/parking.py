@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import Callable
 
 import attrs
@@ -77,7 +78,15 @@ class ParkingLot:
     reject_status: int = 503
     #: Estimates Retry-After for a refused entry (set by the gate).
     retry_after: Callable[[Entry], float] = lambda entry: 1.0
-    _entries: list[Entry] = attrs.Factory(list)
+    #: Higher-priority classes drain first...
+    priorities: dict[str, int] = attrs.Factory(dict)
+    #: ...but a waiting class gets at least this share of releases.
+    min_shares: dict[str, float] = attrs.Factory(dict)
+    #: One FIFO per class, each in arrival (sequence) order.
+    _queues: dict[str, list[Entry]] = attrs.Factory(dict)
+    #: Releases that went to another class while this one waited.
+    _passed_over: dict[str, int] = attrs.Factory(dict)
+    _count: int = 0
     _bytes: int = 0
     _by_class: dict[str, int] = attrs.Factory(dict)
     #: Called after any entry joins, so the replayer can be woken.
@@ -88,10 +97,14 @@ class ParkingLot:
         self._metrics.parked_bytes_capacity.set(self.max_parked_bytes)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def __bool__(self) -> bool:
-        return bool(self._entries)
+        return self._count > 0
+
+    def entries(self) -> list[Entry]:
+        """Every parked entry, in arrival order (for status and tests)."""
+        return sorted(e for queue in self._queues.values() for e in queue)
 
     @property
     def parked_bytes(self) -> int:
@@ -103,16 +116,16 @@ class ParkingLot:
     def oldest_ages(self) -> dict[str, float]:
         """Age of the oldest parked entry per class (for the stuck-request alert)."""
         now = self._clock.seconds()
-        ages: dict[str, float] = {}
-        for entry in self._entries:
-            if entry.cls not in ages and entry.parked_at is not None:
-                ages[entry.cls] = now - entry.parked_at
-        return ages
+        return {
+            cls: now - queue[0].parked_at
+            for cls, queue in self._queues.items()
+            if queue and queue[0].parked_at is not None
+        }
 
     def check_room(self, entry: Entry) -> None:
         """Raise :class:`Refused` when parking ``entry`` would pass a ceiling."""
         cls_cap = self.class_max_parked.get(entry.cls, 0)
-        if len(self._entries) >= self.max_parked:
+        if self._count >= self.max_parked:
             why = f"parked queue full ({self.max_parked} requests parked)"
         elif self._bytes + entry.size > self.max_parked_bytes:
             why = f"parked queue full ({self._bytes} of {self.max_parked_bytes} bytes held)"
@@ -139,33 +152,52 @@ class ParkingLot:
         entry.parked_at = now
         entry._deferred = Deferred(canceller=lambda d: self._abandon(entry))
         entry._timer = self._clock.callLater(max(0.0, entry.deadline - now), self._expire, entry)
-        bisect.insort(self._entries, entry)
+        bisect.insort(self._queues.setdefault(entry.cls, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         self.on_parked()
         return d
 
     def peek(self) -> Entry | None:
-        return self._entries[0] if self._entries else None
+        """The entry :meth:`release_next` would let out now."""
+        cls = self._next_class()
+        return self._queues[cls][0] if cls is not None else None
 
     def release_next(self) -> Entry | None:
-        """Take the head of the line out and fire its Deferred."""
-        if not self._entries:
+        """Take the next entry out (by class priority and share, FIFO within a class) and fire it."""
+        cls = self._next_class()
+        if cls is None:
             return None
-        entry = self._entries[0]
+        for other, queue in self._queues.items():
+            if queue and other != cls:
+                self._passed_over[other] = self._passed_over.get(other, 0) + 1
+        self._passed_over[cls] = 0
+        entry = self._queues[cls][0]
         self._leave(entry)
         entry._deferred, d = None, entry._deferred
         d.callback(entry)
         return entry
 
+    def _next_class(self) -> str | None:
+        """Highest priority first, unless a waiting class has been passed over its share."""
+        waiting = [cls for cls, queue in self._queues.items() if queue]
+        if not waiting:
+            return None
+        starving = [cls for cls in waiting if self._passed_over.get(cls, 0) >= self._patience(cls)]
+        candidates = starving or waiting
+        return min(candidates, key=lambda c: (-self.priorities.get(c, 0) if not starving else 0, self._queues[c][0].seq))
+
+    def _patience(self, cls: str) -> float:
+        """How many releases in a row may go to other classes while ``cls`` waits."""
+        share = self.min_shares.get(cls, 0.0)
+        return math.inf if share <= 0 else math.ceil(1 / share) - 1
+
     def refuse_all(self, make_refusal: Callable[[Entry], Refused]) -> int:
         """Answer every parked entry with a refusal (shutdown); returns how many."""
-        count = 0
-        while self._entries:
-            entry = self._entries[0]
+        entries = self.entries()
+        for entry in entries:
             self._fail(entry, make_refusal(entry))
-            count += 1
-        return count
+        return len(entries)
 
     def _expire(self, entry: Entry) -> None:
         entry._timer = None
@@ -190,9 +222,12 @@ class ParkingLot:
         d.errback(CancelledError("client went away while parked"))
 
     def _leave(self, entry: Entry) -> None:
-        index = bisect.bisect_left(self._entries, entry)
-        assert self._entries[index] is entry
-        del self._entries[index]
+        queue = self._queues[entry.cls]
+        index = bisect.bisect_left(queue, entry)
+        assert queue[index] is entry
+        del queue[index]
+        if not queue:
+            self._passed_over.pop(entry.cls, None)
         if entry._timer is not None and entry._timer.active():
             entry._timer.cancel()
         entry._timer = None
@@ -203,6 +238,7 @@ class ParkingLot:
         self._metrics.park_seconds.labels(entry.cls).observe(stayed)
 
     def _account(self, entry: Entry, sign: int) -> None:
+        self._count += sign
         self._bytes += sign * entry.size
         self._by_class[entry.cls] = self._by_class.get(entry.cls, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(self._by_class[entry.cls])

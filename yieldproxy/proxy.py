@@ -15,7 +15,17 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from .classify import CLASSES, PASSTHROUGH, api_family, classify, is_loopback
+from .classify import (
+    MODEL_LOADING_PATHS,
+    PASSTHROUGH,
+    BadBody,
+    Classifier,
+    api_family,
+    header_class,
+    is_loopback,
+    is_unload,
+    parse_body,
+)
 from .config import Config
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
@@ -41,8 +51,12 @@ class ProxyApp:
     _gate: Gate
     _upstream: Upstream
     _metrics: Metrics
+    _classifier: Classifier = attrs.field(init=False)
 
     app = Klein()
+
+    def __attrs_post_init__(self) -> None:
+        self._classifier = Classifier.from_rules(self._config.routes)
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
@@ -71,13 +85,13 @@ class ProxyApp:
                 "too_large",
                 f"request body larger than proxy.max_body_bytes ({self._config.proxy.max_body_bytes} bytes)",
             )
-        class_header = request.getHeader(b"x-yield-class")
-        if class_header is not None and class_header.strip().lower().decode("ascii", "replace") not in CLASSES:
+        try:
+            wanted = header_class(request.getHeader(b"x-yield-class"))
+        except ValueError:
             return self._reject(
                 request, PASSTHROUGH, api, 400, "bad_request",
                 "X-Yield-Class must be interactive, batch or long",
             )
-        cls = classify(path, class_header, self._trusts_header(request))
         max_wait = None
         raw_wait = request.getHeader(b"x-yield-max-wait")
         if raw_wait is not None:
@@ -87,15 +101,51 @@ class ProxyApp:
                     raise ValueError
             except ValueError:
                 return self._reject(
-                    request, cls, api, 400, "bad_request",
+                    request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
         request.content.seek(0)
         body = request.content.read()
+        try:
+            cls = self._class_of(request, body, wanted)
+        except BadBody as e:
+            return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
             return await self._passthrough(request, body, api)
         entry = Entry(cls=cls, size=len(body), api=api, max_wait=max_wait)
         return await self._gated(request, entry, body)
+
+    def _class_of(self, request, body: bytes, wanted: str | None) -> str:
+        """The request's class: a trusted header, else the route rules.
+
+        While the GPU is yielded, two refinements keep Ollama from touching it:
+        model pulls and builds wait (as ``long``) instead of passing through,
+        and an unload request (``keep_alive: 0``, nothing to compute) passes
+        through instead of waiting, since it only frees memory.
+        """
+        method = request.method.decode("latin-1")
+        path = request.path.decode("latin-1").rstrip("/") or "/"
+        parsed = None
+        if wanted is not None and self._trusts_header(request):
+            cls = wanted
+        else:
+            model = None
+            if self._classifier.needs_model(method, path):
+                parsed = parse_body(body)
+                model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+            cls = self._classifier.classify(method, path, model)
+        if self._gate.yielded:
+            if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
+                return "long"
+            if cls != PASSTHROUGH:
+                if parsed is None:
+                    try:
+                        parsed = parse_body(body)
+                    except BadBody:
+                        return cls
+                if is_unload(path, parsed):
+                    return PASSTHROUGH
+        return cls
 
     async def _gated(self, request, entry: Entry, body: bytes):
         max_attempts = self._config.upstream.max_attempts

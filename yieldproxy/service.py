@@ -66,6 +66,8 @@ def build(
         max_parked_bytes=config.parking.max_parked_bytes,
         class_max_parked={k: v.max_parked for k, v in config.classes.items()},
         reject_status=config.parking.reject_status,
+        priorities={k: v.priority for k, v in config.classes.items()},
+        min_shares={k: v.min_share for k, v in config.classes.items()},
     )
     replayer = Replayer(
         reactor,
