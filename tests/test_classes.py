@@ -1,0 +1,240 @@
+"""Classes and policies: route rules, drain priority without starvation, honest budgets."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import ollama
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from helpers import config_with, in_thread, make_core, start_stack, wait_for
+from test_parking import finish, park, released
+from yieldproxy.classify import BadBody, Classifier, is_unload, parse_body
+from yieldproxy.sim import expected_embedding
+from yieldproxy.config import RouteRule
+
+
+# -- classification -----------------------------------------------------------------
+
+
+def test_default_routes():
+    c = Classifier.from_rules(())
+    assert c.classify("POST", "/api/embed") == "batch"
+    assert c.classify("POST", "/v1/embeddings") == "batch"
+    assert c.classify("POST", "/api/chat") == "interactive"
+    assert c.classify("POST", "/v1/completions") == "interactive"
+    assert c.classify("GET", "/api/tags") == "passthrough"
+    assert c.classify("POST", "/api/pull") == "passthrough"
+
+
+def test_first_matching_rule_wins_with_method_prefix_and_model():
+    c = Classifier.from_rules(
+        (
+            RouteRule(cls="long", path="/api/generate", models=("qwen*-32b",)),
+            RouteRule(cls="batch", prefix="/api/gen", methods=("POST",)),
+            RouteRule(cls="passthrough", path="/api/embed", models=("tiny",)),
+        )
+    )
+    assert c.needs_model("POST", "/api/generate")
+    assert not c.needs_model("POST", "/api/chat")
+    assert c.classify("POST", "/api/generate", "qwen2.5-32b") == "long"
+    assert c.classify("POST", "/api/generate", "llama3.2") == "batch"
+    assert c.classify("GET", "/api/generate", "llama3.2") == "interactive"  # the default rule
+    assert c.classify("POST", "/api/embed", "tiny") == "passthrough"
+    assert c.classify("POST", "/api/embed", None) == "batch"
+
+
+def test_unload_requests_are_recognised():
+    assert is_unload("/api/generate", {"model": "m", "keep_alive": 0})
+    assert is_unload("/api/embed", {"model": "m", "keep_alive": "0", "input": []})
+    assert not is_unload("/api/generate", {"model": "m", "keep_alive": 0, "prompt": "hi"})
+    assert not is_unload("/api/generate", {"model": "m"})
+    assert not is_unload("/api/tags", {"keep_alive": 0})
+
+
+def test_bad_bodies_are_named():
+    with pytest.raises(BadBody, match="not valid JSON"):
+        parse_body(b"{model")
+    with pytest.raises(BadBody, match="JSON object"):
+        parse_body(b'["m"]')
+
+
+# -- drain order ---------------------------------------------------------------------
+
+
+def test_interactive_first_but_batch_never_starves():
+    core = make_core(concurrency=1)
+    core.state.hold("api")
+    batch = [park(core, cls="batch") for _ in range(8)]
+    interactive = [park(core, cls="interactive") for _ in range(8)]
+    core.state.release("api")
+    order = []
+    everyone = batch + interactive
+    for _ in range(16):
+        core.run(0.001)
+        now_released = [o for o in released(everyone) if o not in order]
+        assert len(now_released) == 1
+        order.append(now_released[0])
+        finish(core, now_released[0])
+    classes = "".join(o["entry"].cls[0].upper() for o in order)
+    # Batch holds a quarter of the releases while interactive work waits (min_share 0.25).
+    assert classes == "IIIBIIIBIIBBBBBB"
+    for cls in ("batch", "interactive"):
+        seqs = [o["entry"].seq for o in order if o["entry"].cls == cls]
+        assert seqs == sorted(seqs)
+
+
+def test_equal_priorities_drain_in_arrival_order():
+    config = config_with(classes={c: {"priority": 0, "min_share": 0.0} for c in ("interactive", "batch", "long")})
+    core = make_core(config, concurrency=100)
+    core.state.hold("api")
+    outcomes = [park(core, cls=cls) for cls in ["batch", "long", "interactive", "batch", "long"]]
+    core.state.release("api")
+    core.run(0.01)
+    seqs = [o["entry"].seq for o in sorted(released(outcomes), key=lambda o: o["released_at"])]
+    assert seqs == sorted(seqs)
+
+
+def test_class_ceiling_keeps_room_for_interactive():
+    config = config_with(parking={"max_parked": 10}, classes={"batch": {"max_parked": 6}})
+    core = make_core(config)
+    core.state.hold("api")
+    assert all("deferred" in park(core, cls="batch") for _ in range(6))
+    assert park(core, cls="batch")["refused"].reason == "queue_full"
+    assert "deferred" in park(core, cls="interactive")
+
+
+# -- policies and budgets ---------------------------------------------------------------
+
+
+def test_long_jobs_wait_minutes_while_interactive_is_told_at_once():
+    core = make_core()
+    core.state.hold("broker", "game", expected_seconds=120)
+    chat = park(core, cls="interactive")
+    job = park(core, cls="long")
+    assert chat["refused"].reason == "over_budget" and chat["refused"].retry_after == 120
+    assert "held at most 15s" in chat["refused"].message
+    assert "deferred" in job
+    core.run(119, step=1)
+    assert "failure" not in job
+    core.state.release("broker")
+    core.run(0.01)
+    assert "released_at" in job
+
+
+def test_retry_after_is_the_queue_ahead_times_service_time_while_draining():
+    config = config_with(parking={"max_parked": 4})
+    core = make_core(config, concurrency=2)
+    core.gate.service_seconds = 3.0
+    core.state.hold("api")
+    for _ in range(4):
+        park(core)
+    core.state.release("api")
+    core.run(0.001)
+    # Two released; two still parked; two more fill the lot; the next is refused.
+    park(core)
+    park(core)
+    refusal = park(core)["refused"]
+    assert refusal.reason == "queue_full"
+    assert refusal.retry_after == 6  # 4 ahead * 3 s / 2 slots
+
+
+def test_retry_after_follows_the_latest_declared_end():
+    core = make_core(config_with(parking={"max_parked": 1}))
+    core.state.hold("a", expected_seconds=30)
+    core.state.hold("b", for_seconds=90)
+    park(core)
+    assert park(core)["refused"].retry_after == 90
+    core.state.release("b")
+    assert park(core)["refused"].retry_after == 30
+
+
+# -- over real sockets, with the real client ------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_mixed_traffic_through_a_declared_yield():
+    """Chat is told at once when to come back; embeddings and a long job wait and are answered."""
+    config = config_with(classes={"interactive": {"hold_seconds": 2}})
+    stack = await start_stack(reactor, config, latency=0.01)
+    try:
+        stack.proxy.state.hold("broker", "game", expected_seconds=4)
+        declared_end = reactor.seconds() + 4
+
+        def chat():
+            began = time.monotonic()
+            try:
+                ollama.Client(host=stack.proxy_url).chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
+            except ollama.ResponseError as e:
+                return e.status_code, e.error, time.monotonic() - began
+            return 200, "", time.monotonic() - began
+
+        def chat_headers():
+            r = httpx.post(stack.proxy_url + "/v1/chat/completions", json={"model": "llama3.2", "messages": []})
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+        def embed():
+            return [list(v) for v in ollama.Client(host=stack.proxy_url).embed(model="all-minilm", input=["x", "y"]).embeddings]
+
+        def long_job():
+            client = ollama.Client(host=stack.proxy_url, headers={"X-Yield-Class": "long"})
+            return client.generate(model="llama3.2", prompt="summarise the archive", stream=False).response
+
+        embedding = in_thread(reactor, embed, timeout=30)
+        job = in_thread(reactor, long_job, timeout=30)
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 2)
+        status, error, waited = await in_thread(reactor, chat, timeout=30)
+        assert status == 503 and "expected back in" in error and waited < 2
+        status, retry_after, body = await in_thread(reactor, chat_headers, timeout=30)
+        assert status == 503 and body["error"]["code"] == "over_budget"
+        assert abs(int(retry_after) - (declared_end - reactor.seconds())) <= 1
+        assert stack.proxy.lot.count_by_class() == {"batch": 1, "long": 1}
+        await wait_for(reactor, lambda: reactor.seconds() >= declared_end, timeout=10)
+        stack.proxy.state.release("broker")
+        assert await embedding == [expected_embedding("x"), expected_embedding("y")]
+        assert await job
+        assert stack.sample("yieldproxy_rejected_total", **{"class": "interactive", "reason": "over_budget"}) == 2
+        assert stack.sample("yieldproxy_replay_total", **{"class": "long", "outcome": "ok"}) == 1
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_model_loads_wait_and_unloads_pass_during_a_yield():
+    stack = await start_stack(reactor)
+    try:
+        stack.proxy.state.hold("api")
+
+        def unload():
+            return httpx.post(stack.proxy_url + "/api/generate", json={"model": "llama3.2", "keep_alive": 0}, timeout=10).status_code
+
+        assert await in_thread(reactor, unload, timeout=20) == 200
+        assert len(stack.proxy.lot) == 0
+        pull = in_thread(reactor, httpx.post, stack.proxy_url + "/api/pull", json={"model": "x"}, timeout=20)
+        await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get("long") == 1)
+        stack.proxy.state.release("api")
+        await pull
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_rule_by_model_and_malformed_json_gets_400(tmp_path):
+    from yieldproxy.config import load
+
+    path = tmp_path / "y.toml"
+    path.write_text('[[routes]]\npath = "/api/embed"\nmodels = ["bulk-*"]\nclass = "long"\n')
+    stack = await start_stack(reactor, load(path))
+    try:
+        stack.proxy.state.hold("api")
+        bulk = in_thread(reactor, httpx.post, stack.proxy_url + "/api/embed", json={"model": "bulk-embed", "input": "a"}, timeout=20)
+        await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get("long") == 1)
+        bad = await in_thread(reactor, httpx.post, stack.proxy_url + "/api/embed", content=b"{nope", timeout=20)
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
+        stack.proxy.state.release("api")
+        assert (await bulk).status_code == 200
+    finally:
+        await stack.stop()
