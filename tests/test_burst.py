@@ -108,7 +108,7 @@ async def test_burst_survives_a_yield_with_zero_failures():
 async def test_burst_survives_each_outage_mode_under_a_yield(mode):
     """The backend fails in its own way as the GPU goes; requests caught mid-flight are replayed."""
     config = config_with(
-        upstream={"attempt_timeout_seconds": 1.0, "retry_backoff_seconds": 0.2},
+        upstream={"attempt_timeout_seconds": 1.0},
         replay={"concurrency": 4},
     )
     stack = await start_stack(reactor, config, latency=0.01, parallel=4)

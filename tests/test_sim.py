@@ -1,0 +1,654 @@
+"""
+Tests for :mod:`yieldproxy.sim`, the simulated Ollama backend.
+
+Three layers: pure functions (plain tests); the resource in memory, driven by
+a :class:`~twisted.internet.task.Clock` through ``StubTreq`` (no reactor, no
+leaked timers); and a handful of real-socket tests under pytest-twisted, each
+bounded by a timeout and stopping its server in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+import pytest_twisted
+import treq
+from treq.client import HTTPClient
+from treq.testing import StubTreq
+from twisted.internet import defer, task, threads
+from twisted.internet.error import ConnectionLost, ConnectionRefusedError
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
+
+from yieldproxy import sim as simmod
+from yieldproxy.sim import (
+    BUSY_ERROR,
+    MODES,
+    OOM_ERROR,
+    SimOllama,
+    canonical_model,
+    decode_base64_f32,
+    encode_base64_f32,
+    expected_embedding,
+    expected_embedding_f32,
+    expected_reply,
+    messages_prompt,
+    parse_keep_alive,
+)
+
+URL = "http://sim.invalid"
+TIMEOUT = 5.0
+
+
+# ---------------------------------------------------------------------------
+# Pure functions.
+
+
+def test_expected_embedding_is_deterministic_and_normalised() -> None:
+    a = expected_embedding("hello world")
+    assert a == expected_embedding("hello world")
+    assert len(a) == 384
+    assert all(type(v) is float for v in a)
+    assert math.isclose(math.fsum(v * v for v in a), 1.0, rel_tol=1e-12)
+    assert a != expected_embedding("hello world!")
+    assert a != expected_embedding("hello world", model="nomic-embed-text")
+    assert len(expected_embedding("x", dim=7)) == 7
+    assert expected_embedding("", dim=3) == expected_embedding("", dim=3)
+
+
+def test_expected_embedding_model_tag_and_dimensions() -> None:
+    """``m`` and ``m:latest`` agree; a smaller dim is the truncated vector renormalised."""
+    assert canonical_model("all-minilm") == "all-minilm:latest"
+    assert canonical_model("library/all-minilm:v2") == "library/all-minilm:v2"
+    assert expected_embedding("t", "all-minilm") == expected_embedding("t", "all-minilm:latest")
+    full = expected_embedding("t", dim=384)
+    small = expected_embedding("t", dim=16)
+    norm = math.sqrt(math.fsum(v * v for v in full[:16]))
+    assert small == pytest.approx([v / norm for v in full[:16]], rel=1e-12)
+    with pytest.raises(ValueError):
+        expected_embedding("t", dim=0)
+
+
+def test_float32_and_base64_round_trip() -> None:
+    f32 = expected_embedding_f32("abc", dim=32)
+    assert f32 != expected_embedding("abc", dim=32)
+    assert f32 == pytest.approx(expected_embedding("abc", dim=32), abs=1e-7)
+    assert decode_base64_f32(encode_base64_f32(expected_embedding("abc", dim=32))) == f32
+
+
+def test_parse_keep_alive() -> None:
+    assert parse_keep_alive(None, 300.0) == 300.0
+    assert parse_keep_alive(0, 300.0) == 0.0
+    assert parse_keep_alive("0", 300.0) == 0.0
+    assert parse_keep_alive(12.5, 300.0) == 12.5
+    assert parse_keep_alive("5m", 1.0) == 300.0
+    assert parse_keep_alive("1h30m", 1.0) == 5400.0
+    assert parse_keep_alive("250ms", 1.0) == 0.25
+    assert parse_keep_alive(-1, 1.0) == math.inf
+    assert parse_keep_alive("-1m", 1.0) == math.inf
+    for bad in ("soon", "5 minutes", "", True, [1]):
+        with pytest.raises(ValueError):
+            parse_keep_alive(bad, 1.0)
+
+
+def test_expected_reply_is_deterministic() -> None:
+    pieces = expected_reply("why is the sky blue?", "llama3.2", 5)
+    assert len(pieces) == 5
+    assert pieces == expected_reply("why is the sky blue?", "llama3.2:latest", 5)
+    assert "".join(pieces) != "".join(expected_reply("another prompt entirely", "llama3.2", 5))
+    assert all(p.startswith(" ") for p in pieces[1:])
+    assert messages_prompt([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]) == "user: hi\nassistant: yo"
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError):
+        SimOllama(task.Clock(), parallel=0)
+    with pytest.raises(ValueError):
+        SimOllama(task.Clock(), latency=-1)
+    with pytest.raises(ValueError):
+        SimOllama(task.Clock(), mode="sideways")
+    with pytest.raises(ValueError):
+        SimOllama(task.Clock()).set_mode("sideways")
+
+
+# ---------------------------------------------------------------------------
+# In memory, on a Clock.
+
+
+def _post(stub: StubTreq, path: str, body: Any) -> defer.Deferred[Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return stub.post(URL + path, data=data, headers={"content-type": ["application/json"]})
+
+
+def _json_of(stub: StubTreq, d: defer.Deferred[Any]) -> tuple[int, Any]:
+    """Settle an in-memory request: (status, decoded JSON)."""
+    stub.flush()
+    response = _result(d)
+    body = treq.content(response)
+    stub.flush()
+    return response.code, json.loads(_result(body))
+
+
+def _result(d: defer.Deferred[Any]) -> Any:
+    box: list[Any] = []
+    d.addBoth(box.append)
+    assert box, "Deferred has not fired"
+    if isinstance(box[0], Exception) or hasattr(box[0], "raiseException"):
+        box[0].raiseException()
+    return box[0]
+
+
+def _fired(d: defer.Deferred[Any]) -> bool:
+    box: list[Any] = []
+    d.addBoth(lambda r: (box.append(r), r)[1])
+    return bool(box)
+
+
+def test_parallel_cap_and_fifo_on_a_clock() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, latency=1.0, per_item_latency=0.5, parallel=2)
+    stub = StubTreq(sim.resource())
+    ds = [_post(stub, "/api/embed", {"model": "all-minilm", "input": [f"t{i}"]}) for i in range(5)]
+    stub.flush()
+    assert (sim.in_flight, sim.serving, sim.queued) == (5, 2, 3)
+    clock.advance(1.4)
+    stub.flush()
+    assert not any(_fired(d) for d in ds)
+    clock.advance(0.1)
+    stub.flush()
+    assert [_fired(d) for d in ds] == [True, True, False, False, False]
+    assert (sim.in_flight, sim.serving, sim.queued) == (3, 2, 1)
+    clock.advance(1.5)
+    clock.advance(1.5)
+    results = [_json_of(stub, d) for d in ds]
+    for i, (code, body) in enumerate(results):
+        assert code == 200
+        assert body["embeddings"] == [expected_embedding(f"t{i}")]
+        assert body["prompt_eval_count"] == 1
+    assert sim.peak_in_flight == 5 and sim.peak_serving == 2
+    assert sim.in_flight == 0
+    started = [r.received_at for r in sim.history]
+    assert started == sorted(started)
+    assert sim.texts_embedded == {f"t{i}": 1 for i in range(5)}
+    assert sim.requests_total["/api/embed"] == 5
+    sim.reset_peak()
+    assert sim.peak_in_flight == 0
+    assert clock.getDelayedCalls() == []
+
+
+def test_max_queue_answers_busy_like_ollama() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, latency=1.0, parallel=1, max_queue=1)
+    stub = StubTreq(sim.resource())
+    ds = [_post(stub, "/api/embed", {"model": "m", "input": str(i)}) for i in range(3)]
+    stub.flush()
+    code, body = _json_of(stub, ds[2])
+    assert code == 503 and body == {"error": BUSY_ERROR}
+    clock.advance(1.0)
+    clock.advance(1.0)
+    assert [_json_of(stub, d)[0] for d in ds[:2]] == [200, 200]
+    assert sim.outcomes == {"ok": 2, "busy": 1}
+    assert clock.getDelayedCalls() == []
+
+
+def test_model_load_ps_and_unload_on_a_clock() -> None:
+    clock = task.Clock()
+    clock.advance(1_700_000_000)
+    sim = SimOllama(clock, latency=0.5, load_seconds=2.0)
+    stub = StubTreq(sim.resource())
+    # Two requests during one load share it.
+    d1 = _post(stub, "/api/embed", {"model": "all-minilm", "input": "a"})
+    d2 = _post(stub, "/api/embed", {"model": "all-minilm:latest", "input": ["b", "c"]})
+    stub.flush()
+    assert sim.loaded_models() == []
+    clock.advance(2.0)
+    assert sim.loaded_models() == ["all-minilm:latest"]
+    clock.advance(0.5)
+    code, body = _json_of(stub, d1)
+    assert code == 200 and body["load_duration"] == 2_000_000_000
+    assert body["total_duration"] == 2_500_000_000
+    assert _json_of(stub, d2)[1]["embeddings"] == [expected_embedding("b"), expected_embedding("c")]
+
+    code, ps = _json_of(stub, stub.get(URL + "/api/ps"))
+    [entry] = ps["models"]
+    assert entry["name"] == "all-minilm:latest" and entry["size_vram"] > 0
+    assert entry["expires_at"].endswith("Z")
+
+    # Unload the Ollama way: keep_alive 0 and no input.
+    code, body = _json_of(stub, _post(stub, "/api/embed", {"model": "all-minilm", "keep_alive": 0}))
+    assert code == 200 and body["embeddings"] == []
+    assert _json_of(stub, stub.get(URL + "/api/ps"))[1] == {"models": []}
+
+    # /api/generate with an empty prompt loads; with keep_alive 0 it unloads.
+    d = _post(stub, "/api/generate", {"model": "llama3.2"})
+    stub.flush()
+    clock.advance(2.0)
+    code, body = _json_of(stub, d)
+    assert body["done"] is True and body["done_reason"] == "load" and body["response"] == ""
+    assert sim.loaded_models() == ["llama3.2:latest"]
+    code, body = _json_of(stub, _post(stub, "/api/generate", {"model": "llama3.2", "keep_alive": 0}))
+    assert body["done_reason"] == "unload"
+    assert sim.loaded_models() == []
+
+    # A model expires on its own after keep_alive (lazily, without a timer).
+    d = _post(stub, "/api/embed", {"model": "all-minilm", "input": "x", "keep_alive": "10s"})
+    stub.flush()
+    clock.advance(2.0)  # a Clock jumps: steps scheduled on the way wait for the next advance
+    clock.advance(0.5)
+    _json_of(stub, d)
+    assert sim.loaded_models() == ["all-minilm:latest"]
+    clock.advance(10)
+    assert sim.loaded_models() == []
+    names = [m["name"] for m in _json_of(stub, stub.get(URL + "/api/tags"))[1]["models"]]
+    assert "all-minilm:latest" in names and "llama3.2:latest" in names
+    assert clock.getDelayedCalls() == []
+
+
+def test_errors_in_each_api_shape() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock)
+    stub = StubTreq(sim.resource())
+    code, body = _json_of(stub, _post(stub, "/api/embed", {"input": "x"}))
+    assert code == 400 and body == {"error": "model is required"}
+    code, body = _json_of(stub, _post(stub, "/api/embed", {"model": "", "input": "x"}))
+    assert code == 400 and "model" in body["error"]
+    code, body = _json_of(stub, _post(stub, "/api/chat", b"{not json"))
+    assert code == 400 and isinstance(body["error"], str)
+    code, body = _json_of(stub, _post(stub, "/api/embed", {"model": "m", "input": [1, 2]}))
+    assert code == 400
+    code, body = _json_of(stub, _post(stub, "/api/embed", {"model": "m", "input": "x", "keep_alive": "soon"}))
+    assert code == 400 and "invalid duration" in body["error"]
+    code, body = _json_of(stub, _post(stub, "/v1/embeddings", {"input": "x"}))
+    assert code == 400 and set(body["error"]) >= {"message", "type", "code"}
+    code, body = _json_of(stub, _post(stub, "/v1/embeddings", {"model": "m", "input": "x", "encoding_format": "hex"}))
+    assert code == 400 and body["error"]["type"] == "invalid_request_error"
+    code, body = _json_of(stub, stub.get(URL + "/api/nope"))
+    assert code == 404 and isinstance(body["error"], str)
+    code, body = _json_of(stub, stub.get(URL + "/v1/nope"))
+    assert code == 404 and "message" in body["error"]
+    code, body = _json_of(stub, stub.get(URL + "/api/embed"))
+    assert code == 405
+    assert _json_of(stub, stub.get(URL + "/api/version")) == (200, {"version": "0.12.0-sim"})
+    assert sim.outcomes["bad_request"] == 8 and sim.outcomes["not_found"] == 2
+
+    sim.set_mode("error500")
+    code, body = _json_of(stub, _post(stub, "/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    assert code == 500 and body == {"error": OOM_ERROR}
+    code, body = _json_of(stub, _post(stub, "/v1/embeddings", {"model": "m", "input": "x"}))
+    assert code == 500 and body["error"]["message"] == OOM_ERROR
+    assert _json_of(stub, stub.get(URL + "/api/tags"))[0] == 200
+    assert sim.mode_hits[("error500", "/api/chat")] == 1
+    assert [r.outcome for r in sim.history][-3:] == ["error500", "error500", "ok"]
+    assert sim.texts_embedded == {}
+    assert clock.getDelayedCalls() == []
+
+
+def test_embedding_routes_in_memory() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, dim=64)
+    stub = StubTreq(sim.resource())
+    _, body = _json_of(stub, _post(stub, "/api/embeddings", {"model": "all-minilm", "prompt": "legacy"}))
+    assert body == {"embedding": expected_embedding("legacy", dim=64)}
+    _, body = _json_of(stub, _post(stub, "/api/embed", {"model": "all-minilm", "input": "d", "dimensions": 8}))
+    assert body["embeddings"] == [expected_embedding("d", dim=8)]
+    _, body = _json_of(stub, _post(stub, "/v1/embeddings", {"model": "e", "input": ["p", "q"]}))
+    assert body["object"] == "list" and body["model"] == "e"
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert body["data"][1]["embedding"] == expected_embedding("q", "e", 64)
+    assert body["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+    _, body = _json_of(stub, _post(stub, "/v1/embeddings", {"model": "e", "input": "p", "encoding_format": "base64"}))
+    assert decode_base64_f32(body["data"][0]["embedding"]) == expected_embedding_f32("p", "e", 64)
+    assert clock.getDelayedCalls() == []
+
+
+def test_hang_then_stop_leaves_no_timer() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, latency=1.0, load_seconds=1.0)
+    stub = StubTreq(sim.resource())
+    # One request is being served (waiting on the load); then hang: new ones
+    # are accepted and never answered, and hold no timer.
+    served = _post(stub, "/api/embed", {"model": "m", "input": "a"})
+    stub.flush()
+    assert clock.getDelayedCalls() != []
+    sim.set_mode("hang")
+    hung = _post(stub, "/api/embed", {"model": "m", "input": "b"})
+    stub.flush()
+    clock.advance(1.0)  # the load
+    clock.advance(1.0)  # the work
+    clock.advance(100)
+    stub.flush()
+    assert _fired(served) and not _fired(hung)
+    assert sim.in_flight == 1 and sim.history[-1].mode == "hang"
+    sim.set_mode("ok")  # a hung request stays hung
+    clock.advance(100)
+    assert sim.in_flight == 1
+    _post(stub, "/api/embed", {"model": "m", "input": "c"})  # served again
+    stub.flush()
+    clock.advance(0.5)
+    sim.set_mode("hang")
+    assert sim.in_flight == 2
+    stopped = sim.stop()
+    assert _fired(stopped)
+    assert sim.in_flight == 0 and sim.serving == 0
+    assert sim.outcomes["stopped"] == 2
+    assert clock.getDelayedCalls() == []
+
+
+# ---------------------------------------------------------------------------
+# Real sockets.
+
+
+def _reactor() -> Any:
+    from twisted.internet import reactor
+
+    return reactor
+
+
+def _within(d: defer.Deferred[Any], seconds: float = TIMEOUT) -> defer.Deferred[Any]:
+    """Every real-socket await gets a deadline: pytest-twisted would hang."""
+    return d.addTimeout(seconds, _reactor())
+
+
+async def _sleep(seconds: float) -> None:
+    await task.deferLater(_reactor(), seconds, lambda: None)
+
+
+async def _until(predicate: Any, seconds: float = TIMEOUT) -> None:
+    """Poll ``predicate`` until true, or fail after ``seconds``."""
+    deadline = _reactor().seconds() + seconds
+    while not predicate():
+        if _reactor().seconds() > deadline:
+            raise AssertionError("condition not met in time")
+        await _sleep(0.01)
+
+
+class _Server:
+    """A listening sim plus a treq client on its own pool; both closed in ``close``."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.sim = SimOllama(_reactor(), **settings)
+        self.pool = HTTPConnectionPool(_reactor(), persistent=True)
+        self.pool.maxPersistentPerHost = 20
+        self.http = HTTPClient(Agent(_reactor(), pool=self.pool))
+        self.url = ""
+
+    async def start(self) -> "_Server":
+        port = await _within(self.sim.listen(0))
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def post(self, path: str, body: Any, **kw: Any) -> Any:
+        return await _within(self.http.post(self.url + path, json=body, **kw))
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        response = await self.post(path, body)
+        return response.code, await _within(response.json())
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        response = await _within(self.http.get(self.url + path))
+        return response.code, await _within(response.json())
+
+    async def close(self) -> None:
+        try:
+            await _within(self.sim.stop())
+        finally:
+            await _within(self.pool.closeCachedConnections())
+
+
+def _in_thread(fn: Any) -> defer.Deferred[Any]:
+    """Blocking clients (ollama, openai) run off the reactor thread."""
+    return _within(threads.deferToThread(fn), 20)
+
+
+@pytest_twisted.ensureDeferred
+async def test_ollama_client_embeddings() -> None:
+    import ollama
+
+    server = await _Server(latency=0.01).start()
+    try:
+        client = ollama.Client(host=server.url, timeout=TIMEOUT)
+        texts = ["alpha", "beta", "gamma ray"]
+        result = await _in_thread(lambda: client.embed(model="all-minilm", input=texts))
+        assert [list(v) for v in result.embeddings] == [expected_embedding(t) for t in texts]
+        assert result.prompt_eval_count == 4
+        legacy = await _in_thread(lambda: client.embeddings(model="all-minilm", prompt="delta"))
+        assert list(legacy.embedding) == expected_embedding("delta")
+        ps = await _in_thread(client.ps)
+        assert [m.model for m in ps.models] == ["all-minilm:latest"]
+        version = await _in_thread(lambda: client._client.get("/api/version").json())
+        assert version == {"version": "0.12.0-sim"}
+        assert server.sim.texts_embedded == {"alpha": 1, "beta": 1, "gamma ray": 1, "delta": 1}
+        # Unload through the client, as a yield hook would.
+        await _in_thread(lambda: client.generate(model="all-minilm", keep_alive=0))
+        assert server.sim.loaded_models() == []
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_openai_client_base64_and_float() -> None:
+    from openai import OpenAI
+
+    server = await _Server().start()
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        texts = ["one", "two"]
+        # The openai client asks for base64 by default and decodes it.
+        result = await _in_thread(lambda: client.embeddings.create(model="all-minilm", input=texts))
+        assert [d.embedding for d in result.data] == [expected_embedding_f32(t) for t in texts]
+        assert result.usage.prompt_tokens == 2
+        code, body = await server.post_json("/v1/embeddings", {"model": "all-minilm", "input": "three"})
+        assert code == 200 and body["data"][0]["embedding"] == expected_embedding("three")
+        chunks = await _in_thread(
+            lambda: [
+                c.choices[0].delta.content
+                for c in client.chat.completions.create(
+                    model="llama3.2",
+                    messages=[{"role": "user", "content": "hi"}],
+                    stream=True,
+                )
+                if c.choices
+            ]
+        )
+        assert "".join(c or "" for c in chunks) == "".join(expected_reply("user: hi"))
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_streams_ndjson_and_sse() -> None:
+    server = await _Server(latency=0.01, chunk_delay=0.02, chunks=4).start()
+    try:
+        arrivals: list[bytes] = []
+        response = await server.post("/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": "why?"}]})
+        assert response.headers.getRawHeaders(b"content-type") == [b"application/x-ndjson"]
+        await _within(treq.collect(response, arrivals.append))
+        assert len(arrivals) >= 3  # the chunks came apart, not as one body
+        lines = [json.loads(line) for line in b"".join(arrivals).splitlines()]
+        assert len(lines) == 5
+        assert [line["done"] for line in lines] == [False] * 4 + [True]
+        assert lines[-1]["done_reason"] == "stop" and lines[-1]["eval_count"] == 4
+        assert "".join(line["message"]["content"] for line in lines) == "".join(
+            expected_reply("user: why?", "llama3.2", 4)
+        )
+
+        code, body = await server.post_json("/api/generate", {"model": "llama3.2", "prompt": "p", "stream": False})
+        assert code == 200 and body["response"] == "".join(expected_reply("p", "llama3.2", 4))
+        assert body["done"] is True and body["total_duration"] > 0
+
+        response = await server.post(
+            "/v1/chat/completions",
+            {"model": "llama3.2", "stream": True, "stream_options": {"include_usage": True},
+             "messages": [{"role": "user", "content": "hey"}]},
+        )
+        assert response.headers.getRawHeaders(b"content-type") == [b"text/event-stream"]
+        text = (await _within(response.content())).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events)
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]) == "".join(
+            expected_reply("user: hey", "llama3.2", 4)
+        )
+
+        code, body = await server.post_json(
+            "/v1/chat/completions", {"model": "llama3.2", "messages": [{"role": "user", "content": "hey"}]}
+        )
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"] == "".join(expected_reply("user: hey", "llama3.2", 4))
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_parallel_cap_over_sockets() -> None:
+    server = await _Server(latency=0.2, parallel=2).start()
+    try:
+        t0 = _reactor().seconds()
+        texts = [f"text {i}" for i in range(10)]
+        results = await _within(
+            defer.gatherResults(
+                [defer.ensureDeferred(server.post_json("/api/embed", {"model": "all-minilm", "input": t})) for t in texts],
+                consumeErrors=True,
+            )
+        )
+        elapsed = _reactor().seconds() - t0
+        assert [body["embeddings"][0] for _, body in results] == [expected_embedding(t) for t in texts]
+        assert server.sim.peak_in_flight == 10
+        assert server.sim.peak_serving == 2
+        assert server.sim.open_connections >= 2
+        for conn in server.sim._factory.protocols:  # Nagle is off on every accepted socket
+            assert conn.transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert elapsed >= 0.2 * 5 - 0.05
+        assert server.sim.in_flight == 0
+        assert max(server.sim.texts_embedded.values()) == 1
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_refuse_closes_port_and_pool_then_reopens_same_port() -> None:
+    server = await _Server(latency=0.5).start()
+    try:
+        port = server.sim.port
+        assert (await server.get_json("/api/version"))[0] == 200  # a pooled connection now
+        in_flight = defer.ensureDeferred(server.post("/api/embed", {"model": "m", "input": "x"}))
+        await _until(lambda: server.sim.in_flight == 1)
+        await _within(server.sim.set_mode("refuse"))
+        with pytest.raises(ResponseNeverReceived):
+            await _within(in_flight)
+        assert server.sim.history[-1].outcome == "refused"
+        assert server.sim.open_connections == 0  # the idle pooled one too
+        with pytest.raises(ConnectionRefusedError):
+            await server.get_json("/api/version")
+        await _within(server.sim.set_mode("ok"))
+        assert server.sim.port == port
+        assert (await server.get_json("/api/version"))[0] == 200
+        code, body = await server.post_json("/api/embed", {"model": "m", "input": "y"})
+        assert code == 200 and body["embeddings"] == [expected_embedding("y", "m")]
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_error500_mode() -> None:
+    server = await _Server().start()
+    try:
+        await _within(server.sim.set_mode("error500"))
+        code, body = await server.post_json("/api/embed", {"model": "all-minilm", "input": "x"})
+        assert code == 500 and body == {"error": OOM_ERROR}
+        code, body = await server.post_json("/api/generate", {"model": "llama3.2", "prompt": "x"})
+        assert code == 500
+        assert (await server.get_json("/api/version")) == (200, {"version": "0.12.0-sim"})
+        assert (await server.get_json("/api/tags"))[0] == 200
+        await _within(server.sim.set_mode("ok"))
+        assert (await server.post_json("/api/embed", {"model": "all-minilm", "input": "x"}))[0] == 200
+        assert server.sim.mode_hits[("error500", "/api/embed")] == 1
+        assert server.sim.mode_hits[("ok", "/api/embed")] == 1
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hang_until_the_client_gives_up() -> None:
+    server = await _Server().start()
+    try:
+        await _within(server.sim.set_mode("hang"))
+        with pytest.raises((defer.CancelledError, ResponseNeverReceived)):
+            await server.http.post(server.url + "/api/embed", json={"model": "m", "input": "x"}, timeout=0.3)
+        await _until(lambda: server.sim.in_flight == 0)  # the client left; the sim noticed
+        assert server.sim.history[-1].outcome == "abandoned"
+        assert server.sim.texts_embedded == {}
+        assert (await server.get_json("/api/version"))[0] == 200
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_reset_aborts_in_flight_and_new_requests() -> None:
+    server = await _Server(latency=5.0).start()
+    try:
+        pending = defer.ensureDeferred(server.post("/api/embed", {"model": "m", "input": "x"}))
+        await _until(lambda: server.sim.serving == 1)
+        await _within(server.sim.set_mode("reset"))
+        with pytest.raises(ResponseNeverReceived) as caught:
+            await _within(pending)
+        assert caught.value.reasons[0].check(ConnectionLost)  # a reset, not a clean close
+        assert server.sim.in_flight == 0
+        with pytest.raises(ResponseNeverReceived) as caught:
+            await server.post("/api/embed", {"model": "m", "input": "y"})
+        assert caught.value.reasons[0].check(ConnectionLost)
+        assert (await server.get_json("/api/version"))[0] == 200
+        assert [r.outcome for r in server.sim.history if r.path == "/api/embed"] == ["reset", "reset"]
+        assert server.sim.texts_embedded == {}
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_command_line_prints_port() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yieldproxy.sim", "--port", "0", "--latency", "0.01", "--parallel", "2", "--dim", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    timer = threading.Timer(20, proc.kill)
+    timer.start()
+    pool = HTTPConnectionPool(_reactor(), persistent=False)
+    try:
+        line = await _in_thread(proc.stdout.readline)
+        assert line.startswith("listening on 127.0.0.1:"), line + proc.stderr.read()
+        port = int(line.rsplit(":", 1)[1])
+        http = HTTPClient(Agent(_reactor(), pool=pool))
+        response = await _within(
+            http.post(f"http://127.0.0.1:{port}/api/embed", json={"model": "all-minilm", "input": "cli"})
+        )
+        body = await _within(response.json())
+        assert body["embeddings"] == [expected_embedding("cli", dim=8)]
+    finally:
+        timer.cancel()
+        proc.terminate()
+        await _in_thread(lambda: proc.wait(10))
+        proc.stdout.close()
+        proc.stderr.close()
+        await _within(pool.closeCachedConnections())
+
+
+def test_no_reactor_at_import() -> None:
+    """Importing the sim must not install or touch the global reactor."""
+    code = (
+        "import sys, yieldproxy.sim; "
+        "sys.exit('twisted.internet.reactor' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
+    assert set(MODES) == {"ok", "refuse", "error500", "hang", "reset"}
+    assert simmod.__all__
