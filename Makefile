@@ -1,37 +1,19 @@
-# Two entry points a newcomer needs (see README):
-#   make run UPSTREAM=http://127.0.0.1:11434   install into .venv and start the proxy
-#   make test                                  install into .venv and run every test
-PYTHON ?= python3
-VENV ?= .venv
+# Shortcuts; the README's two commands are scripts/run and scripts/test.
 UPSTREAM ?= http://127.0.0.1:11434
-BIN := $(VENV)/bin
 
-.PHONY: install test run demo bench clean
+.PHONY: run test demo bench clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+run:
+	scripts/run --upstream $(UPSTREAM)
 
-# A regular (not editable) install: twistd only finds the plugin in site-packages.
-install: $(BIN)/python
-	$(BIN)/pip install --quiet .
-	$(BIN)/python -c "from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))"
+test:
+	scripts/test $(PYTEST_ARGS)
 
-install-test: $(BIN)/python
-	$(BIN)/pip install --quiet '.[test]'
-	$(BIN)/python -c "from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))"
+demo:
+	scripts/run --help >/dev/null && .venv/bin/yieldproxy demo
 
-run: install
-	$(BIN)/twistd -n yieldproxy --upstream $(UPSTREAM)
-
-demo: install
-	$(BIN)/yieldproxy demo
-
-test: install-test
-	$(BIN)/pytest $(PYTEST_ARGS)
-
-bench: install-test
-	$(BIN)/python bench/run_all.py
+bench:
+	.venv/bin/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv build *.egg-info
