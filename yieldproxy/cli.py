@@ -1,0 +1,1149 @@
+"""The ``yieldproxy`` command: status, yield, resume, a self-contained demo, a sim.
+
+``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
+for people and for scripts: every call has a timeout, and the exit status
+says what happened (see :data:`EPILOG`).  ``demo`` runs a simulated Ollama
+and a proxy in this process and sends a burst through them while it yields
+and resumes the GPU over the admin API, then checks every answer.
+
+Only :func:`main` and the command functions it starts touch the global
+reactor (through :func:`twisted.internet.task.react`); importing this module
+does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import secrets
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import attrs
+from twisted.internet import defer, error as ierror, task
+from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.iweb import IAgentEndpointFactory
+from twisted.web.resource import Resource
+from zope.interface import implementer
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_YIELDED = 4
+
+DEFAULT_ADMIN = "http://127.0.0.1:11436"
+#: Seconds each admin API call may take, unless ``--timeout`` says otherwise.
+HTTP_TIMEOUT = 10.0
+#: The demo's embedding model; the sim answers any name, deterministically.
+DEMO_MODEL = "all-minilm"
+#: The demo source's hold; a distinct name so it cannot end a real broker's hold.
+DEMO_SOURCE = "demo"
+#: Requests the simulated backend serves at once (like OLLAMA_NUM_PARALLEL).
+DEMO_SIM_PARALLEL = 4
+
+EPILOG = """\
+exit status:
+  0  done
+  1  the admin API answered with an error (its message is printed),
+     or the demo found a failed request or a wrong vector
+  2  usage error: a bad option, an unreadable --config or token file
+  3  the admin API could not be reached: nothing listening at the
+     address, or no answer within --timeout seconds
+  4  only with "status --exit-code": the GPU is yielded now
+
+where the admin API is:
+  --admin URL, else $YIELDPROXY_ADMIN, else admin.listen of --config FILE
+  (tcp: and unix: endpoints), else http://127.0.0.1:11436.
+  unix:/path/to/admin.sock reaches an admin listener on a unix socket.
+
+the admin token (when the proxy has admin.token_file set):
+  --token-file FILE, else $YIELDPROXY_TOKEN, else $YIELDPROXY_TOKEN_FILE,
+  else admin.token_file of --config FILE.  It is sent as
+  "Authorization: Bearer ..." and never printed; there is deliberately no
+  option that takes the token itself, so it cannot leak through ps.
+
+examples:
+  yieldproxy status
+  yieldproxy yield --for 600 --reason "fine-tuning run" --source trainer
+  yieldproxy resume --source trainer
+  yieldproxy status --exit-code >/dev/null && run-batch   # only when not yielded
+  yieldproxy demo                # no Ollama needed
+  yieldproxy sim --port 11434    # a fake Ollama to put the proxy in front of
+"""
+
+
+class CliError(Exception):
+    """A message for the person at the terminal, and the exit status that goes with it."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+# ---------------------------------------------------------------------------
+# Where the admin API is, and the token.
+
+
+@attrs.frozen
+class AdminTarget:
+    """The admin API's base URL; over a unix socket when ``unix_path`` is set."""
+
+    url: str
+    unix_path: str | None = None
+
+    def describe(self) -> str:
+        return f"unix:{self.unix_path}" if self.unix_path else self.url
+
+
+def _split_endpoint(text: str) -> list[str]:
+    """Split a Twisted endpoint string on its unescaped colons (``\\:`` is a colon)."""
+    parts, current, escaped = [], [], False
+    for ch in text:
+        if escaped:
+            current.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return parts
+
+
+def admin_target_from_endpoint(endpoint: str) -> AdminTarget | None:
+    """Where a client reaches an admin listener bound to ``endpoint``, if we can tell.
+
+    ``tcp:PORT:interface=HOST`` gives ``http://HOST:PORT`` (a wildcard
+    interface is reached on loopback); ``unix:PATH`` gives the socket.
+    """
+    parts = _split_endpoint(endpoint.strip())
+    kind, rest = parts[0].lower(), parts[1:]
+    positional = [p for p in rest if "=" not in p]
+    named = dict(p.split("=", 1) for p in rest if "=" in p)
+    if kind in ("tcp", "tcp6"):
+        port = named.get("port") or (positional[0] if positional else "")
+        if not port.isdigit() or int(port) == 0:
+            return None
+        host = named.get("interface", "")
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1" if kind == "tcp" else "::1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        return AdminTarget(f"http://{host}:{port}")
+    if kind == "unix":
+        path = named.get("address") or (positional[0] if positional else "")
+        return AdminTarget("http://localhost", unix_path=path) if path else None
+    return None
+
+
+def admin_target_from_option(value: str) -> AdminTarget:
+    """``--admin``/``$YIELDPROXY_ADMIN``: a URL, ``host:port``, or ``unix:PATH``."""
+    value = value.strip()
+    if value.startswith("unix:"):
+        target = admin_target_from_endpoint(value)
+        if target is None:
+            raise CliError(f"--admin {value!r}: unix: needs a socket path", EXIT_USAGE)
+        return target
+    url = value if "://" in value else "http://" + value
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        raise CliError(f"--admin {value!r}: the port is not a number", EXIT_USAGE) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(
+            f"--admin {value!r}: expected a URL such as http://127.0.0.1:11436, or unix:/path/to/socket",
+            EXIT_USAGE,
+        )
+    return AdminTarget(url.rstrip("/"))
+
+
+def _read_token_file(path: str, what: str) -> str:
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise CliError(f"{what}: cannot read {path}: {e.strerror or e}", EXIT_USAGE) from None
+    if not token:
+        raise CliError(f"{what}: {path} is empty", EXIT_USAGE)
+    return token
+
+
+@attrs.frozen
+class Settings:
+    """What every admin command needs, resolved from options, environment and config."""
+
+    target: AdminTarget
+    token: str | None = attrs.field(default=None, repr=False)
+    timeout: float = HTTP_TIMEOUT
+    notes: tuple[str, ...] = ()
+
+
+def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
+    """Options beat the environment, which beats the config file, which beats the defaults."""
+    from .config import ConfigError, load, read_token
+
+    config = None
+    config_path = getattr(args, "config", None)
+    if config_path:
+        try:
+            config = load(config_path)
+        except ConfigError as e:
+            raise CliError(str(e), EXIT_USAGE) from None
+    notes = []
+    admin = getattr(args, "admin", None) or environ.get("YIELDPROXY_ADMIN")
+    if admin:
+        target = admin_target_from_option(admin)
+    elif config is not None:
+        target = admin_target_from_endpoint(config.admin.listen)
+        if target is None:
+            target = AdminTarget(DEFAULT_ADMIN)
+            notes.append(
+                f"admin.listen {config.admin.listen!r} in {config_path} is not a tcp: or unix: "
+                f"endpoint; trying {DEFAULT_ADMIN} (use --admin to say where)"
+            )
+    else:
+        target = AdminTarget(DEFAULT_ADMIN)
+
+    token_file = getattr(args, "token_file", None)
+    if token_file:
+        token = _read_token_file(token_file, "--token-file")
+    elif environ.get("YIELDPROXY_TOKEN", "").strip():
+        token = environ["YIELDPROXY_TOKEN"].strip()
+    elif environ.get("YIELDPROXY_TOKEN_FILE"):
+        token = _read_token_file(environ["YIELDPROXY_TOKEN_FILE"], "YIELDPROXY_TOKEN_FILE")
+    elif config is not None:
+        try:
+            token = read_token(config)
+        except ConfigError as e:
+            raise CliError(str(e), EXIT_USAGE) from None
+    else:
+        token = None
+    timeout = getattr(args, "timeout", None) or HTTP_TIMEOUT
+    return Settings(target, token, timeout, tuple(notes))
+
+
+# ---------------------------------------------------------------------------
+# The admin API client.
+
+
+@implementer(IAgentEndpointFactory)
+@attrs.frozen
+class _UnixEndpoints:
+    """Every URL goes to one unix socket: how an Agent talks to ``admin.listen unix:...``."""
+
+    _reactor: Any
+    _path: str
+    _timeout: float
+
+    def endpointForURI(self, uri):
+        return UNIXClientEndpoint(self._reactor, self._path, timeout=self._timeout)
+
+
+@implementer(IAgentEndpointFactory)
+@attrs.frozen
+class _NoDelayEndpoints:
+    """TCP with Nagle off: without it the demo's small requests wait for delayed ACKs."""
+
+    _reactor: Any
+    _timeout: float
+
+    def endpointForURI(self, uri):
+        endpoint = TCP4ClientEndpoint(self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout)
+        return _NoDelay(endpoint)
+
+
+@attrs.frozen
+class _NoDelay:
+    """A client endpoint wrapper that sets TCP_NODELAY on each new connection."""
+
+    _wrapped: Any
+
+    def connect(self, factory):
+        def nodelay(protocol):
+            transport = getattr(protocol, "transport", None)
+            if transport is not None and hasattr(transport, "setTcpNoDelay"):
+                transport.setTcpNoDelay(True)
+            return protocol
+
+        return self._wrapped.connect(factory).addCallback(nodelay)
+
+
+def _why_unreachable(failure_value: BaseException, timeout: float) -> str | None:
+    """A short reason for a failure to get any answer, or None if it is something else."""
+    if isinstance(failure_value, defer.TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(failure_value, ierror.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(failure_value, ierror.DNSLookupError):
+        return "the host name does not resolve"
+    if isinstance(failure_value, (ierror.TimeoutError, ierror.ConnectingCancelledError)):
+        return "the connection attempt timed out"
+    if isinstance(failure_value, ierror.ConnectError):
+        detail = failure_value.osError or (failure_value.args[0] if failure_value.args else None)
+        return f"cannot connect ({detail})" if detail else "cannot connect"
+    if isinstance(failure_value, (ResponseNeverReceived, ResponseFailed)):
+        reasons = getattr(failure_value, "reasons", []) or []
+        detail = "; ".join(r.getErrorMessage() for r in reasons) or "connection closed"
+        return f"the connection broke before an answer ({detail})"
+    if isinstance(failure_value, (ierror.ConnectionLost, ierror.ConnectionDone, OSError)):
+        return f"the connection broke ({failure_value})"
+    return None
+
+
+async def _bounded(reactor, coroutine, timeout: float):
+    """Await ``coroutine``, cancelled after ``timeout`` seconds with a :class:`defer.TimeoutError`.
+
+    Not ``addTimeout``: cancelling an Agent request fails it with
+    ``ResponseNeverReceived``, which ``addTimeout`` does not recognise as its own.
+    """
+    d = defer.Deferred.fromCoroutine(coroutine)
+    expired = []
+
+    def expire() -> None:
+        expired.append(True)
+        d.cancel()
+
+    timer = reactor.callLater(timeout, expire)
+    try:
+        return await d
+    except Exception:
+        if expired:
+            raise defer.TimeoutError(f"no answer within {timeout:g} s") from None
+        raise
+    finally:
+        if timer.active():
+            timer.cancel()
+
+
+@attrs.define(eq=False)
+class AdminClient:
+    """Calls to the admin API, each bounded by ``timeout`` seconds, over treq."""
+
+    _reactor: Any
+    target: AdminTarget
+    _token: str | None = attrs.field(default=None, repr=False)
+    timeout: float = HTTP_TIMEOUT
+    _http: Any = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        from treq.client import HTTPClient
+
+        # Not persistent: a command makes one or two calls and leaves nothing open.
+        pool = HTTPConnectionPool(self._reactor, persistent=False)
+        if self.target.unix_path:
+            agent = Agent.usingEndpointFactory(
+                self._reactor, _UnixEndpoints(self._reactor, self.target.unix_path, self.timeout), pool=pool
+            )
+        else:
+            agent = Agent(self._reactor, pool=pool, connectTimeout=self.timeout)
+        self._http = HTTPClient(agent)
+
+    async def status(self) -> dict:
+        return await self.call("GET", "/status")
+
+    async def hold(self, **body: Any) -> dict:
+        return await self.call("POST", "/yield", {k: v for k, v in body.items() if v is not None})
+
+    async def release(self, source: str | None = None) -> dict:
+        return await self.call("POST", "/resume", {} if source is None else {"source": source})
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        """The JSON answer of one call; :class:`CliError` with the right exit status otherwise."""
+        try:
+            code, raw = await _bounded(self._reactor, self._exchange(method, path, body), self.timeout)
+        except Exception as e:
+            why = _why_unreachable(e, self.timeout)
+            if why is None:
+                raise
+            raise CliError(
+                f"cannot reach the admin API at {self.target.describe()}: {why}.\n"
+                "Is the proxy running (twistd -n yieldproxy)? If it listens elsewhere, "
+                "say where with --admin URL (or YIELDPROXY_ADMIN, or --config FILE).",
+                EXIT_UNREACHABLE,
+            ) from None
+        return self._decode(code, raw)
+
+    async def _exchange(self, method: str, path: str, body: dict | None) -> tuple[int, bytes]:
+        headers = {b"accept": [b"application/json"]}
+        if self._token is not None:
+            headers[b"authorization"] = [b"Bearer " + self._token.encode("utf-8")]
+        kwargs: dict[str, Any] = {}
+        if method != "GET":
+            kwargs["json"] = body or {}
+        response = await self._http.request(
+            method, self.target.url + path, headers=headers, allow_redirects=False,
+            reactor=self._reactor, **kwargs,
+        )
+        return response.code, await response.content()
+
+    def _decode(self, code: int, raw: bytes) -> dict:
+        try:
+            payload = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            payload = None
+        if code == 200 and isinstance(payload, dict) and "state" in payload:
+            return payload
+        where = self.target.describe()
+        if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+            message = f"the admin API at {where} answered {code}: {_printable(payload['error'])}"
+            if code == 401:
+                message += (
+                    "\n(the token given was refused)" if self._token is not None
+                    else "\n(no token was given: use --token-file FILE, YIELDPROXY_TOKEN or YIELDPROXY_TOKEN_FILE)"
+                )
+            raise CliError(message, EXIT_ERROR)
+        snippet = _printable(raw[:200].decode("utf-8", "replace").strip()) or "(empty)"
+        raise CliError(
+            f"{where} answered {code} with something that is not the admin API: {snippet}\n"
+            "Is --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?",
+            EXIT_ERROR,
+        )
+
+
+# ---------------------------------------------------------------------------
+# Printing a status.
+
+
+def _printable(text: Any, limit: int | None = None) -> str:
+    """Text from the network, safe for a terminal: no control characters, bounded."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in str(text))
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
+
+def format_duration(seconds: float | None) -> str:
+    """``4.2s``, ``42s``, ``3m 12s``, ``2h 05m``: short, for tables."""
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours:02d}h"
+
+
+def format_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def _in(now: float, when: float | None) -> str:
+    return "-" if when is None else "in " + format_duration(when - now)
+
+
+def format_status(status: dict) -> str:
+    """The ``status`` table: state, each hold, what is parked and in flight."""
+    now = status.get("now") or time.time()
+    state = status.get("state", "?")
+    holds = status.get("holds") or []
+    head = state
+    remaining = status.get("expected_remaining_seconds")
+    if state == "yielded" and remaining is not None:
+        head += f" (expected back in {format_duration(remaining)})"
+    elif state == "draining":
+        head += " (the GPU is back; parked requests are being replayed)"
+    lines = [f"state:      {head}"]
+    if holds:
+        rows = [("SOURCE", "REASON", "HELD FOR", "LEASE ENDS", "EXPECTED END")]
+        for h in holds:
+            rows.append((
+                _printable(h.get("source", ""), 24),
+                _printable(h.get("reason") or "-", 40),
+                format_duration(now - h["since"]) if h.get("since") is not None else "-",
+                _in(now, h.get("expires_at")),
+                _in(now, h.get("expected_end")),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines.append(f"holds:      {len(holds)}")
+        for row in rows:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    else:
+        lines.append("holds:      none")
+    parked = status.get("parked") or {}
+    total = status.get("parked_total", sum(parked.values()))
+    per_class = ", ".join(f"{_printable(k)} {v}" for k, v in sorted(parked.items()))
+    lines.append(f"parked:     {total} ({per_class or 'no classes'}), {format_bytes(status.get('parked_bytes', 0))}")
+    lines.append(f"in flight:  {status.get('inflight', 0)}")
+    return "\n".join(lines)
+
+
+def format_one_line(status: dict) -> str:
+    """The state after ``yield`` or ``resume``, on one line."""
+    now = status.get("now") or time.time()
+    parts = [f"state: {status.get('state', '?')}"]
+    holds = status.get("holds") or []
+    if holds:
+        described = []
+        for h in holds:
+            extra = [x for x in (
+                _printable(h.get("reason") or "", 40),
+                f"lease ends {_in(now, h['expires_at'])}" if h.get("expires_at") is not None else "",
+            ) if x]
+            described.append(_printable(h.get("source", ""), 24) + (f" ({', '.join(extra)})" if extra else ""))
+        parts.append("held by " + "; ".join(described))
+    remaining = status.get("expected_remaining_seconds")
+    if remaining is not None:
+        parts.append(f"expected back in {format_duration(remaining)}")
+    parts.append(f"{status.get('parked_total', 0)} parked, {status.get('inflight', 0)} in flight")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# The admin commands.
+
+
+async def _status_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
+    status = await AdminClient(reactor, settings.target, settings.token, settings.timeout).status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    if args.exit_code and status.get("state") == "yielded":
+        return EXIT_YIELDED
+    return EXIT_OK
+
+
+async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
+    client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
+    status = await client.hold(
+        reason=args.reason, source=args.source, expected_seconds=args.expected, for_seconds=args.for_seconds
+    )
+    print(format_one_line(status))
+    return EXIT_OK
+
+
+async def _resume_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
+    client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
+    status = await client.release(args.source)
+    print(format_one_line(status))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# The demo.
+
+
+@attrs.define(eq=False)
+class _Line:
+    """The live progress line: redrawn in place on a terminal, plain lines otherwise."""
+
+    _stream: Any
+    tty: bool
+    _drawn: bool = False
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self._stream.write("\r\x1b[K" + text)
+            self._drawn = True
+        else:
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def finish(self) -> None:
+        """Leave the last progress line on the terminal."""
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False
+
+    def clear(self) -> None:
+        if self._drawn:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._drawn = False
+
+    def say(self, text: str) -> None:
+        """A line of its own (an event, a warning) without mangling the progress line."""
+        self.clear()
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+@attrs.define(eq=False)
+class _Burst:
+    """What the demo's client saw; the progress line and the report read it."""
+
+    total: int
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    wrong: int = 0
+    #: Texts whose answer carried X-Yield-Parked-Seconds: they went through the lot.
+    replayed: set = attrs.Factory(set)
+    longest_wait: float = 0.0
+    longest_parked: float = 0.0
+    #: Why requests failed: the reason, how many, and one text as an example.
+    failures: dict[str, list] = attrs.Factory(dict)
+    stopped: bool = False
+    in_flight: set = attrs.Factory(set)
+
+    def fail(self, text: str, why: str, wrong: bool = False) -> None:
+        if wrong:
+            self.wrong += 1
+        else:
+            self.failed += 1
+        seen = self.failures.setdefault(why, [0, text])
+        seen[0] += 1
+
+
+@attrs.define(eq=False)
+class _Watch:
+    """The proxy's yield and drain as they happened, from its own state observer."""
+
+    started: float
+    yielded_at: float | None = None
+    resumed_at: float | None = None
+    drained_at: float | None = None
+    peak_before_yield: int = 0
+    parked_in_yield: int = 0
+    #: (text, arrived, finished) of every request the backend saw.
+    at_backend: list = attrs.Factory(list)
+
+
+def max_overlap(intervals) -> int:
+    """The most intervals open at once (an end and a start at the same instant do not overlap)."""
+    events = sorted([(b, 1) for b, _ in intervals] + [(e, -1) for _, e in intervals])
+    current = peak = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+class _BackendTimer(Resource):
+    """Wraps the sim's resource to note when each text arrived at the backend and left it.
+
+    With the texts that came back marked as parked, this gives the exact number of
+    replayed requests at the backend at once, however the drain and direct traffic mix.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner, clock, visits: list):
+        super().__init__()
+        self._inner = inner
+        self._clock = clock
+        self._visits = visits
+
+    def render(self, request):
+        arrived = self._clock.seconds()
+        text = None
+        if request.content is not None:
+            try:
+                text = json.loads(request.content.read()).get("input")
+            except (ValueError, AttributeError):
+                pass
+            request.content.seek(0)
+        request.notifyFinish().addBoth(lambda _: self._visits.append((text, arrived, self._clock.seconds())))
+        return self._inner.render(request)
+
+
+def demo_text(i: int) -> str:
+    """The ``i``-th text of the burst: distinct, so every vector can be checked."""
+    return f"demo text {i}: the GPU may be yielded while this one waits"
+
+
+def _vector_ok(got: Any, expected: list[float]) -> bool:
+    return (
+        isinstance(got, list)
+        and len(got) == len(expected)
+        and all(isinstance(g, (int, float)) and math.isclose(g, e, rel_tol=1e-9, abs_tol=1e-12)
+                for g, e in zip(got, expected))
+    )
+
+
+async def _sleep(reactor, seconds: float) -> None:
+    await task.deferLater(reactor, seconds, lambda: None)
+
+
+async def _demo_command(reactor, args: argparse.Namespace) -> int:
+    """Sim + proxy in this process, a burst through them, a yield in the middle; a report."""
+    from treq.client import HTTPClient
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.internet.task import LoopingCall
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        formatEventAsClassicLogText,
+        globalLogBeginner,
+    )
+
+    from .config import Config
+    from .service import build
+    from .sim import SimOllama, expected_embedding
+
+    watch = _Watch(started=reactor.seconds())
+
+    class TimedSim(SimOllama):
+        """The sim, with :class:`_BackendTimer` in front of its resource."""
+
+        def resource(self):
+            return _BackendTimer(super().resource(), reactor, watch.at_backend)
+
+    line = _Line(sys.stderr, sys.stderr.isatty())
+    # Warnings from the proxy and the sim go above the progress line.
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(
+            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),
+            [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
+        )],
+        redirectStandardIO=False,
+    )
+
+    deadline = args.deadline or (60.0 + args.yield_after + args.yield_for + 0.02 * args.texts)
+    request_timeout = max(30.0, args.yield_for + 30.0)
+
+    sim = TimedSim(reactor, latency=args.latency, parallel=DEMO_SIM_PARALLEL)
+    sim_port = await sim.listen(0, "127.0.0.1")
+    config = Config().with_overrides(**{"proxy.upstream": f"http://127.0.0.1:{sim_port}"})
+    token = secrets.token_urlsafe(16)
+    proxy = build(reactor, config, token=token)
+    proxy_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.proxy_app.site())
+    admin_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.admin_app.site())
+    proxy_url = f"http://127.0.0.1:{proxy_listener.getHost().port}"
+    admin = AdminClient(reactor, AdminTarget(f"http://127.0.0.1:{admin_listener.getHost().port}"), token)
+    cap = config.replay.concurrency
+
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = args.concurrency
+    http = HTTPClient(Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor, 10.0), pool=pool))
+
+    burst = _Burst(args.texts)
+    watch.started = reactor.seconds()
+
+    def mark() -> float:
+        return reactor.seconds() - watch.started
+
+    print(
+        f"demo: {args.texts} embedding requests, {args.concurrency} at a time, through the proxy at "
+        f"{proxy_url} to a simulated Ollama ({args.latency * 1000:g} ms a request, {DEMO_SIM_PARALLEL} in parallel); "
+        f"the GPU is yielded after {args.yield_after:g} s for {args.yield_for:g} s.",
+        flush=True,
+    )
+
+    def watch_drain() -> None:
+        """Note when the lot is empty again after the resume."""
+        if proxy.gate.state_name == "draining":
+            reactor.callLater(0.01, watch_drain)
+        elif watch.drained_at is None:
+            watch.drained_at = reactor.seconds()
+            line.say(f"{mark():6.2f}s  the lot is empty: drained in {watch.drained_at - watch.resumed_at:.2f} s")
+
+    def state_changed(yielded: bool) -> None:
+        now = reactor.seconds()
+        if yielded:
+            watch.yielded_at = now
+            watch.peak_before_yield = sim.peak_in_flight
+        else:
+            watch.resumed_at = now
+            watch.parked_in_yield = len(proxy.lot)
+            watch_drain()
+
+    proxy.state.observe(state_changed)
+
+    def progress() -> None:
+        try:
+            line.show(
+                f"{mark():6.2f}s  sent {burst.sent}/{burst.total}  ok {burst.ok}  failed {burst.failed + burst.wrong}"
+                f"  parked {len(proxy.lot)}  state {proxy.gate.state_name}"
+            )
+        except Exception as e:  # A broken progress line must not stop the demo.
+            line.say(f"progress line failed: {e!r}")
+
+    async def one(text: str) -> None:
+        began = reactor.seconds()
+
+        async def exchange():
+            response = await http.post(
+                proxy_url + "/api/embed", json={"model": DEMO_MODEL, "input": text}, reactor=reactor
+            )
+            return response.code, response.headers.getRawHeaders(b"x-yield-parked-seconds"), await response.content()
+
+        d = defer.Deferred.fromCoroutine(_bounded(reactor, exchange(), request_timeout))
+        burst.in_flight.add(d)
+        try:
+            code, parked, raw = await d
+        except Exception as e:
+            why = "stopped at the deadline" if burst.stopped else (_why_unreachable(e, request_timeout) or repr(e))
+            burst.fail(text, why)
+            return
+        finally:
+            burst.in_flight.discard(d)
+        waited = reactor.seconds() - began
+        burst.longest_wait = max(burst.longest_wait, waited)
+        if parked:
+            burst.replayed.add(text)
+            try:
+                burst.longest_parked = max(burst.longest_parked, float(parked[0]))
+            except ValueError:
+                pass
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if code != 200:
+            error = body.get("error") if isinstance(body, dict) else raw[:200]
+            burst.fail(text, f"HTTP {code}: {_printable(error, 200)}")
+            return
+        vectors = body.get("embeddings") if isinstance(body, dict) else None
+        if isinstance(vectors, list) and len(vectors) == 1 and _vector_ok(vectors[0], expected_embedding(text, DEMO_MODEL, sim.dim)):
+            burst.ok += 1
+        else:
+            burst.fail(text, "wrong vector", wrong=True)
+
+    texts = iter(range(args.texts))
+
+    # The yield comes after --yield-after seconds, or once half the burst is sent
+    # if that is sooner: a fast machine must not finish the burst before it.
+    go: defer.Deferred = defer.Deferred()
+    half = (args.texts + 1) // 2
+
+    def time_to_yield() -> None:
+        if not go.called:
+            go.callback(None)
+
+    async def worker() -> None:
+        for i in texts:
+            if burst.stopped:
+                return
+            burst.sent += 1
+            if burst.sent == half:
+                time_to_yield()
+            await one(demo_text(i))
+
+    admin_errors: list[str] = []
+    phase = {"name": "waiting"}
+
+    async def yield_and_resume() -> None:
+        await go
+        phase["name"] = "yielding"
+        line.say(f"{mark():6.2f}s  POST /yield (source {DEMO_SOURCE}, expected {args.yield_for:g} s)")
+        try:
+            # The lease ends the hold by itself should the resume call below be lost.
+            await admin.hold(
+                source=DEMO_SOURCE, reason="demo: the GPU is lent to another job",
+                expected_seconds=args.yield_for, for_seconds=args.yield_for + 10.0,
+            )
+        except CliError as e:
+            admin_errors.append(f"yield: {e.message}")
+            return
+        await _sleep(reactor, args.yield_for)
+        parked = len(proxy.lot)
+        line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {cap} at a time")
+        try:
+            await admin.release(DEMO_SOURCE)
+        except CliError as e:
+            admin_errors.append(f"resume: {e.message}")
+
+    ticker = LoopingCall(progress)
+    ticker.clock = reactor
+    ticker.start(0.2 if line.tty else 1.0, now=True)
+    controller = defer.Deferred.fromCoroutine(yield_and_resume())
+    workers = defer.gatherResults(
+        [defer.Deferred.fromCoroutine(worker()) for _ in range(args.concurrency)], consumeErrors=True
+    )
+
+    def out_of_time() -> None:
+        burst.stopped = True
+        if watch.yielded_at is not None and watch.resumed_at is None:
+            watch.parked_in_yield = len(proxy.lot)
+        line.say(f"{mark():6.2f}s  the demo's deadline ({deadline:g} s) passed; stopping")
+        for d in list(burst.in_flight):
+            d.cancel()
+        controller.cancel()
+
+    watchdog = reactor.callLater(deadline, out_of_time)
+    yield_timer = reactor.callLater(args.yield_after, time_to_yield)
+    try:
+        await workers
+        elapsed = mark()
+        if phase["name"] == "waiting":
+            controller.cancel()
+        await controller.addErrback(lambda f: f.trap(defer.CancelledError))
+    finally:
+        for call in (watchdog, yield_timer):
+            if call.active():
+                call.cancel()
+        ticker.stop()
+        progress()
+        line.finish()
+        await _quietly(reactor, pool.closeCachedConnections())
+        await _quietly(reactor, proxy_listener.stopListening())
+        await _quietly(reactor, admin_listener.stopListening())
+        proxy.replayer.stop()
+        await _quietly(reactor, proxy.upstream.close())
+        await _quietly(reactor, sim.stop())
+
+    duplicates = sum(1 for n in sim.texts_embedded.values() if n > 1)
+    not_sent = burst.total - burst.sent
+    good = burst.failed == 0 and burst.wrong == 0 and not_sent == 0 and not admin_errors
+    print(_demo_report(args, burst, watch, cap, elapsed, duplicates, not_sent, admin_errors, good))
+    return EXIT_OK if good else EXIT_ERROR
+
+
+async def _quietly(reactor, d) -> None:
+    """Cleanup that must neither hang nor hide the report."""
+    try:
+        await defer.maybeDeferred(lambda: d).addTimeout(5, reactor)
+    except Exception:
+        pass
+
+
+def _demo_report(args, burst: _Burst, watch: _Watch, cap: int, elapsed: float,
+                 duplicates: int, not_sent: int, admin_errors: list[str], good: bool) -> str:
+    rows = [
+        ("sent", f"{burst.sent}" + (f" ({not_sent} never sent)" if not_sent else "")),
+        ("ok", f"{burst.ok}"),
+        ("failed", f"{burst.failed}"),
+        ("wrong vectors", f"{burst.wrong}" + (f", {duplicates} texts embedded twice" if duplicates else "")),
+        ("longest wait", f"{burst.longest_wait:.2f} s"),
+    ]
+    if watch.yielded_at is None:
+        rows.append(("yield", "none: the burst ended before the yield"))
+    else:
+        if watch.resumed_at is None:
+            yielded = f"GPU yielded {watch.started + elapsed - watch.yielded_at:.2f} s, not resumed before the end"
+        else:
+            yielded = f"GPU yielded {watch.resumed_at - watch.yielded_at:.2f} s"
+        parked = f"{yielded}; {watch.parked_in_yield} requests parked through it"
+        if burst.longest_parked:
+            parked += f", the longest {burst.longest_parked:.2f} s"
+        rows.append(("time parked", parked))
+        if len(burst.replayed) > watch.parked_in_yield:
+            # Arrivals during the drain queue behind the lot (no overtaking), at the replay cap.
+            rows.append(("replayed", (
+                f"{len(burst.replayed)} requests went out through the lot, in order, "
+                f"until it drained"
+            )))
+        if watch.resumed_at is not None:
+            replay_peak = max_overlap([(b, e) for t, b, e in watch.at_backend if t in burst.replayed])
+            peak = f"{replay_peak} replayed at once (replay cap {cap})"
+            if replay_peak > cap:
+                peak += " -- ABOVE THE CAP"
+            rows.append((
+                "peak backend",
+                f"{peak}; {watch.peak_before_yield} before the yield (direct traffic is not capped)",
+            ))
+    rows.append(("took", f"{elapsed:.2f} s"))
+    width = max(len(k) for k, _ in rows)
+    out = ["", "demo report:"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    for why, (count, text) in itertools.islice(burst.failures.items(), 5):
+        out.append(f"  {count} x {why} (e.g. {text!r})")
+    for why in admin_errors:
+        out.append(f"  admin API: {why}")
+    out.append(
+        "result: OK: every request answered, every vector right" if good
+        else "result: FAILED: see above"
+    )
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# The command line.
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return _positive(text)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The common options are accepted before and after the command; SUPPRESS keeps
+    # the subcommand's copy from overwriting what was given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("admin API")
+    group.add_argument("--admin", metavar="URL", default=argparse.SUPPRESS,
+                       help=f"the admin listener: URL or unix:PATH (default $YIELDPROXY_ADMIN, "
+                            f"the --config file's admin.listen, or {DEFAULT_ADMIN})")
+    group.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                       help="the proxy's TOML config, to find admin.listen and admin.token_file")
+    group.add_argument("--token-file", metavar="FILE", default=argparse.SUPPRESS,
+                       help="file holding the admin token (default $YIELDPROXY_TOKEN, "
+                            "$YIELDPROXY_TOKEN_FILE, or the config's admin.token_file)")
+    group.add_argument("--timeout", metavar="SECONDS", type=_positive, default=argparse.SUPPRESS,
+                       help=f"give up on the admin API after this long (default {HTTP_TIMEOUT:g})")
+
+    parser = argparse.ArgumentParser(
+        prog="yieldproxy",
+        description="Talk to a running yieldproxy through its admin API, or try it without Ollama.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=description, parents=[common], epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    status = command("status", "show the state, the holds, what is parked",
+                     "Show whether the GPU is yielded, who holds it and why, and what is parked.")
+    status.add_argument("--json", action="store_true", help="print the admin API's JSON as it is")
+    status.add_argument("--exit-code", action="store_true",
+                        help="exit 4 when the GPU is yielded (for: yieldproxy status --exit-code && run-batch)")
+
+    hold = command("yield", "yield the GPU: park model requests until resume",
+                   "Take (or renew) a hold on the GPU: model requests are parked until every hold ends.")
+    hold.add_argument("--for", dest="for_seconds", metavar="SECONDS", type=_positive,
+                      help="a lease: the hold ends by itself after this long unless renewed")
+    hold.add_argument("--expected", metavar="SECONDS", type=_positive,
+                      help="how long the GPU is likely to be away (for Retry-After and early rejection)")
+    hold.add_argument("--reason", metavar="TEXT", help="shown in status and the logs")
+    hold.add_argument("--source", metavar="NAME", help="whose hold this is (default api)")
+
+    resume = command("resume", "end a hold: replay the parked requests once no hold is left",
+                     "End one source's hold; the GPU is back once no source holds it.")
+    resume.add_argument("--source", metavar="NAME", help="whose hold to end (default api)")
+
+    demo = sub.add_parser(
+        "demo", help="a burst through a proxy and a simulated Ollama, with a yield in the middle",
+        description=(
+            "Start a simulated Ollama and a proxy in this process, send a burst of embedding "
+            "requests through the proxy, yield and resume the GPU over the admin API in the middle, "
+            "and check every vector.  Exits 0 only if every request got its right vector."
+        ),
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--texts", type=_count, default=2000, metavar="N", help="requests to send (default 2000)")
+    demo.add_argument("--concurrency", type=_count, default=32, metavar="C", help="requests at a time (default 32)")
+    demo.add_argument("--yield-after", type=_non_negative, default=1.0, metavar="SECONDS",
+                      help="yield this long after the burst starts, or once half of it is sent "
+                           "if that comes first (default 1.0)")
+    demo.add_argument("--yield-for", type=_positive, default=3.0, metavar="SECONDS",
+                      help="resume this long after yielding (default 3.0)")
+    demo.add_argument("--latency", type=_non_negative, default=0.002, metavar="SECONDS",
+                      help="the simulated backend's time per request (default 0.002)")
+    demo.add_argument("--deadline", type=_positive, default=None, metavar="SECONDS",
+                      help="stop, failed, after this long whatever happens "
+                           "(default 60 + the yield + 20 ms a text)")
+
+    sub.add_parser(
+        "sim", add_help=False,
+        help="run a simulated Ollama (try: yieldproxy sim --help)",
+        description="Run the simulated Ollama backend; every option goes to python -m yieldproxy.sim.",
+    )
+    return parser
+
+
+def _run_admin(reactor, command, args: argparse.Namespace, settings: Settings):
+    """One admin command under ``react``: its exit status, its error message on stderr."""
+
+    async def run() -> None:
+        try:
+            code = await command(reactor, args, settings)
+        except CliError as e:
+            print(f"yieldproxy: {e.message}", file=sys.stderr)
+            code = e.code
+        except Exception:
+            traceback.print_exc()
+            code = EXIT_ERROR
+        if code:
+            raise SystemExit(code)
+
+    return defer.Deferred.fromCoroutine(run())
+
+
+def _run_demo(reactor, args: argparse.Namespace, finished: list):
+    async def run() -> None:
+        try:
+            code = await _demo_command(reactor, args)
+        except Exception:
+            traceback.print_exc()
+            code = EXIT_ERROR
+        finished.append(code)
+        if code:
+            raise SystemExit(code)
+
+    return defer.Deferred.fromCoroutine(run())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The ``yieldproxy`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "sim":
+        from .sim import main as sim_main
+
+        sim_main(extra)
+        return
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+    if args.command == "demo":
+        finished: list[int] = []
+        try:
+            task.react(_run_demo, (args, finished))
+        except SystemExit as e:
+            # Interrupted (Ctrl-C stops the reactor): not a success.
+            if not finished and not e.code:
+                print("yieldproxy: demo interrupted", file=sys.stderr)
+                raise SystemExit(130) from None
+            raise
+        return
+
+    try:
+        settings = resolve_settings(args, dict(os.environ))
+    except CliError as e:
+        print(f"yieldproxy: {e.message}", file=sys.stderr)
+        raise SystemExit(e.code) from None
+    for note in settings.notes:
+        print(f"yieldproxy: note: {note}", file=sys.stderr)
+    command = {"status": _status_command, "yield": _yield_command, "resume": _resume_command}[args.command]
+    task.react(_run_admin, (command, args, settings))
+
+
+if __name__ == "__main__":
+    main()
