@@ -1,0 +1,257 @@
+"""The request log line, the JSON log format, and ``--log-format`` on the twistd plugin."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import pytest_twisted
+import treq
+from klein import Klein
+from treq.testing import StubTreq
+from twisted.internet import reactor
+from twisted.internet.task import Clock
+from twisted.logger import LogLevel, Logger, capturedLogs, formatEvent
+from twisted.python import usage
+from twisted.scripts.twistd import ServerOptions
+
+from yieldproxy.requestlog import CLIENT_GONE, JSON_OBSERVER, json_file_observer, log_request
+from yieldproxy.tap import Options
+
+TIMEOUT = 30
+
+
+def test_one_event_with_structured_fields_and_a_readable_line():
+    clock = Clock()
+    clock.advance(100)
+
+    def handler(request):
+        request.setResponseCode(200)
+        request.write(b'{"embeddings": [[0.1]]}')
+        clock.advance(2.5)
+        log_request(request, "batch", 200, "ok", 2.0004, 1, started=100.0, clock=clock)
+
+    app = Klein()
+    app.route("/", branch=True)(handler)
+    http = StubTreq(app.resource())
+    with capturedLogs() as events:
+        response = http.post("http://proxy/api/embed?key=secret", data=b'{"input": "x"}')
+        http.flush()
+    assert response.called
+    mine = [e for e in events if e.get("log_namespace") == "yieldproxy.requestlog"]
+    assert len(mine) == 1
+    event = mine[0]
+    assert {k: event[k] for k in ("method", "path", "class", "status", "outcome", "parked_seconds", "attempts", "duration")} == {
+        "method": "POST",
+        "path": "/api/embed",  # no query string: it may carry secrets
+        "class": "batch",
+        "status": 200,
+        "outcome": "ok",
+        "parked_seconds": 2.0,
+        "attempts": 1,
+        "duration": 2.5,
+    }
+    assert event["bytes_sent"] == len(b'{"embeddings": [[0.1]]}')
+    assert event["log_level"] == LogLevel.info
+    assert formatEvent(event) == (
+        f"POST /api/embed batch 200 ok parked=2.000s attempts=1 2.500s client={event['client']}"
+    )
+
+
+class FakeRequest:
+    """Only what log_request reads: for the edge cases."""
+
+    def __init__(self, path=b"/api/chat", method=b"POST"):
+        self.path = path
+        self.method = method
+        self.sentLength = 0
+
+    def getClientAddress(self):
+        from twisted.internet.address import UNIXAddress
+
+        return UNIXAddress(None)
+
+
+def captured(*args, **kwargs) -> dict:
+    events = []
+    log_request(*args, logger=Logger(observer=events.append), **kwargs)
+    assert len(events) == 1
+    return events[0]
+
+
+def test_abandoned_request_is_logged_as_499_and_server_errors_as_warnings():
+    clock = Clock()
+    event = captured(FakeRequest(), "interactive", None, "abandoned", 14.2, 0, 0.0, clock)
+    assert event["status"] == CLIENT_GONE == 499
+    assert event["client"] == "unix"
+    assert event["log_level"] == LogLevel.info
+    event = captured(FakeRequest(), "batch", 503, "expired", 600.0, 0, 0.0, clock)
+    assert event["log_level"] == LogLevel.warn
+    event = captured(FakeRequest(), "passthrough", 502, "upstream_error", None, 1, 0.0, clock)
+    assert event["parked_seconds"] == 0.0
+
+
+def test_control_characters_cannot_forge_log_lines():
+    event = captured(FakeRequest(path=b"/api/x\nFAKE 200 ok\x1b[31m" + b"a" * 1000), "passthrough", 404, "ok", 0, 1, 0.0, Clock())
+    text = formatEvent(event)
+    assert "\n" not in text and "\x1b" not in text
+    assert "\\n" in event["path"] and len(event["path"]) < 400
+
+
+def test_json_observer_keeps_failures_and_odd_values_on_one_line():
+    out = io.StringIO()
+    log = Logger(observer=json_file_observer(out), namespace="t")
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        log.failure("it broke: {what}", what=b"bytes\nvalue")
+    log.info("odd {thing}", thing=object())
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    broke = json.loads(lines[0])
+    assert broke["level"] == "critical" and "ZeroDivisionError" in broke["traceback"]
+    assert broke["what"] == "bytes\nvalue" and broke["text"].startswith("it broke")
+    assert json.loads(lines[1])["thing"].startswith("<object object")
+
+
+def test_json_observer_writes_one_object_per_line_with_the_fields_and_the_text():
+    out = io.StringIO()
+    observer = json_file_observer(out)
+    log_request(FakeRequest(), "long", 200, "ok", 30.5, 2, 0.0, Clock(), logger=Logger(observer=observer))
+    Logger(observer=observer).info("a plain message with {n} field", n=1)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "\x1e" not in out.getvalue()
+    record = json.loads(lines[0])
+    assert record["class"] == "long" and record["status"] == 200 and record["attempts"] == 2
+    assert record["parked_seconds"] == 30.5 and record["outcome"] == "ok"
+    assert record["level"] == "info" and record["namespace"] == "test_requestlog"
+    assert isinstance(record["time"], float)
+    assert not [k for k in record if k.startswith("log_")]
+    assert record["text"].startswith("POST /api/chat long 200 ok parked=30.500s attempts=2")
+    assert json.loads(lines[1])["text"] == "a plain message with 1 field"
+
+
+# -- --log-format on the twistd plugin ---------------------------------------------------------
+
+
+def twistd_options(*args) -> ServerOptions:
+    options = ServerOptions()
+    options.parseOptions(["-n", *args])
+    return options
+
+
+def test_log_format_json_sets_twistds_logger():
+    options = twistd_options("yieldproxy", "--log-format", "json")
+    from yieldproxy.requestlog import json_observer
+
+    assert options["logger"] is json_observer
+    assert twistd_options("yieldproxy")["logger"] is None
+    assert twistd_options("yieldproxy", "--log-format", "text")["logger"] is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["yieldproxy", "--log-format", "xml"], "--log-format: must be text or json"),
+        (["--logger", JSON_OBSERVER, "yieldproxy", "--log-format", "json"], "--logger is set too"),
+        (["--logfile", "/tmp/yp.log", "yieldproxy", "--log-format", "json"], "drop --logfile"),
+    ],
+)
+def test_log_format_conflicts_are_usage_errors(args, message):
+    with pytest.raises(usage.UsageError, match=message):
+        twistd_options(*args)
+
+
+def test_plugin_options_alone_accept_log_format():
+    options = Options()
+    options.parseOptions(["--log-format", "json"])
+    assert options["log-format"] == "json"
+
+
+@pytest_twisted.ensureDeferred
+async def test_twistd_with_log_format_json_logs_json_lines():
+    """A real ``twistd -n yieldproxy --log-format json``: every stdout line is a JSON object."""
+    from test_twistd import start_service  # the same launcher as the service tests
+
+    from yieldproxy.sim import SimOllama
+
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy, admin = await start_service(sim_port, "--log-format", "json")
+    try:
+        answer = await treq.post(admin + "/yield", json={"reason": "json check", "source": "test"}, persistent=False)
+        assert answer.code == 200
+        response = await treq.post(proxy + "/api/tags", persistent=False).addTimeout(TIMEOUT, reactor)
+        await response.content()
+        process.signalProcess("TERM")
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
+    lines = [line for line in protocol.output.decode().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    texts = [r.get("text", "") for r in records]
+    assert any("starting up" in t for t in texts)
+    yielded = [r for r in records if r.get("namespace") == "yieldproxy.state" and r.get("source") == "test"]
+    assert yielded and yielded[0]["reason"] == "json check"
+    assert any(t == "Server Shut Down." for t in texts)
+
+
+# -- the call sites in proxy.py, over real sockets ---------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_proxied_request_ends_in_one_log_line():
+    from helpers import config_with, start_stack, wait_for
+
+    stack = await start_stack(reactor, config_with(classes={"interactive": {"hold_seconds": 0.3}}))
+
+    def post(path, **kwargs):
+        return treq.post(stack.proxy_url + path, persistent=False, **kwargs).addTimeout(TIMEOUT, reactor)
+
+    try:
+        with capturedLogs() as events:
+            tags = await treq.get(stack.proxy_url + "/api/tags", persistent=False).addTimeout(TIMEOUT, reactor)
+            await tags.content()
+            bad = await post("/api/embed", json={"model": "m", "input": "x"}, headers={"X-Yield-Class": "nope"})
+            await bad.content()
+            stack.proxy.state.hold("game", reason="test")
+            parked = post("/api/embed", json={"model": "all-minilm", "input": "kept"})
+            expiring = post("/api/generate", json={"model": "m", "prompt": "p", "stream": False})
+            leaving = post("/api/embed", json={"model": "all-minilm", "input": "gone"})
+            await wait_for(reactor, lambda: len(stack.proxy.lot) == 3)
+            leaving.addErrback(lambda failure: None)
+            leaving.cancel()
+            assert (await expiring).code == 503
+            await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
+            stack.proxy.state.release("game")
+            response = await parked
+            assert response.code == 200
+            await response.content()
+            await wait_for(reactor, lambda: len([e for e in events if e.get("log_namespace") == "yieldproxy.requestlog"]) == 5)
+        lines = {
+            (e["path"], e["outcome"]): e for e in events if e.get("log_namespace") == "yieldproxy.requestlog"
+        }
+        assert set(lines) == {
+            ("/api/tags", "ok"),
+            ("/api/embed", "bad_request"),
+            ("/api/generate", "expired"),
+            ("/api/embed", "abandoned"),
+            ("/api/embed", "ok"),
+        }
+        tags_line = lines["/api/tags", "ok"]
+        assert (tags_line["class"], tags_line["status"], tags_line["attempts"]) == ("passthrough", 200, 1)
+        assert lines["/api/embed", "bad_request"]["status"] == 400
+        expired = lines["/api/generate", "expired"]
+        assert (expired["class"], expired["status"], expired["attempts"]) == ("interactive", 503, 0)
+        assert expired["parked_seconds"] >= 0.29
+        gone = lines["/api/embed", "abandoned"]
+        assert (gone["status"], gone["attempts"]) == (499, 0)
+        ok = lines["/api/embed", "ok"]
+        assert (ok["class"], ok["status"], ok["attempts"], ok["method"]) == ("batch", 200, 1, "POST")
+        assert ok["parked_seconds"] > 0.2 and ok["duration"] >= ok["parked_seconds"]
+        assert ok["client"] == "127.0.0.1" and ok["bytes_sent"] > 0
+    finally:
+        await stack.stop()

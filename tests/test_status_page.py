@@ -1,0 +1,307 @@
+"""The status page in a real headless Chromium, against a real stack on 127.0.0.1.
+
+Chromium runs as a child process of the reactor (``spawnProcess``), so the
+proxy keeps answering the page's fetches while the browser renders it.
+``--dump-dom`` gives the DOM after the page's scripts ran (virtual time lets
+its two-second polling run twice without waiting); ``--screenshot`` gives a
+PNG, decoded here with zlib alone, to check that the chart was really drawn.
+
+Skipped when Chromium is missing, unless ``CI`` is set (then it fails).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import struct
+import tempfile
+import zlib
+from html.parser import HTMLParser
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ProcessProtocol
+
+from helpers import sleep, start_stack, wait_for
+
+TIMEOUT = 30
+TOKEN = "page-test-token-0123456789"
+WIDTH, HEIGHT = 1200, 800
+#: Colours from status.css: the yield band and the batch line.
+YIELD_BAND = (0xFF, 0xD8, 0xD3)
+BATCH = (0xD4, 0x57, 0x0B)
+REASON = 'boss fight <img src=x onerror="document.title=1">'
+
+
+def chromium_path() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI"):
+        pytest.fail("chromium is not installed (apt-get install chromium); CI must run the status-page test")
+    pytest.skip("chromium is not installed (apt-get install chromium)")
+
+
+# -- running Chromium ---------------------------------------------------------
+
+
+class _Collect(ProcessProtocol):
+    def __init__(self):
+        self.out = b""
+        self.err = b""
+        self.ended: Deferred = Deferred()
+
+    def outReceived(self, data):
+        self.out += data
+
+    def errReceived(self, data):
+        self.err += data
+
+    def processEnded(self, reason):
+        self.ended.callback(reason.value.exitCode)
+
+
+async def chromium(url: str, *mode: str, timeout: float = 60) -> bytes:
+    """Run headless Chromium on ``url`` with ``mode`` flags; its stdout."""
+    binary = chromium_path()
+    with tempfile.TemporaryDirectory(prefix="yp-chromium-") as profile:
+        args = [
+            binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-extensions", "--hide-scrollbars", f"--user-data-dir={profile}",
+            f"--window-size={WIDTH},{HEIGHT}", "--virtual-time-budget=5000", *mode, url,
+        ]
+        protocol = _Collect()
+        process = reactor.spawnProcess(protocol, binary, args, env={**os.environ, "LANG": "C.UTF-8"})
+        killer = reactor.callLater(timeout, process.signalProcess, "KILL")
+        try:
+            code = await protocol.ended
+        finally:
+            if killer.active():
+                killer.cancel()
+        assert code == 0, f"chromium exited {code}: {protocol.err.decode(errors='replace')[-2000:]}"
+        return protocol.out
+
+
+# -- reading what it rendered -----------------------------------------------------
+
+
+class Dom(HTMLParser):
+    """The elements of a dumped DOM that carry an id or a class, with their text."""
+
+    VOID = {"meta", "link", "input", "br", "img", "hr", "col", "rect", "line", "path"}
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.elements: list[dict] = []
+        self._open: list[dict] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        element = {"tag": tag, **{k: v or "" for k, v in attrs}, "text": ""}
+        self.elements.append(element)
+        if tag not in self.VOID:
+            self._open.append(element)
+
+    def handle_startendtag(self, tag, attrs):
+        self.elements.append({"tag": tag, **{k: v or "" for k, v in attrs}, "text": ""})
+
+    def handle_endtag(self, tag):
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i]["tag"] == tag:
+                del self._open[i:]
+                break
+
+    def handle_data(self, data):
+        for element in self._open:
+            element["text"] += data
+
+    def by_id(self, id_: str) -> dict:
+        found = [e for e in self.elements if e.get("id") == id_]
+        assert len(found) == 1, f"expected one #{id_}, found {len(found)}"
+        return found[0]
+
+    def with_class(self, name: str) -> list[dict]:
+        return [e for e in self.elements if name in e.get("class", "").split()]
+
+
+def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Width, height and RGB rows of an 8-bit, non-interlaced RGB or RGBA PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", chunk)
+        elif kind == b"IDAT":
+            idat += chunk
+        elif kind == b"IEND":
+            break
+    width, height, depth, color, _, _, interlace = header
+    assert depth == 8 and color in (2, 6) and interlace == 0, f"unsupported PNG {header}"
+    channels = 3 if color == 2 else 4
+    stride = width * channels
+    raw = zlib.decompress(idat)
+    rows, previous = [], bytearray(stride)
+    for y in range(height):
+        kind = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up = previous[i]
+            corner = previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + up) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + ((left + up) >> 1)) & 0xFF
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                pred = left if pa <= pb and pa <= pc else (up if pb <= pc else corner)
+                line[i] = (line[i] + pred) & 0xFF
+        previous = line
+        rgb = bytes(line) if channels == 3 else bytes(b for i, b in enumerate(line) if i % 4 != 3)
+        rows.append(rgb)
+    return width, height, rows
+
+
+def count_pixels(rows: list[bytes], top: int, bottom: int, match) -> int:
+    count = 0
+    for row in rows[top:bottom]:
+        for x in range(0, len(row), 3):
+            if match(row[x], row[x + 1], row[x + 2]):
+                count += 1
+    return count
+
+
+def near(colour, tolerance=12):
+    return lambda r, g, b: abs(r - colour[0]) <= tolerance and abs(g - colour[1]) <= tolerance and abs(b - colour[2]) <= tolerance
+
+
+# -- the tests -----------------------------------------------------------------------
+
+
+async def yielded_stack_with_history():
+    """A stack with a token, sampling every 0.2 s, yielded with 4 batch and 2 long requests parked."""
+    stack = await start_stack(reactor, token=TOKEN)
+    stack.proxy.history.start(interval=0.2)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    await sleep(reactor, 0.6)
+    answer = await treq.post(
+        stack.admin_url + "/yield", json={"reason": REASON, "source": "game", "for_seconds": 600},
+        headers=auth, persistent=False,
+    ).addTimeout(TIMEOUT, reactor)
+    assert answer.code == 200
+    pending = [
+        treq.post(stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"t{i}"}, persistent=False)
+        .addTimeout(TIMEOUT, reactor)
+        for i in range(4)
+    ] + [
+        treq.post(
+            stack.proxy_url + "/api/generate", json={"model": "m", "prompt": "p", "stream": False},
+            headers={"X-Yield-Class": "long"}, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        for _ in range(2)
+    ]
+    await wait_for(reactor, lambda: len(stack.proxy.lot) == 6)
+    await sleep(reactor, 1.5)
+    return stack, pending, auth
+
+
+@pytest_twisted.ensureDeferred
+async def test_page_shows_the_yield_its_hold_and_draws_it():
+    chromium_path()
+    stack, pending, auth = await yielded_stack_with_history()
+    try:
+        url = f"{stack.admin_url}/#token={TOKEN}"
+        dom = Dom((await chromium(url, "--dump-dom")).decode("utf-8"))
+
+        state = dom.by_id("state")
+        assert state["data-state"] == "yielded" and state["text"] == "yielded"
+        assert "held by game" in dom.by_id("state-detail")["text"]
+        assert dom.by_id("token-form").get("hidden") is not None
+        holds = dom.with_class("hold")
+        assert [h["data-source"] for h in holds] == ["game"]
+        # The caller-written reason is shown as text, not run as markup.
+        reason = dom.with_class("reason")[0]
+        assert reason["text"] == REASON
+        assert not [e for e in dom.elements if e["tag"] == "img"]
+        assert dom.with_class("expiry")[0]["text"].startswith("in 9 min")
+        assert dom.by_id("parked-batch")["data-count"] == "4"
+        assert dom.by_id("parked-long")["data-count"] == "2"
+        assert dom.by_id("parked-interactive")["data-count"] == "0"
+        assert dom.by_id("inflight")["text"] == "0"
+
+        # The chart: one yield band, reaching the right edge (still yielded), and parked lines that rose.
+        bands = dom.with_class("yield-band")
+        assert len(bands) == 1
+        assert float(bands[0]["width"]) > 10
+        assert int(dom.by_id("chart")["data-samples"]) >= 8
+        batch = dom.by_id("parked-batch-line")
+        assert batch["data-max"] == "4" and batch["d"].startswith("M") and "V" in batch["d"]
+        assert dom.by_id("parked-long-line")["data-max"] == "2"
+        assert dom.by_id("parked-interactive-line")["data-max"] == "0"
+
+        with tempfile.TemporaryDirectory(prefix="yp-shot-") as tmp:
+            shot = os.path.join(tmp, "status.png")
+            await chromium(url, f"--screenshot={shot}")
+            if os.environ.get("YIELDPROXY_KEEP_SCREENSHOT"):
+                shutil.copy(shot, os.environ["YIELDPROXY_KEEP_SCREENSHOT"])
+            with open(shot, "rb") as f:
+                width, height, rows = read_png(f.read())
+        assert (width, height) == (WIDTH, HEIGHT)
+        # The chart sits in the lower part of the page, under the cards and the holds table.
+        top, bottom = 280, 650
+        band = count_pixels(rows, top, bottom, near(YIELD_BAND, 4))
+        line = count_pixels(rows, top, bottom, near(BATCH, 30))
+        ink = count_pixels(rows, top, bottom, lambda r, g, b: r + g + b < 600)
+        assert band > 2000, f"yield band barely visible: {band} pixels"
+        assert line > 100, f"batch line barely visible: {line} pixels"
+        assert ink > 1000, f"chart looks empty: {ink} dark pixels"
+
+        # Resume: the page turns to available, the band stays in the history, the lines come back to 0.
+        await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
+        for d in pending:
+            assert (await d).code == 200
+        await sleep(reactor, 0.6)
+        dom = Dom((await chromium(url, "--dump-dom")).decode("utf-8"))
+        assert dom.by_id("state")["data-state"] == "available"
+        assert dom.by_id("no-holds").get("hidden") is None
+        assert len(dom.with_class("yield-band")) == 1
+        assert dom.by_id("parked-batch")["data-count"] == "0"
+        # The line started at 0 (before the yield) and is back there at its end.
+        levels = [float(v) for v in re.findall(r"[MV]\s*(?:[\d.]+\s+)?([\d.]+)", dom.by_id("parked-batch-line")["d"])]
+        assert levels[0] == levels[-1] and min(levels) < levels[0]
+    finally:
+        stack.proxy.history.stop()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_page_without_the_token_asks_for_it_and_shows_nothing():
+    chromium_path()
+    stack, pending, auth = await yielded_stack_with_history()
+    try:
+        for url in (stack.admin_url + "/", stack.admin_url + "/#token=wrong"):
+            dom = Dom((await chromium(url, "--dump-dom")).decode("utf-8"))
+            assert dom.by_id("state")["data-state"] == "locked"
+            assert dom.by_id("token-form").get("hidden") is None
+            assert dom.by_id("main").get("hidden") is not None
+            assert dom.with_class("hold") == []
+            assert "boss fight" not in str(dom.elements)
+        assert "refused" in dom.by_id("error")["text"]
+    finally:
+        await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
+        for d in pending:
+            await d
+        stack.proxy.history.stop()
+        await stack.stop()

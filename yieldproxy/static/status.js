@@ -1,0 +1,412 @@
+// yieldproxy status page: polls /status and /history on this admin listener
+// every two seconds and draws the last hour as inline SVG.  Plain JavaScript,
+// no build step, no external resources (the page's CSP allows none).
+//
+// Hold reasons and sources are text written by callers of POST /yield: they
+// are only ever put in the page with textContent, never parsed as HTML.
+"use strict";
+
+(function () {
+  const POLL_MS = 2000;
+  const TOKEN_KEY = "yieldproxy.admin-token";
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  const MIN_WINDOW = 60; // seconds: a fresh proxy's few samples still get a readable chart
+  const CLASS_ORDER = ["interactive", "batch", "long"];
+
+  const $ = (id) => document.getElementById(id);
+
+  const page = {
+    samples: [], // oldest first, as GET /history gives them
+    lastT: null, // the newest sample's t: the next poll asks only for newer ones
+    interval: 1,
+    capacity: 3600,
+    classes: CLASS_ORDER.slice(),
+    serverNow: null,
+    status: null,
+    timer: null,
+    waitingForToken: false,
+    token: null, // only used when sessionStorage is not available
+  };
+
+  // -- the token ---------------------------------------------------------------
+  // A token given as #token=... in the address is moved to sessionStorage and
+  // removed from the address bar.  A fragment never reaches the server, so it
+  // is not in any access log; sessionStorage ends with the tab.
+
+  function takeTokenFromAddress() {
+    const match = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+    if (!match) return;
+    let value = "";
+    try { value = decodeURIComponent(match[1]); } catch (e) { value = match[1]; }
+    page.token = value;
+    try {
+      sessionStorage.setItem(TOKEN_KEY, value);
+    } catch (e) {
+      // Storage disabled: page.token lasts until the page is reloaded.
+    }
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+
+  function token() {
+    try {
+      return sessionStorage.getItem(TOKEN_KEY);
+    } catch (e) {
+      return null;
+    }
+  }
+
+  function askForToken(refused) {
+    page.waitingForToken = true;
+    if (refused) {
+      page.token = null;
+      try { sessionStorage.removeItem(TOKEN_KEY); } catch (e) { /* nothing stored */ }
+    }
+    showError(refused ? "The admin token was refused." : "");
+    $("token-form").hidden = false;
+    $("main").hidden = true;
+    setState("locked", "token needed");
+    $("token-input").focus();
+  }
+
+  $("token-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const value = $("token-input").value.trim();
+    if (!value) return;
+    try { sessionStorage.setItem(TOKEN_KEY, value); } catch (e) { /* tab-only fallback below */ }
+    page.token = value;
+    $("token-input").value = "";
+    $("token-form").hidden = true;
+    $("main").hidden = false;
+    page.waitingForToken = false;
+    poll();
+  });
+
+  // -- fetching ----------------------------------------------------------------
+
+  class Unauthorized extends Error {}
+
+  async function getJSON(path) {
+    const headers = { Accept: "application/json" };
+    const t = token() || page.token;
+    if (t) headers.Authorization = "Bearer " + t;
+    const response = await fetch(path, { headers, cache: "no-store", credentials: "omit" });
+    if (response.status === 401) throw new Unauthorized(t ? "refused" : "missing");
+    if (!response.ok) throw new Error(path + " answered " + response.status);
+    return response.json();
+  }
+
+  async function poll() {
+    clearTimeout(page.timer);
+    if (page.waitingForToken) return;
+    try {
+      const since = page.lastT === null ? "" : "?since=" + encodeURIComponent(page.lastT);
+      const [status, hist] = await Promise.all([getJSON("status"), getJSON("history" + since)]);
+      showError("");
+      addHistory(hist);
+      renderLegend();
+      page.status = status;
+      renderStatus(status);
+      renderChart();
+    } catch (e) {
+      if (e instanceof Unauthorized) {
+        askForToken(e.message === "refused");
+        return;
+      }
+      showError("Cannot reach yieldproxy's admin listener (" + e.message + "); retrying.");
+      setState("unknown", "no answer");
+    }
+    page.timer = setTimeout(poll, POLL_MS);
+  }
+
+  function addHistory(hist) {
+    page.interval = hist.interval || 1;
+    page.capacity = hist.capacity || 3600;
+    page.classes = hist.classes && hist.classes.length ? hist.classes : CLASS_ORDER.slice();
+    page.serverNow = hist.now;
+    if (page.lastT !== null && hist.now < page.lastT - 5) {
+      // The server's clock went back (or another proxy answers here): start over.
+      page.samples = [];
+      page.lastT = null;
+      return;
+    }
+    for (const sample of hist.samples) {
+      if (page.lastT === null || sample.t > page.lastT) page.samples.push(sample);
+    }
+    if (page.samples.length) page.lastT = page.samples[page.samples.length - 1].t;
+    const excess = page.samples.length - page.capacity;
+    if (excess > 0) page.samples.splice(0, excess);
+  }
+
+  // -- the numbers -------------------------------------------------------------
+
+  function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function showError(message) {
+    $("error").textContent = message;
+    $("error").hidden = !message;
+  }
+
+  function setState(name, detail) {
+    const badge = $("state");
+    badge.textContent = name;
+    badge.className = "state state-" + name;
+    badge.dataset.state = name;
+    $("state-detail").textContent = detail || "";
+    document.title = name + " · yieldproxy";
+  }
+
+  function duration(seconds) {
+    seconds = Math.max(0, Math.round(seconds));
+    if (seconds < 60) return seconds + " s";
+    const m = Math.floor(seconds / 60);
+    if (m < 60) return m + " min " + (seconds % 60) + " s";
+    const h = Math.floor(m / 60);
+    return h + " h " + (m % 60) + " min";
+  }
+
+  function bytes(n) {
+    if (n < 1024) return n + " B";
+    const units = ["KiB", "MiB", "GiB"];
+    let value = n / 1024;
+    let i = 0;
+    while (value >= 1024 && i < units.length - 1) { value /= 1024; i++; }
+    return value.toFixed(value < 10 ? 1 : 0) + " " + units[i];
+  }
+
+  function clock(t) {
+    const d = new Date(t * 1000);
+    const two = (n) => String(n).padStart(2, "0");
+    return two(d.getHours()) + ":" + two(d.getMinutes()) + ":" + two(d.getSeconds());
+  }
+
+  function renderStatus(status) {
+    const now = status.now;
+    const holds = status.holds || [];
+    let detail = "";
+    if (status.state === "yielded") {
+      const sources = holds.map((h) => h.source).join(", ");
+      detail = "held by " + sources;
+    } else if (status.state === "draining") {
+      detail = "replaying parked requests";
+    } else {
+      detail = "requests go straight to the upstream";
+    }
+    setState(status.state, detail);
+    $("updated").textContent = "updated " + clock(now) + " · version " + status.version;
+
+    const parked = $("parked");
+    parked.replaceChildren();
+    const names = Object.keys(status.parked);
+    names.sort((a, b) => CLASS_ORDER.indexOf(a) - CLASS_ORDER.indexOf(b));
+    for (const cls of names) {
+      const box = el("div", "parked-class");
+      box.id = "parked-" + cls;
+      box.dataset.count = String(status.parked[cls]);
+      const name = el("div", "name");
+      name.append(el("span", "swatch swatch-" + cls), document.createTextNode(cls));
+      box.append(el("div", "count", String(status.parked[cls])), name);
+      parked.append(box);
+    }
+    $("inflight").textContent = String(status.inflight);
+    $("parked-bytes").textContent = bytes(status.parked_bytes);
+    $("expected").textContent =
+      status.expected_remaining_seconds == null
+        ? (status.state === "yielded" ? "unknown" : "–")
+        : "in " + duration(status.expected_remaining_seconds);
+
+    const body = $("holds-body");
+    body.replaceChildren();
+    for (const hold of holds) {
+      const row = el("tr", "hold");
+      row.dataset.source = hold.source;
+      row.append(
+        el("td", "source", hold.source),
+        el("td", "reason", hold.reason || "—"),
+        el("td", "num age", duration(now - hold.since)),
+        el("td", "num expiry", hold.expires_at == null ? "no lease" : "in " + duration(hold.expires_at - now)),
+        el("td", "num expected", hold.expected_end == null ? "—" : "in " + duration(hold.expected_end - now)),
+      );
+      body.append(row);
+    }
+    $("holds").hidden = holds.length === 0;
+    $("no-holds").hidden = holds.length !== 0;
+  }
+
+  // -- the chart ---------------------------------------------------------------
+
+  function svg(tag, attrs, text) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  // The smallest step of 1, 2 or 5 times a power of ten that needs at most
+  // five gridlines above zero; the scale ends on a gridline, at 4 or more.
+  function yScale(top) {
+    let step = 1;
+    for (let power = 1; ; power *= 10) {
+      step = [1, 2, 5].map((f) => f * power).find((s) => top / s <= 5);
+      if (step) break;
+    }
+    return { step, max: Math.max(4, Math.ceil(top / step) * step) };
+  }
+
+  function timeTicks(t0, t1) {
+    const span = t1 - t0;
+    const steps = [10, 15, 30, 60, 120, 300, 600, 900, 1800];
+    const step = steps.find((s) => span / s <= 7) || 3600;
+    const ticks = [];
+    for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) ticks.push(t);
+    return { ticks, step };
+  }
+
+  // Runs of samples in one state: [start, end) where end is the next sample's
+  // t (or now).  A gap of several intervals (sampler stopped, proxy restarted)
+  // ends a run, so an old yield is not stretched over time nobody saw.
+  function runs(samples, state, now, gap) {
+    const out = [];
+    let start = null;
+    let prev = null;
+    for (const s of samples) {
+      const broken = prev !== null && s.t - prev.t > gap;
+      if (start !== null && (s.state !== state || broken)) {
+        out.push([start, broken ? prev.t + page.interval : s.t]);
+        start = null;
+      }
+      if (s.state === state && start === null) start = s.t;
+      prev = s;
+    }
+    if (start !== null) out.push([start, now]);
+    return out;
+  }
+
+  function renderLegend() {
+    const legend = $("legend");
+    legend.replaceChildren();
+    const item = (swatch, label) => {
+      const li = el("li");
+      li.append(el("span", "swatch " + swatch), document.createTextNode(label));
+      legend.append(li);
+    };
+    for (const cls of page.classes) item("swatch-" + cls, cls);
+    item("swatch-inflight", "in flight");
+    item("swatch-yield", "yielded");
+    item("swatch-drain", "draining");
+  }
+
+  function renderChart() {
+    const chart = $("chart");
+    const width = Math.max(320, Math.round(chart.getBoundingClientRect().width || 900));
+    const height = 300;
+    const m = { left: 44, right: 14, top: 12, bottom: 26 };
+    const w = width - m.left - m.right;
+    const h = height - m.top - m.bottom;
+    chart.setAttribute("viewBox", "0 0 " + width + " " + height);
+    chart.setAttribute("width", width);
+    chart.replaceChildren();
+
+    const now = page.serverNow;
+    const samples = page.samples;
+    const windowSeconds = Number($("window").value);
+    const first = samples.length ? samples[0].t : now;
+    const span = Math.min(windowSeconds, Math.max(MIN_WINDOW, now - first));
+    const t0 = now - span;
+    const visible = samples.filter((s) => s.t >= t0 - page.interval);
+    chart.dataset.samples = String(visible.length);
+
+    let top = 0;
+    for (const s of visible) {
+      for (const cls of page.classes) top = Math.max(top, s.parked[cls] || 0);
+      top = Math.max(top, s.inflight);
+    }
+    const { step: yStep, max: yMax } = yScale(top);
+    const x = (t) => m.left + ((Math.max(t, t0) - t0) / span) * w;
+    const y = (v) => m.top + h - (v / yMax) * h;
+    const gap = Math.max(3 * page.interval, 3);
+
+    // Bands first, so the lines are drawn over them.
+    const bands = svg("g", { id: "yield-bands" });
+    for (const [state, cls] of [["yielded", "yield-band"], ["draining", "drain-band"]]) {
+      for (const [a, b] of runs(visible, state, now, gap)) {
+        if (b < t0) continue;
+        const rect = svg("rect", {
+          class: cls,
+          x: x(a).toFixed(1),
+          y: m.top,
+          width: Math.max(1, x(b) - x(a)).toFixed(1),
+          height: h,
+          "data-start": a,
+          "data-end": b,
+        });
+        rect.append(svg("title", {}, state + " " + clock(a) + " – " + clock(b) + " (" + duration(b - a) + ")"));
+        bands.append(rect);
+      }
+    }
+    chart.append(bands);
+
+    const grid = svg("g", { id: "grid" });
+    for (let v = 0; v <= yMax; v += yStep) {
+      grid.append(svg("line", { class: v === 0 ? "axis" : "grid", x1: m.left, x2: m.left + w, y1: y(v), y2: y(v) }));
+      grid.append(svg("text", { class: "tick", x: m.left - 6, y: y(v) + 4, "text-anchor": "end" }, String(v)));
+    }
+    const { ticks } = timeTicks(t0, now);
+    for (const t of ticks) {
+      grid.append(svg("line", { class: "grid", x1: x(t), x2: x(t), y1: m.top, y2: m.top + h }));
+      grid.append(svg("text", { class: "tick", x: x(t), y: height - 8, "text-anchor": "middle" }, clock(t).slice(0, span > 900 ? 5 : 8)));
+    }
+    grid.append(svg("line", { class: "now-line", x1: x(now), x2: x(now), y1: m.top, y2: m.top + h }));
+    chart.append(grid);
+
+    // Levels hold until the next sample: step lines, broken at gaps.
+    const stepPath = (read) => {
+      let d = "";
+      let prev = null;
+      for (const s of visible) {
+        const px = x(s.t).toFixed(1);
+        const py = y(read(s)).toFixed(1);
+        if (prev === null || s.t - prev.t > gap) d += "M" + px + " " + py;
+        else d += "H" + px + "V" + py;
+        prev = s;
+      }
+      if (prev !== null) d += "H" + x(Math.min(now, prev.t + gap)).toFixed(1);
+      return d;
+    };
+    const lines = svg("g", { id: "lines" });
+    lines.append(svg("path", {
+      id: "inflight-line", class: "inflight-line", d: stepPath((s) => s.inflight),
+      "data-max": Math.max(0, ...visible.map((s) => s.inflight)),
+    }));
+    for (const cls of page.classes) {
+      lines.append(svg("path", {
+        id: "parked-" + cls + "-line",
+        class: "parked-line class-" + cls,
+        "data-class": cls,
+        "data-max": Math.max(0, ...visible.map((s) => s.parked[cls] || 0)),
+        d: stepPath((s) => s.parked[cls] || 0),
+      }));
+    }
+    chart.append(lines);
+
+    if (!visible.length) {
+      chart.append(svg("text", { class: "empty", x: m.left + w / 2, y: m.top + h / 2, "text-anchor": "middle" },
+        "no samples yet"));
+    }
+  }
+
+  // -- start ---------------------------------------------------------------------
+
+  takeTokenFromAddress();
+  $("window").addEventListener("change", renderChart);
+  let resizeTimer = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => { if (page.serverNow !== null) renderChart(); }, 150);
+  });
+  poll();
+})();
