@@ -1,0 +1,656 @@
+"""The CPU fallback: serves embeddings while the GPU is yielded, only once it has proved itself.
+
+Vectors from a different model poison a vector store without any error, so
+a silent, unverified fallback is worse than an honest wait.  This one is
+checked against the primary while the primary is there to compare with: at
+start, every ``fallback.verify_interval_seconds``, and on demand (``POST
+/fallback/verify``, ``yieldproxy check-fallback``).  Each mapped model embeds
+the same probe texts on both sides; after L2 normalisation every text must
+give the same dimension and a cosine of at least ``fallback.min_cosine``.
+
+A model whose fallback was never verified, whose last verification failed,
+or whose verification is older than ``fallback.max_verification_age_seconds``
+is not used: its requests park as they would without a fallback, and
+``/status``, the log and the metrics say why.  A verified fallback serves at
+most ``fallback.concurrency`` requests at once; beyond that, and whenever it
+fails, the request parks.  A caller never sees a fallback error.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Callable, Mapping, Sequence
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.internet.protocol import Protocol
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+
+from .config import FallbackConfig
+from .forward import BytesProducer, Upstream, _describe, _was_cancelled, classify_failure
+from .metrics import Metrics, fallback_families
+from .translate import (
+    BackendError,
+    EmbedRequest,
+    Embeddings,
+    Untranslatable,
+    backend_request,
+    client_response,
+    cosine,
+    l2_normalise,
+    parse_request,
+    parse_response,
+)
+
+log = Logger()
+
+#: ``yieldproxy_fallback_total`` outcomes.
+OUTCOMES = ("ok", "failed_parked", "skipped_unverified", "skipped_busy", "skipped_unsupported", "abandoned")
+#: After a verification that could not run (a side unreachable, an error
+#: answer), try again this soon rather than a whole interval later.
+RETRY_AFTER_ERROR_SECONDS = 60.0
+
+
+class NotNow(Exception):
+    """Verification needs the primary, and the GPU is yielded."""
+
+
+# -- talking to an embedding server ---------------------------------------------------
+
+
+class _Body(Protocol):
+    """Collects a whole answer body."""
+
+    def __init__(self, done: Deferred):
+        self._done = done
+        self._parts: list[bytes] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def connectionLost(self, reason) -> None:
+        if self._done.called:  # cancelled
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._done.callback(b"".join(self._parts))
+        else:
+            self._done.errback(reason)
+
+
+def _read_body(response) -> Deferred:
+    """``readBody``, but cancelling it stops the transfer.
+
+    ``readBody`` cannot abort through the Agent's transport proxy (it warns
+    and keeps reading); stopping the producer closes the connection.
+    """
+    done: Deferred = Deferred(lambda d: protocol.transport is not None and protocol.transport.stopProducing())
+    protocol = _Body(done)
+    response.deliverBody(protocol)
+    return done
+
+
+class EmbedBackend:
+    """An embedding server in one API shape, reached through an :class:`Upstream`'s Agent.
+
+    The primary is reached through the proxy's own upstream (its pool, not the
+    parking lot); the fallback through an Upstream of its own.
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        upstream: Upstream,
+        api: str,
+        timeout: float,
+        openai_prefix: str = "",
+    ):
+        self._clock = clock
+        self._upstream = upstream
+        self.api = api
+        self._timeout = timeout
+        #: The primary is addressed at its root, so its OpenAI routes need ``/v1``;
+        #: the fallback's OpenAI URL is a base URL that already ends in it.
+        self._openai_prefix = openai_prefix
+        self.url = upstream.url
+
+    def describe(self) -> str:
+        return f"{self.url} ({self.api})"
+
+    async def embed(self, request: EmbedRequest, model: str) -> Embeddings:
+        """The vectors for ``request`` under the backend's name ``model``; :class:`BackendError` if none."""
+        path, body = backend_request(request, self.api, model)
+        if self.api == "openai":
+            path = self._openai_prefix + path
+        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"application/json"]})
+        timed_out = []
+        pending: list[Deferred] = []
+
+        def expire() -> None:
+            timed_out.append(True)
+            if pending:
+                pending[-1].cancel()
+
+        async def step(d: Deferred):
+            pending.append(d)
+            try:
+                return await d
+            finally:
+                pending.remove(d)
+
+        timer = self._clock.callLater(self._timeout, expire)
+        try:
+            response = await step(
+                self._upstream.agent.request(
+                    b"POST", self._upstream.uri(path.encode("ascii")), headers, BytesProducer(body)
+                )
+            )
+            raw = await step(_read_body(response))
+        except Exception as e:
+            if timed_out:
+                raise BackendError("timeout", f"{self.url}: no answer within {self._timeout:g}s") from None
+            if _was_cancelled(e):
+                raise CancelledError("the caller went away") from None
+            raise BackendError(classify_failure(e) or "error", _describe(e, self.url)) from None
+        finally:
+            if timer.active():
+                timer.cancel()
+        return parse_response(request, self.api, response.code, raw)
+
+    def close(self) -> Deferred:
+        return self._upstream.close()
+
+
+# -- verification -----------------------------------------------------------------------
+
+
+@attrs.frozen
+class ProbeRow:
+    """One probe text compared on both sides."""
+
+    text: str
+    primary_dimension: int
+    fallback_dimension: int
+    #: None when the dimensions differ (no cosine to compute).
+    cosine: float | None
+    ok: bool
+
+
+@attrs.frozen
+class Verification:
+    """The last word on one mapped model: may its fallback be used?"""
+
+    model: str
+    fallback_model: str
+    ok: bool
+    at: float
+    #: The lowest cosine over the probe texts, when both sides answered.
+    worst_cosine: float | None = None
+    #: Why it failed ("" when it passed).
+    reason: str = ""
+    rows: tuple[ProbeRow, ...] = ()
+
+    def as_json(self, now: float) -> dict:
+        return {
+            "ok": self.ok,
+            "at": self.at,
+            "age_seconds": max(0.0, now - self.at),
+            "worst_cosine": self.worst_cosine,
+            "reason": self.reason or None,
+            "dimension": self.rows[0].primary_dimension if self.rows else None,
+            "texts": len(self.rows),
+        }
+
+
+def _width(text: str) -> int:
+    """Terminal columns: wide (CJK, most emoji) characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """One line of at most ``limit`` columns."""
+    flat = " ".join(text.split())
+    if _width(flat) <= limit:
+        return flat
+    while _width(flat) > limit - 1:
+        flat = flat[:-1]
+    return flat + "…"
+
+
+def compare(
+    model: str,
+    fallback_model: str,
+    texts: Sequence[str],
+    primary: Sequence[Sequence[float]],
+    fallback: Sequence[Sequence[float]],
+    min_cosine: float,
+    at: float,
+) -> Verification:
+    """Per text, after L2 normalisation: the same dimension and a cosine of at least ``min_cosine``."""
+    rows = []
+    for text, p, f in zip(texts, primary, fallback):
+        if len(p) != len(f):
+            rows.append(ProbeRow(text, len(p), len(f), None, False))
+            continue
+        c = cosine(l2_normalise(p), l2_normalise(f))
+        rows.append(ProbeRow(text, len(p), len(f), c, c >= min_cosine))
+    cosines = [r.cosine for r in rows if r.cosine is not None]
+    worst = min(cosines) if cosines else None
+    bad = [(i, r) for i, r in enumerate(rows) if not r.ok]
+    reason = ""
+    if bad:
+        i, first = bad[0]
+        if first.cosine is None:
+            why = f"dimension {first.fallback_dimension} on the fallback, {first.primary_dimension} on the primary"
+        else:
+            why = f"cosine {first.cosine:.4f} < {min_cosine:g}"
+        reason = f"{len(bad)} of {len(rows)} probe texts differ; first: text {i + 1} {_short(first.text)!r}: {why}"
+    return Verification(model, fallback_model, not bad, at, worst, reason, tuple(rows))
+
+
+# -- the fallback ------------------------------------------------------------------------
+
+
+def _model_key(name: str) -> str:
+    """Ollama's canonical name: ``all-minilm`` and ``all-minilm:latest`` are one model."""
+    last = name.strip().rsplit("/", 1)[-1]
+    return name.strip() if ":" in last else name.strip() + ":latest"
+
+
+@attrs.define(eq=False)
+class Fallback:
+    """Verification on a timer, and the use of a verified fallback during a yield."""
+
+    _clock: IReactorTime
+    _config: FallbackConfig
+    _primary: EmbedBackend
+    _backend: EmbedBackend
+    _metrics: Metrics
+    #: True while the GPU is yielded (the gate's view).
+    _yielded: Callable[[], bool]
+    #: Each class's policy; only ``fallback`` classes are served here.
+    _policies: Mapping[str, str]
+    #: The last verification of each mapped model, by its primary name.
+    verifications: dict[str, Verification] = attrs.Factory(dict)
+    inflight: int = 0
+    _verifying: Deferred | None = None
+    _waiters: list[Deferred] = attrs.Factory(list)
+    _timer: IDelayedCall | None = None
+    #: A verification came due while the GPU was yielded: run it when it is back.
+    _due: bool = False
+    _running: bool = False
+    #: The last "not used because ..." logged per model, so a yield logs it once.
+    _skip_logged: dict[str, str] = attrs.Factory(dict)
+    _keys: dict[str, str] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._keys = {_model_key(name): name for name in self._config.models}
+
+    # -- may it be used? ------------------------------------------------------
+
+    def mapped(self, model: str) -> str | None:
+        """The primary model name under which ``model`` is mapped, or None."""
+        if model in self._config.models:
+            return model
+        return self._keys.get(_model_key(model))
+
+    def why_not(self, model: str) -> str | None:
+        """Why the fallback may not serve ``model`` now (a mapped primary name), or None if it may."""
+        v = self.verifications.get(model)
+        if v is None:
+            return "never verified" + (" (a verification is running)" if self._verifying else "")
+        if not v.ok:
+            return f"last verification failed: {v.reason}"
+        age = self._clock.seconds() - v.at
+        if age > self._config.max_verification_age_seconds:
+            return (
+                f"last verification is {age:.0f}s old, more than "
+                f"fallback.max_verification_age_seconds ({self._config.max_verification_age_seconds:g})"
+            )
+        return None
+
+    # -- serving ----------------------------------------------------------------------
+
+    async def serve(self, request, entry, body: bytes) -> bool:
+        """Answer ``request`` from the fallback, if it may; False means "park it as usual".
+
+        Only during a yield, for a class whose policy is ``fallback``, an
+        embedding request for a mapped and verified model, with a slot free.
+        Any failure returns False before anything is written, so the caller
+        parks the request and the primary answers it later.
+        """
+        cls = entry.cls
+        if (
+            not self._yielded()
+            or self._policies.get(cls) != "fallback"
+            or cls not in self._config.classes
+        ):
+            return False
+        path = request.path.decode("latin-1")
+        try:
+            wanted = parse_request(path, body)
+        except Untranslatable as e:
+            self._skip(cls, "skipped_unsupported", None, str(e))
+            return False
+        model = self.mapped(wanted.model)
+        if model is None:
+            self._skip(cls, "skipped_unsupported", None, f"model {wanted.model!r} is not in fallback.models")
+            return False
+        why = self.why_not(model)
+        if why is not None:
+            self._skip(cls, "skipped_unverified", model, why)
+            return False
+        if self.inflight >= self._config.concurrency:
+            self._count(cls, "skipped_busy")
+            return False
+        self.inflight += 1
+        began = self._clock.seconds()
+        try:
+            result = await self._backend.embed(wanted, self._config.models[model])
+        except CancelledError:
+            self._count(cls, "abandoned")
+            raise
+        except Exception as e:
+            detail = e.detail if isinstance(e, BackendError) else repr(e)
+            log.warn(
+                "fallback failed for a {cls} request ({model}), parking it: {detail}",
+                cls=cls, model=model, detail=detail,
+            )
+            self._count(cls, "failed_parked")
+            return False
+        finally:
+            self.inflight -= 1
+        answer = client_response(wanted, result, self._clock.seconds() - began)
+        request.setResponseCode(200)
+        headers = request.responseHeaders
+        headers.setRawHeaders(b"content-type", [b"application/json; charset=utf-8"])
+        headers.setRawHeaders(b"content-length", [b"%d" % len(answer)])
+        headers.setRawHeaders(b"x-yield-served-by", [b"fallback"])
+        headers.setRawHeaders(b"x-yield-fallback-model", [self._config.models[model].encode("utf-8")])
+        request.write(answer)
+        self._count(cls, "ok")
+        self._metrics.requests_total.labels(cls, "200").inc()
+        return True
+
+    def _count(self, cls: str, outcome: str) -> None:
+        self._metrics.fallback_total.labels(cls, outcome).inc()
+
+    def _skip(self, cls: str, outcome: str, model: str | None, why: str) -> None:
+        """Count a request that parks instead; log why once per model and reason per yield."""
+        self._count(cls, outcome)
+        key = model or "*"
+        if self._skip_logged.get(key) == why:
+            return
+        self._skip_logged[key] = why
+        if model is None:
+            log.info("fallback not used for a {cls} request, parking it: {why}", cls=cls, why=why)
+        else:
+            log.warn("fallback not used for {model}, requests park instead: {why}", model=model, why=why)
+
+    # -- verification ---------------------------------------------------------------------
+
+    def verify(self) -> Deferred:
+        """Verify every mapped model now; fires with ``{model: Verification}``.
+
+        Raises :class:`NotNow` while the GPU is yielded.  A call while a
+        verification runs waits for that one instead of starting another.
+        """
+        if self._verifying is None and self._yielded():
+            raise NotNow("the GPU is yielded; verification needs the primary and runs once it is back")
+        waiter: Deferred = Deferred()
+        self._waiters.append(waiter)  # before the run starts: it may end at once
+        if self._verifying is None:
+            running = Deferred.fromCoroutine(self._verify_all())
+            if not running.called:  # still running: later callers share it, stop() cancels it
+                self._verifying = running
+            running.addBoth(self._verified)
+        return waiter
+
+    def _verified(self, result):
+        """Hand the one verification's result to everyone who asked for it."""
+        self._verifying = None
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if waiter.called:  # its caller gave up (cancelled)
+                continue
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(result)
+        return None
+
+    async def _verify_all(self) -> dict[str, Verification]:
+        results = {}
+        for model, fallback_model in self._config.models.items():
+            try:
+                v = await self._verify_one(model, fallback_model)
+            except NotNow:
+                log.info("fallback verification stopped: the GPU was yielded; it runs again once it is back")
+                self._due = True
+                break
+            self.verifications[model] = v
+            results[model] = v
+            self._skip_logged.pop(model, None)
+            if v.ok:
+                log.info(
+                    "fallback verified for {model} (as {fallback_model} on {url}): "
+                    "worst cosine {worst:.6f} over {n} texts",
+                    model=model, fallback_model=fallback_model, url=self._backend.url,
+                    worst=v.worst_cosine, n=len(v.rows),
+                )
+            else:
+                log.warn(
+                    "fallback NOT verified for {model} (as {fallback_model} on {url}), "
+                    "its requests will park instead: {reason}",
+                    model=model, fallback_model=fallback_model, url=self._backend.url, reason=v.reason,
+                )
+        return results
+
+    async def _verify_one(self, model: str, fallback_model: str) -> Verification:
+        texts = tuple(self._config.probe_texts)
+        probe = EmbedRequest("embed", model, texts)
+        now = self._clock.seconds
+        if self._yielded():
+            raise NotNow()
+        try:
+            primary = await self._primary.embed(probe, model)
+        except BackendError as e:
+            return Verification(model, fallback_model, False, now(), reason=f"primary: {e.detail}")
+        try:
+            fallback = await self._backend.embed(probe, fallback_model)
+        except BackendError as e:
+            return Verification(model, fallback_model, False, now(), reason=f"fallback: {e.detail}")
+        return compare(
+            model, fallback_model, texts, primary.vectors, fallback.vectors, self._config.min_cosine, now()
+        )
+
+    # -- the timer ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Verify now, then every ``verify_interval_seconds``."""
+        self._running = True
+        self._schedule(0)
+
+    def stop(self) -> Deferred:
+        self._running = False
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._verifying is not None:
+            self._verifying.cancel()
+        return self._backend.close()
+
+    def state_changed(self, yielded: bool) -> None:
+        """The yield state moved: a due verification runs once the GPU is back."""
+        self._skip_logged.clear()
+        if not yielded and self._due and self._running:
+            self._schedule(0)
+
+    def _schedule(self, delay: float) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = self._clock.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        """One periodic step; wrapped, so one exception cannot end the loop."""
+        self._timer = None
+        if not self._running:
+            return
+        if self._yielded():
+            self._due = True
+            self._schedule(self._config.verify_interval_seconds)
+            return
+        self._due = False
+        d = self.verify()
+
+        def next_run(results):
+            # No rows: a side did not answer (not a mismatch), so try again sooner.
+            errored = any(not v.ok and not v.rows for v in results.values())
+            interval = self._config.verify_interval_seconds
+            if self._running and self._timer is None:
+                self._schedule(min(interval, RETRY_AFTER_ERROR_SECONDS) if errored else interval)
+
+        def failed(failure):
+            if not failure.check(CancelledError):
+                log.failure("fallback verification failed unexpectedly", failure)
+            if self._running and self._timer is None:
+                self._schedule(min(self._config.verify_interval_seconds, RETRY_AFTER_ERROR_SECONDS))
+
+        d.addCallbacks(next_run, failed)
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """The ``fallback`` entry of ``/status``: for each model, may it be used, and if not, why."""
+        now = self._clock.seconds()
+        models = {}
+        for model, fallback_model in self._config.models.items():
+            why = self.why_not(model)
+            v = self.verifications.get(model)
+            models[model] = {
+                "fallback_model": fallback_model,
+                "usable": why is None,
+                "why_not": why,
+                "verification": None if v is None else v.as_json(now),
+            }
+        return {
+            "enabled": True,
+            "url": self._backend.url,
+            "api": self._backend.api,
+            "classes": list(self._config.classes),
+            "inflight": self.inflight,
+            "concurrency": self._config.concurrency,
+            "verifying": self._verifying is not None,
+            "verification_due": self._due,
+            "min_cosine": self._config.min_cosine,
+            "max_verification_age_seconds": self._config.max_verification_age_seconds,
+            "models": models,
+        }
+
+    def metric_families(self):
+        """``yieldproxy_fallback_verified`` and ``_min_cosine``, computed at scrape time (age counts)."""
+        rows = []
+        for model in self._config.models:
+            v = self.verifications.get(model)
+            rows.append((model, self.why_not(model) is None, None if v is None else v.worst_cosine))
+        return fallback_families(rows)
+
+
+def build_fallback(reactor, config, upstream: Upstream, yielded: Callable[[], bool], metrics: Metrics) -> Fallback:
+    """A :class:`Fallback` for ``config.fallback``, its primary side on the proxy's own ``upstream``."""
+    fc = config.fallback
+    primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
+    backend = EmbedBackend(reactor, Upstream(reactor, fc.url, fc.concurrency + 1), fc.api, fc.timeout_seconds)
+    fallback = Fallback(
+        reactor, fc, primary, backend, metrics, yielded, {k: v.policy for k, v in config.classes.items()}
+    )
+    metrics.watch(fallback.metric_families)
+    return fallback
+
+
+# -- yieldproxy check-fallback ------------------------------------------------------------------
+
+
+def format_table(verifications: Mapping[str, Verification], min_cosine: float) -> str:
+    """The verification table, one block per model, for people."""
+    lines = []
+    for model, v in verifications.items():
+        verdict = "OK" if v.ok else "FAILED"
+        worst = "n/a" if v.worst_cosine is None else f"{v.worst_cosine:.6f}"
+        lines.append(f"{model} -> {v.fallback_model}: {verdict} (worst cosine {worst}, needs >= {min_cosine:g})")
+        if v.reason:
+            lines.append(f"  {v.reason}")
+        if v.rows:
+            lines.append(f"  {'#':>2}  {'text':<42} {'dim primary':>11} {'dim fallback':>12} {'cosine':>9}")
+            for i, r in enumerate(v.rows, 1):
+                c = "-" if r.cosine is None else f"{r.cosine:.6f}"
+                mark = "" if r.ok else "  <- differs"
+                text = _short(r.text)
+                text += " " * (42 - _width(text))
+                lines.append(f"  {i:>2}  {text} {r.primary_dimension:>11} {r.fallback_dimension:>12} {c:>9}{mark}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+async def check(reactor, config) -> tuple[bool, str]:
+    """Verify ``config``'s fallback once (enabled or not), and the table to print."""
+    fc = config.fallback
+    upstream = Upstream(reactor, config.proxy.upstream, 4)
+    primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
+    backend = EmbedBackend(reactor, Upstream(reactor, fc.url, 4), fc.api, fc.timeout_seconds)
+    fallback = Fallback(reactor, fc, primary, backend, Metrics(), lambda: False, {})
+    try:
+        results = await fallback.verify()
+    finally:
+        await upstream.close()
+        await backend.close()
+    header = (
+        f"primary  {primary.describe()}\nfallback {backend.describe()}\n"
+        f"{len(fc.probe_texts)} probe texts, min cosine {fc.min_cosine:g}\n"
+    )
+    ok = bool(results) and all(v.ok for v in results.values())
+    return ok, header + "\n" + format_table(results, fc.min_cosine)
+
+
+def check_command(config_path: str | None) -> int:
+    """``yieldproxy check-fallback``: 0 when every mapped model passes, 1 when any fails, 2 on a bad config."""
+    import sys
+
+    from twisted.internet import task
+
+    from .config import ConfigError, load
+
+    try:
+        config = load(config_path)
+    except ConfigError as e:
+        print(f"yieldproxy: {e}", file=sys.stderr)
+        return 2
+    fc = config.fallback
+    missing = [key for key, value in (("fallback.url", fc.url), ("fallback.models", fc.models)) if not value]
+    if missing:
+        where = config_path or "the defaults (no --config)"
+        print(f"yieldproxy: {' and '.join(missing)} not set in {where}; nothing to check", file=sys.stderr)
+        return 2
+    outcome: list[int] = []
+
+    async def run(reactor):
+        ok, table = await check(reactor, config)
+        print(table, end="")
+        print("fallback verified: it may be used" if ok else "fallback NOT verified: requests would park instead")
+        outcome.append(0 if ok else 1)
+
+    try:
+        task.react(lambda reactor: Deferred.fromCoroutine(run(reactor)))
+    except SystemExit:  # react always ends with one; an error was printed already
+        pass
+    return outcome[0] if outcome else 1
+
+
+__all__ = [
+    "OUTCOMES", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare", "Fallback",
+    "build_fallback", "format_table", "check", "check_command",
+]
