@@ -15,7 +15,9 @@ from yieldproxy.state import YieldState
 
 def clock_cooperator(clock: Clock) -> Cooperator:
     """A Cooperator that runs its steps on ``clock``, so tests advance it by hand."""
-    return Cooperator(scheduler=lambda step: clock.callLater(0, step))
+    from yieldproxy.service import one_step_cooperator
+
+    return one_step_cooperator(clock)
 
 
 @attrs.define(eq=False)
@@ -108,11 +110,18 @@ class Stack:
     _ports: list
     #: A test's own backend in place of the sim, if any.
     echo: object = None
+    #: Watchers and handover, when started with ``watchers=True``.
+    services: list = attrs.Factory(list)
 
     async def stop(self) -> None:
+        for service in reversed(self.services):
+            if service.running:
+                service.stopService()
         for port in self._ports:
             await port.stopListening()
         self.proxy.replayer.stop()
+        if getattr(self.proxy, "fallback", None) is not None:
+            await self.proxy.fallback.stop()
         await self.proxy.upstream.close()
         if self.sim is not None:
             await self.sim.stop()
@@ -122,8 +131,15 @@ class Stack:
         return 0.0 if value is None else value
 
 
-async def start_stack(reactor, config: Config | None = None, upstream: str | None = None, token=None, **sim_options) -> Stack:
-    """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it."""
+async def start_stack(
+    reactor, config: Config | None = None, upstream: str | None = None, token=None, watchers: bool = False,
+    **sim_options,
+) -> Stack:
+    """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it.
+
+    With ``watchers``, the watchers and handover the config enables run too
+    (as ``YieldProxyService`` would start them).
+    """
     from twisted.internet.endpoints import TCP4ServerEndpoint
 
     from yieldproxy.service import build
@@ -140,7 +156,14 @@ async def start_stack(reactor, config: Config | None = None, upstream: str | Non
     for site in (proxy.proxy_app.site(), proxy.admin_app.site()):
         ports.append(await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site))
     urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
-    return Stack(reactor, sim, proxy, urls[0], urls[1], ports)
+    stack = Stack(reactor, sim, proxy, urls[0], urls[1], ports)
+    if watchers:
+        from yieldproxy.watchers import build_watchers
+
+        stack.services = build_watchers(reactor, proxy)
+        for service in stack.services:
+            service.startService()
+    return stack
 
 
 async def sleep(reactor, seconds: float) -> None:

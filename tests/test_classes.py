@@ -145,7 +145,7 @@ def test_retry_after_is_the_queue_ahead_times_service_time_while_draining():
 def test_retry_after_follows_the_latest_declared_end():
     core = make_core(config_with(parking={"max_parked": 1}))
     core.state.hold("a", expected_seconds=30)
-    core.state.hold("b", for_seconds=90)
+    core.state.hold("b", expected_seconds=90, for_seconds=20)
     park(core)
     assert park(core)["refused"].retry_after == 90
     core.state.release("b")

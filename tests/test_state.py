@@ -50,9 +50,10 @@ def test_expected_end_is_known_only_when_every_hold_gives_one():
     state = YieldState(clock)
     assert state.expected_end() is None
     state.hold("a", expected_seconds=30)
-    state.hold("b", for_seconds=50)
+    state.hold("b", expected_seconds=50, for_seconds=10)
     assert state.expected_end() == 50
-    state.hold("c")
+    # A lease is a dead-man's switch a broker may renew for hours, not an estimate.
+    state.hold("c", for_seconds=60)
     assert state.expected_end() is None
 
 

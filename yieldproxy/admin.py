@@ -1,13 +1,17 @@
-"""The admin listener: health, status, yield/resume and metrics.
+"""The admin listener: health, status, yield/resume, metrics and the status page.
 
 Brokers call ``POST /yield`` and ``POST /resume``; monitoring reads
-``/metrics``; people read ``/status``.  With a token configured, every route
-but ``/healthz`` needs ``Authorization: Bearer TOKEN``.
+``/metrics``; scripts read ``/status``; people open ``/`` (the status page,
+which polls ``/status`` and ``/history``).  With a token configured, every
+route but ``/healthz`` and the page's static files needs
+``Authorization: Bearer TOKEN``: the page itself holds no data, and the
+browser sends the token on its data calls (see ``docs/operating.md``).
 """
 
 from __future__ import annotations
 
 import hmac
+import importlib.resources
 import json
 import math
 from typing import Any, Callable
@@ -19,7 +23,9 @@ from twisted.web.server import Site
 
 from . import __version__
 from .config import Config
+from .fallback import NotNow
 from .gate import Gate
+from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .replay import Replayer
@@ -27,16 +33,44 @@ from .state import YieldState
 
 _MAX_SOURCE_LENGTH = 64
 
+#: The status page's files in ``yieldproxy/static/``, with their content types.
+#: Only these are served: nothing else in the package is reachable.
+STATIC_FILES = {
+    "index.html": b"text/html; charset=utf-8",
+    "status.js": b"text/javascript; charset=utf-8",
+    "status.css": b"text/css; charset=utf-8",
+}
+
+#: The page loads only its own files and talks only to this listener.  Hold
+#: reasons are caller-written text: the script renders them with textContent,
+#: and this policy is the second line of defence if that ever slips.
+_PAGE_SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        b"img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+def _static_file(name: str) -> bytes:
+    """One file of the status page, read from the installed package."""
+    return importlib.resources.files(__package__).joinpath("static", name).read_bytes()
+
 
 class BadRequest(ValueError):
     """An admin call whose body does not say something we can do."""
 
 
-def _json(request, payload: Any, status: int = 200) -> bytes:
+def _json(request, payload: Any, status: int = 200, indent: int | None = 1) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
     request.setHeader(b"cache-control", b"no-store")
-    return json.dumps(payload, indent=1).encode("utf-8") + b"\n"
+    separators = None if indent is not None else (",", ":")
+    return json.dumps(payload, indent=indent, separators=separators).encode("utf-8") + b"\n"
 
 
 def _read_json(request) -> dict:
@@ -99,8 +133,12 @@ class AdminApp:
     _replayer: Replayer
     _metrics: Metrics
     token: str | None = None
+    #: The last hour of samples for the status page's chart (``GET /history``).
+    history: History | None = None
     #: Extra ``/status`` fields from other parts (watchers, fallback), by name.
     status_extras: dict[str, Callable[[], Any]] = attrs.Factory(dict)
+    #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
+    fallback: Any = None
 
     app = Klein()
 
@@ -160,6 +198,42 @@ class AdminApp:
     def get_status(self, request):
         return self._guard(request) or _json(request, self.status())
 
+    @app.route("/history", methods=["GET"])
+    def get_history(self, request):
+        denied = self._guard(request)
+        if denied:
+            return denied
+        if self.history is None:
+            return _json(request, {"error": "this proxy keeps no history"}, 404)
+        since = None
+        raw = request.args.get(b"since")
+        if raw:
+            try:
+                since = float(raw[0])
+                if not math.isfinite(since):
+                    raise ValueError
+            except ValueError:
+                return _json(request, {"error": "since must be a number (a sample's t)"}, 400)
+        return _json(request, self.history.as_json(since), indent=None)
+
+    @app.route("/", methods=["GET", "HEAD"])
+    def page(self, request):
+        return self._static(request, "index.html")
+
+    @app.route("/static/<name>", methods=["GET", "HEAD"])
+    def static(self, request, name):
+        return self._static(request, name)
+
+    def _static(self, request, name: str):
+        """A status-page file: public, because it is the same for everyone and holds no state."""
+        content_type = STATIC_FILES.get(name)
+        if content_type is None:
+            return _json(request, {"error": f"no such file: {name}"}, 404)
+        request.setHeader(b"content-type", content_type)
+        for header, value in _PAGE_SECURITY_HEADERS:
+            request.setHeader(header, value)
+        return _static_file(name)
+
     @app.route("/yield", methods=["POST"])
     def post_yield(self, request):
         denied = self._guard(request)
@@ -187,6 +261,20 @@ class AdminApp:
             return _json(request, {"error": str(e)}, 400)
         self._state.release(source)
         return _json(request, self.status())
+
+    @app.route("/fallback/verify", methods=["POST"])
+    def post_fallback_verify(self, request):
+        """Verify the fallback against the primary now; answers with the ``fallback`` status."""
+        denied = self._guard(request)
+        if denied:
+            return denied
+        if self.fallback is None:
+            return _json(request, {"error": "no fallback configured (fallback.enabled is false)"}, 404)
+        try:
+            running = self.fallback.verify()
+        except NotNow as e:
+            return _json(request, {"error": str(e)}, 409)
+        return running.addCallback(lambda _: _json(request, self.fallback.status()))
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request):

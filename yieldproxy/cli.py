@@ -1074,6 +1074,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a simulated Ollama (try: yieldproxy sim --help)",
         description="Run the simulated Ollama backend; every option goes to python -m yieldproxy.sim.",
     )
+
+    check = sub.add_parser(
+        "check-fallback", help="verify the CPU fallback against the primary (exit 1 if it fails)",
+        description=(
+            "Embed fallback.probe_texts on the primary (proxy.upstream) and on the fallback (fallback.url) "
+            "for each model in fallback.models, and print the table: dimensions and cosine per text. "
+            "Works with fallback.enabled = false, to check a fallback before turning it on.  "
+            "Exit 0 when every model passes, 1 when any fails, 2 on a config problem."
+        ),
+    )
+    check.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                       help="the proxy's TOML config, with its [fallback] section")
     return parser
 
 
@@ -1121,6 +1133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+    if args.command == "check-fallback":
+        from .fallback import check_command
+
+        raise SystemExit(check_command(getattr(args, "config", None)))
 
     if args.command == "demo":
         finished: list[int] = []

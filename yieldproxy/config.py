@@ -7,6 +7,7 @@ process does not start.  ``etc/yieldproxy.toml`` documents every key.
 
 from __future__ import annotations
 
+import collections.abc
 import tomllib
 import typing
 from pathlib import Path
@@ -78,6 +79,11 @@ class ReplayConfig:
     rate: float = attrs.field(default=0.0, validator=_at_least(0))
 
 
+def _url_path(instance, attribute, value):
+    if not value.startswith("/"):
+        raise ValueError(f"must be a path starting with '/', got {value!r}")
+
+
 @attrs.frozen
 class UpstreamConfig:
     attempt_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.001))
@@ -85,6 +91,47 @@ class UpstreamConfig:
     retry_backoff_seconds: float = attrs.field(default=0.5, validator=_at_least(0))
     retry_backoff_max_seconds: float = attrs.field(default=10.0, validator=_at_least(0))
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
+    #: Take an ``outage`` hold when a once-reachable upstream fails (docs/watchers.md).
+    detect_outages: bool = True
+    health_path: str = attrs.field(default="/api/version", validator=_url_path)
+    health_interval_seconds: float = attrs.field(default=0.5, validator=_at_least(0.01))
+    health_max_interval_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
+    health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
+
+
+@attrs.frozen
+class WatchersConfig:
+    """Watchers that take holds by themselves (docs/watchers.md); each is off until set."""
+
+    #: A file whose existence means "yielded" ("" = no state-file watcher).
+    state_file: str = ""
+    state_file_poll_seconds: float = attrs.field(default=1.0, validator=_at_least(0.01))
+    #: SIGUSR1 starts a hold, SIGUSR2 ends it.
+    signals: bool = False
+    #: A shell command run every interval: exit 0 yielded, 1 not, else an error ("" = off).
+    command: str = ""
+    command_interval_seconds: float = attrs.field(default=5.0, validator=_at_least(0.1))
+    command_timeout_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
+
+
+def _model_names(instance, attribute, value):
+    for name in value:
+        if not name.strip() or name != name.strip():
+            raise ValueError(f"must be model names without surrounding spaces, got {name!r}")
+
+
+@attrs.frozen
+class HandoverConfig:
+    """Giving the GPU's memory away during a yield and loading models back after it."""
+
+    unload_on_yield: bool = False
+    #: How long the unload waits for requests already in flight to finish.
+    unload_wait_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
+    #: Bound on the unload calls and the check that ``/api/ps`` no longer lists them.
+    unload_timeout_seconds: float = attrs.field(default=15.0, validator=_at_least(0.01))
+    #: Models loaded after a yield, before any parked request is replayed.
+    preload_models: tuple[str, ...] = attrs.field(default=(), validator=_model_names)
+    preload_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.01))
 
 
 def _share(instance, attribute, value):
@@ -101,13 +148,16 @@ class ClassConfig:
     priority: int = 0
     #: The least share of releases this class gets while it waits (no starvation).
     min_share: float = attrs.field(default=0.0, validator=_share)
+    #: Wait for the first byte of an answer (0: upstream.attempt_timeout_seconds).
+    attempt_timeout_seconds: float = attrs.field(default=0.0, validator=_at_least(0))
 
 
 def _default_classes() -> dict[str, ClassConfig]:
     return {
         "interactive": ClassConfig(hold_seconds=15.0, priority=2),
         "batch": ClassConfig(hold_seconds=600.0, priority=1, min_share=0.25),
-        "long": ClassConfig(hold_seconds=3600.0, priority=0, min_share=0.1),
+        # Long jobs may think for many minutes before their first byte.
+        "long": ClassConfig(hold_seconds=3600.0, priority=0, min_share=0.1, attempt_timeout_seconds=1800.0),
     }
 
 
@@ -131,6 +181,80 @@ class RouteRule:
     models: tuple[str, ...] = ()
 
 
+API_SHAPES = ("ollama", "openai")
+
+#: What verification embeds on both sides: short and long, several scripts,
+#: code, numbers, emoji, odd spacing.  Each stays well inside a small model's
+#: context (MiniLM reads 256 word pieces), so a twin is not failed for
+#: truncating a long text at a different place.
+DEFAULT_PROBE_TEXTS = (
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Parking requests while the GPU is away, then replaying them in order when it comes back, "
+    "keeps a batch ingest from failing; serving them from a copy of the same model on the CPU "
+    "is only safe when that copy really gives the same vectors, which is why it is checked "
+    "against the primary on a fixed set of texts before it is ever used, and again every few "
+    "minutes while the primary is there to compare with.",
+    "Der Bericht wurde gestern veröffentlicht und löste eine lebhafte Debatte aus.",
+    "東京は日本の首都であり、世界最大の都市圏の一つです。",
+    "def add(a: int, b: int) -> int:\n    return a + b  # TODO: overflow?",
+    "Invoice 2024-0173: 3 x 19.99 EUR = 59.97 EUR, due 2024-12-31, ref #88412.",
+    "Great job 🎉🚀 see you at the café ☕",
+    "SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY id;",
+    "  leading and trailing   spaces,\ttabs and\nnew lines  ",
+)
+
+
+def _nonempty_http_url(instance, attribute, value):
+    if value:
+        _http_url(instance, attribute, value)
+
+
+def _cosine(instance, attribute, value):
+    if not 0 < value <= 1:
+        raise ValueError(f"must be above 0 and at most 1, got {value!r}")
+
+
+def _class_names(instance, attribute, value):
+    for name in value:
+        if name not in CLASS_NAMES:
+            raise ValueError(f"unknown class {name!r} (known classes: {', '.join(CLASS_NAMES)})")
+
+
+def _probe_texts(instance, attribute, value):
+    if not value or not all(text.strip() for text in value):
+        raise ValueError("must be a non-empty list of non-blank texts")
+
+
+def _model_map(instance, attribute, value):
+    for primary, fallback in value.items():
+        if not isinstance(fallback, str) or not primary.strip() or not fallback.strip():
+            raise ValueError(f"must map model names to model names, got {primary!r} = {fallback!r}")
+
+
+@attrs.frozen
+class FallbackConfig:
+    """A CPU copy of the primary's embedding models, used only while verified (docs/fallback.md)."""
+
+    enabled: bool = False
+    #: Ollama shape: the server's root (``http://host:11434``); OpenAI shape: the
+    #: base URL an OpenAI client would use, usually ending in ``/v1``.
+    url: str = attrs.field(default="", validator=_nonempty_http_url)
+    api: str = attrs.field(default="ollama", validator=_one_of(API_SHAPES))
+    #: How verification talks to the primary (``proxy.upstream``): Ollama's
+    #: ``/api/embed``, or ``/v1/embeddings`` for an OpenAI-shaped primary.
+    primary_api: str = attrs.field(default="ollama", validator=_one_of(API_SHAPES))
+    #: Primary model name -> the fallback's name for the same weights.
+    models: Mapping[str, str] = attrs.field(factory=dict, validator=_model_map)
+    classes: tuple[str, ...] = attrs.field(default=("batch",), validator=_class_names)
+    concurrency: int = attrs.field(default=2, validator=_at_least(1))
+    verify_interval_seconds: float = attrs.field(default=600.0, validator=_at_least(1))
+    max_verification_age_seconds: float = attrs.field(default=1800.0, validator=_at_least(1))
+    min_cosine: float = attrs.field(default=0.99, validator=_cosine)
+    probe_texts: tuple[str, ...] = attrs.field(default=DEFAULT_PROBE_TEXTS, validator=_probe_texts)
+    timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0.001))
+
+
 @attrs.frozen
 class Config:
     proxy: ProxyConfig = attrs.Factory(ProxyConfig)
@@ -138,8 +262,11 @@ class Config:
     parking: ParkingConfig = attrs.Factory(ParkingConfig)
     replay: ReplayConfig = attrs.Factory(ReplayConfig)
     upstream: UpstreamConfig = attrs.Factory(UpstreamConfig)
+    watchers: WatchersConfig = attrs.Factory(WatchersConfig)
+    handover: HandoverConfig = attrs.Factory(HandoverConfig)
     classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
     routes: tuple[RouteRule, ...] = ()
+    fallback: FallbackConfig = attrs.Factory(FallbackConfig)
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
@@ -159,11 +286,18 @@ _SECTIONS = {
     "parking": ParkingConfig,
     "replay": ReplayConfig,
     "upstream": UpstreamConfig,
+    "watchers": WatchersConfig,
+    "handover": HandoverConfig,
+    "fallback": FallbackConfig,
 }
 
 
 def _coerce(where: str, expected: Any, value: Any) -> Any:
     """Check a TOML value against the field's type; ints are fine where floats go."""
+    if typing.get_origin(expected) is collections.abc.Mapping:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{where}: must be a table of strings, got {value!r}")
+        return dict(value)
     if typing.get_origin(expected) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: must be a list of strings, got {value!r}")
@@ -261,10 +395,15 @@ def _routes(tables: Any) -> tuple[RouteRule, ...]:
 def _check_combinations(config: Config) -> None:
     """Rules that span keys: each names the key to change."""
     for name, cls in config.classes.items():
-        if cls.policy == "fallback":
+        if cls.policy == "fallback" and not config.fallback.enabled:
             raise ConfigError(
-                f"classes.{name}.policy: 'fallback' needs a verified fallback backend, "
-                "which this version does not have yet; use 'park' or 'reject'"
+                f"classes.{name}.policy: 'fallback' needs a fallback backend, and fallback.enabled "
+                "is false; set up [fallback] (see docs/fallback.md) or use 'park' or 'reject'"
+            )
+        if cls.policy == "fallback" and name not in config.fallback.classes:
+            raise ConfigError(
+                f"classes.{name}.policy: 'fallback', but fallback.classes "
+                f"({', '.join(config.fallback.classes) or 'empty'}) does not list {name}; add it there"
             )
         if cls.max_parked > config.parking.max_parked:
             raise ConfigError(
@@ -277,6 +416,29 @@ def _check_combinations(config: Config) -> None:
     if config.upstream.retry_backoff_max_seconds < config.upstream.retry_backoff_seconds:
         raise ConfigError(
             "upstream.retry_backoff_max_seconds: must be >= upstream.retry_backoff_seconds"
+        )
+    if config.upstream.health_max_interval_seconds < config.upstream.health_interval_seconds:
+        raise ConfigError(
+            "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
+        )
+    _check_fallback(config.fallback)
+
+
+def _check_fallback(fallback: FallbackConfig) -> None:
+    """An enabled fallback needs somewhere to go and something to serve."""
+    if not fallback.enabled:
+        return
+    if not fallback.url:
+        raise ConfigError("fallback.url: required when fallback.enabled is true")
+    if not fallback.models:
+        raise ConfigError(
+            "fallback.models: required when fallback.enabled is true "
+            '(a table mapping primary model names to the fallback\'s, e.g. "all-minilm" = "all-minilm")'
+        )
+    if fallback.max_verification_age_seconds < fallback.verify_interval_seconds:
+        raise ConfigError(
+            "fallback.max_verification_age_seconds: must be >= fallback.verify_interval_seconds "
+            f"({fallback.verify_interval_seconds:g}), or every verification goes stale before the next"
         )
 
 

@@ -36,7 +36,8 @@ def error_body(api: str, status: int, message: str, code: str) -> bytes:
 
 def write_error(request, api: str, status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
     """Set status and headers on ``request`` and return the body to send."""
-    request.setResponseCode(status)
+    # Twisted knows no reason phrase for 429 and would send "Unknown Status".
+    request.setResponseCode(status, b"Too Many Requests" if status == 429 else None)
     request.responseHeaders.setRawHeaders(b"content-type", [b"application/json; charset=utf-8"])
     if retry_after is not None:
         request.responseHeaders.setRawHeaders(b"retry-after", [b"%d" % max(1, int(retry_after))])

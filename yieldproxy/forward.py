@@ -416,6 +416,10 @@ class Attempt:
         self.status = response.code
         self._request.setResponseCode(response.code, response.phrase)
         copy_response_headers(response.headers, self._request.responseHeaders)
+        # The Agent moves the upstream's Content-Length into response.length;
+        # put it back, or every answer would go out chunked.
+        if isinstance(response.length, int) and self._request.method != b"HEAD":
+            self._request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % response.length])
         for name, value in self._extra_headers:
             self._request.responseHeaders.setRawHeaders(name, [value])
 

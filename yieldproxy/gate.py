@@ -46,6 +46,9 @@ class Gate:
     #: Recent upstream service time (seconds), an exponentially weighted average.
     service_seconds: float = 0.5
     shutting_down: bool = False
+    #: False until the upstream has answered once: before that, a refused
+    #: connection is a configuration error, not an outage worth waiting out.
+    upstream_answered: bool = False
     #: Called with each attempt's failure reason (None for an answer), for outage detection.
     upstream_listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
 
@@ -53,6 +56,7 @@ class Gate:
         self._lot.retry_after = self.retry_after
         self._lot.on_parked = self._replayer.kick
         self._state.observe(self._state_changed)
+        self._state.describe = self.describe
 
     @property
     def yielded(self) -> bool:
@@ -62,7 +66,15 @@ class Gate:
     def state_name(self) -> str:
         if self._state.yielded:
             return "yielded"
-        return "draining" if self._lot else "available"
+        # Held release (a model preload after the yield) reads as draining: the
+        # GPU is back and the proxy is working its way to serving the lot.
+        return "draining" if self._lot or self._replayer.release_held else "available"
+
+    def describe(self) -> str:
+        """The state, what is parked and what is in flight, for the state log line."""
+        counts = self._lot.count_by_class()
+        parked = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none"
+        return f"now {self.state_name}, parked {parked}, in flight {self._replayer.inflight}"
 
     def admit(self, entry: Entry) -> Deferred:
         """A Deferred that fires with ``entry`` when it may go upstream.
@@ -77,7 +89,7 @@ class Gate:
                 "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
             )
         returning = entry.attempts > 0
-        if not self._state.yielded and not self._lot and not returning:
+        if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
             self._replayer.started()
             return succeed(entry)
         cls = self._classes[entry.cls]
@@ -105,6 +117,8 @@ class Gate:
 
     def upstream_result(self, failure_reason: str | None) -> None:
         """Report how an upstream attempt went (any class, passthrough too)."""
+        if failure_reason is None:
+            self.upstream_answered = True
         for listener in self.upstream_listeners:
             try:
                 listener(failure_reason)
@@ -158,14 +172,8 @@ class Gate:
         raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
 
     def _state_changed(self, yielded: bool) -> None:
+        # The yield state logs the transition itself, with :meth:`describe`.
         self._metrics.yield_active.set(1 if yielded else 0)
-        counts = self._lot.count_by_class()
-        log.info(
-            "{state}: parked {parked}, in flight {inflight}",
-            state="yielded" if yielded else ("draining" if self._lot else "available"),
-            parked=", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none",
-            inflight=self._replayer.inflight,
-        )
         if not yielded:
             self._replayer.reset_backoff()
             self._replayer.kick()

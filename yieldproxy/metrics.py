@@ -20,6 +20,13 @@ PARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800
 UPSTREAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: Whole yields: a game session can last hours.
 YIELD_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+#: VRAM handover steps: an unload takes a second, a large model's load a minute or two.
+HANDOVER_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+#: The watchers, as ``watcher`` label values.
+WATCHERS = ("file", "signal", "command", "outage")
+#: The VRAM handover steps, as ``step`` label values.
+HANDOVER_STEPS = ("wait_inflight", "unload", "preload")
 
 CLASSES = ("interactive", "batch", "long")
 
@@ -92,7 +99,7 @@ class Metrics:
         )
         self.upstream_failures_total = Counter(
             "yieldproxy_upstream_failures",
-            "Failed upstream attempts: refused, reset, timeout, status_502, status_503, gpu_error, other.",
+            "Failed upstream attempts: refused, connect, reset, timeout, status_502, status_503, gpu_error.",
             ["class", "reason"],
             registry=r,
         )
@@ -114,8 +121,37 @@ class Metrics:
             buckets=YIELD_BUCKETS,
             registry=r,
         )
+        self.fallback_total = Counter(
+            "yieldproxy_fallback",
+            "Requests of a fallback-policy class during a yield, by what the fallback did: ok (served), "
+            "failed_parked, skipped_unverified, skipped_busy, skipped_unsupported (then parked), abandoned.",
+            ["class", "outcome"],
+            registry=r,
+        )
+        self.watcher_errors_total = Counter(
+            "yieldproxy_watcher_errors",
+            "Watcher steps that failed (a probe that could not run, timed out or said neither yes nor no; "
+            "an unreadable or malformed state file; a signal handler that could not be installed).",
+            ["watcher"],
+            registry=r,
+        )
+        self.handover_seconds = Histogram(
+            "yieldproxy_handover_seconds",
+            "Time each VRAM handover step took: wait_inflight, unload, preload.",
+            ["step"],
+            buckets=HANDOVER_BUCKETS,
+            registry=r,
+        )
+        self.handover_total = Counter(
+            "yieldproxy_handover",
+            "VRAM handover steps by outcome: ok, timeout, error, cancelled.",
+            ["step", "outcome"],
+            registry=r,
+        )
         for cls in CLASSES:
             self.parked_requests.labels(cls)
+        for watcher in WATCHERS:
+            self.watcher_errors_total.labels(watcher)
 
     def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register gauges computed at scrape time from live state."""
@@ -151,3 +187,26 @@ def oldest_parked_family(ages: dict[str, float]) -> GaugeMetricFamily:
     for cls in CLASSES:
         fam.add_metric([cls], ages.get(cls, 0.0))
     return fam
+
+
+def fallback_families(rows) -> list[GaugeMetricFamily]:
+    """Per mapped model: may the fallback be used now, and the worst cosine of its last verification.
+
+    ``rows`` holds ``(model, verified, worst_cosine)``; a model never compared
+    has no ``yieldproxy_fallback_min_cosine`` series.
+    """
+    verified = GaugeMetricFamily(
+        "yieldproxy_fallback_verified",
+        "1 while the fallback may serve this model (last verification passed and is recent enough), else 0.",
+        labels=["model"],
+    )
+    worst = GaugeMetricFamily(
+        "yieldproxy_fallback_min_cosine",
+        "The lowest cosine between primary and fallback over the probe texts, at the last verification.",
+        labels=["model"],
+    )
+    for model, ok, cosine in rows:
+        verified.add_metric([model], 1 if ok else 0)
+        if cosine is not None:
+            worst.add_metric([model], cosine)
+    return [verified, worst]

@@ -41,6 +41,8 @@ class Entry:
     was_parked: bool = False
     #: Absolute time by which it must have left the lot (set on first park).
     deadline: float | None = None
+    #: When it was first parked (its hold bound counts from here).
+    first_parked: float | None = None
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
     parked_at: float | None = None
@@ -146,6 +148,7 @@ class ParkingLot:
             self.check_room(entry)
         now = self._clock.seconds()
         if entry.deadline is None:
+            entry.first_parked = now
             entry.bound_by_caller = entry.max_wait is not None and entry.max_wait < hold_seconds
             entry.deadline = now + (entry.max_wait if entry.bound_by_caller else hold_seconds)
         entry.was_parked = True
@@ -204,7 +207,10 @@ class ParkingLot:
         if entry.bound_by_caller:
             why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): the GPU is still yielded"
         else:
-            why = "yielded past the hold bound: the GPU did not come back in time for this request"
+            why = (
+                f"yielded past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} "
+                "requests): the GPU or the upstream did not come back in time"
+            )
         self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:

@@ -8,6 +8,7 @@ goes away while parked leaves the lot at once and is never sent upstream.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import attrs
 from klein import Klein
@@ -33,6 +34,10 @@ from .gate import Gate
 from .httpserver import ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
+from .requestlog import log_request
+
+if TYPE_CHECKING:
+    from .fallback import Fallback
 
 log = Logger()
 
@@ -51,6 +56,8 @@ class ProxyApp:
     _gate: Gate
     _upstream: Upstream
     _metrics: Metrics
+    #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
+    _fallback: Fallback | None = None
     _classifier: Classifier = attrs.field(init=False)
 
     app = Klein()
@@ -72,6 +79,7 @@ class ProxyApp:
     # -- the request's life -------------------------------------------------
 
     async def _handle(self, request):
+        request.started_at = self._clock.seconds()
         path = request.path
         api = api_family(path)
         if not request.uri.startswith(b"/"):
@@ -85,13 +93,15 @@ class ProxyApp:
                 "too_large",
                 f"request body larger than proxy.max_body_bytes ({self._config.proxy.max_body_bytes} bytes)",
             )
-        try:
-            wanted = header_class(request.getHeader(b"x-yield-class"))
-        except ValueError:
-            return self._reject(
-                request, PASSTHROUGH, api, 400, "bad_request",
-                "X-Yield-Class must be interactive, batch or long",
-            )
+        wanted = None
+        if self._trusts_header(request):
+            try:
+                wanted = header_class(request.getHeader(b"x-yield-class"))
+            except ValueError:
+                return self._reject(
+                    request, PASSTHROUGH, api, 400, "bad_request",
+                    "X-Yield-Class must be interactive, batch or long",
+                )
         max_wait = None
         raw_wait = request.getHeader(b"x-yield-max-wait")
         if raw_wait is not None:
@@ -104,8 +114,10 @@ class ProxyApp:
                     request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
-        request.content.seek(0)
-        body = request.content.read()
+        body = request.content.getvalue()
+        # Hold the body once, not twice, while the request may sit parked
+        # (Twisted's cleanup accepts None here).
+        request.content = None
         try:
             cls = self._class_of(request, body, wanted)
         except BadBody as e:
@@ -126,7 +138,7 @@ class ProxyApp:
         method = request.method.decode("latin-1")
         path = request.path.decode("latin-1").rstrip("/") or "/"
         parsed = None
-        if wanted is not None and self._trusts_header(request):
+        if wanted is not None:
             cls = wanted
         else:
             model = None
@@ -148,6 +160,10 @@ class ProxyApp:
         return cls
 
     async def _gated(self, request, entry: Entry, body: bytes):
+        # During a yield, a verified fallback may answer instead; if it does not, park as usual.
+        if self._fallback is not None and await self._fallback.serve(request, entry, body):
+            self._log(request, entry.cls, request.code, "fallback", entry, 0)
+            return None
         max_attempts = self._config.upstream.max_attempts
         while True:
             try:
@@ -159,22 +175,24 @@ class ProxyApp:
                 return self._reject(
                     request, entry.cls, entry.api, refusal.status, refusal.reason,
                     refusal.message, refusal.retry_after, count=False,
+                    entry=entry, attempts=entry.attempts,
                 )
             except CancelledError:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+                self._log(request, entry.cls, None, "abandoned", entry, entry.attempts)
                 raise
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
-            failed = True
+            # Only the upstream's failures slow the replay down, not a client leaving.
+            failed = False
             try:
                 status = await Attempt(
-                    self._clock, self._upstream, request, body,
-                    self._config.upstream.attempt_timeout_seconds, extra,
+                    self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
                 ).run()
-                failed = False
             except RetryableFailure as failure:
+                failed = True
                 self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
                 self._gate.upstream_result(failure.reason)
                 entry.attempts += 1
@@ -182,16 +200,23 @@ class ProxyApp:
                     "{cls} attempt {n} failed ({reason}): {detail}",
                     cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
                 )
+                if failure.reason in ("refused", "connect") and not self._gate.upstream_answered:
+                    # Never reached since start: a wrong URL or a backend not started
+                    # yet. Waiting cannot help; say so at once.
+                    return self._upstream_gave_up(request, entry, failure, "the upstream has not answered since the proxy started")
                 if entry.attempts >= max_attempts:
                     return self._upstream_gave_up(request, entry, failure)
                 self._metrics.retries_total.labels(entry.cls).inc()
                 continue
             except RelayBroken as broken:
+                failed = True
                 self._outcome(entry, "upstream_error")
+                self._log(request, entry.cls, request.code, "upstream_error", entry, entry.attempts + 1)
                 return await self._broken(request, entry.api, str(broken))
             except CancelledError:
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+                self._log(request, entry.cls, None, "abandoned", entry, entry.attempts + 1)
                 raise
             finally:
                 elapsed = self._clock.seconds() - began
@@ -200,6 +225,7 @@ class ProxyApp:
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
             self._metrics.requests_total.labels(entry.cls, str(status)).inc()
             self._outcome(entry, "ok")
+            self._log(request, entry.cls, status, "ok", entry, entry.attempts + 1)
             return None
 
     async def _passthrough(self, request, body: bytes, api: str):
@@ -212,11 +238,16 @@ class ProxyApp:
         except RetryableFailure as failure:
             self._gate.upstream_result(failure.reason)
             code = 504 if failure.reason == "timeout" else 502
-            return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail)
+            return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
+            self._log(request, PASSTHROUGH, request.code, "upstream_error", None, 1)
             return await self._broken(request, api, str(broken))
+        except CancelledError:
+            self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
+            raise
         self._gate.upstream_result(None)
         self._metrics.requests_total.labels(PASSTHROUGH, str(status)).inc()
+        self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
 
     # -- outcomes -------------------------------------------------------------
@@ -225,22 +256,38 @@ class ProxyApp:
         if entry.was_parked:
             self._metrics.replay_total.labels(entry.cls, outcome).inc()
 
-    def _upstream_gave_up(self, request, entry: Entry, failure: RetryableFailure):
+    def _upstream_gave_up(self, request, entry: Entry, failure: RetryableFailure, why: str | None = None):
         self._outcome(entry, "upstream_error")
         code = 504 if failure.reason == "timeout" else 502
+        why = why or f"upstream failed {entry.attempts} times, giving up"
         return self._reject(
-            request, entry.cls, entry.api, code, "upstream_error",
-            f"upstream failed {entry.attempts} times, giving up: {failure.detail}",
-            count=False,
+            request, entry.cls, entry.api, code, "upstream_error", f"{why}: {failure.detail}", count=False,
+            entry=entry, attempts=entry.attempts,
         )
 
-    def _reject(self, request, cls, api, status, reason, message, retry_after=None, count=True):
+    def _attempt_timeout(self, cls: str) -> float:
+        """The class's own attempt timeout, or the upstream default."""
+        own = self._config.classes[cls].attempt_timeout_seconds if cls in self._config.classes else 0
+        return own or self._config.upstream.attempt_timeout_seconds
+
+    def _reject(
+        self, request, cls, api, status, reason, message, retry_after=None, count=True, entry=None, attempts=0
+    ):
         if count and reason in ("too_large", "bad_request"):
             self._metrics.rejected_total.labels(cls, reason).inc()
         self._metrics.requests_total.labels(cls, str(status)).inc()
         if status in (429, 503) and retry_after is None:
             retry_after = self._gate.retry_after()
+        self._log(request, cls, status, reason, entry, attempts)
         return write_error(request, api, status, message, reason, retry_after)
+
+    def _log(self, request, cls: str, status: int | None, outcome: str, entry: Entry | None, attempts: int) -> None:
+        """The request log line (requestlog.py): once per request, where it ends."""
+        log_request(
+            request, cls, status, outcome,
+            entry.parked_seconds if entry is not None else 0.0,
+            attempts, request.started_at, self._clock,
+        )
 
     async def _broken(self, request, api: str, why: str):
         """The upstream failed mid-answer: close the stream in its own error form, or cut it."""

@@ -5,15 +5,20 @@ the replayer releases the head of the lot while fewer than ``concurrency``
 requests are in flight and no faster than ``rate`` starts a second.  After a
 retryable upstream failure it also backs off, so a restarting backend is not
 hammered.  A new yield stops the release; the rest stays parked, in order.
+
+A step that must finish before the lot is let out after a yield (the VRAM
+handover's model preload) passes a Deferred to :meth:`Replayer.hold_release_until`;
+until it fires the lot stays parked and new requests join its tail.
 """
 
 from __future__ import annotations
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Cooperator, TaskDone, TaskStopped
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from .metrics import Metrics
 from .parking import ParkingLot
@@ -44,11 +49,37 @@ class Replayer:
     _backoff_until: float = 0.0
     _failures_in_a_row: int = 0
     _stopped: bool = False
+    #: Pre-release steps still running (see :meth:`hold_release_until`).
+    _release_gates: list[Deferred] = attrs.Factory(list)
 
     @property
     def draining(self) -> bool:
         """True while parked requests are being let out (the GPU is back, the lot is not empty)."""
-        return bool(self._lot) and not self._state.yielded
+        return bool(self._lot) and not self._state.yielded and not self._release_gates
+
+    @property
+    def release_held(self) -> bool:
+        """True while a pre-release step keeps the lot parked although the GPU is back."""
+        return bool(self._release_gates)
+
+    def hold_release_until(self, ready: Deferred) -> None:
+        """Keep the lot parked until ``ready`` fires, either way.
+
+        For steps that must come between the end of a yield and the first
+        replay (loading the models back).  A failure of ``ready`` is logged and
+        the release goes ahead: a failed preload must not strand the lot.  The
+        replayer consumes ``ready``'s result; cancel it to give up the wait.
+        """
+        self._release_gates.append(ready)
+
+        def done(result):
+            self._release_gates.remove(ready)
+            if isinstance(result, Failure) and not result.check(CancelledError):
+                log.failure("pre-release step failed; releasing the lot anyway", result)
+            self.kick()
+            return None
+
+        ready.addBoth(done)
 
     def kick(self) -> None:
         """Start the release task if there is work and none is running."""
@@ -137,4 +168,12 @@ class Replayer:
         self._task = None
         if self._waiting is not None:
             self._wake(cancel=True)
+        if not self._lot and not self._state.yielded and not self._stopped:
+            # The task only runs while draining, so this is the end of a drain:
+            # the last of the three state changes gets its log line too.
+            log.info(
+                "lot drained: now available, in flight {inflight} (draining lasted {lasted:.1f}s)",
+                inflight=self.inflight,
+                lasted=self._clock.seconds() - self._state.last_change,
+            )
         self.kick()

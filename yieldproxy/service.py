@@ -21,14 +21,30 @@ from twisted.logger import Logger
 from .admin import AdminApp
 from .config import Config
 from .forward import Upstream
+from .fallback import Fallback, build_fallback
 from .gate import Gate
+from .history import History, snapshot_reader
 from .metrics import Metrics, hold_families, oldest_parked_family
 from .parking import ParkingLot
 from .proxy import ProxyApp
 from .replay import Replayer
 from .state import YieldState
+from .watchers import build_watchers
 
 log = Logger()
+
+
+def one_step_cooperator(clock) -> Cooperator:
+    """A Cooperator that runs one step per reactor turn, on ``clock``.
+
+    The default runs steps for up to 10 ms in one go, and the requests it
+    releases only reach the network when the turn ends: with a high
+    ``replay.concurrency`` the first release would wait for the last.
+    """
+    return Cooperator(
+        terminationPredicateFactory=lambda: lambda: True,
+        scheduler=lambda step: clock.callLater(0, step),
+    )
 
 
 @attrs.define(eq=False)
@@ -45,6 +61,10 @@ class Proxy:
     upstream: Upstream
     proxy_app: ProxyApp
     admin_app: AdminApp
+    #: The status page's last hour; sampling runs while the service runs.
+    history: History | None = None
+    #: The verified CPU fallback, when ``fallback.enabled``; verification runs while the service runs.
+    fallback: Fallback | None = None
 
 
 def build(
@@ -57,7 +77,7 @@ def build(
     """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
     metrics = metrics or Metrics()
     if cooperator is None:
-        cooperator = Cooperator(scheduler=lambda step: reactor.callLater(0, step))
+        cooperator = one_step_cooperator(reactor)
     state = YieldState(reactor)
     lot = ParkingLot(
         reactor,
@@ -89,9 +109,20 @@ def build(
         lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
     )
     upstream = Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
-    proxy_app = ProxyApp(reactor, config, gate, upstream, metrics)
-    admin_app = AdminApp(reactor, config, state, gate, lot, replayer, metrics, token=token)
-    return Proxy(reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app)
+    fallback = None
+    if config.fallback.enabled:
+        fallback = build_fallback(reactor, config, upstream, lambda: gate.yielded, metrics)
+        state.observe(fallback.state_changed)
+    proxy_app = ProxyApp(reactor, config, gate, upstream, metrics, fallback)
+    history = History(reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes))
+    state.observe(history.state_changed)
+    admin_app = AdminApp(reactor, config, state, gate, lot, replayer, metrics, token=token, history=history)
+    admin_app.fallback = fallback
+    admin_app.status_extras["fallback"] = fallback.status if fallback is not None else lambda: {"enabled": False}
+    return Proxy(
+        reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app, history=history,
+        fallback=fallback,
+    )
 
 
 class YieldProxyService(MultiService):
@@ -113,6 +144,17 @@ class YieldProxyService(MultiService):
         self._admin_listener.setName("admin")
         self._admin_listener._raiseSynchronously = True
         self._admin_listener.setServiceParent(self)
+        #: The enabled watchers and the VRAM handover (docs/watchers.md), started with the rest.
+        self.watchers = build_watchers(reactor, proxy)
+        for service in self.watchers:
+            service.setServiceParent(self)
+
+    def startService(self) -> None:
+        super().startService()
+        if self.proxy.history is not None:
+            self.proxy.history.start()
+        if self.proxy.fallback is not None:
+            self.proxy.fallback.start()
 
     def stopService(self) -> Deferred:
         """Stop taking requests, settle the parked ones, then let in-flight ones finish."""
@@ -121,6 +163,13 @@ class YieldProxyService(MultiService):
     async def _stop(self):
         proxy = self.proxy
         await self._proxy_listener.stopService()
+        # Watchers stop first and leave their holds as they are: a yielded GPU
+        # stays yielded through the shutdown.  A pending preload stops holding the lot.
+        for service in reversed(self.watchers):
+            try:
+                service.stopService()
+            except Exception:
+                log.failure("stopping {name} failed", name=service.name)
         proxy.gate.shutting_down = True
         if proxy.state.yielded:
             count = proxy.gate.refuse_all_parked("the proxy is shutting down while the GPU is yielded")
@@ -135,9 +184,13 @@ class YieldProxyService(MultiService):
                 inflight=proxy.replayer.inflight, timeout=timeout, left=left,
             )
         proxy.replayer.stop()
+        if proxy.fallback is not None:
+            await proxy.fallback.stop()
         await proxy.upstream.close()
         Service.stopService(self)
         await self._admin_listener.stopService()
+        if proxy.history is not None:
+            proxy.history.stop()
 
     async def _wait_settled(self, timeout: float) -> bool:
         """Poll until nothing is parked or in flight, up to ``timeout`` seconds."""

@@ -24,7 +24,7 @@ class Hold:
     source: str
     reason: str
     since: float
-    #: When the source expects to give the GPU back (from expected_seconds or the lease).
+    #: When the source expects to give the GPU back (from its expected_seconds).
     expected_end: float | None = None
     #: When the lease runs out and the hold ends by itself.
     expires_at: float | None = None
@@ -53,6 +53,9 @@ class YieldState:
     last_change: float = attrs.field(default=None)
     _on_yield_ended: list[Callable[[str, float], None]] = attrs.Factory(list)
     _on_hold_taken: list[Callable[[Hold], None]] = attrs.Factory(list)
+    #: What the proxy looks like now ("now draining, parked batch=3, in flight 0"),
+    #: so each transition is one log line; the gate sets it.
+    describe: Callable[[], str] = attrs.field(default=lambda: "")
 
     def __attrs_post_init__(self) -> None:
         self.last_change = self._clock.seconds()
@@ -64,6 +67,10 @@ class YieldState:
     @property
     def holds(self) -> list[Hold]:
         return sorted(self._holds.values(), key=lambda h: h.since)
+
+    def hold_of(self, source: str) -> Hold | None:
+        """``source``'s current hold, if it has one (watchers check before renewing)."""
+        return self._holds.get(source)
 
     def observe(self, callback: Callable[[bool], None]) -> None:
         """Call ``callback(yielded)`` whenever the GPU is taken or given back."""
@@ -87,7 +94,9 @@ class YieldState:
         now = self._clock.seconds()
         previous = self._holds.get(source)
         expires_at = now + for_seconds if for_seconds is not None else None
-        expected_end = now + expected_seconds if expected_seconds is not None else expires_at
+        # Only expected_seconds is an estimate; a lease is a dead-man's switch that a
+        # broker may renew for hours, so it says nothing about when the yield ends.
+        expected_end = now + expected_seconds if expected_seconds is not None else None
         hold = Hold(
             source=source,
             reason=reason or (previous.reason if previous else ""),
@@ -99,11 +108,21 @@ class YieldState:
         self._holds[source] = hold
         self._set_lease(source, for_seconds)
         if previous is None:
-            for callback in self._on_hold_taken:
-                callback(hold)
+            for callback in list(self._on_hold_taken):
+                try:
+                    callback(hold)
+                except Exception:
+                    log.failure("hold-taken callback failed")
         if not was_yielded:
             self.yielded_since = now
             self._changed(True, hold)
+        elif previous is None:
+            log.info(
+                "hold taken: source={source} reason={reason!r}, also held by {others}",
+                source=source,
+                reason=hold.reason,
+                others=", ".join(s for s in self._holds if s != source),
+            )
         return hold
 
     def release(self, source: str) -> bool:
@@ -116,8 +135,11 @@ class YieldState:
             now = self._clock.seconds()
             began = self.yielded_since if self.yielded_since is not None else now
             self.yielded_since = None
-            for callback in self._on_yield_ended:
-                callback(source, now - began)
+            for callback in list(self._on_yield_ended):
+                try:
+                    callback(source, now - began)
+                except Exception:
+                    log.failure("yield-ended callback failed")
             self._changed(False, hold)
         else:
             log.info(
@@ -154,11 +176,17 @@ class YieldState:
         now = self._clock.seconds()
         lasted = now - self.last_change
         self.last_change = now
+        try:
+            details = self.describe()
+        except Exception:
+            log.failure("describing the proxy for the state log line failed")
+            details = ""
         log.info(
-            "GPU {what}: source={source} reason={reason!r} (previous state lasted {lasted:.1f}s)",
+            "GPU {what}: source={source} reason={reason!r}{details} (previous state lasted {lasted:.1f}s)",
             what="yielded" if yielded else "available",
             source=hold.source,
             reason=hold.reason,
+            details=f"; {details}" if details else "",
             lasted=lasted,
         )
         for callback in list(self._observers):

@@ -11,6 +11,7 @@ import re
 from twisted.python import usage
 
 from .config import ConfigError, load, read_token
+from .requestlog import JSON_OBSERVER, LOG_FORMATS
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
 
@@ -26,6 +27,7 @@ class Options(usage.Options):
         ["upstream", "u", None, "Upstream URL (default http://127.0.0.1:11434)."],
         ["listen", "l", None, "Proxy endpoint (default tcp:11435:interface=127.0.0.1)."],
         ["admin", "a", None, "Admin endpoint (default tcp:11436:interface=127.0.0.1)."],
+        ["log-format", None, "text", "Log format: text (twistd's own) or json (one JSON object per line)."],
     ]
 
     def postOptions(self):
@@ -51,6 +53,30 @@ class Options(usage.Options):
             )
         self.config = config
         self.token = token
+        self._set_log_format()
+
+    def _set_log_format(self) -> None:
+        """Give twistd the JSON observer by setting its own ``--logger`` option.
+
+        twistd reads ``--logger`` (a dotted name it imports once every option
+        is parsed) when it builds its logger, before it calls
+        :func:`makeService`, so this is the one clean place to choose the
+        observer: ``twistd -n yieldproxy --log-format json`` is exactly
+        ``twistd -n --logger yieldproxy.requestlog.json_observer yieldproxy``.
+        """
+        fmt = self["log-format"]
+        if fmt not in LOG_FORMATS:
+            raise usage.UsageError(f"--log-format: must be text or json, got {fmt!r}")
+        parent = getattr(self, "parent", None)
+        if fmt == "text" or parent is None:
+            return
+        if parent.get("logger"):
+            raise usage.UsageError("--log-format json: twistd's --logger is set too; use one of them")
+        if parent.get("syslog"):
+            raise usage.UsageError("--log-format json: cannot write JSON to syslog; drop --syslog")
+        if parent.get("logfile") not in (None, "", "-"):
+            raise usage.UsageError("--log-format json: writes to stdout (the journal under systemd); drop --logfile")
+        parent["logger"] = JSON_OBSERVER
 
 
 def admin_is_local(endpoint: str) -> bool:
