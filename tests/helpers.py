@@ -10,13 +10,12 @@ from yieldproxy.gate import Gate
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
+from yieldproxy.service import build_core, one_step_cooperator
 from yieldproxy.state import YieldState
 
 
 def clock_cooperator(clock: Clock) -> Cooperator:
     """A Cooperator that runs its steps on ``clock``, so tests advance it by hand."""
-    from yieldproxy.service import one_step_cooperator
-
     return one_step_cooperator(clock)
 
 
@@ -51,29 +50,7 @@ def make_core(config: Config | None = None, **replay) -> Core:
         config = attrs.evolve(config, replay=attrs.evolve(config.replay, **replay))
     clock = Clock()
     metrics = Metrics()
-    state = YieldState(clock)
-    lot = ParkingLot(
-        clock,
-        metrics,
-        max_parked=config.parking.max_parked,
-        max_parked_bytes=config.parking.max_parked_bytes,
-        class_max_parked={k: v.max_parked for k, v in config.classes.items()},
-        reject_status=config.parking.reject_status,
-        priorities={k: v.priority for k, v in config.classes.items()},
-        min_shares={k: v.min_share for k, v in config.classes.items()},
-    )
-    replayer = Replayer(
-        clock,
-        lot,
-        state,
-        metrics,
-        clock_cooperator(clock),
-        concurrency=config.replay.concurrency,
-        rate=config.replay.rate,
-        backoff_seconds=config.upstream.retry_backoff_seconds,
-        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
-    )
-    gate = Gate(clock, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status)
+    state, lot, replayer, gate = build_core(clock, config, metrics, clock_cooperator(clock))
     return Core(clock, metrics, state, lot, replayer, gate)
 
 

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -26,12 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 
-try:
-    import yieldproxy  # noqa: F401  (installed, or on the path already)
-except ImportError:  # a plain `pytest` run from a clone that is not pip-installed
-    sys.path.insert(0, str(ROOT))
-
-from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family  # noqa: E402
+from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family
 
 PROM_DIR = ROOT / "etc" / "prometheus"
 RULES = PROM_DIR / "yieldproxy-rules.yml"

@@ -67,15 +67,10 @@ class Proxy:
     fallback: Fallback | None = None
 
 
-def build(
-    reactor,
-    config: Config,
-    token: str | None = None,
-    cooperator: Cooperator | None = None,
-    metrics: Metrics | None = None,
-) -> Proxy:
-    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
-    metrics = metrics or Metrics()
+def build_core(
+    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None
+) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
+    """The yield state, the lot, the replayer and the gate: the clock-driven heart."""
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
     state = YieldState(reactor)
@@ -103,6 +98,19 @@ def build(
     gate = Gate(
         reactor, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status
     )
+    return state, lot, replayer, gate
+
+
+def build(
+    reactor,
+    config: Config,
+    token: str | None = None,
+    cooperator: Cooperator | None = None,
+    metrics: Metrics | None = None,
+) -> Proxy:
+    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
+    metrics = metrics or Metrics()
+    state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(hold.source).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
     metrics.watch(
