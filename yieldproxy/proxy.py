@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = Logger()
 
+#: Bodies larger than this are not read for the unload idiom during a yield.
+_UNLOAD_BODY_LIMIT = 4096
+
 
 def _peer_host(request) -> str | None:
     peer = request.getClientAddress()
@@ -149,7 +152,8 @@ class ProxyApp:
         if self._gate.yielded:
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
-            if cls != PASSTHROUGH:
+            # An unload request is a few bytes; a large body is never one.
+            if cls != PASSTHROUGH and (parsed is not None or len(body) <= _UNLOAD_BODY_LIMIT):
                 if parsed is None:
                     try:
                         parsed = parse_body(body)
