@@ -25,7 +25,7 @@ import pytest_twisted
 from twisted.internet import threads
 from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
 
-from yieldproxy import cli
+from yieldproxy import cli, demo
 from yieldproxy.config import Config
 from yieldproxy.service import build
 
@@ -365,6 +365,6 @@ def test_no_reactor_at_import() -> None:
 
 
 def test_max_overlap() -> None:
-    assert cli.max_overlap([]) == 0
-    assert cli.max_overlap([(0, 1), (1, 2), (2, 3)]) == 1  # back to back is not at once
-    assert cli.max_overlap([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3
+    assert demo.max_overlap([]) == 0
+    assert demo.max_overlap([(0, 1), (1, 2), (2, 3)]) == 1  # back to back is not at once
+    assert demo.max_overlap([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3

@@ -1,0 +1,456 @@
+"""``yieldproxy demo``: a burst surviving a yield, with no Ollama needed.
+
+A simulated Ollama and a proxy run in this process; a burst of embedding
+requests goes through them while the GPU is yielded and resumed over the real
+admin API; every answer is checked and a short report printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import secrets
+import sys
+from typing import Any
+
+import attrs
+from twisted.internet import defer, task
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.resource import Resource
+
+from .cli import (
+    EXIT_ERROR,
+    EXIT_OK,
+    AdminClient,
+    AdminTarget,
+    CliError,
+    _bounded,
+    _NoDelayEndpoints,
+    _printable,
+    _why_unreachable,
+)
+
+#: The demo's embedding model; the sim answers any name, deterministically.
+DEMO_MODEL = "all-minilm"
+#: The demo source's hold; a distinct name so it cannot end a real broker's hold.
+DEMO_SOURCE = "demo"
+#: Requests the simulated backend serves at once (like OLLAMA_NUM_PARALLEL).
+DEMO_SIM_PARALLEL = 4
+
+
+@attrs.define(eq=False)
+class _Line:
+    """The live progress line: redrawn in place on a terminal, plain lines otherwise."""
+
+    _stream: Any
+    tty: bool
+    _drawn: bool = False
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self._stream.write("\r\x1b[K" + text)
+            self._drawn = True
+        else:
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def finish(self) -> None:
+        """Leave the last progress line on the terminal."""
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False
+
+    def clear(self) -> None:
+        if self._drawn:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._drawn = False
+
+    def say(self, text: str) -> None:
+        """A line of its own (an event, a warning) without mangling the progress line."""
+        self.clear()
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+@attrs.define(eq=False)
+class _Burst:
+    """What the demo's client saw; the progress line and the report read it."""
+
+    total: int
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    wrong: int = 0
+    #: Texts whose answer carried X-Yield-Parked-Seconds: they went through the lot.
+    replayed: set = attrs.Factory(set)
+    longest_wait: float = 0.0
+    longest_parked: float = 0.0
+    #: Why requests failed: the reason, how many, and one text as an example.
+    failures: dict[str, list] = attrs.Factory(dict)
+    stopped: bool = False
+    in_flight: set = attrs.Factory(set)
+
+    def fail(self, text: str, why: str, wrong: bool = False) -> None:
+        if wrong:
+            self.wrong += 1
+        else:
+            self.failed += 1
+        seen = self.failures.setdefault(why, [0, text])
+        seen[0] += 1
+
+
+@attrs.define(eq=False)
+class _Watch:
+    """The proxy's yield and drain as they happened, from its own state observer."""
+
+    started: float
+    yielded_at: float | None = None
+    resumed_at: float | None = None
+    drained_at: float | None = None
+    peak_before_yield: int = 0
+    parked_in_yield: int = 0
+    #: (text, arrived, finished) of every request the backend saw.
+    at_backend: list = attrs.Factory(list)
+
+
+def max_overlap(intervals) -> int:
+    """The most intervals open at once (an end and a start at the same instant do not overlap)."""
+    events = sorted([(b, 1) for b, _ in intervals] + [(e, -1) for _, e in intervals])
+    current = peak = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+class _BackendTimer(Resource):
+    """Wraps the sim's resource to note when each text arrived at the backend and left it.
+
+    With the texts that came back marked as parked, this gives the exact number of
+    replayed requests at the backend at once, however the drain and direct traffic mix.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner, clock, visits: list):
+        super().__init__()
+        self._inner = inner
+        self._clock = clock
+        self._visits = visits
+
+    def render(self, request):
+        arrived = self._clock.seconds()
+        text = None
+        if request.content is not None:
+            try:
+                text = json.loads(request.content.read()).get("input")
+            except (ValueError, AttributeError):
+                pass
+            request.content.seek(0)
+        request.notifyFinish().addBoth(lambda _: self._visits.append((text, arrived, self._clock.seconds())))
+        return self._inner.render(request)
+
+
+def demo_text(i: int) -> str:
+    """The ``i``-th text of the burst: distinct, so every vector can be checked."""
+    return f"demo text {i}: the GPU may be yielded while this one waits"
+
+
+def _vector_ok(got: Any, expected: list[float]) -> bool:
+    return (
+        isinstance(got, list)
+        and len(got) == len(expected)
+        and all(isinstance(g, (int, float)) and math.isclose(g, e, rel_tol=1e-9, abs_tol=1e-12)
+                for g, e in zip(got, expected))
+    )
+
+
+async def _sleep(reactor, seconds: float) -> None:
+    await task.deferLater(reactor, seconds, lambda: None)
+
+
+async def demo_command(reactor, args: argparse.Namespace) -> int:
+    """Sim + proxy in this process, a burst through them, a yield in the middle; a report."""
+    from treq.client import HTTPClient
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.internet.task import LoopingCall
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        formatEventAsClassicLogText,
+        globalLogBeginner,
+    )
+
+    from .config import Config
+    from .service import build
+    from .sim import SimOllama, expected_embedding
+
+    watch = _Watch(started=reactor.seconds())
+
+    class TimedSim(SimOllama):
+        """The sim, with :class:`_BackendTimer` in front of its resource."""
+
+        def resource(self):
+            return _BackendTimer(super().resource(), reactor, watch.at_backend)
+
+    line = _Line(sys.stderr, sys.stderr.isatty())
+    # Warnings from the proxy and the sim go above the progress line.
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(
+            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),
+            [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
+        )],
+        redirectStandardIO=False,
+    )
+
+    deadline = args.deadline or (60.0 + args.yield_after + args.yield_for + 0.02 * args.texts)
+    request_timeout = max(30.0, args.yield_for + 30.0)
+
+    sim = TimedSim(reactor, latency=args.latency, parallel=DEMO_SIM_PARALLEL)
+    sim_port = await sim.listen(0, "127.0.0.1")
+    config = Config().with_overrides(**{"proxy.upstream": f"http://127.0.0.1:{sim_port}"})
+    token = secrets.token_urlsafe(16)
+    proxy = build(reactor, config, token=token)
+    proxy_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.proxy_app.site())
+    admin_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.admin_app.site())
+    proxy_url = f"http://127.0.0.1:{proxy_listener.getHost().port}"
+    admin = AdminClient(reactor, AdminTarget(f"http://127.0.0.1:{admin_listener.getHost().port}"), token)
+    cap = config.replay.concurrency
+
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = args.concurrency
+    http = HTTPClient(Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor, 10.0), pool=pool))
+
+    burst = _Burst(args.texts)
+    watch.started = reactor.seconds()
+
+    def mark() -> float:
+        return reactor.seconds() - watch.started
+
+    print(
+        f"demo: {args.texts} embedding requests, {args.concurrency} at a time, through the proxy at "
+        f"{proxy_url} to a simulated Ollama ({args.latency * 1000:g} ms a request, {DEMO_SIM_PARALLEL} in parallel); "
+        f"the GPU is yielded after {args.yield_after:g} s for {args.yield_for:g} s.",
+        flush=True,
+    )
+
+    def watch_drain() -> None:
+        """Note when the lot is empty again after the resume."""
+        if proxy.gate.state_name == "draining":
+            reactor.callLater(0.01, watch_drain)
+        elif watch.drained_at is None:
+            watch.drained_at = reactor.seconds()
+            line.say(f"{mark():6.2f}s  the lot is empty: drained in {watch.drained_at - watch.resumed_at:.2f} s")
+
+    def state_changed(yielded: bool) -> None:
+        now = reactor.seconds()
+        if yielded:
+            watch.yielded_at = now
+            watch.peak_before_yield = sim.peak_in_flight
+        else:
+            watch.resumed_at = now
+            watch.parked_in_yield = len(proxy.lot)
+            watch_drain()
+
+    proxy.state.observe(state_changed)
+
+    def progress() -> None:
+        try:
+            line.show(
+                f"{mark():6.2f}s  sent {burst.sent}/{burst.total}  ok {burst.ok}  failed {burst.failed + burst.wrong}"
+                f"  parked {len(proxy.lot)}  state {proxy.gate.state_name}"
+            )
+        except Exception as e:  # A broken progress line must not stop the demo.
+            line.say(f"progress line failed: {e!r}")
+
+    async def one(text: str) -> None:
+        began = reactor.seconds()
+
+        async def exchange():
+            response = await http.post(
+                proxy_url + "/api/embed", json={"model": DEMO_MODEL, "input": text}, reactor=reactor
+            )
+            return response.code, response.headers.getRawHeaders(b"x-yield-parked-seconds"), await response.content()
+
+        d = defer.Deferred.fromCoroutine(_bounded(reactor, exchange(), request_timeout))
+        burst.in_flight.add(d)
+        try:
+            code, parked, raw = await d
+        except Exception as e:
+            why = "stopped at the deadline" if burst.stopped else (_why_unreachable(e, request_timeout) or repr(e))
+            burst.fail(text, why)
+            return
+        finally:
+            burst.in_flight.discard(d)
+        waited = reactor.seconds() - began
+        burst.longest_wait = max(burst.longest_wait, waited)
+        if parked:
+            burst.replayed.add(text)
+            try:
+                burst.longest_parked = max(burst.longest_parked, float(parked[0]))
+            except ValueError:
+                pass
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if code != 200:
+            error = body.get("error") if isinstance(body, dict) else raw[:200]
+            burst.fail(text, f"HTTP {code}: {_printable(error, 200)}")
+            return
+        vectors = body.get("embeddings") if isinstance(body, dict) else None
+        if isinstance(vectors, list) and len(vectors) == 1 and _vector_ok(vectors[0], expected_embedding(text, DEMO_MODEL, sim.dim)):
+            burst.ok += 1
+        else:
+            burst.fail(text, "wrong vector", wrong=True)
+
+    texts = iter(range(args.texts))
+
+    # The yield comes after --yield-after seconds, or once half the burst is sent
+    # if that is sooner: a fast machine must not finish the burst before it.
+    go: defer.Deferred = defer.Deferred()
+    half = (args.texts + 1) // 2
+
+    def time_to_yield() -> None:
+        if not go.called:
+            go.callback(None)
+
+    async def worker() -> None:
+        for i in texts:
+            if burst.stopped:
+                return
+            burst.sent += 1
+            if burst.sent == half:
+                time_to_yield()
+            await one(demo_text(i))
+
+    admin_errors: list[str] = []
+    phase = {"name": "waiting"}
+
+    async def yield_and_resume() -> None:
+        await go
+        phase["name"] = "yielding"
+        line.say(f"{mark():6.2f}s  POST /yield (source {DEMO_SOURCE}, expected {args.yield_for:g} s)")
+        try:
+            # The lease ends the hold by itself should the resume call below be lost.
+            await admin.hold(
+                source=DEMO_SOURCE, reason="demo: the GPU is lent to another job",
+                expected_seconds=args.yield_for, for_seconds=args.yield_for + 10.0,
+            )
+        except CliError as e:
+            admin_errors.append(f"yield: {e.message}")
+            return
+        await _sleep(reactor, args.yield_for)
+        parked = len(proxy.lot)
+        line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {cap} at a time")
+        try:
+            await admin.release(DEMO_SOURCE)
+        except CliError as e:
+            admin_errors.append(f"resume: {e.message}")
+
+    ticker = LoopingCall(progress)
+    ticker.clock = reactor
+    ticker.start(0.2 if line.tty else 1.0, now=True)
+    controller = defer.Deferred.fromCoroutine(yield_and_resume())
+    workers = defer.gatherResults(
+        [defer.Deferred.fromCoroutine(worker()) for _ in range(args.concurrency)], consumeErrors=True
+    )
+
+    def out_of_time() -> None:
+        burst.stopped = True
+        if watch.yielded_at is not None and watch.resumed_at is None:
+            watch.parked_in_yield = len(proxy.lot)
+        line.say(f"{mark():6.2f}s  the demo's deadline ({deadline:g} s) passed; stopping")
+        for d in list(burst.in_flight):
+            d.cancel()
+        controller.cancel()
+
+    watchdog = reactor.callLater(deadline, out_of_time)
+    yield_timer = reactor.callLater(args.yield_after, time_to_yield)
+    try:
+        await workers
+        elapsed = mark()
+        if phase["name"] == "waiting":
+            controller.cancel()
+        await controller.addErrback(lambda f: f.trap(defer.CancelledError))
+    finally:
+        for call in (watchdog, yield_timer):
+            if call.active():
+                call.cancel()
+        ticker.stop()
+        progress()
+        line.finish()
+        await _quietly(reactor, pool.closeCachedConnections())
+        await _quietly(reactor, proxy_listener.stopListening())
+        await _quietly(reactor, admin_listener.stopListening())
+        proxy.replayer.stop()
+        await _quietly(reactor, proxy.upstream.close())
+        await _quietly(reactor, sim.stop())
+
+    duplicates = sum(1 for n in sim.texts_embedded.values() if n > 1)
+    not_sent = burst.total - burst.sent
+    good = burst.failed == 0 and burst.wrong == 0 and not_sent == 0 and not admin_errors
+    print(_demo_report(args, burst, watch, cap, elapsed, duplicates, not_sent, admin_errors, good))
+    return EXIT_OK if good else EXIT_ERROR
+
+
+async def _quietly(reactor, d) -> None:
+    """Cleanup that must neither hang nor hide the report."""
+    try:
+        await defer.maybeDeferred(lambda: d).addTimeout(5, reactor)
+    except Exception:
+        pass
+
+
+def _demo_report(args, burst: _Burst, watch: _Watch, cap: int, elapsed: float,
+                 duplicates: int, not_sent: int, admin_errors: list[str], good: bool) -> str:
+    rows = [
+        ("sent", f"{burst.sent}" + (f" ({not_sent} never sent)" if not_sent else "")),
+        ("ok", f"{burst.ok}"),
+        ("failed", f"{burst.failed}"),
+        ("wrong vectors", f"{burst.wrong}" + (f", {duplicates} texts embedded twice" if duplicates else "")),
+        ("longest wait", f"{burst.longest_wait:.2f} s"),
+    ]
+    if watch.yielded_at is None:
+        rows.append(("yield", "none: the burst ended before the yield"))
+    else:
+        if watch.resumed_at is None:
+            yielded = f"GPU yielded {watch.started + elapsed - watch.yielded_at:.2f} s, not resumed before the end"
+        else:
+            yielded = f"GPU yielded {watch.resumed_at - watch.yielded_at:.2f} s"
+        parked = f"{yielded}; {watch.parked_in_yield} requests parked through it"
+        if burst.longest_parked:
+            parked += f", the longest {burst.longest_parked:.2f} s"
+        rows.append(("time parked", parked))
+        if len(burst.replayed) > watch.parked_in_yield:
+            # Arrivals during the drain queue behind the lot (no overtaking), at the replay cap.
+            rows.append(("replayed", (
+                f"{len(burst.replayed)} requests went out through the lot, in order, "
+                f"until it drained"
+            )))
+        if watch.resumed_at is not None:
+            replay_peak = max_overlap([(b, e) for t, b, e in watch.at_backend if t in burst.replayed])
+            peak = f"{replay_peak} replayed at once (replay cap {cap})"
+            if replay_peak > cap:
+                peak += " -- ABOVE THE CAP"
+            rows.append((
+                "peak backend",
+                f"{peak}; {watch.peak_before_yield} before the yield (direct traffic is not capped)",
+            ))
+    rows.append(("took", f"{elapsed:.2f} s"))
+    width = max(len(k) for k, _ in rows)
+    out = ["", "demo report:"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    for why, (count, text) in itertools.islice(burst.failures.items(), 5):
+        out.append(f"  {count} x {why} (e.g. {text!r})")
+    for why in admin_errors:
+        out.append(f"  admin API: {why}")
+    out.append(
+        "result: OK: every request answered, every vector right" if good
+        else "result: FAILED: see above"
+    )
+    return "\n".join(out)
