@@ -143,11 +143,36 @@ def twistd_options(*args) -> ServerOptions:
 
 def test_log_format_json_sets_twistds_logger():
     options = twistd_options("yieldproxy", "--log-format", "json")
-    from yieldproxy.requestlog import json_observer
+    from yieldproxy.requestlog import json_observer, text_observer
 
     assert options["logger"] is json_observer
-    assert twistd_options("yieldproxy")["logger"] is None
-    assert twistd_options("yieldproxy", "--log-format", "text")["logger"] is None
+    # Text goes through our observer too, so that --log-level applies.
+    assert twistd_options("yieldproxy")["logger"] is text_observer
+    assert twistd_options("yieldproxy", "--log-format", "text")["logger"] is text_observer
+    # twistd's own choice of output wins for text.
+    assert twistd_options("--logfile", "/tmp/yp.log", "yieldproxy")["logger"] is None
+
+
+def test_log_level_drops_debug_events():
+    import io
+
+    from twisted.logger import LogLevel
+
+    from yieldproxy import requestlog
+
+    twistd_options("yieldproxy", "--log-level", "warn")
+    try:
+        assert requestlog.log_level == LogLevel.warn
+        with pytest.raises(usage.UsageError, match="--log-level"):
+            twistd_options("yieldproxy", "--log-level", "loud")
+    finally:
+        twistd_options("yieldproxy")
+    assert requestlog.log_level == LogLevel.info
+    out = io.StringIO()
+    observer = requestlog._at_level(requestlog.json_file_observer(out))
+    observer({"log_level": LogLevel.debug, "log_format": "noise", "log_namespace": "x", "log_time": 0})
+    observer({"log_level": LogLevel.info, "log_format": "kept", "log_namespace": "x", "log_time": 0})
+    assert "noise" not in out.getvalue() and "kept" in out.getvalue()
 
 
 @pytest.mark.parametrize(

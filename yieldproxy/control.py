@@ -17,11 +17,11 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.client import Agent, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 
-from .forward import BytesProducer
+from .forward import BytesProducer, QuietPool
 
 #: A control call that takes longer than this is given up (unless the caller says otherwise).
 DEFAULT_TIMEOUT = 10.0
@@ -56,7 +56,7 @@ class UpstreamControl:
     def _get_agent(self) -> Agent:
         """Built on first use, so building a proxy on a Clock never touches sockets."""
         if self._agent is None:
-            pool = HTTPConnectionPool(self._reactor, persistent=False)
+            pool = QuietPool(self._reactor, persistent=False)
             self._agent = Agent(self._reactor, pool=pool, connectTimeout=DEFAULT_TIMEOUT)
         return self._agent
 

@@ -27,6 +27,7 @@ from twisted.internet.ssl import optionsForClientTLS
 from twisted.web.client import (
     Agent,
     HTTPConnectionPool,
+    _HTTP11ClientFactory,
     ResponseDone,
     ResponseFailed,
 )
@@ -100,6 +101,18 @@ def copy_response_headers(source: Headers, target: Headers) -> None:
     for name, values in source.getAllRawHeaders():
         if name.lower() not in skip:
             target.setRawHeaders(name, values)
+
+
+class _QuietClientFactory(_HTTP11ClientFactory):
+    """Twisted logs "Starting factory" for every new pooled connection; we do not."""
+
+    noisy = False
+
+
+class QuietPool(HTTPConnectionPool):
+    """An HTTPConnectionPool that does not log each connection it opens."""
+
+    _factory = _QuietClientFactory
 
 
 @implementer(IBodyProducer)
@@ -188,7 +201,7 @@ class Upstream:
         endpoint = _client_endpoint(reactor, self.host, self.port)
         if parts.scheme == "https":
             endpoint = wrapClientTLS(optionsForClientTLS(self.host), endpoint)
-        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool = QuietPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_connections
         self.agent = Agent.usingEndpointFactory(
             reactor, _FixedEndpointFactory(_NoDelayEndpoint(endpoint)), pool=self.pool

@@ -29,10 +29,13 @@ from typing import IO, Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import (
     FileLogObserver,
+    FilteringLogObserver,
     ILogObserver,
     Logger,
     LogLevel,
+    LogLevelFilterPredicate,
     formatEvent,
+    textFileLogObserver,
 )
 
 log = Logger()
@@ -165,8 +168,18 @@ def json_file_observer(out: IO[str]) -> ILogObserver:
     return FileLogObserver(out, _as_json_line)
 
 
-#: The dotted name twistd's ``--logger`` takes for the JSON format.
+#: The dotted names twistd's ``--logger`` takes for each format.
 JSON_OBSERVER = "yieldproxy.requestlog.json_observer"
+TEXT_OBSERVER = "yieldproxy.requestlog.text_observer"
+LOG_LEVELS = ("debug", "info", "warn", "error")
+
+#: The least level written; ``--log-level`` sets it before twistd builds its logger.
+log_level = LogLevel.info
+
+
+def _at_level(observer: ILogObserver) -> ILogObserver:
+    """Drop events below :data:`log_level` (twistd itself filters nothing)."""
+    return FilteringLogObserver(observer, [LogLevelFilterPredicate(defaultLogLevel=log_level)])
 
 
 def json_observer() -> ILogObserver:
@@ -175,4 +188,9 @@ def json_observer() -> ILogObserver:
     Called by twistd before it redirects ``sys.stdout`` into the log, so this
     is the real stdout (the journal, under systemd).
     """
-    return json_file_observer(sys.stdout)
+    return _at_level(json_file_observer(sys.stdout))
+
+
+def text_observer() -> ILogObserver:
+    """twistd's usual text lines on stdout, without the events below :data:`log_level`."""
+    return _at_level(textFileLogObserver(sys.stdout))

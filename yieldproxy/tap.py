@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 
+from twisted.logger import LogLevel
 from twisted.python import usage
 
+from . import requestlog
 from .config import ConfigError, load, read_token
-from .requestlog import JSON_OBSERVER, LOG_FORMATS
+from .requestlog import JSON_OBSERVER, LOG_FORMATS, LOG_LEVELS, TEXT_OBSERVER
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
 
@@ -28,6 +30,7 @@ class Options(usage.Options):
         ["listen", "l", None, "Proxy endpoint (default tcp:11435:interface=127.0.0.1)."],
         ["admin", "a", None, "Admin endpoint (default tcp:11436:interface=127.0.0.1)."],
         ["log-format", None, "text", "Log format: text (twistd's own) or json (one JSON object per line)."],
+        ["log-level", None, "info", "Least level logged: debug, info, warn or error."],
     ]
 
     def postOptions(self):
@@ -67,8 +70,18 @@ class Options(usage.Options):
         fmt = self["log-format"]
         if fmt not in LOG_FORMATS:
             raise usage.UsageError(f"--log-format: must be text or json, got {fmt!r}")
+        level = self["log-level"]
+        if level not in LOG_LEVELS:
+            raise usage.UsageError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+        requestlog.log_level = LogLevel.levelWithName(level)
         parent = getattr(self, "parent", None)
-        if fmt == "text" or parent is None:
+        if parent is None:
+            return
+        own_output = parent.get("logger") or parent.get("syslog") or parent.get("logfile") not in (None, "", "-")
+        if fmt == "text":
+            # twistd's own --logger/--logfile/--syslog, if given, win (unfiltered).
+            if not own_output:
+                parent["logger"] = TEXT_OBSERVER
             return
         if parent.get("logger"):
             raise usage.UsageError("--log-format json: twistd's --logger is set too; use one of them")
