@@ -57,6 +57,8 @@ class ProxyConfig:
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
     idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
+    #: Time a client has to deliver a whole request, headers and body (slowloris bound).
+    request_read_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
 
 

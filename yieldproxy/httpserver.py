@@ -1,45 +1,164 @@
-"""The proxy listener's HTTP server pieces: bounded bodies, TCP_NODELAY, no access log.
+"""The proxy listener's HTTP server pieces: bounded requests, TCP_NODELAY, no access log.
 
 Everything about how bytes from a client become a request lives here, apart
-from what the proxy does with the request (proxy.py).
+from what the proxy does with the request (proxy.py).  A hostile or broken
+client must not be able to make the proxy buffer without bound, wait without
+bound, or forward anything it did not parse itself, so this layer:
+
+* refuses a body over ``proxy.max_body_bytes`` as soon as that is known (from
+  ``Content-Length``, or mid-way through a chunked body): the request goes to
+  the app at once, without its body, and is answered 413; the rest of the
+  body is read and dropped, then the connection is closed;
+* answers 431 for too many or too large header lines, 414 for an overlong
+  request line, and a JSON 400 for every request Twisted's parser rejects
+  (conflicting ``Content-Length``/``Transfer-Encoding``, CR/LF/NUL in a
+  header value, malformed chunks...), always with ``Connection: close``;
+* gives a client ``request_read_timeout`` seconds to deliver a whole request
+  (headers and body) from its first byte, so a client that dribbles its
+  headers a byte at a time (slowloris) gets 408 instead of holding a
+  connection for as long as it keeps sending;
+* drops a client that stops reading its answer for the idle timeout, so a
+  stalled reader cannot hold an upstream connection and a replay slot;
+* never parses form bodies (Twisted does by default) and never opens a
+  tunnel (``CONNECT`` is answered 405).
+
+After refusing, the connection lingers a moment, reading and dropping what the
+client still sends, so the client reads our answer instead of a TCP reset.
+
+The channel hooks into :class:`twisted.web.http.HTTPChannel` internals
+(``_receivedHeaderSize``, ``_handlingRequest``, ``_respondToBadRequestAndDisconnect``,
+``_failChooseTransferDecoder``, ``_finishRequestBody``...), as they are in
+Twisted 26.10; ``tests/test_hostile.py`` fails if a Twisted release moves them.
 """
 
 from __future__ import annotations
 
 import io
+from urllib.parse import unquote_to_bytes
 
-from twisted.web.http import HTTPChannel
+from twisted.logger import Logger
+from twisted.web.http import HTTPChannel, RESPONSES
 from twisted.web.server import Request, Site
+
+from .classify import api_family
+from .errors import error_body
+from .requestlog import log_request
+
+log = Logger()
+
+#: Seconds to deliver a whole request (proxy.request_read_timeout_seconds).
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0
+#: Seconds a refused connection keeps reading (and dropping) before it is cut.
+LINGER_SECONDS = 5.0
+#: Reason phrases Twisted's table lacks.
+_PHRASES = {431: b"Request Header Fields Too Large"}
+#: Header lines per request (Twisted allows 500; no Ollama client sends 30).
+MAX_HEADERS = 100
+#: Bytes of the request line plus every header line (Twisted's default).
+MAX_HEADER_BYTES = 16384
 
 
 class ProxyRequest(Request):
-    """A request whose body is held in memory up to a limit, and discarded past it.
+    """A request whose body is held in memory up to a limit, and refused past it.
 
     Twisted's own Request spools bodies over 100 KB to a temporary file and
     accepts any size; a parked request must stay in memory (it is counted in
-    ``parking.max_parked_bytes``) and an oversized one must not fill the disk.
+    ``parking.max_parked_bytes``) and an oversized one must neither fill the
+    disk nor be read whole before it is refused.
     """
 
     max_body_bytes = 32 * 1024 * 1024
     too_large = False
+    #: Answer 413 here rather than let the app see ``too_large`` (for apps that do not check it).
+    answer_too_large = False
+    #: Give the requests answered here their line in the request log (requestlog.py).
+    request_log = True
 
     def gotLength(self, length):
         self.content = io.BytesIO()
         if length is not None and length > self.max_body_bytes:
-            self.too_large = True
+            self._refuse_body()
 
     def handleContentChunk(self, data):
         if self.too_large:
             return
         if self.content.tell() + len(data) > self.max_body_bytes:
-            self.too_large = True
-            self.content = io.BytesIO()
+            # Only a chunked body gets here: a declared length is checked in gotLength.
+            self._refuse_body()
             return
         self.content.write(data)
 
+    def _refuse_body(self) -> None:
+        """Drop what was kept and let the channel answer now instead of reading on."""
+        self.too_large = True
+        self.content = io.BytesIO()
+        # No "100 Continue" for a body that will be refused: the client need not send it.
+        self.requestHeaders.removeHeader(b"expect")
+        refuse = getattr(self.channel, "refuse_body", None)
+        if refuse is not None:
+            refuse(self)
 
-class _NoDelayChannel(HTTPChannel):
-    """An HTTP/1.1 channel with Nagle's algorithm off: small answers go out at once."""
+    def process(self):
+        """Hand the request to the app, unless it is answered here (see :meth:`_refusal`)."""
+        refusal = self._refusal()
+        if refusal is None:
+            super().process()
+            return
+        status, message, code = refusal
+        if self.request_log:
+            clock = self.channel.site.reactor
+            log_request(self, "passthrough", status, code, 0.0, 0, clock.seconds(), clock)
+        body = error_body(api_family(self.path or b""), status, message, code)
+        self.setResponseCode(status)
+        if status == 405:
+            self.setHeader(b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+        self.setHeader(b"content-type", b"application/json; charset=utf-8")
+        self.setHeader(b"content-length", b"%d" % len(body))
+        self.write(body)
+        self.finish()
+
+    def _refusal(self) -> tuple[int, str, str] | None:
+        """Why this request is answered here without reaching the app, if it is.
+
+        Klein needs the Host header and the (percent-decoded) path in UTF-8,
+        and logs a traceback for each request where they are not: a client
+        could fill the log with them.  RFC 9112 (3.2) wants 400 for an invalid
+        Host anyway; the proxy itself never uses it.
+        """
+        if self.method == b"CONNECT":
+            # A reverse proxy for one upstream opens no tunnels, whatever the target.
+            return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
+        if self.too_large and self.answer_too_large:
+            return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
+        for host in self.requestHeaders.getRawHeaders(b"host", []):
+            try:
+                host.decode("utf-8")
+            except UnicodeDecodeError:
+                return 400, "the Host header is not valid UTF-8", "bad_request"
+        try:
+            unquote_to_bytes(self.path).decode("utf-8")
+        except UnicodeDecodeError:
+            return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
+        return None
+
+
+class ProxyChannel(HTTPChannel):
+    """HTTP/1.1 with Nagle off, bounded reading, and explicit answers to bad requests."""
+
+    maxHeaders = MAX_HEADERS
+    totalHeadersSize = MAX_HEADER_BYTES
+    MAX_LENGTH = MAX_HEADER_BYTES
+    linger_seconds = LINGER_SECONDS
+
+    #: Set once this connection is refusing: everything it still reads is dropped.
+    _draining = False
+    _read_timer = None
+    _stall_timer = None
+    _linger_timer = None
+    _idle_timeout = None
+    _bad_reason = None
+
+    # -- connection --------------------------------------------------------------
 
     def connectionMade(self):
         super().connectionMade()
@@ -49,17 +168,216 @@ class _NoDelayChannel(HTTPChannel):
                 set_nodelay(True)
             except OSError:
                 pass
+        # The read timeout starts with a request's first byte: a connection that
+        # sends nothing at all is the idle timeout's (closed without an answer).
+        self._idle_timeout = self.timeOut
+
+    def connectionLost(self, reason):
+        for name in ("_read_timer", "_stall_timer", "_linger_timer"):
+            self._cancel(name)
+        super().connectionLost(reason)
+
+    def _cancel(self, name: str) -> None:
+        """Cancel the timer kept in attribute ``name``, if it is set and pending."""
+        call = getattr(self, name)
+        setattr(self, name, None)
+        if call is not None and call.active():
+            call.cancel()
+
+    def _read_timeout(self) -> float | None:
+        """The site's request read timeout (the default for a channel used without a ProxySite)."""
+        site = getattr(self, "site", None)
+        return getattr(site, "request_read_timeout", DEFAULT_REQUEST_READ_TIMEOUT)
+
+    # -- reading a request ----------------------------------------------------------
+
+    def dataReceived(self, data):
+        if self._draining:
+            return
+        if self._read_timer is None and not self._handlingRequest and data:
+            # The first byte of a request (the first on this connection, or the next).
+            self._arm_read_timer()
+        super().dataReceived(data)
+
+    def _arm_read_timer(self) -> None:
+        """Start counting the time this request takes to arrive."""
+        timeout = self._read_timeout()
+        if timeout:
+            self._read_timer = self.callLater(timeout, self._read_timed_out)
+
+    def _read_timed_out(self) -> None:
+        """The request did not arrive in full in time: 408, unless it did meanwhile."""
+        self._read_timer = None
+        if self._handlingRequest or self._draining:
+            return
+        self._refuse(
+            408, f"the request was not received in full within {self._read_timeout():g}s", "request_timeout"
+        )
+
+    def lineReceived(self, line):
+        if self._draining:
+            return None
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._refuse(431, f"request headers larger than {self.totalHeadersSize} bytes", "headers_too_large")
+            return None
+        return super().lineReceived(line)
+
+    def lineLengthExceeded(self, line):
+        if self._draining:
+            return None
+        if self._receivedHeaderSize == 0:
+            self._refuse(414, f"request line longer than {self.MAX_LENGTH} bytes", "uri_too_long")
+        else:
+            self._refuse(431, f"a header line is longer than {self.MAX_LENGTH} bytes", "headers_too_large")
+        return None
+
+    def headerReceived(self, line):
+        if self._draining:
+            return False
+        if self._receivedHeaderCount >= self.maxHeaders:
+            self._refuse(431, f"more than {self.maxHeaders} request headers", "headers_too_large")
+            return False
+        return super().headerReceived(line)
+
+    def rawDataReceived(self, data):
+        if self._draining:
+            return None
+        return super().rawDataReceived(data)
+
+    def allContentReceived(self):
+        self._cancel("_read_timer")
+        super().allContentReceived()
+
+    def _finishRequestBody(self, data):
+        # A refused chunked body was answered already; its end changes nothing.
+        if self._draining:
+            return
+        super()._finishRequestBody(data)
+
+    def _failChooseTransferDecoder(self):
+        self._bad_reason = "invalid or conflicting Content-Length / Transfer-Encoding"
+        return super()._failChooseTransferDecoder()
+
+    def _respondToBadRequestAndDisconnect(self):
+        """Twisted's parser refused the request: say so in JSON, not a bare 400."""
+        self._refuse(400, self._bad_reason or "malformed HTTP request", "bad_request")
+
+    # -- refusing --------------------------------------------------------------------
+
+    def refuse_body(self, request) -> None:
+        """The body is over the limit: hand the request to the app now, drop the rest, close.
+
+        Called by :class:`ProxyRequest` from ``gotLength`` (a declared length:
+        the channel is still in the header phase and hands the request over as
+        if it had no body) or from ``handleContentChunk`` (a chunked body: the
+        request is handed over at once).
+        """
+        if self._draining or self._handlingRequest or not self.requests or self.requests[-1] is not request:
+            return
+        self.persistent = False
+        request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+        if self.line_mode:
+            # From gotLength: lineReceived calls allContentReceived when length is 0.
+            self.length = 0
+            self._draining = True
+        else:
+            self._draining = True
+            self.allContentReceived()
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer a request that will not be read to its end, then close the connection."""
+        if self._draining:
+            return
+        self._draining = True
+        self.persistent = False
+        self._cancel("_read_timer")
+        path = getattr(self, "_path", None) or b""
+        body = error_body(api_family(path), status, message, code)
+        phrase = _PHRASES.get(status) or RESPONSES.get(status, b"Error")
+        peer = self.transport.getPeer() if self.transport is not None else None
+        log.info(
+            "refused a request from {peer}: {status} {message}",
+            peer=getattr(peer, "host", peer), status=status, message=message,
+        )
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, phrase, len(body), body)
+        )
+        self.loseConnection()
+
+    def loseConnection(self):
+        """Close; a refusing connection first lingers, reading and dropping what still comes.
+
+        Closing a socket with unread input makes the kernel send a reset,
+        which can destroy our answer before the client reads it.  So the
+        write side is shut once the answer is out, the rest of the input is
+        read and dropped, and the connection is cut after ``linger_seconds``
+        if the client has not closed it by then.
+        """
+        transport = self.transport
+        lose_write = getattr(transport, "loseWriteConnection", None)
+        if not self._draining or self._linger_timer is not None or lose_write is None or transport.disconnecting:
+            return super().loseConnection()
+        self._networkProducer.unregisterProducer()
+        self._linger_timer = self.callLater(self.linger_seconds, transport.abortConnection)
+        transport.resumeProducing()
+        lose_write()
+        return None
+
+    # -- writing an answer -----------------------------------------------------------
+
+    def pauseProducing(self):
+        """The client stopped reading: give it the idle timeout to start again."""
+        super().pauseProducing()
+        if self._handlingRequest and self._stall_timer is None and self._idle_timeout:
+            self._stall_timer = self.callLater(self._idle_timeout, self._stalled)
+
+    def resumeProducing(self):
+        self._cancel("_stall_timer")
+        super().resumeProducing()
+
+    def _stalled(self) -> None:
+        """The client read nothing for the idle timeout: drop it (the app sees it go, and frees its slot)."""
+        self._stall_timer = None
+        peer = self.transport.getPeer()
+        log.info(
+            "dropping a client that read nothing for {seconds:g}s: {peer}",
+            seconds=self._idle_timeout, peer=getattr(peer, "host", peer),
+        )
+        self.transport.abortConnection()
 
 
 class ProxySite(Site):
-    """A Site with bodies in memory, TCP_NODELAY, and no per-request access log."""
+    """A Site with bounded requests in memory, TCP_NODELAY, and no per-request access log.
+
+    The proxy app answers an oversized body itself (``request.too_large``,
+    with its metrics); another app (the admin API) can pass
+    ``answer_too_large=True`` to have such requests answered 413 here, and
+    ``request_log=False`` to keep its requests out of the request log.
+    """
 
     displayTracebacks = False
-    protocol = _NoDelayChannel
+    protocol = ProxyChannel
 
-    def __init__(self, resource, max_body_bytes: int, **kwargs):
-        request_class = type("BoundedProxyRequest", (ProxyRequest,), {"max_body_bytes": max_body_bytes})
+    def __init__(
+        self,
+        resource,
+        max_body_bytes: int,
+        request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
+        answer_too_large: bool = False,
+        request_log: bool = True,
+        **kwargs,
+    ):
+        request_class = type(
+            "BoundedProxyRequest",
+            (ProxyRequest,),
+            {"max_body_bytes": max_body_bytes, "answer_too_large": answer_too_large, "request_log": request_log},
+        )
         super().__init__(resource, requestFactory=request_class, **kwargs)
+        #: Seconds a client has to deliver a whole request (None: no limit).
+        self.request_read_timeout = request_read_timeout
+        # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
+        self._parsePOSTFormSubmission = False
 
     def log(self, request):
         """The request log is ours (one line with class and outcome), not Twisted's."""
