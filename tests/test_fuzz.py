@@ -314,7 +314,7 @@ admin_json = st.one_of(
 
 
 def _klein_decodable(sent: Sent) -> bool:
-    """Host and percent-decoded path in UTF-8 (see the xfail test below for the others)."""
+    """Host and percent-decoded path in UTF-8 (see the test below for the others)."""
     try:
         for name, value in sent.headers:
             if name.lower() == b"host":
@@ -370,14 +370,6 @@ async def test_fuzzed_admin_calls_are_answered_without_a_500():
 DEEP = b"[" * 4000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "classify.parse_body catches ValueError and UnicodeDecodeError, but json.loads raises "
-        "RecursionError on deeply nested JSON; ProxyApp._class_of does not catch it, so the "
-        "request is answered 500 with a logged traceback (with a model rule, or during a yield)"
-    ),
-)
 @pytest.mark.parametrize("yielded", [False, True], ids=["model-rule", "yielded"])
 @pytest_twisted.ensureDeferred
 async def test_deeply_nested_json_body_is_a_400_not_a_500(yielded):
@@ -397,13 +389,6 @@ async def test_deeply_nested_json_body_is_a_400_not_a_500(yielded):
         await stack.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "admin._read_json catches ValueError and UnicodeDecodeError, but json.loads raises "
-        "RecursionError on deeply nested JSON: POST /yield answers 500 'internal error in the admin API'"
-    ),
-)
 @pytest_twisted.ensureDeferred
 async def test_deeply_nested_json_to_the_admin_api_is_a_400_not_a_500():
     stack = await start_stack(reactor)
@@ -416,15 +401,6 @@ async def test_deeply_nested_json_to_the_admin_api_is_a_400_not_a_500():
         await stack.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "AdminApp.site() is a plain twisted.web Site: Klein logs a traceback (log.err 'Invalid "
-        "encoding in SERVER_NAME/PATH_INFO') for every request whose Host header or percent-decoded "
-        "path is not UTF-8, so any client can fill the log (the proxy listener's ProxySite answers "
-        "these 400 itself)"
-    ),
-)
 @pytest.mark.parametrize("where", ["host", "path"])
 @pytest_twisted.ensureDeferred
 async def test_admin_listener_logs_no_traceback_for_non_utf8_host_or_path(where):

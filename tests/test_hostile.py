@@ -688,15 +688,6 @@ async def test_non_utf8_host_or_path_gets_a_json_400_and_no_traceback():
         await stack.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "AdminApp.site() is a plain twisted.web Site: it reads a request body of any size "
-        "(spooled to a temporary file past 100 KB) before the route checks the token, so any "
-        "client that can reach the admin listener can fill the disk; ProxySite(resource, "
-        "64 * 1024, answer_too_large=True) would answer 413 from the headers"
-    ),
-)
 @pytest_twisted.ensureDeferred
 async def test_admin_listener_refuses_an_oversized_body_before_reading_it():
     stack = await start_stack(reactor, token="admin-token")
@@ -708,14 +699,6 @@ async def test_admin_listener_refuses_an_oversized_body_before_reading_it():
         await stack.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "AdminApp.site() keeps twisted.web's default 12-hour idle timeout and no request read "
-        "timeout: a client dribbling its headers holds an admin connection for hours "
-        "(ProxySite gives request_read_timeout, 30 s by default)"
-    ),
-)
 @pytest_twisted.ensureDeferred
 async def test_admin_listener_bounds_the_time_to_read_a_request():
     stack = await start_stack(reactor)
@@ -789,14 +772,6 @@ async def test_requests_answered_by_the_listener_get_their_request_log_line():
         await stack.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "proxy.request_read_timeout_seconds is not passed to the listener yet: ProxyApp.site() "
-        "(proxy.py) needs request_read_timeout=self._config.proxy.request_read_timeout_seconds; "
-        "until then the listener uses ProxySite's default, 30 s, whatever the setting"
-    ),
-)
 @pytest_twisted.ensureDeferred
 async def test_request_read_timeout_setting_reaches_the_listener():
     stack = await start_stack(reactor, config_with(proxy={"request_read_timeout_seconds": 2.0}))

@@ -25,6 +25,7 @@ from . import __version__
 from .config import Config
 from .fallback import NotNow
 from .gate import Gate
+from .httpserver import ProxySite
 from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
@@ -32,6 +33,10 @@ from .replay import Replayer
 from .state import YieldState
 
 _MAX_SOURCE_LENGTH = 64
+#: Admin bodies are a few fields of JSON.
+_ADMIN_BODY_LIMIT = 64 * 1024
+#: Brokers and scrapers reconnect; an idle admin connection need not live long.
+_ADMIN_IDLE_SECONDS = 60
 
 #: The status page's files in ``yieldproxy/static/``, with their content types.
 #: Only these are served: nothing else in the package is reachable.
@@ -80,7 +85,7 @@ def _read_json(request) -> dict:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
@@ -143,10 +148,14 @@ class AdminApp:
     app = Klein()
 
     def site(self) -> Site:
-        site = Site(self.app.resource())
-        site.displayTracebacks = False
-        site.log = lambda request: None
-        return site
+        """The same hardened HTTP layer as the proxy's: small bodies, read timeouts, no tracebacks."""
+        return ProxySite(
+            self.app.resource(),
+            _ADMIN_BODY_LIMIT,
+            answer_too_large=True,
+            request_log=False,
+            timeout=_ADMIN_IDLE_SECONDS,
+        )
 
     def status(self) -> dict:
         parked = {name: 0 for name in self._config.classes}

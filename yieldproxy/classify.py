@@ -65,6 +65,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
         value = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadBody(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadBody("request body is nested too deeply to read") from None
     if not isinstance(value, dict):
         raise BadBody("request body must be a JSON object")
     return value

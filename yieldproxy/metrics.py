@@ -88,7 +88,10 @@ class Metrics:
             registry=r,
         )
         self.requests_total = Counter(
-            "yieldproxy_requests", "Answered requests by class and HTTP status.", ["class", "code"], registry=r
+            "yieldproxy_requests",
+            "Every request taken, once, by class and the status the client got (499: it went away first).",
+            ["class", "code"],
+            registry=r,
         )
         self.upstream_seconds = Histogram(
             "yieldproxy_upstream_seconds",

@@ -34,7 +34,7 @@ from .gate import Gate
 from .httpserver import ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
-from .requestlog import log_request
+from .requestlog import CLIENT_GONE, log_request
 
 if TYPE_CHECKING:
     from .fallback import Fallback
@@ -76,6 +76,7 @@ class ProxyApp:
         return ProxySite(
             self.app.resource(),
             self._config.proxy.max_body_bytes,
+            request_read_timeout=self._config.proxy.request_read_timeout_seconds,
             timeout=self._config.proxy.idle_timeout_seconds,
         )
 
@@ -227,7 +228,6 @@ class ProxyApp:
                 self._gate.finished(failed=failed, seconds=elapsed)
             self._gate.upstream_result(None)
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
-            self._metrics.requests_total.labels(entry.cls, str(status)).inc()
             self._outcome(entry, "ok")
             self._log(request, entry.cls, status, "ok", entry, entry.attempts + 1)
             return None
@@ -250,7 +250,6 @@ class ProxyApp:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
         self._gate.upstream_result(None)
-        self._metrics.requests_total.labels(PASSTHROUGH, str(status)).inc()
         self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
 
@@ -279,14 +278,19 @@ class ProxyApp:
     ):
         if count and reason in ("too_large", "bad_request"):
             self._metrics.rejected_total.labels(cls, reason).inc()
-        self._metrics.requests_total.labels(cls, str(status)).inc()
         if status in (429, 503) and retry_after is None:
             retry_after = self._gate.retry_after()
         self._log(request, cls, status, reason, entry, attempts)
         return write_error(request, api, status, message, reason, retry_after)
 
     def _log(self, request, cls: str, status: int | None, outcome: str, entry: Entry | None, attempts: int) -> None:
-        """The request log line (requestlog.py): once per request, where it ends."""
+        """Once per request, where it ends: its count in requests_total and its log line.
+
+        A client that went away is counted as code 499 (nginx's), so the codes
+        of ``yieldproxy_requests_total`` add up to every request the proxy took.
+        """
+        code = CLIENT_GONE if status is None else int(status)
+        self._metrics.requests_total.labels(cls, str(code)).inc()
         log_request(
             request, cls, status, outcome,
             entry.parked_seconds if entry is not None else 0.0,

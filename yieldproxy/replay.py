@@ -127,19 +127,25 @@ class Replayer:
                 self._task.stop()
             except (TaskDone, TaskStopped):
                 pass
-        self._wake(cancel=True)
+        self._forget_wait()
 
-    def _wake(self, cancel: bool = False) -> None:
-        """End the release task's wait: a slot freed, a pause ran out, or shutdown."""
+    def _wake(self) -> None:
+        """End the release task's wait: a slot freed or a pause ran out."""
+        waiting = self._forget_wait()
+        if waiting is not None:
+            waiting.callback(None)
+
+    def _forget_wait(self) -> Deferred | None:
+        """Drop the pending wait and its timer, without firing it.
+
+        A stopped task must not be woken: the Cooperator already completed it,
+        and firing (or cancelling) what it waited on would complete it twice.
+        """
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
         waiting, self._waiting = self._waiting, None
-        if waiting is not None:
-            if cancel:
-                waiting.cancel()
-            else:
-                waiting.callback(None)
+        return waiting
 
     def _sleep(self, seconds: float) -> Deferred:
         """Wait until a slot frees or ``seconds`` pass (0: only a free slot wakes it)."""
@@ -166,8 +172,7 @@ class Replayer:
 
     def _task_ended(self, result) -> None:
         self._task = None
-        if self._waiting is not None:
-            self._wake(cancel=True)
+        self._forget_wait()
         if not self._lot and not self._state.yielded and not self._stopped:
             # The task only runs while draining, so this is the end of a drain:
             # the last of the three state changes gets its log line too.

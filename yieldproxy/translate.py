@@ -164,7 +164,7 @@ def parse_request(path: str, body: bytes) -> EmbedRequest:
         raise Untranslatable(f"{path} is not an embedding route")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise Untranslatable("body is not JSON") from None
     if not isinstance(data, dict):
         raise Untranslatable("body is not a JSON object")
@@ -225,7 +225,7 @@ def error_message(body: bytes) -> str:
     """The message of an error body in either API's shape (or the start of the raw text)."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         data = None
     if isinstance(data, dict):
         error = data.get("error")
@@ -260,7 +260,7 @@ def parse_response(request: EmbedRequest, api: str, status: int, body: bytes) ->
         raise BackendError(f"status_{status}", f"backend answered {status}: {error_message(body)}")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise BackendError("bad_answer", "backend answer is not JSON") from None
     if not isinstance(data, dict):
         raise BackendError("bad_answer", "backend answer is not a JSON object")
