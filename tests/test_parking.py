@@ -273,7 +273,17 @@ def test_backoff_after_repeated_failures():
     assert len(seen) == 1
     core.run(0.2)
     assert len(seen) == 2
-    # A success ends the streak.
+    # A declared resume ends the pause at once...
+    core.gate.finished(failed=True)
+    entry.attempts = 3
+    core.gate.admit(entry).addCallback(seen.append)
+    core.run(0.01)
+    assert len(seen) == 2
+    core.state.hold("api")
+    core.state.release("api")
+    core.run(0.01)
+    assert len(seen) == 3
+    # ...and a success ends the streak.
     core.gate.finished(failed=False)
     assert park(core)["released_at"] is not None
 

@@ -118,6 +118,9 @@ class Replayer:
         """Forget past failures: an answer came back, or the GPU was declared back."""
         self._failures_in_a_row = 0
         self._backoff_until = 0.0
+        if self._timer is not None:
+            # A release task sleeping out the old pause looks again now.
+            self._wake()
 
     def stop(self) -> None:
         """Stop releasing for good (shutdown)."""
