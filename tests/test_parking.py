@@ -317,3 +317,25 @@ def test_shutdown_refuses_parked_requests_with_503():
     assert len(core.lot) == 0
     core.gate.shutting_down = True
     assert park(core)["refused"].reason == "shutdown"
+
+
+def test_an_answer_sent_before_the_failure_does_not_end_the_backoff():
+    """Answers already on their way when the upstream broke say nothing about it now."""
+    core = make_core(config_with(upstream={"retry_backoff_seconds": 1.0}), concurrency=10)
+    early = park(core)  # goes at once; its answer comes back after the failures
+    core.run(0.5)
+    failing = park(core)
+    entry = failing["entry"]
+    seen = []
+    for attempt in (1, 2):
+        core.gate.finished(failed=True, seconds=0.0)
+        entry.attempts = attempt
+        core.gate.admit(entry).addCallback(seen.append)
+        core.run(0.001)
+    assert len(seen) == 1  # the second failure started a 1 s pause
+    core.gate.finished(failed=False, seconds=0.6)  # early's answer: sent before the failures
+    core.run(0.5)
+    assert len(seen) == 1
+    core.run(0.6)
+    assert len(seen) == 2
+    assert "released_at" in early

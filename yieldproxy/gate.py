@@ -113,7 +113,8 @@ class Gate:
         """The upstream exchange of an admitted request ended."""
         if seconds is not None and not failed:
             self.service_seconds += _EWMA_WEIGHT * (seconds - self.service_seconds)
-        self._replayer.finished(failed)
+        started = None if seconds is None else self._clock.seconds() - seconds
+        self._replayer.finished(failed, started)
 
     def upstream_result(self, failure_reason: str | None) -> None:
         """Report how an upstream attempt went (any class, passthrough too)."""

@@ -48,6 +48,7 @@ class Replayer:
     _next_start: float = 0.0
     _backoff_until: float = 0.0
     _failures_in_a_row: int = 0
+    _last_failure: float = float("-inf")
     _stopped: bool = False
     #: Pre-release steps still running (see :meth:`hold_release_until`).
     _release_gates: list[Deferred] = attrs.Factory(list)
@@ -93,12 +94,18 @@ class Replayer:
         self.inflight += 1
         self._metrics.inflight_requests.set(self.inflight)
 
-    def finished(self, failed: bool = False) -> None:
-        """A request's upstream exchange ended; free its slot."""
+    def finished(self, failed: bool = False, started: float | None = None) -> None:
+        """A request's upstream exchange ended; free its slot.
+
+        ``started`` is when its attempt began: an answer to an attempt sent
+        before the latest failure says nothing about the upstream now (it was
+        already on its way), so it does not end the backoff.
+        """
         self.inflight -= 1
         self._metrics.inflight_requests.set(self.inflight)
+        now = self._clock.seconds()
         if failed:
-            now = self._clock.seconds()
+            self._last_failure = now
             # Concurrent requests failing together are one failure of the upstream,
             # not many: the pause grows once per wave, not once per request.
             if now >= self._backoff_until:
@@ -110,7 +117,7 @@ class Replayer:
                         self.backoff_seconds * 2 ** (self._failures_in_a_row - 2),
                     )
                     self._backoff_until = now + delay
-        else:
+        elif started is None or started >= self._last_failure:
             self.reset_backoff()
         self._wake()
 
