@@ -40,12 +40,6 @@ from twisted.logger import (
 
 log = Logger()
 
-#: The text form of a request-log event (fields are also in the event itself).
-REQUEST_FORMAT = (
-    "{method} {path} {class} {status} {outcome} parked={parked_seconds:.3f}s "
-    "attempts={attempts} {duration:.3f}s client={client}"
-)
-
 #: The status logged for a request whose client went away before any answer
 #: (nginx's "client closed request"); no such status is ever sent.
 CLIENT_GONE = 499
@@ -109,7 +103,15 @@ def log_request(
         "bytes_sent": int(getattr(request, "sentLength", 0) or 0),
     }
     level = LogLevel.warn if fields["status"] >= 500 else LogLevel.info
-    logger.emit(level, REQUEST_FORMAT, **fields)
+    # The text form is rendered here, once, with an f-string (the fields are in
+    # the event too): a format string run through string.Formatter by every
+    # observer cost about a tenth of a millisecond per request.
+    line = (
+        f"{fields['method']} {fields['path']} {cls} {fields['status']} {outcome} "
+        f"parked={fields['parked_seconds']:.3f}s attempts={fields['attempts']} "
+        f"{fields['duration']:.3f}s client={fields['client']}"
+    )
+    logger.emit(level, "{request_line}", request_line=line, **fields)
     return fields
 
 
@@ -118,8 +120,8 @@ def log_request(
 LOG_FORMATS = ("text", "json")
 
 
-#: Keys of events from the legacy ``twisted.python.log`` API: already folded into ``text``.
-_LEGACY_KEYS = frozenset({"message", "system", "isError", "time", "why", "failure", "format"})
+#: Keys already folded into ``text``: the legacy ``twisted.python.log`` ones, and the request line.
+_LEGACY_KEYS = frozenset({"message", "system", "isError", "time", "why", "failure", "format", "request_line"})
 
 
 def _json_default(value: Any) -> Any:
