@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+
 import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
@@ -164,3 +169,33 @@ def in_thread(reactor, function, *args, timeout: float = 120.0, **kwargs):
     from twisted.internet.threads import deferToThreadPool
 
     return deferToThreadPool(reactor, reactor.getThreadPool(), function, *args, **kwargs).addTimeout(timeout, reactor)
+
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for child processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildOutput(ProcessProtocol):
+    """Keeps a child's output; ``ended`` fires with its exit code.
+
+    twistd stopped by SIGTERM re-raises the signal after a clean shutdown, so
+    its status reflects the signal (systemd counts that as a clean stop):
+    ``ended`` then fires with ``"SIGTERM"``.
+    """
+
+    def __init__(self):
+        self.output = b""
+        self.ended: Deferred = Deferred()
+
+    def outReceived(self, data):
+        self.output += data
+
+    errReceived = outReceived
+
+    def processEnded(self, reason):
+        status = reason.value
+        self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)

@@ -27,7 +27,6 @@ import collections
 import json
 import os
 import random
-import signal
 import sys
 
 import attrs
@@ -39,11 +38,11 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import ProcessProtocol, Protocol
 
-from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
+from helpers import ChildOutput, config_with, free_port, in_thread, make_core, sleep, start_stack, wait_for
 from helpers import Entry
 from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
-from test_twistd import TWISTD, free_port
+from test_twistd import TWISTD
 from yieldproxy.service import YieldProxyService, build
 
 TIMEOUT = 60
@@ -442,26 +441,13 @@ def _accepts(port: int) -> bool:
         return False
 
 
-class TwistdChild(ProcessProtocol):
-    def __init__(self):
-        self.output = b""
-        self.ended: Deferred = Deferred()
-
-    def outReceived(self, data):
-        self.output += data
-
-    errReceived = outReceived
-
-    def processEnded(self, reason):
-        status = reason.value
-        self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
 
 
 async def start_twistd(sim_port: int, tmp_path, shutdown_timeout: float = 30.0):
     proxy_port, admin_port = free_port(), free_port()
     config = tmp_path / "yieldproxy.toml"
     config.write_text(f"[proxy]\nshutdown_timeout_seconds = {shutdown_timeout}\n")
-    child = TwistdChild()
+    child = ChildOutput()
     process = reactor.spawnProcess(
         child, TWISTD,
         [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(config),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 
 import pytest
@@ -24,7 +23,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
-from helpers import sleep, start_stack, wait_for
+from helpers import free_port, sleep, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "prometheus-test-token-0123456789"
@@ -40,12 +39,6 @@ def prometheus_path() -> str:
     if os.environ.get("CI"):
         pytest.fail("prometheus is not installed (apt-get install prometheus); CI must run this test")
     pytest.skip("prometheus is not installed (apt-get install prometheus)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Collect(ProcessProtocol):

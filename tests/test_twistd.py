@@ -3,51 +3,22 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest_twisted
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ProcessProtocol
 
-from helpers import sleep, wait_for
+from helpers import ChildOutput, free_port, sleep, wait_for
 from yieldproxy.sim import SimOllama
 
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
 TIMEOUT = 30
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Collect(ProcessProtocol):
-    """Keeps a child's output and fires ``ended`` with its exit code."""
-
-    def __init__(self):
-        self.output = b""
-        self.ended: Deferred = Deferred()
-
-    def outReceived(self, data):
-        self.output += data
-
-    errReceived = outReceived
-
-    def processEnded(self, reason):
-        # twistd stopped by SIGTERM re-raises it after a clean shutdown, so its
-        # status reflects the signal (systemd counts that as a clean stop).
-        status = reason.value
-        self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
-
-
-def run_twistd(*args) -> tuple[object, Collect]:
-    protocol = Collect()
+def run_twistd(*args) -> tuple[object, ChildOutput]:
+    protocol = ChildOutput()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = reactor.spawnProcess(
         protocol, TWISTD, [TWISTD, "-n", "--pidfile=", "yieldproxy", *args], env=env
