@@ -9,8 +9,9 @@ run:
 test:
 	scripts/test $(PYTEST_ARGS)
 
+# demo and bench need the venv scripts/run or scripts/test made.
 demo:
-	scripts/run --help >/dev/null && .venv/bin/yieldproxy demo
+	.venv/bin/yieldproxy demo
 
 bench:
 	.venv/bin/python bench/run_all.py
