@@ -105,3 +105,20 @@ def test_admin_is_local():
     assert admin_is_local("unix:/run/yieldproxy/admin.sock")
     assert not admin_is_local("tcp:11436")
     assert not admin_is_local("tcp:11436:interface=0.0.0.0")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--upstream", "ftp://x"], "--upstream: must be an http:// or https:// URL"),
+        (["--upstream", "http://"], "--upstream: needs a host name"),
+        (["--upstream", "http://host:port"], "--upstream: not a usable URL"),
+        (["--listen", "tcp:notaport"], "proxy.listen: not a valid endpoint"),
+        (["--admin", "bogus:1"], "admin.listen: not a valid endpoint"),
+    ],
+)
+def test_bad_command_line_values_name_the_option(args, message):
+    from twisted.python.usage import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        Options().parseOptions(args)

@@ -11,6 +11,7 @@ import collections.abc
 import tomllib
 import typing
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Mapping
 
 import attrs
@@ -48,6 +49,15 @@ def _status(instance, attribute, value):
 def _http_url(instance, attribute, value):
     if not (value.startswith("http://") or value.startswith("https://")):
         raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+    try:
+        parts = urlsplit(value)
+        parts.port
+    except ValueError as e:
+        raise ValueError(f"not a usable URL ({e}): {value!r}") from None
+    if not parts.hostname:
+        raise ValueError(f"needs a host name, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not have a query or fragment, got {value!r}")
 
 
 @attrs.frozen

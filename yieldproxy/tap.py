@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from twisted.internet.endpoints import serverFromString
 from twisted.logger import LogLevel
 from twisted.python import usage
 
@@ -36,19 +37,21 @@ class Options(usage.Options):
     def postOptions(self):
         try:
             config = load(self["config"])
-            config = config.with_overrides(
-                **{
-                    "proxy.upstream": self["upstream"],
-                    "proxy.listen": self["listen"],
-                    "admin.listen": self["admin"],
-                }
-            )
-            # Re-validate values that came from the command line.
-            if not config.proxy.upstream.startswith(("http://", "https://")):
-                raise ConfigError(f"--upstream: must be an http:// or https:// URL, got {config.proxy.upstream!r}")
             token = read_token(config)
-        except (ConfigError, ValueError) as e:
+        except ConfigError as e:
             raise usage.UsageError(str(e)) from None
+        for option, key in (("upstream", "proxy.upstream"), ("listen", "proxy.listen"), ("admin", "admin.listen")):
+            if self[option] is not None:
+                try:
+                    config = config.with_overrides(**{key: self[option]})
+                except ValueError as e:
+                    raise usage.UsageError(f"--{option}: {e}") from None
+        for key, endpoint in (("proxy.listen", config.proxy.listen), ("admin.listen", config.admin.listen)):
+            try:
+                # Parsing builds the endpoint object only; nothing listens yet.
+                serverFromString(None, endpoint)
+            except (ValueError, KeyError, TypeError) as e:
+                raise usage.UsageError(f"{key}: not a valid endpoint ({e}): {endpoint!r}") from None
         if token is None and not admin_is_local(config.admin.listen):
             raise usage.UsageError(
                 f"admin.listen: {config.admin.listen!r} is reachable from other hosts; "
