@@ -90,7 +90,6 @@ class ParkingLot:
     _passed_over: dict[str, int] = attrs.Factory(dict)
     _count: int = 0
     _bytes: int = 0
-    _by_class: dict[str, int] = attrs.Factory(dict)
     #: Called after any entry joins, so the replayer can be woken.
     on_parked: Callable[[], None] = lambda: None
 
@@ -113,7 +112,7 @@ class ParkingLot:
         return self._bytes
 
     def count_by_class(self) -> dict[str, int]:
-        return dict(self._by_class)
+        return {cls: len(queue) for cls, queue in self._queues.items() if queue}
 
     def oldest_ages(self) -> dict[str, float]:
         """Age of the oldest parked entry per class (for the stuck-request alert)."""
@@ -131,7 +130,7 @@ class ParkingLot:
             why = f"parked queue full ({self.max_parked} requests parked)"
         elif self._bytes + entry.size > self.max_parked_bytes:
             why = f"parked queue full ({self._bytes} of {self.max_parked_bytes} bytes held)"
-        elif cls_cap and self._by_class.get(entry.cls, 0) >= cls_cap:
+        elif cls_cap and len(self._queues.get(entry.cls, ())) >= cls_cap:
             why = f"parked queue full for {entry.cls} requests ({cls_cap} parked)"
         else:
             return
@@ -246,6 +245,5 @@ class ParkingLot:
     def _account(self, entry: Entry, sign: int) -> None:
         self._count += sign
         self._bytes += sign * entry.size
-        self._by_class[entry.cls] = self._by_class.get(entry.cls, 0) + sign
-        self._metrics.parked_requests.labels(entry.cls).set(self._by_class[entry.cls])
+        self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)
