@@ -77,7 +77,7 @@ class Metrics:
         )
         self.replay_total = Counter(
             "yieldproxy_replay",
-            "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, fallback, shutdown.",
+            "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, shutdown.",
             ["class", "outcome"],
             registry=r,
         )
