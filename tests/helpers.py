@@ -199,3 +199,19 @@ class ChildOutput(ProcessProtocol):
     def processEnded(self, reason):
         status = reason.value
         self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
+
+
+def required_tool(*names: str, install: str) -> str:
+    """The path of the first of ``names`` on PATH; skip without it, but fail under CI (which installs it)."""
+    import os
+    import shutil
+
+    import pytest
+
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI"):
+        pytest.fail(f"{names[0]} is not installed ({install}); CI must install it")
+    pytest.skip(f"{names[0]} is not installed ({install}); set CI=1 to make this a failure")

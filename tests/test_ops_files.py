@@ -12,7 +12,6 @@ config, the Grafana dashboard and the systemd unit.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from helpers import required_tool
 from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family
 
 PROM_DIR = ROOT / "etc" / "prometheus"
@@ -41,17 +41,8 @@ TARGET_LABELS = {"job", "instance"}
 # --- helpers -------------------------------------------------------------------
 
 
-def _tool(name: str, install_hint: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not on PATH, but CI is set and CI must install it ({install_hint})")
-        pytest.skip(f"{name} is not installed ({install_hint}); set CI=1 to make this a failure")
-    return path
-
-
 def promtool() -> str:
-    return _tool("promtool", "apt-get install prometheus, or promtool from a prometheus.io release")
+    return required_tool("promtool", install="apt-get install prometheus, or promtool from a prometheus.io release")
 
 
 def run(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

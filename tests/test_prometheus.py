@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 
-import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ProcessProtocol
 
-from helpers import free_port, sleep, start_stack, wait_for
+from helpers import ChildOutput, free_port, required_tool, sleep, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "prometheus-test-token-0123456789"
@@ -33,26 +29,7 @@ RULES = os.path.join(ROOT, "etc", "prometheus", "yieldproxy-rules.yml")
 
 
 def prometheus_path() -> str:
-    path = shutil.which("prometheus")
-    if path:
-        return path
-    if os.environ.get("CI"):
-        pytest.fail("prometheus is not installed (apt-get install prometheus); CI must run this test")
-    pytest.skip("prometheus is not installed (apt-get install prometheus)")
-
-
-class _Collect(ProcessProtocol):
-    def __init__(self):
-        self.output = b""
-        self.ended: Deferred = Deferred()
-
-    def outReceived(self, data):
-        self.output += data
-
-    errReceived = outReceived
-
-    def processEnded(self, reason):
-        self.ended.callback(reason.value)
+    return required_tool("prometheus", install="apt-get install prometheus")
 
 
 def write_config(directory: str, admin_url: str) -> str:
@@ -86,7 +63,7 @@ class Prometheus:
     def __init__(self, binary: str, directory: str, config: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.protocol = _Collect()
+        self.protocol = ChildOutput()
         args = [
             binary,
             f"--config.file={config}",

@@ -19,14 +19,13 @@ import tempfile
 import zlib
 from html.parser import HTMLParser
 
-import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
-from helpers import sleep, start_stack, wait_for
+from helpers import required_tool, sleep, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "page-test-token-0123456789"
@@ -38,13 +37,7 @@ REASON = 'boss fight <img src=x onerror="document.title=1">'
 
 
 def chromium_path() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    if os.environ.get("CI"):
-        pytest.fail("chromium is not installed (apt-get install chromium); CI must run the status-page test")
-    pytest.skip("chromium is not installed (apt-get install chromium)")
+    return required_tool("chromium", "chromium-browser", "google-chrome", install="apt-get install chromium")
 
 
 # -- running Chromium ---------------------------------------------------------

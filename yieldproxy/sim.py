@@ -1416,19 +1416,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The SimOllama keyword arguments the command line gives."""
+    return {
+        "latency": args.latency,
+        "per_item_latency": args.per_item_latency,
+        "parallel": args.parallel,
+        "chunk_delay": args.chunk_delay,
+        "chunks": args.chunks,
+        "dim": args.dim,
+        "load_seconds": args.load_seconds,
+        "mode": args.mode,
+    }
+
+
 def _run(reactor: Any, args: argparse.Namespace) -> defer.Deferred[None]:
     """Listen, say where, and serve until the reactor stops."""
-    sim = SimOllama(
-        reactor,
-        latency=args.latency,
-        per_item_latency=args.per_item_latency,
-        parallel=args.parallel,
-        chunk_delay=args.chunk_delay,
-        chunks=args.chunks,
-        dim=args.dim,
-        load_seconds=args.load_seconds,
-        mode=args.mode,
-    )
+    sim = SimOllama(reactor, **_settings(args))
     forever: defer.Deferred[None] = defer.Deferred()
 
     def bound(port: int) -> defer.Deferred[None]:
@@ -1454,16 +1458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         # Validate the settings before binding anything.
-        SimOllama(
-            None,
-            latency=args.latency,
-            per_item_latency=args.per_item_latency,
-            parallel=args.parallel,
-            chunk_delay=args.chunk_delay,
-            chunks=args.chunks,
-            dim=args.dim,
-            load_seconds=args.load_seconds,
-        )
+        SimOllama(None, **_settings(args))
     except ValueError as e:
         parser.error(str(e))
     globalLogBeginner.beginLoggingTo(
