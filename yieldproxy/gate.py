@@ -54,7 +54,7 @@ class Gate:
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
-        self._lot.on_parked = self._replayer.kick
+        self._lot.when_parked(self._replayer.kick)
         self._state.observe(self._state_changed)
         self._state.describe = self.describe
 
