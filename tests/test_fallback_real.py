@@ -13,8 +13,11 @@ Two real Infinity servers of the same model (from the PyPI package
   and the proxy forwards to its primary as it is (it translates only for the
   fallback), so the ``ollama`` client part runs only during the yield, at
   ``fallback.concurrency`` at a time so that none of it parks.  The ``openai``
-  client part runs through the yield and past it: what found the fallback busy
-  parks and is replayed on the primary.
+  client part runs through the yield and past it: what is still in line for
+  the fallback when the GPU comes back is replayed on the primary.
+* **Burst**: 40 ``ollama`` client embeddings at once during a yield, at
+  ``fallback.concurrency = 2``: the lot drains into the fallback as its slots
+  free, and all 40 are answered during the yield with the primary's vectors.
 * **Negative**: the primary is the simulated backend (its vectors are not
   MiniLM's); verification fails, and every request of a burst through a yield
   parks and is replayed on the primary: nothing is served by the fallback.
@@ -42,8 +45,9 @@ import attrs
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
+from twisted.internet.task import LoopingCall
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
 from test_burst import Burst, assert_clean
 
 MODEL = "all-minilm"
@@ -270,17 +274,62 @@ async def test_the_real_twin_serves_a_burst_through_a_yield(infinity):
                 list(pool.map(one, openai_texts))
 
         running = in_thread(reactor, openai_part, timeout=120)
+        # Those in line for the fallback when the GPU comes back go to the primary instead.
         await wait_for(reactor, lambda: len(stack.proxy.lot) >= 3, timeout=60)
-        await sleep(reactor, 1.0)
         stack.proxy.state.release("api")
         await running
         assert failures == []
         assert [t for t in openai_texts if not _same_vector(vectors[t], want[t])] == []
         by_fallback = [t for t in openai_texts if served_by[t] == "fallback"]
         assert by_fallback and len(by_fallback) < len(openai_texts)
-        # What found both fallback slots taken parked and was replayed on the primary.
+        # What was still in line for the fallback when the GPU came back was replayed on the primary.
         assert stack.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "skipped_busy"}) >= 3
         assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "ok"}) >= 3
+        assert stack.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "failed_parked"}) == 0
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_real_twin_serves_a_burst_of_40_during_a_yield(infinity):
+    """Issue 10, finding 9, against Infinity: 40 embeddings at once during a yield, with
+    ``fallback.concurrency = 2``, are all answered during the yield with the primary's vectors."""
+    primary, fallback = infinity
+    stack = await start_stack(reactor, _fallback_config(fallback, primary_api="openai"), upstream=primary.root)
+    try:
+        verdict = (await stack.proxy.fallback.verify())[MODEL]
+        assert verdict.ok, verdict.reason
+        texts = texts_for("burst", 40)
+        want = await in_thread(reactor, _primary_vectors, primary, texts, timeout=120)
+        stack.proxy.state.hold("api", "game")
+        peak = []
+
+        def watch():
+            peak.append(stack.proxy.fallback.inflight)
+
+        watcher = LoopingCall(watch)
+        watcher.clock = reactor
+        watcher.start(0.005)
+
+        def burst():
+            import ollama
+
+            def one(text):
+                # LightRAG's own embedding timeout.
+                return text, list(ollama.Client(host=stack.proxy_url, timeout=30).embed(model=MODEL, input=text).embeddings[0])
+
+            with ThreadPoolExecutor(40) as pool:
+                return dict(pool.map(one, texts))
+
+        try:
+            got = await in_thread(reactor, burst, timeout=120)
+        finally:
+            watcher.stop()
+        assert stack.proxy.state.yielded and len(stack.proxy.lot) == 0
+        assert [t for t in texts if not _same_vector(got[t], want[t])] == []
+        assert max(peak) <= 2
+        assert stack.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "ok"}) == 40
+        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "fallback"}) >= 1
         assert stack.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "failed_parked"}) == 0
     finally:
         await stack.stop()

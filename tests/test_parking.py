@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from twisted.internet.defer import CancelledError
 
-from helpers import config_with, make_core
+from helpers import clock_cooperator, config_with, make_core
 from yieldproxy.parking import Entry, Refused
+from yieldproxy.replay import Replayer
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
@@ -339,3 +340,101 @@ def test_an_answer_sent_before_the_failure_does_not_end_the_backoff():
     core.run(0.6)
     assert len(seen) == 2
     assert "released_at" in early
+
+
+# -- draining into several targets: a predicate over entries, one drain order ----------------------
+
+
+def test_a_target_takes_the_next_entry_it_may_serve_in_the_lots_drain_order():
+    core = make_core()
+    core.state.hold("api")
+    # Arrival order: b0 i1 b2 i3 b4 i5 i6 i7; the target may serve the even-numbered ones and i5.
+    classes = ["batch", "interactive", "batch", "interactive", "batch", "interactive", "interactive", "interactive"]
+    outcomes = [park(core, cls=cls) for cls in classes]
+    entries = [o["entry"] for o in outcomes]
+    mine = {entries[i].seq for i in (0, 2, 4, 5)}
+
+    def accepts(entry):
+        return entry.seq in mine
+
+    order = []
+    while (entry := core.lot.release_next(accepts, "other")) is not None:
+        order.append(entries.index(entry))
+        assert entry.released_to == "other" and outcomes[order[-1]]["released_at"] is not None
+    # Interactive first (i5, its only one), then batch in FIFO order.
+    assert order == [5, 0, 2, 4]
+    # The rest kept their places, in arrival order, for the primary.
+    assert [entries.index(e) for e in core.lot.entries()] == [1, 3, 6, 7]
+    assert core.lot.peek(accepts) is None
+    core.state.release("api")
+    core.run(0.01)
+    assert [entries.index(o["entry"]) for o in released(outcomes) if o["entry"].released_to is None] == [1, 3, 6, 7]
+
+
+def test_min_share_counts_only_the_classes_a_target_could_serve():
+    core = make_core()
+    core.state.hold("api")
+    batch = [park(core, cls="batch")["entry"] for _ in range(2)]
+    inter = [park(core, cls="interactive")["entry"] for _ in range(10)]
+    # A target that serves only interactive requests does not pass batch over: batch
+    # (min_share 0.25) is not "starving" when the primary comes to drain.
+    for _ in range(4):
+        core.lot.release_next(lambda e: e.cls == "interactive", "other")
+    assert core.lot.peek() is inter[4]  # priority decides, as if those releases never happened
+    # The primary's own releases count as before: after three interactive, batch's turn.
+    order = [core.lot.release_next() for _ in range(4)]
+    assert order == [inter[4], inter[5], inter[6], batch[0]]
+
+
+def test_every_way_out_of_the_lot_is_told_once_with_its_target():
+    core = make_core(concurrency=10)
+    told = []
+    core.lot.when_out(lambda entry: told.append((entry.seq, entry.released_to)))
+    core.lot.when_out(lambda entry: 1 / 0)  # a failing listener does not stop the others
+    core.state.hold("api")
+    a, b, c, d = (park(core, cls="interactive" if i == 2 else "batch") for i in range(4))
+    core.lot.release_next(lambda e: e is a["entry"], "other")
+    b["deferred"].cancel()
+    core.run(16, step=1)  # c (interactive) expires
+    core.state.release("api")
+    core.run(0.01)
+    assert told == [(a["entry"].seq, "other"), (b["entry"].seq, None), (c["entry"].seq, None), (d["entry"].seq, None)]
+    assert d["entry"].released_to is None and "released_at" in d
+
+
+def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
+    core = make_core(concurrency=4)
+    open_ = [True]
+    other = Replayer(
+        core.clock, core.lot, core.state, core.metrics, clock_cooperator(core.clock),
+        concurrency=2, target="other", accepts=lambda e: e.cls == "batch", is_open=lambda: open_[0],
+    )
+    core.lot.when_parked(other.kick)
+    core.state.hold("api")
+    outcomes = [park(core, cls=cls) for cls in ["interactive", "batch", "batch", "batch", "interactive"]]
+    core.run(0.01)
+    # The other target took two batch requests (its cap); the primary, yielded, none.
+    taken = released(outcomes)
+    assert [o["entry"].cls for o in taken] == ["batch", "batch"]
+    assert all(o["entry"].released_to == "other" for o in taken)
+    assert other.inflight == 2 and core.replayer.inflight == 0
+    assert core.sample("yieldproxy_inflight_requests") == 0  # the primary's gauge
+    other.finished()
+    core.run(0.01)
+    assert len(released(outcomes)) == 3 and other.inflight == 2
+    # Closed, it takes no more; the primary drains the rest when the GPU is back.
+    open_[0] = False
+    other.finished()
+    other.finished()
+    core.run(0.01)
+    assert len(released(outcomes)) == 3
+    core.state.release("api")
+    core.run(0.01)
+    assert len(released(outcomes)) == 5
+    assert [o["entry"].released_to for o in outcomes] == [None, "other", "other", "other", None]
+    assert core.replayer.inflight == 2 and other.inflight == 0
+    other.stop()
+    for _ in range(2):
+        core.gate.finished()
+    core.run(0.01)
+    assert core.clock.getDelayedCalls() == []

@@ -11,13 +11,23 @@ give the same dimension and a cosine of at least ``fallback.min_cosine``.
 A model whose fallback was never verified, whose last verification failed,
 or whose verification is older than ``fallback.max_verification_age_seconds``
 is not used: its requests park as they would without a fallback, and
-``/status``, the log and the metrics say why.  A verified fallback serves at
-most ``fallback.concurrency`` requests at once; beyond that, and whenever it
-fails, the request parks.  A caller never sees a fallback error.
+``/status``, the log and the metrics say why.
+
+A verified fallback serves at most ``fallback.concurrency`` requests at once.
+Beyond that a request it may serve parks *in line for it*: the fallback is a
+drain target of the lot (parking.py, replay.py) with its own replayer, open
+while the GPU is yielded, which lets out the next request it may serve, in
+the lot's drain order, each time a slot frees.  When the GPU comes back the
+primary's replayer drains what is left, as ever.  When the fallback fails on
+a request, that request goes back to its place in the lot and waits for the
+primary; it is not offered to the fallback again.  A caller never sees a
+fallback error.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import unicodedata
 from typing import Callable, Mapping, Sequence
 
@@ -34,6 +44,8 @@ from twisted.web.http_headers import Headers
 from .config import FallbackConfig
 from .forward import BytesProducer, Upstream, _describe, _was_cancelled, classify_failure
 from .metrics import Metrics, fallback_families
+from .parking import Entry, ParkingLot, Refused
+from .replay import Replayer
 from .translate import (
     BackendError,
     EmbedRequest,
@@ -49,8 +61,11 @@ from .translate import (
 
 log = Logger()
 
-#: ``yieldproxy_fallback_total`` outcomes.
+#: ``yieldproxy_fallback_total`` outcomes: each request of a ``fallback``
+#: class arriving during a yield gets exactly one (docs/fallback.md).
 OUTCOMES = ("ok", "failed_parked", "skipped_unverified", "skipped_busy", "skipped_unsupported", "abandoned")
+#: The fallback's name as a drain target (``Entry.offers``, ``Entry.released_to``).
+TARGET = "fallback"
 #: After a verification that could not run (a side unreachable, an error
 #: answer), try again this soon rather than a whole interval later.
 RETRY_AFTER_ERROR_SECONDS = 60.0
@@ -263,7 +278,13 @@ def _model_key(name: str) -> str:
 
 @attrs.define(eq=False)
 class Fallback:
-    """Verification on a timer, and the use of a verified fallback during a yield."""
+    """Verification on a timer, and the use of a verified fallback during a yield.
+
+    It serves a request at its arrival when a slot is free and nobody is in
+    line, else from the lot through its own drainer as slots free; the lot's
+    entries it may serve carry its offer (``entry.offers[TARGET]``: the
+    mapped model).
+    """
 
     _clock: IReactorTime
     _config: FallbackConfig
@@ -274,9 +295,14 @@ class Fallback:
     _yielded: Callable[[], bool]
     #: Each class's policy; only ``fallback`` classes are served here.
     _policies: Mapping[str, str]
+    #: The lot it serves parked requests from, and what builds its drainer
+    #: there: a :class:`Replayer` capped at ``fallback.concurrency``, given
+    #: ``target``, ``accepts`` and ``is_open`` (:func:`fallback_drainer`).
+    #: Without them it only verifies (``check``).
+    _lot: ParkingLot | None = None
+    _new_drainer: Callable[..., Replayer] | None = None
     #: The last verification of each mapped model, by its primary name.
     verifications: dict[str, Verification] = attrs.Factory(dict)
-    inflight: int = 0
     _verifying: Deferred | None = None
     _waiters: list[Deferred] = attrs.Factory(list)
     _timer: IDelayedCall | None = None
@@ -286,9 +312,39 @@ class Fallback:
     #: The last "not used because ..." logged per model, so a yield logs it once.
     _skip_logged: dict[str, str] = attrs.Factory(dict)
     _keys: dict[str, str] = attrs.field(init=False)
+    _drainer: Replayer | None = attrs.field(init=False, default=None)
+    #: Parked requests in line for the fallback, by mapped model.
+    _in_line: collections.Counter = attrs.field(init=False, factory=collections.Counter)
 
     def __attrs_post_init__(self) -> None:
         self._keys = {_model_key(name): name for name in self._config.models}
+        if self._lot is not None and self._new_drainer is not None:
+            self._drainer = self._new_drainer(target=TARGET, accepts=self.may_take, is_open=self._takes_work)
+            self._lot.when_parked(self._drainer.kick)
+            self._lot.when_out(self._left_lot)
+
+    @property
+    def inflight(self) -> int:
+        """Requests at the fallback now (taken at arrival or from the lot)."""
+        return self._drainer.inflight if self._drainer is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        """Parked requests in line for the fallback (offered to it, not yet taken)."""
+        return sum(self._in_line.values())
+
+    def may_take(self, entry: Entry) -> bool:
+        """The drainer's choice: a parked request in line for the fallback whose model is still verified."""
+        model = entry.offers.get(TARGET)
+        return model is not None and self.usable(model)
+
+    def _takes_work(self) -> bool:
+        """Open while the GPU is yielded and some request in line has a usable model.
+
+        The second half is cheap and spares the drainer a walk through the
+        lot when nothing there is for it (every arrival wakes it).
+        """
+        return self._yielded() and any(n and self.usable(model) for model, n in self._in_line.items())
 
     # -- may it be used? ------------------------------------------------------
 
@@ -297,6 +353,11 @@ class Fallback:
         if model in self._config.models:
             return model
         return self._keys.get(_model_key(model))
+
+    def usable(self, model: str) -> bool:
+        """:meth:`why_not` is None, without building the sentence (the drainer asks per parked entry)."""
+        v = self.verifications.get(model)
+        return v is not None and v.ok and self._clock.seconds() - v.at <= self._config.max_verification_age_seconds
 
     def why_not(self, model: str) -> str | None:
         """Why the fallback may not serve ``model`` now (a mapped primary name), or None if it may."""
@@ -315,55 +376,95 @@ class Fallback:
 
     # -- serving ----------------------------------------------------------------------
 
-    async def serve(self, request, entry, body: bytes) -> bool:
-        """Answer ``request`` from the fallback, if it may; False means "park it as usual".
+    async def serve(self, request, entry: Entry, body: bytes) -> bool:
+        """At arrival: answer ``request`` from the fallback, if it may; False means "admit it as usual".
 
         Only during a yield, for a class whose policy is ``fallback``, an
-        embedding request for a mapped and verified model, with a slot free.
-        Any failure returns False before anything is written, so the caller
-        parks the request and the primary answers it later.
+        embedding request for a mapped and verified model.  With a slot free
+        and nobody in line for the fallback it is served at once.  Otherwise
+        it is offered to the fallback (``entry.offers``) and parks in line:
+        the fallback's drainer lets it out when its turn comes, and the
+        request comes to :meth:`serve_released`.  A failure here returns
+        False before anything is written; the request then parks for the
+        primary, which answers it when the GPU is back.
         """
+        if self._drainer is None:
+            return False
+        wanted = self._may_offer(request, entry, body)
+        if wanted is None:
+            return False
+        model = self.mapped(wanted.model)
+        if self._drainer.draining or not self._drainer.can_start():
+            # Busy, pausing after failures, or others are in line: take its place in the line.
+            try:
+                self._lot.check_room(entry)
+            except Refused:
+                self._count(entry.cls, "skipped_busy")  # the gate refuses it at once
+                return False
+            entry.offers[TARGET] = model
+            self._in_line[model] += 1
+            return False
+        self._drainer.started()
+        return await self._answer(request, entry, model, wanted)
+
+    async def serve_released(self, request, entry: Entry, body: bytes) -> bool:
+        """A parked request the fallback's drainer let out: answer it; False puts it back in its place.
+
+        The drainer took its slot as it let it out.  After a failure the
+        request waits for the primary: it is not offered to the fallback
+        again (a request the fallback cannot answer must not keep the line).
+        """
+        model = entry.offers.pop(TARGET)
+        self._in_line[model] -= 1
+        # Read again as at arrival: the offer keeps no copy of the body (parked_bytes holds).
+        wanted = parse_request(request.path.decode("latin-1"), body)
+        return await self._answer(request, entry, model, wanted)
+
+    def _may_offer(self, request, entry: Entry, body: bytes) -> EmbedRequest | None:
+        """The request, read, if the fallback may serve it in this yield; else count why not."""
         cls = entry.cls
         if (
             not self._yielded()
             or self._policies.get(cls) != "fallback"
             or cls not in self._config.classes
         ):
-            return False
+            return None
         path = request.path.decode("latin-1")
         try:
             wanted = parse_request(path, body)
         except Untranslatable as e:
             self._skip(cls, "skipped_unsupported", None, str(e))
-            return False
+            return None
         model = self.mapped(wanted.model)
         if model is None:
             self._skip(cls, "skipped_unsupported", None, f"model {wanted.model!r} is not in fallback.models")
-            return False
+            return None
         why = self.why_not(model)
         if why is not None:
             self._skip(cls, "skipped_unverified", model, why)
-            return False
-        if self.inflight >= self._config.concurrency:
-            self._count(cls, "skipped_busy")
-            return False
-        self.inflight += 1
+            return None
+        return wanted
+
+    async def _answer(self, request, entry: Entry, model: str, wanted: EmbedRequest) -> bool:
+        """Send one request to the fallback in a slot already taken; write the answer, or return False."""
+        cls = entry.cls
         began = self._clock.seconds()
         try:
             result = await self._backend.embed(wanted, self._config.models[model])
         except CancelledError:
+            self._drainer.finished(abandoned=True)
             self._count(cls, "abandoned")
             raise
         except Exception as e:
+            self._drainer.finished(failed=True, started=began)
             detail = e.detail if isinstance(e, BackendError) else repr(e)
             log.warn(
-                "fallback failed for a {cls} request ({model}), parking it: {detail}",
+                "fallback failed for a {cls} request ({model}), parking it for the primary: {detail}",
                 cls=cls, model=model, detail=detail,
             )
             self._count(cls, "failed_parked")
             return False
-        finally:
-            self.inflight -= 1
+        self._drainer.finished(started=began)
         answer = client_response(wanted, result, self._clock.seconds() - began)
         request.setResponseCode(200)
         headers = request.responseHeaders
@@ -371,9 +472,25 @@ class Fallback:
         headers.setRawHeaders(b"content-length", [b"%d" % len(answer)])
         headers.setRawHeaders(b"x-yield-served-by", [b"fallback"])
         headers.setRawHeaders(b"x-yield-fallback-model", [self._config.models[model].encode("utf-8")])
+        if entry.was_parked:
+            headers.setRawHeaders(b"x-yield-parked-seconds", [b"%.3f" % entry.parked_seconds])
         request.write(answer)
         self._count(cls, "ok")
         return True
+
+    def _left_lot(self, entry: Entry) -> None:
+        """A request in line for the fallback left the lot another way: it was not served for a reason.
+
+        (The GPU came back and the primary took it, it expired, its client
+        left, the proxy stopped.)  Counted as why: the model's verification
+        had gone stale, or no slot came in time.
+        """
+        if entry.released_to == TARGET:
+            return
+        model = entry.offers.pop(TARGET, None)
+        if model is not None:
+            self._in_line[model] -= 1
+            self._count(entry.cls, "skipped_busy" if self.usable(model) else "skipped_unverified")
 
     def _count(self, cls: str, outcome: str) -> None:
         self._metrics.fallback_total.labels(cls, outcome).inc()
@@ -412,6 +529,8 @@ class Fallback:
     def _verified(self, result):
         """Hand the one verification's result to everyone who asked for it."""
         self._verifying = None
+        if self._drainer is not None:
+            self._drainer.kick()  # a model may have become usable for requests in line
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if waiter.called:  # its caller gave up (cancelled)
@@ -476,6 +595,8 @@ class Fallback:
 
     def stop(self) -> Deferred:
         self._running = False
+        if self._drainer is not None:
+            self._drainer.stop()
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -484,8 +605,10 @@ class Fallback:
         return self._backend.close()
 
     def state_changed(self, yielded: bool) -> None:
-        """The yield state moved: a due verification runs once the GPU is back."""
+        """The yield state moved: the drainer opens or closes; a due verification runs once the GPU is back."""
         self._skip_logged.clear()
+        if self._drainer is not None:
+            self._drainer.kick()
         if not yielded and self._due and self._running:
             self._schedule(0)
 
@@ -542,6 +665,7 @@ class Fallback:
             "api": self._backend.api,
             "classes": list(self._config.classes),
             "inflight": self.inflight,
+            "waiting": self.waiting,
             "concurrency": self._config.concurrency,
             "verifying": self._verifying is not None,
             "verification_due": self._due,
@@ -559,13 +683,35 @@ class Fallback:
         return fallback_families(rows)
 
 
-def build_fallback(reactor, config, upstream: Upstream, yielded: Callable[[], bool], metrics: Metrics) -> Fallback:
-    """A :class:`Fallback` for ``config.fallback``, its primary side on the proxy's own ``upstream``."""
+def fallback_drainer(
+    reactor, config, metrics: Metrics, state, lot: ParkingLot, cooperator
+) -> Callable[..., Replayer]:
+    """What builds the fallback's drainer on ``lot``: the requests in line for it, as its slots free.
+
+    Capped at ``fallback.concurrency``, it pauses after failures as the
+    primary's replayer does; the :class:`Fallback` gives it its ``target``,
+    its choice of entries (``accepts``) and when it is open (``is_open``).
+    """
+    return functools.partial(
+        Replayer, reactor, lot, state, metrics, cooperator,
+        concurrency=config.fallback.concurrency,
+        backoff_seconds=config.upstream.retry_backoff_seconds,
+        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
+    )
+
+
+def build_fallback(
+    reactor, config, upstream: Upstream, metrics: Metrics, state, lot: ParkingLot, cooperator
+) -> Fallback:
+    """A :class:`Fallback` for ``config.fallback``: its primary side on the proxy's own ``upstream``,
+    its drainer on ``lot``, open while ``state`` is yielded."""
     fc = config.fallback
     primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
     backend = EmbedBackend(reactor, Upstream(reactor, fc.url, fc.concurrency + 1), fc.api, fc.timeout_seconds)
     fallback = Fallback(
-        reactor, fc, primary, backend, metrics, yielded, {k: v.policy for k, v in config.classes.items()}
+        reactor, fc, primary, backend, metrics, lambda: state.yielded,
+        {k: v.policy for k, v in config.classes.items()},
+        lot, fallback_drainer(reactor, config, metrics, state, lot, cooperator),
     )
     metrics.watch(fallback.metric_families)
     return fallback
@@ -650,6 +796,6 @@ def check_command(config_path: str | None) -> int:
 
 
 __all__ = [
-    "OUTCOMES", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare", "Fallback",
-    "build_fallback", "format_table", "check", "check_command",
+    "OUTCOMES", "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
+    "Fallback", "fallback_drainer", "build_fallback", "format_table", "check", "check_command",
 ]

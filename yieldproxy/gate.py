@@ -54,7 +54,7 @@ class Gate:
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
-        self._lot.on_parked = self._replayer.kick
+        self._lot.when_parked(self._replayer.kick)
         self._state.observe(self._state_changed)
         self._state.describe = self.describe
 
@@ -81,14 +81,15 @@ class Gate:
 
         It fails with :class:`Refused` when the request is turned away, at
         once or after waiting.  A request coming back after a failed attempt
-        (``entry.attempts > 0``) keeps its place in line and is not checked
-        against the ceilings again: it was accepted already.
+        (``entry.attempts > 0``, or a failed turn at another target after
+        parking) keeps its place in line and is not checked against the
+        ceilings again: it was accepted already.
         """
         if self.shutting_down:
             raise Refused(
                 "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
             )
-        returning = entry.attempts > 0
+        returning = entry.attempts > 0 or entry.was_parked
         if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
             self._replayer.started()
             return succeed(entry)
@@ -151,7 +152,13 @@ class Gate:
         )
 
     def _check_budget(self, entry: Entry, cls: ClassConfig) -> None:
-        """Refuse at once when the declared yield outlasts what this request may wait."""
+        """Refuse at once when the declared yield outlasts what this request may wait.
+
+        Not when another target (the fallback) may serve it before the GPU is
+        back: it waits for that one, up to its hold bound as ever.
+        """
+        if entry.offers:
+            return
         end = self._state.expected_end()
         if end is None:
             return

@@ -77,7 +77,8 @@ class Metrics:
         )
         self.replay_total = Counter(
             "yieldproxy_replay",
-            "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, shutdown.",
+            "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, shutdown, "
+            "fallback (served by the CPU fallback from the lot).",
             ["class", "outcome"],
             registry=r,
         )
@@ -126,8 +127,9 @@ class Metrics:
         )
         self.fallback_total = Counter(
             "yieldproxy_fallback",
-            "Requests of a fallback-policy class during a yield, by what the fallback did: ok (served), "
-            "failed_parked, skipped_unverified, skipped_busy, skipped_unsupported (then parked), abandoned.",
+            "Requests of a fallback-policy class arriving during a yield, once each, by what became of them at "
+            "the fallback: ok (served, at once or from the lot), failed_parked, abandoned, skipped_unverified, "
+            "skipped_unsupported, skipped_busy (waited in line and left the lot before a slot came).",
             ["class", "outcome"],
             registry=r,
         )

@@ -5,6 +5,12 @@ released (its Deferred fires with the entry), expired past its hold bound,
 abandoned by a client that went away (its Deferred was cancelled), or
 answered at shutdown.  Order is by arrival sequence number, so a request that
 failed mid-flight and comes back keeps its original place.
+
+The lot is drained by one drainer per *target* (see replay.py): the primary's
+takes any entry, another target's (the CPU fallback's) only the entries it
+may serve.  :meth:`ParkingLot.release_next` takes that choice as a predicate
+and keeps the one drain order for every target; the entry it lets out says
+which target it went to (``released_to``).
 """
 
 from __future__ import annotations
@@ -12,13 +18,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 
 from .metrics import Metrics
+
+log = Logger()
 
 _sequence = itertools.count()
 
@@ -46,6 +55,11 @@ class Entry:
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
     parked_at: float | None = None
+    #: Targets other than the primary that may serve it, each with what it needs
+    #: to (the fallback: the mapped model), set at admission by the target.
+    offers: dict[str, Any] = attrs.Factory(dict)
+    #: The target whose drainer let it out of the lot last; None: the primary.
+    released_to: str | None = None
     _deferred: Deferred | None = None
     _timer: IDelayedCall | None = None
 
@@ -90,12 +104,26 @@ class ParkingLot:
     _passed_over: dict[str, int] = attrs.Factory(dict)
     _count: int = 0
     _bytes: int = 0
-    #: Called after any entry joins, so the replayer can be woken.
-    on_parked: Callable[[], None] = lambda: None
+    #: Called after any entry joins, so the drainers can be woken.
+    _parked_listeners: list[Callable[[], None]] = attrs.Factory(list)
+    #: Called with each entry that leaves the lot, whichever way.
+    _out_listeners: list[Callable[[Entry], None]] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
         self._metrics.parked_bytes_capacity.set(self.max_parked_bytes)
+
+    def when_parked(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after any entry joins (a drainer's wake-up)."""
+        self._parked_listeners.append(listener)
+
+    def when_out(self, listener: Callable[[Entry], None]) -> None:
+        """Call ``listener(entry)`` as an entry leaves, whichever way (before its Deferred fires).
+
+        ``entry.released_to`` names the target a release went to; it is None
+        for the primary and for every way out but a release.
+        """
+        self._out_listeners.append(listener)
 
     def __len__(self) -> int:
         return self._count
@@ -152,42 +180,70 @@ class ParkingLot:
             entry.deadline = now + (entry.max_wait if entry.bound_by_caller else hold_seconds)
         entry.was_parked = True
         entry.parked_at = now
+        entry.released_to = None
         entry._deferred = Deferred(canceller=lambda d: self._abandon(entry))
         entry._timer = self._clock.callLater(max(0.0, entry.deadline - now), self._expire, entry)
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
         self._account(entry, +1)
         d = entry._deferred
-        self.on_parked()
+        for listener in self._parked_listeners:
+            listener()
         return d
 
-    def peek(self) -> Entry | None:
-        """The entry :meth:`release_next` would let out now."""
-        cls = self._next_class()
-        return self._queues[cls][0] if cls is not None else None
+    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
+        """The entry :meth:`release_next` would let out now (for ``accepts``)."""
+        heads = self._heads(accepts)
+        cls = self._next_class(heads)
+        return heads[cls] if cls is not None else None
 
-    def release_next(self) -> Entry | None:
-        """Take the next entry out (by class priority and share, FIFO within a class) and fire it."""
-        cls = self._next_class()
+    def release_next(
+        self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None
+    ) -> Entry | None:
+        """Take the next entry out (by class priority and share, FIFO within a class) and fire it.
+
+        With ``accepts``, the next entry *that predicate allows* (a target
+        that may serve only some entries): each class's line then starts at
+        its first allowed entry, and the drain order between the classes is
+        kept as it is for the primary.  ``target`` is written on the entry
+        (``released_to``) before its Deferred fires, so the request knows
+        where it goes.
+        """
+        heads = self._heads(accepts)
+        cls = self._next_class(heads)
         if cls is None:
             return None
-        for other, queue in self._queues.items():
-            if queue and other != cls:
+        # Only classes this target could have served were passed over by it.
+        for other in heads:
+            if other != cls:
                 self._passed_over[other] = self._passed_over.get(other, 0) + 1
         self._passed_over[cls] = 0
-        entry = self._queues[cls][0]
+        entry = heads[cls]
+        entry.released_to = target
         self._leave(entry)
         entry._deferred, d = None, entry._deferred
+        self._tell_out(entry)
         d.callback(entry)
         return entry
 
-    def _next_class(self) -> str | None:
+    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
+        """Each waiting class's first entry (that ``accepts`` allows), in class order."""
+        if accepts is None:
+            return {cls: queue[0] for cls, queue in self._queues.items() if queue}
+        heads = {}
+        for cls, queue in self._queues.items():
+            for entry in queue:
+                if accepts(entry):
+                    heads[cls] = entry
+                    break
+        return heads
+
+    def _next_class(self, heads: dict[str, Entry]) -> str | None:
         """Highest priority first, unless a waiting class has been passed over its share."""
-        waiting = [cls for cls, queue in self._queues.items() if queue]
-        if not waiting:
+        if not heads:
             return None
-        starving = [cls for cls in waiting if self._passed_over.get(cls, 0) >= self._patience(cls)]
-        candidates = starving or waiting
-        return min(candidates, key=lambda c: (-self.priorities.get(c, 0) if not starving else 0, self._queues[c][0].seq))
+        starving = [cls for cls in heads if self._passed_over.get(cls, 0) >= self._patience(cls)]
+        candidates = starving or list(heads)
+        return min(candidates, key=lambda c: (-self.priorities.get(c, 0) if not starving else 0, heads[c].seq))
 
     def _patience(self, cls: str) -> float:
         """How many releases in a row may go to other classes while ``cls`` waits."""
@@ -215,6 +271,7 @@ class ParkingLot:
     def _fail(self, entry: Entry, refusal: Refused) -> None:
         self._leave(entry)
         entry._deferred, d = None, entry._deferred
+        self._tell_out(entry)
         d.errback(refusal)
 
     def _abandon(self, entry: Entry) -> None:
@@ -223,8 +280,17 @@ class ParkingLot:
             return
         self._leave(entry)
         entry._deferred, d = None, entry._deferred
+        self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))
+
+    def _tell_out(self, entry: Entry) -> None:
+        """Tell the listeners an entry left, before its request moves on; one failing must not stop the rest."""
+        for listener in self._out_listeners:
+            try:
+                listener(entry)
+            except Exception:
+                log.failure("lot listener failed")
 
     def _leave(self, entry: Entry) -> None:
         queue = self._queues[entry.cls]

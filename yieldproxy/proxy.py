@@ -165,9 +165,9 @@ class ProxyApp:
         return cls
 
     async def _gated(self, request, entry: Entry, body: bytes):
-        # During a yield, a verified fallback may answer instead; if it does not, park as usual.
-        if self._fallback is not None and await self._fallback.serve(request, entry, body):
-            self._log(request, entry.cls, request.code, "fallback", entry, 0)
+        # During a yield, a verified fallback may answer at once, or later from the lot
+        # (in line for it); if it does not, the request parks as usual.
+        if self._fallback is not None and await self._at_fallback(request, entry, body, self._fallback.serve):
             return None
         max_attempts = self._config.upstream.max_attempts
         while True:
@@ -186,6 +186,11 @@ class ProxyApp:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.attempts)
                 raise
+            if entry.released_to is not None:
+                # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
+                if await self._at_fallback(request, entry, body, self._fallback.serve_released):
+                    return None
+                continue
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
@@ -252,6 +257,22 @@ class ProxyApp:
         self._gate.upstream_result(None)
         self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
+
+    async def _at_fallback(self, request, entry: Entry, body: bytes, serve) -> bool:
+        """One turn at the fallback (``serve`` or ``serve_released``): True when it answered.
+
+        A parked request it answers ends as replay outcome ``fallback``.
+        """
+        try:
+            served = await serve(request, entry, body)
+        except CancelledError:
+            self._outcome(entry, "abandoned")
+            self._log(request, entry.cls, None, "abandoned", entry, entry.attempts)
+            raise
+        if served:
+            self._outcome(entry, "fallback")
+            self._log(request, entry.cls, request.code, "fallback", entry, entry.attempts)
+        return served
 
     # -- outcomes -------------------------------------------------------------
 

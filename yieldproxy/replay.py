@@ -9,9 +9,18 @@ hammered.  A new yield stops the release; the rest stays parked, in order.
 A step that must finish before the lot is let out after a yield (the VRAM
 handover's model preload) passes a Deferred to :meth:`Replayer.hold_release_until`;
 until it fires the lot stays parked and new requests join its tail.
+
+A replayer drains the lot into one *target*.  The primary's (the default)
+takes every entry while the GPU is not yielded.  Another target gets its own
+replayer with its own cap, told which entries it may serve (``accepts``) and
+when it takes work (``is_open``): today the CPU fallback's, open while the GPU
+is yielded (fallback.py).  Each release takes the next entry that target may
+serve in the lot's one drain order, and marks it with the target's name.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
@@ -21,7 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .metrics import Metrics
-from .parking import ParkingLot
+from .parking import Entry, ParkingLot
 from .state import YieldState
 
 log = Logger()
@@ -29,7 +38,7 @@ log = Logger()
 
 @attrs.define(eq=False)
 class Replayer:
-    """Releases the lot, FIFO, under a concurrency cap and a start rate."""
+    """Releases the lot to one target, in drain order, under a concurrency cap and a start rate."""
 
     _clock: IReactorTime
     _lot: ParkingLot
@@ -40,7 +49,13 @@ class Replayer:
     rate: float = 0.0
     backoff_seconds: float = 0.5
     backoff_max_seconds: float = 10.0
-    #: Requests sent upstream and not yet done (direct and replayed alike).
+    #: The target it releases to, written on each entry it lets out; None: the primary.
+    target: str | None = None
+    #: Which parked entries the target may serve; None: every one.
+    accepts: Callable[[Entry], bool] | None = None
+    #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
+    is_open: Callable[[], bool] | None = None
+    #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: object = None
     _waiting: Deferred | None = None
@@ -55,8 +70,18 @@ class Replayer:
 
     @property
     def draining(self) -> bool:
-        """True while parked requests are being let out (the GPU is back, the lot is not empty)."""
-        return bool(self._lot) and not self._state.yielded and not self._release_gates
+        """True while parked requests are being let out (the target is open, it has work in the lot)."""
+        if self._release_gates or not self._open():
+            return False
+        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts) is not None
+
+    def _open(self) -> bool:
+        return not self._state.yielded if self.is_open is None else self.is_open()
+
+    def can_start(self) -> bool:
+        """True when a request may go to the target this instant: a free slot, no pause or pacing."""
+        now = self._clock.seconds()
+        return self.inflight < self.concurrency and now >= max(self._next_start, self._backoff_until)
 
     @property
     def release_held(self) -> bool:
@@ -90,19 +115,20 @@ class Replayer:
         self._task.whenDone().addBoth(self._task_ended)
 
     def started(self) -> None:
-        """A request went upstream (directly or from the lot)."""
+        """A request went to the target (directly or from the lot)."""
         self.inflight += 1
-        self._metrics.inflight_requests.set(self.inflight)
+        self._count_inflight()
 
-    def finished(self, failed: bool = False, started: float | None = None) -> None:
+    def finished(self, failed: bool = False, started: float | None = None, abandoned: bool = False) -> None:
         """A request's upstream exchange ended; free its slot.
 
         ``started`` is when its attempt began: an answer to an attempt sent
         before the latest failure says nothing about the upstream now (it was
-        already on its way), so it does not end the backoff.
+        already on its way), so it does not end the backoff.  Neither does an
+        exchange its client ``abandoned``.
         """
         self.inflight -= 1
-        self._metrics.inflight_requests.set(self.inflight)
+        self._count_inflight()
         now = self._clock.seconds()
         if failed:
             self._last_failure = now
@@ -117,9 +143,14 @@ class Replayer:
                         self.backoff_seconds * 2 ** (self._failures_in_a_row - 2),
                     )
                     self._backoff_until = now + delay
-        elif started is None or started >= self._last_failure:
+        elif not abandoned and (started is None or started >= self._last_failure):
             self.reset_backoff()
         self._wake()
+
+    def _count_inflight(self) -> None:
+        # yieldproxy_inflight_requests is the primary's (docs/metrics.md).
+        if self.target is None:
+            self._metrics.inflight_requests.set(self.inflight)
 
     def reset_backoff(self) -> None:
         """Forget past failures: an answer came back, or the GPU was declared back."""
@@ -177,13 +208,14 @@ class Replayer:
             if self.rate > 0:
                 self._next_start = now + 1.0 / self.rate
             self.started()
-            self._lot.release_next()
+            # ``draining`` just saw an entry for this target, and nothing ran since.
+            self._lot.release_next(self.accepts, self.target)
             yield None
 
     def _task_ended(self, result) -> None:
         self._task = None
         self._forget_wait()
-        if not self._lot and not self._state.yielded and not self._stopped:
+        if self.target is None and not self._lot and not self._state.yielded and not self._stopped:
             # The task only runs while draining, so this is the end of a drain:
             # the last of the three state changes gets its log line too.
             log.info(

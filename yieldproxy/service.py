@@ -110,6 +110,7 @@ def build(
 ) -> Proxy:
     """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
     metrics = metrics or Metrics()
+    cooperator = cooperator or one_step_cooperator(reactor)
     state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(hold.source).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
@@ -119,7 +120,7 @@ def build(
     upstream = Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
     fallback = None
     if config.fallback.enabled:
-        fallback = build_fallback(reactor, config, upstream, lambda: gate.yielded, metrics)
+        fallback = build_fallback(reactor, config, upstream, metrics, state, lot, cooperator)
         state.observe(fallback.state_changed)
     proxy_app = ProxyApp(reactor, config, gate, upstream, metrics, fallback)
     history = History(reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes))
@@ -201,11 +202,11 @@ class YieldProxyService(MultiService):
             proxy.history.stop()
 
     async def _wait_settled(self, timeout: float) -> bool:
-        """Poll until nothing is parked or in flight, up to ``timeout`` seconds."""
+        """Poll until nothing is parked or in flight (at the fallback too), up to ``timeout`` seconds."""
         proxy = self.proxy
         waited = 0.0
         step = 0.05
-        while proxy.lot or proxy.replayer.inflight:
+        while proxy.lot or proxy.replayer.inflight or (proxy.fallback is not None and proxy.fallback.inflight):
             if waited >= timeout:
                 return False
             d = Deferred()
