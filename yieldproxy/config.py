@@ -109,6 +109,8 @@ class UpstreamConfig:
     health_interval_seconds: float = attrs.field(default=0.5, validator=_at_least(0.01))
     health_max_interval_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
     health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
+    #: Bound on an outage probe that is a model call (it may have to load the model first).
+    model_probe_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.01))
 
 
 @attrs.frozen

@@ -13,10 +13,11 @@ and ends the response, never silently replayed.
 
 from __future__ import annotations
 
-import re
 from ipaddress import ip_address
 from typing import Callable
 from urllib.parse import urlsplit
+
+import attrs
 
 from twisted.internet import error as ierror
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -36,6 +37,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from .ollama_errors import is_gpu_failure
+
 #: Headers that describe one connection, not the message (RFC 9110 7.6.1).
 HOP_BY_HOP = frozenset(
     {
@@ -52,27 +55,47 @@ HOP_BY_HOP = frozenset(
 )
 #: Request headers the proxy sets or consumes itself.
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-#: An Ollama 500 that means "the GPU went away", not "your request is wrong".
-GPU_ERROR = re.compile(rb"cuda|gpu|runner|out of memory|rocm|metal|vram|no compatible", re.I)
 #: Most bytes of an error body read to decide whether it is retryable.
 _ERROR_BODY_LIMIT = 64 * 1024
+
+
+@attrs.frozen
+class UpstreamAnswer:
+    """An upstream's whole (small) error answer, kept so it can still be relayed as it was."""
+
+    code: int
+    phrase: bytes
+    headers: Headers
+    body: bytes
 
 
 class RetryableFailure(Exception):
     """The attempt failed before anything reached the client; it may be retried.
 
     ``reason`` is a metric label: refused, reset, timeout, status_502,
-    status_503, gpu_error.
+    status_503, gpu_error.  ``answer`` is the upstream's own answer when it
+    gave one (a 5xx), for the caller to relay if it gives up.
     """
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.answer = answer
 
 
 class RelayBroken(Exception):
     """The upstream failed after part of the answer reached the client."""
+
+
+def write_answer(request, answer: UpstreamAnswer, extra_headers=()) -> bytes:
+    """Set ``request`` up to relay ``answer`` exactly, and return the body to write."""
+    request.setResponseCode(answer.code, answer.phrase)
+    copy_response_headers(answer.headers, request.responseHeaders)
+    request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(answer.body)])
+    for name, value in extra_headers:
+        request.responseHeaders.setRawHeaders(name, [value])
+    return answer.body
 
 
 def connection_headers(headers: Headers) -> set[bytes]:
@@ -392,11 +415,13 @@ class Attempt:
             code = response.code
             if self._retry_statuses and code in (502, 503):
                 body = await self._read_error(response)
-                raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(body)}")
-            if code >= 500:
+                answer = UpstreamAnswer(code, response.phrase, response.headers, body)
+                raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(body)}", answer)
+            if code >= 500 or (self._retry_statuses and code == 400):
                 body = await self._read_error(response)
-                if self._retry_statuses and code == 500 and GPU_ERROR.search(body):
-                    raise RetryableFailure("gpu_error", f"upstream GPU error: {_snippet(body)}")
+                if self._retry_statuses and is_gpu_failure(code, body):
+                    answer = UpstreamAnswer(code, response.phrase, response.headers, body)
+                    raise RetryableFailure("gpu_error", f"upstream GPU failure: {_snippet(body)}", answer)
                 self._disarm()
                 self._commit(response)
                 request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])

@@ -51,6 +51,9 @@ class Gate:
     upstream_answered: bool = False
     #: Called with each attempt's failure reason (None for an answer), for outage detection.
     upstream_listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
+    #: Judges a failed attempt: ``judge(reason, call)`` is a Deferred firing True when a
+    #: recognised outage explains the failure (the outage watcher, while it runs).
+    outage_judge: Callable[[str, object], Deferred] | None = None
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
@@ -81,14 +84,14 @@ class Gate:
 
         It fails with :class:`Refused` when the request is turned away, at
         once or after waiting.  A request coming back after a failed attempt
-        (``entry.attempts > 0``) keeps its place in line and is not checked
+        (``entry.tries > 0``) keeps its place in line and is not checked
         against the ceilings again: it was accepted already.
         """
         if self.shutting_down:
             raise Refused(
                 "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
             )
-        returning = entry.attempts > 0
+        returning = entry.tries > 0
         if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
             self._replayer.started()
             return succeed(entry)
@@ -116,8 +119,17 @@ class Gate:
         started = None if seconds is None else self._clock.seconds() - seconds
         self._replayer.finished(failed, started)
 
-    def upstream_result(self, failure_reason: str | None) -> None:
-        """Report how an upstream attempt went (any class, passthrough too)."""
+    def upstream_result(self, failure_reason: str | None, call: object = None) -> Deferred:
+        """Report how an upstream attempt went (any class, passthrough too).
+
+        For a failure, the Deferred fires with the verdict: True when a
+        recognised outage explains it, so the attempt does not count against
+        the request; False when the request failed on its own (or nothing
+        judges outages).  ``call`` says what failed (a
+        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can probe
+        the same kind of call.  The Deferred never fails; cancelling it only
+        stops waiting.
+        """
         if failure_reason is None:
             self.upstream_answered = True
         for listener in self.upstream_listeners:
@@ -125,6 +137,13 @@ class Gate:
                 listener(failure_reason)
             except Exception:
                 log.failure("upstream listener failed")
+        if failure_reason is None or self.outage_judge is None:
+            return succeed(False)
+        try:
+            return self.outage_judge(failure_reason, call)
+        except Exception:
+            log.failure("outage judge failed")
+            return succeed(False)
 
     def retry_after(self, entry: Entry | None = None) -> int:
         """Seconds a refused caller should wait, from what is known.

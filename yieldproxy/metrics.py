@@ -112,6 +112,20 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        self.forgiven_attempts_total = Counter(
+            "yieldproxy_forgiven_attempts",
+            "Failed attempts not counted against upstream.max_attempts because a recognised outage "
+            "explained them (a probe of the same kind of call failed too, or the GPU was yielded).",
+            ["class"],
+            registry=r,
+        )
+        self.outage_probes_total = Counter(
+            "yieldproxy_outage_probes",
+            "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
+            "kind that failed) and result (up, down).",
+            ["probe", "result"],
+            registry=r,
+        )
         self.inflight_requests = Gauge(
             "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
         )
@@ -155,6 +169,9 @@ class Metrics:
             self.parked_requests.labels(cls)
         for watcher in WATCHERS:
             self.watcher_errors_total.labels(watcher)
+        for probe in ("health", "model"):
+            for result in ("up", "down"):
+                self.outage_probes_total.labels(probe, result)
 
     def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register gauges computed at scrape time from live state."""

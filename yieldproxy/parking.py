@@ -34,7 +34,10 @@ class Entry:
     #: The caller's own budget from X-Yield-Max-Wait (seconds), if any.
     max_wait: float | None = None
     seq: int = attrs.Factory(lambda: next(_sequence))
+    #: Failed attempts counted against ``upstream.max_attempts``.
     attempts: int = 0
+    #: Failed attempts a recognised outage explained (not counted against the request).
+    forgiven: int = 0
     #: Total seconds spent parked so far (over every stay in the lot).
     parked_seconds: float = 0.0
     #: True once it has been in the lot; its outcome then counts as a replay.
@@ -51,6 +54,11 @@ class Entry:
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    @property
+    def tries(self) -> int:
+        """Every failed attempt so far, counted or forgiven."""
+        return self.attempts + self.forgiven
 
 
 class Refused(Exception):
