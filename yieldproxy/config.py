@@ -70,6 +70,10 @@ class ProxyConfig:
     #: Time a client has to deliver a whole request, headers and body (slowloris bound).
     request_read_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
+    #: Most bytes of one answer that may wait in memory for a slow client (past it, it is dropped).
+    slow_client_buffer_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_at_least(1))
+    #: Most bytes of all answers waiting for slow clients together.
+    slow_client_buffer_total_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
 
 
 @attrs.frozen

@@ -57,6 +57,7 @@ class Gate:
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
+        self._lot.why_still_waiting = self.why_still_waiting
         self._lot.on_parked = self._replayer.kick
         self._state.observe(self._state_changed)
         self._state.describe = self.describe
@@ -144,6 +145,20 @@ class Gate:
         except Exception:
             log.failure("outage judge failed")
             return succeed(False)
+
+    def why_still_waiting(self) -> str:
+        """What keeps the lot waiting right now, for the message of a request that expires in it."""
+        if self._state.yielded:
+            sources = sorted({hold.source for hold in self._state.holds})
+            if sources == ["outage"]:
+                return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
+            return f"the GPU was still yielded (held by {', '.join(sources)})"
+        if self._replayer.release_held:
+            return "the GPU was back, but the models were still being loaded back onto it"
+        return (
+            f"the GPU was back, but the requests ahead of this one still held all "
+            f"{self._replayer.concurrency} replay slots"
+        )
 
     def retry_after(self, entry: Entry | None = None) -> int:
         """Seconds a refused caller should wait, from what is known.

@@ -126,6 +126,18 @@ class Metrics:
             ["probe", "result"],
             registry=r,
         )
+        self.client_buffered_bytes = Gauge(
+            "yieldproxy_client_buffered_bytes",
+            "Bytes of answers waiting in the proxy for slow clients to read them "
+            "(bounded by proxy.slow_client_buffer_bytes per answer and proxy.slow_client_buffer_total_bytes).",
+            registry=r,
+        )
+        self.slow_clients_dropped_total = Counter(
+            "yieldproxy_slow_clients_dropped",
+            "Clients dropped because their unread answer passed a slow-client buffer bound (counted as 499).",
+            ["class"],
+            registry=r,
+        )
         self.inflight_requests = Gauge(
             "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
         )

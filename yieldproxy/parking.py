@@ -100,6 +100,8 @@ class ParkingLot:
     _bytes: int = 0
     #: Called after any entry joins, so the replayer can be woken.
     on_parked: Callable[[], None] = lambda: None
+    #: Says what keeps the lot waiting, for an expiry's message (set by the gate).
+    why_still_waiting: Callable[[], str] = lambda: "the GPU or the upstream did not come back in time"
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -210,14 +212,13 @@ class ParkingLot:
         return len(entries)
 
     def _expire(self, entry: Entry) -> None:
+        """Past its hold bound: refused, with what really kept it (yield, outage, or a busy GPU)."""
         entry._timer = None
+        cause = self.why_still_waiting()
         if entry.bound_by_caller:
-            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): the GPU is still yielded"
+            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): {cause}"
         else:
-            why = (
-                f"yielded past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} "
-                "requests): the GPU or the upstream did not come back in time"
-            )
+            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests): {cause}"
         self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:

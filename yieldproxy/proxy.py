@@ -31,7 +31,7 @@ from .classify import (
 )
 from .config import Config
 from .errors import stream_error_chunk, write_error
-from .forward import Attempt, RelayBroken, RetryableFailure, Upstream, write_answer
+from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
 from .gate import Gate
 from .httpserver import ProxySite
 from .metrics import Metrics
@@ -84,8 +84,6 @@ def failed_call(request, body: bytes) -> ModelCall | None:
     return ModelCall(path, model)
 
 
-
-
 def _peer_host(request) -> str | None:
     peer = request.getClientAddress()
     return getattr(peer, "host", None)
@@ -103,11 +101,18 @@ class ProxyApp:
     #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
     _fallback: Fallback | None = None
     _classifier: Classifier = attrs.field(init=False)
+    #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
+    _buffers: ClientBuffers = attrs.field(init=False)
 
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
         self._classifier = Classifier.from_rules(self._config.routes)
+        self._buffers = ClientBuffers(
+            self._config.proxy.slow_client_buffer_bytes,
+            self._config.proxy.slow_client_buffer_total_bytes,
+            on_change=self._metrics.client_buffered_bytes.set,
+        )
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
@@ -231,13 +236,15 @@ class ProxyApp:
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
+            attempt = Attempt(
+                self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
+                buffers=self._buffers,
+            )
             failure = None
             # Only the upstream's failures slow the replay down, not a client leaving.
             failed = False
             try:
-                status = await Attempt(
-                    self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
-                ).run()
+                status = await attempt.run()
             except RetryableFailure as retryable:
                 failed = True
                 failure = retryable
@@ -246,13 +253,17 @@ class ProxyApp:
                 self._outcome(entry, "upstream_error")
                 self._log(request, entry.cls, request.code, "upstream_error", entry, entry.tries + 1)
                 return await self._broken(request, entry.api, str(broken))
+            except ClientTooSlow as slow:
+                self._outcome(entry, "abandoned")
+                return await self._drop_slow_client(request, entry.cls, slow, entry, entry.tries + 1)
             except CancelledError:
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
                 raise
             finally:
-                # The slot is free before the failure is judged: judging may wait for a probe.
+                # The upstream is done with this attempt: its replay slot is free,
+                # whether or not the client has read the whole answer yet.
                 elapsed = self._clock.seconds() - began
                 self._gate.finished(failed=failed, seconds=elapsed)
             if failure is not None:
@@ -262,6 +273,12 @@ class ProxyApp:
                 continue
             self._gate.upstream_result(None)
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
+            try:
+                await attempt.client_drained()
+            except CancelledError:
+                self._outcome(entry, "abandoned")
+                self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
+                raise
             self._outcome(entry, "ok")
             self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
@@ -309,11 +326,12 @@ class ProxyApp:
 
     async def _passthrough(self, request, body: bytes, api: str):
         """Routes that never park: one attempt, failures reported as they are."""
+        attempt = Attempt(
+            self._clock, self._upstream, request, body,
+            self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
+        )
         try:
-            status = await Attempt(
-                self._clock, self._upstream, request, body,
-                self._config.upstream.attempt_timeout_seconds, retry_statuses=False,
-            ).run()
+            status = await attempt.run()
         except RetryableFailure as failure:
             # Reported for outage detection; nobody waits on the verdict.
             self._gate.upstream_result(failure.reason)
@@ -322,10 +340,17 @@ class ProxyApp:
         except RelayBroken as broken:
             self._log(request, PASSTHROUGH, request.code, "upstream_error", None, 1)
             return await self._broken(request, api, str(broken))
+        except ClientTooSlow as slow:
+            return await self._drop_slow_client(request, PASSTHROUGH, slow, None, 1)
         except CancelledError:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
         self._gate.upstream_result(None)
+        try:
+            await attempt.client_drained()
+        except CancelledError:
+            self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
+            raise
         self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
 
@@ -391,6 +416,16 @@ class ProxyApp:
         # A body of known length cannot be ended honestly: cut the connection so
         # the client sees a truncated answer rather than a complete wrong one.
         request.channel.transport.abortConnection()
+        await Deferred()  # Klein cancels this when the connection is gone.
+
+    async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):
+        """Past a buffer bound: cut the client (the upstream is stopped already), count it as gone (499)."""
+        self._metrics.slow_clients_dropped_total.labels(cls).inc()
+        peer = _peer_host(request)
+        log.warn("dropping a slow {cls} client {peer}: {why}", cls=cls, peer=peer, why=str(slow))
+        self._log(request, cls, None, "slow_client", entry, attempts)
+        if request.channel is not None:
+            request.channel.transport.abortConnection()
         await Deferred()  # Klein cancels this when the connection is gone.
 
     def _trusts_header(self, request) -> bool:
