@@ -567,7 +567,8 @@ async def test_parked_request_of_an_idle_client_is_bounded_by_the_hold():
 
 @pytest_twisted.ensureDeferred
 async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
-    """A 64 MB answer to a client that never reads: dropped after the idle timeout, slot freed."""
+    """A 64 MB answer to a client that never reads: the slot is free once the upstream has sent it
+    (not when the client reads it); the client is dropped after the idle timeout, its buffer freed."""
     stack = await recording_stack(config_with(replay={"concurrency": 1}))
     try:
         site, port = await _own_listener(stack, timeOut=1)
@@ -575,15 +576,19 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.sendall(request_bytes(b"GET", b"/big", [(b"X-Yield-Class", b"batch")]))
         try:
-            await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 1, timeout=10)
+            await wait_for(reactor, lambda: len(stack.echo.heads) == 1, timeout=10)
             began = reactor.seconds()
             await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0, timeout=20)
-            assert reactor.seconds() - began >= 0.9
+            # Well before the idle timeout: the slow client does not keep the slot.
+            assert reactor.seconds() - began < 0.9
             # The slot is free: the next request goes through.
             response = await treq.post(stack.proxy_url + "/api/embed", data=EMBED).addTimeout(TIMEOUT, reactor)
             assert response.code == 200
             await response.content()
-            await wait_for(reactor, lambda: not stack.echo.open or len(stack.echo.open) <= 1, timeout=10)
+            assert stack.sample("yieldproxy_client_buffered_bytes") > 0
+            # The client that reads nothing is dropped at the idle timeout, and its bytes freed.
+            await wait_for(reactor, lambda: stack.sample("yieldproxy_client_buffered_bytes") == 0, timeout=10)
+            await wait_for(reactor, lambda: stack.sample("yieldproxy_requests_total", **{"class": "batch", "code": "499"}) == 1)
         finally:
             client.close()
     finally:

@@ -28,6 +28,7 @@ from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_
 from test_burst import Burst, assert_clean
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
+from yieldproxy.probes import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import OutageWatcher
@@ -487,21 +488,40 @@ def test_nvidia_game_probe_script_errors(tmp_path):
 
 
 class FakeCheck:
-    """The health probe: each call is a Deferred the test fires."""
+    """The outage probe: each call is a Deferred the test fires (True: the upstream serves the call)."""
 
     def __init__(self):
         self.calls: list[Deferred] = []
+        self.targets: list = []
 
-    def __call__(self) -> Deferred:
+    def __call__(self, call=None) -> Deferred:
         self.calls.append(Deferred())
+        self.targets.append(call)
         return self.calls[-1]
 
 
 def outage_watcher(**options):
     core = make_core()
     check = FakeCheck()
-    watcher = OutageWatcher(core.clock, core.state, core.gate.upstream_listeners, check, core.metrics, **options)
+
+    def set_judge(judge):
+        core.gate.outage_judge = judge
+
+    watcher = OutageWatcher(
+        core.clock, core.state, core.gate.upstream_listeners, check, core.metrics, set_judge, **options
+    )
     return watcher, check, core
+
+
+def verdict(d: Deferred):
+    """The value a fired verdict Deferred holds (the test fails if it has not fired)."""
+    results = []
+    d.addBoth(results.append)
+    assert results, "the verdict is still pending"
+    return results[0]
+
+
+EMBED_CALL = ModelCall("/api/embed", "all-minilm")
 
 
 def test_no_outage_hold_for_an_upstream_that_never_answered():
@@ -509,82 +529,163 @@ def test_no_outage_hold_for_an_upstream_that_never_answered():
     watcher.startService()
     check.calls[0].errback(ConnectionRefusedError())  # the probe at start
     for reason in ("refused", "connect", "reset"):
-        core.gate.upstream_result(reason)
+        assert verdict(core.gate.upstream_result(reason)) is False
     assert not core.state.yielded and not watcher.reachable
+    assert len(check.calls) == 1
     assert core.clock.getDelayedCalls() == []
     watcher.stopService()
 
 
-def test_outage_hold_is_taken_probed_with_backoff_and_ended_by_a_200():
+def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ended_by_a_pass():
     watcher, check, core = outage_watcher(interval=0.5, max_interval=2)
     watcher.startService()
-    check.calls[0].callback(200)
+    check.calls[0].callback(True)
     assert watcher.reachable
-    core.gate.upstream_result("timeout")  # slow is not down
-    core.gate.upstream_result("status_502")
-    assert not core.state.yielded
-    core.gate.upstream_result("refused")
-    assert sources(core.state) == ["outage"]
-    assert core.state.holds[0].reason == "upstream failing (refused)"
-    core.gate.upstream_result("reset")  # already held: nothing more
+    assert verdict(core.gate.upstream_result("timeout")) is False  # slow is not down
+    assert verdict(core.gate.upstream_result("status_502")) is False
     assert len(check.calls) == 1
+    # A refused connection starts a probe; the failures wait for its verdict, no hold yet.
+    first = core.gate.upstream_result("refused")
+    second = core.gate.upstream_result("reset")  # joins the same probe
+    assert len(check.calls) == 2 and check.targets[1] is None
+    assert not core.state.yielded
+    assert not first.called and not second.called
+    check.calls[1].errback(ConnectionRefusedError())
+    assert sources(core.state) == ["outage"]
+    assert core.state.holds[0].reason == "upstream failing (the health path fails)"
+    assert verdict(first) is True and verdict(second) is True
+    # Held: later failures are forgiven at once, with no probe of their own.
+    assert verdict(core.gate.upstream_result("reset")) is True
+    assert len(check.calls) == 2
     # Probes after 0.5, 1 and 2 seconds, each failing; then 2 again (the cap).
-    for delay, answer in [(0.5, ConnectionRefusedError()), (1, 503), (2, ConnectionRefusedError())]:
+    for delay in (0.5, 1, 2):
         before = len(check.calls)
         core.clock.advance(delay - 0.01)
         assert len(check.calls) == before
         core.clock.advance(0.01)
         assert len(check.calls) == before + 1
-        if isinstance(answer, Exception):
-            check.calls[-1].errback(answer)
-        else:
-            check.calls[-1].callback(answer)
+        check.calls[-1].callback(False)
         assert core.state.yielded
     core.clock.advance(2)
-    check.calls[-1].callback(200)
+    check.calls[-1].callback(True)
     assert not core.state.yielded
-    # A probe that passed is no proof (a GPU error behind a live /api/version):
-    # the next outage starts at the interval reached...
-    core.gate.upstream_result("gpu_error")
-    core.clock.advance(1.99)
-    assert len(check.calls) == 5
-    core.clock.advance(0.01)
-    check.calls[-1].callback(200)
-    assert not core.state.yielded
-    # ...until real traffic succeeds: then probing starts quick again.
+    # Real traffic succeeds: the next outage starts with quick probes again.
     core.gate.upstream_result(None)
     core.gate.upstream_result("status_503")
+    check.calls[-1].callback(False)
+    assert core.state.yielded
     core.clock.advance(0.5)
-    assert len(check.calls) == 7
+    assert len(check.calls) == 8
     watcher.stopService()
     assert core.clock.getDelayedCalls() == []
     assert core.state.yielded  # stopping does not end the hold
     assert check.calls[-1].called  # the probe in flight was cancelled
-    assert core.gate.upstream_listeners == []
+    assert core.gate.upstream_listeners == [] and core.gate.outage_judge is None
+    assert core.sample("yieldproxy_outage_probes_total", probe="health", result="down") == 5
+    assert core.sample("yieldproxy_outage_probes_total", probe="health", result="up") == 2
 
 
-def test_no_outage_hold_while_another_source_holds():
+def test_a_request_that_fails_alone_is_counted_and_takes_no_hold():
+    """Its own input broke its call: the probe of the same kind of call passes, so no outage."""
     watcher, check, core = outage_watcher()
     watcher.startService()
-    check.calls[0].callback(200)
+    check.calls[0].callback(True)
+    for _ in range(5):
+        judged = core.gate.upstream_result("gpu_error", EMBED_CALL)
+        assert check.targets[-1] == EMBED_CALL
+        check.calls[-1].callback(True)
+        assert verdict(judged) is False
+        assert not core.state.yielded
+    assert core.sample("yieldproxy_yields_total", source="outage") == 0
+    assert core.clock.getDelayedCalls() == []
+    watcher.stopService()
+
+
+def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_again():
+    """/api/version answering proves nothing about the runner: only a model call of the failing kind ends it."""
+    watcher, check, core = outage_watcher(interval=0.5, max_interval=4)
+    watcher.startService()
+    check.calls[0].callback(True)
+    judged = [core.gate.upstream_result("gpu_error", EMBED_CALL) for _ in range(3)]
+    assert len(check.calls) == 2 and check.targets[1] == EMBED_CALL
+    check.calls[1].callback(False)
+    assert [verdict(d) for d in judged] == [True, True, True]
+    assert sources(core.state) == ["outage"]
+    # Every later probe is the model call, never the health path.
+    for delay in (0.5, 1, 2, 4, 4):
+        core.clock.advance(delay)
+        assert check.targets[-1] == EMBED_CALL
+        check.calls[-1].callback(False)
+        assert core.state.yielded
+    core.clock.advance(4)
+    check.calls[-1].callback(True)
+    assert not core.state.yielded
+    assert watcher.status()["outage_probe"] is None
+    assert core.sample("yieldproxy_outage_probes_total", probe="model", result="down") == 6
+    assert core.clock.getDelayedCalls() == []
+    watcher.stopService()
+
+
+def test_model_probes_wait_while_another_source_holds_the_gpu():
+    """Nothing reaches a yielded GPU: not even the outage watcher's own probe."""
+    watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
+    watcher.startService()
+    check.calls[0].callback(True)
+    core.gate.upstream_result("gpu_error", EMBED_CALL)
+    check.calls[1].callback(False)
     core.state.hold("api", "game")
-    core.gate.upstream_result("refused")
-    assert sources(core.state) == ["api"]
+    calls = len(check.calls)
+    core.clock.advance(5)
+    assert len(check.calls) == calls
+    core.state.release("api")
+    core.clock.advance(0.5)
+    assert len(check.calls) == calls + 1 and check.targets[-1] == EMBED_CALL
+    check.calls[-1].callback(True)
+    assert not core.state.yielded
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_no_outage_hold_or_probe_while_another_source_holds():
+    watcher, check, core = outage_watcher()
+    watcher.startService()
+    check.calls[0].callback(True)
+    core.state.hold("api", "game")
+    assert verdict(core.gate.upstream_result("refused")) is True  # the GPU is lent away: explained
+    assert verdict(core.gate.upstream_result("gpu_error", EMBED_CALL)) is True
+    assert sources(core.state) == ["api"] and len(check.calls) == 1
     core.state.release("api")
     core.gate.upstream_result("refused")
+    check.calls[-1].errback(ConnectionRefusedError())
     assert sources(core.state) == ["outage"]
     watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_verdict_abandoned_by_its_client_is_forgotten_and_stopping_decides_the_rest():
+    watcher, check, core = outage_watcher()
+    watcher.startService()
+    check.calls[0].callback(True)
+    gone = core.gate.upstream_result("gpu_error", EMBED_CALL)
+    waiting = core.gate.upstream_result("gpu_error", EMBED_CALL)
+    gone.cancel()
+    gone.addErrback(lambda f: None)
+    watcher.stopService()
+    assert verdict(waiting) is False  # nobody decides any more: the attempt counts
+    assert not core.state.yielded
     assert core.clock.getDelayedCalls() == []
 
 
 def test_an_outage_hold_ended_by_hand_stops_the_probing():
     watcher, check, core = outage_watcher()
     watcher.startService()
-    check.calls[0].callback(200)
+    check.calls[0].callback(True)
     core.gate.upstream_result("refused")
+    check.calls[-1].errback(ConnectionRefusedError())
+    assert core.state.yielded
     core.state.release("outage")  # POST /resume {"source": "outage"}
     core.clock.advance(0.5)
-    assert len(check.calls) == 1
+    assert len(check.calls) == 2
     assert core.clock.getDelayedCalls() == []
     watcher.stopService()
 

@@ -70,6 +70,10 @@ class ProxyConfig:
     #: Time a client has to deliver a whole request, headers and body (slowloris bound).
     request_read_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
+    #: Most bytes of one answer that may wait in memory for a slow client (past it, it is dropped).
+    slow_client_buffer_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_at_least(1))
+    #: Most bytes of all answers waiting for slow clients together.
+    slow_client_buffer_total_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
 
 
 @attrs.frozen
@@ -109,6 +113,8 @@ class UpstreamConfig:
     health_interval_seconds: float = attrs.field(default=0.5, validator=_at_least(0.01))
     health_max_interval_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
     health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
+    #: Bound on an outage probe that is a model call (it may have to load the model first).
+    model_probe_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.01))
 
 
 @attrs.frozen

@@ -51,9 +51,13 @@ class Gate:
     upstream_answered: bool = False
     #: Called with each attempt's failure reason (None for an answer), for outage detection.
     upstream_listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
+    #: Judges a failed attempt: ``judge(reason, call)`` is a Deferred firing True when a
+    #: recognised outage explains the failure (the outage watcher, while it runs).
+    outage_judge: Callable[[str, object], Deferred] | None = None
 
     def __attrs_post_init__(self) -> None:
         self._lot.retry_after = self.retry_after
+        self._lot.why_still_waiting = self.why_still_waiting
         self._lot.when_parked(self._replayer.kick)
         self._state.observe(self._state_changed)
         self._state.describe = self.describe
@@ -81,7 +85,7 @@ class Gate:
 
         It fails with :class:`Refused` when the request is turned away, at
         once or after waiting.  A request coming back after a failed attempt
-        (``entry.attempts > 0``, or a failed turn at another target after
+        (``entry.tries > 0``, or a failed turn at another target after
         parking) keeps its place in line and is not checked against the
         ceilings again: it was accepted already.
         """
@@ -89,7 +93,7 @@ class Gate:
             raise Refused(
                 "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
             )
-        returning = entry.attempts > 0 or entry.was_parked
+        returning = entry.tries > 0 or entry.was_parked
         if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
             self._replayer.started()
             return succeed(entry)
@@ -117,8 +121,17 @@ class Gate:
         started = None if seconds is None else self._clock.seconds() - seconds
         self._replayer.finished(failed, started)
 
-    def upstream_result(self, failure_reason: str | None) -> None:
-        """Report how an upstream attempt went (any class, passthrough too)."""
+    def upstream_result(self, failure_reason: str | None, call: object = None) -> Deferred:
+        """Report how an upstream attempt went (any class, passthrough too).
+
+        For a failure, the Deferred fires with the verdict: True when a
+        recognised outage explains it, so the attempt does not count against
+        the request; False when the request failed on its own (or nothing
+        judges outages).  ``call`` says what failed (a
+        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can probe
+        the same kind of call.  The Deferred never fails; cancelling it only
+        stops waiting.
+        """
         if failure_reason is None:
             self.upstream_answered = True
         for listener in self.upstream_listeners:
@@ -126,6 +139,27 @@ class Gate:
                 listener(failure_reason)
             except Exception:
                 log.failure("upstream listener failed")
+        if failure_reason is None or self.outage_judge is None:
+            return succeed(False)
+        try:
+            return self.outage_judge(failure_reason, call)
+        except Exception:
+            log.failure("outage judge failed")
+            return succeed(False)
+
+    def why_still_waiting(self) -> str:
+        """What keeps the lot waiting right now, for the message of a request that expires in it."""
+        if self._state.yielded:
+            sources = sorted({hold.source for hold in self._state.holds})
+            if sources == ["outage"]:
+                return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
+            return f"the GPU was still yielded (held by {', '.join(sources)})"
+        if self._replayer.release_held:
+            return "the GPU was back, but the models were still being loaded back onto it"
+        return (
+            f"the GPU was back, but the requests ahead of this one still held all "
+            f"{self._replayer.concurrency} replay slots"
+        )
 
     def retry_after(self, entry: Entry | None = None) -> int:
         """Seconds a refused caller should wait, from what is known.

@@ -113,6 +113,32 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        self.forgiven_attempts_total = Counter(
+            "yieldproxy_forgiven_attempts",
+            "Failed attempts not counted against upstream.max_attempts because a recognised outage "
+            "explained them (a probe of the same kind of call failed too, or the GPU was yielded).",
+            ["class"],
+            registry=r,
+        )
+        self.outage_probes_total = Counter(
+            "yieldproxy_outage_probes",
+            "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
+            "kind that failed) and result (up, down).",
+            ["probe", "result"],
+            registry=r,
+        )
+        self.client_buffered_bytes = Gauge(
+            "yieldproxy_client_buffered_bytes",
+            "Bytes of answers waiting in the proxy for slow clients to read them "
+            "(bounded by proxy.slow_client_buffer_bytes per answer and proxy.slow_client_buffer_total_bytes).",
+            registry=r,
+        )
+        self.slow_clients_dropped_total = Counter(
+            "yieldproxy_slow_clients_dropped",
+            "Clients dropped because their unread answer passed a slow-client buffer bound (counted as 499).",
+            ["class"],
+            registry=r,
+        )
         self.inflight_requests = Gauge(
             "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
         )
@@ -157,6 +183,9 @@ class Metrics:
             self.parked_requests.labels(cls)
         for watcher in WATCHERS:
             self.watcher_errors_total.labels(watcher)
+        for probe in ("health", "model"):
+            for result in ("up", "down"):
+                self.outage_probes_total.labels(probe, result)
 
     def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register gauges computed at scrape time from live state."""

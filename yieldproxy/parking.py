@@ -43,7 +43,10 @@ class Entry:
     #: The caller's own budget from X-Yield-Max-Wait (seconds), if any.
     max_wait: float | None = None
     seq: int = attrs.Factory(lambda: next(_sequence))
+    #: Failed attempts counted against ``upstream.max_attempts``.
     attempts: int = 0
+    #: Failed attempts a recognised outage explained (not counted against the request).
+    forgiven: int = 0
     #: Total seconds spent parked so far (over every stay in the lot).
     parked_seconds: float = 0.0
     #: True once it has been in the lot; its outcome then counts as a replay.
@@ -65,6 +68,11 @@ class Entry:
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    @property
+    def tries(self) -> int:
+        """Every failed attempt so far, counted or forgiven."""
+        return self.attempts + self.forgiven
 
 
 class Refused(Exception):
@@ -108,6 +116,8 @@ class ParkingLot:
     _parked_listeners: list[Callable[[], None]] = attrs.Factory(list)
     #: Called with each entry that leaves the lot, whichever way.
     _out_listeners: list[Callable[[Entry], None]] = attrs.Factory(list)
+    #: Says what keeps the lot waiting, for an expiry's message (set by the gate).
+    why_still_waiting: Callable[[], str] = lambda: "the GPU or the upstream did not come back in time"
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -258,14 +268,13 @@ class ParkingLot:
         return len(entries)
 
     def _expire(self, entry: Entry) -> None:
+        """Past its hold bound: refused, with what really kept it (yield, outage, or a busy GPU)."""
         entry._timer = None
+        cause = self.why_still_waiting()
         if entry.bound_by_caller:
-            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): the GPU is still yielded"
+            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): {cause}"
         else:
-            why = (
-                f"yielded past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} "
-                "requests): the GPU or the upstream did not come back in time"
-            )
+            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests): {cause}"
         self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:

@@ -7,7 +7,9 @@ goes away while parked leaves the lot at once and is never sent upstream.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import TYPE_CHECKING
 
 import attrs
@@ -29,11 +31,12 @@ from .classify import (
 )
 from .config import Config
 from .errors import stream_error_chunk, write_error
-from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
+from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
 from .gate import Gate
 from .httpserver import ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
+from .probes import ModelCall
 from .requestlog import CLIENT_GONE, log_request
 
 if TYPE_CHECKING:
@@ -43,6 +46,42 @@ log = Logger()
 
 #: Bodies larger than this are not read for the unload idiom during a yield.
 _UNLOAD_BODY_LIMIT = 4096
+#: A failed request's body is parsed whole for its model up to this size; past it, its head is searched.
+_MODEL_PARSE_LIMIT = 1024 * 1024
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,512})"', re.I)
+#: :meth:`ProxyApp._after_failure`'s answer when the request goes round again.
+_RETRY = object()
+
+
+def failed_call(request, body: bytes) -> ModelCall | None:
+    """What a failed model call was (route and model), so the outage probe can test the same kind.
+
+    None when the body names no model (the probe is then the health path).
+    Go's decoder matches the key case-insensitively and keeps the last one;
+    so does this.  A body over :data:`_MODEL_PARSE_LIMIT` is not parsed on
+    the failure path (that would stall every other request): its head is
+    searched for the field instead.
+    """
+    path = request.path.decode("latin-1").rstrip("/") or "/"
+    model = None
+    if len(body) <= _MODEL_PARSE_LIMIT:
+        try:
+            parsed = parse_body(body)
+        except BadBody:
+            return None
+        for key, value in parsed.items():
+            if key.lower() == "model" and isinstance(value, str):
+                model = value
+    else:
+        found = _MODEL_FIELD.findall(body[:65536])
+        if found:
+            try:
+                model = json.loads(b'"' + found[-1] + b'"')
+            except ValueError:
+                model = None
+    if not model:
+        return None
+    return ModelCall(path, model)
 
 
 def _peer_host(request) -> str | None:
@@ -62,11 +101,18 @@ class ProxyApp:
     #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
     _fallback: Fallback | None = None
     _classifier: Classifier = attrs.field(init=False)
+    #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
+    _buffers: ClientBuffers = attrs.field(init=False)
 
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
         self._classifier = Classifier.from_rules(self._config.routes)
+        self._buffers = ClientBuffers(
+            self._config.proxy.slow_client_buffer_bytes,
+            self._config.proxy.slow_client_buffer_total_bytes,
+            on_change=self._metrics.client_buffered_bytes.set,
+        )
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
@@ -180,11 +226,11 @@ class ProxyApp:
                 return self._reject(
                     request, entry.cls, entry.api, refusal.status, refusal.reason,
                     refusal.message, refusal.retry_after, count=False,
-                    entry=entry, attempts=entry.attempts,
+                    entry=entry, attempts=entry.tries,
                 )
             except CancelledError:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
-                self._log(request, entry.cls, None, "abandoned", entry, entry.attempts)
+                self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             if entry.released_to is not None:
                 # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
@@ -195,66 +241,121 @@ class ProxyApp:
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
+            attempt = Attempt(
+                self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
+                buffers=self._buffers,
+            )
+            failure = None
             # Only the upstream's failures slow the replay down, not a client leaving.
             failed = False
             try:
-                status = await Attempt(
-                    self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
-                ).run()
-            except RetryableFailure as failure:
+                status = await attempt.run()
+            except RetryableFailure as retryable:
                 failed = True
-                self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
-                self._gate.upstream_result(failure.reason)
-                entry.attempts += 1
-                log.info(
-                    "{cls} attempt {n} failed ({reason}): {detail}",
-                    cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
-                )
-                if failure.reason in ("refused", "connect") and not self._gate.upstream_answered:
-                    # Never reached since start: a wrong URL or a backend not started
-                    # yet. Waiting cannot help; say so at once.
-                    return self._upstream_gave_up(request, entry, failure, "the upstream has not answered since the proxy started")
-                if entry.attempts >= max_attempts:
-                    return self._upstream_gave_up(request, entry, failure)
-                self._metrics.retries_total.labels(entry.cls).inc()
-                continue
+                failure = retryable
             except RelayBroken as broken:
                 failed = True
                 self._outcome(entry, "upstream_error")
-                self._log(request, entry.cls, request.code, "upstream_error", entry, entry.attempts + 1)
+                self._log(request, entry.cls, request.code, "upstream_error", entry, entry.tries + 1)
                 return await self._broken(request, entry.api, str(broken))
+            except ClientTooSlow as slow:
+                self._outcome(entry, "abandoned")
+                return await self._drop_slow_client(request, entry.cls, slow, entry, entry.tries + 1)
             except CancelledError:
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
-                self._log(request, entry.cls, None, "abandoned", entry, entry.attempts + 1)
+                self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
                 raise
             finally:
+                # The upstream is done with this attempt: its replay slot is free,
+                # whether or not the client has read the whole answer yet.
                 elapsed = self._clock.seconds() - began
                 self._gate.finished(failed=failed, seconds=elapsed)
+            if failure is not None:
+                answered = await self._after_failure(request, entry, body, failure, max_attempts)
+                if answered is not _RETRY:
+                    return answered
+                continue
             self._gate.upstream_result(None)
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
+            try:
+                await attempt.client_drained()
+            except CancelledError:
+                self._outcome(entry, "abandoned")
+                self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
+                raise
             self._outcome(entry, "ok")
-            self._log(request, entry.cls, status, "ok", entry, entry.attempts + 1)
+            self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
+
+    async def _after_failure(self, request, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int):
+        """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
+
+        The outage watcher judges the failure (gate.upstream_result): when a
+        recognised outage explains it (the GPU is yielded, or a probe of the
+        same kind of call failed too), the attempt is not counted against the
+        request and it parks behind the hold.  A request that fails alone
+        while probes pass (its own input is the cause) ends after
+        ``upstream.max_attempts``, with the upstream's own answer when it gave one.
+        """
+        self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+        try:
+            forgiven = await self._gate.upstream_result(failure.reason, failed_call(request, body))
+        except CancelledError:
+            if entry.was_parked:
+                self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+            self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
+            raise
+        if failure.reason in ("refused", "connect") and not self._gate.upstream_answered:
+            # Never reached since start: a wrong URL or a backend not started
+            # yet. Waiting cannot help; say so at once.
+            entry.attempts += 1
+            return self._upstream_gave_up(request, entry, failure, "the upstream has not answered since the proxy started")
+        if forgiven:
+            entry.forgiven += 1
+            self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
+            log.info(
+                "{cls} attempt failed ({reason}) in a recognised outage, not counted: {detail}",
+                cls=entry.cls, reason=failure.reason, detail=failure.detail,
+            )
+        else:
+            entry.attempts += 1
+            log.info(
+                "{cls} attempt {n} failed ({reason}): {detail}",
+                cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
+            )
+            if entry.attempts >= max_attempts:
+                return self._upstream_gave_up(request, entry, failure)
+        self._metrics.retries_total.labels(entry.cls).inc()
+        return _RETRY
 
     async def _passthrough(self, request, body: bytes, api: str):
         """Routes that never park: one attempt, failures reported as they are."""
+        attempt = Attempt(
+            self._clock, self._upstream, request, body,
+            self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
+        )
         try:
-            status = await Attempt(
-                self._clock, self._upstream, request, body,
-                self._config.upstream.attempt_timeout_seconds, retry_statuses=False,
-            ).run()
+            status = await attempt.run()
         except RetryableFailure as failure:
+            # Reported for outage detection; nobody waits on the verdict.
             self._gate.upstream_result(failure.reason)
             code = 504 if failure.reason == "timeout" else 502
             return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
             self._log(request, PASSTHROUGH, request.code, "upstream_error", None, 1)
             return await self._broken(request, api, str(broken))
+        except ClientTooSlow as slow:
+            return await self._drop_slow_client(request, PASSTHROUGH, slow, None, 1)
         except CancelledError:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
         self._gate.upstream_result(None)
+        try:
+            await attempt.client_drained()
+        except CancelledError:
+            self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
+            raise
         self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
 
@@ -282,11 +383,19 @@ class ProxyApp:
 
     def _upstream_gave_up(self, request, entry: Entry, failure: RetryableFailure, why: str | None = None):
         self._outcome(entry, "upstream_error")
+        if failure.answer is not None and failure.reason == "gpu_error":
+            # Ollama's own words about its own failure say more than ours would.
+            log.info(
+                "{cls} request gave up after {n} failed attempts ({reason}); relaying the upstream's answer",
+                cls=entry.cls, n=entry.attempts, reason=failure.reason,
+            )
+            self._log(request, entry.cls, failure.answer.code, "upstream_error", entry, entry.tries)
+            return write_answer(request, failure.answer)
         code = 504 if failure.reason == "timeout" else 502
         why = why or f"upstream failed {entry.attempts} times, giving up"
         return self._reject(
             request, entry.cls, entry.api, code, "upstream_error", f"{why}: {failure.detail}", count=False,
-            entry=entry, attempts=entry.attempts,
+            entry=entry, attempts=entry.tries,
         )
 
     def _attempt_timeout(self, cls: str) -> float:
@@ -328,6 +437,16 @@ class ProxyApp:
         # A body of known length cannot be ended honestly: cut the connection so
         # the client sees a truncated answer rather than a complete wrong one.
         request.channel.transport.abortConnection()
+        await Deferred()  # Klein cancels this when the connection is gone.
+
+    async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):
+        """Past a buffer bound: cut the client (the upstream is stopped already), count it as gone (499)."""
+        self._metrics.slow_clients_dropped_total.labels(cls).inc()
+        peer = _peer_host(request)
+        log.warn("dropping a slow {cls} client {peer}: {why}", cls=cls, peer=peer, why=str(slow))
+        self._log(request, cls, None, "slow_client", entry, attempts)
+        if request.channel is not None:
+            request.channel.transport.abortConnection()
         await Deferred()  # Klein cancels this when the connection is gone.
 
     def _trusts_header(self, request) -> bool:

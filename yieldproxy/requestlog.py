@@ -15,6 +15,7 @@ and the text observer (the default) renders the same event as::
 
 ``outcome`` is ``ok`` (the upstream answered, whatever its status),
 ``upstream_error``, ``expired``, ``abandoned`` (the client went away),
+``slow_client`` (dropped: its unread answer passed a buffer bound),
 ``shutdown``, ``fallback``, or the reason a request was refused at once
 (``queue_full``, ``over_budget``, ``policy``, ``too_large``, ``bad_request``):
 the labels of ``yieldproxy_replay_total`` and ``yieldproxy_rejected_total``.

@@ -17,7 +17,12 @@ real GPU server fails.  :class:`SimOllama` is that something:
   ``texts_embedded``), so a test can check the proxy's replay cap and prove
   that no text was embedded twice;
 * it can be switched at run time into an outage (:meth:`SimOllama.set_mode`):
-  ``refuse``, ``error500``, ``hang`` or ``reset``.
+  ``refuse``, ``error500`` (``/api/version`` answers while every model call
+  gets Ollama's runner out-of-memory 500), ``hang`` or ``reset``;
+* it fails single requests the way Ollama does for their own input: a
+  ``template`` it cannot parse gets a 500 quoting the template's parse error
+  (:func:`template_error`), and an ``options.num_ctx`` above ``max_num_ctx``
+  gets a load out-of-memory 500 (:data:`LOAD_OOM_ERROR`) while other calls work.
 
 Every timer goes through the injected reactor, so the logic runs under a
 :class:`twisted.internet.task.Clock` too.  Only :func:`main` touches the
@@ -50,6 +55,7 @@ __all__ = [
     "BUSY_ERROR",
     "DEFAULT_CHAT_MODEL",
     "DEFAULT_EMBED_MODEL",
+    "LOAD_OOM_ERROR",
     "MODES",
     "OOM_ERROR",
     "SIM_VERSION",
@@ -65,6 +71,7 @@ __all__ = [
     "main",
     "messages_prompt",
     "parse_keep_alive",
+    "template_error",
     "to_float32",
 ]
 
@@ -75,6 +82,9 @@ MODES = ("ok", "refuse", "error500", "hang", "reset")
 
 OOM_ERROR = "llama runner process has terminated: CUDA error: out of memory"
 """The error a model request gets in ``error500`` mode, in Ollama's wording."""
+
+LOAD_OOM_ERROR = "llama runner process has terminated: cudaMalloc failed: out of memory"
+"""What a request whose ``num_ctx`` passes ``max_num_ctx`` gets: its own load does not fit."""
 
 BUSY_ERROR = "server busy, please try again.  maximum pending requests exceeded"
 """Ollama's 503 once ``OLLAMA_MAX_QUEUE`` requests wait (see ``max_queue``)."""
@@ -310,7 +320,7 @@ class SimRequest:
     One request as the sim saw it, kept in :attr:`SimOllama.history`.
 
     ``mode`` is the mode the request hit on arrival; ``outcome`` is how it
-    ended: ``ok``, ``bad_request``, ``not_found``, ``error500``, ``busy``, ``refused``,
+    ended: ``ok``, ``bad_request``, ``not_found``, ``error500``, ``template_error``, ``busy``, ``refused``,
     ``reset``, ``abandoned`` (the client went away, which is how a ``hang``
     request usually ends), ``stopped``, or ``pending`` while unanswered.
     """
@@ -357,6 +367,34 @@ _ROUTES: dict[str, _Route] = {
 
 _EMBED_OPS = ("embed", "embeddings", "v1_embeddings")
 
+#: Names a Go template may call: text/template's builtins and keywords, and
+#: the functions Ollama adds (``template/template.go``, ``funcs``).
+_TEMPLATE_NAMES = frozenset(
+    "if else end range with define template block break continue nil true false "
+    "and or not len index slice eq ne lt le gt ge print printf println html js urlquery call "
+    "json currentDate yesterdayDate toTypeScriptType".split()
+)
+_TEMPLATE_ACTION = re.compile(r"\{\{-?\s*(.*?)\s*-?\}\}", re.S)
+_TEMPLATE_WORD = re.compile(r"(?:^|[|(\s])([A-Za-z_][A-Za-z0-9_]*)")
+_TEMPLATE_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|`[^`]*`')
+
+
+def template_error(text: str) -> str | None:
+    """Go's parse error for a ``template`` Ollama could not parse, in Go's words; None if it parses.
+
+    Only the two mistakes a caller makes most (an unknown function, an
+    unclosed action) are recognised; the message quotes the caller's
+    template, as Ollama's 500 does (``server/routes.go``: ``template.Parse``).
+    """
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.count("{{") > line.count("}}"):
+            return f"template: :{number}: unclosed action"
+        for action in _TEMPLATE_ACTION.findall(line):
+            for word in _TEMPLATE_WORD.findall(_TEMPLATE_STRING.sub('""', action)):
+                if word not in _TEMPLATE_NAMES:
+                    return f'template: :{number}: function "{word}" not defined'
+    return None
+
 
 @attrs.define(eq=False)
 class _Job:
@@ -372,6 +410,10 @@ class _Job:
     texts: list[str] = attrs.Factory(list)
     prompt: str = ""
     load_only: bool = False
+    #: Ollama's 500 for a ``template`` it cannot parse (generate only).
+    template_error: str | None = None
+    #: The ``num_ctx`` this request asked for (0: the model's default).
+    num_ctx: int = 0
     stream: bool = False
     include_usage: bool = False
     encoding_format: str = "float"
@@ -520,6 +562,9 @@ class SimOllama:
         with ``truncate: false``, as Ollama does.
     :param max_queue: requests that may wait for a slot, like
         ``OLLAMA_MAX_QUEUE``; one more is answered 503 :data:`BUSY_ERROR`.
+    :param max_num_ctx: the largest ``options.num_ctx`` whose load fits in
+        (simulated) VRAM; a request asking for more fails alone with
+        :data:`LOAD_OOM_ERROR`, as a real one does (0: no limit).
     :param models: model names ``/api/tags`` lists from the start.
     :param history_size: how many :class:`SimRequest` records to keep.
     :param mode: the initial outage mode (see :data:`MODES`).
@@ -536,6 +581,7 @@ class SimOllama:
     default_keep_alive: float = attrs.field(default=300.0, validator=_non_negative)
     context_length: int = attrs.field(default=512, validator=_at_least_one)
     max_queue: int = attrs.field(default=512, validator=_non_negative)
+    max_num_ctx: int = attrs.field(default=0, validator=_non_negative)
     models: tuple[str, ...] = attrs.field(
         default=(DEFAULT_EMBED_MODEL, DEFAULT_CHAT_MODEL), converter=tuple
     )
@@ -801,6 +847,12 @@ class SimOllama:
 
         if mode == "error500":
             return self._error(request, record, 500, style, OOM_ERROR, "error500")
+        if self.max_num_ctx and job.num_ctx > self.max_num_ctx:
+            # This request's own context does not fit: its load fails, the GPU is fine.
+            return self._error(request, record, 500, style, LOAD_OOM_ERROR, "error500")
+        if job.template_error is not None:
+            # Ollama loads the model, then parses the caller's template: a 500 quoting it.
+            return self._error(request, record, 500, style, job.template_error, "template_error")
         if job.load_only and job.keep_alive == 0:
             return self._unload(request, record, job)
         if len(self._serving) >= self.parallel and len(self._waiting) >= self.max_queue:
@@ -882,6 +934,9 @@ class SimOllama:
             keep_alive=keep_alive,
             arrived=now,
         )
+        options = body.get("options")
+        if isinstance(options, dict) and isinstance(options.get("num_ctx"), int):
+            job.num_ctx = options["num_ctx"]
         op = route.op
         if op in _EMBED_OPS:
             self._parse_embed(job, body)
@@ -892,6 +947,9 @@ class SimOllama:
             job.prompt = prompt
             job.load_only = prompt == ""
             job.stream = body.get("stream", True) is not False
+            template = body.get("template")
+            if isinstance(template, str) and template and not job.load_only:
+                job.template_error = template_error(template)
         elif op == "chat":
             messages = body.get("messages") or []
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):

@@ -18,8 +18,10 @@ from __future__ import annotations
 from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorFDSet
 
-from ..control import UpstreamControl
+from ..control import Answer, UpstreamControl
 from ..handover import Handover
+from ..ollama_errors import is_gpu_failure
+from ..probes import minimal_call
 from .command import CommandWatcher
 from .outage import OutageWatcher
 from .signals import SignalWatcher
@@ -55,25 +57,7 @@ def build_watchers(reactor, proxy) -> list[Service]:
         )
     up = config.upstream
     if up.detect_outages:
-        path, timeout = up.health_path, up.health_timeout_seconds
-        gate = proxy.gate
-
-        def check():
-            def answered(answer):
-                if answer.code == 200:
-                    # The gate's own "never reached" rule (fail at once) must agree with ours.
-                    gate.upstream_answered = True
-                return answer.code
-
-            return control.request("GET", path, timeout=timeout).addCallback(answered)
-
-        watchers.append(
-            OutageWatcher(
-                reactor, state, proxy.gate.upstream_listeners, check, metrics,
-                interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
-                upstream=config.proxy.upstream,
-            )
-        )
+        watchers.append(_outage_watcher(reactor, proxy, control))
     services = list(watchers)
     extras = proxy.admin_app.status_extras
     extras["watchers"] = lambda: {s.name.split(":", 1)[1]: s.status() for s in watchers}
@@ -83,3 +67,41 @@ def build_watchers(reactor, proxy) -> list[Service]:
         services.append(handover)
         extras["handover"] = handover.status
     return services
+
+
+def _outage_watcher(reactor, proxy, control: UpstreamControl) -> OutageWatcher:
+    """The outage watcher, probing through ``control``: the health path, or a minimal model call."""
+    config = proxy.config
+    up = config.upstream
+    gate = proxy.gate
+
+    def health_answered(answer: Answer) -> bool:
+        if answer.code == 200:
+            # The gate's own "never reached" rule (fail at once) must agree with ours.
+            gate.upstream_answered = True
+        return answer.code == 200
+
+    def model_answered(answer: Answer) -> bool:
+        """Down only when it fails the way an outage does; any other answer means the GPU serves."""
+        gate.upstream_answered = True
+        return not (answer.code == 503 or is_gpu_failure(answer.code, answer.body))
+
+    def check(call):
+        minimal = minimal_call(call) if call is not None else None
+        if minimal is None:
+            return control.request("GET", up.health_path, timeout=up.health_timeout_seconds).addCallback(
+                health_answered
+            )
+        method, path, body = minimal
+        return control.request(method, path, body, timeout=up.model_probe_timeout_seconds).addCallback(
+            model_answered
+        )
+
+    def set_judge(judge) -> None:
+        gate.outage_judge = judge
+
+    return OutageWatcher(
+        reactor, proxy.state, gate.upstream_listeners, check, proxy.metrics, set_judge,
+        interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+        upstream=config.proxy.upstream,
+    )

@@ -1,20 +1,38 @@
-"""Outage detection: a crashed or restarting upstream is held like a yield, not failed.
+"""Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
-The gate reports every upstream attempt's result.  When attempts fail the
-way a dead or GPU-less Ollama fails (refused, connect, reset, gpu_error,
-status_503), nobody else holds the GPU, and the upstream *has answered at
-least once since the proxy started*, this watcher takes an ``outage`` hold:
-requests park instead of failing.  It then probes ``upstream.health_path``
-with a growing interval (``health_interval_seconds`` doubling up to
-``health_max_interval_seconds``) and ends the hold on the first 200; the lot
-is replayed, paced, as after any yield.
+The gate hands every failed attempt of the outage kinds (refused, connect,
+reset, gpu_error, status_503) to :meth:`OutageWatcher.judge`, which answers
+with a verdict: does a recognised outage explain the failure?
 
-An upstream that has never answered is a configuration error (wrong URL or
-port), not an outage: its callers keep getting a fast 502.
+* The GPU is yielded already (another source holds it), or the ``outage``
+  hold is in place: yes, at once.  Nothing is probed then: nothing reaches a
+  yielded GPU.
+* The upstream has never answered since the proxy started: no.  That is a
+  configuration error (wrong URL or port), not an outage; its callers keep
+  getting a fast 502.
+* Otherwise a **probe** decides, one per kind of failed call, shared by every
+  failure waiting on it: for a model call (a :class:`~yieldproxy.probes.ModelCall`)
+  the minimal call of the same kind (same route, same model; see probes.py),
+  else ``upstream.health_path``.  If the probe fails too, the upstream is
+  down: the watcher takes the ``outage`` hold and every failure waiting is
+  forgiven (it parks, its attempt not counted).  If the probe passes, the
+  request failed alone (its own input is the cause): its attempt counts, and
+  no hold is taken.
 
-The interval is not reset when a probe passes, only when real traffic
-succeeds: an Ollama whose ``/api/version`` answers while its GPU fails
-(``gpu_error``) is then probed less and less often instead of flapping fast.
+So one request failing again and again can never hold the proxy: a probe
+decides whether the upstream is down, not the request.
+
+While the hold lasts, the watcher probes the call that confirmed it with a
+growing interval (``health_interval_seconds`` doubling up to
+``health_max_interval_seconds``) and ends the hold on the first probe that
+passes; the lot is replayed, paced, as after any yield.  An outage that
+model calls revealed ends only when such a model call works again, never
+because ``/api/version`` answers (it does while the runner cannot load).
+While another source also holds the GPU, model probes wait: they would load
+the model onto a GPU that was lent away.
+
+The interval is reset when real traffic succeeds, so the next outage is
+probed quickly again.
 """
 
 from __future__ import annotations
@@ -23,7 +41,7 @@ from typing import Callable
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
@@ -33,21 +51,33 @@ from ..state import YieldState
 log = Logger()
 
 SOURCE = "outage"
-#: Failures that mean "the upstream (or its GPU) is down", not "this request was slow or odd".
+#: Failures that may mean "the upstream (or its GPU) is down", not "this request was slow".
 OUTAGE_REASONS = frozenset({"refused", "connect", "reset", "gpu_error", "status_503"})
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """One probe deciding a verdict, and the failures waiting on it."""
+
+    call: object
+    waiters: list[Deferred] = attrs.Factory(list)
+    probe: Deferred | None = None
 
 
 @attrs.define(eq=False, slots=False)
 class OutageWatcher(Service):
-    """Takes and ends the ``outage`` hold from attempt results and health probes."""
+    """Judges failed attempts with probes; takes and ends the ``outage`` hold."""
 
     _clock: IReactorTime
     _state: YieldState
     #: The gate's ``upstream_listeners``, joined while running.
     _listeners: list
-    #: Probes the health path once: a Deferred firing with the HTTP status.
-    _check: Callable[[], Deferred]
+    #: ``check(call)``: probes once; a Deferred firing True when the upstream serves ``call``
+    #: (None: the health path), False or an error when it fails the way an outage does.
+    _check: Callable[[object], Deferred]
     _metrics: Metrics
+    #: Sets the gate's outage judge (called with :meth:`judge` at start and None at stop).
+    _set_judge: Callable[[Callable | None], None] = lambda judge: None
     interval: float = 0.5
     max_interval: float = 10.0
     #: For log lines.
@@ -56,9 +86,14 @@ class OutageWatcher(Service):
     reachable: bool = False
     _next_interval: float = attrs.field(init=False)
     _timer: IDelayedCall | None = None
+    #: The follow-up probe of a held outage, in flight.
     _probe: Deferred | None = None
+    #: The call whose probe confirmed the outage (None: the health path).
+    _outage_call: object = None
     _held_since: float | None = None
     _said_unreachable: bool = False
+    #: Verdicts being decided, by the call probed.
+    _pending: dict = attrs.Factory(dict)
 
     name = "watcher:outage"
 
@@ -68,45 +103,64 @@ class OutageWatcher(Service):
     def startService(self) -> None:
         super().startService()
         self._listeners.append(self.upstream_result)
+        self._set_judge(self.judge)
         # One probe at start, so an outage before the first request is an outage too.
-        self._run_probe()
+        self._start_probe(None)
 
     def stopService(self) -> None:
-        """Stop listening and probing; an outage hold stays (the upstream is still down)."""
+        """Stop listening, judging and probing; an outage hold stays (the upstream is still down)."""
         super().stopService()
         if self.upstream_result in self._listeners:
             self._listeners.remove(self.upstream_result)
+        self._set_judge(None)
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
         if self._probe is not None:
             self._probe.cancel()
+        for pending in list(self._pending.values()):
+            if pending.probe is not None:
+                pending.probe.cancel()
+        # Nobody will decide these any more: the attempts count, as without a watcher.
+        self._decide_all(False)
 
     def status(self) -> dict:
         return {
             "reachable": self.reachable,
-            "probing": self._timer is not None or self._probe is not None,
+            "probing": self._timer is not None or self._probe is not None or bool(self._pending),
             "next_interval_seconds": self._next_interval,
+            "outage_probe": _describe(self._outage_call) if self._state.hold_of(SOURCE) is not None else None,
         }
 
+    # -- what the gate reports ------------------------------------------------------------
+
     def upstream_result(self, reason: str | None) -> None:
-        """A gate listener: one attempt's failure reason, or None for an answer.  Never raises."""
+        """A gate listener: every attempt's result.  Answers mark the upstream reachable."""
+        if reason is not None:
+            return
+        self._answered()
+        if self._state.hold_of(SOURCE) is None:
+            # Traffic flows: the next outage starts with quick probes again.
+            self._next_interval = self.interval
+
+    def judge(self, reason: str, call: object = None) -> Deferred:
+        """The verdict on one failed attempt: a Deferred firing True when an outage explains it.
+
+        Never raises and never fails; cancelling the Deferred only stops waiting.
+        """
         try:
-            self._result(reason)
+            return self._judge(reason, call)
         except Exception:
             self._metrics.watcher_errors_total.labels(SOURCE).inc()
-            log.failure("outage watcher step failed")
+            log.failure("outage watcher: judging a failure failed")
+            return succeed(False)
 
-    def _result(self, reason: str | None) -> None:
-        held = self._state.hold_of(SOURCE) is not None
-        if reason is None:
-            self._answered()
-            if not held:
-                # Traffic flows: the next outage starts with quick probes again.
-                self._next_interval = self.interval
-            return
-        if reason not in OUTAGE_REASONS or held:
-            return
+    def _judge(self, reason: str, call: object) -> Deferred:
+        if reason not in OUTAGE_REASONS or not self.running:
+            return succeed(False)
+        if self._state.yielded:
+            # Held already (an outage, or the GPU lent away): the failure is explained.
+            return succeed(True)
         if not self.reachable:
             if not self._said_unreachable:
                 self._said_unreachable = True
@@ -117,13 +171,89 @@ class OutageWatcher(Service):
                     upstream=self.upstream,
                     reason=reason,
                 )
-            return
-        if any(h.source != SOURCE for h in self._state.holds):
-            # The GPU is yielded already: failures are expected and the requests are parked anyway.
-            return
-        self._held_since = self._clock.seconds()
-        self._state.hold(SOURCE, f"upstream failing ({reason})")
-        self._schedule()
+            return succeed(False)
+        pending = self._pending.get(call)
+        if pending is None:
+            pending = self._start_probe(call)
+        if pending is None:
+            # The probe decided at once (it fired synchronously).
+            return succeed(self._state.hold_of(SOURCE) is not None)
+        waiter: Deferred = Deferred(canceller=lambda d: _forget(pending.waiters, d))
+        pending.waiters.append(waiter)
+        return waiter
+
+    # -- the probe that decides a verdict -----------------------------------------------------
+
+    def _start_probe(self, call: object) -> _Pending | None:
+        """Probe ``call`` now; the result decides every verdict waiting on it."""
+        pending = self._pending[call] = _Pending(call)
+        d = self._run_check(call)
+        pending.probe = d
+        d.addCallback(self._decided, pending)
+        d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
+        return self._pending.get(call)
+
+    def _decided(self, up: bool | None, pending: _Pending) -> None:
+        if self._pending.get(pending.call) is pending:
+            del self._pending[pending.call]
+        pending.probe = None
+        confirmed = False
+        if up is None:
+            forgiven = False  # the watcher stopped: the attempts count, as without it
+        elif up:
+            self._answered()
+            forgiven = False  # the upstream serves this kind of call: the request failed alone
+        elif self._state.yielded or not self.reachable:
+            # Held already (by this watcher or another source), or never reachable.
+            forgiven = self._state.yielded
+        else:
+            confirmed = forgiven = True
+            self._held_since = self._clock.seconds()
+            self._outage_call = pending.call
+            log.warn(
+                "{upstream} is failing (a probe of {what} failed as well): holding requests "
+                "until it works again",
+                upstream=self.upstream, what=_describe(pending.call),
+            )
+            self._state.hold(SOURCE, f"upstream failing ({_describe(pending.call)} fails)")
+        for waiter in _take(pending.waiters):
+            waiter.callback(forgiven)
+        if forgiven:
+            # Every failure waiting on another probe is explained now too.
+            self._decide_all(True)
+        if confirmed:
+            self._schedule()
+
+    def _decide_all(self, forgiven: bool) -> None:
+        for pending in list(self._pending.values()):
+            for waiter in _take(pending.waiters):
+                waiter.callback(forgiven)
+
+    def _run_check(self, call: object) -> Deferred:
+        """One probe: a Deferred firing True (up), False (down), or None (cancelled); it never fails."""
+        kind = "health" if call is None else "model"
+        try:
+            d = self._check(call)
+        except Exception:
+            self._metrics.watcher_errors_total.labels(SOURCE).inc()
+            log.failure("outage watcher: the probe could not start")
+            return succeed(False)
+
+        def answered(up):
+            up = bool(up)
+            self._metrics.outage_probes_total.labels(kind, "up" if up else "down").inc()
+            return up
+
+        def failed(failure):
+            if failure.check(CancelledError) and not self.running:
+                return None
+            self._metrics.outage_probes_total.labels(kind, "down").inc()
+            log.debug("outage probe of {what} failed: {error}", what=_describe(call), error=failure.getErrorMessage())
+            return False
+
+        return d.addCallbacks(answered, failed)
+
+    # -- while the outage hold lasts --------------------------------------------------------------
 
     def _answered(self) -> None:
         if not self.reachable:
@@ -132,7 +262,7 @@ class OutageWatcher(Service):
                 log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
     def _schedule(self) -> None:
-        """The next health probe, after the current interval; the interval then doubles."""
+        """The next probe of the held outage, after the current interval; the interval then doubles."""
         if self._timer is not None or self._probe is not None or not self.running:
             return
         delay = self._next_interval
@@ -143,44 +273,55 @@ class OutageWatcher(Service):
         self._timer = None
         if self._state.hold_of(SOURCE) is None:
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
-        self._run_probe()
-
-    def _run_probe(self) -> None:
-        try:
-            d = self._probe = self._check()
-        except Exception:
-            self._metrics.watcher_errors_total.labels(SOURCE).inc()
-            log.failure("outage watcher: the health probe could not start")
-            self._probe = None
-            self._schedule_if_held()
+        if self._outage_call is not None and any(h.source != SOURCE for h in self._state.holds):
+            # The GPU is lent away: a model call would load the model onto it. Look again later.
+            self._schedule()
             return
-        d.addCallbacks(self._probed, self._probe_failed)
+        d = self._probe = self._run_check(self._outage_call)
+        d.addCallback(self._probed)
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
 
-    def _probed(self, code: int) -> None:
+    def _probed(self, up: bool | None) -> None:
         self._probe = None
-        if code != 200:
-            log.debug("health probe: {upstream} answered {code}", upstream=self.upstream, code=code)
+        if up is None:
+            return
+        if not up:
             self._schedule_if_held()
             return
         self._answered()
         if self._state.hold_of(SOURCE) is not None:
             began = self._held_since if self._held_since is not None else self._clock.seconds()
             log.info(
-                "{upstream} answers its health probe again after {seconds:.1f}s: ending the outage hold",
+                "{upstream} serves {what} again after {seconds:.1f}s: ending the outage hold",
                 upstream=self.upstream,
+                what=_describe(self._outage_call),
                 seconds=self._clock.seconds() - began,
             )
             self._held_since = None
             self._state.release(SOURCE)
 
-    def _probe_failed(self, failure) -> None:
-        self._probe = None
-        if failure.check(CancelledError) and not self.running:
-            return
-        log.debug("health probe failed: {error}", error=failure.getErrorMessage())
-        self._schedule_if_held()
-
     def _schedule_if_held(self) -> None:
         if self._state.hold_of(SOURCE) is not None:
             self._schedule()
+
+
+def _describe(call: object) -> str:
+    """A probe's target, for logs and /status."""
+    if call is None:
+        return "the health path"
+    path = getattr(call, "path", None)
+    model = getattr(call, "model", None)
+    return f"{path} with model {model}" if path else str(call)
+
+
+def _take(waiters: list[Deferred]) -> list[Deferred]:
+    """Empty ``waiters`` and return what it held (waiters fired must not be fired again)."""
+    taken = list(waiters)
+    waiters.clear()
+    return taken
+
+
+def _forget(waiters: list[Deferred], waiter: Deferred) -> None:
+    """Canceller of a verdict: the caller stopped waiting (its client went away)."""
+    if waiter in waiters:
+        waiters.remove(waiter)

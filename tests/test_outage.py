@@ -1,0 +1,241 @@
+"""Outages judged by probes, not by one request's words (issue 10, findings 3 and 10).
+
+* Only Ollama's own runner and memory failure messages, at the start of the
+  message in its error JSON, count as a GPU failure: a client's words quoted
+  back in a 500 (a bad ``template``) are relayed to that client at once.
+* A failure of an outage kind is judged by a probe of the same kind of call:
+  if it fails too, the proxy holds (and the attempts lost to the outage do
+  not count); if it passes, the request failed alone and ends after
+  ``upstream.max_attempts`` with the upstream's own answer.
+* An outage that model calls revealed, with ``/api/version`` answering all
+  along, costs a burst of real ``ollama`` clients nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+
+from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from rawhttp import counter_by, counter_total
+from test_burst import Burst, assert_clean
+from yieldproxy.ollama_errors import GPU_FAILURE_PREFIXES, is_gpu_failure
+from yieldproxy.probes import PROBE_TEXT
+from yieldproxy.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
+
+TIMEOUT = 60
+
+
+def ollama_error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def openai_error(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "api_error", "param": None, "code": None}}).encode()
+
+
+@pytest.mark.parametrize(
+    "status, body, gpu",
+    [
+        (500, ollama_error(OOM_ERROR), True),
+        (500, openai_error(OOM_ERROR), True),
+        (500, ollama_error("llama-server process no longer running: exit status 2 CUDA error"), True),
+        (500, ollama_error("model requires more system memory (5.2 GiB) than is available (3.1 GiB)"), True),
+        (400, ollama_error("do embedding request: Post \"http://127.0.0.1:41853/embedding\": EOF"), True),
+        # A client's words, quoted back: never a GPU failure, whatever they say.
+        (500, ollama_error('template: :1: function "gpu" not defined'), False),
+        (500, ollama_error('template: :1: function "cuda" not defined'), False),
+        (500, ollama_error("x llama runner process has terminated: CUDA error: out of memory"), False),
+        (500, ollama_error(" llama runner process has terminated"), False),
+        (500, b"llama runner process has terminated: CUDA error: out of memory", False),
+        (500, json.dumps({"detail": OOM_ERROR}).encode(), False),
+        (500, json.dumps({"error": [OOM_ERROR]}).encode(), False),
+        (500, json.dumps([{"error": OOM_ERROR}]).encode(), False),
+        (500, ollama_error(OOM_ERROR)[:-2], False),
+        (404, ollama_error(OOM_ERROR), False),
+        (502, ollama_error(OOM_ERROR), False),
+        (500, ollama_error("out of memory"), False),
+        (500, ollama_error("GPU error"), False),
+    ],
+)
+def test_only_ollamas_own_failure_prefixes_count_as_a_gpu_failure(status, body, gpu):
+    assert is_gpu_failure(status, body) is gpu
+
+
+def test_the_prefixes_are_ollamas_own_words():
+    """Every prefix names a runner or memory failure; none is a word a request could lead with."""
+    assert len(set(GPU_FAILURE_PREFIXES)) == len(GPU_FAILURE_PREFIXES)
+    for prefix in GPU_FAILURE_PREFIXES:
+        assert len(prefix) >= 12 and prefix == prefix.strip()
+        assert not prefix.lower().startswith(("gpu", "cuda", "template"))
+
+
+def test_the_simulated_ollama_quotes_a_bad_template_as_go_does():
+    assert template_error("{{ gpu }}") == 'template: :1: function "gpu" not defined'
+    assert template_error("{{ .System }}\n{{ .Prompt | cuda }}") == 'template: :2: function "cuda" not defined'
+    assert template_error('{{ if .System }}{{ printf "%s gpu" .System }}{{ end }}{{ .Prompt }}') is None
+    assert template_error("{{ .Prompt ") == "template: :1: unclosed action"
+
+
+def outage_sources(stack) -> float:
+    return stack.sample("yieldproxy_yields_total", source="outage")
+
+
+def record_states(stack) -> list[bool]:
+    """Every yield-state change from now on (True: yielded)."""
+    changes: list[bool] = []
+    stack.proxy.state.observe(changes.append)
+    return changes
+
+
+async def reachable(stack) -> None:
+    outage = next(s for s in stack.services if s.name == "watcher:outage")
+    await wait_for(reactor, lambda: outage.reachable, timeout=10)
+
+
+# -- finding 3: a client's words are not an outage -----------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is_parked():
+    """``"template": "{{ gpu }}"``: the sender gets Ollama's 500 body at once; no hold; others are not parked."""
+    stack = await start_stack(reactor, config_with(replay={"concurrency": 4}), watchers=True, latency=0.02)
+    try:
+        await reachable(stack)
+        states = record_states(stack)
+        bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ gpu }}", "stream": False}
+        expected = json.dumps({"error": 'template: :1: function "gpu" not defined'}, separators=(",", ":")).encode()
+        others = [
+            treq.post(
+                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"other {i}"}, persistent=False
+            ).addTimeout(TIMEOUT, reactor)
+            for i in range(20)
+        ]
+        for _ in range(5):
+            began = reactor.seconds()
+            response = await treq.post(stack.proxy_url + "/api/generate", json=bad, persistent=False).addTimeout(
+                TIMEOUT, reactor
+            )
+            body = await response.content()
+            assert response.code == 500
+            assert body == expected
+            assert response.length == len(expected)
+            assert reactor.seconds() - began < 2
+        for pending in others:
+            answer = await pending
+            assert answer.code == 200
+            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
+            await answer.content()
+        # Each bad request reached Ollama once: no retry, no probe, no hold.
+        assert stack.sim.requests_total["/api/generate"] == 5
+        assert stack.sim.outcomes["template_error"] == 5
+        assert PROBE_TEXT not in stack.sim.texts_embedded
+        assert states == [] and not stack.proxy.state.yielded
+        assert outage_sources(stack) == 0
+        assert counter_total(stack, "yieldproxy_upstream_failures") == 0
+        assert counter_total(stack, "yieldproxy_retries") == 0
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"500": 5.0, "200": 20.0}
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_whose_own_input_breaks_the_gpu_call_fails_alone_with_ollamas_answer():
+    """Its own num_ctx does not fit: probes of the same call pass, so no hold, and after
+    upstream.max_attempts it gets Ollama's own 500; the traffic around it is never parked."""
+    config = config_with(upstream={"retry_backoff_seconds": 0.05, "retry_backoff_max_seconds": 0.1})
+    stack = await start_stack(reactor, config, watchers=True, latency=0.01, max_num_ctx=8192)
+    try:
+        await reachable(stack)
+        states = record_states(stack)
+        heavy = {"model": "all-minilm", "input": "too much context", "options": {"num_ctx": 131072}}
+        others = [
+            treq.post(
+                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"fine {i}"}, persistent=False
+            ).addTimeout(TIMEOUT, reactor)
+            for i in range(10)
+        ]
+        response = await treq.post(stack.proxy_url + "/api/embed", json=heavy, persistent=False).addTimeout(
+            TIMEOUT, reactor
+        )
+        assert response.code == 500
+        assert json.loads(await response.content()) == {"error": LOAD_OOM_ERROR}
+        for pending in others:
+            answer = await pending
+            assert answer.code == 200
+            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
+            await answer.content()
+        max_attempts = config.upstream.max_attempts
+        assert stack.sim.outcomes["error500"] == max_attempts
+        assert stack.sim.texts_embedded[PROBE_TEXT] == max_attempts  # one passing probe per failure
+        assert states == [] and outage_sources(stack) == 0
+        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == max_attempts
+        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == 0
+    finally:
+        await stack.stop()
+
+
+# -- finding 10: an undeclared GPU failure fails nobody ------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_attempts_lost_to_a_recognised_outage_do_not_count():
+    """max_attempts = 1, and the GPU fails for a while: the request waits it out and succeeds."""
+    config = config_with(upstream={"max_attempts": 1, "health_max_interval_seconds": 0.5})
+    stack = await start_stack(reactor, config, watchers=True)
+    try:
+        await reachable(stack)
+        await stack.sim.set_mode("error500")
+        pending = treq.post(
+            stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "patient"}, persistent=False
+        ).addTimeout(TIMEOUT, reactor)
+        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
+        await sleep(reactor, 2)
+        assert len(stack.proxy.lot) == 1  # parked behind the hold, not failed
+        await stack.sim.set_mode("ok")
+        response = await pending
+        assert response.code == 200
+        assert (await response.json())["embeddings"]
+        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) >= 1
+        await wait_for(reactor, lambda: not stack.proxy.state.yielded, timeout=10)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nobody():
+    """1,200 embeddings from 24 real ollama clients; mid-burst every model call fails with Ollama's
+    "CUDA error: out of memory" for 12 s while /api/version answers, and nobody declares a yield:
+    0 failures, every vector right."""
+    config = config_with(replay={"concurrency": 4}, upstream={"health_max_interval_seconds": 2.0})
+    stack = await start_stack(reactor, config, watchers=True, latency=0.004, parallel=4)
+    try:
+        await reachable(stack)
+        burst = Burst(stack.proxy_url, [f"gpu gone {i}" for i in range(1200)], concurrency=24)
+        running = in_thread(reactor, burst.run, timeout=180)
+        await wait_for(reactor, lambda: burst.done >= 300, timeout=60)
+        await stack.sim.set_mode("error500")
+        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
+        for _ in range(12):
+            version = await treq.get(stack.sim.url + "/api/version", persistent=False).addTimeout(5, reactor)
+            assert version.code == 200
+            await version.content()
+            await sleep(reactor, 1)
+        done_in_outage = burst.done
+        await stack.sim.set_mode("ok")
+        await running
+        assert done_in_outage < len(burst.texts)
+        assert_clean(burst, stack)
+        assert stack.sim.outcomes["error500"] > 0
+        assert outage_sources(stack) >= 1
+        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "upstream_error"}) == 0
+        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) > 0
+        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") >= 3
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()

@@ -1,0 +1,287 @@
+"""The answer's way back (issue 10, findings 5 and 8a).
+
+* A replay slot stands for work on the GPU: it is free once the upstream has
+  finished its answer, however slowly the client reads.  The rest waits in
+  the proxy's memory within a bound per answer and a bound in total; a client
+  past either is dropped (counted, 499), never the upstream paused for it.
+* A request that expires says what really kept it (a yield, an outage, or
+  replay slots busy after the GPU came back).
+* An error body longer than what is read to judge it reaches the client
+  whole, under its true length.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Site
+
+from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
+from helpers import Entry
+from rawhttp import LogCapture, counter_by, exchange, port_of, recording_stack, request_bytes
+from yieldproxy.parking import Refused
+
+TIMEOUT = 60
+MiB = 1024 * 1024
+#: An answer larger than what the kernel's socket buffers take for a client (tcp_wmem max 4 MiB).
+BIG = 8 * MiB
+EMBED = json.dumps({"model": "all-minilm", "input": "small"}).encode()
+
+
+def buffered(stack) -> float:
+    return stack.sample("yieldproxy_client_buffered_bytes")
+
+
+class SlowReader:
+    """A raw client that asks for ``target`` and reads its answer at about ``rate`` bytes a second."""
+
+    def __init__(self, port: int, target: bytes, rate: int = 64 * 1024, read: bool = True):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        self.sock.sendall(request_bytes(b"GET", target, [(b"X-Yield-Class", b"batch")]))
+        self.rate = rate
+        self.received = 0
+        self.closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True) if read else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _read(self) -> None:
+        chunk = 4096
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(chunk)
+            except OSError:
+                break
+            if not data:
+                break
+            self.received += len(data)
+            time.sleep(len(data) / self.rate)
+        self.closed = True
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(5)
+
+
+# -- finding 5: slow readers do not hold the GPU's slots ------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_slow_readers_do_not_hold_the_replay_slots():
+    """Four clients reading 64 KB/s take all four slots' answers; the requests parked behind them
+    are served as soon as the GPU is back, not expired behind the slow readers."""
+    config = config_with(replay={"concurrency": 4})
+    # Large enough that the kernel's socket buffers (up to 4 MiB here) cannot take it all.
+    stack = await recording_stack(config, big_size=BIG)
+    port = port_of(stack.proxy_url)
+    readers = []
+    logs = LogCapture().__enter__()
+    try:
+        stack.proxy.state.hold("api", "game")
+        readers = [SlowReader(port, b"/big") for _ in range(4)]
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 4, timeout=10)
+        waiting = [
+            in_thread(
+                reactor, exchange, port,
+                request_bytes(b"POST", b"/api/embed", [(b"X-Yield-Class", b"batch"), (b"X-Yield-Max-Wait", b"10")], EMBED),
+                20, timeout=TIMEOUT,
+            )
+            for _ in range(4)
+        ]
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 8, timeout=10)
+        stack.proxy.state.release("api")
+        began = reactor.seconds()
+        for pending in waiting:
+            answer = await pending
+            assert answer.status == 200, answer.body
+        # Served well inside their 10 s, while the slow readers are still reading (that takes minutes).
+        assert reactor.seconds() - began < 8
+        assert all(r.received < BIG for r in readers)
+        assert stack.proxy.replayer.inflight == 0
+        # Their answers wait in the proxy for them, and are counted there.
+        assert buffered(stack) > 4 * 1024 * 1024
+        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "expired"}) == 0
+        for reader in readers:
+            reader.close()
+        # Readers that leave before the end are counted as gone, and their bytes freed.
+        await wait_for(reactor, lambda: buffered(stack) == 0, timeout=10)
+        await wait_for(reactor, lambda: counter_by(stack, "yieldproxy_requests", "code") == {"200": 4.0, "499": 4.0})
+        assert logs.errors() == []
+    finally:
+        logs.__exit__()
+        for reader in readers:
+            reader.close()
+        await wait_for(reactor, lambda: buffered(stack) == 0, timeout=10)
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_past_its_buffer_bound_is_dropped_and_counted():
+    """A client that never reads a 64 MB answer: dropped once 1 MiB waits for it; the upstream is
+    stopped, the slot freed, the request counted as gone (499)."""
+    config = config_with(replay={"concurrency": 1}, proxy={"slow_client_buffer_bytes": 1024 * 1024})
+    stack = await recording_stack(config)
+    port = port_of(stack.proxy_url)
+    reader = None
+    logs = LogCapture().__enter__()
+    try:
+        began = reactor.seconds()
+        reader = SlowReader(port, b"/big", read=False)
+        await wait_for(
+            reactor, lambda: stack.sample("yieldproxy_slow_clients_dropped_total", **{"class": "batch"}) == 1,
+            timeout=20,
+        )
+        assert "dropping a slow batch client" in logs.text()
+        assert reactor.seconds() - began < 10
+        await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0 and not stack.echo.open, timeout=10)
+        assert buffered(stack) == 0
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"499": 1.0}
+        # The next request goes through at once.
+        response = await treq.post(stack.proxy_url + "/api/embed", data=EMBED).addTimeout(TIMEOUT, reactor)
+        assert response.code == 200
+        await response.content()
+        assert logs.errors() == []
+    finally:
+        logs.__exit__()
+        if reader is not None:
+            reader.close()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_total_buffer_bound_drops_the_client_that_would_pass_it():
+    """Bounds 12 MiB per answer, 11 MiB in all, 10 MiB answers: what the kernel does not take of the
+    first non-reader's answer (6 MiB or more) waits for it; the second, which would pass the total,
+    is dropped; the count goes back to 0 when they are gone."""
+    config = config_with(proxy={"slow_client_buffer_bytes": 12 * MiB, "slow_client_buffer_total_bytes": 11 * MiB})
+    stack = await recording_stack(config, big_size=10 * MiB)
+    port = port_of(stack.proxy_url)
+    readers = []
+    try:
+        readers.append(SlowReader(port, b"/big", read=False))
+        await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0 and len(stack.echo.heads) == 1, timeout=10)
+        first = buffered(stack)
+        assert 6 * MiB <= first <= 10 * MiB
+        readers.append(SlowReader(port, b"/big", read=False))
+        await wait_for(
+            reactor, lambda: stack.sample("yieldproxy_slow_clients_dropped_total", **{"class": "batch"}) == 1,
+            timeout=10,
+        )
+        await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0, timeout=10)
+        assert buffered(stack) == first
+    finally:
+        for reader in readers:
+            reader.close()
+        await wait_for(reactor, lambda: buffered(stack) == 0, timeout=10)
+        await stack.stop()
+
+
+def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
+    core = make_core(concurrency=1)
+    core.state.hold("api", "game")
+    first = core.gate.admit(Entry(cls="interactive"))
+    second = core.gate.admit(Entry(cls="interactive"))
+    core.run(1)
+    core.state.release("api")
+    core.run(0.01)
+    assert first.called and not second.called  # the first holds the only slot, and keeps it
+    failures = []
+    second.addErrback(failures.append)
+    core.run(15, step=0.1)
+    refusal = failures[0].value
+    assert isinstance(refusal, Refused) and refusal.reason == "expired"
+    assert "yielded" not in refusal.message
+    assert "the GPU was back, but the requests ahead of this one still held all 1 replay slots" in refusal.message
+    assert "hold bound" in refusal.message
+
+
+def test_an_expiry_during_a_yield_or_an_outage_says_which():
+    core = make_core()
+    core.state.hold("api", "game")
+    yielded = core.gate.admit(Entry(cls="batch", max_wait=1))
+    core.state.hold("outage", "upstream failing")
+    core.state.release("api")
+    outage = core.gate.admit(Entry(cls="batch", max_wait=3))
+    failures = []
+    yielded.addErrback(failures.append)
+    outage.addErrback(failures.append)
+    core.run(1.1, step=0.1)
+    core.state.hold("api", "game")
+    core.run(2, step=0.1)
+    messages = [f.value.message for f in failures]
+    assert messages[0] == (
+        "wait longer than your X-Yield-Max-Wait (1s): the upstream was failing and had not recovered in time "
+        "(outage detected by the proxy)"
+    )
+    assert messages[1] == "wait longer than your X-Yield-Max-Wait (3s): the GPU was still yielded (held by api, outage)"
+    assert core.clock.getDelayedCalls() == []
+
+
+# -- finding 8a: a long error body reaches the client whole -----------------------------------------
+
+
+class LongErrors(Resource):
+    """A 500 (and a 503) whose JSON body is far longer than the 64 KiB read to judge it."""
+
+    isLeaf = True
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.body = json.dumps({"error": "model load failed: " + "x" * size}).encode()
+
+    def render(self, request):
+        request.setResponseCode(503 if request.path == b"/busy" else 500)
+        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+        if request.path == b"/chunked":
+            # No Content-Length: the answer goes out chunked, in several writes.
+            for start in range(0, len(self.body), 10_000):
+                request.write(self.body[start:start + 10_000])
+            request.finish()
+            return NOT_DONE_YET
+        return self.body
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_long_error_body_reaches_the_client_whole_under_its_true_length():
+    upstream = LongErrors(200_000)
+    listening = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(upstream))
+    stack = await start_stack(
+        reactor, config_with(upstream={"max_attempts": 1}), upstream=f"http://127.0.0.1:{listening.getHost().port}"
+    )
+    stack._ports.append(listening)
+    port = port_of(stack.proxy_url)
+    try:
+        for target, headers in [
+            (b"/fail", [(b"X-Yield-Class", b"batch")]),  # parked route: judged, then relayed
+            (b"/chunked", [(b"X-Yield-Class", b"batch")]),
+            (b"/api/tags", []),  # passthrough
+        ]:
+            answer = await in_thread(reactor, exchange, port, request_bytes(b"GET", target, headers), 20, timeout=TIMEOUT)
+            assert answer.status == 500, target
+            assert answer.body == upstream.body, (target, len(answer.body))
+            assert json.loads(answer.body)["error"].startswith("model load failed")
+            length = answer.header(b"content-length")
+            assert length is None or int(length) == len(upstream.body)
+        # A long 503 is retried, never relayed cut: with one attempt allowed, our own honest 502.
+        answer = await in_thread(
+            reactor, exchange, port, request_bytes(b"GET", b"/busy", [(b"X-Yield-Class", b"batch")]), 20, timeout=TIMEOUT
+        )
+        assert answer.status == 502
+        assert "503" in json.loads(answer.body)["error"]
+    finally:
+        await stack.stop()
