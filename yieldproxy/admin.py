@@ -25,7 +25,8 @@ from . import __version__
 from .config import Config
 from .fallback import NotNow
 from .gate import Gate
-from .httpserver import ProxySite
+from .hosts import HostPolicy
+from .httpserver import Connections, ProxySite
 from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
@@ -144,8 +145,13 @@ class AdminApp:
     status_extras: dict[str, Callable[[], Any]] = attrs.Factory(dict)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
+    #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
+    connections: Connections = attrs.field(init=False)
 
     app = Klein()
+
+    def __attrs_post_init__(self) -> None:
+        self.connections = Connections(self._config.admin.max_connections, "admin.max_connections")
 
     def site(self) -> Site:
         """The same hardened HTTP layer as the proxy's: small bodies, read timeouts, no tracebacks."""
@@ -155,6 +161,9 @@ class AdminApp:
             answer_too_large=True,
             request_log=False,
             timeout=_ADMIN_IDLE_SECONDS,
+            connections=self.connections,
+            host_policy=HostPolicy.from_config("admin.allowed_hosts", self._config.admin.allowed_hosts),
+            reactor=self._clock,
         )
 
     def status(self) -> dict:

@@ -27,11 +27,12 @@ from .classify import (
     is_unload,
     parse_body,
 )
-from .config import Config
+from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
 from .gate import Gate
-from .httpserver import ProxySite
+from .hosts import HostPolicy
+from .httpserver import Connections, ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
 from .requestlog import CLIENT_GONE, log_request
@@ -62,22 +63,30 @@ class ProxyApp:
     #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
     _fallback: Fallback | None = None
     _classifier: Classifier = attrs.field(init=False)
+    #: The listener's open connections and their cap (one count for every site built here).
+    connections: Connections = attrs.field(init=False)
 
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
         self._classifier = Classifier.from_rules(self._config.routes)
+        self.connections = Connections(proxy_max_connections(self._config), "proxy.max_connections")
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
         return Deferred.fromCoroutine(self._handle(request))
 
     def site(self) -> ProxySite:
+        proxy = self._config.proxy
         return ProxySite(
             self.app.resource(),
-            self._config.proxy.max_body_bytes,
-            request_read_timeout=self._config.proxy.request_read_timeout_seconds,
-            timeout=self._config.proxy.idle_timeout_seconds,
+            proxy.max_body_bytes,
+            request_read_timeout=proxy.request_read_timeout_seconds,
+            timeout=proxy.keepalive_timeout_seconds,
+            stall_timeout=proxy.idle_timeout_seconds,
+            connections=self.connections,
+            host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
+            reactor=self._clock,
         )
 
     # -- the request's life -------------------------------------------------

@@ -24,7 +24,7 @@ from .forward import Upstream
 from .fallback import Fallback, build_fallback
 from .gate import Gate
 from .history import History, snapshot_reader
-from .metrics import Metrics, hold_families, oldest_parked_family
+from .metrics import Metrics, connection_families, hold_families, oldest_parked_family
 from .parking import ParkingLot
 from .proxy import ProxyApp
 from .replay import Replayer
@@ -126,6 +126,7 @@ def build(
     state.observe(history.state_changed)
     admin_app = AdminApp(reactor, config, state, gate, lot, replayer, metrics, token=token, history=history)
     admin_app.fallback = fallback
+    metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
     admin_app.status_extras["fallback"] = fallback.status if fallback is not None else lambda: {"enabled": False}
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app, history=history,

@@ -105,7 +105,10 @@ def admin_is_local(endpoint: str) -> bool:
 def makeService(options: Options):
     from twisted.internet import reactor
 
+    from .limits import fit_fd_limit
     from .service import YieldProxyService, build
 
-    proxy = build(reactor, options.config, token=options.token)
+    # The process's own limit, raised (or the connection cap lowered) before anything listens.
+    config = fit_fd_limit(options.config)
+    proxy = build(reactor, config, token=options.token)
     return YieldProxyService(reactor, proxy)
