@@ -115,7 +115,7 @@ class Stack:
 
 async def start_stack(
     reactor, config: Config | None = None, upstream: str | None = None, token=None, watchers: bool = False,
-    **sim_options,
+    read_token=None, **sim_options,
 ) -> Stack:
     """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it.
 
@@ -133,7 +133,7 @@ async def start_stack(
         port = await sim.listen()
         upstream = f"http://127.0.0.1:{port}"
     config = (config or Config()).with_overrides(**{"proxy.upstream": upstream})
-    proxy = build(reactor, config, token=token)
+    proxy = build(reactor, config, token=token, read_token=read_token)
     ports = []
     for site in (proxy.proxy_app.site(), proxy.admin_app.site()):
         ports.append(await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site))

@@ -368,3 +368,36 @@ def test_max_overlap() -> None:
     assert demo.max_overlap([]) == 0
     assert demo.max_overlap([(0, 1), (1, 2), (2, 3)]) == 1  # back to back is not at once
     assert demo.max_overlap([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3
+
+
+def test_token_help_says_which_is_a_file_and_which_is_the_token(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--token-file FILE a file holding the token" in out
+    assert "$YIELDPROXY_TOKEN the token itself (not a file)" in out
+    assert "$YIELDPROXY_TOKEN_FILE a file holding the token" in out
+    assert "admin.read_token_file" in out
+
+
+def test_status_takes_the_read_only_token_and_changes_the_admin_token(tmp_path: Path) -> None:
+    admin, read = tmp_path / "admin.token", tmp_path / "read.token"
+    admin.write_text("admin-s3cret\n")
+    read.write_text("read-s3cret\n")
+    config = tmp_path / "y.toml"
+    config.write_text(f"[admin]\ntoken_file = '{admin}'\nread_token_file = '{read}'\n")
+    parser = cli.build_parser()
+    for command, token in (("status", "read-s3cret"), ("yield", "admin-s3cret"), ("resume", "admin-s3cret")):
+        args = parser.parse_args([command, "--config", str(config)])
+        assert cli.resolve_settings(args, {}).token == token, command
+    # Without a read-only token, status uses the admin token as before.
+    config.write_text(f"[admin]\ntoken_file = '{admin}'\n")
+    assert cli.resolve_settings(parser.parse_args(["status", "--config", str(config)]), {}).token == "admin-s3cret"
+
+
+@pytest.mark.parametrize("source", ["two words", "line\nbreak", "x" * 65, "-dash"])
+def test_source_option_follows_the_api_rule(source: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["yield", "--source", source])
+    assert exited.value.code == 2
+    assert "--source" in capsys.readouterr().err

@@ -122,3 +122,43 @@ def test_bad_command_line_values_name_the_option(args, message):
 
     with pytest.raises(UsageError, match=message):
         Options().parseOptions(args)
+
+
+def test_read_only_token_needs_an_admin_token_of_its_own(tmp_path):
+    from twisted.python.usage import UsageError
+
+    from yieldproxy.config import read_tokens
+
+    admin, read = tmp_path / "admin.token", tmp_path / "read.token"
+    admin.write_text("admin-s3cret\n")
+    read.write_text("read-s3cret\n")
+    both = from_dict({"admin": {"token_file": str(admin), "read_token_file": str(read)}})
+    assert read_tokens(both) == ("admin-s3cret", "read-s3cret")
+    with pytest.raises(ConfigError, match="admin.read_token_file: needs admin.token_file"):
+        read_tokens(from_dict({"admin": {"read_token_file": str(read)}}))
+    read.write_text("admin-s3cret")
+    with pytest.raises(ConfigError, match="admin.read_token_file: holds the same token"):
+        read_tokens(both)
+    with pytest.raises(ConfigError, match="admin.read_token_file: cannot read"):
+        read_tokens(from_dict({"admin": {"token_file": str(admin), "read_token_file": str(tmp_path / "no")}}))
+    path = tmp_path / "y.toml"
+    path.write_text(f"[admin]\nread_token_file = '{read}'\n")
+    with pytest.raises(UsageError, match="admin.read_token_file"):
+        Options().parseOptions(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "table, fragment",
+    [
+        ({"proxy": {"allowed_hosts": ["gpu.lan:11435"]}}, "proxy.allowed_hosts: must be host names"),
+        ({"admin": {"allowed_hosts": ["http://x"]}}, "admin.allowed_hosts: must be host names"),
+        ({"admin": {"known_sources": ["two words"]}}, "admin.known_sources: 'two words': source may hold only"),
+        ({"admin": {"max_holds": 0}}, "admin.max_holds: must be >= 1"),
+        ({"admin": {"max_connections": 0}}, "admin.max_connections: must be >= 1"),
+        ({"proxy": {"max_connections": -1}}, "proxy.max_connections: must be >= 0"),
+        ({"proxy": {"keepalive_timeout_seconds": 0}}, "proxy.keepalive_timeout_seconds: must be >= 1"),
+    ],
+)
+def test_edge_keys_are_checked(table, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        from_dict(table)

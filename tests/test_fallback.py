@@ -653,6 +653,7 @@ async def test_admin_verify_route():
         denied = await treq.post(url, persistent=False).addTimeout(TIMEOUT, reactor)
         assert denied.code == 401
         auth = {"Authorization": "Bearer s3cret"}
+        auth["Content-Type"] = "application/json"
         answer = await treq.post(url, headers=auth, persistent=False).addTimeout(TIMEOUT, reactor)
         body = await answer.json()
         assert answer.code == 200 and body["models"][MODEL]["usable"] is True
@@ -670,7 +671,9 @@ async def test_disabled_fallback_in_status_and_admin():
     try:
         status = await (await treq.get(stack.admin_url + "/status").addTimeout(TIMEOUT, reactor)).json()
         assert status["fallback"] == {"enabled": False}
-        answer = await treq.post(stack.admin_url + "/fallback/verify", persistent=False).addTimeout(TIMEOUT, reactor)
+        answer = await treq.post(
+            stack.admin_url + "/fallback/verify", headers={"Content-Type": "application/json"}, persistent=False
+        ).addTimeout(TIMEOUT, reactor)
         assert answer.code == 404
     finally:
         await stack.stop()

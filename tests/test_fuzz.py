@@ -394,7 +394,7 @@ async def test_deeply_nested_json_to_the_admin_api_is_a_400_not_a_500():
     stack = await start_stack(reactor)
     try:
         response = await in_thread(
-            reactor, exchange, port_of(stack.admin_url), request_bytes(b"POST", b"/yield", body=DEEP), 10, timeout=30
+            reactor, exchange, port_of(stack.admin_url), request_bytes(b"POST", b"/yield", [(b"Content-Type", b"application/json")], body=DEEP), 10, timeout=30
         )
         assert response.status == 400
     finally:

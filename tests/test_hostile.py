@@ -571,7 +571,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
     (not when the client reads it); the client is dropped after the idle timeout, its buffer freed."""
     stack = await recording_stack(config_with(replay={"concurrency": 1}))
     try:
-        site, port = await _own_listener(stack, timeOut=1)
+        site, port = await _own_listener(stack, stall_timeout=1)
         client = socket.create_connection(("127.0.0.1", port))
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.sendall(request_bytes(b"GET", b"/big", [(b"X-Yield-Class", b"batch")]))
@@ -750,7 +750,7 @@ async def test_well_behaved_edge_cases_still_work():
 
         interim, final = await in_thread(reactor, expect_continue, timeout=TIMEOUT)
         assert interim.startswith(b"HTTP/1.1 100 Continue") and final.status == 200
-        star = await raw(stack, b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n")
+        star = await raw(stack, b"OPTIONS * HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert star.status == 200
         # A body exactly at the limit is fine; one byte more is not.
         at_limit = await raw(stack, request_bytes(b"POST", b"/api/embed", body=b"a" * 4096))

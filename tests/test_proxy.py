@@ -152,7 +152,7 @@ async def test_disconnected_parked_client_is_never_sent_upstream():
         host, port = stack.proxy_url.removeprefix("http://").split(":")
         sock = socket.create_connection((host, int(port)))
         sock.sendall(
-            b"POST /api/embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)

@@ -298,3 +298,94 @@ async def test_page_without_the_token_asks_for_it_and_shows_nothing():
             await d
         stack.proxy.history.stop()
         await stack.stop()
+
+
+# -- other web pages cannot change or read anything (issue 10, finding 4) ---------------
+
+ATTACK_PAGE = """<!doctype html>
+<html><head><title>cat pictures</title></head><body>
+<iframe name="one"></iframe><iframe name="two"></iframe>
+<form id="resume" method="POST" action="{admin}/resume" target="one"></form>
+<form id="yield" method="POST" action="{admin}/yield" enctype="text/plain" target="two">
+<input name='{{"source": "form", "x": "' value='"}}'></form>
+<script>
+// What any page can send without a CORS preflight: text/plain, no body, forms.
+fetch("{admin}/yield", {{method: "POST", mode: "no-cors", headers: {{"Content-Type": "text/plain"}},
+                         body: '{{"source": "page", "reason": "pwned"}}'}});
+fetch("{admin}/resume", {{method: "POST", mode: "no-cors"}});
+navigator.sendBeacon("{admin}/resume", new Blob(['{{"source": "api"}}'], {{type: "text/plain"}}));
+document.getElementById("resume").submit();
+document.getElementById("yield").submit();
+</script></body></html>
+"""
+
+
+async def serve_page(html: str):
+    """A page of another origin, served on its own 127.0.0.1 port: (listening port, port number)."""
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.web.resource import Resource
+    from twisted.web.server import Site
+
+    class Page(Resource):
+        isLeaf = True
+
+        def render_GET(self, request):
+            request.setHeader(b"content-type", b"text/html; charset=utf-8")
+            return html.encode("utf-8")
+
+    listening = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(Page()))
+    return listening, listening.getHost().port
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_page_of_another_origin_cannot_yield_or_resume(monkeypatch):
+    """Text/plain fetches, a beacon and form posts from another site reach the admin API and are refused."""
+    chromium_path()
+    from yieldproxy.httpserver import ProxyRequest
+
+    answered = []
+    process = ProxyRequest.process
+
+    def spy(request):
+        """Note each POST's path and the status it got (or 0 if it was never answered)."""
+        if request.method == b"POST":
+            request.notifyFinish().addBoth(lambda _: answered.append((request.path.decode(), request.code)))
+        process(request)
+
+    monkeypatch.setattr(ProxyRequest, "process", spy)
+    stack = await start_stack(reactor)
+    listening = None
+    try:
+        stack.proxy.state.hold("api", "the operator's game")
+        listening, port = await serve_page(ATTACK_PAGE.format(admin=stack.admin_url))
+        for origin in (f"http://localhost:{port}/", f"http://evil.test:{port}/"):
+            await chromium(origin, "--dump-dom", "--host-resolver-rules=MAP evil.test 127.0.0.1")
+        assert [(h.source, h.reason) for h in stack.proxy.state.holds] == [("api", "the operator's game")]
+        # The browser did send them (two pages, five requests each), and every one was refused.
+        await wait_for(reactor, lambda: len(answered) == 10)
+        assert all(code in (403, 415) for _, code in answered), answered
+        assert {path for path, _ in answered} == {"/yield", "/resume"}
+    finally:
+        if listening is not None:
+            await listening.stopListening()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_rebound_name_reads_nothing():
+    """DNS rebinding: a browser that resolves evil.test to 127.0.0.1 gets 403 from both listeners."""
+    chromium_path()
+    stack, pending, auth = await yielded_stack_with_history()
+    try:
+        rules = "--host-resolver-rules=MAP evil.test 127.0.0.1"
+        for url, key in ((stack.admin_url, "admin.allowed_hosts"), (stack.proxy_url, "proxy.allowed_hosts")):
+            for path in ("/status", "/api/ps", "/"):
+                rebound = url.replace("127.0.0.1", "evil.test") + path
+                text = (await chromium(rebound, "--dump-dom", rules)).decode("utf-8")
+                assert key in text and "boss fight" not in text and "yielded" not in text, (rebound, text[:300])
+    finally:
+        await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
+        for d in pending:
+            await d
+        stack.proxy.history.stop()
+        await stack.stop()

@@ -5,7 +5,14 @@ Brokers call ``POST /yield`` and ``POST /resume``; monitoring reads
 which polls ``/status`` and ``/history``).  With a token configured, every
 route but ``/healthz`` and the page's static files needs
 ``Authorization: Bearer TOKEN``: the page itself holds no data, and the
-browser sends the token on its data calls (see ``docs/operating.md``).
+browser sends the token on its data calls (see ``docs/operating.md``).  A
+second, read-only token (``admin.read_token_file``) opens the reading routes
+only, for scrapers and dashboards.
+
+Routes that change something (``POST /yield``, ``/resume``,
+``/fallback/verify``) take only ``application/json`` and refuse what a
+browser marks as coming from another web page (hosts.py), so no page a user
+visits can yield or resume the GPU, token or not.
 """
 
 from __future__ import annotations
@@ -25,14 +32,14 @@ from . import __version__
 from .config import Config
 from .fallback import NotNow
 from .gate import Gate
-from .httpserver import ProxySite
+from .hosts import HostPolicy, cross_site
+from .httpserver import Connections, ProxySite
 from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .replay import Replayer
-from .state import YieldState
+from .state import MAX_HOLD_SECONDS, TooManyHolds, YieldState, check_source
 
-_MAX_SOURCE_LENGTH = 64
 #: Admin bodies are a few fields of JSON.
 _ADMIN_BODY_LIMIT = 64 * 1024
 #: Brokers and scrapers reconnect; an idle admin connection need not live long.
@@ -98,7 +105,16 @@ def _seconds(body: dict, key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise BadRequest(f"{key} must be a positive number of seconds")
+    if value > MAX_HOLD_SECONDS:
+        raise BadRequest(f"{key} must be at most {MAX_HOLD_SECONDS:g} seconds (a week)")
     return float(value)
+
+
+def _source(body: dict) -> str:
+    try:
+        return check_source(body.get("source", "api"))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def _text(body: dict, key: str, default: str, limit: int = 500) -> str:
@@ -115,11 +131,8 @@ def parse_yield(body: dict) -> dict:
     unknown = set(body) - {"reason", "source", "expected_seconds", "for_seconds"}
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-    source = _text(body, "source", "api", _MAX_SOURCE_LENGTH)
-    if not source:
-        raise BadRequest("source must not be empty")
     return {
-        "source": source,
+        "source": _source(body),
         "reason": _text(body, "reason", ""),
         "expected_seconds": _seconds(body, "expected_seconds"),
         "for_seconds": _seconds(body, "for_seconds"),
@@ -138,14 +151,21 @@ class AdminApp:
     _replayer: Replayer
     _metrics: Metrics
     token: str | None = None
+    #: A token that opens the reading routes only (``GET /status``, ``/metrics``, ``/history``).
+    read_token: str | None = None
     #: The last hour of samples for the status page's chart (``GET /history``).
     history: History | None = None
     #: Extra ``/status`` fields from other parts (watchers, fallback), by name.
     status_extras: dict[str, Callable[[], Any]] = attrs.Factory(dict)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
+    #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
+    connections: Connections = attrs.field(init=False)
 
     app = Klein()
+
+    def __attrs_post_init__(self) -> None:
+        self.connections = Connections(self._config.admin.max_connections, "admin.max_connections")
 
     def site(self) -> Site:
         """The same hardened HTTP layer as the proxy's: small bodies, read timeouts, no tracebacks."""
@@ -155,6 +175,9 @@ class AdminApp:
             answer_too_large=True,
             request_log=False,
             timeout=_ADMIN_IDLE_SECONDS,
+            connections=self.connections,
+            host_policy=HostPolicy.from_config("admin.allowed_hosts", self._config.admin.allowed_hosts),
+            reactor=self._clock,
         )
 
     def status(self) -> dict:
@@ -184,19 +207,50 @@ class AdminApp:
             status[name] = read()
         return status
 
-    def _authorized(self, request) -> bool:
-        if self.token is None:
-            return True
+    def _token_given(self, request, token: str | None) -> bool:
+        if token is None:
+            return False
         given = request.getHeader(b"authorization") or b""
-        expected = b"Bearer " + self.token.encode("utf-8")
-        return hmac.compare_digest(given, expected)
+        return hmac.compare_digest(given, b"Bearer " + token.encode("utf-8"))
 
     def _guard(self, request) -> bytes | None:
-        """The 401 body when the caller lacks the token, else None."""
-        if self._authorized(request):
+        """For a reading route: the 401 body when the caller has neither token, else None."""
+        if self.token is None or self._token_given(request, self.token) or self._token_given(request, self.read_token):
             return None
+        return self._unauthorized(request)
+
+    def _unauthorized(self, request) -> bytes:
         request.setHeader(b"www-authenticate", b'Bearer realm="yieldproxy"')
         return _json(request, {"error": "missing or wrong admin token (Authorization: Bearer TOKEN)"}, 401)
+
+    def _guard_change(self, request) -> bytes | None:
+        """For a route that changes something: the refusal, else None.
+
+        The admin token (not the read-only one), then a JSON body (415
+        otherwise: a web page can send ``text/plain`` and form bodies to any
+        address without asking), then no sign of another web page (403).
+        """
+        if self.token is not None and not self._token_given(request, self.token):
+            if self._token_given(request, self.read_token):
+                return _json(
+                    request,
+                    {"error": "this token may only read (GET /status, /metrics, /history); "
+                              "changes need the admin token (admin.token_file)"},
+                    403,
+                )
+            return self._unauthorized(request)
+        types = request.requestHeaders.getRawHeaders(b"content-type") or []
+        media = types[0].split(b";")[0].strip().lower() if len(types) == 1 else b""
+        if media != b"application/json":
+            return _json(
+                request,
+                {"error": "send the body as JSON, with Content-Type: application/json (an empty body is fine)"},
+                415,
+            )
+        why = cross_site(request.requestHeaders)
+        if why is not None:
+            return _json(request, {"error": f"{why}: only the operator changes the yield state"}, 403)
+        return None
 
     @app.route("/healthz", methods=["GET", "HEAD"])
     def healthz(self, request):
@@ -245,19 +299,22 @@ class AdminApp:
 
     @app.route("/yield", methods=["POST"])
     def post_yield(self, request):
-        denied = self._guard(request)
+        denied = self._guard_change(request)
         if denied:
             return denied
         try:
             hold = parse_yield(_read_json(request))
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
-        self._state.hold(**hold)
+        try:
+            self._state.hold(**hold)
+        except TooManyHolds as e:
+            return _json(request, {"error": str(e)}, 409)
         return _json(request, self.status())
 
     @app.route("/resume", methods=["POST"])
     def post_resume(self, request):
-        denied = self._guard(request)
+        denied = self._guard_change(request)
         if denied:
             return denied
         try:
@@ -265,7 +322,7 @@ class AdminApp:
             unknown = set(body) - {"source"}
             if unknown:
                 raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-            source = _text(body, "source", "api", _MAX_SOURCE_LENGTH)
+            source = _source(body)
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
         self._state.release(source)
@@ -274,7 +331,7 @@ class AdminApp:
     @app.route("/fallback/verify", methods=["POST"])
     def post_fallback_verify(self, request):
         """Verify the fallback against the primary now; answers with the ``fallback`` status."""
-        denied = self._guard(request)
+        denied = self._guard_change(request)
         if denied:
             return denied
         if self.fallback is None:

@@ -55,9 +55,14 @@ where the admin API is:
   (tcp: and unix: endpoints), else http://127.0.0.1:11436.
   unix:/path/to/admin.sock reaches an admin listener on a unix socket.
 
-the admin token (when the proxy has admin.token_file set):
-  --token-file FILE, else $YIELDPROXY_TOKEN, else $YIELDPROXY_TOKEN_FILE,
-  else admin.token_file of --config FILE.  It is sent as
+the token (when the proxy has admin.token_file set), the first of:
+  --token-file FILE         a file holding the token
+  $YIELDPROXY_TOKEN         the token itself (not a file)
+  $YIELDPROXY_TOKEN_FILE    a file holding the token
+  --config FILE             its admin.token_file; for status, its
+                            admin.read_token_file when set (read-only)
+  yield and resume need the admin token; status also works with the
+  read-only token (admin.read_token_file).  The token is sent as
   "Authorization: Bearer ..." and never printed; there is deliberately no
   option that takes the token itself, so it cannot leak through ps.
 
@@ -185,7 +190,7 @@ class Settings:
 
 def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
     """Options beat the environment, which beats the config file, which beats the defaults."""
-    from .config import ConfigError, load, read_token
+    from .config import ConfigError, load, read_read_token, read_token
 
     config = None
     config_path = getattr(args, "config", None)
@@ -217,8 +222,10 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Setti
     elif environ.get("YIELDPROXY_TOKEN_FILE"):
         token = _read_token_file(environ["YIELDPROXY_TOKEN_FILE"], "YIELDPROXY_TOKEN_FILE")
     elif config is not None:
+        # Least privilege: status only reads, so it takes the read-only token when there is one.
+        read_only = getattr(args, "command", None) == "status" and config.admin.read_token_file
         try:
-            token = read_token(config)
+            token = read_read_token(config) if read_only else read_token(config)
         except ConfigError as e:
             raise CliError(str(e), EXIT_USAGE) from None
     else:
@@ -567,6 +574,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _source(text: str) -> str:
+    """``--source``: the admin API's own rule for source names (state.check_source)."""
+    from .state import check_source
+
+    try:
+        return check_source(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The common options are accepted before and after the command; SUPPRESS keeps
     # the subcommand's copy from overwriting what was given before it.
@@ -578,8 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                        help="the proxy's TOML config, to find admin.listen and admin.token_file")
     group.add_argument("--token-file", metavar="FILE", default=argparse.SUPPRESS,
-                       help="file holding the admin token (default $YIELDPROXY_TOKEN, "
-                            "$YIELDPROXY_TOKEN_FILE, or the config's admin.token_file)")
+                       help="a file holding the token (else $YIELDPROXY_TOKEN, which is the token "
+                            "itself, then $YIELDPROXY_TOKEN_FILE, a file; then the config's "
+                            "admin.token_file, or admin.read_token_file for status)")
     group.add_argument("--timeout", metavar="SECONDS", type=_positive, default=argparse.SUPPRESS,
                        help=f"give up on the admin API after this long (default {HTTP_TIMEOUT:g})")
 
@@ -611,11 +629,12 @@ def build_parser() -> argparse.ArgumentParser:
     hold.add_argument("--expected", metavar="SECONDS", type=_positive,
                       help="how long the GPU is likely to be away (for Retry-After and early rejection)")
     hold.add_argument("--reason", metavar="TEXT", help="shown in status and the logs")
-    hold.add_argument("--source", metavar="NAME", help="whose hold this is (default api)")
+    hold.add_argument("--source", metavar="NAME", type=_source,
+                      help="whose hold this is (default api): letters, digits, '.', '_', '-', up to 64")
 
     resume = command("resume", "end a hold: replay the parked requests once no hold is left",
                      "End one source's hold; the GPU is back once no source holds it.")
-    resume.add_argument("--source", metavar="NAME", help="whose hold to end (default api)")
+    resume.add_argument("--source", metavar="NAME", type=_source, help="whose hold to end (default api)")
 
     demo = sub.add_parser(
         "demo", help="a burst through a proxy and a simulated Ollama, with a yield in the middle",

@@ -8,6 +8,7 @@ process does not start.  ``etc/yieldproxy.toml`` documents every key.
 from __future__ import annotations
 
 import collections.abc
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -60,13 +61,39 @@ def _http_url(instance, attribute, value):
         raise ValueError(f"must not have a query or fragment, got {value!r}")
 
 
+#: An ``allowed_hosts`` entry: a name, an IP address (no port), ``*.suffix``, or ``*``.
+_HOST_PATTERN = re.compile(r"\*|(\*\.)?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*")
+
+
+def _host_patterns(instance, attribute, value):
+    for entry in value:
+        if not _HOST_PATTERN.fullmatch(entry):
+            raise ValueError(
+                "must be host names or IP addresses without a port, '*.example.lan' patterns, "
+                f"or '*' (any host), got {entry!r}"
+            )
+
+
+def _source_names(instance, attribute, value):
+    for name in value:
+        from .state import check_source
+
+        try:
+            check_source(name)
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from None
+
+
 @attrs.frozen
 class ProxyConfig:
     listen: str = "tcp:11435:interface=127.0.0.1"
     upstream: str = attrs.field(default="http://127.0.0.1:11434", validator=_http_url)
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
+    #: Time a client may read nothing of its answer before it is dropped.
     idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
+    #: Time a connection may wait for its next request (or its first) before it is closed.
+    keepalive_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     #: Time a client has to deliver a whole request, headers and body (slowloris bound).
     request_read_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
@@ -74,12 +101,36 @@ class ProxyConfig:
     slow_client_buffer_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_at_least(1))
     #: Most bytes of all answers waiting for slow clients together.
     slow_client_buffer_total_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
+    #: Client connections at once (0: parking.max_parked + 1024); past it a 503.
+    max_connections: int = attrs.field(default=0, validator=_at_least(0))
+    #: Host header values accepted besides this machine's own names (docs/security.md).
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
+
+
+#: Connections kept beyond ``parking.max_parked`` by default: requests in flight,
+#: passthrough calls, idle keep-alive connections.
+CONNECTION_HEADROOM = 1024
+
+
+def proxy_max_connections(config: "Config") -> int:
+    """The proxy listener's connection cap: ``proxy.max_connections``, or what parking needs."""
+    return config.proxy.max_connections or config.parking.max_parked + CONNECTION_HEADROOM
 
 
 @attrs.frozen
 class AdminConfig:
     listen: str = "tcp:11436:interface=127.0.0.1"
     token_file: str = ""
+    #: A second token that may only read (/status, /metrics, /history): for scrapers and dashboards.
+    read_token_file: str = ""
+    #: Connections at once on the admin listener, kept apart from the proxy's.
+    max_connections: int = attrs.field(default=64, validator=_at_least(1))
+    #: Host header values accepted besides this machine's own names (docs/security.md).
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
+    #: Holds at once from callers of POST /yield (the watchers' own are not counted).
+    max_holds: int = attrs.field(default=32, validator=_at_least(1))
+    #: Sources counted by name in yieldproxy_yields_total, besides yieldproxy's own.
+    known_sources: tuple[str, ...] = attrs.field(default=(), validator=_source_names)
 
 
 @attrs.frozen
@@ -478,12 +529,35 @@ def load(path: str | Path | None) -> Config:
 
 def read_token(config: Config) -> str | None:
     """The admin token from ``admin.token_file`` (stripped), or None when unset."""
-    if not config.admin.token_file:
+    return _read_token_file(config.admin.token_file, "admin.token_file")
+
+
+def read_read_token(config: Config) -> str | None:
+    """The read-only token from ``admin.read_token_file`` (stripped), or None when unset."""
+    return _read_token_file(config.admin.read_token_file, "admin.read_token_file")
+
+
+def read_tokens(config: Config) -> tuple[str | None, str | None]:
+    """Both admin tokens, checked together: a read-only token needs an admin token, and differs from it."""
+    token = read_token(config)
+    read = read_read_token(config)
+    if read is not None and token is None:
+        raise ConfigError(
+            "admin.read_token_file: needs admin.token_file too (without an admin token every "
+            "route is open, so a read-only token would protect nothing)"
+        )
+    if read is not None and read == token:
+        raise ConfigError("admin.read_token_file: holds the same token as admin.token_file; use another")
+    return token, read
+
+
+def _read_token_file(path: str, key: str) -> str | None:
+    if not path:
         return None
     try:
-        token = Path(config.admin.token_file).read_text(encoding="utf-8").strip()
+        token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as e:
-        raise ConfigError(f"admin.token_file: cannot read {config.admin.token_file}: {e.strerror or e}") from None
+        raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
     if not token:
-        raise ConfigError(f"admin.token_file: {config.admin.token_file} is empty")
+        raise ConfigError(f"{key}: {path} is empty")
     return token

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 
+#: The longest Retry-After sent (an hour): past that a client does better to ask again
+#: than to sleep on an estimate, and a caller-given estimate must not become a huge header.
+MAX_RETRY_AFTER = 3600
+
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -40,7 +44,8 @@ def write_error(request, api: str, status: int, message: str, code: str, retry_a
     request.setResponseCode(status, b"Too Many Requests" if status == 429 else None)
     request.responseHeaders.setRawHeaders(b"content-type", [b"application/json; charset=utf-8"])
     if retry_after is not None:
-        request.responseHeaders.setRawHeaders(b"retry-after", [b"%d" % max(1, int(retry_after))])
+        seconds = min(MAX_RETRY_AFTER, max(1, int(retry_after)))
+        request.responseHeaders.setRawHeaders(b"retry-after", [b"%d" % seconds])
     return error_body(api, status, message, code)
 
 

@@ -20,7 +20,20 @@ bound, or forward anything it did not parse itself, so this layer:
 * drops a client that stops reading its answer for the idle timeout, so a
   stalled reader cannot hold an upstream connection and a replay slot;
 * never parses form bodies (Twisted does by default) and never opens a
-  tunnel (``CONNECT`` is answered 405).
+  tunnel (``CONNECT`` is answered 405);
+* accepts ``Transfer-Encoding: chunked`` and nothing else (any other coding,
+  ``identity`` included, is a 400: a body the proxy cannot delimit the way
+  the upstream would is a request smuggled past it);
+* answers only to its own names (a ``Host`` outside the listener's
+  :class:`~yieldproxy.hosts.HostPolicy` gets 403), so a web page cannot reach
+  it through DNS rebinding;
+* keeps at most ``max_connections`` connections open (:class:`Connections`):
+  past it, an idle keep-alive connection is closed to make room, or the new
+  one is answered 503 with ``Retry-After`` and closed, so a flood cannot use
+  up the process's file descriptors;
+* closes a connection that waits for its next request longer than the
+  keep-alive timeout (the Site's ``timeout``), much shorter than the time a
+  slow reader is given (``stall_timeout``).
 
 After refusing, the connection lingers a moment, reading and dropping what the
 client still sends, so the client reads our answer instead of a TCP reset.
@@ -36,12 +49,16 @@ from __future__ import annotations
 import io
 from urllib.parse import unquote_to_bytes
 
+import attrs
+from twisted.internet.address import UNIXAddress
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.web.http import HTTPChannel, RESPONSES
 from twisted.web.server import Request, Site
 
 from .classify import api_family
 from .errors import error_body
+from .hosts import HostPolicy
 from .requestlog import log_request
 
 log = Logger()
@@ -56,6 +73,146 @@ _PHRASES = {431: b"Request Header Fields Too Large"}
 MAX_HEADERS = 100
 #: Bytes of the request line plus every header line (Twisted's default).
 MAX_HEADER_BYTES = 16384
+#: Seconds a connection over the cap waits for its request line (to answer in its API's shape).
+OVER_CAPACITY_WAIT = 1.0
+#: Retry-After, in seconds, of the 503 for a connection over the cap.
+OVER_CAPACITY_RETRY_AFTER = 2
+#: Connections being refused at once (each holds a descriptor for a second or two);
+#: past it a new connection is closed at once, unanswered.
+MAX_REFUSING = 64
+#: Seconds between two log lines about refused connections.
+REFUSAL_LOG_INTERVAL = 10.0
+
+
+@attrs.define(eq=False)
+class Connections:
+    """The open connections of one listener, and its cap.
+
+    Counted from the channels' own ``connectionMade``/``connectionLost``, so
+    the count cannot drift.  Idle keep-alive connections are kept oldest
+    first: at the cap, the oldest is closed to make room (as nginx reuses
+    them) before a new connection is refused.
+    """
+
+    #: Connections at once; the config key named in the refusal.
+    limit: int
+    key: str = "proxy.max_connections"
+    open: int = 0
+    #: Connections answered 503 (or closed unanswered) because of the cap, since start.
+    refused: int = 0
+    #: Idle keep-alive connections closed to make room, since start.
+    reclaimed: int = 0
+    refusing: int = 0
+    _idle: dict = attrs.Factory(dict)
+    _last_log: float | None = None
+    _refused_since_log: int = 0
+
+    def opened(self, channel) -> None:
+        """A channel's connection is made (counted whatever it does next)."""
+        self.open += 1
+
+    def closed(self, channel) -> None:
+        """A channel's connection is gone: its descriptor is free again."""
+        self.open -= 1
+        self._idle.pop(channel, None)
+
+    def set_idle(self, channel, idle: bool) -> None:
+        """Mark ``channel`` as waiting for a request (reclaimable) or busy with one."""
+        self._idle.pop(channel, None)
+        if idle:
+            self._idle[channel] = None
+
+    def full(self) -> bool:
+        """At the cap: a new connection needs room made, or is refused."""
+        return self.open >= self.limit
+
+    def reclaim_idle(self) -> bool:
+        """Close the oldest idle keep-alive connection, if there is one."""
+        while self._idle:
+            channel = next(iter(self._idle))
+            del self._idle[channel]
+            transport = channel.transport
+            if transport is None or transport.disconnecting:
+                continue
+            self.reclaimed += 1
+            channel.loseConnection()
+            return True
+        return False
+
+    def note_refusal(self, clock) -> None:
+        """Count a refused connection; log it, at most once every few seconds."""
+        self.refused += 1
+        self._refused_since_log += 1
+        now = clock.seconds()
+        if self._last_log is None or now - self._last_log >= REFUSAL_LOG_INTERVAL:
+            log.warn(
+                "connection cap reached ({key} = {limit}): refused {count} connection(s) with 503",
+                key=self.key, limit=self.limit, count=self._refused_since_log,
+            )
+            self._last_log = now
+            self._refused_since_log = 0
+
+
+class OverCapacity(Protocol):
+    """A connection past the cap: a 503 with Retry-After in its API's shape, then closed.
+
+    It waits up to :data:`OVER_CAPACITY_WAIT` for the request line, to answer
+    an OpenAI client in the OpenAI shape; then it writes the answer, shuts
+    its side, and drops what still comes for a moment (so the client reads
+    the answer rather than a reset).
+    """
+
+    def __init__(self, connections: Connections, clock):
+        self._connections = connections
+        self._clock = clock
+        self._head = b""
+        self._timer = None
+        self._answered = False
+
+    def connectionMade(self):
+        self._connections.refusing += 1
+        self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
+
+    def dataReceived(self, data):
+        if self._answered:
+            return
+        self._head += data
+        if b"\n" in self._head or len(self._head) > MAX_HEADER_BYTES:
+            self._answer()
+
+    def _answer(self) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        self._stop_timer()
+        parts = self._head.split(b"\n", 1)[0].split(b" ")
+        path = parts[1] if len(parts) > 2 else b""
+        message = (
+            f"too many connections to this listener ({self._connections.key} = {self._connections.limit}); "
+            "try again shortly"
+        )
+        body = error_body(api_family(path), 503, message, "too_many_connections")
+        transport = self.transport
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json; charset=utf-8\r\n"
+            b"retry-after: %d\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (OVER_CAPACITY_RETRY_AFTER, len(body), body)
+        )
+        lose_write = getattr(transport, "loseWriteConnection", None)
+        if lose_write is None:
+            transport.loseConnection()
+            return
+        lose_write()
+        self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, transport.abortConnection)
+
+    def _stop_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def connectionLost(self, reason):
+        self._stop_timer()
+        self._connections.refusing -= 1
 
 
 class ProxyRequest(Request):
@@ -130,15 +287,33 @@ class ProxyRequest(Request):
             return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
         if self.too_large and self.answer_too_large:
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
-        for host in self.requestHeaders.getRawHeaders(b"host", []):
+        hosts = self.requestHeaders.getRawHeaders(b"host", [])
+        for host in hosts:
             try:
                 host.decode("utf-8")
             except UnicodeDecodeError:
                 return 400, "the Host header is not valid UTF-8", "bad_request"
+        if len(hosts) > 1:
+            # RFC 9112 3.2: more than one Host is a 400.
+            return 400, "more than one Host header", "bad_request"
         try:
             unquote_to_bytes(self.path).decode("utf-8")
         except UnicodeDecodeError:
             return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
+        policy = getattr(self.channel.site, "host_policy", None)
+        # A target that is not a path (absolute-form) goes nowhere whatever its Host:
+        # the app refuses it with its own 400.  A unix socket is out of any web page's reach.
+        if policy is not None and self.uri[:1] in (b"/", b"*"):
+            local = self.getHost()
+            if not isinstance(local, UNIXAddress):
+                host = hosts[0].decode("utf-8") if hosts else None
+                if not policy.allows(host, getattr(local, "host", None)):
+                    return (
+                        403,
+                        f"Host {host[:100]!r} is not a name of this listener (a web page using DNS "
+                        f"rebinding?); if it is yours, add it to {policy.key}",
+                        "forbidden_host",
+                    )
         return None
 
 
@@ -152,6 +327,9 @@ class ProxyChannel(HTTPChannel):
 
     #: Set once this connection is refusing: everything it still reads is dropped.
     _draining = False
+    #: Set from a request's first byte until it is read in full.
+    _in_request = False
+    _connections = None
     _read_timer = None
     _stall_timer = None
     _linger_timer = None
@@ -169,12 +347,20 @@ class ProxyChannel(HTTPChannel):
             except OSError:
                 pass
         # The read timeout starts with a request's first byte: a connection that
-        # sends nothing at all is the idle timeout's (closed without an answer).
-        self._idle_timeout = self.timeOut
+        # sends nothing at all is the keep-alive timeout's (closed without an answer).
+        site = getattr(self, "site", None)
+        self._idle_timeout = getattr(site, "stall_timeout", None) or self.timeOut
+        self._connections = getattr(site, "connections", None)
+        if self._connections is not None:
+            self._connections.opened(self)
+            self._connections.set_idle(self, True)
 
     def connectionLost(self, reason):
         for name in ("_read_timer", "_stall_timer", "_linger_timer"):
             self._cancel(name)
+        if self._connections is not None:
+            self._connections.closed(self)
+            self._connections = None
         super().connectionLost(reason)
 
     def _cancel(self, name: str) -> None:
@@ -194,8 +380,11 @@ class ProxyChannel(HTTPChannel):
     def dataReceived(self, data):
         if self._draining:
             return
-        if self._read_timer is None and not self._handlingRequest and data:
+        if not self._in_request and not self._handlingRequest and data:
             # The first byte of a request (the first on this connection, or the next).
+            self._in_request = True
+            if self._connections is not None:
+                self._connections.set_idle(self, False)
             self._arm_read_timer()
         super().dataReceived(data)
 
@@ -245,8 +434,18 @@ class ProxyChannel(HTTPChannel):
         return super().rawDataReceived(data)
 
     def allContentReceived(self):
+        self._in_request = False
         self._cancel("_read_timer")
         super().allContentReceived()
+
+    def requestDone(self, request):
+        super().requestDone(request)
+        # Back to waiting for the next request (unless a pipelined one started already).
+        if (
+            self._connections is not None and self.persistent and not self._in_request
+            and not self._handlingRequest and not self._draining
+        ):
+            self._connections.set_idle(self, True)
 
     def _finishRequestBody(self, data):
         # A refused chunked body was answered already; its end changes nothing.
@@ -254,8 +453,16 @@ class ProxyChannel(HTTPChannel):
             return
         super()._finishRequestBody(data)
 
+    def _maybeChooseTransferDecoder(self, header, data):
+        # Twisted ignores "Transfer-Encoding: identity": the body would then be
+        # read as the next request, while another server may read it as a body.
+        if header == b"Transfer-Encoding" and data.lower() != b"chunked":
+            self._bad_reason = "Transfer-Encoding must be chunked (no other coding is accepted)"
+            return self._failChooseTransferDecoder()
+        return super()._maybeChooseTransferDecoder(header, data)
+
     def _failChooseTransferDecoder(self):
-        self._bad_reason = "invalid or conflicting Content-Length / Transfer-Encoding"
+        self._bad_reason = self._bad_reason or "invalid or conflicting Content-Length / Transfer-Encoding"
         return super()._failChooseTransferDecoder()
 
     def _respondToBadRequestAndDisconnect(self):
@@ -354,6 +561,11 @@ class ProxySite(Site):
     with its metrics); another app (the admin API) can pass
     ``answer_too_large=True`` to have such requests answered 413 here, and
     ``request_log=False`` to keep its requests out of the request log.
+
+    ``timeout`` (Twisted's) is the keep-alive timeout: how long a connection
+    may wait for a request.  ``stall_timeout`` is how long a client may read
+    nothing of its answer (default: ``timeout``).  ``connections`` caps the
+    open connections and ``host_policy`` the ``Host`` values answered.
     """
 
     displayTracebacks = False
@@ -366,6 +578,9 @@ class ProxySite(Site):
         request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
         answer_too_large: bool = False,
         request_log: bool = True,
+        stall_timeout: float | None = None,
+        connections: Connections | None = None,
+        host_policy: HostPolicy | None = None,
         **kwargs,
     ):
         request_class = type(
@@ -376,8 +591,22 @@ class ProxySite(Site):
         super().__init__(resource, requestFactory=request_class, **kwargs)
         #: Seconds a client has to deliver a whole request (None: no limit).
         self.request_read_timeout = request_read_timeout
+        #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
+        self.stall_timeout = stall_timeout
+        self.connections = connections
+        self.host_policy = host_policy
         # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
         self._parsePOSTFormSubmission = False
+
+    def buildProtocol(self, addr):
+        """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""
+        connections = self.connections
+        if connections is not None and connections.full() and not connections.reclaim_idle():
+            connections.note_refusal(self.reactor)
+            if connections.refusing >= MAX_REFUSING:
+                return None  # Twisted closes the socket at once.
+            return OverCapacity(connections, self.reactor)
+        return super().buildProtocol(addr)
 
     def log(self, request):
         """The request log is ours (one line with class and outcome), not Twisted's."""

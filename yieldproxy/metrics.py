@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 #: Time spent parked: from 10 ms (a short flap) to an hour (a long job's bound).
@@ -143,7 +143,10 @@ class Metrics:
             "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
         )
         self.yields_total = Counter(
-            "yieldproxy_yields", "Holds taken on the GPU, by source.", ["source"], registry=r
+            "yieldproxy_yields",
+            "Holds taken on the GPU, by source: yieldproxy's own and admin.known_sources by name, the rest as other.",
+            ["source"],
+            registry=r,
         )
         self.yield_seconds = Histogram(
             "yieldproxy_yield_seconds",
@@ -196,6 +199,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+#: The ``source`` label of ``yieldproxy_yields_total`` for a source not known by name.
+OTHER_SOURCE = "other"
+
+
+def source_label(source: str, known: Iterable[str]) -> str:
+    """The counter label for ``source``: its name when known, else ``other``.
+
+    A counter keeps every label value it ever saw, so a caller that made up a
+    new source for each yield would grow ``/metrics`` without bound.
+    """
+    return source if source in known else OTHER_SOURCE
+
+
 def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
     """Per-source hold gauges, built from the current holds at each scrape."""
     active = GaugeMetricFamily("yieldproxy_hold_active", "1 for each source holding the GPU.", labels=["source"])
@@ -211,6 +227,37 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
         if hold.expected_end is not None:
             expected.add_metric([hold.source], max(0.0, hold.expected_end - hold.since))
     return [active, age, expected]
+
+
+def connection_families(listeners) -> list:
+    """Open connections, the cap and the refusals per listener (``proxy``, ``admin``).
+
+    ``listeners`` maps a listener's name to its :class:`~yieldproxy.httpserver.Connections`.
+    """
+    current = GaugeMetricFamily(
+        "yieldproxy_connections", "Client connections open now, per listener.", labels=["listener"]
+    )
+    limit = GaugeMetricFamily(
+        "yieldproxy_connections_limit",
+        "The connection cap per listener (proxy.max_connections, admin.max_connections).",
+        labels=["listener"],
+    )
+    refused = CounterMetricFamily(
+        "yieldproxy_connections_refused",
+        "Connections refused because the listener was at its cap (answered 503, or closed under a flood).",
+        labels=["listener"],
+    )
+    reclaimed = CounterMetricFamily(
+        "yieldproxy_connections_reclaimed",
+        "Idle keep-alive connections closed to make room for a new one at the cap.",
+        labels=["listener"],
+    )
+    for name, connections in listeners.items():
+        current.add_metric([name], connections.open)
+        limit.add_metric([name], connections.limit)
+        refused.add_metric([name], connections.refused)
+        reclaimed.add_metric([name], connections.reclaimed)
+    return [current, limit, refused, reclaimed]
 
 
 def oldest_parked_family(ages: dict[str, float]) -> GaugeMetricFamily:

@@ -29,11 +29,12 @@ from .classify import (
     is_unload,
     parse_body,
 )
-from .config import Config
+from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
 from .gate import Gate
-from .httpserver import ProxySite
+from .hosts import HostPolicy
+from .httpserver import Connections, ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
 from .probes import ModelCall
@@ -103,6 +104,8 @@ class ProxyApp:
     _classifier: Classifier = attrs.field(init=False)
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
     _buffers: ClientBuffers = attrs.field(init=False)
+    #: The listener's open connections and their cap (one count for every site built here).
+    connections: Connections = attrs.field(init=False)
 
     app = Klein()
 
@@ -113,17 +116,23 @@ class ProxyApp:
             self._config.proxy.slow_client_buffer_total_bytes,
             on_change=self._metrics.client_buffered_bytes.set,
         )
+        self.connections = Connections(proxy_max_connections(self._config), "proxy.max_connections")
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
         return Deferred.fromCoroutine(self._handle(request))
 
     def site(self) -> ProxySite:
+        proxy = self._config.proxy
         return ProxySite(
             self.app.resource(),
-            self._config.proxy.max_body_bytes,
-            request_read_timeout=self._config.proxy.request_read_timeout_seconds,
-            timeout=self._config.proxy.idle_timeout_seconds,
+            proxy.max_body_bytes,
+            request_read_timeout=proxy.request_read_timeout_seconds,
+            timeout=proxy.keepalive_timeout_seconds,
+            stall_timeout=proxy.idle_timeout_seconds,
+            connections=self.connections,
+            host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
+            reactor=self._clock,
         )
 
     # -- the request's life -------------------------------------------------

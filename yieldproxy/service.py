@@ -24,11 +24,11 @@ from .forward import Upstream
 from .fallback import Fallback, build_fallback
 from .gate import Gate
 from .history import History, snapshot_reader
-from .metrics import Metrics, hold_families, oldest_parked_family
+from .metrics import Metrics, connection_families, hold_families, oldest_parked_family, source_label
 from .parking import ParkingLot
 from .proxy import ProxyApp
 from .replay import Replayer
-from .state import YieldState
+from .state import BUILTIN_SOURCES, YieldState
 from .watchers import build_watchers
 
 log = Logger()
@@ -73,7 +73,7 @@ def build_core(
     """The yield state, the lot, the replayer and the gate: the clock-driven heart."""
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
-    state = YieldState(reactor)
+    state = YieldState(reactor, max_holds=config.admin.max_holds)
     lot = ParkingLot(
         reactor,
         metrics,
@@ -107,12 +107,14 @@ def build(
     token: str | None = None,
     cooperator: Cooperator | None = None,
     metrics: Metrics | None = None,
+    read_token: str | None = None,
 ) -> Proxy:
     """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
     state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
-    state.on_hold_taken(lambda hold: metrics.yields_total.labels(hold.source).inc())
+    known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
+    state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
     metrics.watch(
         lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
@@ -125,8 +127,11 @@ def build(
     proxy_app = ProxyApp(reactor, config, gate, upstream, metrics, fallback)
     history = History(reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes))
     state.observe(history.state_changed)
-    admin_app = AdminApp(reactor, config, state, gate, lot, replayer, metrics, token=token, history=history)
+    admin_app = AdminApp(
+        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token, history=history
+    )
     admin_app.fallback = fallback
+    metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
     admin_app.status_extras["fallback"] = fallback.status if fallback is not None else lambda: {"enabled": False}
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app, history=history,

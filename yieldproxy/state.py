@@ -4,10 +4,16 @@ The GPU is yielded while *any* source holds it.  Each hold comes from a named
 source (``api``, ``signal``, ``file``, ...) so one broker resuming cannot end
 another's hold.  A hold may carry a lease (``for_seconds``): it ends by itself
 unless renewed, so a broker that dies mid-yield cannot park requests forever.
+
+Sources are names a caller chose, so they are bounded: a conservative
+character set and length (:func:`check_source`: nothing that can forge a log
+line or a metric label), and at most ``max_holds`` holds at once from callers
+(the proxy's own watchers are never refused).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import attrs
@@ -15,6 +21,41 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 log = Logger()
+
+#: The hold sources yieldproxy itself uses: the watchers, the outage detector,
+#: the default of ``POST /yield`` and the demo.  Metrics name them; others count as ``other``.
+BUILTIN_SOURCES = ("api", "file", "signal", "command", "outage", "demo")
+#: Sources of the proxy's own watchers: never refused, whatever ``max_holds`` says.
+WATCHER_SOURCES = frozenset({"file", "signal", "command", "outage"})
+#: The longest a hold's ``expected_seconds`` or ``for_seconds`` may be: a week.
+MAX_HOLD_SECONDS = 7 * 24 * 3600.0
+#: Holds from callers (everything but the watchers) at once (``admin.max_holds``).
+DEFAULT_MAX_HOLDS = 32
+MAX_SOURCE_LENGTH = 64
+_SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_source(source: object) -> str:
+    """``source`` if it is a valid hold source, else :class:`ValueError` saying why.
+
+    Letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit,
+    at most 64 characters: safe in a log line, a metric label and a terminal.
+    """
+    if not isinstance(source, str):
+        raise ValueError("source must be a string")
+    if not source:
+        raise ValueError("source must not be empty")
+    if len(source) > MAX_SOURCE_LENGTH:
+        raise ValueError(f"source is longer than {MAX_SOURCE_LENGTH} characters")
+    if not _SOURCE.fullmatch(source):
+        raise ValueError(
+            "source may hold only letters, digits, '.', '_' and '-', and must start with a letter or a digit"
+        )
+    return source
+
+
+class TooManyHolds(Exception):
+    """A new source would take the GPU while ``max_holds`` caller holds exist already."""
 
 
 @attrs.frozen
@@ -56,6 +97,8 @@ class YieldState:
     #: What the proxy looks like now ("now draining, parked batch=3, in flight 0"),
     #: so each transition is one log line; the gate sets it.
     describe: Callable[[], str] = attrs.field(default=lambda: "")
+    #: At most this many holds from callers at once (watcher holds are not counted).
+    max_holds: int = DEFAULT_MAX_HOLDS
 
     def __attrs_post_init__(self) -> None:
         self.last_change = self._clock.seconds()
@@ -90,9 +133,24 @@ class YieldState:
         expected_seconds: float | None = None,
         for_seconds: float | None = None,
     ) -> Hold:
-        """Take (or renew) ``source``'s hold.  Renewing keeps its start time."""
+        """Take (or renew) ``source``'s hold.  Renewing keeps its start time.
+
+        :raises ValueError: ``source`` is not a valid source name, or a duration
+            is not a positive number of seconds up to :data:`MAX_HOLD_SECONDS`.
+        :raises TooManyHolds: ``source`` holds nothing yet and ``max_holds``
+            holds from callers exist already.
+        """
+        check_source(source)
+        for name, value in (("expected_seconds", expected_seconds), ("for_seconds", for_seconds)):
+            if value is not None and not 0 < value <= MAX_HOLD_SECONDS:
+                raise ValueError(f"{name} must be above 0 and at most {MAX_HOLD_SECONDS:g} seconds (a week)")
         now = self._clock.seconds()
         previous = self._holds.get(source)
+        if previous is None and source not in WATCHER_SOURCES and self.caller_holds() >= self.max_holds:
+            raise TooManyHolds(
+                f"{self.caller_holds()} sources hold the GPU already, the most allowed (admin.max_holds); "
+                "end one (POST /resume) or renew an existing source's hold"
+            )
         expires_at = now + for_seconds if for_seconds is not None else None
         # Only expected_seconds is an estimate; a lease is a dead-man's switch that a
         # broker may renew for hours, so it says nothing about when the yield ends.
@@ -121,9 +179,13 @@ class YieldState:
                 "hold taken: source={source} reason={reason!r}, also held by {others}",
                 source=source,
                 reason=hold.reason,
-                others=", ".join(s for s in self._holds if s != source),
+                others=_others(len(self._holds) - 1),
             )
         return hold
+
+    def caller_holds(self) -> int:
+        """Holds from callers (not the watchers): what ``max_holds`` bounds."""
+        return sum(1 for source in self._holds if source not in WATCHER_SOURCES)
 
     def release(self, source: str) -> bool:
         """End ``source``'s hold; True if it held the GPU."""
@@ -145,7 +207,7 @@ class YieldState:
             log.info(
                 "hold ended: source={source}, still held by {others}",
                 source=source,
-                others=", ".join(self._holds),
+                others=_others(len(self._holds)),
             )
         return True
 
@@ -194,3 +256,8 @@ class YieldState:
                 callback(yielded)
             except Exception:
                 log.failure("yield-state observer failed")
+
+
+def _others(count: int) -> str:
+    """How many others hold the GPU, in words: a log line must not grow with the number of holds."""
+    return f"{count} other source" + ("" if count == 1 else "s")

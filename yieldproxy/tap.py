@@ -13,7 +13,7 @@ from twisted.logger import LogLevel
 from twisted.python import usage
 
 from . import requestlog
-from .config import ConfigError, load, read_token
+from .config import ConfigError, load, read_tokens
 from .requestlog import JSON_OBSERVER, LOG_FORMATS, LOG_LEVELS, TEXT_OBSERVER
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
@@ -37,7 +37,7 @@ class Options(usage.Options):
     def postOptions(self):
         try:
             config = load(self["config"])
-            token = read_token(config)
+            token, read_token = read_tokens(config)
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None
         for option, key in (("upstream", "proxy.upstream"), ("listen", "proxy.listen"), ("admin", "admin.listen")):
@@ -59,6 +59,7 @@ class Options(usage.Options):
             )
         self.config = config
         self.token = token
+        self.read_token = read_token
         self._set_log_format()
 
     def _set_log_format(self) -> None:
@@ -105,7 +106,10 @@ def admin_is_local(endpoint: str) -> bool:
 def makeService(options: Options):
     from twisted.internet import reactor
 
+    from .limits import fit_fd_limit
     from .service import YieldProxyService, build
 
-    proxy = build(reactor, options.config, token=options.token)
+    # The process's own limit, raised (or the connection cap lowered) before anything listens.
+    config = fit_fd_limit(options.config)
+    proxy = build(reactor, config, token=options.token, read_token=options.read_token)
     return YieldProxyService(reactor, proxy)

@@ -25,7 +25,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
-from ..state import YieldState
+from ..state import MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
 
@@ -59,6 +59,9 @@ def parse_content(raw: bytes) -> tuple[str | None, float | None, str | None]:
             math.isfinite(expected) and expected > 0
         ):
             problems.append("expected_seconds is not a positive number")
+            expected = None
+        elif expected > MAX_HOLD_SECONDS:
+            problems.append(f"expected_seconds is more than {MAX_HOLD_SECONDS:g} (a week)")
             expected = None
         else:
             expected = float(expected)

@@ -1,0 +1,284 @@
+"""The listeners' edge over real sockets: whose Host they answer, how many connections they keep,
+how long an idle one lives, and which body framings they accept (issue 10, findings 4, 6 and 8b).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+
+from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from rawhttp import LogCapture, RawClient, exchange, port_of, recording_stack, request_bytes
+from yieldproxy.hosts import HostPolicy, cross_site, host_name
+
+TIMEOUT = 30
+EMBED = b'{"model": "all-minilm", "input": "hello"}'
+
+
+def raw(url: str, data: bytes, timeout: float = 10.0):
+    return in_thread(reactor, exchange, port_of(url), data, timeout, timeout=TIMEOUT)
+
+
+def json_error(response, status: int, api: str = "ollama") -> str:
+    assert response.status == status, response.raw[:300]
+    assert response.header(b"content-type").startswith(b"application/json")
+    error = response.json()["error"]
+    if api == "openai":
+        assert set(error) >= {"message", "type", "code"}
+        return error["message"]
+    assert isinstance(error, str)
+    return error
+
+
+# -- Host: no DNS rebinding (finding 4) -------------------------------------------------------
+
+
+def test_host_policy_accepts_this_machine_and_private_addresses_only():
+    policy = HostPolicy("proxy.allowed_hosts", hostname="gpubox.example.lan")
+    for host in (
+        None, "", "localhost", "LOCALHOST:11435", "127.0.0.1", "127.0.0.1:11435", "[::1]:11436", "::1",
+        "app.localhost", "gpubox.local", "host.docker.internal", "gpubox.example.lan", "gpubox:11435",
+        "192.168.1.20:11435", "10.0.0.5", "172.17.0.1", "[fe80::1]", "0.0.0.0", "localhost.",
+    ):
+        assert policy.allows(host), host
+    for host in ("evil.example", "evil.example:11435", "localhost.evil.example", "8.8.8.8", "[2606:4700::1111]", "gpubox.lan"):
+        assert not policy.allows(host), host
+    # The address the connection came in on is the listener's own.
+    assert policy.allows("203.0.113.7:11435", own_address="203.0.113.7")
+    extended = HostPolicy.from_config("proxy.allowed_hosts", ["gpu.home.arpa", "*.corp.example", "203.0.113.9"])
+    assert extended.allows("GPU.home.arpa:11435") and extended.allows("a.b.corp.example")
+    assert extended.allows("203.0.113.9") and not extended.allows("corp.example")
+    assert HostPolicy.from_config("proxy.allowed_hosts", ["*"]).allows("anything.example")
+    assert host_name("[::1]:80") == "::1" and host_name("Example.COM.:8080") == "example.com"
+
+
+def test_cross_site_reads_origin_and_sec_fetch_site():
+    from twisted.web.http_headers import Headers
+
+    def why(**headers):
+        return cross_site(Headers({k.replace("_", "-").encode(): [v.encode()] for k, v in headers.items()}))
+
+    assert why(host="127.0.0.1:11436") is None
+    assert why(host="127.0.0.1:11436", origin="http://127.0.0.1:11436", sec_fetch_site="same-origin") is None
+    assert why(host="localhost", origin="http://localhost:80", sec_fetch_site="none") is None
+    assert why(host="127.0.0.1:11436", origin="http://127.0.0.1:8080") is not None
+    assert why(host="127.0.0.1:11436", origin="null") is not None
+    assert why(host="127.0.0.1:11436", sec_fetch_site="same-site") is not None
+    assert why(host="127.0.0.1:11436", sec_fetch_site="cross-site") is not None
+
+
+@pytest_twisted.ensureDeferred
+async def test_both_listeners_refuse_a_host_that_is_not_theirs():
+    """A rebound name gets 403 in the route's shape on the proxy and on the admin API; nothing goes upstream."""
+    stack = await recording_stack()
+    try:
+        evil = [(b"Host", b"evil.example:%d" % port_of(stack.proxy_url))]
+        ollama = await raw(stack.proxy_url, request_bytes(b"POST", b"/api/embed", evil, EMBED))
+        assert "proxy.allowed_hosts" in json_error(ollama, 403)
+        openai = await raw(stack.proxy_url, request_bytes(b"GET", b"/v1/models", evil))
+        assert "proxy.allowed_hosts" in json_error(openai, 403, "openai")
+        twice = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/tags", [(b"Host", b"localhost"), (b"Host", b"evil.example")]))
+        json_error(twice, 400)
+        for path in (b"/status", b"/metrics", b"/"):
+            admin = await raw(stack.admin_url, request_bytes(b"GET", path, [(b"Host", b"evil.example")]))
+            assert "admin.allowed_hosts" in json_error(admin, 403)
+            assert b"yielded" not in admin.body and b"yieldproxy_" not in admin.body
+        await sleep(reactor, 0.1)
+        assert stack.echo.heads == []
+        # The machine's own names and addresses pass, on both listeners.
+        for host in (b"localhost", b"127.0.0.1:%d" % port_of(stack.proxy_url), b"[::1]", b"app.localhost", socket.gethostname().encode()):
+            assert (await raw(stack.proxy_url, request_bytes(b"GET", b"/api/tags", [(b"Host", host)]))).status == 200, host
+            assert (await raw(stack.admin_url, request_bytes(b"GET", b"/status", [(b"Host", host)]))).status == 200, host
+        assert len(stack.echo.heads) == 5
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_allowed_hosts_adds_names():
+    stack = await start_stack(
+        reactor, config_with(proxy={"allowed_hosts": ("gpu.home.arpa",)}, admin={"allowed_hosts": ("*",)})
+    )
+    try:
+        named = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/version", [(b"Host", b"gpu.home.arpa:11435")]))
+        assert named.status == 200
+        other = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/version", [(b"Host", b"other.home.arpa")]))
+        assert other.status == 403
+        anything = await raw(stack.admin_url, request_bytes(b"GET", b"/status", [(b"Host", b"whatever.example")]))
+        assert anything.status == 200
+    finally:
+        await stack.stop()
+
+
+# -- Transfer-Encoding: chunked, or nothing (finding 8b) --------------------------------------
+
+
+@pytest.mark.parametrize("length", [False, True], ids=["no-length", "with-length"])
+@pytest_twisted.ensureDeferred
+async def test_transfer_encoding_identity_is_refused_and_smuggles_nothing(length):
+    """``identity`` made Twisted read no body, so the body's own request reached the upstream."""
+    stack = await recording_stack()
+    try:
+        hidden = b"GET /api/ps HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        headers = [(b"Transfer-Encoding", b"identity")]
+        if length:
+            headers.append((b"Content-Length", b"%d" % len(hidden)))
+        data = request_bytes(b"POST", b"/api/embed", headers, length=False) + hidden
+
+        def send():
+            client = RawClient(port_of(stack.proxy_url))
+            try:
+                client.send(data)
+                first = client.response(5)
+                return first, client.response(1), client.wait_closed(5)
+            finally:
+                client.close()
+
+        first, second, closed = await in_thread(reactor, send, timeout=TIMEOUT)
+        assert "Transfer-Encoding" in json_error(first, 400)
+        assert first.header(b"connection") == b"close"
+        assert second.status == 0 and closed
+        await sleep(reactor, 0.3)
+        assert stack.echo.heads == []
+    finally:
+        await stack.stop()
+
+
+# -- connections: a cap, room for the admin API, short keep-alive (finding 6) -------------------
+
+
+def _busy(port: int) -> socket.socket:
+    """A connection that has begun a request and not finished it (it cannot be reclaimed)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    return sock
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_flood_gets_503s_and_the_admin_api_keeps_answering():
+    cap = 20
+    stack = await recording_stack(config_with(proxy={"max_connections": cap}))
+    port = port_of(stack.proxy_url)
+    busy = []
+    try:
+        with LogCapture() as logs:
+            busy = [_busy(port) for _ in range(cap)]
+            await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == cap)
+            # One past the cap: a 503 with Retry-After, in the route's own shape, then closed.
+            over = await raw(stack.proxy_url, request_bytes(b"POST", b"/api/embed", body=EMBED))
+            assert "proxy.max_connections" in json_error(over, 503)
+            assert over.header(b"retry-after") == b"2" and over.header(b"connection") == b"close"
+            over_openai = await raw(stack.proxy_url, request_bytes(b"POST", b"/v1/embeddings", body=EMBED))
+            json_error(over_openai, 503, "openai")
+
+            def flood(count: int = 150) -> list[int]:
+                """``count`` connections at once, each sending a request; the status each got (0: closed)."""
+                clients = []
+                for _ in range(count):
+                    client = RawClient(port, timeout=10)
+                    client.send(request_bytes(b"GET", b"/api/tags"))
+                    clients.append(client)
+                try:
+                    return [client.response(10).status for client in clients]
+                finally:
+                    for client in clients:
+                        client.close()
+
+            flooding = in_thread(reactor, flood, timeout=TIMEOUT)
+            # Meanwhile the admin API answers, on its own listener with its own cap.
+            status = await treq.get(stack.admin_url + "/status", persistent=False).addTimeout(TIMEOUT, reactor)
+            assert status.code == 200
+            await status.content()
+            statuses = await flooding
+            assert set(statuses) <= {503, 0}, set(statuses)
+            assert statuses.count(503) >= 64
+        assert logs.errors() == []
+        assert stack.echo.heads == []
+        text = await (await treq.get(stack.admin_url + "/metrics", persistent=False).addTimeout(TIMEOUT, reactor)).text()
+        assert 'yieldproxy_connections{listener="proxy"} 20.0' in text
+        assert 'yieldproxy_connections_limit{listener="proxy"} 20.0' in text
+        refused = stack.proxy.proxy_app.connections.refused
+        assert refused == 152 and f'yieldproxy_connections_refused_total{{listener="proxy"}} {refused}.0' in text
+        # Once the flood is gone, the proxy serves again.
+        for sock in busy:
+            sock.close()
+        await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == 0)
+        ok = await treq.post(stack.proxy_url + "/api/embed", data=EMBED, persistent=False).addTimeout(TIMEOUT, reactor)
+        assert ok.code == 200
+        await ok.content()
+    finally:
+        for sock in busy:
+            sock.close()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_admin_listener_has_its_own_cap():
+    stack = await start_stack(reactor, config_with(admin={"max_connections": 3}))
+    busy = []
+    try:
+        busy = [_busy(port_of(stack.admin_url)) for _ in range(3)]
+        await wait_for(reactor, lambda: stack.proxy.admin_app.connections.open == 3)
+        over = await raw(stack.admin_url, request_bytes(b"GET", b"/status"))
+        assert "admin.max_connections" in json_error(over, 503)
+        # The proxy listener is not affected.
+        ok = await treq.get(stack.proxy_url + "/api/version", persistent=False).addTimeout(TIMEOUT, reactor)
+        assert ok.code == 200
+        await ok.content()
+    finally:
+        for sock in busy:
+            sock.close()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_at_the_cap_an_idle_keepalive_connection_makes_room():
+    stack = await start_stack(reactor, config_with(proxy={"max_connections": 5}))
+    idle = []
+    try:
+        for _ in range(5):
+            idle.append(socket.create_connection(("127.0.0.1", port_of(stack.proxy_url)), timeout=10))
+            await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == len(idle))
+        ok = await treq.post(
+            stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "x"}, persistent=False
+        ).addTimeout(TIMEOUT, reactor)
+        assert ok.code == 200
+        await ok.content()
+        assert stack.proxy.proxy_app.connections.reclaimed == 1
+        assert stack.proxy.proxy_app.connections.refused == 0
+        # The oldest idle connection is the one closed.
+        assert await in_thread(reactor, idle[0].recv, 10, timeout=TIMEOUT) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
+    """Waiting for a next request is bounded by proxy.keepalive_timeout_seconds, not the 300 s idle timeout."""
+    stack = await start_stack(reactor, config_with(proxy={"keepalive_timeout_seconds": 1.0}))
+    try:
+
+        def keep_alive() -> tuple[int, float]:
+            client = RawClient(port_of(stack.proxy_url), timeout=10)
+            try:
+                client.send(request_bytes(b"GET", b"/api/version"))
+                status = client.response(10).status
+                began = time.monotonic()
+                client.wait_closed(10)
+                return status, time.monotonic() - began if client.closed else -1.0
+            finally:
+                client.close()
+
+        status, waited = await in_thread(reactor, keep_alive, timeout=TIMEOUT)
+        assert status == 200
+        assert 0.8 <= waited <= 5, waited
+        await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == 0)
+    finally:
+        await stack.stop()
