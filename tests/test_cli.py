@@ -261,6 +261,22 @@ async def test_sim_subcommand_delegates() -> None:
     r = await run_cli("sim", "--help")
     assert r.code == 0, r
     assert "simulated Ollama" in r.out and "--parallel" in r.out
+    # It names itself as it was called.
+    assert r.out.startswith("usage: yieldproxy sim ") and "python -m" not in r.out
+
+
+@pytest_twisted.ensureDeferred
+async def test_sim_on_a_taken_port_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = await run_cli("sim", "--port", str(port))
+    assert (r.code, r.out) == (1, ""), r
+    assert r.err == (
+        f"yieldproxy sim: --port {port}: cannot listen on 127.0.0.1:{port}: "
+        "address already in use (another process listens there)\n"
+    )
 
 
 # ---------------------------------------------------------------------------

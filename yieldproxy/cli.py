@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "sim", add_help=False,
         help="run a simulated Ollama (try: yieldproxy sim --help)",
-        description="Run the simulated Ollama backend; every option goes to python -m yieldproxy.sim.",
+        description="Run the simulated Ollama backend (the same as python -m yieldproxy.sim).",
     )
 
     check = sub.add_parser(
@@ -701,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "sim":
         from .sim import main as sim_main
 
-        sim_main(extra)
+        sim_main(extra, prog="yieldproxy sim")
         return
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
