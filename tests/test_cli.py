@@ -279,6 +279,23 @@ async def test_sim_on_a_taken_port_is_one_line() -> None:
     )
 
 
+@pytest_twisted.ensureDeferred
+async def test_example_config_prints_the_commented_example() -> None:
+    r = await run_cli("example-config")
+    assert r.code == 0, r
+    assert r.out == (REPO / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
+
+
+def test_demo_help_is_about_the_demo(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "every request got its right vector" in out
+    # The demo runs its own proxy: nothing about finding an admin API or its token.
+    assert "YIELDPROXY_TOKEN" not in out and "--admin" not in out and "status --exit-code" not in out
+
+
 # ---------------------------------------------------------------------------
 # In process: arguments, parsing, formatting.
 

@@ -27,7 +27,7 @@ class Options(usage.Options):
         "and replays them, paced, when it returns. Command-line options override the config file."
     )
     optParameters = [
-        ["config", "c", None, "TOML config file (see etc/yieldproxy.toml)."],
+        ["config", "c", None, "TOML config file ('yieldproxy example-config' prints a commented one)."],
         ["upstream", "u", None, "Upstream URL (default http://127.0.0.1:11434)."],
         ["listen", "l", None, "Proxy endpoint (default tcp:11435:interface=127.0.0.1)."],
         ["admin", "a", None, "Admin endpoint (default tcp:11436:interface=127.0.0.1)."],
