@@ -185,3 +185,38 @@ async def test_sigterm_lets_in_flight_requests_finish():
         if not protocol.ended.called:
             process.signalProcess("KILL")
         await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_quickstart_log_sample_is_what_twistd_logs():
+    """docs/quickstart.md shows the lines that say where it listens: they must be the real ones."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    sample = re.search(r"It logs where it listens.*?\n```\n(.*?)```", page, re.S)
+    assert sample, "docs/quickstart.md: no log sample after 'It logs where it listens'"
+    lines = [line.removeprefix("... ") for line in sample.group(1).splitlines()]
+    assert len(lines) == 2 and "11435" in lines[0] and "11436" in lines[1], lines
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy, admin = await start_service(sim_port)
+    try:
+        proxy_port, admin_port = proxy.rsplit(":", 1)[1], admin.rsplit(":", 1)[1]
+        expected_lines = [line.replace("11435", proxy_port).replace("11436", admin_port) for line in lines]
+        try:
+            await wait_for(reactor, lambda: expected_lines[-1].encode() in protocol.output, timeout=5)
+        except AssertionError:
+            pass  # reported below, with the output
+        output = protocol.output.decode(errors="replace")
+        position = 0
+        for expected in expected_lines:
+            found = output.find(expected, position)
+            assert found >= 0, f"{expected!r} not logged (in this order):\n{output}"
+            position = found + len(expected)
+        process.signalProcess("TERM")
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
