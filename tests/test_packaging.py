@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Files a tester or packager needs from the sdist, whatever else changes.
 SDIST_MUST_HAVE = [
     "LICENSE", "README.md", "setup.cfg", "pyproject.toml", "MANIFEST.in", "Makefile",
-    "scripts/run", "scripts/test",
+    "scripts/run", "scripts/test", "scripts/ensure-venv",
     "docs/configuration.md", "docs/quickstart.md", "docs/operating.md",
     "etc/yieldproxy.toml", "etc/systemd/yieldproxy.service", "etc/prometheus/yieldproxy-rules.yml",
     "bench/README.md", "bench/soak.py",
