@@ -382,3 +382,16 @@ def test_documented_files_and_make_targets_exist():
                 if words[1] not in targets:
                     problems.append(f"{page.relative_to(ROOT)}: make {words[1]}: no such target")
     assert problems == []
+
+
+def test_docs_use_the_paths_everyone_else_uses():
+    """No machine-specific paths, no placeholders left, one config path (issue 13's drift)."""
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT)
+        problems += [f"{name}: a machine path {m}" for m in re.findall(r"/work/\S+", text)]
+        problems += [f"{name}: a placeholder {m}" for m in re.findall(r"\S*\bOWNER\b\S*", text)]
+        problems += [f"{name}: {m} (the config is /etc/yieldproxy/yieldproxy.toml)"
+                     for m in re.findall(r"(?<![\w./-])/etc/yieldproxy\.toml", text)]
+    assert problems == []
