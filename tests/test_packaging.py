@@ -126,7 +126,13 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
     for name in ("index.html", "status.css", "status.js"):
         assert f"yieldproxy/static/{name}" in names
     assert "twisted/plugins/yieldproxy_plugin.py" in names
-    assert "yieldproxy/listen_errors.py" in names and "yieldproxy/watchers/outage.py" in names
+    # Every module and static file of the source, subpackages too (a new one must be in setup.cfg).
+    source = [
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "yieldproxy").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
+    ]
+    assert "yieldproxy/watchers/outage.py" in source
+    assert sorted(n for n in source if n not in names) == []
     assert [n for n in names if re.fullmatch(r"yieldproxy-[^/]+\.dist-info/(licenses/)?LICENSE", n)]
     # Only the example from etc/; the ops files stay in the sdist, the tests out of the wheel.
     assert sorted(n for n in names if n.startswith("yieldproxy/etc/")) == ["yieldproxy/etc/yieldproxy.toml"]
