@@ -17,4 +17,4 @@ bench:
 	.venv/bin/python bench/run_all.py
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build dist *.egg-info

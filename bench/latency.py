@@ -17,7 +17,7 @@ One run, side by side, against the same backend:
 Targets: added p50 at c=1 <= 0.3 ms; throughput at c=16 >= 85 % of direct;
 proxy CPU <= 0.5 ms per request.
 
-    /work/venv/bin/python bench/latency.py [--pairs 2000] [--rounds 3] [--seconds 4] [--profile FILE]
+    .venv/bin/python bench/latency.py [--pairs 2000] [--rounds 3] [--seconds 4] [--profile FILE]
 """
 
 from __future__ import annotations

@@ -261,6 +261,39 @@ async def test_sim_subcommand_delegates() -> None:
     r = await run_cli("sim", "--help")
     assert r.code == 0, r
     assert "simulated Ollama" in r.out and "--parallel" in r.out
+    # It names itself as it was called.
+    assert r.out.startswith("usage: yieldproxy sim ") and "python -m" not in r.out
+
+
+@pytest_twisted.ensureDeferred
+async def test_sim_on_a_taken_port_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = await run_cli("sim", "--port", str(port))
+    assert (r.code, r.out) == (1, ""), r
+    assert r.err == (
+        f"yieldproxy sim: --port {port}: cannot listen on 127.0.0.1:{port}: "
+        "address already in use (another process listens there)\n"
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_example_config_prints_the_commented_example() -> None:
+    r = await run_cli("example-config")
+    assert r.code == 0, r
+    assert r.out == (REPO / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
+
+
+def test_demo_help_is_about_the_demo(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "every request got its right vector" in out
+    # The demo runs its own proxy: nothing about finding an admin API or its token.
+    assert "YIELDPROXY_TOKEN" not in out and "--admin" not in out and "status --exit-code" not in out
 
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,11 @@
   ``docs/configuration.md``;
 * every admin route (with each of its methods) appears in ``docs/admin-api.md``;
 * every metric a fresh :class:`~yieldproxy.metrics.Metrics` exports appears in
-  ``docs/metrics.md``.
+  ``docs/metrics.md``;
+* every command the README and the docs show runs as shown: ``yieldproxy``
+  subcommands and options, ``twistd`` and plugin options, a pid file for each
+  twistd run, ``--kill-whom=main`` for ``systemctl kill``, scripts and make
+  targets that exist.
 
 The keys, routes and metrics are read from the code, so a new one fails
 here until it is documented.
@@ -13,14 +17,17 @@ here until it is documented.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import shlex
 import typing
 from pathlib import Path
 
 import attrs
 import pytest
 
-from yieldproxy import config as config_module
+from yieldproxy import cli, config as config_module
 from yieldproxy.admin import AdminApp
 from yieldproxy.config import Config, load
 from yieldproxy.metrics import Metrics
@@ -183,3 +190,208 @@ def test_metrics_found():
 def test_metric_documented(name):
     text = METRICS_MD.read_text(encoding="utf-8")
     assert re.search(rf"`{re.escape(name)}`", text), f"docs/metrics.md does not document {name}"
+
+
+# -- (e) the commands the docs show exist as shown ---------------------------------------------
+
+#: Pages whose commands a reader copies.
+PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")])
+#: Words that run the next word as the command, and their options that take a value.
+PREFIXES = {"sudo": {"-u", "-g"}, "runuser": {"-u", "-g"}, "exec": set(), "nohup": set(), "env": set()}
+
+
+#: Fenced blocks in these languages hold commands (an untagged block: only its "$ " lines).
+SHELL_BLOCKS = {"sh", "bash", "shell", "console", "ini"}
+
+
+def _code(text: str) -> tuple[list[str], list[str]]:
+    """The command lines of the fenced code blocks, and the inline code spans of the prose."""
+    parts = re.split(r"^```([^\n]*)\n", text, flags=re.M)
+    # parts: prose, language, block, language (of the closing fence: empty), prose, ...
+    prose, lines = parts[0::4], []
+    for language, block in zip(parts[1::4], parts[2::4]):
+        # Join continued lines.
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            if line.startswith("$ "):
+                lines.append(line[2:])
+            elif language.strip() in SHELL_BLOCKS:
+                lines.append(line)
+    spans = [m.group(1) for part in prose for m in re.finditer(r"`([^`\n]+)`", part)]
+    return lines, spans
+
+
+def _simple_commands(line: str) -> list[list[str]]:
+    """A shell line's simple commands as word lists (split at ``&&``, ``|``, ``;``, redirections)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.commenters = "#"
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # an unbalanced quote: not shell
+        return []
+    commands, current = [], []
+    for word in words:
+        if word and set(word) <= set("();<>|&"):
+            commands.append(current)
+            current = []
+        else:
+            current.append(word)
+    commands.append(current)
+    return [c for c in commands if c]
+
+
+def _command_word(words: list[str]) -> tuple[str, list[str]] | None:
+    """The program a simple command runs (by its base name), and its arguments."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        assignment = re.fullmatch(r"[A-Za-z_]+=(.*)", word)
+        if assignment and "/" in assignment.group(1):
+            # ExecStart=/opt/yieldproxy/venv/bin/twistd ... in a unit file.
+            return os.path.basename(assignment.group(1)), words[i + 1:]
+        if assignment:
+            i += 1
+        elif word in PREFIXES:
+            takes_value = PREFIXES[word]
+            i += 1
+            while i < len(words) and words[i].startswith("-"):
+                i += 2 if words[i] in takes_value else 1
+        else:
+            return os.path.basename(word), words[i + 1:]
+    return None
+
+
+def documented_commands() -> list[tuple[str, bool, str, list[str]]]:
+    """``(page, in a code block, program, arguments)`` for every simple command shown."""
+    found = []
+    for page in PAGES:
+        lines, spans = _code(page.read_text(encoding="utf-8"))
+        for in_block, texts in ((True, lines), (False, spans)):
+            for text in texts:
+                for words in _simple_commands(text):
+                    command = _command_word(words)
+                    if command is not None:
+                        found.append((str(page.relative_to(ROOT)), in_block, *command))
+    return found
+
+
+def _argparse_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Each option string of ``parser``, and whether it takes a value."""
+    return {s: action.nargs != 0 for action in parser._actions for s in action.option_strings}
+
+
+def _usage_options(options) -> dict[str, bool]:
+    """Each option of a twisted.python.usage.Options, and whether it takes a value."""
+    found = {}
+    for name in options.longOpt:
+        found["--" + name.rstrip("=")] = name.endswith("=")
+        found["--" + name.rstrip("=").replace("_", "-")] = name.endswith("=")
+    for i, char in enumerate(options.shortOpt):
+        if char != ":":
+            found["-" + char] = options.shortOpt[i + 1:i + 2] == ":"
+    return found
+
+
+def _check_options(words: list[str], known: dict[str, bool], what: str) -> list[str]:
+    return [f"{what} has no option {w.split('=')[0]}" for w in words
+            if w.startswith("-") and len(w) > 1 and w.split("=")[0] not in known]
+
+
+def _yieldproxy_problems(args: list[str]) -> list[str]:
+    from yieldproxy.sim import _parser as sim_parser
+
+    parser = cli.build_parser()
+    common = _argparse_options(parser)
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        name = args[i].split("=")[0]
+        if name not in common:
+            return [f"yieldproxy has no option {name} (before the command)"]
+        i += 2 if common[name] and "=" not in args[i] else 1
+    if i == len(args):
+        return []
+    [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    command = args[i]
+    if command not in subparsers.choices:
+        return [f"yieldproxy has no command {command!r}"]
+    sub = sim_parser() if command == "sim" else subparsers.choices[command]
+    return _check_options(args[i + 1:], _argparse_options(sub), f"yieldproxy {command}")
+
+
+def _twistd_problems(args: list[str], in_block: bool) -> list[str]:
+    from twisted.scripts.twistd import ServerOptions
+
+    from yieldproxy.tap import Options
+
+    own = _usage_options(ServerOptions())
+    i, given = 0, set()
+    while i < len(args) and args[i].startswith("-"):
+        name = args[i].split("=")[0]
+        if name not in own:
+            return [f"twistd has no option {name}"]
+        given.add(name)
+        i += 2 if own[name] and "=" not in args[i] else 1
+    if i == len(args) or args[i] != "yieldproxy":
+        return []  # twistd --help, twistd --version
+    plugin_args = args[i + 1:]
+    problems = _check_options(plugin_args, _usage_options(Options()), "twistd yieldproxy")
+    # A command to run (not prose about one) says where the pid file goes: twistd's
+    # default, twistd.pid in the current directory, keeps a second instance from starting.
+    if in_block and "--help" not in plugin_args and not {"--pidfile", "-p"} & given:
+        problems.append("starts yieldproxy without --pidfile (twistd.pid would block a second instance)")
+    return problems
+
+
+def test_commands_found():
+    programs = {(program, args[0] if args else "") for _, _, program, args in documented_commands()}
+    assert ("yieldproxy", "yield") in programs and ("yieldproxy", "sim") in programs
+    assert ("twistd", "-n") in programs and ("systemctl", "kill") in programs
+
+
+def test_documented_commands_match_the_code():
+    """Every yieldproxy subcommand and option, every twistd and plugin option the docs show exists;
+    twistd runs say where the pid file goes; signals go to the main process only."""
+    problems = []
+    for page, in_block, program, args in documented_commands():
+        found = []
+        if program == "yieldproxy":
+            found = _yieldproxy_problems(args)
+        elif program == "twistd":
+            found = _twistd_problems(args, in_block)
+        elif program == "systemctl" and args[:1] == ["kill"]:
+            if not any(re.fullmatch(r"--kill-whom?=main", a) for a in args):
+                found = ["systemctl kill without --kill-whom=main signals every process of the unit"]
+        elif program == "kill" and any("pgrep" in a for a in args):
+            found = ["kill by pgrep pattern matches every yieldproxy on the machine"]
+        problems += [f"{page}: {program} {' '.join(args)}: {p}" for p in found]
+    assert problems == []
+
+
+def test_documented_files_and_make_targets_exist():
+    """scripts/..., bench/*.py and make targets named in the docs exist."""
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M))
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"(?<![\w/.])((?:scripts|bench|\.ci)/[\w.-]*\w)", text):
+            if not (ROOT / path).exists():
+                problems.append(f"{page.relative_to(ROOT)}: {path} does not exist")
+        lines, spans = _code(text)
+        for words in (w for line in lines + spans for w in _simple_commands(line)):
+            if words[0] == "make" and len(words) > 1 and not words[1].startswith("-") and "=" not in words[1]:
+                if words[1] not in targets:
+                    problems.append(f"{page.relative_to(ROOT)}: make {words[1]}: no such target")
+    assert problems == []
+
+
+def test_docs_use_the_paths_everyone_else_uses():
+    """No machine-specific paths, no placeholders left, one config path (issue 13's drift)."""
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT)
+        problems += [f"{name}: a machine path {m}" for m in re.findall(r"/work/\S+", text)]
+        problems += [f"{name}: a placeholder {m}" for m in re.findall(r"\S*\bOWNER\b\S*", text)]
+        problems += [f"{name}: {m} (the config is /etc/yieldproxy/yieldproxy.toml)"
+                     for m in re.findall(r"(?<![\w./-])/etc/yieldproxy\.toml", text)]
+    assert problems == []

@@ -141,6 +141,16 @@ def twistd_options(*args) -> ServerOptions:
     return options
 
 
+def assert_twistd_usage_error(args, message: str, capsys) -> None:
+    """Under twistd a plugin usage error is one line on stderr and exit status 1."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        twistd_options(*args)
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("twistd yieldproxy: ") and message in err and err.count("\n") == 1, err
+
+
 def test_log_format_json_sets_twistds_logger():
     options = twistd_options("yieldproxy", "--log-format", "json")
     from yieldproxy.requestlog import json_observer, text_observer
@@ -153,7 +163,7 @@ def test_log_format_json_sets_twistds_logger():
     assert twistd_options("--logfile", "/tmp/yp.log", "yieldproxy")["logger"] is None
 
 
-def test_log_level_drops_debug_events():
+def test_log_level_drops_debug_events(capsys):
     import io
 
     from twisted.logger import LogLevel
@@ -163,8 +173,7 @@ def test_log_level_drops_debug_events():
     twistd_options("yieldproxy", "--log-level", "warn")
     try:
         assert requestlog.log_level == LogLevel.warn
-        with pytest.raises(usage.UsageError, match="--log-level"):
-            twistd_options("yieldproxy", "--log-level", "loud")
+        assert_twistd_usage_error(["yieldproxy", "--log-level", "loud"], "--log-level", capsys)
     finally:
         twistd_options("yieldproxy")
     assert requestlog.log_level == LogLevel.info
@@ -183,9 +192,14 @@ def test_log_level_drops_debug_events():
         (["--logfile", "/tmp/yp.log", "yieldproxy", "--log-format", "json"], "drop --logfile"),
     ],
 )
-def test_log_format_conflicts_are_usage_errors(args, message):
-    with pytest.raises(usage.UsageError, match=message):
-        twistd_options(*args)
+def test_log_format_conflicts_are_usage_errors(args, message, capsys):
+    assert_twistd_usage_error(args, message, capsys)
+
+
+def test_plugin_options_alone_raise_usage_errors():
+    """Without twistd (no parent options), the UsageError propagates to the caller."""
+    with pytest.raises(usage.UsageError, match="--log-format: must be text or json"):
+        Options().parseOptions(["--log-format", "xml"])
 
 
 def test_plugin_options_alone_accept_log_format():

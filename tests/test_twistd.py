@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
+import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
@@ -32,16 +34,74 @@ def test_twistd_lists_the_plugin():
     assert "yieldproxy" in result.stdout
 
 
+def twistd_until_exit(*args) -> subprocess.CompletedProcess:
+    """``twistd -n yieldproxy ARGS`` expected to stop by itself (a start-up error)."""
+    return subprocess.run(
+        [TWISTD, "-n", "--pidfile=", "yieldproxy", *args], capture_output=True, text=True, timeout=60,
+    )
+
+
 def test_bad_config_stops_twistd_with_the_key_named(tmp_path):
     path = tmp_path / "y.toml"
     path.write_text("[replay]\nconcurrency = 0\n")
-    result = subprocess.run(
-        [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode != 0
-    assert f"{path}: replay.concurrency: must be >= 1" in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+    result = twistd_until_exit("--config", str(path))
+    assert result.returncode == 1
+    # One line: not after twistd's listing of every option.
+    assert result.stderr == f"twistd yieldproxy: {path}: replay.concurrency: must be >= 1, got 0\n"
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--listen", "bogus:1"], "proxy.listen: not a valid endpoint (Unknown endpoint type: 'bogus'): 'bogus:1'"),
+        (["--log-format", "xml"], "--log-format: must be text or json, got 'xml'"),
+        (["--bogus"], "option --bogus not recognized (twistd yieldproxy --help lists the options)"),
+        (["--listen"], "option --listen requires argument (twistd yieldproxy --help lists the options)"),
+    ],
+)
+def test_usage_errors_are_one_line(args, line):
+    result = twistd_until_exit(*args)
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", f"twistd yieldproxy: {line}\n")
+
+
+@pytest.fixture
+def taken_port():
+    """A port on 127.0.0.1 that another socket listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "case", ["proxy port in use", "admin port in use", "port out of range", "missing socket directory", "bad interface"]
+)
+def test_a_listener_that_cannot_start_is_one_line(case, taken_port, tmp_path):
+    """What only fails when the listeners bind: one critical line naming the key and why, exit 1."""
+    free = f"tcp:{free_port()}:interface=127.0.0.1"
+    taken = f"tcp:{taken_port}:interface=127.0.0.1"
+    missing = f"unix:{tmp_path}/missing/proxy.sock"
+    listen, admin, line = {
+        "proxy port in use": (taken, free, f"proxy.listen {taken!r}: cannot listen: address already in use"),
+        "admin port in use": (free, taken, f"admin.listen {taken!r}: cannot listen: address already in use"),
+        "port out of range": ("tcp:99999", free, "proxy.listen 'tcp:99999': cannot listen: the port must be 0-65535"),
+        "missing socket directory": (
+            missing, free, f"proxy.listen {missing!r}: cannot listen: the directory {tmp_path}/missing does not exist"
+        ),
+        "bad interface": (
+            "tcp:0:interface=999.1.1.1", free,
+            "proxy.listen 'tcp:0:interface=999.1.1.1': cannot listen: the interface is neither an IP address",
+        ),
+    }[case]
+    result = twistd_until_exit("--upstream", "http://127.0.0.1:9", "--listen", listen, "--admin", admin)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and "stderr#" not in output, output
+    [error] = [text for text in output.splitlines() if "#critical]" in text]
+    assert error.split("#critical] ", 1)[1].startswith(line), output
+    # twistd's two start lines, the proxy listener's two when the admin one fails, and the error.
+    assert len(output.splitlines()) <= 5, output
 
 
 async def start_service(sim_port: int, *extra):
@@ -120,6 +180,41 @@ async def test_sigterm_lets_in_flight_requests_finish():
         response = await pending
         assert response.code == 200
         assert (await response.json())["embeddings"]
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_quickstart_log_sample_is_what_twistd_logs():
+    """docs/quickstart.md shows the lines that say where it listens: they must be the real ones."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    sample = re.search(r"It logs where it listens.*?\n```\n(.*?)```", page, re.S)
+    assert sample, "docs/quickstart.md: no log sample after 'It logs where it listens'"
+    lines = [line.removeprefix("... ") for line in sample.group(1).splitlines()]
+    assert len(lines) == 2 and "11435" in lines[0] and "11436" in lines[1], lines
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy, admin = await start_service(sim_port)
+    try:
+        proxy_port, admin_port = proxy.rsplit(":", 1)[1], admin.rsplit(":", 1)[1]
+        expected_lines = [line.replace("11435", proxy_port).replace("11436", admin_port) for line in lines]
+        try:
+            await wait_for(reactor, lambda: expected_lines[-1].encode() in protocol.output, timeout=5)
+        except AssertionError:
+            pass  # reported below, with the output
+        output = protocol.output.decode(errors="replace")
+        position = 0
+        for expected in expected_lines:
+            found = output.find(expected, position)
+            assert found >= 0, f"{expected!r} not logged (in this order):\n{output}"
+            position = found + len(expected)
+        process.signalProcess("TERM")
         assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
     finally:
         if not protocol.ended.called:

@@ -1,4 +1,4 @@
-"""The ``yieldproxy`` command: status, yield, resume, a self-contained demo, a sim.
+"""The ``yieldproxy`` command: status, yield, resume, a self-contained demo, a sim, the example config.
 
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
@@ -73,6 +73,19 @@ examples:
   yieldproxy status --exit-code >/dev/null && run-batch   # only when not yielded
   yieldproxy demo                # no Ollama needed
   yieldproxy sim --port 11434    # a fake Ollama to put the proxy in front of
+  yieldproxy example-config > yieldproxy.toml   # every key, commented
+"""
+
+#: ``demo --help``: the demo runs its own proxy, so the admin API notes do not apply.
+DEMO_EPILOG = """\
+exit status:
+  0  every request got its right vector
+  1  a request failed, a vector was wrong, or the deadline passed
+  2  usage error: a bad option
+  130  interrupted (Ctrl-C)
+
+It needs no Ollama and no running proxy: the simulated backend, the proxy
+and its admin API run in this process, on free 127.0.0.1 ports it picks.
 """
 
 
@@ -643,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
             "requests through the proxy, yield and resume the GPU over the admin API in the middle, "
             "and check every vector.  Exits 0 only if every request got its right vector."
         ),
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--texts", type=_count, default=2000, metavar="N", help="requests to send (default 2000)")
     demo.add_argument("--concurrency", type=_count, default=32, metavar="C", help="requests at a time (default 32)")
@@ -661,7 +674,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "sim", add_help=False,
         help="run a simulated Ollama (try: yieldproxy sim --help)",
-        description="Run the simulated Ollama backend; every option goes to python -m yieldproxy.sim.",
+        description="Run the simulated Ollama backend (the same as python -m yieldproxy.sim).",
+    )
+
+    sub.add_parser(
+        "example-config", help="print the commented example config (every key at its default)",
+        description=(
+            "Print the commented example configuration, etc/yieldproxy.toml of the source, which "
+            "sets every key to its default.  Save it, keep what you change, and start the proxy "
+            "with it: yieldproxy example-config > yieldproxy.toml; "
+            "twistd -n --pidfile= yieldproxy --config yieldproxy.toml"
+        ),
     )
 
     check = sub.add_parser(
@@ -676,6 +699,23 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                        help="the proxy's TOML config, with its [fallback] section")
     return parser
+
+
+def example_config() -> str:
+    """The commented example config, from an installed wheel or from a source tree.
+
+    setup.cfg maps the source's ``etc/`` into the package as ``yieldproxy/etc/``
+    (package data), so a wheel carries the file; a checkout has only ``etc/``.
+    """
+    import importlib.resources
+
+    packaged = importlib.resources.files(__package__).joinpath("etc", "yieldproxy.toml")
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    try:
+        return (Path(__file__).resolve().parent.parent / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
+    except OSError:
+        raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)")
 
 
 def _run_admin(reactor, command, args: argparse.Namespace, settings: Settings):
@@ -720,10 +760,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "sim":
         from .sim import main as sim_main
 
-        sim_main(extra)
+        sim_main(extra, prog="yieldproxy sim")
         return
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+    if args.command == "example-config":
+        try:
+            sys.stdout.write(example_config())
+        except CliError as e:
+            print(f"yieldproxy: {e.message}", file=sys.stderr)
+            raise SystemExit(e.code) from None
+        return
 
     if args.command == "check-fallback":
         from .fallback import check_command

@@ -24,6 +24,7 @@ from .forward import Upstream
 from .fallback import Fallback, build_fallback
 from .gate import Gate
 from .history import History, snapshot_reader
+from .listen_errors import why_cannot_listen
 from .metrics import Metrics, connection_families, hold_families, oldest_parked_family, source_label
 from .parking import ParkingLot
 from .proxy import ProxyApp
@@ -139,6 +140,31 @@ def build(
     )
 
 
+class CannotListen(Exception):
+    """A listener could not start; the message is one line naming the key, the endpoint and why."""
+
+
+class _Listener(StreamServerEndpointService):
+    """A listener that fails at once, with :class:`CannotListen`, when it cannot bind.
+
+    twistd calls :meth:`privilegedStartService` before it drops privileges;
+    a port in use or a missing socket directory surfaces there.
+    """
+
+    def __init__(self, reactor, key: str, endpoint: str, factory):
+        super().__init__(serverFromString(reactor, endpoint), factory)
+        self.setName(key.split(".")[0])
+        self._key = key
+        self._endpoint = endpoint
+        self._raiseSynchronously = True
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except Exception as e:
+            raise CannotListen(f"{self._key} {self._endpoint!r}: cannot listen: {why_cannot_listen(e)}") from e
+
+
 class YieldProxyService(MultiService):
     """Both listeners, and the graceful stop that keeps the "nothing lost" promise."""
 
@@ -146,22 +172,27 @@ class YieldProxyService(MultiService):
         super().__init__()
         self._reactor = reactor
         self.proxy = proxy
-        self._proxy_listener = StreamServerEndpointService(
-            serverFromString(reactor, proxy.config.proxy.listen), proxy.proxy_app.site()
-        )
-        self._proxy_listener.setName("proxy")
-        self._proxy_listener._raiseSynchronously = True
+        self._proxy_listener = _Listener(reactor, "proxy.listen", proxy.config.proxy.listen, proxy.proxy_app.site())
         self._proxy_listener.setServiceParent(self)
-        self._admin_listener = StreamServerEndpointService(
-            serverFromString(reactor, proxy.config.admin.listen), proxy.admin_app.site()
-        )
-        self._admin_listener.setName("admin")
-        self._admin_listener._raiseSynchronously = True
+        self._admin_listener = _Listener(reactor, "admin.listen", proxy.config.admin.listen, proxy.admin_app.site())
         self._admin_listener.setServiceParent(self)
         #: The enabled watchers and the VRAM handover (docs/watchers.md), started with the rest.
         self.watchers = build_watchers(reactor, proxy)
         for service in self.watchers:
             service.setServiceParent(self)
+
+    def privilegedStartService(self) -> None:
+        """Bind both listeners: twistd calls this before it drops privileges.
+
+        A listener that cannot bind ends the process as twistd itself does
+        when it cannot switch user: the reason on one line, exit status 1,
+        instead of a 40-line traceback.
+        """
+        try:
+            super().privilegedStartService()
+        except CannotListen as e:
+            log.critical("{message}", message=str(e))
+            raise SystemExit(1) from None
 
     def startService(self) -> None:
         super().startService()

@@ -1456,12 +1456,22 @@ def _error_body(style: str, code: int, message: str) -> dict[str, Any]:
 # Command line.
 
 
-def _parser() -> argparse.ArgumentParser:
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {port}")
+    return port
+
+
+def _parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m yieldproxy.sim",
+        prog=prog,
         description="A simulated Ollama backend (deterministic answers, outage modes).",
     )
-    p.add_argument("--port", type=int, default=11434, help="TCP port, 0 for any free one (default 11434)")
+    p.add_argument("--port", type=_port, default=11434, help="TCP port, 0 for any free one (default 11434)")
     p.add_argument("--interface", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per model request")
     p.add_argument("--per-item-latency", type=float, default=0.0, help="extra seconds per input text")
@@ -1488,8 +1498,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run(reactor: Any, args: argparse.Namespace) -> defer.Deferred[None]:
-    """Listen, say where, and serve until the reactor stops."""
+def _run(reactor: Any, args: argparse.Namespace, prog: str) -> defer.Deferred[None]:
+    """Listen, say where, and serve until the reactor stops.
+
+    A port that cannot be bound (in use, say) ends it with one line naming
+    the option, and exit status 1.
+    """
+    from .listen_errors import interface_at_fault, why_cannot_listen
+
     sim = SimOllama(reactor, **_settings(args))
     forever: defer.Deferred[None] = defer.Deferred()
 
@@ -1498,11 +1514,19 @@ def _run(reactor: Any, args: argparse.Namespace) -> defer.Deferred[None]:
         reactor.addSystemEventTrigger("before", "shutdown", sim.stop)
         return forever
 
-    return sim.listen(args.port, args.interface).addCallback(bound)
+    def cannot_listen(failure: Any) -> None:
+        option = f"--interface {args.interface}" if interface_at_fault(failure.value) else f"--port {args.port}"
+        print(
+            f"{prog}: {option}: cannot listen on {args.interface}:{args.port}: {why_cannot_listen(failure.value)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+
+    return sim.listen(args.port, args.interface).addCallbacks(bound, cannot_listen)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m yieldproxy.sim``: the only place that uses the global reactor."""
+def main(argv: Sequence[str] | None = None, prog: str = "python -m yieldproxy.sim") -> None:
+    """``python -m yieldproxy.sim`` (``prog`` names it in messages): the only place that uses the global reactor."""
     from twisted.internet import task
     from twisted.logger import (
         FilteringLogObserver,
@@ -1512,7 +1536,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         textFileLogObserver,
     )
 
-    parser = _parser()
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     try:
         # Validate the settings before binding anything.
@@ -1528,7 +1552,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
         redirectStandardIO=False,
     )
-    task.react(_run, (args,))
+    task.react(_run, (args, prog))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ it as an argument.
 from __future__ import annotations
 
 import re
+import sys
 
 from twisted.internet.endpoints import serverFromString
 from twisted.logger import LogLevel
@@ -26,13 +27,32 @@ class Options(usage.Options):
         "and replays them, paced, when it returns. Command-line options override the config file."
     )
     optParameters = [
-        ["config", "c", None, "TOML config file (see etc/yieldproxy.toml)."],
+        ["config", "c", None, "TOML config file ('yieldproxy example-config' prints a commented one)."],
         ["upstream", "u", None, "Upstream URL (default http://127.0.0.1:11434)."],
         ["listen", "l", None, "Proxy endpoint (default tcp:11435:interface=127.0.0.1)."],
         ["admin", "a", None, "Admin endpoint (default tcp:11436:interface=127.0.0.1)."],
         ["log-format", None, "text", "Log format: text (twistd's own) or json (one JSON object per line)."],
         ["log-level", None, "info", "Least level logged: debug, info, warn or error."],
     ]
+
+    def parseOptions(self, options=None):
+        """Under twistd, a usage or config error is one line on stderr and exit status 1.
+
+        twistd itself would print its whole option listing before the error;
+        called without twistd (``Options().parseOptions``), the
+        :class:`~twisted.python.usage.UsageError` propagates as usual.
+        """
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
+            if self.parent is None:
+                raise
+            message = str(e)
+            if message.startswith("option "):
+                # getopt's own: an unknown option, or one without its value.
+                message += " (twistd yieldproxy --help lists the options)"
+            print(f"twistd yieldproxy: {message}", file=sys.stderr)
+            raise SystemExit(1) from None
 
     def postOptions(self):
         try:

@@ -1,0 +1,139 @@
+"""The release artefacts: what the sdist and the wheel carry, and a clean build.
+
+Both are built here with the build backend pyproject.toml names
+(``setuptools.build_meta``), from a copy of this source tree, in a child
+process: a few seconds.  CI (``.ci/wheel-smoke``) also builds them with
+``python -m build`` in an isolated environment, installs the wheel into a
+fresh virtualenv and serves through it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Files a tester or packager needs from the sdist, whatever else changes.
+SDIST_MUST_HAVE = [
+    "LICENSE", "README.md", "setup.cfg", "pyproject.toml", "MANIFEST.in", "Makefile",
+    "scripts/run", "scripts/test", "scripts/ensure-venv",
+    "docs/configuration.md", "docs/quickstart.md", "docs/operating.md",
+    "etc/yieldproxy.toml", "etc/systemd/yieldproxy.service", "etc/prometheus/yieldproxy-rules.yml",
+    "bench/README.md", "bench/soak.py",
+    "tests/conftest.py", "tests/helpers.py", "tests/rawhttp.py", "tests/test_docs.py",
+    "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/static/index.html",
+]
+#: Tracked files that are the repository's, not the release's.
+NOT_RELEASED = re.compile(r"^(\.ci/|\.gitignore$)")
+#: Left out of the copy the artefacts are built from.
+IGNORED = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis",
+    "_trial_temp", "dropin.cache",
+)
+
+
+def _tracked_files() -> list[str] | None:
+    """The files of this checkout git knows or would add, or None outside a git checkout."""
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        return None
+    result = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    if result.returncode != 0:
+        return None
+    return [name for name in result.stdout.splitlines() if (ROOT / name).is_file()]
+
+
+def _build(kind: str, source: Path, out: Path) -> tuple[Path, str]:
+    """Build the sdist or the wheel of ``source`` into ``out``: the artefact and the backend's output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(out)!r}))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=source, env=env, capture_output=True, text=True, timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return out / result.stdout.strip().splitlines()[-1], output
+
+
+@pytest.fixture(scope="module")
+def artefacts(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    pytest.importorskip("setuptools", minversion="70.1", reason="the build backend (the test extra installs it)")
+    tmp = tmp_path_factory.mktemp("artefacts")
+    source = tmp / "source"
+    tracked = _tracked_files()
+    if tracked is None:
+        shutil.copytree(ROOT, source, ignore=IGNORED)
+    else:
+        for name in tracked:
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    return {kind: _build(kind, source, tmp / "dist") for kind in ("sdist", "wheel")}
+
+
+def _sdist_names(path: Path) -> set[str]:
+    with tarfile.open(path) as tar:
+        return {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+
+
+def test_build_gives_no_warnings(artefacts):
+    """Issue 13: yieldproxy.static used to be "absent from the packages configuration"."""
+    for kind, (_, output) in artefacts.items():
+        warnings = [line for line in output.splitlines() if "warn" in line.lower() or line.startswith("!!")]
+        assert warnings == [], f"{kind}:\n{output}"
+
+
+def test_sdist_has_what_the_tests_and_docs_need(artefacts):
+    names = _sdist_names(artefacts["sdist"][0])
+    assert [name for name in SDIST_MUST_HAVE if name not in names] == []
+    tracked = _tracked_files()
+    if tracked is not None:
+        # Every file of the source tree is released, but CI's own.
+        assert sorted(n for n in tracked if not NOT_RELEASED.match(n) and n not in names) == []
+    # Nothing generated or cached by a run in the checkout.
+    assert [n for n in names if "__pycache__" in n or n.endswith((".pyc", "dropin.cache"))] == []
+
+
+def test_sdist_tests_collect(artefacts, tmp_path):
+    """The sdist's tests import their helpers and the sdist's own code: collecting them all proves it."""
+    with tarfile.open(artefacts["sdist"][0]) as tar:
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    [unpacked] = tmp_path.iterdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=unpacked, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^\d+ tests collected", result.stdout, re.M), result.stdout
+
+
+def test_wheel_carries_the_package_data_and_the_license(artefacts):
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        names = set(wheel.namelist())
+        example = wheel.read("yieldproxy/etc/yieldproxy.toml").decode("utf-8")
+    assert example == (ROOT / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
+    for name in ("index.html", "status.css", "status.js"):
+        assert f"yieldproxy/static/{name}" in names
+    assert "twisted/plugins/yieldproxy_plugin.py" in names
+    # Every module and static file of the source, subpackages too (a new one must be in setup.cfg).
+    source = [
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "yieldproxy").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
+    ]
+    assert "yieldproxy/watchers/outage.py" in source
+    assert sorted(n for n in source if n not in names) == []
+    assert [n for n in names if re.fullmatch(r"yieldproxy-[^/]+\.dist-info/(licenses/)?LICENSE", n)]
+    # Only the example from etc/; the ops files stay in the sdist, the tests out of the wheel.
+    assert sorted(n for n in names if n.startswith("yieldproxy/etc/")) == ["yieldproxy/etc/yieldproxy.toml"]
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))]
