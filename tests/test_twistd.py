@@ -100,8 +100,10 @@ def test_a_listener_that_cannot_start_is_one_line(case, taken_port, tmp_path):
     assert "Traceback" not in output and "stderr#" not in output, output
     [error] = [text for text in output.splitlines() if "#critical]" in text]
     assert error.split("#critical] ", 1)[1].startswith(line), output
-    # twistd's two start lines, the proxy listener's two when the admin one fails, and the error.
-    assert len(output.splitlines()) <= 5, output
+    # twistd's two start lines, the proxy listener's two when the admin one fails, and the error
+    # (and, where the machine's hard limit is below what the defaults need, the open-file warning).
+    lines = [text for text in output.splitlines() if "[yieldproxy.limits#warn]" not in text]
+    assert len(lines) <= 5, output
 
 
 async def start_service(sim_port: int, *extra):
