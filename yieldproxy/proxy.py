@@ -15,26 +15,29 @@ from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from werkzeug.exceptions import NotFound
 
 from .classify import (
     MODEL_LOADING_PATHS,
     PASSTHROUGH,
+    UNLOAD_PATHS,
     BadBody,
     Classifier,
     api_family,
     header_class,
     is_loopback,
     is_unload,
-    parse_body,
 )
 from .config import Config
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
 from .gate import Gate
+from .gojson import read_request
 from .httpserver import ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
 from .requestlog import CLIENT_GONE, log_request
+from .target import BadTarget, Target, parse_target
 
 if TYPE_CHECKING:
     from .fallback import Fallback
@@ -66,11 +69,22 @@ class ProxyApp:
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
-        self._classifier = Classifier.from_rules(self._config.routes)
+        self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class)
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
         return Deferred.fromCoroutine(self._handle(request))
+
+    @app.handle_errors(NotFound)
+    def unroutable(self, request, failure):
+        """A path Klein's router cannot match (a decoded line break): a 400 in JSON, not its HTML 404."""
+        request.started_at = self._clock.seconds()
+        try:
+            parse_target(request.uri)
+            why = "request path cannot be routed"
+        except BadTarget as e:
+            why = str(e)
+        return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
     def site(self) -> ProxySite:
         return ProxySite(
@@ -84,10 +98,13 @@ class ProxyApp:
 
     async def _handle(self, request):
         request.started_at = self._clock.seconds()
-        path = request.path
-        api = api_family(path)
-        if not request.uri.startswith(b"/"):
-            return self._reject(request, PASSTHROUGH, api, 400, "bad_request", "request target must be a path")
+        # One canonical target, to classify and to forward: the upstream sees
+        # exactly the path the class was decided on (target.py).
+        try:
+            target = parse_target(request.uri)
+        except BadTarget as e:
+            return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
+        api = api_family(target.api_path)
         if request.too_large:
             return self._reject(
                 request,
@@ -123,48 +140,47 @@ class ProxyApp:
         # (Twisted's cleanup accepts None here).
         request.content = None
         try:
-            cls = self._class_of(request, body, wanted)
+            cls = self._class_of(request, target, body, wanted)
         except BadBody as e:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
-            return await self._passthrough(request, body, api)
+            return await self._passthrough(request, target, body, api)
         entry = Entry(cls=cls, size=len(body), api=api, max_wait=max_wait)
-        return await self._gated(request, entry, body)
+        return await self._gated(request, target, entry, body)
 
-    def _class_of(self, request, body: bytes, wanted: str | None) -> str:
-        """The request's class: a trusted header, else the route rules.
+    def _class_of(self, request, target: Target, body: bytes, wanted: str | None) -> str:
+        """The request's class: a trusted header, else the route rules and the allow-list.
 
-        While the GPU is yielded, two refinements keep Ollama from touching it:
-        model pulls and builds wait (as ``long``) instead of passing through,
-        and an unload request (``keep_alive: 0``, nothing to compute) passes
-        through instead of waiting, since it only frees memory.
+        The body is read as Ollama's Go decoder reads it (gojson.py).  While the
+        GPU is yielded, two refinements keep Ollama from touching it: model
+        pulls and builds wait (as ``long``) instead of passing through, and a
+        true unload request (see :func:`~yieldproxy.classify.is_unload`,
+        decided only on a small body read whole) passes through instead of
+        waiting, since it only frees memory.
         """
         method = request.method.decode("latin-1")
-        path = request.path.decode("latin-1").rstrip("/") or "/"
-        parsed = None
+        path = target.path
         if wanted is not None:
             cls = wanted
         else:
             model = None
             if self._classifier.needs_model(method, path):
-                parsed = parse_body(body)
-                model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+                model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
         if self._gate.yielded:
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
-            if cls != PASSTHROUGH and (parsed is not None or len(body) <= _UNLOAD_BODY_LIMIT):
-                if parsed is None:
-                    try:
-                        parsed = parse_body(body)
-                    except BadBody:
-                        return cls
-                if is_unload(path, parsed):
+            if cls != PASSTHROUGH and path in UNLOAD_PATHS and len(body) <= _UNLOAD_BODY_LIMIT:
+                try:
+                    parsed = read_request(body)
+                except BadBody:
+                    return cls
+                if is_unload(method, path, parsed):
                     return PASSTHROUGH
         return cls
 
-    async def _gated(self, request, entry: Entry, body: bytes):
+    async def _gated(self, request, target: Target, entry: Entry, body: bytes):
         # During a yield, a verified fallback may answer instead; if it does not, park as usual.
         if self._fallback is not None and await self._fallback.serve(request, entry, body):
             self._log(request, entry.cls, request.code, "fallback", entry, 0)
@@ -195,6 +211,7 @@ class ProxyApp:
             try:
                 status = await Attempt(
                     self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
+                    target=target.raw,
                 ).run()
             except RetryableFailure as failure:
                 failed = True
@@ -232,12 +249,12 @@ class ProxyApp:
             self._log(request, entry.cls, status, "ok", entry, entry.attempts + 1)
             return None
 
-    async def _passthrough(self, request, body: bytes, api: str):
+    async def _passthrough(self, request, target: Target, body: bytes, api: str):
         """Routes that never park: one attempt, failures reported as they are."""
         try:
             status = await Attempt(
                 self._clock, self._upstream, request, body,
-                self._config.upstream.attempt_timeout_seconds, retry_statuses=False,
+                self._config.upstream.attempt_timeout_seconds, retry_statuses=False, target=target.raw,
             ).run()
         except RetryableFailure as failure:
             self._gate.upstream_result(failure.reason)
