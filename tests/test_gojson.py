@@ -1,14 +1,23 @@
-"""Bodies read the way Ollama's Go decoder reads them."""
+"""Bodies read the way Ollama's Go decoder reads them; the fast model scan agrees with the full read."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from yieldproxy.gojson import BadBody, fold, go_duration, read_request
+from yieldproxy.gojson import (
+    FULL_READ_LIMIT,
+    BadBody,
+    find_model,
+    fold,
+    go_duration,
+    read_request,
+    scan_model,
+)
 
 SETTINGS = settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -88,3 +97,104 @@ def test_keep_alive_values_go_refuses(value):
     body = json.dumps({"keep_alive": value}).encode()
     request = read_request(body)
     assert "keep_alive" in request.type_errors or (value is None and "keep_alive" not in request.values)
+
+
+# -- the fast model scan ------------------------------------------------------------------------------
+
+_MODEL_SPELLINGS = ["model", "Model", "MODEL", "mODEL", "m\\u006fdel", "\\u004dodel", "MOD\\u0045L"]
+_OTHER_KEYS = ["models", "mode", "model_", "input", "prompt", "options", "\\u006dodels", "x", ""]
+_WS = st.sampled_from(["", " ", "\n", "\t", " \r\n "])
+_text = st.text(max_size=12)
+
+
+def _string(draw, value: str) -> str:
+    return json.dumps(value, ensure_ascii=draw(st.booleans()))
+
+
+@st.composite
+def json_text(draw, depth: int = 0):
+    """A JSON value as text, possibly holding nested "model" keys and string tricks."""
+    kind = draw(st.sampled_from(["str", "num", "lit", "arr", "obj"] if depth < 3 else ["str", "num", "lit"]))
+    if kind == "str":
+        return _string(draw, draw(st.one_of(_text, st.sampled_from(['"model":', "{[", "\\", '\\"', "]}"]))))
+    if kind == "num":
+        return draw(st.sampled_from(["0", "-1", "1.5e3", "12345678901234567890"]))
+    if kind == "lit":
+        return draw(st.sampled_from(["true", "false", "null"]))
+    if kind == "arr":
+        items = draw(st.lists(json_text(depth + 1), max_size=3))
+        return "[" + ",".join(draw(_WS) + item + draw(_WS) for item in items) + "]"
+    return json_object(draw, depth + 1)
+
+
+def json_object(draw, depth: int) -> str:
+    members = []
+    for _ in range(draw(st.integers(0, 4))):
+        key = draw(st.sampled_from(_MODEL_SPELLINGS + _OTHER_KEYS))
+        members.append(f'{draw(_WS)}"{key}"{draw(_WS)}:{draw(_WS)}{draw(json_text(depth))}{draw(_WS)}')
+    return "{" + ",".join(members) + "}"
+
+
+@st.composite
+def documents(draw):
+    """A valid JSON object whose top level names the model (or not) in Go's many spellings."""
+    members = []
+    for _ in range(draw(st.integers(0, 6))):
+        if draw(st.booleans()):
+            key = draw(st.sampled_from(_MODEL_SPELLINGS))
+            value = draw(st.one_of(st.just(None), _text.map(lambda t: _string(draw, t)), json_text(1)))
+            value = "null" if value is None else value
+        else:
+            key = draw(st.sampled_from(_OTHER_KEYS))
+            value = draw(json_text(0))
+        members.append(f'{draw(_WS)}"{key}"{draw(_WS)}:{draw(_WS)}{value}{draw(_WS)}')
+    return (draw(_WS) + "{" + ",".join(members) + "}" + draw(_WS)).encode("utf-8")
+
+
+@SETTINGS
+@given(documents())
+def test_the_scan_finds_the_model_the_full_read_finds(body):
+    json.loads(body)  # the generator makes valid JSON only
+    assert scan_model(body) == read_request(body).model
+
+
+@SETTINGS
+@given(documents(), st.integers(FULL_READ_LIMIT // 20, FULL_READ_LIMIT // 10))
+def test_large_bodies_find_the_same_model(body, pad_items):
+    """Past FULL_READ_LIMIT the model is scanned for, with the same answer as a full read."""
+    padding = b'"pad":[' + b",".join([b'"[{\\"model\\":\\"fake\\"}]"'] * pad_items) + b"]"
+    large = b"{" + padding + (b"," + body.strip()[1:] if body.strip() != b"{}" else b"}")
+    assert len(large) > FULL_READ_LIMIT
+    assert find_model(large) == read_request(large).model
+
+
+def test_the_scan_refuses_what_the_full_read_refuses():
+    for body in [b'{"model":"a"}{"model":"b"}', b'{"model":"a"} 1', b'"x"{"model":"a"}', b'[{"model":"a"}]',
+                 b'{"model":"a"', b'{"model":"a\xff"}', b'{"model":"a"]}']:
+        with pytest.raises(BadBody):
+            read_request(body)
+        with pytest.raises(BadBody):
+            scan_model(body)
+
+
+def test_the_scan_bounds_its_work_on_hostile_structures():
+    towers = b'{"model":"m","x":[' + b",".join([b"[" * 60 + b"]" * 60] * 200_000) + b"]}"
+    keys = b'{"model":"m","x":[' + b",".join([b'{"model":1}'] * 20_000) + b"]}"
+    for body in (towers, keys):
+        began = time.process_time()
+        with pytest.raises(BadBody):
+            scan_model(body)
+        assert time.process_time() - began < 3.0
+
+
+def test_a_30_mb_body_is_scanned_in_a_fraction_of_a_full_parse():
+    """Finding 8: a routes rule read a 30 MB body whole and stalled the reactor for seconds."""
+    body = json.dumps({"model": "m", "context": [7] * 10_000_000}).encode()
+    began = time.process_time()
+    full = read_request(body).model
+    full_seconds = time.process_time() - began
+    began = time.process_time()
+    scanned = find_model(body)
+    scan_seconds = time.process_time() - began
+    assert full == scanned == "m"
+    assert scan_seconds < full_seconds / 4, (scan_seconds, full_seconds)

@@ -964,6 +964,9 @@ def _model_rule_config():
     return attrs.evolve(config_with(), routes=(RouteRule(cls="passthrough", path="/api/embed", models=("small",)),))
 
 
+_PAD = ",".join(['"%s"' % ("x" * 60)] * 2000)  # well past the size where the body is scanned, not parsed
+
+
 @pytest.mark.parametrize(
     "body, passes",
     [
@@ -972,8 +975,13 @@ def _model_rule_config():
         (b'{"model":"small","model":null,"input":"a"}', True),
         (b'{"model":"small","model":5,"input":"a"}', False),
         (b'{"model":"small","input":"a"} {"model":"x"}', None),  # trailing data: a 400
+        (b'{"model":"small","input":[' + _PAD.encode() + b'],"Model":"llama3:70b"}', False),
+        (b'{"input":[' + _PAD.encode() + b'],"model":"small"}', True),
+        (b'{"input":[' + _PAD.encode() + b'],"model":"small","m\\u006fdel":"big"}', False),
+        (b'{"model":"small","input":[' + _PAD.encode() + b']} {"model":"x"}', None),
     ],
-    ids=["folded-dup", "folded-last", "null", "type-error", "trailing"],
+    ids=["folded-dup", "folded-last", "null", "type-error", "trailing",
+         "big-folded-dup", "big-last", "big-escaped-key", "big-trailing"],
 )
 @pytest_twisted.ensureDeferred
 async def test_model_rules_read_the_model_ollama_reads(body, passes):

@@ -25,8 +25,12 @@ them, Go refuses), data after the first JSON value (Go reads only the first
 value), invalid UTF-8 (Go replaces it with U+FFFD).  A lone UTF-16 surrogate
 escape (``"\\ud800"``) reads as U+FFFD, as in Go.
 
-:func:`read_request` parses a whole body and binds the fields the proxy
-reads (:data:`FIELDS`).
+:func:`read_request` parses a whole body (used for unload detection on small
+bodies).  :func:`scan_model` finds only the ``model`` of a large body without
+building it (used by ``[[routes]]`` model rules): it skips what it does not
+need with C-speed string operations and gives the same answer as
+:func:`read_request` on every valid JSON object (a Hypothesis property in
+``tests/test_gojson.py`` checks this).
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ import re
 from typing import Any, Iterable
 
 import attrs
+
+#: Bodies up to this size are parsed whole; above it the model is scanned for.
+FULL_READ_LIMIT = 64 * 1024
+#: Nesting the scanner follows before it gives up (a 400): real requests nest a
+#: dozen levels; a body nested this deep and this large is an attack on the CPU.
+SCAN_MAX_DEPTH = 128
+#: Bytes of bracket structure the scanner may go over while checking it (a 400 past it).
+SCAN_MAX_WORK = 32 * 1024 * 1024
+#: ``model`` keys at any depth the scanner checks before it gives up (a 400).
+SCAN_MAX_MODEL_KEYS = 10_000
 
 
 class BadBody(ValueError):
@@ -291,3 +305,126 @@ def read_request(body: bytes) -> GoRequest:
     if not isinstance(value, _Pairs):
         raise BadBody("request body must be a JSON object")
     return _bind(value)
+
+
+# -- a large body: the model only ------------------------------------------------------------
+
+#: Keeps quotes and brackets (``{}`` read as ``[]``), drops every other byte.
+_STRUCTURE = bytes.maketrans(b"{}", b"[]")
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'"[]{}')
+_WHITESPACE = b" \t\r\n"
+#: A key Go binds to ``model``: each letter as itself, in either case, or as a
+#: ``\u00XX`` escape (no rune outside ASCII folds to m, o, d, e or l).
+_MODEL_KEY = re.compile(
+    rb'"(?:[mM]|\\u00[46][dD])(?:[oO]|\\u00[46][fF])(?:[dD]|\\u00[46]4)'
+    rb'(?:[eE]|\\u00[46]5)(?:[lL]|\\u00[46][cC])"[ \t\r\n]*:[ \t\r\n]*'
+)
+
+
+def _unescaped(body: bytes) -> bytes:
+    """``body`` with each ``\\\\`` and ``\\"`` escape replaced by two ``_`` (same offsets).
+
+    What is left of ``"`` then delimits strings, so a split or a count on it
+    tells strings from structure.
+    """
+    if b"\\" not in body:
+        return body
+    return body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+
+
+def _brackets(segment: bytes) -> bytes:
+    """The brackets of ``segment`` (which starts outside a string) that are outside strings.
+
+    Everything but quotes and brackets is dropped first (C speed, no object
+    per string); adjacent quotes are then removed in pairs, which keeps every
+    bracket on its side of the strings; only strings holding brackets are
+    left to split off.
+    """
+    kept = segment.translate(_STRUCTURE, _NOT_STRUCTURE)
+    while b'""' in kept:
+        kept = kept.replace(b'""', b"")
+    if b'"' in kept:
+        kept = b"".join(kept.split(b'"')[0::2])
+    return kept
+
+
+def _depth_change(segment: bytes) -> int:
+    brackets = _brackets(segment)
+    return 2 * brackets.count(b"[") - len(brackets)
+
+
+def _check_one_object(brackets: bytes) -> None:
+    """``brackets`` (``[`` and ``]``) is one group: the top-level object, and nothing after it.
+
+    Innermost pairs are removed pass after pass (one nesting level each, at
+    C speed); the work is bounded, so a body built of deep narrow towers
+    cannot hold the reactor.
+    """
+    inner = brackets[1:-1]
+    work = 0
+    for _ in range(SCAN_MAX_DEPTH):
+        if not inner:
+            return
+        work += len(inner)
+        if work > SCAN_MAX_WORK:
+            break
+        shorter = inner.replace(b"[]", b"")
+        if len(shorter) == len(inner):
+            raise BadBody("request body is not valid JSON or has data after the JSON object")
+        inner = shorter
+    if inner:
+        raise BadBody(f"request body is nested too deeply to read (more than {SCAN_MAX_DEPTH} levels, or too many deep ones)")
+
+
+def scan_model(body: bytes) -> str | None:
+    """The model :func:`read_request` would find, without building the body.
+
+    The brackets outside strings must close the one top-level object exactly
+    at its end (no trailing data); then each ``"model":`` key a regex finds
+    counts only at depth 1.  Every pass over the bytes runs at C speed; the
+    Python work is per ``model`` key and per nesting level, both bounded.
+    Values it skips are not checked: a body that is not JSON there is one
+    Ollama refuses (400) whatever its class.
+    """
+    if not body.isascii():
+        _text(body)  # validity only
+    masked = _unescaped(body)
+    start = len(masked) - len(masked.lstrip(_WHITESPACE))
+    if masked[start:start + 1] != b"{":
+        raise BadBody("request body must be a JSON object")
+    if masked.rstrip(_WHITESPACE)[-1:] != b"}":
+        raise BadBody("request body is not valid JSON or has data after the JSON object")
+    if masked.count(b'"') % 2:
+        raise BadBody("request body is not valid JSON: unterminated string")
+    _check_one_object(_brackets(masked))
+    model: str | None = None
+    failed = False
+    depth = 0
+    last = 0
+    # Searched in the masked bytes: every quote there delimits a string, and
+    # escapes of letters (\u006d...) are left as they are.
+    for n, match in enumerate(_MODEL_KEY.finditer(masked)):
+        if n >= SCAN_MAX_MODEL_KEYS:
+            raise BadBody(f"request body has more than {SCAN_MAX_MODEL_KEYS} 'model' keys")
+        key = match.start()
+        depth += _depth_change(masked[last:key])
+        last = key
+        if depth != 1:
+            continue
+        value = match.end()
+        if body[value:value + 1] == b'"':
+            end = masked.find(b'"', value + 1)
+            try:
+                model = _go_string(json.loads(body[value:end + 1].decode("utf-8")))
+            except ValueError as e:
+                raise BadBody(f"request body is not valid JSON: {e}") from None
+        elif not body.startswith(b"null", value):
+            failed = True
+    return None if failed else model
+
+
+def find_model(body: bytes) -> str | None:
+    """The model Ollama reads from ``body``: parsed whole when small, scanned for when large."""
+    if len(body) <= FULL_READ_LIMIT:
+        return read_request(body).model
+    return scan_model(body)

@@ -32,7 +32,7 @@ from .config import Config
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, RelayBroken, RetryableFailure, Upstream
 from .gate import Gate
-from .gojson import read_request
+from .gojson import FULL_READ_LIMIT, read_request, scan_model
 from .httpserver import ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
@@ -151,12 +151,15 @@ class ProxyApp:
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
 
-        The body is read as Ollama's Go decoder reads it (gojson.py).  While the
-        GPU is yielded, two refinements keep Ollama from touching it: model
-        pulls and builds wait (as ``long``) instead of passing through, and a
-        true unload request (see :func:`~yieldproxy.classify.is_unload`,
-        decided only on a small body read whole) passes through instead of
-        waiting, since it only frees memory.
+        The body is read as Ollama's Go decoder reads it (gojson.py): whole when
+        small, scanned for its model when large.  The scan never decides
+        passthrough alone: a model rule that would pass the request is
+        confirmed on the whole body.  While the GPU is yielded, two refinements
+        keep Ollama from touching it: model pulls and builds wait (as ``long``)
+        instead of passing through, and a true unload request (see
+        :func:`~yieldproxy.classify.is_unload`, decided only on a small body
+        read whole) passes through instead of waiting, since it only frees
+        memory.
         """
         method = request.method.decode("latin-1")
         path = target.path
@@ -165,7 +168,12 @@ class ProxyApp:
         else:
             model = None
             if self._classifier.needs_model(method, path):
-                model = read_request(body).model
+                if len(body) <= FULL_READ_LIMIT:
+                    model = read_request(body).model
+                else:
+                    model = scan_model(body)
+                    if self._classifier.classify(method, path, model) == PASSTHROUGH:
+                        model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
         if self._gate.yielded:
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
