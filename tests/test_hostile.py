@@ -999,3 +999,24 @@ async def test_model_rules_read_the_model_ollama_reads(body, passes):
             await _assert_parks_then_goes(stack, data, b"POST /api/embed HTTP/1.1", body)
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_header_bytes_of_parked_requests_count_in_parked_bytes():
+    """Headers are held in memory while parked, like the body: parking.max_parked_bytes bounds them too."""
+    stack = await _yielded_recording_stack(config_with(parking={"max_parked_bytes": 8192}))
+    try:
+        padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
+        first = raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED), timeout=20)
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
+        assert stack.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
+        assert stack.sample("yieldproxy_parked_bytes") == stack.proxy.lot.parked_bytes
+        # A second such request would hold more than 8 KiB: refused at once, small as its body is.
+        second = await raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+        assert "bytes held" in assert_json_error(second, 503)["error"]
+        assert len(stack.proxy.lot) == 1
+        stack.proxy.state.release("test")
+        assert (await first).status == 200
+        assert stack.proxy.lot.parked_bytes == 0
+    finally:
+        await stack.stop()

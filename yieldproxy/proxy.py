@@ -53,6 +53,15 @@ def _peer_host(request) -> str | None:
     return getattr(peer, "host", None)
 
 
+def _head_size(request) -> int:
+    """Bytes of the request line and header lines: held in memory while parked, like the body."""
+    size = len(request.method) + len(request.uri) + len(request.clientproto) + 4
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        for value in values:
+            size += len(name) + len(value) + 4
+    return size + 2
+
+
 @attrs.define(eq=False)
 class ProxyApp:
     """The Klein app of the proxy listener."""
@@ -145,7 +154,8 @@ class ProxyApp:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
             return await self._passthrough(request, target, body, api)
-        entry = Entry(cls=cls, size=len(body), api=api, max_wait=max_wait)
+        # Headers are held while parked too: they count against parking.max_parked_bytes.
+        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait)
         return await self._gated(request, target, entry, body)
 
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None) -> str:
