@@ -19,6 +19,12 @@ this module with it:
 - a value of the wrong type for its field makes the whole decode fail
   (Ollama answers 400 and runs nothing).
 
+Go 1.25+ can build ``encoding/json`` on ``encoding/json/v2`` (the ``jsonv2``
+experiment); its v1 options (``DefaultOptionsV1`` in ``v2_options.go``:
+``MatchCaseInsensitiveNames`` with ``MatchCaseSensitiveDelimiter``,
+``AllowDuplicateNames``, ``AllowInvalidUTF8``, ``MergeWithLegacySemantics``)
+keep every rule above.
+
 Where Python and Go disagree on the bytes themselves, this module refuses
 (:class:`BadBody`) rather than guess: ``NaN``/``Infinity`` (Python reads
 them, Go refuses), data after the first JSON value (Go reads only the first
@@ -85,16 +91,19 @@ SLICE = "slice"
 #: ``*api.Duration`` (``keep_alive``): ``null`` unsets it; see :func:`go_duration`.
 DURATION = "duration"
 
-#: The fields the proxy reads, by JSON name, with their Go kind.
+#: The fields the proxy reads, by JSON name, with their Go kind.  In Ollama's
+#: api/types.go at fb30760996871fa9460115c753afd2c60d4ab0f7: GenerateRequest
+#: ``Model string``, ``Prompt string`` (line 68), ``KeepAlive *Duration``
+#: (94); ChatRequest ``Messages []Message`` (138), ``KeepAlive *Duration``
+#: (148).  Bound by gin v1.10.0's ``ShouldBindJSON`` (``json.NewDecoder(...)
+#: .Decode``: the first JSON value only) in each handler (server/routes.go
+#: 248, 2444).
 FIELDS = {"model": STRING, "prompt": STRING, "messages": SLICE, "keep_alive": DURATION}
 _FOLDED_FIELDS = {fold(name): name for name in FIELDS}
 
 
 class _TypeError(Exception):
     """The value does not decode into its field; Go's decode (and Ollama's request) fails."""
-
-
-_UNSET = object()
 
 
 @attrs.frozen
@@ -173,7 +182,8 @@ _MAX_INT64 = 2**63 - 1
 def go_duration(value: Any) -> int:
     """Nanoseconds of an ``api.Duration`` decoded from ``value`` (a JSON value).
 
-    Ollama's ``api/types.go`` (``Duration.UnmarshalJSON``): a number is
+    Ollama's ``api/types.go`` (``Duration.UnmarshalJSON``, line 1243 at
+    fb30760996871fa9460115c753afd2c60d4ab0f7): a number is
     seconds, ``time.Duration(t * float64(time.Second))``, a negative one
     means forever; a string is a Go duration (``time.ParseDuration``), a
     negative one forever too; anything else is an error.
