@@ -837,6 +837,26 @@ async def test_disguised_targets_park_and_reach_the_upstream_in_canonical_form(t
         await stack.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_route_rules_match_the_canonical_path():
+    from yieldproxy.config import RouteRule
+
+    rules = (RouteRule(cls="long", path="/api/embed"), RouteRule(cls="batch", prefix="/api/experimental/"))
+    stack = await _yielded_recording_stack(attrs.evolve(config_with(), routes=rules))
+    try:
+        for target, cls in [(b"/api/%65mbed/", "long"), (b"/api//experimental/./x", "batch")]:
+            answer = raw(stack, request_bytes(b"POST", target, body=EMBED), timeout=20)
+            await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get(cls) == 1)
+            stack.proxy.state.release("test")
+            assert (await answer).status == 200
+            stack.proxy.state.hold("test", "a game")
+        assert [head.split(b"\r\n")[0] for head in stack.echo.heads] == [
+            b"POST /api/embed HTTP/1.1", b"POST /api/experimental/x HTTP/1.1",
+        ]
+    finally:
+        await stack.stop()
+
+
 @pytest.mark.parametrize(
     "target",
     [
