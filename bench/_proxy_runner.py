@@ -63,6 +63,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default="", help="write cProfile stats here on exit")
     p.add_argument("--backlog", type=int, default=0, help="proxy listen backlog (0: the endpoint's own, 50 for tcp:)")
     p.add_argument("--log-level", default="info", help="twisted log level (stderr)")
+    p.add_argument("--config", default="", help="a yieldproxy.toml to start from (the other options override it)")
     args = p.parse_args(argv)
 
     if args.nofile:
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     )
 
     import yieldproxy
-    from yieldproxy.config import Config
+    from yieldproxy.config import Config, load
     from yieldproxy.service import build
 
     # Log as `twistd -n` would (to stderr, which the parent sends to a file),
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
         overrides["parking.max_parked"] = args.max_parked
     if args.replay_concurrency:
         overrides["replay.concurrency"] = args.replay_concurrency
-    config = Config().with_overrides(**overrides)
+    config = (load(args.config) if args.config else Config()).with_overrides(**overrides)
     proxy = build(reactor, config)
     proxy_endpoint = with_port(config.proxy.listen, free_port(), args.backlog)
     admin_endpoint = with_port(config.admin.listen, free_port())

@@ -40,7 +40,8 @@ class Stamp(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = b""
+        # A bytearray: appending to bytes would copy a 30 MB body over and over.
+        self.buf = bytearray()
         self.started: float | None = None
 
     def data_received(self, data: bytes) -> None:
@@ -52,7 +53,7 @@ class Stamp(asyncio.Protocol):
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            head = self.buf[:end].lower()
+            head = bytes(self.buf[:end]).lower()
             length = 0
             for line in head.split(b"\r\n")[1:]:
                 if line.startswith(b"content-length:"):
@@ -60,7 +61,7 @@ class Stamp(asyncio.Protocol):
             total = end + 4 + length
             if len(self.buf) < total:
                 return
-            self.buf = self.buf[total:]
+            del self.buf[:total]
             close = b"connection: close" in head
             if head.startswith(b"post "):
                 stamps.append(self.started)

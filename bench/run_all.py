@@ -22,6 +22,7 @@ SCRIPTS = {
     "latency": 240,
     "parked_memory": 240,
     "resume_latency": 180,
+    "large_body": 180,
 }
 
 

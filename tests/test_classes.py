@@ -12,7 +12,8 @@ from twisted.internet import reactor
 
 from helpers import config_with, in_thread, make_core, start_stack, wait_for
 from test_parking import finish, park, released
-from yieldproxy.classify import BadBody, Classifier, is_unload, parse_body
+from yieldproxy.classify import BadBody, Classifier, is_unload, runs_no_model
+from yieldproxy.gojson import read_request
 from yieldproxy.sim import expected_embedding
 from yieldproxy.config import RouteRule
 
@@ -28,6 +29,45 @@ def test_default_routes():
     assert c.classify("POST", "/v1/completions") == "interactive"
     assert c.classify("GET", "/api/tags") == "passthrough"
     assert c.classify("POST", "/api/pull") == "passthrough"
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/audio/transcriptions"])
+def test_every_model_route_of_ollama_has_a_parkable_default_class(path):
+    assert Classifier.from_rules(()).classify("POST", path) == "interactive"
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/"), ("HEAD", "/"), ("GET", "/api/version"), ("HEAD", "/api/version"), ("GET", "/api/status"),
+        ("GET", "/api/tags"), ("HEAD", "/api/tags"), ("GET", "/api/ps"), ("POST", "/api/show"),
+        ("GET", "/v1/models"), ("GET", "/v1/models/llama3.2:latest"), ("HEAD", "/api/blobs/sha256:ab12"),
+        ("POST", "/api/blobs/sha256:ab12"), ("POST", "/api/copy"), ("DELETE", "/api/delete"), ("POST", "/api/push"),
+        ("POST", "/api/me"), ("POST", "/api/signout"), ("DELETE", "/api/user/keys/abc"),
+        ("OPTIONS", "/api/embed"), ("OPTIONS", "/v1/chat/completions"),
+    ],
+)
+def test_passthrough_is_an_allow_list_of_routes_that_run_no_model(method, path):
+    assert runs_no_model(method, path)
+    assert Classifier.from_rules(()).classify(method, path) == "passthrough"
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/api/embed/x"), ("POST", "/api/tags"), ("GET", "/api/show"), ("HEAD", "/api/ps"),
+        ("GET", "/v1/models/library/llama3"), ("POST", "/api/blobs/a/b"), ("GET", "/API/TAGS"),
+        ("POST", "/api/experimental/web_search"), ("POST", "/some/new/route"), ("GET", "/favicon.ico"),
+    ],
+)
+def test_an_unknown_route_gets_the_unknown_route_class(method, path):
+    assert not runs_no_model(method, path)
+    assert Classifier.from_rules(()).classify(method, path) == "interactive"
+    assert Classifier.from_rules((), unknown_class="batch").classify(method, path) == "batch"
+    assert Classifier.from_rules((), unknown_class="passthrough").classify(method, path) == "passthrough"
+    # A rule still comes first.
+    rule = RouteRule(cls="long", path=path)
+    assert Classifier.from_rules((rule,), unknown_class="passthrough").classify(method, path) == "long"
 
 
 def test_first_matching_rule_wins_with_method_prefix_and_model():
@@ -47,19 +87,68 @@ def test_first_matching_rule_wins_with_method_prefix_and_model():
     assert c.classify("POST", "/api/embed", None) == "batch"
 
 
+def _unload(path: str, body: bytes, method: str = "POST") -> bool:
+    return is_unload(method, path, read_request(body))
+
+
 def test_unload_requests_are_recognised():
-    assert is_unload("/api/generate", {"model": "m", "keep_alive": 0})
-    assert is_unload("/api/embed", {"model": "m", "keep_alive": "0", "input": []})
-    assert not is_unload("/api/generate", {"model": "m", "keep_alive": 0, "prompt": "hi"})
-    assert not is_unload("/api/generate", {"model": "m"})
-    assert not is_unload("/api/tags", {"keep_alive": 0})
+    assert _unload("/api/generate", b'{"model": "m", "keep_alive": 0}')
+    assert _unload("/api/generate", b'{"model": "m", "keep_alive": "0s", "prompt": ""}')
+    assert _unload("/api/chat", b'{"model": "m", "keep_alive": 0, "messages": []}')
+    assert _unload("/api/chat", b'{"model": "m", "keep_alive": "0m"}')
+    assert not _unload("/api/generate", b'{"model": "m", "keep_alive": 0, "prompt": "hi"}')
+    assert not _unload("/api/generate", b'{"model": "m"}')
+    assert not _unload("/api/generate", b'{"model": "m", "keep_alive": 0}', method="PUT")
+    assert not _unload("/api/tags", b'{"keep_alive": 0}')
+
+
+def test_embed_with_keep_alive_0_loads_the_model_so_it_is_no_unload():
+    """EmbedHandler schedules the runner before anything else (routes.go:854)."""
+    assert not _unload("/api/embed", b'{"model": "m", "keep_alive": 0}')
+    assert not _unload("/api/embed", b'{"model": "m", "keep_alive": "0", "input": []}')
+    assert not _unload("/api/embeddings", b'{"model": "m", "keep_alive": 0}')
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"keep_alive": 0, "Prompt": "hi", "model": "m"}',  # case-folded key
+        b'{"keep_alive": 0, "PROMPT": "hi", "model": "m"}',
+        b'{"keep_alive": 0, "prompt": "", "prompt": "hi", "model": "m"}',  # the last duplicate wins
+        b'{"keep_al\\u0131ve": 0, "model": "m"}',  # dotless i does not fold to i: keep_alive unset, a load
+        b'{"keep_alive": 0, "keep_alive": null, "model": "m"}',  # null unsets the pointer
+        b'{"keep_alive": 0, "keep_alive": "5m", "model": "m"}',
+        b'{"keep_alive": 0, "prompt": 5, "model": "m"}',  # a type error: Ollama refuses it
+    ],
+)
+def test_disguised_generations_are_no_unload(body):
+    assert not _unload("/api/generate", body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"KEEP_ALIVE": 0, "model": "m"}',
+        b'{"\\u212aeep_alive": 0, "model": "m"}',  # Kelvin sign folds to k
+        b'{"prompt": "hi", "keep_alive": 0, "Prompt": ""}',  # the last duplicate wins
+        b'{"prompt": null, "keep_alive": 1e-10, "model": "m"}',  # null leaves a string alone; 0.1 ns is 0
+    ],
+)
+def test_unloads_in_go_spelling_are_unloads(body):
+    assert _unload("/api/generate", body)
+
+
+def test_disguised_chats_are_no_unload():
+    assert not _unload("/api/chat", b'{"keep_alive": 0, "Messages": [{"role": "user", "content": "hi"}]}')
+    assert not _unload("/api/chat", b'{"keep_alive": 0, "messages": {}}')
+    assert _unload("/api/chat", b'{"keep_alive": 0, "messages": [{"role": "user"}], "MESSAGES": []}')
 
 
 def test_bad_bodies_are_named():
     with pytest.raises(BadBody, match="not valid JSON"):
-        parse_body(b"{model")
+        read_request(b"{model")
     with pytest.raises(BadBody, match="JSON object"):
-        parse_body(b'["m"]')
+        read_request(b'["m"]')
 
 
 # -- drain order ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from twisted.internet import reactor
 
@@ -414,5 +414,179 @@ async def test_admin_listener_logs_no_traceback_for_non_utf8_host_or_path(where)
             response = await in_thread(reactor, exchange, port_of(stack.admin_url), data, 10, timeout=30)
         assert 400 <= response.status < 500
         assert logs.errors() == []
+    finally:
+        await stack.stop()
+
+
+# -- disguised model calls through a yield ----------------------------------------------------------
+#
+# Generated targets and bodies in the shapes that once passed a yield: percent-
+# encoded, dot-segmented, slashed and fragmented targets; keys in Go's case-
+# folded spellings, duplicated, with values Go reads its own way.  The oracle
+# is built from how each request was made (Ollama's route table and Go's
+# binding rules, written out here), not from the proxy's classifier.
+
+#: Ollama's routes (server/routes.go, GenerateRoutes) that run a model, or load one onto the GPU.
+MODEL_CALL_ROUTES = {
+    "/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/v1/chat/completions", "/v1/completions",
+    "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/audio/transcriptions", "/api/pull", "/api/create",
+}
+DISGUISE_ROUTES = sorted(MODEL_CALL_ROUTES) + ["/api/tags", "/api/show", "/api/ps", "/v1/models", "/api/unknown"] + [
+    "/api/generate", "/api/chat"] * 4  # where an unload can hide: weighted up
+
+#: Key spellings Go binds to each field, and spellings it does not.
+BINDS = {
+    "model": ["model", "Model", "MODEL", "m\\u006fdel"],
+    "prompt": ["prompt", "Prompt", "PROMPT", "pr\\u006fmpt"],
+    "messages": ["messages", "Messages", "MESSAGES", "me\\u017fsages", "me\u017fsages"],
+    "keep_alive": ["keep_alive", "KEEP_ALIVE", "Keep_Alive", "\\u212aeep_alive", "\u212aeep_alive"],
+}
+NEVER_BINDS = {
+    "prompt": ["prompt ", "pr0mpt", "_prompt"],
+    "messages": ["message", "messages_"],
+    "keep_alive": ["keep_al\\u0131ve", "keep_al\u0131ve", "keepalive", "keep-alive"],
+}
+#: Values by field, each with how Go binds it: ("zero" | "nonzero" | "empty" | "full" | "null" | "error").
+VALUES = {
+    "model": [('"m"', "full"), ("null", "null"), ("5", "error")],
+    "prompt": [('""', "empty"), ('"hi"', "full"), ("null", "null"), ("5", "error")],
+    "messages": [("[]", "empty"), ('[{"role":"user","content":"hi"}]', "full"), ("null", "null"), ("{}", "error")],
+    "keep_alive": [
+        ("0", "zero"), ('"0"', "zero"), ('"0s"', "zero"), ("-0.0", "zero"), ("1e-10", "zero"), ('"0.5ns"', "zero"),
+        ("5", "nonzero"), ('"5m"', "nonzero"), ("-1", "nonzero"), ('"-1s"', "nonzero"),
+        ("null", "null"), ('"bad"', "error"), ("true", "error"),
+    ],
+}
+
+
+@st.composite
+def disguised_target(draw):
+    """A route, written the way a client may disguise it, and the route Go would serve it as."""
+    route = draw(st.sampled_from(DISGUISE_ROUTES)).encode()
+    segments = []
+    for segment in route.split(b"/")[1:]:
+        if draw(st.sampled_from([True] + [False] * 7)):
+            segment = segment.upper()  # gin's routes are case-sensitive: an unknown route
+        segments.append(b"".join(
+            (b"%%%02x" if draw(st.booleans()) else b"%%%02X") % c if draw(st.sampled_from([1, 0, 0, 0])) else bytes((c,))
+            for c in segment
+        ))
+        extra = draw(st.sampled_from([None] * 7 + [".", "..", ""]))
+        if extra == ".":
+            segments.append(b".")
+        elif extra == "..":
+            segments.extend([b"tags", b".."])
+        elif extra == "":
+            segments.append(b"")
+    target = b"/" + b"/".join(segments)
+    target += draw(st.sampled_from([b""] * 6 + [b"/", b"//", b"?x=1", b"?x=%41", b"#frag", b"?a#b"]))
+    head, rest = target[:1], target[1:]
+    trick = draw(st.sampled_from([None] * 12 + ["%2F", "%2e%2e", "backslash", "climb"]))
+    if trick == "%2F":
+        target = head + rest.replace(b"/", b"%2F", 1)
+    elif trick == "%2e%2e":
+        target = b"/api/%2e%2e" + target
+    elif trick == "backslash":
+        target = head + rest.replace(b"/", b"%5C" if draw(st.booleans()) else b"\\", 1)
+    elif trick == "climb":
+        target = b"/.." + target
+    return target
+
+
+@st.composite
+def disguised_body(draw):
+    """A JSON body as members in order, each noted with how Go binds it; maybe mangled afterwards."""
+    # Half of them start as an unload (a model, keep_alive 0) that other members may undo.
+    fields = ["model", "keep_alive"] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(0, 4))):
+        fields.insert(draw(st.integers(0, len(fields))), draw(st.sampled_from(sorted(BINDS))))
+    members, binding = [], []
+    for field in fields:
+        value, kind = draw(st.sampled_from(VALUES[field]))
+        if field in NEVER_BINDS and draw(st.integers(0, 3)) == 0:
+            key = draw(st.sampled_from(NEVER_BINDS[field]))
+        else:
+            key = draw(st.sampled_from(BINDS[field]))
+            binding.append((field, kind))
+        members.append(f'"{key}":{value}')
+    body = ("{" + ",".join(members) + "}").encode("utf-8")
+    mangle = draw(st.integers(0, 9))
+    if mangle == 0:
+        body += b' {"prompt":"hi"}'  # Go reads the first value only
+    elif mangle == 1:
+        body = body.replace(b"0", b"NaN", 1)
+    elif mangle == 2:
+        body = body[:-1] + b',"x":"\xff"}'
+    return body, binding, mangle in (0, 1, 2)
+
+
+def go_unloads(path: str, binding, mangled: bool) -> bool:
+    """True when Ollama would unload (and load nothing) for this body on ``path`` (POST)."""
+    if mangled or path not in ("/api/generate", "/api/chat"):
+        return False
+    state = {}
+    for field, kind in binding:
+        if kind == "error":
+            return False  # Ollama refuses the request: no unload either
+        if kind == "null":
+            if field in ("keep_alive", "messages"):
+                state.pop(field, None)
+            continue  # a string field keeps its value
+        state[field] = kind
+    empty = state.get("prompt" if path == "/api/generate" else "messages", "empty") == "empty"
+    return state.get("keep_alive") == "zero" and empty
+
+
+def _received_route(head: bytes) -> tuple[str, str]:
+    method, target, _ = head.split(b"\r\n")[0].split(b" ")
+    return method.decode(), unquote_to_bytes(target.partition(b"?")[0]).decode("utf-8")
+
+
+@pytest_twisted.ensureDeferred
+async def test_fuzzed_disguises_during_a_yield_never_reach_the_upstream_as_a_model_call():
+    """No disguise of target or body gets a model call to a yielded GPU; no 500, no traceback."""
+    zero = {"hold_seconds": 0.0}
+    stack = await recording_stack(config_with(classes={"interactive": zero, "batch": zero, "long": zero}))
+    port = port_of(stack.proxy_url)
+    stack.proxy.state.hold("fuzz", "yielded for the fuzzing")
+    outcomes = {"passed": 0, "parked": 0, "refused": 0, "unloads": 0}
+
+    @SETTINGS
+    @given(st.sampled_from([b"POST"] * 6 + [b"GET", b"HEAD", b"OPTIONS", b"DELETE"]), disguised_target(), disguised_body())
+    # True unloads behind disguised targets, every run (random ones are rarer).
+    @example(b"POST", b"/api/%67enerate/", (b'{"model":"m","KEEP_ALIVE":0}', [("model", "full"), ("keep_alive", "zero")], False))
+    @example(b"POST", b"//api/tags/../chat", (b'{"\\u212aeep_alive":"0s","Messages":[]}', [("keep_alive", "zero"), ("messages", "empty")], False))
+    def fuzz(method, target, made):
+        body, binding, mangled = made
+        before = len(stack.echo.heads)
+        response = exchange(port, request_bytes(method, target, body=body), timeout=10)
+        assert response.status != 0 and (response.status < 500 or response.status == 503), response.raw[:300]
+        if response.status >= 400 and method != b"HEAD":
+            assert "error" in response.json()
+        received = stack.echo.heads[before:]
+        if response.status == 503:
+            outcomes["parked"] += 1
+            assert received == []
+        elif response.status == 400:
+            outcomes["refused"] += 1
+            assert received == []
+        for head in received:
+            outcomes["passed"] += 1
+            got_method, path = _received_route(head)
+            assert b"#" not in head.split(b"\r\n")[0] and "//" not in path and "/./" not in path + "/"
+            if path in MODEL_CALL_ROUTES and got_method == "POST":
+                assert go_unloads(path, binding, mangled), (
+                    f"a model call reached the upstream during a yield: {head[:200]!r} {body[:300]!r}"
+                )
+                outcomes["unloads"] += 1
+
+    try:
+        with LogCapture() as logs:
+            await in_thread(reactor, fuzz, timeout=TIMEOUT)
+        assert logs.errors() == []
+        assert min(outcomes.values()) > 0, outcomes  # every path was taken, true unloads too
+        assert len(stack.proxy.lot) == 0 and stack.proxy.replayer.inflight == 0
+        stack.proxy.state.release("fuzz")
+        await assert_still_serving(stack)
     finally:
         await stack.stop()

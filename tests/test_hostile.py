@@ -13,6 +13,7 @@ import json
 import socket
 import time
 
+import attrs
 import httpx
 import pytest
 import pytest_twisted
@@ -84,7 +85,8 @@ async def test_absolute_uri_and_connect_never_reach_another_host():
         upstream_host = stack.proxy.upstream.url.removeprefix("http://").encode()
         for index in range(2):
             assert stack.echo.header_values(index, b"host") == [upstream_host]
-        assert stack.echo.heads[1].split(b"\r\n")[0] == b"GET //" + target + b"/api/tags HTTP/1.1"
+        # ...and reaches the upstream as a path, its slashes collapsed (target.py).
+        assert stack.echo.heads[1].split(b"\r\n")[0] == b"GET /" + target + b"/api/tags HTTP/1.1"
         with pytest.raises(BlockingIOError):
             decoy.accept()
     finally:
@@ -782,5 +784,264 @@ async def test_request_read_timeout_setting_reaches_the_listener():
     stack = await start_stack(reactor, config_with(proxy={"request_read_timeout_seconds": 2.0}))
     try:
         assert stack.proxy.proxy_app.site().request_read_timeout == 2.0
+    finally:
+        await stack.stop()
+
+
+# -- disguised model calls during a yield ------------------------------------------------------
+#
+# The upstream sees exactly what the proxy classified: a target it would read
+# as a model route parks (and reaches the upstream in canonical form after the
+# resume) or is refused; a body Ollama would read as a generation or a load
+# parks; only true unloads pass.
+
+
+async def _yielded_recording_stack(config=None):
+    stack = await recording_stack(config)
+    stack.proxy.state.hold("test", "a game")
+    return stack
+
+
+async def _assert_parks_then_goes(stack, data: bytes, request_line: bytes, body: bytes | None = None):
+    """``data`` parks (nothing reaches the upstream), then goes exactly as ``request_line`` on resume."""
+    answer = raw(stack, data, timeout=20)
+    await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
+    await sleep(reactor, 0.2)
+    assert stack.echo.heads == [], stack.echo.heads
+    stack.proxy.state.release("test")
+    response = await answer
+    assert response.status == 200, response.raw[:300]
+    assert [head.split(b"\r\n")[0] for head in stack.echo.heads] == [request_line]
+    if body is not None:
+        assert stack.echo.bodies == [body]
+
+
+@pytest.mark.parametrize(
+    "target, canonical",
+    [
+        (b"/api/%65mbed", b"/api/embed"),
+        (b"/api/%65%6D%62%65%64", b"/api/embed"),
+        (b"/api/%65mbed?x=%41", b"/api/embed?x=%41"),
+        (b"/api/tags/../embed", b"/api/embed"),
+        (b"/api/./embed", b"/api/embed"),
+        (b"//api//embed", b"/api/embed"),
+        (b"/api/embed/", b"/api/embed"),
+        (b"/api/embed//", b"/api/embed"),
+        (b"/v1/%65mbeddings", b"/v1/embeddings"),
+        (b"/some/new/route", b"/some/new/route"),  # unknown: parks, unchanged
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_disguised_targets_park_and_reach_the_upstream_in_canonical_form(target, canonical):
+    stack = await _yielded_recording_stack()
+    try:
+        await _assert_parks_then_goes(
+            stack, request_bytes(b"POST", target, body=EMBED), b"POST " + canonical + b" HTTP/1.1", EMBED
+        )
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_route_rules_match_the_canonical_path():
+    from yieldproxy.config import RouteRule
+
+    rules = (RouteRule(cls="long", path="/api/embed"), RouteRule(cls="batch", prefix="/api/experimental/"))
+    stack = await _yielded_recording_stack(attrs.evolve(config_with(), routes=rules))
+    try:
+        for target, cls in [(b"/api/%65mbed/", "long"), (b"/api//experimental/./x", "batch")]:
+            answer = raw(stack, request_bytes(b"POST", target, body=EMBED), timeout=20)
+            await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get(cls) == 1)
+            stack.proxy.state.release("test")
+            assert (await answer).status == 200
+            stack.proxy.state.hold("test", "a game")
+        assert [head.split(b"\r\n")[0] for head in stack.echo.heads] == [
+            b"POST /api/embed HTTP/1.1", b"POST /api/experimental/x HTTP/1.1",
+        ]
+    finally:
+        await stack.stop()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/api/embed#x",
+        b"/api/embed?x=1#frag",
+        b"/v1/embeddings#",
+        b"/api%2Fembed",
+        b"/api%2fembed",
+        b"/api/tags/%2e%2e/embed",
+        b"/api/tags/.%2E/embed",
+        b"/../api/embed",
+        b"/api/../../api/embed",
+        b"/api\\embed",
+        b"/api%5Cembed",
+        b"/api/embed%00",
+        b"/api/embed%0d%0aX-Injected:%201",
+        b"/api/embed?x=%zz",
+        b"/api/%6",
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_ambiguous_targets_get_a_400_in_the_route_shape_and_reach_nothing(target):
+    stack = await _yielded_recording_stack()
+    try:
+        with LogCapture() as logs:
+            response = await raw(stack, request_bytes(b"POST", target, body=EMBED))
+        body = assert_json_error(response, 400, "openai" if target.startswith(b"/v1/") else "ollama")
+        assert "target" in str(body) or "path" in str(body) or "query" in str(body)
+        assert counter_total(stack, "yieldproxy_rejected", reason="bad_request") == 1
+        await sleep(reactor, 0.1)
+        assert stack.echo.heads == [] and len(stack.proxy.lot) == 0
+        assert logs.errors() == []
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_dot_segments_cannot_climb_out_of_the_upstream_path_prefix():
+    backend_port = None
+    from rawhttp import RecordingBackend
+
+    backend = RecordingBackend()
+    backend_port = await backend.listen(reactor)
+    stack = await start_stack(reactor, upstream=f"http://127.0.0.1:{backend_port}/ollama")
+    stack._ports.append(backend.port)
+    stack.echo = backend
+    try:
+        climb = await raw(stack, request_bytes(b"GET", b"/api/../../admin/secret"))
+        assert_json_error(climb, 400)
+        inside = await raw(stack, request_bytes(b"GET", b"/v1/../api/./tags"))
+        assert inside.status == 200
+        assert [head.split(b"\r\n")[0] for head in backend.heads] == [b"GET /ollama/api/tags HTTP/1.1"]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_escapes_reach_the_upstream_in_canonical_form():
+    stack = await recording_stack()
+    try:
+        with LogCapture() as logs:
+            response = await raw(stack, request_bytes(b"GET", b"/v1/models/caf%c3%a9"))
+        assert response.status == 200
+        assert stack.echo.heads[0].split(b"\r\n")[0] == b"GET /v1/models/caf%C3%A9 HTTP/1.1"
+        assert logs.errors() == []
+    finally:
+        await stack.stop()
+
+
+#: Bodies Ollama reads as a generation or a model load, however the proxy used to read them.
+DISGUISED_BODIES = [
+    (b"/api/generate", b'{"model":"m","keep_alive":0,"Prompt":"hi"}'),
+    (b"/api/generate", b'{"model":"m","keep_alive":0,"PROMPT":"hi"}'),
+    (b"/api/generate", b'{"model":"m","prompt":"","keep_alive":0,"prompt":"hi"}'),
+    (b"/api/generate", b'{"model":"m","keep_al\\u0131ve":0}'),  # dotless i: no keep_alive, a load
+    (b"/api/generate", b'{"model":"m","keep_alive":0,"keep_alive":null}'),
+    (b"/api/generate", b'{"model":"m","keep_alive":NaN}'),
+    (b"/api/generate", b'{"model":"m","keep_alive":0} {"prompt":"hi"}'),
+    (b"/api/generate", b'{"model":"m\xff","keep_alive":0}'),
+    (b"/api/chat", b'{"model":"m","keep_alive":0,"Messages":[{"role":"user","content":"hi"}]}'),
+    (b"/api/embed", b'{"model":"m","keep_alive":0}'),  # EmbedHandler loads before anything else
+    (b"/api/embed", b'{"model":"m","KEEP_ALIVE":0,"Input":[]}'),
+    (b"/api/embeddings", b'{"model":"m","keep_alive":0}'),
+]
+
+
+@pytest.mark.parametrize("path, body", DISGUISED_BODIES)
+@pytest_twisted.ensureDeferred
+async def test_disguised_bodies_park_during_a_yield(path, body):
+    stack = await _yielded_recording_stack()
+    try:
+        await _assert_parks_then_goes(stack, request_bytes(b"POST", path, body=body), b"POST " + path + b" HTTP/1.1", body)
+    finally:
+        await stack.stop()
+
+
+#: Unloads as Ollama reads them: they free the GPU and load nothing.
+TRUE_UNLOADS = [
+    (b"/api/generate", b'{"model":"m","keep_alive":0}'),
+    (b"/api/generate", b'{"model":"m","KEEP_ALIVE":0}'),
+    (b"/api/generate", b'{"model":"m","\\u212aeep_alive":"0s"}'),  # Kelvin sign folds to k
+    (b"/api/generate", '{"model":"m","\u212aeep_alive":0}'.encode()),
+    (b"/api/generate", b'{"model":"m","prompt":"hi","keep_alive":0,"Prompt":""}'),
+    (b"/api/chat", b'{"model":"m","Keep_Alive":0,"messages":[]}'),
+    (b"/api/chat", b'{"model":"m","keep_alive":0,"messages":[{"role":"user","content":"hi"}],"MESSAGES":[]}'),
+]
+
+
+@pytest.mark.parametrize("path, body", TRUE_UNLOADS)
+@pytest_twisted.ensureDeferred
+async def test_true_unloads_pass_during_a_yield(path, body):
+    stack = await _yielded_recording_stack()
+    try:
+        response = await raw(stack, request_bytes(b"POST", path, body=body))
+        assert response.status == 200
+        assert len(stack.echo.heads) == 1 and stack.echo.bodies == [body]
+    finally:
+        await stack.stop()
+
+
+def _model_rule_config():
+    """A rule that passes one small model: only Go's reading of the body may decide it."""
+    from yieldproxy.config import RouteRule
+
+    return attrs.evolve(config_with(), routes=(RouteRule(cls="passthrough", path="/api/embed", models=("small",)),))
+
+
+_PAD = ",".join(['"%s"' % ("x" * 60)] * 2000)  # well past the size where the body is scanned, not parsed
+
+
+@pytest.mark.parametrize(
+    "body, passes",
+    [
+        (b'{"model":"small","input":"a","Model":"llama3:70b"}', False),
+        (b'{"model":"llama3:70b","input":"a","MODEL":"small"}', True),
+        (b'{"model":"small","model":null,"input":"a"}', True),
+        (b'{"model":"small","model":5,"input":"a"}', False),
+        (b'{"model":"small","input":"a"} {"model":"x"}', None),  # trailing data: a 400
+        (b'{"model":"small","input":[' + _PAD.encode() + b'],"Model":"llama3:70b"}', False),
+        (b'{"input":[' + _PAD.encode() + b'],"model":"small"}', True),
+        (b'{"input":[' + _PAD.encode() + b'],"model":"small","m\\u006fdel":"big"}', False),
+        (b'{"model":"small","input":[' + _PAD.encode() + b']} {"model":"x"}', None),
+    ],
+    ids=["folded-dup", "folded-last", "null", "type-error", "trailing",
+         "big-folded-dup", "big-last", "big-escaped-key", "big-trailing"],
+)
+@pytest_twisted.ensureDeferred
+async def test_model_rules_read_the_model_ollama_reads(body, passes):
+    stack = await recording_stack(_model_rule_config())
+    stack.proxy.state.hold("test", "a game")
+    try:
+        data = request_bytes(b"POST", b"/api/embed", body=body)
+        if passes is None:
+            assert_json_error(await raw(stack, data), 400)
+            assert stack.echo.heads == []
+        elif passes:
+            assert (await raw(stack, data)).status == 200
+            assert stack.echo.bodies == [body]
+        else:
+            await _assert_parks_then_goes(stack, data, b"POST /api/embed HTTP/1.1", body)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_header_bytes_of_parked_requests_count_in_parked_bytes():
+    """Headers are held in memory while parked, like the body: parking.max_parked_bytes bounds them too."""
+    stack = await _yielded_recording_stack(config_with(parking={"max_parked_bytes": 8192}))
+    try:
+        padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
+        first = raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED), timeout=20)
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
+        assert stack.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
+        assert stack.sample("yieldproxy_parked_bytes") == stack.proxy.lot.parked_bytes
+        # A second such request would hold more than 8 KiB: refused at once, small as its body is.
+        second = await raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+        assert "bytes held" in assert_json_error(second, 503)["error"]
+        assert len(stack.proxy.lot) == 1
+        stack.proxy.state.release("test")
+        assert (await first).status == 200
+        assert stack.proxy.lot.parked_bytes == 0
     finally:
         await stack.stop()

@@ -1,28 +1,37 @@
-"""Which class a request belongs to: configured route rules, then the defaults.
+"""Which class a request belongs to: configured route rules, the defaults, an allow-list.
 
 ``interactive`` wants an answer in seconds, ``batch`` can wait, ``long`` can
-wait minutes; ``passthrough`` routes (model lists, version, ...) are never
-parked.  Rules match on method, path or path prefix, and optionally on the
-model named in the JSON body; the first rule that matches wins.
+wait minutes; ``passthrough`` requests are never parked, so only routes known
+not to run a model are passthrough (:data:`PASSTHROUGH_ROUTES`, and true
+unloads).  A route the proxy does not know gets ``proxy.unknown_route_class``
+(``interactive`` by default): during a yield it parks, since nothing says it
+leaves the GPU alone.  Rules match on method, path or path prefix, and
+optionally on the model named in the JSON body; the first rule that matches
+wins.  Paths are the decoded canonical paths of :mod:`yieldproxy.target`;
+bodies are read as Ollama reads them (:mod:`yieldproxy.gojson`).
 """
 
 from __future__ import annotations
 
-import json
+import re
 from fnmatch import fnmatchcase
 from ipaddress import ip_address
-from typing import Any, Iterable
+from typing import Iterable
 
 import attrs
 
 from .config import RouteRule
+from .gojson import BadBody, GoRequest
+
+__all__ = ["BadBody"]
 
 PASSTHROUGH = "passthrough"
 CLASSES = ("interactive", "batch", "long")
 
-#: DESIGN.md's default routes; everything else is passthrough.
+#: DESIGN.md's default routes: every route of Ollama that runs a model (each
+#: is POST only in Ollama; another method there is an unknown route).
 DEFAULT_RULES: tuple[RouteRule, ...] = tuple(
-    RouteRule(cls=cls, path=path)
+    RouteRule(cls=cls, path=path, methods=("POST",))
     for path, cls in [
         ("/api/embed", "batch"),
         ("/api/embeddings", "batch"),
@@ -31,17 +40,68 @@ DEFAULT_RULES: tuple[RouteRule, ...] = tuple(
         ("/api/generate", "interactive"),
         ("/v1/chat/completions", "interactive"),
         ("/v1/completions", "interactive"),
+        ("/v1/responses", "interactive"),
+        ("/v1/messages", "interactive"),
+        ("/v1/audio/transcriptions", "interactive"),
     ]
 )
 
-#: Routes that make Ollama fetch or build a model; held (as ``long``) during a yield.
+# Ollama's routes that never schedule a runner, checked against
+# server/routes.go of ollama/ollama at fb30760996871fa9460115c753afd2c60d4ab0f7
+# (GenerateRoutes, lines 1841-1929) and each handler it names:
+#   GET/HEAD /, GET/HEAD /api/version    inline handlers, a constant answer    (1877-1880)
+#   GET /api/status                      StatusHandler: cloud status only      (2146)
+#   GET/HEAD /api/tags, GET /v1/models   ListHandler: the model list cache     (1632)
+#   GET /api/ps                          PsHandler: reads sched.loadedModels() (2271)
+#   POST /api/show, GET /v1/models/:model ShowHandler -> GetModelInfo, reads
+#                                        the manifest and GGUF metadata from
+#                                        disk (llm.LoadModel decodes the file,
+#                                        no runner)                            (1300, 1396, 1600)
+#   HEAD/POST /api/blobs/:digest         Head/CreateBlobHandler: files         (1688, 1703)
+#   POST /api/copy, DELETE /api/delete   Copy/DeleteHandler: manifests         (1647, 1247)
+#   POST /api/push                       PushHandler: uploads to a registry    (1163)
+#   POST /api/me, POST /api/signout,
+#   DELETE /api/user/keys/:encodedKey    Whoami/SignoutHandler: ollama.com     (2184, 2238)
+# and OPTIONS on any path: gin-contrib/cors answers a preflight itself, and
+# gin answers any other OPTIONS 405 (HandleMethodNotAllowed, no OPTIONS
+# route), so no handler runs.  Left out on purpose: /api/pull and
+# /api/create (MODEL_LOADING_PATHS below) and the /api/experimental/ routes
+# (they may change without notice).
+_ONE_SEGMENT = "[^/]+"
+PASSTHROUGH_ROUTES: tuple[tuple[frozenset[str], str], ...] = tuple(
+    (frozenset(methods.split()), path)
+    for methods, path in [
+        ("GET HEAD", "/"),
+        ("GET HEAD", "/api/version"),
+        ("GET", "/api/status"),
+        ("GET HEAD", "/api/tags"),
+        ("GET", "/api/ps"),
+        ("POST", "/api/show"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/<name>"),
+        ("HEAD POST", "/api/blobs/<digest>"),
+        ("POST", "/api/copy"),
+        ("DELETE", "/api/delete"),
+        ("POST", "/api/push"),
+        ("POST", "/api/me"),
+        ("POST", "/api/signout"),
+        ("DELETE", "/api/user/keys/<key>"),
+    ]
+)
+_PASSTHROUGH_EXACT = {
+    (method, path) for methods, path in PASSTHROUGH_ROUTES if "<" not in path for method in methods
+}
+_PASSTHROUGH_PATTERNS = tuple(
+    (methods, re.compile(re.sub("<[a-z]+>", _ONE_SEGMENT, path)))
+    for methods, path in PASSTHROUGH_ROUTES
+    if "<" in path
+)
+
+#: Routes that make Ollama fetch or build a model: passthrough while the GPU is
+#: there, held (as ``long``) during a yield.
 MODEL_LOADING_PATHS = frozenset({"/api/pull", "/api/create"})
-#: Routes where ``keep_alive: 0`` with nothing to compute is an unload request.
-_UNLOAD_INPUT_KEYS = {"/api/generate": "prompt", "/api/chat": "messages", "/api/embed": "input"}
-
-
-class BadBody(ValueError):
-    """The body had to be read (to find the model) and is not a JSON object."""
+#: Routes where ``keep_alive: 0`` with nothing to compute unloads without loading.
+UNLOAD_PATHS = frozenset({"/api/generate", "/api/chat"})
 
 
 def api_family(path: bytes) -> str:
@@ -59,40 +119,50 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, or :class:`BadBody` saying what is wrong."""
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadBody(f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadBody("request body is nested too deeply to read") from None
-    if not isinstance(value, dict):
-        raise BadBody("request body must be a JSON object")
-    return value
+def runs_no_model(method: str, path: str) -> bool:
+    """True for a request Ollama serves without scheduling a runner (:data:`PASSTHROUGH_ROUTES`)."""
+    if method == "OPTIONS" or (method, path) in _PASSTHROUGH_EXACT:
+        return True
+    return any(method in methods and pattern.fullmatch(path) for methods, pattern in _PASSTHROUGH_PATTERNS)
 
 
-def is_unload(path: str, body: dict[str, Any]) -> bool:
-    """True for Ollama's unload idiom: ``keep_alive: 0`` and nothing to compute.
+def is_unload(method: str, path: str, request: GoRequest) -> bool:
+    """True for a request Ollama answers by unloading a model, without loading one.
 
-    An unload frees GPU memory and never loads anything, so it may pass even
-    while the GPU is yielded.
+    Ollama's server/routes.go at fb30760996871fa9460115c753afd2c60d4ab0f7:
+    ``GenerateHandler`` expires the runner when ``req.Prompt == "" &&
+    req.KeepAlive != nil && req.KeepAlive.Duration == 0`` (line 404) and
+    nothing before that line schedules one (the body is bound, the model
+    looked up on disk; cloud models are proxied elsewhere); ``ChatHandler``
+    likewise when ``len(req.Messages) == 0`` and keep_alive is 0 (line
+    2505).  ``EmbedHandler`` and ``EmbeddingsHandler`` call
+    ``scheduleRunner`` before anything else (lines 854, 1072): with
+    ``keep_alive: 0`` and no input they *load* the model, so they are never
+    an unload.  ``keep_alive`` is an ``api.Duration`` (api/types.go,
+    ``Duration.UnmarshalJSON``), read by :func:`yieldproxy.gojson.go_duration`.
+    A request with any field Go could not decode is not an unload (Ollama
+    refuses it; parking it is the safe side).
     """
-    key = _UNLOAD_INPUT_KEYS.get(path)
-    if key is None or body.get("keep_alive") not in (0, "0", "0s", "0m"):
+    if method != "POST" or path not in UNLOAD_PATHS or request.type_errors:
         return False
-    return not body.get(key)
+    if request.values.get("keep_alive") != 0:
+        return False
+    if path == "/api/generate":
+        return request.values.get("prompt", "") == ""
+    return request.values.get("messages", 0) == 0
 
 
 @attrs.frozen
 class Classifier:
-    """Route rules in order, the configured ones before the defaults."""
+    """Route rules in order, the configured ones before the defaults; then the allow-list."""
 
     rules: tuple[RouteRule, ...]
+    #: The class of a route no rule names and the allow-list does not hold.
+    unknown_class: str = "interactive"
 
     @classmethod
-    def from_rules(cls, configured: Iterable[RouteRule]) -> "Classifier":
-        return cls((*configured, *DEFAULT_RULES))
+    def from_rules(cls, configured: Iterable[RouteRule], unknown_class: str = "interactive") -> "Classifier":
+        return cls((*configured, *DEFAULT_RULES), unknown_class)
 
     def _matches(self, rule: RouteRule, method: str, path: str) -> bool:
         if rule.path and path != rule.path:
@@ -106,14 +176,18 @@ class Classifier:
         return any(rule.models and self._matches(rule, method, path) for rule in self.rules)
 
     def classify(self, method: str, path: str, model: str | None = None) -> str:
-        """The class of the first matching rule, or ``passthrough``."""
+        """The class of the first matching rule; else passthrough for a route known to run no
+        model (or one that loads models, which the proxy holds during a yield); else the
+        unknown-route class."""
         for rule in self.rules:
             if not self._matches(rule, method, path):
                 continue
             if rule.models and not (model and any(fnmatchcase(model, m) for m in rule.models)):
                 continue
             return rule.cls
-        return PASSTHROUGH
+        if path in MODEL_LOADING_PATHS or runs_no_model(method, path):
+            return PASSTHROUGH
+        return self.unknown_class
 
 
 def header_class(value: bytes | None) -> str | None:

@@ -90,6 +90,9 @@ class ProxyConfig:
     upstream: str = attrs.field(default="http://127.0.0.1:11434", validator=_http_url)
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
+    #: The class of a route no ``[[routes]]`` rule names and that is not known to run no
+    #: model: it parks during a yield unless this says ``passthrough`` (docs/classes.md).
+    unknown_route_class: str = attrs.field(default="interactive", validator=_one_of((*CLASS_NAMES, "passthrough")))
     #: Time a client may read nothing of its answer before it is dropped.
     idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
     #: Time a connection may wait for its next request (or its first) before it is closed.

@@ -273,9 +273,15 @@ class Upstream:
             reactor, _FixedEndpointFactory(_NoDelayEndpoint(endpoint)), pool=self.pool
         )
 
-    def uri(self, request_uri: bytes) -> bytes:
-        """The upstream URI for a request's raw path and query."""
-        return self._base + self.prefix + request_uri
+    def uri(self, target: bytes) -> bytes:
+        """The upstream URI for a canonical request target (``target.Target.raw``).
+
+        The target has no dot segments (target.py removes them), so it can
+        never climb out of the upstream URL's path prefix.
+        """
+        if not target.startswith(b"/"):
+            raise ValueError(f"not a path: {target!r}")
+        return self._base + self.prefix + target
 
     def close(self) -> Deferred:
         return self.pool.closeCachedConnections()
@@ -516,8 +522,12 @@ class Attempt:
         extra_headers: list[tuple[bytes, bytes]] = (),
         retry_statuses: bool = True,
         buffers: ClientBuffers | None = None,
+        *,
+        target: bytes,
     ):
         self._clock = clock
+        #: The canonical request target forwarded (the one the class was decided on).
+        self._target = target
         self._upstream = upstream
         self._request = request
         self._body = body
@@ -584,7 +594,7 @@ class Attempt:
                 response: IResponse = await self._await(
                     self._upstream.agent.request(
                         method,
-                        self._upstream.uri(request.uri),
+                        self._upstream.uri(self._target),
                         upstream_request_headers(request.requestHeaders),
                         producer,
                     )

@@ -7,9 +7,7 @@ goes away while parked leaves the lot at once and is never sent upstream.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from typing import TYPE_CHECKING
 
 import attrs
@@ -17,28 +15,31 @@ from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from werkzeug.exceptions import NotFound
 
 from .classify import (
     MODEL_LOADING_PATHS,
     PASSTHROUGH,
+    UNLOAD_PATHS,
     BadBody,
     Classifier,
     api_family,
     header_class,
     is_loopback,
     is_unload,
-    parse_body,
 )
 from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
 from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
 from .gate import Gate
+from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
 from .httpserver import Connections, ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
 from .probes import ModelCall
 from .requestlog import CLIENT_GONE, log_request
+from .target import BadTarget, Target, parse_target
 
 if TYPE_CHECKING:
     from .fallback import Fallback
@@ -47,47 +48,37 @@ log = Logger()
 
 #: Bodies larger than this are not read for the unload idiom during a yield.
 _UNLOAD_BODY_LIMIT = 4096
-#: A failed request's body is parsed whole for its model up to this size; past it, its head is searched.
-_MODEL_PARSE_LIMIT = 1024 * 1024
-_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,512})"', re.I)
 #: :meth:`ProxyApp._after_failure`'s answer when the request goes round again.
 _RETRY = object()
 
 
-def failed_call(request, body: bytes) -> ModelCall | None:
+def failed_call(target: Target, body: bytes) -> ModelCall | None:
     """What a failed model call was (route and model), so the outage probe can test the same kind.
 
-    None when the body names no model (the probe is then the health path).
-    Go's decoder matches the key case-insensitively and keeps the last one;
-    so does this.  A body over :data:`_MODEL_PARSE_LIMIT` is not parsed on
-    the failure path (that would stall every other request): its head is
-    searched for the field instead.
+    The route is the canonical path the request was classified and forwarded
+    on; the model is the one Ollama's Go decoder reads (:func:`gojson.find_model`:
+    a large body is scanned, not parsed whole).  None when the body names no
+    model: the probe is then the health path.
     """
-    path = request.path.decode("latin-1").rstrip("/") or "/"
-    model = None
-    if len(body) <= _MODEL_PARSE_LIMIT:
-        try:
-            parsed = parse_body(body)
-        except BadBody:
-            return None
-        for key, value in parsed.items():
-            if key.lower() == "model" and isinstance(value, str):
-                model = value
-    else:
-        found = _MODEL_FIELD.findall(body[:65536])
-        if found:
-            try:
-                model = json.loads(b'"' + found[-1] + b'"')
-            except ValueError:
-                model = None
-    if not model:
+    try:
+        model = find_model(body)
+    except BadBody:
         return None
-    return ModelCall(path, model)
+    return ModelCall(target.path, model) if model else None
 
 
 def _peer_host(request) -> str | None:
     peer = request.getClientAddress()
     return getattr(peer, "host", None)
+
+
+def _head_size(request) -> int:
+    """Bytes of the request line and header lines: held in memory while parked, like the body."""
+    size = len(request.method) + len(request.uri) + len(request.clientproto) + 4
+    for name, values in request.requestHeaders.getAllRawHeaders():
+        for value in values:
+            size += len(name) + len(value) + 4
+    return size + 2
 
 
 @attrs.define(eq=False)
@@ -110,7 +101,7 @@ class ProxyApp:
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
-        self._classifier = Classifier.from_rules(self._config.routes)
+        self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class)
         self._buffers = ClientBuffers(
             self._config.proxy.slow_client_buffer_bytes,
             self._config.proxy.slow_client_buffer_total_bytes,
@@ -121,6 +112,17 @@ class ProxyApp:
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
         return Deferred.fromCoroutine(self._handle(request))
+
+    @app.handle_errors(NotFound)
+    def unroutable(self, request, failure):
+        """A path Klein's router cannot match (a decoded line break): a 400 in JSON, not its HTML 404."""
+        request.started_at = self._clock.seconds()
+        try:
+            parse_target(request.uri)
+            why = "request path cannot be routed"
+        except BadTarget as e:
+            why = str(e)
+        return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
     def site(self) -> ProxySite:
         proxy = self._config.proxy
@@ -139,10 +141,13 @@ class ProxyApp:
 
     async def _handle(self, request):
         request.started_at = self._clock.seconds()
-        path = request.path
-        api = api_family(path)
-        if not request.uri.startswith(b"/"):
-            return self._reject(request, PASSTHROUGH, api, 400, "bad_request", "request target must be a path")
+        # One canonical target, to classify and to forward: the upstream sees
+        # exactly the path the class was decided on (target.py).
+        try:
+            target = parse_target(request.uri)
+        except BadTarget as e:
+            return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
+        api = api_family(target.api_path)
         if request.too_large:
             return self._reject(
                 request,
@@ -178,48 +183,56 @@ class ProxyApp:
         # (Twisted's cleanup accepts None here).
         request.content = None
         try:
-            cls = self._class_of(request, body, wanted)
+            cls = self._class_of(request, target, body, wanted)
         except BadBody as e:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
-            return await self._passthrough(request, body, api)
-        entry = Entry(cls=cls, size=len(body), api=api, max_wait=max_wait)
-        return await self._gated(request, entry, body)
+            return await self._passthrough(request, target, body, api)
+        # Headers are held while parked too: they count against parking.max_parked_bytes.
+        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait)
+        return await self._gated(request, target, entry, body)
 
-    def _class_of(self, request, body: bytes, wanted: str | None) -> str:
-        """The request's class: a trusted header, else the route rules.
+    def _class_of(self, request, target: Target, body: bytes, wanted: str | None) -> str:
+        """The request's class: a trusted header, else the route rules and the allow-list.
 
-        While the GPU is yielded, two refinements keep Ollama from touching it:
-        model pulls and builds wait (as ``long``) instead of passing through,
-        and an unload request (``keep_alive: 0``, nothing to compute) passes
-        through instead of waiting, since it only frees memory.
+        The body is read as Ollama's Go decoder reads it (gojson.py): whole when
+        small, scanned for its model when large.  The scan never decides
+        passthrough alone: a model rule that would pass the request is
+        confirmed on the whole body.  While the GPU is yielded, two refinements
+        keep Ollama from touching it: model pulls and builds wait (as ``long``)
+        instead of passing through, and a true unload request (see
+        :func:`~yieldproxy.classify.is_unload`, decided only on a small body
+        read whole) passes through instead of waiting, since it only frees
+        memory.
         """
         method = request.method.decode("latin-1")
-        path = request.path.decode("latin-1").rstrip("/") or "/"
-        parsed = None
+        path = target.path
         if wanted is not None:
             cls = wanted
         else:
             model = None
             if self._classifier.needs_model(method, path):
-                parsed = parse_body(body)
-                model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+                if len(body) <= FULL_READ_LIMIT:
+                    model = read_request(body).model
+                else:
+                    model = scan_model(body)
+                    if self._classifier.classify(method, path, model) == PASSTHROUGH:
+                        model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
         if self._gate.yielded:
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
-            if cls != PASSTHROUGH and (parsed is not None or len(body) <= _UNLOAD_BODY_LIMIT):
-                if parsed is None:
-                    try:
-                        parsed = parse_body(body)
-                    except BadBody:
-                        return cls
-                if is_unload(path, parsed):
+            if cls != PASSTHROUGH and path in UNLOAD_PATHS and len(body) <= _UNLOAD_BODY_LIMIT:
+                try:
+                    parsed = read_request(body)
+                except BadBody:
+                    return cls
+                if is_unload(method, path, parsed):
                     return PASSTHROUGH
         return cls
 
-    async def _gated(self, request, entry: Entry, body: bytes):
+    async def _gated(self, request, target: Target, entry: Entry, body: bytes):
         # During a yield, a verified fallback may answer at once, or later from the lot
         # (in line for it); if it does not, the request parks as usual.
         if self._fallback is not None and await self._at_fallback(request, entry, body, self._fallback.serve):
@@ -281,7 +294,7 @@ class ProxyApp:
                 elapsed = self._clock.seconds() - began
                 self._gate.finished(failed=failed, seconds=elapsed)
             if failure is not None:
-                answered = await self._after_failure(request, entry, body, failure, max_attempts)
+                answered = await self._after_failure(request, target, entry, body, failure, max_attempts)
                 if answered is not _RETRY:
                     return answered
                 continue
@@ -297,7 +310,9 @@ class ProxyApp:
             self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
 
-    async def _after_failure(self, request, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int):
+    async def _after_failure(
+        self, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int
+    ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
 
         The outage watcher judges the failure (gate.upstream_result): when a
@@ -309,7 +324,7 @@ class ProxyApp:
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         try:
-            forgiven = await self._gate.upstream_result(failure.reason, failed_call(request, body))
+            forgiven = await self._gate.upstream_result(failure.reason, failed_call(target, body))
         except CancelledError:
             if entry.was_parked:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
@@ -338,7 +353,7 @@ class ProxyApp:
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
 
-    async def _passthrough(self, request, body: bytes, api: str):
+    async def _passthrough(self, request, target: Target, body: bytes, api: str):
         """Routes that never park: one attempt, failures reported as they are."""
         attempt = Attempt(
             self._clock, self._upstream, request, body,
