@@ -265,7 +265,7 @@ class ProxyApp:
             began = self._clock.seconds()
             attempt = Attempt(
                 self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
-                buffers=self._buffers,
+                buffers=self._buffers, target=target.raw,
             )
             failure = None
             # Only the upstream's failures slow the replay down, not a client leaving.
@@ -358,6 +358,7 @@ class ProxyApp:
         attempt = Attempt(
             self._clock, self._upstream, request, body,
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
+            target=target.raw,
         )
         try:
             status = await attempt.run()
