@@ -13,7 +13,7 @@ little.
 
 Target: <= 100 MB RSS with 10,000 parked.
 
-    /work/venv/bin/python bench/parked_memory.py [--count 10000] [--body 1024]
+    .venv/bin/python bench/parked_memory.py [--count 10000] [--body 1024]
 """
 
 from __future__ import annotations

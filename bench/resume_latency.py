@@ -15,7 +15,7 @@ was answered, and the time until all 100 were replayed (at the configured
 
 Target: first release reaches the backend <= 5 ms after ``POST /resume``.
 
-    /work/venv/bin/python bench/resume_latency.py [--rounds 20] [--parked 100]
+    .venv/bin/python bench/resume_latency.py [--rounds 20] [--parked 100]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each runs in its own process with a time limit, so one that hangs or fails
 does not stop the others; the exit status is non-zero if any failed.
 
-    /work/venv/bin/python bench/run_all.py [--only latency,resume_latency]
+    .venv/bin/python bench/run_all.py [--only latency,resume_latency]
 
 Set YIELDPROXY_BENCH_SRC=DIR to measure another source tree than this checkout.
 """

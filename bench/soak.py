@@ -17,7 +17,7 @@ It samples the proxy's VmRSS and open file descriptors (/proc/PID/status,
 saw, and what the proxy's own counters say (``/metrics``), which must add up
 (sent = answered + abandoned; nothing parked or in flight at the end).
 
-    /work/venv/bin/python bench/soak.py [--minutes 30] [--embed-callers 8] [--chat-callers 2]
+    .venv/bin/python bench/soak.py [--minutes 30] [--embed-callers 8] [--chat-callers 2]
 
 Exit status 0 when nothing failed, every answer was right, the counters add
 up, and RSS and descriptors did not grow past the bounds (``--max-rss-growth-mb``,
