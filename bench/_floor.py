@@ -5,8 +5,9 @@ in front of the same backend as the proxy, so ``latency.py`` can report what
 the proxy costs as a ratio of what any Twisted proxy built the obvious way
 costs: a Klein app that copies each request to a ``twisted.web.client.Agent``
 on a persistent pool and streams the answer back.  No parking, no metrics, no
-request log, no retries, no limits; TCP_NODELAY both ways, hop-by-hop headers
-dropped, the upstream's ``Content-Length`` kept.  It prints one line::
+request log, no retries, no limits, no form parsing (``parsePOSTFormSubmission=False``,
+as the proxy); TCP_NODELAY both ways, hop-by-hop headers dropped, the
+upstream's ``Content-Length`` kept.  It prints one line::
 
     ready floor=PORT pid=PID
 
@@ -132,7 +133,9 @@ def main(argv=None) -> None:
         def log(self, request):
             pass  # no access log: the floor is the pass-through alone
 
-    port = reactor.listenTCP(0, FloorSite(app.resource(), reactor=reactor), interface="127.0.0.1")
+    # No form parsing: a pass-through forwards bodies as they are (the proxy's site does the same).
+    site = FloorSite(app.resource(), reactor=reactor, parsePOSTFormSubmission=False)
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
     print(f"ready floor={port.getHost().port} pid={os.getpid()} client={args.client}", flush=True)
     reactor.addSystemEventTrigger("before", "shutdown", close)
     reactor.run()
