@@ -11,7 +11,8 @@ upstream's ``Content-Length`` kept.  It prints one line::
 
     ready floor=PORT pid=PID
 
-then serves until SIGTERM.
+then serves until SIGTERM.  ``--client lean`` puts :mod:`yieldproxy.h1client`
+in place of the Agent (the same Klein front), to show what that client saves.
 """
 
 from __future__ import annotations
@@ -103,6 +104,48 @@ def agent_floor(reactor, host: str, port: int):
     return app, pool.closeCachedConnections
 
 
+def lean_floor(reactor, host: str, port: int):
+    """The same Klein front, forwarding with :mod:`yieldproxy.h1client` instead of the Agent."""
+    from klein import Klein
+
+    from yieldproxy.h1client import H1Pool
+
+    response_skip = HOP_BY_HOP - {b"content-length"}  # the raw Content-Length is relayed as it is
+
+    class Relay:
+        __slots__ = ("request",)
+
+        def __init__(self, request):
+            self.request = request
+
+        def response_started(self, response):
+            request = self.request
+            request.setResponseCode(response.code, response.phrase)
+            headers = request.responseHeaders
+            for name, value in response.headers:
+                if name.lower() not in response_skip:
+                    headers.addRawHeader(name, value)
+
+        def body_received(self, data):
+            self.request.write(data)
+
+    pool = H1Pool(reactor, host, port, max_connections=64)
+    app = Klein()
+
+    @app.route("/", branch=True, strict_slashes=False)
+    def forward(request):
+        headers = [
+            (name, value)
+            for name, values in request.requestHeaders.getAllRawHeaders()
+            if name.lower() not in HOP_BY_HOP
+            for value in values
+        ]
+        d = pool.request(request.method, request.uri, headers, request.content.read(), Relay(request))
+        return d.addCallback(lambda response: None)
+
+    return app, pool.close
+
+
 class _NoDelayChannel:
     """Mixed into the site's channel class: TCP_NODELAY on every client connection."""
 
@@ -114,7 +157,8 @@ class _NoDelayChannel:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--upstream-port", type=int, required=True, help="the backend on 127.0.0.1")
-    p.add_argument("--client", choices=("agent",), default="agent")
+    p.add_argument("--client", choices=("agent", "lean"), default="agent",
+                   help="agent: twisted.web.client.Agent (the floor); lean: yieldproxy.h1client")
     args = p.parse_args(argv)
 
     from twisted.internet import epollreactor
@@ -124,7 +168,8 @@ def main(argv=None) -> None:
     from twisted.web.http import HTTPChannel
     from twisted.web.server import Site
 
-    app, close = agent_floor(reactor, "127.0.0.1", args.upstream_port)
+    build = agent_floor if args.client == "agent" else lean_floor
+    app, close = build(reactor, "127.0.0.1", args.upstream_port)
 
     class FloorSite(Site):
         protocol = type("NoDelayChannel", (_NoDelayChannel, HTTPChannel), {})

@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="wrk rounds per side at concurrency 16")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per wrk round")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, write stats here")
+    p.add_argument("--lean", action="store_true",
+                   help="also measure the floor's Klein front on yieldproxy.h1client instead of the Agent")
     p.add_argument("--context-latency", type=float, default=0.02,
                    help="also measure c=16 throughput with this backend latency (s; 0: skip)")
     args = p.parse_args(argv)
@@ -264,6 +266,9 @@ def main(argv=None) -> int:
         floor, floor_port = start_floor(children, sim_port)
         ports = {"direct": sim_port, "proxy": proxy_port, "floor": floor_port}
         relays = {"proxy": proxy.pid, "floor": floor.pid}
+        if args.lean:
+            lean, ports["lean"] = start_floor(children, sim_port, client="lean", name="floor-lean")
+            relays["lean"] = lean.pid
         c1 = concurrency_one(ports, relays, args.pairs, args.pair_seconds)
         cn = concurrency_n(ports, {"sim": sim.pid, **relays}, args.concurrency, args.rounds, args.seconds)
         errors = proxy.log_tail(4000)
@@ -277,9 +282,12 @@ def main(argv=None) -> int:
             )
 
     relayed = [side for side in ports if side != "direct"]
+    added_n = {side: cn[side]["p50"] - cn["direct"]["p50"] for side in relayed}
     header("yieldproxy latency: direct to the sim, through the proxy, through the floor (POST /api/embed, small body)")
     print(f"proxy code: {proxy.src}; sim, proxy and floor each in its own process; {os.cpu_count()} cores")
     print("floor: a minimal Klein + Agent pass-through (bench/_floor.py: persistent pool, TCP_NODELAY, no parking)")
+    if args.lean:
+        print("lean: the same Klein front on yieldproxy.h1client (bench/_floor.py --client lean)")
     print(f"{'':34}" + "".join(f"{side:>10}" for side in ports))
     print(f"c=1 ({c1['pairs']} rounds of one call each way, order rotated)")
     for q in ("p50", "p99", "mean"):
@@ -298,7 +306,6 @@ def main(argv=None) -> int:
     print(f"  {'':<32}(machine: {os.cpu_count()} cores)")
 
     cpu1 = c1["cpu_ms_per_request"]
-    added_n = {side: cn[side]["p50"] - cn["direct"]["p50"] for side in relayed}
     print("CPU per relayed request and added latency, the proxy against the floor")
     print(f"{'':34}{'proxy':>10}{'floor':>10}{'ratio':>10}")
     rows = [
@@ -310,6 +317,18 @@ def main(argv=None) -> int:
     for label, mine, floor_value in rows:
         print(f"  {label:<32}{mine:>8.3f}ms{floor_value:>8.3f}ms{ratio(mine, floor_value):>9.2f}x")
     print(f"  (the sim itself: {cn['direct']['cpu_ms_per_request']:.3f} ms of CPU per direct request)")
+    if args.lean:
+        print("the lean client: the floor's Klein front on yieldproxy.h1client, against the floor (not a target)")
+        print(f"{'':34}{'lean':>10}{'floor':>10}{'ratio':>10}")
+        lean_rows = [
+            ("CPU per request, c=1", cpu1["lean"], cpu1["floor"]),
+            (f"CPU per request, c={args.concurrency}", cn["lean"]["cpu_ms_per_request"],
+             cn["floor"]["cpu_ms_per_request"]),
+            ("added latency, c=1 (round diffs)", c1["added"]["lean"], c1["added"]["floor"]),
+            (f"added latency, c={args.concurrency} (p50)", cn["lean"]["p50"] - cn["direct"]["p50"], added_n["floor"]),
+        ]
+        for label, mine, floor_value in lean_rows:
+            print(f"  {label:<32}{mine:>8.3f}ms{floor_value:>8.3f}ms{ratio(mine, floor_value):>9.2f}x")
 
     if context:
         d, x = context["direct"], context["proxy"]
