@@ -435,3 +435,29 @@ def test_stale_deadlines_do_not_pile_up_while_requests_pass_through_the_lot():
     assert len(core.lot._deadlines) <= 2 * len(core.lot) + 65
     keep["deferred"].cancel()
     assert core.lot._deadlines == [] and core.clock.getDelayedCalls() == []
+
+
+def test_a_parked_entry_costs_the_lot_about_half_a_kilobyte():
+    """Entry, parked Deferred, canceller, queue and deadline slots: no timer or closure per entry.
+
+    (A DelayedCall per entry and a closure as canceller made it 1.3 KB.)
+    """
+    import gc
+    import tracemalloc
+
+    core = make_core()
+    core.state.hold("api")
+    kept = [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(100)]  # lists and dicts grown
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        kept += [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(2000)]
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    per_entry = sum(stat.size_diff for stat in after.compare_to(before, "lineno")) / 2000
+    assert per_entry < 600, per_entry
+    core.gate.refuse_all_parked("test over")
+    assert core.clock.getDelayedCalls() == []
