@@ -435,7 +435,7 @@ def test_cancel_mid_response_aborts_and_never_pools_the_connection():
     assert clock.getDelayedCalls() == []
 
 
-def test_stop_producing_on_the_response_abandons_the_request():
+def test_stop_producing_on_the_response_abandons_the_request_once_the_connection_is_gone():
     pool, endpoint, clock = make_pool()
     responses = []
 
@@ -444,13 +444,32 @@ def test_stop_producing_on_the_response_abandons_the_request():
             responses.append(response)
 
         def body_received(self, data):
-            responses[0].stopProducing()
+            pass
 
     d = pool.request(b"GET", b"/", handler=Handler())
     protocol, transport = endpoint.made[0]
-    protocol.dataReceived(ok(b"abc"))
+    protocol.dataReceived(ok(b"abcdef")[:-3])
+    # As a client's connectionLost does to its registered producer: the
+    # request must not fail from within that call, but when the upstream
+    # connection is gone (the server's own cancel comes first).
+    responses[0].stopProducing()
+    assert transport.disconnected
+    no_result(d)
+    lose(protocol, clean=False)
     failure(d, CancelledError)
-    assert transport.disconnected and pool.stats()["idle"] == 0
+    assert pool.stats() == {"open": 0, "idle": 0, "waiting": 0}
+    # Before any byte on a reused connection, a stopped request is not retried either.
+    d = pool.request(b"GET", b"/warm")
+    endpoint.made[1][0].dataReceived(ok())
+    result(d)
+    d = pool.request(b"GET", b"/", handler=Handler())
+    responses.clear()
+    protocol, transport = endpoint.made[1]
+    protocol.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+    responses[0].stopProducing()
+    lose(protocol)
+    failure(d, CancelledError)
+    assert len(endpoint.made) == 2
 
 
 def test_timeout_before_the_head_aborts_but_not_once_the_body_flows():

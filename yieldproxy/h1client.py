@@ -67,7 +67,7 @@ from ipaddress import ip_address
 from typing import Any, Callable, Iterable, Protocol as TypingProtocol
 
 from twisted.internet import error as ierror
-from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
@@ -492,8 +492,9 @@ class Response:
     hop-by-hop ones).  ``length`` is the body's length when the upstream
     framed it with ``Content-Length`` (0 for no body), else None.
     ``pauseProducing``/``resumeProducing`` pause the upstream socket;
-    ``stopProducing`` abandons the request (as cancelling its Deferred
-    does).  All three do nothing once the exchange is over.
+    ``stopProducing`` abandons the request: its connection is aborted, and
+    the Deferred fails with ``CancelledError`` when the connection is gone.
+    All three do nothing once the exchange is over.
     """
 
     __slots__ = ("version", "code", "phrase", "headers", "length", "body", "retried", "_exchange")
@@ -536,15 +537,24 @@ class Response:
 
     def stopProducing(self) -> None:
         ex = self._exchange
-        if ex is not None and not ex.deferred.called:
+        if ex is None or ex.finished:
+            return
+        if ex.conn is None:
             ex.deferred.cancel()
+            return
+        # The consumer is gone (its connection was lost): drop the upstream
+        # connection; the request fails with CancelledError once it is gone,
+        # not from within the consumer's own connectionLost (as with a
+        # transport registered as producer, which closes on a later turn).
+        ex.stopped = True
+        ex.conn.abort()
 
 
 class _Exchange:
     """One request and its way to a response: the only per-request object besides the Response."""
 
     __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
-                 "reused", "retried", "response", "connecting", "finished")
+                 "reused", "retried", "response", "connecting", "finished", "stopped")
 
     def __init__(self, method: bytes, data: bytes, body: bytes, handler: ResponseHandler, replayable: bool,
                  canceller: Callable[["_Exchange"], None]):
@@ -563,6 +573,8 @@ class _Exchange:
         #: The connection attempt this exchange waits on, if any.
         self.connecting: Deferred | None = None
         self.finished = False
+        #: The response's consumer stopped it (see :meth:`Response.stopProducing`).
+        self.stopped = False
 
 
 # -- one connection ------------------------------------------------------------------------------
@@ -992,6 +1004,9 @@ class H1Pool:
     def _lost(self, ex: _Exchange, received: bool, reason: Failure | None) -> None:
         """The connection of ``ex`` ended before its response did."""
         if ex.finished:
+            return
+        if ex.stopped:
+            self._fail(ex, CancelledError("the response's consumer stopped it"))
             return
         what = type(reason.value).__name__ if reason is not None else "closed"
         if not received:
