@@ -122,9 +122,16 @@ def lean_floor(reactor, host: str, port: int):
             request = self.request
             request.setResponseCode(response.code, response.phrase)
             headers = request.responseHeaders
+            seen = set()  # the upstream's Server and Date replace the site's own; repeats are kept
             for name, value in response.headers:
-                if name.lower() not in response_skip:
+                lower = name.lower()
+                if lower in response_skip:
+                    continue
+                if lower in seen:
                     headers.addRawHeader(name, value)
+                else:
+                    seen.add(lower)
+                    headers.setRawHeaders(name, [value])
 
         def body_received(self, data):
             self.request.write(data)
