@@ -82,11 +82,11 @@ def main(argv=None) -> None:
         LogLevel,
         LogLevelFilterPredicate,
         globalLogBeginner,
-        textFileLogObserver,
     )
 
     import yieldproxy
     from yieldproxy.config import Config
+    from yieldproxy.requestlog import text_file_observer
     from yieldproxy.service import build
 
     if args.client == "lean":
@@ -95,12 +95,13 @@ def main(argv=None) -> None:
 
         _lean_attempt.install()
 
-    # Log as `twistd -n` would (to stderr, which the parent sends to a file),
-    # so the cost of the proxy's own log lines is part of what is measured.
+    # Log as `twistd -n yieldproxy` would (its text observer, to stderr, which
+    # the parent sends to a file), so the cost of the proxy's own log lines is
+    # part of what is measured.
     globalLogBeginner.beginLoggingTo(
         [
             FilteringLogObserver(
-                textFileLogObserver(sys.stderr),
+                text_file_observer(sys.stderr),
                 [LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(args.log_level))],
             )
         ],
