@@ -1,4 +1,4 @@
-"""The lean upstream client (yieldproxy/h1client.py): parser, pool, timeouts, cancellation, stale retries.
+"""The lean upstream client (yieldproxy/h1client.py, h1parse.py): parser, pool, timeouts, cancellation, stale retries.
 
 The parser and the pool are driven without a reactor: connections are
 ``StringTransport``s handed out by a test endpoint, time is a ``Clock``.
@@ -31,9 +31,9 @@ from yieldproxy.h1client import (
     PoolClosed,
     ResponseIncomplete,
     ResponseNeverReceived,
-    ResponseParser,
     ResponseTimeout,
 )
+from yieldproxy.h1parse import ParseError, ResponseParser
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -243,10 +243,10 @@ def test_bytes_after_the_response_are_flagged():
     ],
 )
 def test_malformed_responses_are_bad_response(data):
-    with pytest.raises(BadResponse):
+    with pytest.raises(ParseError):
         parse(data)
     # The same, a byte at a time.
-    with pytest.raises(BadResponse):
+    with pytest.raises(ParseError):
         parse(data, cuts=range(1, len(data)))
 
 
@@ -988,7 +988,7 @@ def _alphabet(alphabet: bytes, min_size: int, max_size: int):
 
 
 def _feed_all(data: bytes, cuts, head_request: bool, clean: bool) -> Events:
-    """Feed as a connection would (nothing after the end), then the close; only BadResponse may escape."""
+    """Feed as a connection would (nothing after the end), then the close; only ParseError may escape."""
     events = Events()
     parser = ResponseParser(events)
     parser.start(head_request)
@@ -1007,10 +1007,10 @@ def _feed_all(data: bytes, cuts, head_request: bool, clean: bool) -> Events:
 @pytest.mark.timeout(300)
 @FUZZ
 @given(st.binary(max_size=3000), st.lists(st.integers(0, 4000), max_size=12), st.booleans(), st.booleans())
-def test_fuzz_any_bytes_only_bad_response(data, cuts, head_request, clean):
+def test_fuzz_any_bytes_only_parse_error(data, cuts, head_request, clean):
     try:
         _feed_all(data, cuts, head_request, clean)
-    except BadResponse:
+    except ParseError:
         pass
 
 
@@ -1086,14 +1086,14 @@ def test_fuzz_valid_responses_parse_whole_however_cut(response, cuts):
 @FUZZ
 @given(responses(), st.lists(st.tuples(st.integers(0, 5000), st.binary(max_size=3)), min_size=1, max_size=4),
        st.lists(st.integers(0, 5000), max_size=8))
-def test_fuzz_mutated_responses_only_bad_response(response, mutations, cuts):
+def test_fuzz_mutated_responses_only_parse_error(response, mutations, cuts):
     data = bytearray(response[0])
     for position, replacement in mutations:
         position %= len(data) + 1
         data[position : position + 1] = replacement
     try:
         _feed_all(bytes(data), cuts, response[3], clean=True)
-    except BadResponse:
+    except ParseError:
         pass
 
 
