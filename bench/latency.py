@@ -349,9 +349,10 @@ def main(argv=None) -> int:
     cpu = max(cpu1["proxy"], cn["proxy"]["cpu_ms_per_request"])
     print()
     print("targets")
-    print(f"  [{verdict(added <= TARGET_ADDED_P50_MS)}] added latency at c=1, p50: {added:.3f} ms (target <= {TARGET_ADDED_P50_MS} ms)")
-    print(f"  [{verdict(throughput >= TARGET_THROUGHPUT_RATIO)}] throughput at c={args.concurrency}: {throughput:.0%} of direct "
-          f"(target >= {TARGET_THROUGHPUT_RATIO:.0%})")
+    print(f"  [{verdict(added <= TARGET_ADDED_P50_MS)}] added latency at c=1, p50: {added:.3f} ms "
+          f"(target <= {TARGET_ADDED_P50_MS} ms)")
+    print(f"  [{verdict(throughput >= TARGET_THROUGHPUT_RATIO)}] throughput at c={args.concurrency}: "
+          f"{throughput:.0%} of direct (target >= {TARGET_THROUGHPUT_RATIO:.0%})")
     print(f"  [{verdict(cpu <= TARGET_CPU_MS)}] proxy CPU per request: {cpu:.3f} ms (target <= {TARGET_CPU_MS} ms)")
     for label, mine, floor_value in rows:
         value = ratio(mine, floor_value)

@@ -979,7 +979,13 @@ async def test_real_refused_connection():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FUZZ = settings(max_examples=int(os.environ.get("YIELDPROXY_FUZZ_EXAMPLES", "400")), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+#: Examples per fuzz test; raise it for a longer hunt: YIELDPROXY_FUZZ_EXAMPLES=6000 pytest tests/test_h1client.py -k fuzz
+FUZZ = settings(
+    max_examples=int(os.environ.get("YIELDPROXY_FUZZ_EXAMPLES", "400")),
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
