@@ -733,6 +733,11 @@ def _reactor():
     return reactor
 
 
+def within(d: Deferred) -> Deferred:
+    """``d``, failing the test after TIMEOUT seconds (a request's own timeout covers only the head)."""
+    return d.addTimeout(TIMEOUT, _reactor())
+
+
 class Scripted(Protocol):
     """A server connection that answers each request per its factory's script.
 
@@ -791,9 +796,9 @@ async def test_real_keep_alive_reuse_against_the_sim():
     try:
         for text in ("a", "b", "c", "d"):
             body = json.dumps({"model": "all-minilm", "input": text}).encode()
-            response = await pool.request(
+            response = await within(pool.request(
                 b"POST", b"/api/embed", [(b"Content-Type", b"application/json")], body, timeout=TIMEOUT
-            ).addTimeout(TIMEOUT, reactor)
+            ))
             assert response.code == 200
             vector = json.loads(response.body)["embeddings"][0]
             assert vector == pytest.approx(expected_embedding(text, "all-minilm"))
@@ -820,7 +825,7 @@ async def test_real_upstream_closing_idle_connections():
     pool = H1Pool(reactor, "127.0.0.1", port.getHost().port)
     try:
         for _ in range(3):
-            response = await pool.request(b"POST", b"/api/embed", body=b"{}", timeout=TIMEOUT)
+            response = await within(pool.request(b"POST", b"/api/embed", body=b"{}", timeout=TIMEOUT))
             assert response.body == b"fine" and not response.retried
             await wait_for(reactor, lambda: pool.stats()["open"] == 0, timeout=TIMEOUT)
         assert factory.connections == 3
@@ -837,17 +842,17 @@ async def test_real_stale_connection_race_is_retried_once_when_allowed(how):
     factory, port = await scripted_server(lambda n, head: ok(b"answer %d" % n) if n == 0 else how)
     pool = H1Pool(reactor, "127.0.0.1", port.getHost().port)
     try:
-        first = await pool.request(b"GET", b"/1", timeout=TIMEOUT)
+        first = await within(pool.request(b"GET", b"/1", timeout=TIMEOUT))
         assert first.body == b"answer 0"
-        second = await pool.request(b"GET", b"/2", timeout=TIMEOUT)
+        second = await within(pool.request(b"GET", b"/2", timeout=TIMEOUT))
         assert second.body == b"answer 0" and second.retried, "answered on a fresh connection"
         assert factory.connections == 2
         # A POST meeting the same is reported (reused, not retried), unless the caller allows it.
         with pytest.raises(ResponseNeverReceived) as caught:
-            await pool.request(b"POST", b"/3", body=b"{}", timeout=TIMEOUT)
+            await within(pool.request(b"POST", b"/3", body=b"{}", timeout=TIMEOUT))
         assert caught.value.reused and not caught.value.retried
-        await pool.request(b"GET", b"/warm", timeout=TIMEOUT)  # a new pooled connection
-        replayed = await pool.request(b"POST", b"/4", body=b"{}", timeout=TIMEOUT, replayable=True)
+        await within(pool.request(b"GET", b"/warm", timeout=TIMEOUT))  # a new pooled connection
+        replayed = await within(pool.request(b"POST", b"/4", body=b"{}", timeout=TIMEOUT, replayable=True))
         assert replayed.retried and replayed.code == 200
         assert factory.requests.count(b"POST /4 HTTP/1.1") == 2
     finally:
@@ -860,7 +865,7 @@ async def test_real_chunked_stream_arrives_piece_by_piece():
     from yieldproxy.sim import SimOllama
 
     reactor = _reactor()
-    sim = SimOllama(reactor, chunk_delay=0.05, chunks=4)
+    sim = SimOllama(reactor, chunk_delay=0.05, chunks=6)
     port = await sim.listen()
     pool = H1Pool(reactor, "127.0.0.1", port)
     arrivals = []
@@ -875,11 +880,12 @@ async def test_real_chunked_stream_arrives_piece_by_piece():
     try:
         body = json.dumps({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}).encode()
         d = pool.request(b"POST", b"/api/chat", [], body, Handler(), timeout=TIMEOUT)
-        response = await d.addTimeout(TIMEOUT, reactor)
+        response = await within(d)
         assert response.header(b"transfer-encoding") == b"chunked" and response.length is None
         lines = [json.loads(line) for line in b"".join(data for _, data in arrivals).splitlines()]
         assert lines[-1]["done"] is True and all(not line["done"] for line in lines[:-1])
-        assert len(arrivals) >= 4 and arrivals[-1][0] - arrivals[0][0] >= 0.1, "streamed, not buffered"
+        # Lines 50 ms apart arrive apart (a loaded machine may merge a few, not all).
+        assert len(arrivals) >= 2 and arrivals[-1][0] - arrivals[0][0] >= 0.1, "streamed, not buffered"
     finally:
         await pool.close()
         await sim.stop()
@@ -913,7 +919,7 @@ async def test_real_large_bodies_both_ways_with_length_and_chunked():
     body = bytes(range(256)) * (5 * 4096)  # 5 MiB
     try:
         for target in (b"/echo", b"/echo?chunked=1"):
-            response = await pool.request(b"POST", target, [], body, timeout=TIMEOUT).addTimeout(TIMEOUT, reactor)
+            response = await within(pool.request(b"POST", target, [], body, timeout=TIMEOUT))
             assert response.code == 200 and response.body == body
         assert pool.stats()["open"] == 1
     finally:
@@ -956,7 +962,7 @@ async def test_real_backpressure_pauses_the_upstream_socket():
         await sleep(reactor, 0.3)
         assert received[0] == paused_at < total, "nothing read while paused"
         handler.response.resumeProducing()
-        await d.addTimeout(TIMEOUT, reactor)
+        await within(d)
         assert received[0] == total
     finally:
         await pool.close()
@@ -969,7 +975,7 @@ async def test_real_refused_connection():
 
     pool = H1Pool(_reactor(), "127.0.0.1", free_port())
     with pytest.raises(ConnectFailed) as caught:
-        await pool.request(b"GET", b"/", timeout=TIMEOUT)
+        await within(pool.request(b"GET", b"/", timeout=TIMEOUT))
     assert caught.value.reason == "refused"
     await pool.close()
 
