@@ -192,6 +192,16 @@ def start_proxy(children: Children, upstream_port: int, *extra: str, name: str =
     return child, int(m.group(1)), int(m.group(2))
 
 
+def start_floor(children: Children, upstream_port: int, client: str = "agent", name: str = "floor") -> tuple[Child, int]:
+    """The minimal Klein pass-through (``_floor.py``) in front of ``upstream_port``: (child, port)."""
+    child = children.start(
+        name,
+        [PYTHON, str(BENCH / "_floor.py"), "--upstream-port", str(upstream_port), "--client", client],
+    )
+    m = child.wait_line(r"ready floor=(\d+) pid=\d+")
+    return child, int(m.group(1))
+
+
 # ---------------------------------------------------------------------------
 # /proc readers.
 

@@ -3,23 +3,27 @@
 One run, side by side, against the same backend:
 
 * the simulated Ollama (``python -m yieldproxy.sim --latency 0 --parallel 64``)
-  in its own process, and a yieldproxy in front of it in another;
-* concurrency 1: a raw-socket keep-alive client alternates one direct call and
-  one proxied call (``POST /api/embed``, small body), swapping the order every
-  pair, so drift and noise hit both sides alike; p50/p99 of each side and the
-  difference;
+  in its own process, a yieldproxy in front of it in another, and the *floor*
+  in a third: a minimal Klein + ``twisted.web.client.Agent`` pass-through
+  (``_floor.py``: persistent pool, TCP_NODELAY both ways, no parking), what
+  any Twisted proxy built the obvious way costs;
+* concurrency 1: a raw-socket keep-alive client calls each side once per round
+  (``POST /api/embed``, small body), rotating the order every round, so drift
+  and noise hit every side alike; p50/p99 of each side and the added latency
+  (median of the per-round differences to the direct call);
 * concurrency 16: ``wrk`` (C, one thread, keep-alive, Lua script for the POST
-  body) in short rounds alternating direct and proxied; requests/s, p50/p99
-  from wrk's histogram, and the ratio;
-* proxy CPU per proxied request: utime+stime of the proxy process
-  (/proc/PID/stat) over each phase, divided by the requests it relayed.
+  body) in short rounds, one per side, order rotated; requests/s, p50/p99 from
+  wrk's histogram, and the ratio;
+* CPU per relayed request: utime+stime of the proxy's and of the floor's
+  process (/proc/PID/stat) over each phase, divided by the requests each
+  relayed.
 
 Targets: added p50 at c=1 <= 0.3 ms; throughput at c=16 >= 85 % of direct;
-proxy CPU <= 0.5 ms per request.
+proxy CPU <= 0.5 ms per request; the proxy's CPU per request and added
+latency, at c=1 and c=16, <= 0.9 x the floor's.
 
     .venv/bin/python bench/latency.py [--pairs 2000] [--rounds 3] [--seconds 4] [--profile FILE]
 """
-
 from __future__ import annotations
 
 import argparse
@@ -42,6 +46,7 @@ from _common import (
     header,
     percentile,
     post,
+    start_floor,
     start_proxy,
     start_sim,
     verdict,
@@ -50,6 +55,8 @@ from _common import (
 TARGET_ADDED_P50_MS = 0.3
 TARGET_THROUGHPUT_RATIO = 0.85
 TARGET_CPU_MS = 0.5
+#: The proxy's CPU per request and added latency, as a multiple of the floor's (issue 11).
+TARGET_FLOOR_RATIO = 0.9
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -73,25 +80,36 @@ def children_cpu() -> float:
 
 
 # ---------------------------------------------------------------------------
-# Concurrency 1: alternate direct and proxied calls.
+# Concurrency 1: alternate direct and relayed calls.
 
 
-def concurrency_one(direct_port: int, proxy_port: int, proxy_pid: int, pairs: int, max_seconds: float) -> dict:
+def rotated(names: list[str], i: int) -> list[str]:
+    """The sides in round ``i``'s order: each side takes each place in turn, so drift hits all alike."""
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
+def concurrency_one(ports: dict[str, int], pids: dict[str, int], pairs: int, max_seconds: float) -> dict:
+    """One keep-alive connection per side; rounds of one call to each side, order rotated.
+
+    ``ports`` maps each side (``direct`` first) to its port; ``pids`` maps the
+    relaying sides to their process, whose CPU is read over the phase.
+    """
     raw = post("/api/embed", SMALL_EMBED)
-    conns = {"direct": Conn(direct_port), "proxy": Conn(proxy_port)}
-    samples: dict[str, list[float]] = {"direct": [], "proxy": []}
+    names = list(ports)
+    conns = {side: Conn(port) for side, port in ports.items()}
+    samples: dict[str, list[float]] = {side: [] for side in names}
     try:
         # Warm up: imports, pools, caches, the sim's model "load".
-        for side in ("direct", "proxy"):
+        for side in names:
             for _ in range(200):
                 status, _, _ = conns[side].request(raw)
                 assert status == 200, (side, status)
-        cpu0 = cpu_seconds(proxy_pid)
+        cpu0 = {side: cpu_seconds(pid) for side, pid in pids.items()}
         deadline = time.monotonic() + max_seconds
         done = 0
         while done < pairs and time.monotonic() < deadline:
-            order = ("direct", "proxy") if done % 2 == 0 else ("proxy", "direct")
-            for side in order:
+            for side in rotated(names, done):
                 t0 = time.perf_counter_ns()
                 status, _, _ = conns[side].request(raw)
                 t1 = time.perf_counter_ns()
@@ -99,13 +117,16 @@ def concurrency_one(direct_port: int, proxy_port: int, proxy_pid: int, pairs: in
                     raise RuntimeError(f"{side}: status {status}")
                 samples[side].append((t1 - t0) / 1e6)
             done += 1
-        cpu = cpu_seconds(proxy_pid) - cpu0
+        cpu = {side: cpu_seconds(pid) - cpu0[side] for side, pid in pids.items()}
     finally:
         for c in conns.values():
             c.close()
-    out = {"pairs": done, "proxy_cpu_ms_per_request": cpu * 1000 / max(1, done)}
-    # The difference within each pair (taken moments apart) is a second, less noise-prone view.
-    out["pair_diff_median"] = statistics.median(x - d for d, x in zip(samples["direct"], samples["proxy"]))
+    out = {"pairs": done, "cpu_ms_per_request": {side: v * 1000 / max(1, done) for side, v in cpu.items()}}
+    # The difference within each round (taken moments apart) is a second, less noise-prone view.
+    out["added"] = {
+        side: statistics.median(x - d for d, x in zip(samples["direct"], samples[side]))
+        for side in names if side != "direct"
+    }
     for side, values in samples.items():
         values.sort()
         out[side] = {"p50": percentile(values, 50), "p99": percentile(values, 99), "mean": statistics.fmean(values)}
@@ -165,63 +186,75 @@ def threads_round(port: int, conns: int, seconds: float, max_requests: int = 200
     }
 
 
-def concurrency_n(direct_port, proxy_port, proxy_pid, sim_pid, conns, rounds, seconds) -> dict:
+def concurrency_n(ports: dict[str, int], pids: dict[str, int], conns: int, rounds: int, seconds: float) -> dict:
+    """wrk rounds, one per side per round, order rotated; CPU of every process over each round.
+
+    ``pids`` holds every process whose CPU share is shown (the sim and each
+    relaying side); a side's own CPU per request is its process's CPU over its
+    own rounds divided by the requests it relayed.
+    """
     wrk = shutil.which("wrk")
     lua_file = None
     if wrk:
         fd, lua_file = tempfile.mkstemp(suffix=".lua", prefix="yieldproxy-bench-")
         with os.fdopen(fd, "w") as f:
             f.write(WRK_LUA % SMALL_EMBED.decode())
+    names = list(ports)
     try:
         def run(port):
             return wrk_round(wrk, lua_file, port, conns, seconds) if wrk else threads_round(port, conns, seconds)
 
         # A short warm-up round each way (new connections, pools filled).
-        run(direct_port)
-        run(proxy_port)
-        sides = {"direct": [], "proxy": []}
-        cpu = {"direct": {"proxy": 0.0, "sim": 0.0, "loadgen": 0.0}, "proxy": {"proxy": 0.0, "sim": 0.0, "loadgen": 0.0}}
+        for side in names:
+            run(ports[side])
+        results: dict[str, list[dict]] = {side: [] for side in names}
+        cpu = {side: {who: 0.0 for who in [*pids, "loadgen"]} for side in names}
         for r in range(rounds):
-            order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
-            for side in order:
-                p0, s0, g0 = cpu_seconds(proxy_pid), cpu_seconds(sim_pid), children_cpu()
-                result = run(direct_port if side == "direct" else proxy_port)
-                cpu[side]["proxy"] += cpu_seconds(proxy_pid) - p0
-                cpu[side]["sim"] += cpu_seconds(sim_pid) - s0
+            for side in rotated(names, r):
+                before = {who: cpu_seconds(pid) for who, pid in pids.items()}
+                g0 = children_cpu()
+                results[side].append(run(ports[side]))
+                for who, pid in pids.items():
+                    cpu[side][who] += cpu_seconds(pid) - before[who]
                 cpu[side]["loadgen"] += children_cpu() - g0
-                sides[side].append(result)
     finally:
         if lua_file:
             os.unlink(lua_file)
     out = {"loadgen": "wrk -t1" if wrk else "python threads (wrk not installed: apt-get install -y wrk)"}
-    for side, results in sides.items():
-        requests = sum(r["requests"] for r in results)
-        secs = sum(r["seconds"] for r in results)
+    for side, rs in results.items():
+        requests = sum(r["requests"] for r in rs)
+        secs = sum(r["seconds"] for r in rs)
         out[side] = {
             "requests": requests,
             "seconds": secs,
             "rps": requests / secs,
-            "p50": statistics.median(r["p50_ms"] for r in results),
-            "p99": statistics.median(r["p99_ms"] for r in results),
-            "errors": sum(r["socket_errors"] + r["status_errors"] for r in results),
+            "p50": statistics.median(r["p50_ms"] for r in rs),
+            "p99": statistics.median(r["p99_ms"] for r in rs),
+            "errors": sum(r["socket_errors"] + r["status_errors"] for r in rs),
             "cpu_share": {k: v / secs for k, v in cpu[side].items()},
+            # The side's own process (the sim for direct) per request it answered.
+            "cpu_ms_per_request": cpu[side]["sim" if side == "direct" else side] * 1000 / max(1, requests),
         }
-    out["proxy_cpu_ms_per_request"] = cpu["proxy"]["proxy"] * 1000 / max(1, out["proxy"]["requests"])
-    out["sim_cpu_ms_per_request"] = cpu["direct"]["sim"] * 1000 / max(1, out["direct"]["requests"])
     return out
 
 
 # ---------------------------------------------------------------------------
 
 
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=2000, help="direct+proxied pairs at concurrency 1")
+    p.add_argument("--pairs", type=int, default=2000, help="rounds (one call per side) at concurrency 1")
     p.add_argument("--pair-seconds", type=float, default=20.0, help="time bound of the concurrency-1 phase")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3, help="wrk rounds per side at concurrency 16")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per wrk round")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, write stats here")
+    p.add_argument("--lean", action="store_true",
+                   help="also measure the floor's Klein front on yieldproxy.h1client instead of the Agent")
     p.add_argument("--context-latency", type=float, default=0.02,
                    help="also measure c=16 throughput with this backend latency (s; 0: skip)")
     args = p.parse_args(argv)
@@ -230,56 +263,102 @@ def main(argv=None) -> int:
         sim, sim_port = start_sim(children)
         extra = ["--profile", args.profile] if args.profile else []
         proxy, proxy_port, _ = start_proxy(children, sim_port, *extra)
-        c1 = concurrency_one(sim_port, proxy_port, proxy.pid, args.pairs, args.pair_seconds)
-        cn = concurrency_n(sim_port, proxy_port, proxy.pid, sim.pid, args.concurrency, args.rounds, args.seconds)
+        floor, floor_port = start_floor(children, sim_port)
+        ports = {"direct": sim_port, "proxy": proxy_port, "floor": floor_port}
+        relays = {"proxy": proxy.pid, "floor": floor.pid}
+        if args.lean:
+            lean_floor, ports["floor-h1"] = start_floor(children, sim_port, client="lean", name="floor-h1")
+            lean_proxy, ports["proxy-h1"], _ = start_proxy(children, sim_port, "--client", "lean", name="proxy-h1")
+            relays["floor-h1"], relays["proxy-h1"] = lean_floor.pid, lean_proxy.pid
+        c1 = concurrency_one(ports, relays, args.pairs, args.pair_seconds)
+        cn = concurrency_n(ports, {"sim": sim.pid, **relays}, args.concurrency, args.rounds, args.seconds)
         errors = proxy.log_tail(4000)
         context = None
         if args.context_latency > 0:
             sim2, sim2_port = start_sim(children, "--latency", str(args.context_latency), name="sim-latency")
             proxy2, proxy2_port, _ = start_proxy(children, sim2_port, name="proxy-latency")
-            context = concurrency_n(sim2_port, proxy2_port, proxy2.pid, sim2.pid, args.concurrency, 2, 3.0)
+            context = concurrency_n(
+                {"direct": sim2_port, "proxy": proxy2_port}, {"sim": sim2.pid, "proxy": proxy2.pid},
+                args.concurrency, 2, 3.0,
+            )
 
-    header("yieldproxy latency: direct to the sim vs through the proxy (POST /api/embed, small body)")
-    print(f"proxy code: {proxy.src}; sim and proxy each in its own process; {os.cpu_count()} cores")
-    print(f"{'':34}{'direct':>10}{'proxy':>10}{'added':>10}{'ratio':>8}")
-    d, x = c1["direct"], c1["proxy"]
-    print(f"c=1 ({c1['pairs']} alternated pairs)")
+    relayed = [side for side in ports if side != "direct"]
+    added_n = {side: cn[side]["p50"] - cn["direct"]["p50"] for side in relayed}
+    header("yieldproxy latency: direct to the sim, through the proxy, through the floor (POST /api/embed, small body)")
+    print(f"proxy code: {proxy.src}; sim, proxy and floor each in its own process; {os.cpu_count()} cores")
+    print("floor: a minimal Klein + Agent pass-through (bench/_floor.py: persistent pool, TCP_NODELAY, no parking)")
+    if args.lean:
+        print("floor-h1: the floor's Klein front on yieldproxy.h1client (bench/_floor.py --client lean)")
+        print("proxy-h1: the proxy forwarding with yieldproxy.h1client (bench/_lean_attempt.py, a measurement variant)")
+    print(f"{'':34}" + "".join(f"{side:>10}" for side in ports))
+    print(f"c=1 ({c1['pairs']} rounds of one call each way, order rotated)")
     for q in ("p50", "p99", "mean"):
-        print(f"  latency {q:<24}{d[q]:>8.3f}ms{x[q]:>8.3f}ms{x[q] - d[q]:>8.3f}ms{x[q] / d[q]:>8.2f}")
-    print(f"  added, median of per-pair differences{'':>14}{c1['pair_diff_median']:>8.3f}ms")
-    d, x = cn["direct"], cn["proxy"]
-    print(f"c={args.concurrency} ({args.rounds} alternated rounds of {args.seconds:g}s each way, {cn['loadgen']})")
+        print(f"  latency {q:<24}" + "".join(f"{c1[side][q]:>8.3f}ms" for side in ports))
+    print(f"  added, median of per-round diffs{'':>10}" + "".join(f"{c1['added'][side]:>8.3f}ms" for side in relayed))
+    print(f"c={args.concurrency} ({args.rounds} rounds of {args.seconds:g}s each way, order rotated, {cn['loadgen']})")
     for q in ("p50", "p99"):
-        print(f"  latency {q:<24}{d[q]:>8.3f}ms{x[q]:>8.3f}ms{x[q] - d[q]:>8.3f}ms{x[q] / d[q]:>8.2f}")
-    print(f"  throughput (req/s)              {d['rps']:>10.0f}{x['rps']:>10.0f}{'':>10}{x['rps'] / d['rps']:>8.2f}")
-    print(f"  errors                          {d['errors']:>10}{x['errors']:>10}")
-    print(f"  CPU share (cores) proxy         {d['cpu_share']['proxy']:>10.2f}{x['cpu_share']['proxy']:>10.2f}")
-    print(f"                    sim           {d['cpu_share']['sim']:>10.2f}{x['cpu_share']['sim']:>10.2f}")
-    print(f"                    load generator{d['cpu_share']['loadgen']:>10.2f}{x['cpu_share']['loadgen']:>10.2f}"
-          f"   (machine: {os.cpu_count()} cores)")
-    print(f"proxy CPU per proxied request: c=1 {c1['proxy_cpu_ms_per_request']:.3f} ms, "
-          f"c={args.concurrency} {cn['proxy_cpu_ms_per_request']:.3f} ms "
-          f"(the sim itself: {cn['sim_cpu_ms_per_request']:.3f} ms per direct request)")
+        print(f"  latency {q:<24}" + "".join(f"{cn[side][q]:>8.3f}ms" for side in ports))
+    print(f"  throughput (req/s)              " + "".join(f"{cn[side]['rps']:>10.0f}" for side in ports))
+    print(f"  throughput, ratio to direct     {'':>10}" + "".join(
+        f"{ratio(cn[side]['rps'], cn['direct']['rps']):>10.2f}" for side in relayed))
+    print(f"  errors                          " + "".join(f"{cn[side]['errors']:>10}" for side in ports))
+    for i, who in enumerate(["sim", *relayed, "loadgen"]):
+        label = "CPU share (cores) " if i == 0 else ""
+        print(f"  {label:<18}{who:<14}" + "".join(f"{cn[side]['cpu_share'][who]:>10.2f}" for side in ports))
+    print(f"  {'':<32}(machine: {os.cpu_count()} cores)")
+
+    cpu1 = c1["cpu_ms_per_request"]
+    print("CPU per relayed request and added latency, the proxy against the floor")
+    print(f"{'':34}{'proxy':>10}{'floor':>10}{'ratio':>10}")
+    rows = [
+        ("CPU per request, c=1", cpu1["proxy"], cpu1["floor"]),
+        (f"CPU per request, c={args.concurrency}", cn["proxy"]["cpu_ms_per_request"], cn["floor"]["cpu_ms_per_request"]),
+        ("added latency, c=1 (round diffs)", c1["added"]["proxy"], c1["added"]["floor"]),
+        (f"added latency, c={args.concurrency} (p50)", added_n["proxy"], added_n["floor"]),
+    ]
+    for label, mine, floor_value in rows:
+        print(f"  {label:<32}{mine:>8.3f}ms{floor_value:>8.3f}ms{ratio(mine, floor_value):>9.2f}x")
+    print(f"  (the sim itself: {cn['direct']['cpu_ms_per_request']:.3f} ms of CPU per direct request)")
+    if args.lean:
+        print("the lean client, against the floor (not targets)")
+        print(f"{'':34}{'floor-h1':>10}{'proxy-h1':>10}{'floor':>10}{'ratios':>16}")
+        lean_rows = [
+            ("CPU per request, c=1", cpu1["floor-h1"], cpu1["proxy-h1"], cpu1["floor"]),
+            (f"CPU per request, c={args.concurrency}", cn["floor-h1"]["cpu_ms_per_request"],
+             cn["proxy-h1"]["cpu_ms_per_request"], cn["floor"]["cpu_ms_per_request"]),
+            ("added latency, c=1 (round diffs)", c1["added"]["floor-h1"], c1["added"]["proxy-h1"],
+             c1["added"]["floor"]),
+            (f"added latency, c={args.concurrency} (p50)", added_n["floor-h1"], added_n["proxy-h1"], added_n["floor"]),
+        ]
+        for label, lean_floor_value, lean_proxy_value, floor_value in lean_rows:
+            print(f"  {label:<32}{lean_floor_value:>8.3f}ms{lean_proxy_value:>8.3f}ms{floor_value:>8.3f}ms"
+                  f"{ratio(lean_floor_value, floor_value):>7.2f}x{ratio(lean_proxy_value, floor_value):>7.2f}x")
 
     if context:
         d, x = context["direct"], context["proxy"]
         print(f"context: c={args.concurrency}, backend latency {args.context_latency * 1000:g} ms "
               f"(2 alternated rounds of 3s each way; not a target)")
+        print(f"{'':34}{'direct':>10}{'proxy':>10}{'added':>10}{'ratio':>8}")
         for q in ("p50", "p99"):
             print(f"  latency {q:<24}{d[q]:>8.3f}ms{x[q]:>8.3f}ms{x[q] - d[q]:>8.3f}ms{x[q] / d[q]:>8.2f}")
         print(f"  throughput (req/s)              {d['rps']:>10.0f}{x['rps']:>10.0f}{'':>10}{x['rps'] / d['rps']:>8.2f}")
-        print(f"  proxy CPU per request           {'':>10}{context['proxy_cpu_ms_per_request']:>8.3f}ms")
+        print(f"  proxy CPU per request           {'':>10}{x['cpu_ms_per_request']:>8.3f}ms")
 
     added = c1["proxy"]["p50"] - c1["direct"]["p50"]
-    ratio = cn["proxy"]["rps"] / cn["direct"]["rps"]
-    cpu = max(c1["proxy_cpu_ms_per_request"], cn["proxy_cpu_ms_per_request"])
+    throughput = ratio(cn["proxy"]["rps"], cn["direct"]["rps"])
+    cpu = max(cpu1["proxy"], cn["proxy"]["cpu_ms_per_request"])
     print()
     print("targets")
-    print(f"  [{verdict(added <= TARGET_ADDED_P50_MS)}] added latency at c=1, p50: {added:.3f} ms (target <= {TARGET_ADDED_P50_MS} ms)")
-    print(f"  [{verdict(ratio >= TARGET_THROUGHPUT_RATIO)}] throughput at c={args.concurrency}: {ratio:.0%} of direct "
-          f"(target >= {TARGET_THROUGHPUT_RATIO:.0%})")
+    print(f"  [{verdict(added <= TARGET_ADDED_P50_MS)}] added latency at c=1, p50: {added:.3f} ms "
+          f"(target <= {TARGET_ADDED_P50_MS} ms)")
+    print(f"  [{verdict(throughput >= TARGET_THROUGHPUT_RATIO)}] throughput at c={args.concurrency}: "
+          f"{throughput:.0%} of direct (target >= {TARGET_THROUGHPUT_RATIO:.0%})")
     print(f"  [{verdict(cpu <= TARGET_CPU_MS)}] proxy CPU per request: {cpu:.3f} ms (target <= {TARGET_CPU_MS} ms)")
-    if cn["proxy"]["errors"] or cn["direct"]["errors"]:
+    for label, mine, floor_value in rows:
+        value = ratio(mine, floor_value)
+        print(f"  [{verdict(value <= TARGET_FLOOR_RATIO)}] proxy {label}: {value:.2f}x the floor "
+              f"(target <= {TARGET_FLOOR_RATIO}x)")
+    if any(cn[side]["errors"] for side in ports):
         print("errors seen; proxy log tail:\n" + errors, file=sys.stderr)
     if args.profile:
         print(f"proxy profile written to {args.profile} (python -m pstats {args.profile})")

@@ -437,4 +437,125 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
     for _ in range(2):
         core.gate.finished()
     core.run(0.01)
+
+
+# -- one timer for the whole lot ----------------------------------------------------------------
+
+
+def lot_timers(core) -> int:
+    """DelayedCalls the lot holds (the replayer's and others' are not counted)."""
+    return sum(1 for call in core.clock.getDelayedCalls() if getattr(call.func, "__self__", None) is core.lot)
+
+
+def test_the_lot_holds_one_timer_however_many_are_parked():
+    core = make_core(concurrency=1000)
+    core.state.hold("api")
+    outcomes = [park(core, cls=cls) for _ in range(50) for cls in ("interactive", "batch", "long")]
+    assert len(core.lot) == 150
+    assert lot_timers(core) == 1
+    assert len(core.clock.getDelayedCalls()) == 1
+    outcomes[0]["deferred"].cancel()
+    assert lot_timers(core) == 1
+    core.state.release("api")
+    core.run(0.01)
+    assert len(released(outcomes)) == 149 and len(core.lot) == 0
+    assert lot_timers(core) == 0
+    for o in released(outcomes):
+        finish(core, o)
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_each_entry_expires_at_its_own_deadline_whatever_the_order_of_arrival():
+    core = make_core()
+    core.state.hold("api")
+    # Deadlines out of arrival order: 600 s, 15 s, 2 s (the caller's), 7 s (the caller's), 15 s.
+    batch = park(core, cls="batch")
+    interactive = park(core, cls="interactive")
+    short = park(core, cls="batch", max_wait=2)
+    middle = park(core, cls="long", max_wait=7)
+    core.clock.advance(1)
+    late_interactive = park(core, cls="interactive")  # 15 s from t=1
+    expected = {id(short): 2, id(middle): 7, id(interactive): 15, id(late_interactive): 16, id(batch): 600}
+    seen = {}
+    for step in range(1, 610):
+        core.clock.advance(1) if step > 1 else None
+        for o in (batch, interactive, short, middle, late_interactive):
+            if "failure" in o and id(o) not in seen:
+                seen[id(o)] = core.clock.seconds()
+    assert seen == expected
+    assert all(o["failure"].reason == "expired" for o in (batch, interactive, short, middle, late_interactive))
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_entries_that_left_neither_expire_nor_keep_the_timer():
+    core = make_core(concurrency=100)
+    core.state.hold("api")
+    gone = park(core, cls="interactive", max_wait=1)
+    stays = park(core, cls="interactive")
+    gone["deferred"].cancel()
+    core.clock.advance(1)
+    assert isinstance(gone["failure"], CancelledError)
+    assert "failure" not in stays
+    core.clock.advance(14)
+    assert stays["failure"].reason == "expired"
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_returning_entry_keeps_its_first_deadline_under_the_lot_timer():
+    core = make_core(concurrency=1)
+    core.state.hold("api")
+    o = park(core, cls="interactive")
+    core.clock.advance(10)
+    core.state.release("api")
+    core.run(0.01)
+    assert "released_at" in o
+    # Its attempt fails; it comes back with 5 s of its 15 s hold bound left.
+    core.state.hold("api")
+    core.gate.finished(failed=True)
+    entry = o["entry"]
+    entry.attempts = 1
+    again = []
+    core.gate.admit(entry).addErrback(lambda f: again.append(f.value))
+    core.clock.advance(4.9)
+    assert again == []
+    core.clock.advance(0.2)
+    assert again and again[0].reason == "expired"
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_stale_deadlines_do_not_pile_up_while_requests_pass_through_the_lot():
+    core = make_core(concurrency=1000)
+    core.state.hold("api")
+    keep = park(core, cls="batch")  # keeps the lot from ever emptying
+    for _ in range(2000):
+        park(core, cls="batch")["deferred"].cancel()
+    assert len(core.lot) == 1
+    assert len(core.lot._deadlines) <= 2 * len(core.lot) + 65
+    keep["deferred"].cancel()
+    assert core.lot._deadlines == [] and core.clock.getDelayedCalls() == []
+
+
+def test_a_parked_entry_costs_the_lot_about_half_a_kilobyte():
+    """Entry, parked Deferred, canceller, queue and deadline slots: no timer or closure per entry.
+
+    (A DelayedCall per entry and a closure as canceller made it 1.3 KB.)
+    """
+    import gc
+    import tracemalloc
+
+    core = make_core()
+    core.state.hold("api")
+    kept = [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(100)]  # lists and dicts grown
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        kept += [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(2000)]
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    per_entry = sum(stat.size_diff for stat in after.compare_to(before, "lineno")) / 2000
+    assert per_entry < 600, per_entry
+    core.gate.refuse_all_parked("test over")
     assert core.clock.getDelayedCalls() == []

@@ -294,3 +294,42 @@ async def test_every_proxied_request_ends_in_one_log_line():
         assert ok["client"] == "127.0.0.1" and ok["bytes_sent"] > 0
     finally:
         await stack.stop()
+
+
+def test_text_lines_are_twisteds_classic_lines_request_lines_included():
+    """The text observer's fast path for request lines writes exactly what Twisted's formatter would."""
+    from twisted.logger import formatEventAsClassicLogText
+    from twisted.python.failure import Failure
+
+    from yieldproxy.requestlog import classic_text, text_file_observer
+
+    class Request:
+        path = b"/api/embed"
+        method = b"POST"
+        sentLength = 10
+
+        def getClientAddress(self):
+            class Address:
+                host = "127.0.0.1"
+
+            return Address()
+
+    events = []
+    logger = Logger(namespace="yieldproxy.requestlog", observer=events.append)
+    clock = Clock()
+    clock.advance(1_700_000_000.75)
+    for status in (200, 503, None):
+        log_request(Request(), "batch", status, "ok", 1.5, 2, clock.seconds() - 0.2, clock, logger=logger)
+    Logger(namespace="other", observer=events.append).info("plain {x}", x=1)
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        Logger(namespace="other", observer=events.append).failure("boom", Failure())
+    odd = dict(events[0], request_line="two\nlines")
+    events += [odd, dict(events[0], log_system="sys"), dict(events[0], log_time=None), dict(events[0], request_line="")]
+    for event in events:
+        assert classic_text(event) == formatEventAsClassicLogText(event), event
+    out = io.StringIO()
+    text_file_observer(out)(events[0])
+    assert out.getvalue() == formatEventAsClassicLogText(events[0])
+    assert " [yieldproxy.requestlog#info] POST /api/embed batch 200 ok parked=1.500s" in out.getvalue()

@@ -16,6 +16,7 @@ which target it went to (``released_to``).
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from typing import Any, Callable
@@ -64,7 +65,8 @@ class Entry:
     #: The target whose drainer let it out of the lot last; None: the primary.
     released_to: str | None = None
     _deferred: Deferred | None = None
-    _timer: IDelayedCall | None = None
+    #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
+    _lot: ParkingLot | None = None
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
@@ -73,6 +75,15 @@ class Entry:
     def tries(self) -> int:
         """Every failed attempt so far, counted or forgiven."""
         return self.attempts + self.forgiven
+
+    def _cancelled(self, d: Deferred) -> None:
+        """Canceller of the parked Deferred: the client went away.
+
+        A bound method, not a closure per entry: one small object less for
+        every parked request.
+        """
+        if self._lot is not None:
+            self._lot._abandon(self)
 
 
 class Refused(Exception):
@@ -118,6 +129,15 @@ class ParkingLot:
     _out_listeners: list[Callable[[Entry], None]] = attrs.Factory(list)
     #: Says what keeps the lot waiting, for an expiry's message (set by the gate).
     why_still_waiting: Callable[[], str] = lambda: "the GPU or the upstream did not come back in time"
+    #: Deadlines of parked entries, soonest first, as (deadline, seq, entry).
+    #: An entry that left stays until it comes up (it is skipped then), until
+    #: the lot empties, or until the heap is rebuilt (see :meth:`park`).
+    _deadlines: list = attrs.Factory(list)
+    #: One timer for the whole lot, at the soonest deadline: a DelayedCall
+    #: per parked request cost about half a kilobyte each.
+    _timer: IDelayedCall | None = None
+    _timer_at: float = math.inf
+    _expiring: bool = False
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -191,8 +211,14 @@ class ParkingLot:
         entry.was_parked = True
         entry.parked_at = now
         entry.released_to = None
-        entry._deferred = Deferred(canceller=lambda d: self._abandon(entry))
-        entry._timer = self._clock.callLater(max(0.0, entry.deadline - now), self._expire, entry)
+        entry._lot = self
+        entry._deferred = Deferred(canceller=entry._cancelled)
+        if not self._expiring and len(self._deadlines) > 2 * self._count + 64:
+            # Mostly entries that left: keep the heap to about the parked count.
+            self._deadlines = [item for item in self._deadlines if item[2]._deferred is not None]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
+        self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
         self._account(entry, +1)
         d = entry._deferred
@@ -267,9 +293,42 @@ class ParkingLot:
             self._fail(entry, make_refusal(entry))
         return len(entries)
 
+    def _arm(self) -> None:
+        """Point the lot's one timer at the soonest deadline of an entry still parked."""
+        if self._expiring:
+            return  # :meth:`_expire_due` re-arms when it is done
+        heap = self._deadlines
+        while heap and heap[0][2]._deferred is None:
+            heapq.heappop(heap)
+        soonest = heap[0][0] if heap else math.inf
+        if self._timer is not None:
+            if soonest == self._timer_at:
+                return
+            if self._timer.active():
+                self._timer.cancel()
+            self._timer = None
+        self._timer_at = soonest
+        if heap:
+            self._timer = self._clock.callLater(max(0.0, soonest - self._clock.seconds()), self._expire_due)
+
+    def _expire_due(self) -> None:
+        """The timer fired: every entry whose deadline has come leaves, soonest first."""
+        self._timer = None
+        # Up to the deadline the timer was set for, whatever rounding did to the clock.
+        limit = max(self._timer_at, self._clock.seconds())
+        self._timer_at = math.inf
+        self._expiring = True
+        try:
+            while self._deadlines and self._deadlines[0][0] <= limit:
+                _, _, entry = heapq.heappop(self._deadlines)
+                if entry._deferred is not None:
+                    self._expire(entry)
+        finally:
+            self._expiring = False
+        self._arm()
+
     def _expire(self, entry: Entry) -> None:
         """Past its hold bound: refused, with what really kept it (yield, outage, or a busy GPU)."""
-        entry._timer = None
         cause = self.why_still_waiting()
         if entry.bound_by_caller:
             why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): {cause}"
@@ -308,13 +367,17 @@ class ParkingLot:
         del queue[index]
         if not queue:
             self._passed_over.pop(entry.cls, None)
-        if entry._timer is not None and entry._timer.active():
-            entry._timer.cancel()
-        entry._timer = None
         stayed = self._clock.seconds() - (entry.parked_at or self._clock.seconds())
         entry.parked_seconds += stayed
         entry.parked_at = None
         self._account(entry, -1)
+        if not self._count:
+            # Nothing parked: every deadline left is stale, and no timer is needed.
+            self._deadlines.clear()
+            self._timer_at = math.inf
+            if self._timer is not None and self._timer.active():
+                self._timer.cancel()
+            self._timer = None
         self._metrics.park_seconds.labels(entry.cls).observe(stayed)
 
     def _account(self, entry: Entry, sign: int) -> None:

@@ -1,0 +1,758 @@
+"""A lean HTTP/1.1 client for the upstream hop: persistent connections to one server.
+
+``twisted.web.client.Agent`` is general: it parses a URI per request, builds
+a ``Headers`` object, a request object, a body producer protocol, a response
+with its own state machine and several Deferreds, and parses the answer
+line by line.  A reverse proxy talks to one upstream and relays bytes; the
+profile of the proxy shows the Agent among the largest costs per request
+(``bench/latency.py`` measures it against the same Klein front).  This module
+does the same hop with one object per request and one Deferred:
+
+* :class:`H1Pool`: the connections to one upstream.  Persistent and bounded
+  (``max_connections``, requests beyond it wait their turn, FIFO); idle ones
+  are reused last-in first-out (the warmest), and closed after
+  ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
+* :meth:`H1Pool.request` writes the request in one ``transport.write`` (small
+  bodies), and streams the answer to a handler as it arrives: the head to
+  ``response_started``, the body to ``body_received``; the Deferred fires
+  with the :class:`Response` once the body is complete.  The response is an
+  ``IPushProducer`` for as long as its exchange lasts: a relay registers it
+  on the client's request, and a slow client pauses the upstream socket.
+* :class:`~yieldproxy.h1parse.ResponseParser` (h1parse.py) reads the
+  answers: status line, headers (repeats and order kept),
+  ``Content-Length``, chunked bodies (extensions and trailers skipped), read
+  until close (HTTP/1.0, or no length), interim 1xx skipped, no body for
+  ``HEAD``, 204 and 304; anything else malformed is :class:`BadResponse`.
+* A connection goes back to the pool only after a complete response that
+  allows it (HTTP/1.1 without ``Connection: close``, or 1.0 with
+  ``keep-alive``, framed by length or chunks, nothing sent beyond it).  A
+  cancelled request (the client went away, the caller's timeout) or a timed
+  out one aborts its connection, which is never reused.
+
+Failures (each an :class:`H1Error` with a ``reason`` that is a metric label of
+``forward.classify_failure``): :class:`ConnectFailed` (``refused`` or
+``connect``), :class:`ResponseNeverReceived` (``reset``: the connection ended
+after the request was written and before any byte of the answer),
+:class:`ResponseIncomplete` (``reset``: it ended mid-answer),
+:class:`ResponseTimeout` (``timeout``: no response head within the request's
+``timeout``), :class:`BadResponse` (``bad_response``), :class:`PoolClosed`.
+Each carries ``request_sent``, ``reused`` and ``retried``.
+
+The stale connection.  A server closes idle keep-alive connections when it
+likes (Go's ``IdleTimeout``, a restart); a request written on a pooled
+connection just as the server closed it sees the connection end with no
+answer.  The client sends it once more, on a *fresh* connection, only when
+all of these hold:
+
+* not one byte of the response arrived: nothing reached the caller, so the
+  retry is invisible to it except in time;
+* the connection was *reused* from the pool: a close on a connection made
+  for this request is the server failing, not staleness, and is reported;
+* the connection ended (closed or reset), it did not time out and was not
+  cancelled: a timed-out request may still be running upstream;
+* the request may be sent twice: its method is idempotent (``GET``,
+  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``), or the caller said
+  ``replayable=True``.  An idle-close race is harmless to retry, but the same
+  picture (connection closed, no answer) also follows a server that read the
+  request and then died; sending a POST again is then a duplicate, which only
+  the caller can accept (an Ollama embedding is deterministic: only GPU time
+  is lost) and must count: ``Response.retried`` and ``H1Error.retried`` say
+  it happened;
+* it was not retried already: once per request.
+"""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+from typing import Any, Callable, Iterable, Protocol as TypingProtocol
+
+from twisted.internet import error as ierror
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from .h1parse import ParseError, ResponseParser
+
+#: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+#: Methods that always send a Content-Length (0 when there is no body).
+_BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+#: Bodies up to this size go out in the same write as the head.
+SMALL_BODY = 64 * 1024
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+class H1Error(Exception):
+    """A request that got no complete response; ``reason`` is its metric label."""
+
+    reason = "reset"
+
+    def __init__(self, message: str, *, request_sent: bool = False, reused: bool = False, retried: bool = False):
+        super().__init__(message)
+        #: The request was written to the connection (the server may have seen it).
+        self.request_sent = request_sent
+        #: The connection came from the pool (it had served a request before).
+        self.reused = reused
+        #: The request was sent a second time after a stale connection (see the module docstring).
+        self.retried = retried
+
+
+class ConnectFailed(H1Error):
+    """No connection to the upstream: ``refused``, or ``connect`` (timeout, no route, DNS)."""
+
+    def __init__(self, message: str, reason: str = "connect", **kw: Any):
+        super().__init__(message, **kw)
+        self.reason = reason
+
+
+class ResponseNeverReceived(H1Error):
+    """The connection ended after the request was written, before any byte of a response."""
+
+
+class ResponseIncomplete(H1Error):
+    """The connection ended part-way through the response."""
+
+
+class ResponseTimeout(H1Error):
+    """No response head within the request's timeout; the connection was aborted."""
+
+    reason = "timeout"
+
+
+class BadResponse(H1Error):
+    """The upstream sent something that is not an HTTP/1.x response."""
+
+    reason = "bad_response"
+
+
+class PoolClosed(H1Error):
+    """The pool was closed before the request could be sent."""
+
+    reason = "closed"
+
+
+# -- the response and the exchange ----------------------------------------------------------------
+
+
+class ResponseHandler(TypingProtocol):
+    """Where a response goes as it arrives (a relay, or :class:`Collector`)."""
+
+    def response_started(self, response: "Response") -> None: ...
+
+    def body_received(self, data: bytes) -> None: ...
+
+
+class Collector:
+    """A handler that keeps the body, up to ``limit`` bytes, in ``response.body``."""
+
+    __slots__ = ("_parts", "_size", "_limit", "_response")
+
+    def __init__(self, limit: int | None = None):
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._response: Response | None = None
+
+    def response_started(self, response: "Response") -> None:
+        self._response = response
+        response.body = b""
+
+    def body_received(self, data: bytes) -> None:
+        if self._limit is not None:
+            room = self._limit - self._size
+            if room <= 0:
+                return
+            data = data[:room]
+        self._parts.append(data)
+        self._size += len(data)
+        if self._response is not None:
+            self._response.body = b"".join(self._parts) if len(self._parts) > 1 else data
+
+
+@implementer(IPushProducer)
+class Response:
+    """A response head, and the producer of its body while its exchange lasts.
+
+    ``headers`` are the raw lines, in order, repeats kept, names as sent
+    (``Content-Length`` and ``Transfer-Encoding`` included: a relay drops the
+    hop-by-hop ones).  ``length`` is the body's length when the upstream
+    framed it with ``Content-Length`` (0 for no body), else None.
+    ``pauseProducing``/``resumeProducing`` pause the upstream socket;
+    ``stopProducing`` abandons the request: its connection is aborted, and
+    the Deferred fails with ``CancelledError`` when the connection is gone.
+    All three do nothing once the exchange is over.
+    """
+
+    __slots__ = ("version", "code", "phrase", "headers", "length", "body", "retried", "_exchange")
+
+    def __init__(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None,
+                 exchange: "_Exchange"):
+        self.version = version
+        self.code = code
+        self.phrase = phrase
+        self.headers = headers
+        self.length = length
+        #: The body, when the handler was a :class:`Collector` (the default).
+        self.body: bytes | None = None
+        #: The request was sent a second time after a stale connection.
+        self.retried = exchange.retried
+        self._exchange: _Exchange | None = exchange
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (any case), or None."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    def header_values(self, name: bytes) -> list[bytes]:
+        """Every value of header ``name`` (any case), in order."""
+        name = name.lower()
+        return [value for key, value in self.headers if key.lower() == name]
+
+    def pauseProducing(self) -> None:
+        ex = self._exchange
+        if ex is not None and ex.conn is not None:
+            ex.conn.pause()
+
+    def resumeProducing(self) -> None:
+        ex = self._exchange
+        if ex is not None and ex.conn is not None:
+            ex.conn.resume()
+
+    def stopProducing(self) -> None:
+        ex = self._exchange
+        if ex is None or ex.finished:
+            return
+        if ex.conn is None:
+            ex.deferred.cancel()
+            return
+        # The consumer is gone (its connection was lost): drop the upstream
+        # connection; the request fails with CancelledError once it is gone,
+        # not from within the consumer's own connectionLost (as with a
+        # transport registered as producer, which closes on a later turn).
+        ex.stopped = True
+        ex.conn.abort()
+
+
+class _Exchange:
+    """One request and its way to a response: the only per-request object besides the Response."""
+
+    __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
+                 "reused", "retried", "response", "connecting", "finished", "stopped")
+
+    def __init__(self, method: bytes, data: bytes, body: bytes, handler: ResponseHandler, replayable: bool,
+                 canceller: Callable[["_Exchange"], None]):
+        self.method = method
+        #: The head (with a small body appended); ``body`` holds a large body apart.
+        self.data = data
+        self.body = body
+        self.handler = handler
+        self.deferred: Deferred = Deferred(lambda d: canceller(self))
+        self.replayable = replayable
+        self.timer: IDelayedCall | None = None
+        self.conn: H1Connection | None = None
+        self.reused = False
+        self.retried = False
+        self.response: Response | None = None
+        #: The connection attempt this exchange waits on, if any.
+        self.connecting: Deferred | None = None
+        self.finished = False
+        #: The response's consumer stopped it (see :meth:`Response.stopProducing`).
+        self.stopped = False
+
+
+# -- one connection ------------------------------------------------------------------------------
+
+
+class H1Connection(Protocol):
+    """One persistent connection: runs one exchange at a time, then goes back to its pool."""
+
+    def __init__(self, pool: "H1Pool"):
+        self._pool = pool
+        self._parser = ResponseParser(self)
+        self.exchange: _Exchange | None = None
+        self.idle_timer: IDelayedCall | None = None
+        self.lost = False
+        #: Set once the connection must not be reused (aborted, or closing).
+        self.dead = False
+        self._paused = False
+        #: Requests this connection has carried.
+        self.served = 0
+        #: Fired when the connection is gone (the pool's close waits on these).
+        self.when_lost: list[Deferred] = []
+
+    def connectionMade(self) -> None:
+        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_nodelay is not None:
+            try:
+                set_nodelay(True)
+            except OSError:
+                pass
+
+    # -- the exchange -----------------------------------------------------------
+
+    def start(self, ex: _Exchange) -> None:
+        """Send ``ex``'s request on this connection."""
+        self.exchange = ex
+        ex.conn = self
+        ex.reused = self.served > 0
+        self.served += 1
+        self._parser.start(ex.method == b"HEAD")
+        self.transport.write(ex.data)
+        if ex.body:
+            self.transport.write(ex.body)
+
+    def pause(self) -> None:
+        if not self._paused and not self.lost:
+            self._paused = True
+            self.transport.pauseProducing()
+
+    def resume(self) -> None:
+        if self._paused and not self.lost:
+            self._paused = False
+            self.transport.resumeProducing()
+
+    def abort(self) -> None:
+        """Drop the connection now; it is never reused."""
+        self.dead = True
+        self._parser.halt()
+        if not self.lost:
+            self.transport.abortConnection()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.exchange is None:
+            # Nothing was asked: a confused upstream, or bytes after an abort.
+            if not self.dead:
+                self.dead = True
+                self.transport.loseConnection()
+            return
+        try:
+            self._parser.feed(data)
+        except ParseError as e:
+            ex = self.exchange
+            self.abort()
+            if ex is not None:
+                self._pool._fail(ex, BadResponse(str(e), request_sent=True, reused=ex.reused, retried=ex.retried))
+
+    # -- parser events ------------------------------------------------------------
+
+    def on_head(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None) -> None:
+        ex = self.exchange
+        if ex.timer is not None:
+            # The timeout covers the wait for the head; a long body is not cut.
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        ex.response = response = Response(version, code, phrase, headers, length, ex)
+        try:
+            ex.handler.response_started(response)
+        except BaseException:
+            self._handler_failed(ex, Failure())
+
+    def on_body(self, data: bytes) -> None:
+        ex = self.exchange
+        try:
+            ex.handler.body_received(data)
+        except BaseException:
+            self._handler_failed(ex, Failure())
+
+    def on_end(self, keep_alive: bool) -> None:
+        ex = self.exchange
+        self.exchange = None
+        ex.conn = None
+        if self._paused and not self.lost:
+            self._paused = False
+            self.transport.resumeProducing()
+        if keep_alive and not self._parser.extra and not self.dead and not self.lost:
+            self._pool._release(self)
+        else:
+            self.dead = True
+            if not self.lost:
+                self.transport.loseConnection()
+        self._pool._succeed(ex)
+
+    def _handler_failed(self, ex: _Exchange, failure: Failure) -> None:
+        """The handler raised: the exchange fails with its error, the connection is dropped."""
+        if self.exchange is ex:
+            self.exchange = None
+            ex.conn = None
+            self.abort()
+            self._pool._fail(ex, failure)
+
+    # -- the end ---------------------------------------------------------------------
+
+    def connectionLost(self, reason: Failure = None) -> None:
+        self.lost = True
+        self.dead = True
+        # Leave the count first, so a retry can have a fresh connection in its place.
+        self._pool._connection_lost(self)
+        ex = self.exchange
+        clean = reason is None or reason.check(ierror.ConnectionDone) is not None
+        if ex is not None and not self._parser.feed_eof(clean):
+            self.exchange = None
+            ex.conn = None
+            self._parser.halt()
+            self._pool._lost(ex, self._parser.received, reason)
+        waiters, self.when_lost = self.when_lost, []
+        for d in waiters:
+            d.callback(None)
+
+
+class _ConnectionFactory(Factory):
+    noisy = False
+
+    def __init__(self, pool: "H1Pool"):
+        self._pool = pool
+
+    def buildProtocol(self, addr: Any) -> H1Connection:
+        return H1Connection(self._pool)
+
+
+# -- the pool ------------------------------------------------------------------------------------
+
+
+def client_endpoint(reactor: Any, host: str, port: int, timeout: float = 30.0) -> IStreamClientEndpoint:
+    """A plain TCP endpoint for an IP literal; ``HostnameEndpoint`` only for names.
+
+    HostnameEndpoint waits its ``attemptDelay`` (0.3 s) before reporting a
+    refused connection, which would slow every retry during an outage.
+    """
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return HostnameEndpoint(reactor, host, port, timeout=timeout)
+    if address.version == 6:
+        return TCP6ClientEndpoint(reactor, host, port, timeout=timeout)
+    return TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
+
+
+class H1Pool:
+    """Persistent HTTP/1.1 connections to one upstream, and requests over them.
+
+    :param reactor: the reactor (its ``callLater`` runs the timers; a Clock in tests).
+    :param host: the upstream's host (an IP literal, or a name), for the
+        connections and the ``Host`` header.
+    :param port: its port.
+    :param max_connections: connections open at once (busy, idle and being
+        made); a request beyond that waits for one to be free, in order.
+    :param idle_timeout: seconds an idle connection is kept.
+    :param endpoint: how to connect (TLS, a unix socket, a test's endpoint);
+        by default TCP to ``host``:``port``.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 64,
+        idle_timeout: float = 60.0,
+        connect_timeout: float = 30.0,
+        endpoint: IStreamClientEndpoint | None = None,
+        host_header: bytes | None = None,
+    ):
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self._reactor = reactor
+        self._endpoint = endpoint if endpoint is not None else client_endpoint(reactor, host, port, connect_timeout)
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        if host_header is None:
+            name = f"[{host}]" if ":" in host else host
+            host_header = (name if port == 80 else f"{name}:{port}").encode("idna" if not name.isascii() else "ascii")
+        self._head_start = b" HTTP/1.1\r\nHost: " + host_header + b"\r\n"
+        self._factory = _ConnectionFactory(self)
+        #: Idle connections, the most recently used last.
+        self._idle: list[H1Connection] = []
+        #: Requests waiting for a connection, in order.
+        self._waiting: list[_Exchange] = []
+        #: Connections open or being opened.
+        self._count = 0
+        self._closed = False
+
+    # -- public -----------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+        body: bytes = b"",
+        handler: ResponseHandler | None = None,
+        *,
+        timeout: float | None = None,
+        replayable: bool = False,
+    ) -> Deferred:
+        """Send a request; a Deferred firing with the :class:`Response` once its body is complete.
+
+        :param target: the request target (``/path?query``), sent as it is.
+        :param headers: header lines, sent as given; the client writes
+            ``Host`` and ``Content-Length`` itself (so these must not be among
+            them, nor ``Transfer-Encoding``).
+        :param handler: gets the head and the body as they arrive; by
+            default a :class:`Collector` keeps the body in ``response.body``.
+        :param timeout: seconds to wait for the response head (connecting
+            and waiting for a free connection included); then the request
+            fails with :class:`ResponseTimeout` and its connection is aborted.
+        :param replayable: the request may be sent again after a stale
+            connection even if its method is not idempotent (see the module
+            docstring).
+
+        Cancelling the Deferred (or ``stopProducing`` on the response)
+        abandons the request: its connection is aborted, never reused.
+        """
+        parts = [method, b" ", target, self._head_start]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        lines = 2 + len(parts) // 4 - 1
+        if body or method in _BODY_METHODS:
+            parts += (b"Content-Length: ", b"%d" % len(body), b"\r\n")
+            lines += 1
+        parts.append(b"\r\n")
+        head = b"".join(parts)
+        # One CRLF per line and no other CR, LF or NUL: nothing can smuggle a line in.
+        if (
+            head.count(b"\r\n") != lines + 1
+            or head.count(b"\r") != lines + 1
+            or head.count(b"\n") != lines + 1
+            or b"\0" in head
+            or b" " in target
+            or not target
+        ):
+            raise ValueError("CR, LF, NUL or space in a request line or header")
+        replayable = replayable or method in IDEMPOTENT
+        if len(body) <= SMALL_BODY:
+            ex = _Exchange(method, head + body if body else head, b"", handler or Collector(), replayable, self._cancel)
+        else:
+            ex = _Exchange(method, head, body, handler or Collector(), replayable, self._cancel)
+        if timeout is not None:
+            ex.timer = self._reactor.callLater(timeout, self._timed_out, ex, timeout)
+        self._dispatch(ex)
+        return ex.deferred
+
+    def close(self) -> Deferred:
+        """Close the idle connections and refuse new requests; busy ones close when done.
+
+        Fires when the idle connections are closed.
+        """
+        self._closed = True
+        for ex in self._waiting[:]:
+            self._fail(ex, PoolClosed("the upstream client was closed"))
+        waits = []
+        for conn in self._idle[:]:
+            self._drop_idle(conn)
+            done: Deferred = Deferred()
+            conn.when_lost.append(done)
+            waits.append(done)
+            conn.dead = True
+            conn.transport.loseConnection()
+        return gatherResults(waits).addCallback(lambda _: None) if waits else succeed(None)
+
+    def stats(self) -> dict[str, int]:
+        """Open, idle and waiting counts (for tests and status)."""
+        return {"open": self._count, "idle": len(self._idle), "waiting": len(self._waiting)}
+
+    # -- getting a connection ---------------------------------------------------------------------
+
+    def _dispatch(self, ex: _Exchange) -> None:
+        """Send ``ex`` on an idle connection, a new one, or queue it."""
+        if self._closed:
+            self._fail(ex, PoolClosed("the upstream client was closed"))
+            return
+        if not ex.retried:
+            idle = self._idle
+            while idle:
+                conn = idle.pop()
+                timer, conn.idle_timer = conn.idle_timer, None
+                if timer is not None and timer.active():
+                    timer.cancel()
+                if not conn.dead:
+                    conn.start(ex)
+                    return
+        if self._count >= self.max_connections and ex.retried and self._idle:
+            # A retry wants a fresh connection: make room by closing the oldest idle one.
+            oldest = self._idle[0]
+            self._drop_idle(oldest)
+            oldest.dead = True
+            oldest.transport.loseConnection()
+        if self._count < self.max_connections:
+            self._connect(ex)
+        else:
+            self._waiting.append(ex)
+
+    def _connect(self, ex: _Exchange | None) -> None:
+        self._count += 1
+        d = self._endpoint.connect(self._factory)
+        if ex is not None:
+            ex.connecting = d
+
+        def connected(conn: H1Connection) -> None:
+            if ex is not None:
+                ex.connecting = None
+            if ex is not None and not ex.finished:
+                conn.start(ex)
+            else:
+                self._release(conn)
+
+        def failed(f: Failure) -> None:
+            self._count -= 1
+            if ex is not None:
+                ex.connecting = None
+                if not ex.finished:
+                    self._fail(ex, _connect_error(f.value))
+            self._kick()
+
+        d.addCallbacks(connected, failed)
+
+    def _release(self, conn: H1Connection) -> None:
+        """A connection is free (after a complete response, or made for a request that left)."""
+        if self._closed or conn.dead or conn.lost:
+            conn.dead = True
+            if not conn.lost:
+                conn.transport.loseConnection()
+            return
+        while self._waiting:
+            ex = self._waiting.pop(0)
+            if ex.finished:
+                continue
+            if ex.retried:
+                # It wants a fresh connection: trade this one for a new one.
+                # (The closing one is counted until it is gone: one over the bound, briefly.)
+                conn.dead = True
+                conn.transport.loseConnection()
+                self._connect(ex)
+                return
+            conn.start(ex)
+            return
+        self._idle.append(conn)
+        if self.idle_timeout is not None:
+            conn.idle_timer = self._reactor.callLater(self.idle_timeout, self._idle_expired, conn)
+
+    def _idle_expired(self, conn: H1Connection) -> None:
+        conn.idle_timer = None
+        if conn in self._idle:
+            self._idle.remove(conn)
+            conn.dead = True
+            conn.transport.loseConnection()
+
+    def _drop_idle(self, conn: H1Connection) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
+        timer, conn.idle_timer = conn.idle_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _connection_lost(self, conn: H1Connection) -> None:
+        self._count -= 1
+        self._drop_idle(conn)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Room for a connection: open one for the first waiting request."""
+        while self._waiting and self._count < self.max_connections and not self._closed:
+            ex = self._waiting.pop(0)
+            if not ex.finished:
+                self._connect(ex)
+
+    # -- ends of an exchange ------------------------------------------------------------------------
+
+    def _succeed(self, ex: _Exchange) -> None:
+        if ex.finished:
+            return
+        ex.finished = True
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        response = ex.response
+        if response is not None:
+            response._exchange = None
+        ex.deferred.callback(response)
+
+    def _fail(self, ex: _Exchange, error: BaseException | Failure) -> None:
+        if ex.finished:
+            return
+        ex.finished = True
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        if ex in self._waiting:
+            self._waiting.remove(ex)
+        if ex.response is not None:
+            ex.response._exchange = None
+        ex.deferred.errback(error)
+
+    def _lost(self, ex: _Exchange, received: bool, reason: Failure | None) -> None:
+        """The connection of ``ex`` ended before its response did."""
+        if ex.finished:
+            return
+        if ex.stopped:
+            self._fail(ex, CancelledError("the response's consumer stopped it"))
+            return
+        what = type(reason.value).__name__ if reason is not None else "closed"
+        if not received:
+            if ex.reused and ex.replayable and not ex.retried:
+                # The stale connection: once more on a fresh one (module docstring).
+                ex.retried = True
+                self._dispatch(ex)
+                return
+            error: H1Error = ResponseNeverReceived(
+                f"the upstream closed the connection before answering ({what})",
+                request_sent=True, reused=ex.reused, retried=ex.retried,
+            )
+        else:
+            error = ResponseIncomplete(
+                f"the upstream closed the connection mid-response ({what})",
+                request_sent=True, reused=ex.reused, retried=ex.retried,
+            )
+        self._fail(ex, error)
+
+    def _cancel(self, ex: _Exchange) -> None:
+        """Canceller: the caller gave up; abort its connection (the Deferred fails with CancelledError)."""
+        if ex.finished:
+            return
+        ex.finished = True
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        if ex in self._waiting:
+            self._waiting.remove(ex)
+        if ex.response is not None:
+            ex.response._exchange = None
+        conn = ex.conn
+        if conn is not None:
+            conn.exchange = None
+            ex.conn = None
+            conn.abort()
+        # A connection being made for it is kept: it joins the pool when made.
+
+    def _timed_out(self, ex: _Exchange, seconds: float) -> None:
+        ex.timer = None
+        if ex.finished:
+            return
+        conn = ex.conn
+        if conn is not None:
+            conn.exchange = None
+            ex.conn = None
+            conn.abort()
+        sent = conn is not None
+        self._fail(ex, ResponseTimeout(
+            f"no response from the upstream within {seconds:g}s",
+            request_sent=sent, reused=ex.reused, retried=ex.retried,
+        ))
+
+
+def _connect_error(e: BaseException) -> ConnectFailed:
+    if isinstance(e, ierror.ConnectionRefusedError):
+        return ConnectFailed(f"connection refused ({e})", "refused")
+    return ConnectFailed(f"could not connect ({type(e).__name__}: {e})", "connect")
