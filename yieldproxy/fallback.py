@@ -335,7 +335,7 @@ class Fallback:
 
     def may_take(self, entry: Entry) -> bool:
         """The drainer's choice: a parked request in line for the fallback whose model is still verified."""
-        model = entry.offers.get(TARGET)
+        model = (entry.offers or {}).get(TARGET)
         return model is not None and self.usable(model)
 
     def _takes_work(self) -> bool:
@@ -401,7 +401,7 @@ class Fallback:
             except Refused:
                 self._count(entry.cls, "skipped_busy")  # the gate refuses it at once
                 return False
-            entry.offers[TARGET] = model
+            entry.offers = {**(entry.offers or {}), TARGET: model}
             self._in_line[model] += 1
             return False
         self._drainer.started()
@@ -487,7 +487,7 @@ class Fallback:
         """
         if entry.released_to == TARGET:
             return
-        model = entry.offers.pop(TARGET, None)
+        model = (entry.offers or {}).pop(TARGET, None)
         if model is not None:
             self._in_line[model] -= 1
             self._count(entry.cls, "skipped_busy" if self.usable(model) else "skipped_unverified")

@@ -60,8 +60,9 @@ class Entry:
     bound_by_caller: bool = False
     parked_at: float | None = None
     #: Targets other than the primary that may serve it, each with what it needs
-    #: to (the fallback: the mapped model), set at admission by the target.
-    offers: dict[str, Any] = attrs.Factory(dict)
+    #: to (the fallback: the mapped model), set at admission by the target
+    #: (None until one does: most entries never get an offer).
+    offers: dict[str, Any] | None = None
     #: The target whose drainer let it out of the lot last; None: the primary.
     released_to: str | None = None
     _deferred: Deferred | None = None
