@@ -525,8 +525,8 @@ async def test_parallel_cap_over_sockets() -> None:
         assert server.sim.peak_in_flight == 10
         assert server.sim.peak_serving == 2
         assert server.sim.open_connections >= 2
-        for conn in server.sim._factory.protocols:  # Nagle is off on every accepted socket
-            assert conn.transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        for transport in server.sim.transports():  # Nagle is off on every accepted socket
+            assert transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert elapsed >= 0.2 * 5 - 0.05
         assert server.sim.in_flight == 0
         assert max(server.sim.texts_embedded.values()) == 1

@@ -27,11 +27,19 @@ real GPU server fails.  :class:`SimOllama` is that something:
 Every timer goes through the injected reactor, so the logic runs under a
 :class:`twisted.internet.task.Clock` too.  Only :func:`main` touches the
 global reactor.
+
+Where things are: :mod:`.content` (the deterministic vectors and replies),
+:mod:`.server` (:class:`SimOllama`, which follows each request through the
+parts), :mod:`.jobs` (the parallel cap and queue), :mod:`.models` (loads and
+keep-alive), :mod:`.modes` (the outage modes), :mod:`.listening` (the port it
+owns), :mod:`.api` (what a server's API is made of), :mod:`.ollama` and
+:mod:`.ollama_requests` (Ollama's routes, answers and request checks),
+:mod:`.openai` (OpenAI's shapes), :mod:`.command` (the command line).
 """
 
 from __future__ import annotations
 
-from .command import _parser, main
+from .command import main
 from .content import (
     DEFAULT_CHAT_MODEL,
     DEFAULT_EMBED_MODEL,
@@ -47,9 +55,9 @@ from .content import (
 )
 from .jobs import SimRequest
 from .models import parse_keep_alive
-from .modes import BUSY_ERROR, LOAD_OOM_ERROR, MODES, OOM_ERROR
-from .parsing import template_error
-from .routes import SIM_VERSION
+from .modes import MODES
+from .ollama import BUSY_ERROR, LOAD_OOM_ERROR, OOM_ERROR, SIM_VERSION
+from .ollama_requests import template_error
 from .server import SimOllama
 
 __all__ = [

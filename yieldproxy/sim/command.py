@@ -22,7 +22,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="A simulated Ollama backend (deterministic answers, outage modes).",
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m yieldproxy.si
         textFileLogObserver,
     )
 
-    parser = _parser(prog)
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         # Validate the settings before binding anything.

@@ -1,21 +1,24 @@
-"""Models in (simulated) memory: keep-alive, loads, what /api/tags and /api/ps list."""
+"""
+Models in (simulated) memory: loads on demand, keep-alive, expiry.
+
+Ollama loads a model on its first request, shares that one load among every
+request that waits for it, keeps the model while requests use it and for
+``keep_alive`` seconds after the last one, then unloads it.  The handover
+(unload before a yield, preload after) and the sim's ``/api/ps`` rest on
+exactly that; :class:`ModelStore` is it.
+"""
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import attrs
 from twisted.internet.interfaces import IDelayedCall
 
-if TYPE_CHECKING:
-    from .jobs import _Job
-
-_FOREVER = math.inf
-
+#: A keep-alive that never runs out (Ollama's negative ``keep_alive``).
+FOREVER = math.inf
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_SECONDS = {
@@ -52,50 +55,11 @@ def parse_keep_alive(value: Any, default: float) -> float:
             seconds = sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
     else:
         raise ValueError(f"invalid keep_alive {value!r}")
-    return _FOREVER if seconds < 0 else seconds
-
-
-def _iso(t: float) -> str:
-    """RFC 3339 the way Ollama writes its timestamps."""
-    if math.isinf(t):
-        return "2318-01-01T00:00:00Z"
-    return (
-        datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
-        .isoformat()
-        .replace("+00:00", "Z")
-    )
-
-
-def _ns(seconds: float) -> int:
-    """Ollama reports durations in integer nanoseconds."""
-    return max(0, int(round(seconds * 1e9)))
-
-
-def _model_details(name: str) -> tuple[dict[str, Any], int]:
-    """Plausible ``details`` and size, so clients that parse them are happy."""
-    lowered = name.lower()
-    if any(k in lowered for k in ("minilm", "embed", "bge", "e5")):
-        family, params, size = "bert", "23M", 45_960_996
-    else:
-        family, params, size = "llama", "3.2B", 2_019_393_189
-    details = {
-        "parent_model": "",
-        "format": "gguf",
-        "family": family,
-        "families": [family],
-        "parameter_size": params,
-        "quantization_level": "F16" if family == "bert" else "Q4_K_M",
-    }
-    return details, size
-
-
-def _digest(name: str) -> str:
-    """A stable stand-in for a model's blob digest."""
-    return hashlib.sha256(name.encode("utf-8")).hexdigest()
+    return FOREVER if seconds < 0 else seconds
 
 
 @attrs.define(eq=False)
-class _LoadedModel:
+class LoadedModel:
     """A model in (simulated) VRAM; expires lazily, no timer needed."""
 
     name: str
@@ -105,9 +69,113 @@ class _LoadedModel:
 
 
 @attrs.define(eq=False)
-class _Loading:
+class _Load:
     """A model load in progress, shared by every request that needs it."""
 
-    started: float
-    delayed: IDelayedCall | None = None
-    waiters: list[_Job] = attrs.Factory(list)
+    timer: IDelayedCall
+    waiters: list[tuple[object, Callable[[], None]]] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
+class ModelStore:
+    """
+    Which models are loaded, the way Ollama keeps them.
+
+    :param clock: ``IReactorTime``: loads take ``load_seconds`` on it.
+    :param load_seconds: how long a load takes (0: at once).
+    :param default_keep_alive: seconds a model loaded by a load stays, when
+        nothing else says.
+    """
+
+    _clock: Any
+    load_seconds: float
+    default_keep_alive: float
+    _loaded: dict[str, LoadedModel] = attrs.field(init=False, factory=dict)
+    _loads: dict[str, _Load] = attrs.field(init=False, factory=dict)
+    _known: dict[str, None] = attrs.field(init=False, factory=dict)
+
+    def know(self, name: str) -> None:
+        """List ``name`` among the models the server has (``/api/tags``)."""
+        self._known[name] = None
+
+    def known(self) -> list[str]:
+        """Every model the server has, in the order it learnt them."""
+        return list(self._known)
+
+    def loaded(self) -> list[LoadedModel]:
+        """The models loaded now (what ``/api/ps`` lists)."""
+        self.prune()
+        return list(self._loaded.values())
+
+    def loaded_names(self) -> list[str]:
+        """Names of the models loaded now, sorted."""
+        self.prune()
+        return sorted(self._loaded)
+
+    def prune(self) -> None:
+        """Forget models whose keep-alive ran out (lazy: no timers)."""
+        now = self._clock.seconds()
+        for name in [n for n, m in self._loaded.items() if m.busy == 0 and m.expires_at <= now]:
+            del self._loaded[name]
+
+    def load(self, name: str, waiter: object, ready: Callable[[], None]) -> None:
+        """Call ``ready`` once ``name`` is loaded: now, or when its (shared) load ends.
+
+        ``waiter`` names the request waiting, for :meth:`cancel`.
+        """
+        if name in self._loaded:
+            ready()
+            return
+        if self.load_seconds <= 0:
+            now = self._clock.seconds()
+            self._loaded[name] = LoadedModel(name, now, now)
+            ready()
+            return
+        load = self._loads.get(name)
+        if load is None:
+            load = _Load(self._clock.callLater(self.load_seconds, self._load_done, name))
+            self._loads[name] = load
+        load.waiters.append((waiter, ready))
+
+    def cancel(self, name: str, waiter: object) -> None:
+        """``waiter`` no longer waits for the load of ``name`` (it went away)."""
+        load = self._loads.get(name)
+        if load is not None:
+            load.waiters[:] = [(w, r) for w, r in load.waiters if w is not waiter]
+
+    def hold(self, name: str) -> None:
+        """A request uses the (loaded) model: it cannot expire meanwhile."""
+        self._loaded[name].busy += 1
+
+    def release(self, name: str, keep_alive: float) -> None:
+        """A request is done with the model: its keep-alive starts now."""
+        model = self._loaded.get(name)
+        if model is None:
+            return
+        model.busy = max(0, model.busy - 1)
+        model.expires_at = self._clock.seconds() + keep_alive
+        self.prune()
+
+    def unload(self, name: str) -> None:
+        """Unload now, or as soon as its last request ends (``keep_alive: 0``)."""
+        model = self._loaded.get(name)
+        if model is not None:
+            if model.busy:
+                model.expires_at = self._clock.seconds()
+            else:
+                del self._loaded[name]
+
+    def stop(self) -> None:
+        """Cancel every load in progress; nobody waits for them any more."""
+        for load in self._loads.values():
+            if load.timer.active():
+                load.timer.cancel()
+        self._loads.clear()
+
+    def _load_done(self, name: str) -> None:
+        """The model is loaded: every request that waited for it proceeds."""
+        load = self._loads.pop(name)
+        now = self._clock.seconds()
+        self._loaded[name] = LoadedModel(name, now, now + self.default_keep_alive)
+        for _, ready in list(load.waiters):
+            ready()

@@ -1,36 +1,41 @@
-"""The simulated backend: :class:`SimOllama`."""
+"""
+The simulated backend: :class:`SimOllama`, the one object a test holds.
+
+It owns the parts (the :class:`~.jobs.Scheduler`, the
+:class:`~.models.ModelStore`, the :class:`~.listening.Listener`), follows
+every request through them, and asks the :class:`~.api.Api` of the server it
+plays for routes, request checks and answer bodies.
+"""
 
 from __future__ import annotations
 
 import collections
-import json
-from typing import Any, Callable
+import functools
+from typing import Any
 
 import attrs
 from twisted.internet import defer
-from twisted.internet.interfaces import IListeningPort
-from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from .content import (
-    DEFAULT_CHAT_MODEL,
-    DEFAULT_EMBED_MODEL,
-    canonical_model,
-    count_tokens,
-    encode_base64_f32,
-    expected_embedding,
-    expected_reply,
-    messages_prompt,
-)
-from .jobs import SimRequest, _Job
-from .listening import _QuietSite, _SimResource, _TrackingFactory
-from .models import _FOREVER, _digest, _iso, _Loading, _LoadedModel, _model_details, _ns, parse_keep_alive
-from .modes import BUSY_ERROR, LOAD_OOM_ERROR, MODES, OOM_ERROR
-from .parsing import _BadRequest, template_error
-from .routes import _EMBED_OPS, _JSON, _NDJSON, _ROUTES, _SSE, SIM_VERSION, _dumps, _error_body, _Route, _sse
+from .api import JSON, BadRequest, Reply, Route, dumps
+from .content import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL, canonical_model, expected_reply
+from .jobs import Job, Scheduler, SimRequest
+from .listening import Listener, SimResource
+from .models import ModelStore
+from .modes import MODES
+from .ollama import OLLAMA
 
-_log = Logger()
+#: The outcome a request refused by the sim itself ends with, per failure.
+_OUTCOMES = {
+    "not_found": "not_found",
+    "method": "bad_request",
+    "busy": "busy",
+    "outage": "error500",
+    "load_oom": "error500",
+    "template": "template_error",
+    "internal": "error500",
+}
 
 
 def _non_negative(instance: Any, attribute: Any, value: float) -> None:
@@ -43,10 +48,6 @@ def _at_least_one(instance: Any, attribute: Any, value: int) -> None:
     """attrs validator: counts that must be positive."""
     if value < 1:
         raise ValueError(f"{attribute.name} must be at least 1, not {value!r}")
-
-
-# ---------------------------------------------------------------------------
-# The simulated backend.
 
 
 @attrs.define(eq=False)
@@ -118,32 +119,29 @@ class SimOllama:
     )
     """Finished requests by :attr:`SimRequest.outcome`."""
     history: collections.deque[SimRequest] = attrs.field(init=False, repr=False)
-    peak_in_flight: int = attrs.field(init=False, repr=False, default=0)
-    peak_serving: int = attrs.field(init=False, repr=False, default=0)
+    history: collections.deque[SimRequest] = attrs.field(init=False, repr=False)
+    store: ModelStore = attrs.field(init=False, repr=False)
+    """The models the sim has, and which are loaded."""
 
-    _jobs: set[_Job] = attrs.field(init=False, repr=False, factory=set)
-    _waiting: collections.deque[_Job] = attrs.field(
-        init=False, repr=False, factory=collections.deque
-    )
-    _serving: set[_Job] = attrs.field(init=False, repr=False, factory=set)
-    _pumping: bool = attrs.field(init=False, repr=False, default=False)
-    _loaded: dict[str, _LoadedModel] = attrs.field(init=False, repr=False, factory=dict)
-    _loading: dict[str, _Loading] = attrs.field(init=False, repr=False, factory=dict)
-    _known: dict[str, None] = attrs.field(init=False, repr=False, factory=dict)
+    _api: Any = attrs.field(init=False, repr=False, default=OLLAMA)
+    _scheduler: Scheduler = attrs.field(init=False, repr=False)
+    _listener: Listener = attrs.field(init=False, repr=False)
     _serial: int = attrs.field(init=False, repr=False, default=0)
-    _factory: _TrackingFactory | None = attrs.field(init=False, repr=False, default=None)
-    _port: IListeningPort | None = attrs.field(init=False, repr=False, default=None)
-    _port_number: int | None = attrs.field(init=False, repr=False, default=None)
-    _interface: str = attrs.field(init=False, repr=False, default="127.0.0.1")
-    _listening: bool = attrs.field(init=False, repr=False, default=False)
-    _port_lock: defer.DeferredLock = attrs.field(
-        init=False, repr=False, factory=defer.DeferredLock
-    )
 
     def __attrs_post_init__(self) -> None:
         self.history = collections.deque(maxlen=self.history_size)
+        self.store = ModelStore(self._reactor, self.load_seconds, self.default_keep_alive)
         for name in self.models:
-            self._known[canonical_model(name)] = None
+            self.store.know(canonical_model(name))
+        self._scheduler = Scheduler(
+            self._reactor,
+            self.parallel,
+            self.max_queue,
+            serve=self._serve,
+            retired=self._retired,
+            step_failed=self._step_failed,
+        )
+        self._listener = Listener(self._reactor)
 
     # -- public state ------------------------------------------------------
 
@@ -155,48 +153,69 @@ class SimOllama:
     @property
     def in_flight(self) -> int:
         """Model requests received and not yet answered (queued, served, hung)."""
-        return len(self._jobs)
+        return self._scheduler.in_flight
 
     @property
     def serving(self) -> int:
         """Model requests holding one of the ``parallel`` slots."""
-        return len(self._serving)
+        return self._scheduler.serving
 
     @property
     def queued(self) -> int:
         """Model requests waiting in the sim's FIFO for a slot."""
-        return len(self._waiting)
+        return self._scheduler.queued
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most model requests in flight at once (since :meth:`reset_peak`)."""
+        return self._scheduler.peak_in_flight
+
+    @property
+    def peak_serving(self) -> int:
+        """The most model requests served at once (since :meth:`reset_peak`)."""
+        return self._scheduler.peak_serving
 
     @property
     def open_connections(self) -> int:
         """TCP connections open to the listener now (idle keep-alive ones too)."""
-        return len(self._factory.protocols) if self._factory is not None else 0
+        return self._listener.open_connections
 
     @property
     def port(self) -> int | None:
         """The bound TCP port (kept while ``refuse`` closes it), or None."""
-        return self._port_number
+        return self._listener.port
 
     @property
     def url(self) -> str:
         """``http://interface:port`` of the listener."""
-        if self._port_number is None:
+        if self._listener.port is None:
             raise RuntimeError("not listening")
-        return f"http://{self._interface}:{self._port_number}"
+        return f"http://{self._listener.interface}:{self._listener.port}"
+
+    def transports(self) -> list[Any]:
+        """The transports of the open TCP connections (tests check their socket options)."""
+        return self._listener.transports()
+
+    def now(self) -> float:
+        """The sim's clock."""
+        return self._reactor.seconds()
+
+    def next_id(self, prefix: str) -> str:
+        """An id unique to this sim, for completion objects."""
+        self._serial += 1
+        return f"{prefix}-{self._serial}"
 
     def reset_peak(self) -> None:
         """Start the peaks afresh from what is in flight now."""
-        self.peak_in_flight = len(self._jobs)
-        self.peak_serving = len(self._serving)
+        self._scheduler.reset_peak()
 
     def loaded_models(self) -> list[str]:
         """Canonical names of the models loaded now (what ``/api/ps`` lists)."""
-        self._prune()
-        return sorted(self._loaded)
+        return self.store.loaded_names()
 
     def resource(self) -> Resource:
         """The ``twisted.web`` resource serving every route of this sim."""
-        return _SimResource(self)
+        return SimResource(self._render)
 
     def stats(self) -> dict[str, Any]:
         """The counters as plain JSON data (also at ``GET /_sim/stats``)."""
@@ -217,9 +236,7 @@ class SimOllama:
 
     # -- listening and modes -------------------------------------------------
 
-    def listen(
-        self, port: int = 0, interface: str = "127.0.0.1"
-    ) -> defer.Deferred[int]:
+    def listen(self, port: int = 0, interface: str = "127.0.0.1") -> defer.Deferred[int]:
         """
         Listen on ``interface:port`` (0 picks a free port).
 
@@ -228,30 +245,7 @@ class SimOllama:
 
         :returns: a Deferred firing with the bound port number.
         """
-        if self._listening:
-            raise RuntimeError("already listening")
-        self._listening = True
-        self._interface = interface
-        if self._factory is None:
-            self._factory = _TrackingFactory(
-                _QuietSite(self.resource(), reactor=self._reactor, timeout=None)
-            )
-
-        def bind() -> Any:
-            listening = self._reactor.listenTCP(
-                port, self._factory, interface=interface
-            )
-            self._port = listening
-            self._port_number = listening.getHost().port
-            if self._mode == "refuse":
-                return self._close_port().addCallback(lambda _: self._port_number)
-            return self._port_number
-
-        def failed(f: Any) -> Any:
-            self._listening = False
-            return f
-
-        return self._port_lock.run(bind).addErrback(failed)
+        return self._listener.listen(self.resource, port, interface, lambda: self._mode == "refuse")
 
     def set_mode(self, mode: str) -> defer.Deferred[None]:
         """
@@ -274,13 +268,11 @@ class SimOllama:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         old, self._mode = self._mode, mode
         if mode in ("reset", "refuse"):
-            outcome = "reset" if mode == "reset" else "refused"
-            for job in list(self._jobs):
-                self._abort_job(job, outcome)
-        if self._listening and mode == "refuse" and old != "refuse":
-            return self._port_lock.run(self._close_port)
-        if self._listening and old == "refuse" and mode != "refuse":
-            return self._port_lock.run(self._open_port)
+            self._scheduler.abort_all("reset" if mode == "reset" else "refused")
+        if self._listener.listening and mode == "refuse" and old != "refuse":
+            return self._listener.close()
+        if self._listener.listening and old == "refuse" and mode != "refuse":
+            return self._listener.reopen()
         return defer.succeed(None)
 
     def stop(self) -> defer.Deferred[None]:
@@ -290,36 +282,10 @@ class SimOllama:
         :returns: a Deferred that fires once the port is closed and every
             connection is gone.
         """
-        self._listening = False
-        for job in list(self._jobs):
-            self._abort_job(job, "stopped")
-        for loading in self._loading.values():
-            if loading.delayed is not None and loading.delayed.active():
-                loading.delayed.cancel()
-        self._loading.clear()
-        if self._factory is None:
-            return defer.succeed(None)
-        return self._port_lock.run(self._close_port)
-
-    def _close_port(self) -> defer.Deferred[None]:
-        """Stop accepting, then abort what is open; fires when all is closed."""
-        waits: list[defer.Deferred[Any]] = []
-        port, self._port = self._port, None
-        if port is not None:
-            waits.append(defer.maybeDeferred(port.stopListening))
-        if self._factory is not None:
-            self._factory.abort_all()
-            waits.append(self._factory.when_idle())
-        return defer.gatherResults(waits, consumeErrors=True).addCallback(
-            lambda _: None
-        )
-
-    def _open_port(self) -> None:
-        """Listen again on the port ``refuse`` closed."""
-        if self._port is None and self._listening:
-            self._port = self._reactor.listenTCP(
-                self._port_number, self._factory, interface=self._interface
-            )
+        self._listener.listening = False
+        self._scheduler.abort_all("stopped")
+        self.store.stop()
+        return self._listener.stop()
 
     # -- dispatch ------------------------------------------------------------
 
@@ -333,51 +299,43 @@ class SimOllama:
         self.mode_hits[(mode, path)] += 1
         record = SimRequest(method=method, path=path, mode=mode, received_at=now)
         self.history.append(record)
-        route = _ROUTES.get(path)
-        style = route.style if route else ("openai" if path.startswith("/v1/") else "ollama")
+        api = self._api
+        route = api.route(path)
+        style = route.style if route else api.style_of(path)
 
         if mode == "refuse":
             # Only reached without our own port (e.g. in memory): drop it.
             return self._abort_request(request, record, "refused")
         if route is None:
-            return self._error(request, record, 404, style, "404 page not found", "not_found")
+            return self._fail(request, record, style, "not_found")
         if method not in route.methods:
-            return self._error(request, record, 405, style, "405 method not allowed", "bad_request")
+            return self._fail(request, record, style, "method")
         if route.kind == "info":
             return self._info(request, record, route)
         if mode == "reset":
             return self._abort_request(request, record, "reset")
 
+        job = Job(request, record, route, arrived=now, keep_alive=self.default_keep_alive)
         try:
-            body = self._read_json(request)
-            job = self._parse(request, record, route, body, now)
-        except _BadRequest as e:
-            return self._error(request, record, 400, style, str(e), "bad_request")
+            api.parse(self, job, api.read(request))
+        except BadRequest as e:
+            return self._fail(request, record, style, e.kind, str(e))
         record.model = job.model
         record.texts = len(job.texts)
 
         if mode == "error500":
-            return self._error(request, record, 500, style, OOM_ERROR, "error500")
+            return self._fail(request, record, style, "outage")
         if self.max_num_ctx and job.num_ctx > self.max_num_ctx:
             # This request's own context does not fit: its load fails, the GPU is fine.
-            return self._error(request, record, 500, style, LOAD_OOM_ERROR, "error500")
+            return self._fail(request, record, style, "load_oom")
         if job.template_error is not None:
             # Ollama loads the model, then parses the caller's template: a 500 quoting it.
-            return self._error(request, record, 500, style, job.template_error, "template_error")
+            return self._fail(request, record, style, "template", job.template_error)
         if job.load_only and job.keep_alive == 0:
             return self._unload(request, record, job)
-        if len(self._serving) >= self.parallel and len(self._waiting) >= self.max_queue:
-            return self._error(request, record, 503, style, BUSY_ERROR, "busy")
-
-        self._jobs.add(job)
-        self.peak_in_flight = max(self.peak_in_flight, len(self._jobs))
-        request.notifyFinish().addBoth(self._request_gone, job)
-        if mode == "hang":
-            job.state = "hung"
-            return NOT_DONE_YET
-        job.state = "queued"
-        self._waiting.append(job)
-        self._pump()
+        if self._scheduler.full():
+            return self._fail(request, record, style, "busy")
+        self._scheduler.admit(job, hang=mode == "hang")
         return NOT_DONE_YET
 
     def _finish_record(self, record: SimRequest, outcome: str) -> None:
@@ -392,550 +350,115 @@ class SimOllama:
         request.transport.abortConnection()
         return NOT_DONE_YET
 
-    def _error(
-        self,
-        request: Request,
-        record: SimRequest,
-        code: int,
-        style: str,
-        message: str,
-        outcome: str,
-    ) -> bytes:
-        """An error in the route's API shape (Ollama's or OpenAI's)."""
-        self._finish_record(record, outcome)
-        request.setResponseCode(code)
-        request.setHeader(b"content-type", _JSON)
-        return _dumps(_error_body(style, code, message))
+    def _fail(self, request: Request, record: SimRequest, style: str, failure: str, message: str = "") -> bytes:
+        """Refuse a request in its API's own error shape."""
+        self._finish_record(record, _OUTCOMES.get(failure, "bad_request"))
+        return self._write_reply(request, self._api.error(style, failure, message))
 
-    def _read_json(self, request: Request) -> dict[str, Any]:
-        """The request body as a JSON object, or a 400 in Ollama's words."""
-        raw = request.content.read() if request.content is not None else b""
-        if not raw.strip():
-            raise _BadRequest("missing request body")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _BadRequest(f"invalid character in request body: {e}") from None
-        if not isinstance(body, dict):
-            raise _BadRequest("json: cannot unmarshal into a request object")
-        return body
+    def _write_reply(self, request: Request, reply: Reply) -> bytes:
+        """Status and content type of a whole answer; its body, for ``render`` to return."""
+        if reply.code != 200:
+            request.setResponseCode(reply.code)
+        request.setHeader(b"content-type", reply.content_type)
+        return reply.body
 
-    def _parse(
-        self,
-        request: Request,
-        record: SimRequest,
-        route: _Route,
-        body: dict[str, Any],
-        now: float,
-    ) -> _Job:
-        """Validate a model request the way Ollama does; build its job."""
-        model = body.get("model")
-        if not isinstance(model, str) or not model.strip():
-            raise _BadRequest("model is required")
-        try:
-            keep_alive = parse_keep_alive(body.get("keep_alive"), self.default_keep_alive)
-        except ValueError as e:
-            raise _BadRequest(str(e)) from None
-        job = _Job(
-            request=request,
-            record=record,
-            route=route,
-            model=model,
-            key=canonical_model(model),
-            keep_alive=keep_alive,
-            arrived=now,
-        )
-        options = body.get("options")
-        if isinstance(options, dict) and isinstance(options.get("num_ctx"), int):
-            job.num_ctx = options["num_ctx"]
-        op = route.op
-        if op in _EMBED_OPS:
-            self._parse_embed(job, body)
-        elif op == "generate":
-            prompt = body.get("prompt", "")
-            if not isinstance(prompt, str):
-                raise _BadRequest("prompt must be a string")
-            job.prompt = prompt
-            job.load_only = prompt == ""
-            job.stream = body.get("stream", True) is not False
-            template = body.get("template")
-            if isinstance(template, str) and template and not job.load_only:
-                job.template_error = template_error(template)
-        elif op == "chat":
-            messages = body.get("messages") or []
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise _BadRequest("messages must be a list of objects")
-            job.prompt = messages_prompt(messages)
-            job.load_only = not messages
-            job.stream = body.get("stream", True) is not False
-        elif op == "v1_chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) for m in messages
-            ):
-                raise _BadRequest("messages is required and must be a list of objects")
-            job.prompt = messages_prompt(messages)
-            self._parse_v1_stream(job, body)
-        elif op == "v1_completions":
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise _BadRequest("prompt must be a string")
-            job.prompt = prompt
-            self._parse_v1_stream(job, body)
-        return job
+    def _info(self, request: Request, record: SimRequest, route: Route) -> bytes:
+        """Routes that never touch the model; they answer in every mode but refuse."""
+        self._finish_record(record, "ok")
+        if route.op == "stats":
+            return self._write_reply(request, Reply(200, dumps(self.stats())))
+        return self._write_reply(request, self._api.info(self, request, route))
 
-    def _parse_v1_stream(self, job: _Job, body: dict[str, Any]) -> None:
-        """OpenAI streams only when asked (``stream: true``)."""
-        job.stream = body.get("stream") is True
-        options = body.get("stream_options")
-        job.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    def _unload(self, request: Request, record: SimRequest, job: Job) -> bytes:
+        """``keep_alive: 0`` and nothing to do: how Ollama unloads a model."""
+        self.store.unload(job.key)
+        self._finish_record(record, "ok")
+        request.setHeader(b"content-type", JSON)
+        return dumps(self._api.load_answer(self, job, "unload"))
 
-    def _parse_embed(self, job: _Job, body: dict[str, Any]) -> None:
-        """Inputs of the three embed routes, with their own rules."""
-        op = job.route.op
-        if op == "embeddings":
-            prompt = body.get("prompt", "")
-            if not isinstance(prompt, str):
-                raise _BadRequest("prompt must be a string")
-            job.texts = [prompt] if prompt else []
-            job.load_only = not prompt
-            return
-        raw = body.get("input")
-        if op == "embed" and raw is None:
-            raw = []
-        if isinstance(raw, str):
-            texts = [raw]
-        elif isinstance(raw, list) and all(isinstance(t, str) for t in raw):
-            texts = list(raw)
-        else:
-            raise _BadRequest("invalid input type")
-        if op == "v1_embeddings":
-            if not texts:
-                raise _BadRequest("invalid input")
-            fmt = body.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
-                raise _BadRequest(f"invalid encoding format: {fmt!r}")
-            job.encoding_format = fmt
-        job.texts = texts
-        job.load_only = not texts
-        dimensions = body.get("dimensions")
-        if dimensions is not None:
-            if not isinstance(dimensions, int) or isinstance(dimensions, bool):
-                raise _BadRequest("dimensions must be an integer")
-            if 0 < dimensions < self.dim:
-                job.dimensions = dimensions
-        if body.get("truncate") is False:
-            for text in texts:
-                if count_tokens(text) > self.context_length:
-                    raise _BadRequest("input length exceeds maximum context length")
+    # -- a job's life ----------------------------------------------------------
 
-    # -- the queue -----------------------------------------------------------
-
-    def _pump(self) -> None:
-        """Start queued jobs, oldest first, while a slot is free."""
-        if self._pumping:
-            return
-        self._pumping = True
-        try:
-            while self._waiting and len(self._serving) < self.parallel:
-                self._start(self._waiting.popleft())
-        finally:
-            self._pumping = False
-
-    def _start(self, job: _Job) -> None:
+    def _serve(self, job: Job) -> None:
         """A slot is free: load the model if need be, then do the work."""
-        job.state = "serving"
-        job.started = self._reactor.seconds()
-        self._serving.add(job)
-        self.peak_serving = max(self.peak_serving, len(self._serving))
-        self._prune()
-        self._known[job.key] = None
-        if job.key in self._loaded:
-            self._model_ready(job)
-            return
-        if self.load_seconds <= 0:
-            self._loaded[job.key] = _LoadedModel(job.key, job.started, job.started)
-            self._model_ready(job)
-            return
-        loading = self._loading.get(job.key)
-        if loading is None:
-            loading = _Loading(started=job.started)
-            loading.delayed = self._reactor.callLater(
-                self.load_seconds, self._load_done, job.key
-            )
-            self._loading[job.key] = loading
-        loading.waiters.append(job)
+        self.store.prune()
+        self.store.know(job.key)
+        self.store.load(job.key, job, functools.partial(self._model_ready, job))
 
-    def _load_done(self, key: str) -> None:
-        """The model is loaded: every request that waited for it proceeds."""
-        loading = self._loading.pop(key)
-        now = self._reactor.seconds()
-        self._loaded[key] = _LoadedModel(key, now, now + self.default_keep_alive)
-        for job in list(loading.waiters):
-            if job.state == "serving":
-                job.load_wait = now - job.started
-                self._model_ready(job)
-
-    def _model_ready(self, job: _Job) -> None:
+    def _model_ready(self, job: Job) -> None:
         """The model is in memory: schedule the answer."""
-        self._loaded[job.key].busy += 1
-        job.holds_model = True
-        op = job.route.op
-        if job.load_only:
-            self._guarded(job, self._answer_load, job)
-        elif op in _EMBED_OPS:
-            delay = self.latency + self.per_item_latency * len(job.texts)
-            self._after(job, delay, self._answer_embed, job)
-        elif job.stream:
-            self._after(job, self.latency, self._stream_step, job, 0)
-        else:
-            delay = self.latency + self.chunk_delay * self.chunks
-            self._after(job, delay, self._answer_reply, job)
-
-    def _after(self, job: _Job, delay: float, fn: Callable[..., None], *args: Any) -> None:
-        """Run a step of ``job`` after ``delay`` (at once when 0)."""
-        if delay <= 0:
-            self._guarded(job, fn, *args)
-        else:
-            job.timer = self._reactor.callLater(delay, self._guarded, job, fn, *args)
-
-    def _guarded(self, job: _Job, fn: Callable[..., None], *args: Any) -> None:
-        """A bug in one step must answer its request, not leave it hanging."""
-        job.timer = None
         if job.state != "serving":
             return
-        try:
-            fn(*args)
-        except Exception:
-            _log.failure("sim step failed for {path}", path=job.record.path)
-            if job.state == "serving":
-                if job.headers_sent:
-                    self._abort_job(job, "error500")
-                else:
-                    body = _error_body(job.route.style, 500, "sim internal error")
-                    self._reply_json(job, 500, body, "error500")
-
-    def _request_gone(self, result: Any, job: _Job) -> None:
-        """notifyFinish fired: answered, or the client went away."""
-        self._retire(job, "ok" if job.answered else "abandoned")
-
-    def _retire(self, job: _Job, outcome: str) -> None:
-        """Release everything a job holds; idempotent."""
-        if job.state == "done":
-            return
-        previous, job.state = job.state, "done"
-        if job.timer is not None and job.timer.active():
-            job.timer.cancel()
-        job.timer = None
-        self._jobs.discard(job)
-        if previous == "queued":
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                pass
-        self._finish_record(job.record, outcome)
-        if previous == "serving":
-            self._serving.discard(job)
-            loading = self._loading.get(job.key)
-            if loading is not None and job in loading.waiters:
-                loading.waiters.remove(job)
-            if job.holds_model:
-                self._release_model(job)
-            self._pump()
-
-    def _abort_job(self, job: _Job, outcome: str) -> None:
-        """Drop a job's connection with a TCP reset."""
-        transport = job.request.transport
-        self._retire(job, outcome)
-        if transport is not None:
-            transport.abortConnection()
-
-    # -- models --------------------------------------------------------------
-
-    def _prune(self) -> None:
-        """Forget models whose keep-alive ran out (lazy: no timers)."""
-        now = self._reactor.seconds()
-        for name in [n for n, m in self._loaded.items() if m.busy == 0 and m.expires_at <= now]:
-            del self._loaded[name]
-
-    def _release_model(self, job: _Job) -> None:
-        """The keep-alive clock starts when a model's last request ends."""
-        job.holds_model = False
-        model = self._loaded.get(job.key)
-        if model is None:
-            return
-        model.busy = max(0, model.busy - 1)
-        model.expires_at = self._reactor.seconds() + job.keep_alive
-        self._prune()
-
-    def _unload(self, request: Request, record: SimRequest, job: _Job) -> bytes:
-        """``keep_alive: 0`` and nothing to do: how Ollama unloads a model."""
-        model = self._loaded.get(job.key)
-        if model is not None:
-            if model.busy:
-                model.expires_at = self._reactor.seconds()
-            else:
-                del self._loaded[job.key]
-        self._finish_record(record, "ok")
-        request.setHeader(b"content-type", _JSON)
-        return _dumps(self._load_body(job, "unload"))
-
-    def _load_body(self, job: _Job, reason: str) -> dict[str, Any]:
-        """The answer to a load-only or unload request, per route."""
-        now = self._reactor.seconds()
-        op = job.route.op
-        if op == "embed":
-            return {
-                "model": job.model,
-                "embeddings": [],
-                "total_duration": _ns(now - job.arrived),
-                "load_duration": _ns(job.load_wait),
-                "prompt_eval_count": 0,
-            }
-        if op == "embeddings":
-            return {"embedding": []}
-        body: dict[str, Any] = {"model": job.model, "created_at": _iso(now)}
-        if op == "chat":
-            body["message"] = {"role": "assistant", "content": ""}
+        job.load_wait = self._reactor.seconds() - job.started
+        self.store.hold(job.key)
+        job.holds_model = True
+        after = self._scheduler.after
+        if job.load_only:
+            after(job, 0, self._answer_load, job)
+        elif job.route.kind == "batch":
+            after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_batch, job)
+        elif job.stream:
+            after(job, self.latency, self._stream_step, job, 0)
         else:
-            body["response"] = ""
-        body["done"] = True
-        body["done_reason"] = reason
-        return body
+            after(job, self.latency + self.chunk_delay * self.chunks, self._answer_reply, job)
+
+    def _retired(self, job: Job, outcome: str, held_slot: bool) -> None:
+        """A job is done: note how, and let go of its model."""
+        self._finish_record(job.record, outcome)
+        if held_slot:
+            self.store.cancel(job.key, job)
+            if job.holds_model:
+                job.holds_model = False
+                self.store.release(job.key, job.keep_alive)
+
+    def _step_failed(self, job: Job) -> None:
+        """A step raised: a 500 in the route's shape, or a reset once a stream began."""
+        if job.headers_sent:
+            self._scheduler.abort(job, "error500")
+        else:
+            self._send(job, self._api.error(job.route.style, "internal", ""), "error500")
 
     # -- answers -------------------------------------------------------------
 
-    def _reply_json(self, job: _Job, code: int, body: Any, outcome: str = "ok") -> None:
-        """Answer a job with one JSON document and free its slot."""
-        data = _dumps(body)
+    def _send(self, job: Job, reply: Reply, outcome: str = "ok") -> None:
+        """Answer a job whole and free its slot."""
         request = job.request
-        request.setResponseCode(code)
-        request.setHeader(b"content-type", _JSON)
-        request.setHeader(b"content-length", b"%d" % len(data))
+        request.setResponseCode(reply.code)
+        request.setHeader(b"content-type", reply.content_type)
+        request.setHeader(b"content-length", b"%d" % len(reply.body))
         job.headers_sent = True
-        request.write(data)
+        request.write(reply.body)
         self._end(job, outcome)
 
-    def _end(self, job: _Job, outcome: str = "ok") -> None:
+    def _end(self, job: Job, outcome: str = "ok") -> None:
         """Finish the response; ``answered`` tells notifyFinish it was not abandoned."""
         job.answered = True
         if not job.request.finished:
             job.request.finish()
-        self._retire(job, outcome)
+        self._scheduler.retire(job, outcome)
 
-    def _answer_load(self, job: _Job) -> None:
+    def _answer_load(self, job: Job) -> None:
         """A load-only request: the model is in memory now."""
-        self._reply_json(job, 200, self._load_body(job, "load"))
+        self._send(job, Reply(200, dumps(self._api.load_answer(self, job, "load"))))
 
-    def _vector(self, job: _Job, text: str) -> list[float]:
-        """The vector for ``text``, honouring the request's ``dimensions``."""
-        return expected_embedding(text, job.model, job.dimensions or self.dim)
-
-    def _answer_embed(self, job: _Job) -> None:
-        """Answer one of the three embed routes in its own shape."""
-        now = self._reactor.seconds()
-        vectors = [self._vector(job, text) for text in job.texts]
+    def _answer_batch(self, job: Job) -> None:
+        """The model ran over every input: one JSON answer."""
+        body = self._api.answer(self, job)
         self.texts_embedded.update(job.texts)
-        tokens = sum(count_tokens(t) for t in job.texts)
-        op = job.route.op
-        if op == "embed":
-            body: dict[str, Any] = {
-                "model": job.model,
-                "embeddings": vectors,
-                "total_duration": _ns(now - job.arrived),
-                "load_duration": _ns(job.load_wait),
-                "prompt_eval_count": tokens,
-            }
-        elif op == "embeddings":
-            body = {"embedding": vectors[0]}
-        else:
-            encode = encode_base64_f32 if job.encoding_format == "base64" else (lambda v: v)
-            body = {
-                "object": "list",
-                "data": [
-                    {"object": "embedding", "index": i, "embedding": encode(v)}
-                    for i, v in enumerate(vectors)
-                ],
-                "model": job.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        self._reply_json(job, 200, body)
+        self._send(job, Reply(200, dumps(body)))
 
-    def _durations(self, job: _Job) -> dict[str, Any]:
-        """The timing fields of Ollama's final chat/generate object."""
-        now = self._reactor.seconds()
-        return {
-            "total_duration": _ns(now - job.arrived),
-            "load_duration": _ns(job.load_wait),
-            "prompt_eval_count": count_tokens(job.prompt),
-            "prompt_eval_duration": _ns(self.latency),
-            "eval_count": self.chunks,
-            "eval_duration": _ns(self.chunk_delay * self.chunks),
-        }
-
-    def _usage(self, job: _Job) -> dict[str, int]:
-        """OpenAI's usage block for a reply."""
-        prompt = count_tokens(job.prompt)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.chunks,
-            "total_tokens": prompt + self.chunks,
-        }
-
-    def _completion_id(self, prefix: str) -> str:
-        """Unique ids per sim, for OpenAI completion objects."""
-        self._serial += 1
-        return f"{prefix}-{self._serial}"
-
-    def _answer_reply(self, job: _Job) -> None:
+    def _answer_reply(self, job: Job) -> None:
         """A whole reply at once (``stream: false``)."""
         text = "".join(expected_reply(job.prompt, job.model, self.chunks))
-        now = self._reactor.seconds()
-        op = job.route.op
-        if op in ("chat", "generate"):
-            body: dict[str, Any] = {"model": job.model, "created_at": _iso(now)}
-            if op == "chat":
-                body["message"] = {"role": "assistant", "content": text}
-            else:
-                body["response"] = text
-            body.update({"done": True, "done_reason": "stop"})
-            body.update(self._durations(job))
-        elif op == "v1_chat":
-            body = {
-                "id": self._completion_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": int(now),
-                "model": job.model,
-                "system_fingerprint": "fp_ollama",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": self._usage(job),
-            }
-        else:
-            body = {
-                "id": self._completion_id("cmpl"),
-                "object": "text_completion",
-                "created": int(now),
-                "model": job.model,
-                "system_fingerprint": "fp_ollama",
-                "choices": [{"text": text, "index": 0, "finish_reason": "stop"}],
-                "usage": self._usage(job),
-            }
-        self._reply_json(job, 200, body)
+        self._send(job, Reply(200, dumps(self._api.reply(self, job, text))))
 
-    def _stream_step(self, job: _Job, i: int) -> None:
-        """Write line ``i`` of a stream; the line after the last piece closes it."""
-        request = job.request
-        op = job.route.op
-        openai = op.startswith("v1_")
+    def _stream_step(self, job: Job, i: int) -> None:
+        """Write piece ``i`` of a stream; the one after the last piece closes it."""
         if not job.headers_sent:
-            request.setResponseCode(200)
-            request.setHeader(b"content-type", _SSE if openai else _NDJSON)
-            if openai:
-                request.setHeader(b"cache-control", b"no-cache")
-                job.stream_id = self._completion_id("chatcmpl" if op == "v1_chat" else "cmpl")
+            self._api.start_stream(self, job)
             job.headers_sent = True
         pieces = expected_reply(job.prompt, job.model, self.chunks)
-        if openai:
-            request.write(b"".join(self._sse_lines(job, i, pieces)))
-        else:
-            request.write(_dumps(self._ndjson_line(job, i, pieces)) + b"\n")
+        job.request.write(self._api.stream_chunk(self, job, i, pieces))
         if i < len(pieces):
-            self._after(job, self.chunk_delay, self._stream_step, job, i + 1)
+            self._scheduler.after(job, self.chunk_delay, self._stream_step, job, i + 1)
         else:
             self._end(job)
-
-    def _ndjson_line(self, job: _Job, i: int, pieces: list[str]) -> dict[str, Any]:
-        """Ollama's streamed object for line ``i``; the last carries ``done``."""
-        done = i >= len(pieces)
-        piece = "" if done else pieces[i]
-        line: dict[str, Any] = {"model": job.model, "created_at": _iso(self._reactor.seconds())}
-        if job.route.op == "chat":
-            line["message"] = {"role": "assistant", "content": piece}
-        else:
-            line["response"] = piece
-        line["done"] = done
-        if done:
-            line["done_reason"] = "stop"
-            line.update(self._durations(job))
-        return line
-
-    def _sse_lines(self, job: _Job, i: int, pieces: list[str]) -> list[bytes]:
-        """OpenAI chunks of line ``i``; the last adds usage and ``[DONE]``."""
-        done = i >= len(pieces)
-        chat = job.route.op == "v1_chat"
-        base = {
-            "id": job.stream_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(self._reactor.seconds()),
-            "model": job.model,
-            "system_fingerprint": "fp_ollama",
-        }
-        piece = "" if done else pieces[i]
-        finish = "stop" if done else None
-        if chat:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": piece}, "finish_reason": finish}
-        else:
-            choice = {"text": piece, "index": 0, "finish_reason": finish}
-        out = [_sse(dict(base, choices=[choice]))]
-        if done:
-            if job.include_usage:
-                out.append(_sse(dict(base, choices=[], usage=self._usage(job))))
-            out.append(b"data: [DONE]\n\n")
-        return out
-
-    # -- info routes -----------------------------------------------------------
-
-    def _info(self, request: Request, record: SimRequest, route: _Route) -> bytes:
-        """Routes that never touch the model; they answer in every mode but refuse."""
-        self._finish_record(record, "ok")
-        if route.op == "root":
-            request.setHeader(b"content-type", b"text/plain; charset=utf-8")
-            return b"Ollama is running"
-        if route.op == "version":
-            body: Any = {"version": SIM_VERSION}
-        elif route.op == "tags":
-            body = {"models": [self._model_entry(name) for name in self._known]}
-        elif route.op == "ps":
-            self._prune()
-            body = {"models": [self._ps_entry(m) for m in self._loaded.values()]}
-        elif route.op == "v1_models":
-            body = {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": "library"}
-                    for name in self._known
-                ],
-            }
-        else:
-            body = self.stats()
-        request.setHeader(b"content-type", _JSON)
-        return _dumps(body)
-
-    def _model_entry(self, name: str) -> dict[str, Any]:
-        """A model as ``/api/tags`` lists it."""
-        details, size = _model_details(name)
-        return {
-            "name": name,
-            "model": name,
-            "modified_at": _iso(0),
-            "size": size,
-            "digest": _digest(name),
-            "details": details,
-        }
-
-    def _ps_entry(self, model: _LoadedModel) -> dict[str, Any]:
-        """A loaded model as ``/api/ps`` lists it."""
-        entry = self._model_entry(model.name)
-        del entry["modified_at"]
-        entry["expires_at"] = _iso(_FOREVER if model.busy else model.expires_at)
-        entry["size_vram"] = entry["size"]
-        entry["context_length"] = self.context_length
-        return entry
