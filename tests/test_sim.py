@@ -307,6 +307,40 @@ def test_embedding_routes_in_memory() -> None:
     assert clock.getDelayedCalls() == []
 
 
+class _BrokenSim(SimOllama):
+    """A sim whose answers raise: a bug in one step must answer its request, not hang it."""
+
+    def _answer_batch(self, job: Any) -> None:
+        raise RuntimeError("boom")
+
+    def _stream_step(self, job: Any, i: int) -> None:
+        if i == 1:
+            raise RuntimeError("boom mid-stream")
+        super()._stream_step(job, i)
+
+
+def test_a_failing_step_answers_in_the_routes_shape() -> None:
+    clock = task.Clock()
+    sim = _BrokenSim(clock, latency=1.0)
+    stub = StubTreq(sim.resource())
+    ollama = _post(stub, "/api/embed", {"model": "m", "input": "x"})
+    openai = _post(stub, "/v1/embeddings", {"model": "m", "input": "x"})
+    streamed = _post(stub, "/api/generate", {"model": "m", "prompt": "p"})
+    stub.flush()
+    clock.advance(1.0)
+    assert _json_of(stub, ollama) == (500, {"error": "sim internal error"})
+    code, body = _json_of(stub, openai)
+    assert code == 500 and body["error"]["message"] == "sim internal error"
+    # Once a stream has begun its status is sent: the connection is reset instead.
+    stub.flush()
+    assert not _fired(streamed) or _result(streamed).code == 200
+    assert sim.in_flight == 0 and sim.serving == 0
+    # Counted as what they were, not as answered fine.
+    assert sim.outcomes == {"error500": 3}
+    assert [r.outcome for r in sim.history] == ["error500"] * 3
+    assert clock.getDelayedCalls() == []
+
+
 def test_hang_then_stop_leaves_no_timer() -> None:
     clock = task.Clock()
     sim = SimOllama(clock, latency=1.0, load_seconds=1.0)

@@ -71,7 +71,8 @@ class Job:
     dimensions: int | None = None
     stream_id: str = ""
     state: str = "new"  # new, queued, hung, serving, done
-    answered: bool = False
+    #: The outcome it was answered with; empty while unanswered.
+    answered: str = ""
     headers_sent: bool = False
     holds_model: bool = False
     started: float = 0.0
@@ -211,5 +212,5 @@ class Scheduler:
                 self._step_failed(job)
 
     def _request_gone(self, result: Any, job: Job) -> None:
-        """notifyFinish fired: answered, or the client went away."""
-        self.retire(job, "ok" if job.answered else "abandoned")
+        """notifyFinish fired: answered (with its own outcome), or the client went away."""
+        self.retire(job, job.answered or "abandoned")

@@ -430,8 +430,8 @@ class SimOllama:
         self._end(job, outcome)
 
     def _end(self, job: Job, outcome: str = "ok") -> None:
-        """Finish the response; ``answered`` tells notifyFinish it was not abandoned."""
-        job.answered = True
+        """Finish the response; ``answered`` tells notifyFinish how it ended (not abandoned)."""
+        job.answered = outcome
         if not job.request.finished:
             job.request.finish()
         self._scheduler.retire(job, outcome)
