@@ -20,16 +20,16 @@ from twisted.internet import defer, task
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 
-from .cli import (
+from .adminclient import (
     EXIT_ERROR,
     EXIT_OK,
     AdminClient,
     AdminTarget,
     CliError,
-    _bounded,
-    _NoDelayEndpoints,
-    _printable,
-    _why_unreachable,
+    NoDelayEndpoints,
+    bounded,
+    printable,
+    why_unreachable,
 )
 
 #: The demo's embedding model; the sim answers any name, deterministically.
@@ -224,7 +224,7 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
 
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = args.concurrency
-    http = HTTPClient(Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor, 10.0), pool=pool))
+    http = HTTPClient(Agent.usingEndpointFactory(reactor, NoDelayEndpoints(reactor, 10.0), pool=pool))
 
     burst = _Burst(args.texts)
     watch.started = reactor.seconds()
@@ -277,12 +277,12 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
             )
             return response.code, response.headers.getRawHeaders(b"x-yield-parked-seconds"), await response.content()
 
-        d = defer.Deferred.fromCoroutine(_bounded(reactor, exchange(), request_timeout))
+        d = defer.Deferred.fromCoroutine(bounded(reactor, exchange(), request_timeout))
         burst.in_flight.add(d)
         try:
             code, parked, raw = await d
         except Exception as e:
-            why = "stopped at the deadline" if burst.stopped else (_why_unreachable(e, request_timeout) or repr(e))
+            why = "stopped at the deadline" if burst.stopped else (why_unreachable(e, request_timeout) or repr(e))
             burst.fail(text, why)
             return
         finally:
@@ -301,7 +301,7 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
             body = None
         if code != 200:
             error = body.get("error") if isinstance(body, dict) else raw[:200]
-            burst.fail(text, f"HTTP {code}: {_printable(error, 200)}")
+            burst.fail(text, f"HTTP {code}: {printable(error, 200)}")
             return
         vectors = body.get("embeddings") if isinstance(body, dict) else None
         if isinstance(vectors, list) and len(vectors) == 1 and _vector_ok(vectors[0], expected_embedding(text, DEMO_MODEL, sim.dim)):
