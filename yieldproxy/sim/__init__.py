@@ -19,6 +19,10 @@ real GPU server fails.  :class:`SimOllama` is that something:
 * it can be switched at run time into an outage (:meth:`SimOllama.set_mode`):
   ``refuse``, ``error500`` (``/api/version`` answers while every model call
   gets Ollama's runner out-of-memory 500), ``hang`` or ``reset``;
+* with ``api="tei"``, ``"infinity"`` or ``"llamacpp"`` (``--api``) it plays
+  text-embeddings-inference, Infinity or llama.cpp's server instead: their
+  native routes, answers and error shapes, each from its own source
+  (docs/servers.md), with the same deterministic content;
 * it fails single requests the way Ollama does for their own input: a
   ``template`` it cannot parse gets a 500 quoting the template's parse error
   (:func:`template_error`), and an ``options.num_ctx`` above ``max_num_ctx``
@@ -34,6 +38,7 @@ parts), :mod:`.jobs` (the parallel cap and queue), :mod:`.models` (loads and
 keep-alive), :mod:`.modes` (the outage modes), :mod:`.listening` (the port it
 owns), :mod:`.api` (what a server's API is made of), :mod:`.ollama` and
 :mod:`.ollama_requests` (Ollama's routes, answers and request checks),
+:mod:`.tei`, :mod:`.infinity`, :mod:`.llamacpp` (the other servers' APIs),
 :mod:`.openai` (OpenAI's shapes), :mod:`.command` (the command line).
 """
 
@@ -44,13 +49,19 @@ from .content import (
     DEFAULT_CHAT_MODEL,
     DEFAULT_EMBED_MODEL,
     canonical_model,
+    cosine,
     count_tokens,
     decode_base64_f32,
     encode_base64_f32,
     expected_embedding,
     expected_embedding_f32,
+    expected_labels,
+    expected_relevance,
     expected_reply,
+    expected_sparse,
+    expected_tokens,
     messages_prompt,
+    raw_embedding,
     to_float32,
 )
 from .jobs import SimRequest
@@ -58,9 +69,10 @@ from .models import parse_keep_alive
 from .modes import MODES
 from .ollama import BUSY_ERROR, LOAD_OOM_ERROR, OOM_ERROR, SIM_VERSION
 from .ollama_requests import template_error
-from .server import SimOllama
+from .server import APIS, SimOllama
 
 __all__ = [
+    "APIS",
     "BUSY_ERROR",
     "DEFAULT_CHAT_MODEL",
     "DEFAULT_EMBED_MODEL",
@@ -71,15 +83,21 @@ __all__ = [
     "SimOllama",
     "SimRequest",
     "canonical_model",
+    "cosine",
     "count_tokens",
     "decode_base64_f32",
     "encode_base64_f32",
     "expected_embedding",
     "expected_embedding_f32",
+    "expected_labels",
+    "expected_relevance",
     "expected_reply",
+    "expected_sparse",
+    "expected_tokens",
     "main",
     "messages_prompt",
     "parse_keep_alive",
+    "raw_embedding",
     "template_error",
     "to_float32",
 ]

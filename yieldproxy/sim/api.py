@@ -13,8 +13,11 @@ proxy's classifier follows (docs/servers.md):
   ``per_item_latency`` per input;
 * ``generate``: produces text piece by piece (chat, completions), streamed or
   whole;
-* ``info``: never touches the model (versions, model lists, health), so it
-  answers at once in every mode but ``refuse``.
+* ``info``: never touches the model (versions, model lists, health,
+  tokenizers), so it answers at once in every mode but ``refuse``;
+* ``probe``: a health check that runs the model (TEI's ``/health`` after a
+  failure): answered at once, but hung in ``hang`` and reset in ``reset``
+  like a model route.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ NDJSON = b"application/x-ndjson"
 SSE = b"text/event-stream"
 
 #: The route kinds (see the module docstring).
-KINDS = ("batch", "generate", "info")
+KINDS = ("batch", "generate", "info", "probe")
 
 #: Why the sim itself refuses a request; each :class:`Api` words these its own way.
 FAILURES = (
@@ -45,6 +48,7 @@ FAILURES = (
     "outage",  # the GPU failed (mode ``error500``)
     "load_oom",  # this request's own model load does not fit (Ollama's num_ctx)
     "template",  # the caller's template does not parse (Ollama)
+    "loading",  # the server is still loading its model (llama.cpp)
     "internal",  # a bug in the sim
 )
 
@@ -78,6 +82,8 @@ class Reply:
     code: int
     body: bytes
     content_type: bytes = JSON
+    #: Further headers (a redirect's ``location``, a 405's ``allow``).
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 def dumps(obj: Any) -> bytes:
@@ -107,21 +113,29 @@ class Api:
     #: ``model`` (Ollama); False when it serves the one model it started
     #: with and ignores the name (TEI, Infinity, llama.cpp).
     loads_on_demand: ClassVar[bool] = False
+    #: True when the server answers HTTP while it loads its one model at
+    #: start (llama.cpp: 503 "Loading model" meanwhile, see :meth:`while_loading`).
+    loads_at_start: ClassVar[bool] = False
 
-    def route(self, path: str) -> Route | None:
-        """The route at ``path``, or None for a 404."""
+    def route(self, path: str, method: str) -> Route | None:
+        """The route at ``path`` (for ``method``, where a path has one per method), or None for a 404."""
         return self.routes.get(path)
+
+    def while_loading(self, path: str) -> Reply | None:
+        """The answer at ``path`` while the model loads at start; None to serve it as usual."""
+        return None
 
     def style_of(self, path: str) -> str:
         """The error shape of a path that is no route (for its 404)."""
         raise NotImplementedError
 
-    def error(self, style: str, failure: str, message: str) -> Reply:
+    def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
         """The answer to a request the sim refuses.
 
         ``failure`` is one of :data:`FAILURES`, or the ``kind`` of a
         :class:`BadRequest` this API raised; ``message`` is the bad request's
-        (or the template's) own wording, empty otherwise.
+        (or the template's) own wording, empty otherwise; ``job`` is the
+        request once read (None before).
         """
         raise NotImplementedError
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from twisted.internet import defer
 
 from .modes import MODES
-from .server import SimOllama
+from .server import APIS, SimOllama
 
 
 def _port(text: str) -> int:
@@ -25,7 +25,10 @@ def _port(text: str) -> int:
 def build_parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="A simulated Ollama backend (deterministic answers, outage modes).",
+        description=(
+            "A simulated Ollama backend, or TEI, Infinity or llama.cpp's server with --api "
+            "(deterministic answers, outage modes)."
+        ),
     )
     p.add_argument("--port", type=_port, default=11434, help="TCP port, 0 for any free one (default 11434)")
     p.add_argument("--interface", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -37,6 +40,11 @@ def build_parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentPar
     p.add_argument("--dim", type=int, default=384, help="embedding dimension")
     p.add_argument("--load-seconds", type=float, default=0.0, help="model load time")
     p.add_argument("--mode", choices=MODES, default="ok", help="initial outage mode")
+    p.add_argument("--api", choices=tuple(APIS), default="ollama",
+                   help="the server to play: its routes, answers and errors (default ollama)")
+    p.add_argument("--model", dest="models", action="append", metavar="NAME",
+                   help="a model it has (repeat for more); TEI, Infinity and llama.cpp serve the first "
+                        "(default all-minilm, then llama3.2)")
     return p
 
 
@@ -51,6 +59,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "dim": args.dim,
         "load_seconds": args.load_seconds,
         "mode": args.mode,
+        "api": args.api,
+        **({"models": tuple(args.models)} if args.models else {}),
     }
 
 

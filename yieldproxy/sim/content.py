@@ -141,3 +141,56 @@ def messages_prompt(messages: Iterable[dict[str, Any]]) -> str:
         f"{m.get('role', 'user')}: {_content_text(m.get('content'))}"
         for m in messages
     )
+
+
+# ---------------------------------------------------------------------------
+# For the single-model servers' other routes (TEI, Infinity, llama.cpp).
+
+
+def raw_embedding(text: str, model: str = DEFAULT_EMBED_MODEL, dim: int = 384) -> list[float]:
+    """:func:`expected_embedding` before normalisation (TEI's ``normalize: false``)."""
+    return _raw_embedding(text, model, dim)
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine similarity of two vectors (0 when either is all zeros)."""
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def expected_relevance(query: str, document: str, model: str = DEFAULT_EMBED_MODEL) -> float:
+    """
+    The score a reranker gives ``document`` for ``query``: in [0, 1], 1 for the same text.
+
+    ``(1 + cosine) / 2`` of the two texts' vectors, so tests can recompute it
+    and a document equal to the query always ranks first.
+    """
+    score = (1.0 + cosine(expected_embedding(query, model), expected_embedding(document, model))) / 2.0
+    return min(1.0, max(0.0, score))
+
+
+def expected_labels(text: str, model: str = DEFAULT_EMBED_MODEL) -> list[tuple[str, float]]:
+    """A classifier's ``(label, score)`` pairs for ``text``, highest score first, summing to 1."""
+    seed = hashlib.sha256(canonical_model(model).encode("utf-8") + b"\0label\0" + text.encode("utf-8", "surrogatepass")).digest()
+    positive = (int.from_bytes(seed[:4], "big") + 1) / (2**32 + 2)
+    pairs = [("positive", positive), ("negative", 1.0 - positive)]
+    return sorted(pairs, key=lambda pair: pair[1], reverse=True)
+
+
+def expected_tokens(text: str) -> list[tuple[int, str, int, int]]:
+    """The stand-in tokenizer's tokens of ``text``: ``(id, text, start, stop)``, ids from 1000 up."""
+    return [
+        (1000 + int.from_bytes(hashlib.sha256(m.group().encode("utf-8", "surrogatepass")).digest()[:4], "big") % 29000,
+         m.group(), m.start(), m.end())
+        for m in _TOKEN.finditer(text)
+    ]
+
+
+def expected_sparse(text: str, model: str = DEFAULT_EMBED_MODEL) -> list[tuple[int, float]]:
+    """A sparse (SPLADE) vector of ``text``: ``(index, value)`` by index, one per distinct token."""
+    out: dict[int, float] = {}
+    for token_id, token, _, _ in expected_tokens(text):
+        seed = hashlib.sha256(canonical_model(model).encode("utf-8") + b"\0sparse\0" + token.encode("utf-8", "surrogatepass")).digest()
+        out[token_id] = 0.05 + 2.95 * int.from_bytes(seed[:4], "big") / 2**32
+    return sorted(out.items())

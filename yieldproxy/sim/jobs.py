@@ -31,7 +31,8 @@ class SimRequest:
     ``mode`` is the mode the request hit on arrival; ``outcome`` is how it
     ended: ``ok``, ``bad_request``, ``not_found``, ``error500``, ``template_error``, ``busy``, ``refused``,
     ``reset``, ``abandoned`` (the client went away, which is how a ``hang``
-    request usually ends), ``stopped``, or ``pending`` while unanswered.
+    request usually ends), ``stopped``, ``loading`` (llama.cpp's 503 while its
+    model loads), or ``pending`` while unanswered.
     """
 
     method: str
@@ -70,6 +71,8 @@ class Job:
     encoding_format: str = "float"
     dimensions: int | None = None
     stream_id: str = ""
+    #: Options of the API's own (a rerank query, ``return_text``, ``top_n``, ...).
+    options: dict[str, Any] = attrs.Factory(dict)
     state: str = "new"  # new, queued, hung, serving, done
     #: The outcome it was answered with; empty while unanswered.
     answered: str = ""

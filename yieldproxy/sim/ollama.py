@@ -153,7 +153,7 @@ class OllamaApi(Api):
     def style_of(self, path: str) -> str:
         return "openai" if path.startswith("/v1/") else "ollama"
 
-    def error(self, style: str, failure: str, message: str) -> Reply:
+    def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
         code, text = _FAILURES.get(failure, (400, message))
         if failure == "template":
             code, text = 500, message

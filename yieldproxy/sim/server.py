@@ -18,13 +18,19 @@ from twisted.internet import defer
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from .api import JSON, BadRequest, Reply, Route, dumps
+from .api import JSON, Api, BadRequest, Reply, Route, dumps
 from .content import DEFAULT_CHAT_MODEL, DEFAULT_EMBED_MODEL, canonical_model, expected_reply
+from .infinity import INFINITY
 from .jobs import Job, Scheduler, SimRequest
 from .listening import Listener, SimResource
+from .llamacpp import LLAMACPP
 from .models import ModelStore
 from .modes import MODES
 from .ollama import OLLAMA
+from .tei import TEI
+
+#: The servers the sim can play (``api``), by the name ``--api`` takes.
+APIS: dict[str, Api] = {api.name: api for api in (OLLAMA, TEI, INFINITY, LLAMACPP)}
 
 #: The outcome a request refused by the sim itself ends with, per failure.
 _OUTCOMES = {
@@ -35,6 +41,7 @@ _OUTCOMES = {
     "load_oom": "error500",
     "template": "template_error",
     "internal": "error500",
+    "loading": "loading",
 }
 
 
@@ -77,7 +84,15 @@ class SimOllama:
     :param max_num_ctx: the largest ``options.num_ctx`` whose load fits in
         (simulated) VRAM; a request asking for more fails alone with
         :data:`LOAD_OOM_ERROR`, as a real one does (0: no limit).
-    :param models: model names ``/api/tags`` lists from the start.
+    :param models: model names ``/api/tags`` lists from the start; the
+        servers that serve one model (every ``api`` but ``ollama``) serve the
+        first and answer with its name whatever the request names.
+    :param api: the server to play: ``ollama`` (the default), ``tei``
+        (text-embeddings-inference), ``infinity`` or ``llamacpp``; each with
+        its own routes, answers and error shapes (docs/servers.md).  For
+        ``llamacpp``, ``load_seconds`` is its start-up load: every route but
+        the model lists answers 503 "Loading model" meanwhile, at start and
+        again after ``refuse`` or ``reset`` (a restarted server).
     :param history_size: how many :class:`SimRequest` records to keep.
     :param mode: the initial outage mode (see :data:`MODES`).
     """
@@ -97,6 +112,7 @@ class SimOllama:
     models: tuple[str, ...] = attrs.field(
         default=(DEFAULT_EMBED_MODEL, DEFAULT_CHAT_MODEL), converter=tuple
     )
+    api: str = attrs.field(default="ollama", validator=attrs.validators.in_(tuple(APIS)))
     history_size: int = attrs.field(default=10_000, validator=_at_least_one)
     _mode: str = attrs.field(
         default="ok", alias="mode", validator=attrs.validators.in_(MODES)
@@ -109,7 +125,7 @@ class SimOllama:
     texts_embedded: collections.Counter[str] = attrs.field(
         init=False, repr=False, factory=collections.Counter
     )
-    """Every text embedded and answered, with how many times."""
+    """Every text a batch route ran the model on and answered (embedded, ranked, classified), with how many times."""
     mode_hits: collections.Counter[tuple[str, str]] = attrs.field(
         init=False, repr=False, factory=collections.Counter
     )
@@ -123,14 +139,19 @@ class SimOllama:
     store: ModelStore = attrs.field(init=False, repr=False)
     """The models the sim has, and which are loaded."""
 
-    _api: Any = attrs.field(init=False, repr=False, default=OLLAMA)
+    _flavour: Api = attrs.field(init=False, repr=False)
+    #: When the start-up load of a ``loads_at_start`` server ends.
+    _ready_at: float = attrs.field(init=False, repr=False, default=0.0)
     _scheduler: Scheduler = attrs.field(init=False, repr=False)
     _listener: Listener = attrs.field(init=False, repr=False)
     _serial: int = attrs.field(init=False, repr=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.history = collections.deque(maxlen=self.history_size)
-        self.store = ModelStore(self._reactor, self.load_seconds, self.default_keep_alive)
+        self._flavour = APIS[self.api]
+        # A server with one model loaded at start has no load per request.
+        load_seconds = self.load_seconds if self._flavour.loads_on_demand else 0.0
+        self.store = ModelStore(self._reactor, load_seconds, self.default_keep_alive)
         for name in self.models:
             self.store.know(canonical_model(name))
         self._scheduler = Scheduler(
@@ -142,6 +163,8 @@ class SimOllama:
             step_failed=self._step_failed,
         )
         self._listener = Listener(self._reactor)
+        if self._reactor is not None:  # None: only checking the settings (the command line)
+            self._start_loading()
 
     # -- public state ------------------------------------------------------
 
@@ -174,6 +197,16 @@ class SimOllama:
     def peak_serving(self) -> int:
         """The most model requests served at once (since :meth:`reset_peak`)."""
         return self._scheduler.peak_serving
+
+    @property
+    def served_model(self) -> str:
+        """The one model a single-model server serves: the first of ``models``."""
+        return self.models[0] if self.models else DEFAULT_EMBED_MODEL
+
+    @property
+    def loading(self) -> bool:
+        """A ``loads_at_start`` server is loading its model (at start, or restarted)."""
+        return self._flavour.loads_at_start and self._reactor.seconds() < self._ready_at
 
     @property
     def open_connections(self) -> int:
@@ -232,6 +265,7 @@ class SimOllama:
             "texts_embedded": sum(self.texts_embedded.values()),
             "distinct_texts_embedded": len(self.texts_embedded),
             "loaded": self.loaded_models(),
+            "api": self.api,
         }
 
     # -- listening and modes -------------------------------------------------
@@ -259,7 +293,9 @@ class SimOllama:
         ``hang`` stays hung after the mode changes back, until its client
         leaves, ``reset``/``refuse`` aborts it, or :meth:`stop`.  Without a
         port of its own (the resource driven in memory), ``refuse`` aborts
-        each request on arrival.
+        each request on arrival.  A server that loads its one model at start
+        (``api="llamacpp"``) loads it again when it leaves ``refuse`` or
+        ``reset``: it was restarted.
 
         :returns: a Deferred that fires once the port is closed or open again
             (at once when the port is not involved).
@@ -269,6 +305,9 @@ class SimOllama:
         old, self._mode = self._mode, mode
         if mode in ("reset", "refuse"):
             self._scheduler.abort_all("reset" if mode == "reset" else "refused")
+        elif old in ("reset", "refuse"):
+            # The server went down; the one that comes back loads its model again.
+            self._start_loading()
         if self._listener.listening and mode == "refuse" and old != "refuse":
             return self._listener.close()
         if self._listener.listening and old == "refuse" and mode != "refuse":
@@ -287,6 +326,11 @@ class SimOllama:
         self.store.stop()
         return self._listener.stop()
 
+    def _start_loading(self) -> None:
+        """A ``loads_at_start`` server (re)starts: it loads for ``load_seconds`` from now."""
+        if self._flavour.loads_at_start:
+            self._ready_at = self._reactor.seconds() + self.load_seconds
+
     # -- dispatch ------------------------------------------------------------
 
     def _render(self, request: Request) -> bytes | int:
@@ -299,23 +343,32 @@ class SimOllama:
         self.mode_hits[(mode, path)] += 1
         record = SimRequest(method=method, path=path, mode=mode, received_at=now)
         self.history.append(record)
-        api = self._api
-        route = api.route(path)
+        api = self._flavour
+        route = api.route(path, method)
         style = route.style if route else api.style_of(path)
 
         if mode == "refuse":
             # Only reached without our own port (e.g. in memory): drop it.
             return self._abort_request(request, record, "refused")
+        if self.loading:
+            loading = api.while_loading(path)
+            if loading is not None:
+                self._finish_record(record, "loading")
+                return self._write_reply(request, loading)
         if route is None:
             return self._fail(request, record, style, "not_found")
         if method not in route.methods:
             return self._fail(request, record, style, "method")
-        if route.kind == "info":
+        if route.kind == "info" or (route.kind == "probe" and mode not in ("hang", "reset")):
             return self._info(request, record, route)
         if mode == "reset":
             return self._abort_request(request, record, "reset")
 
         job = Job(request, record, route, arrived=now, keep_alive=self.default_keep_alive)
+        if route.kind == "probe":
+            # A health check that runs the model hangs with it.
+            self._scheduler.admit(job, hang=True)
+            return NOT_DONE_YET
         try:
             api.parse(self, job, api.read(request))
         except BadRequest as e:
@@ -324,17 +377,17 @@ class SimOllama:
         record.texts = len(job.texts)
 
         if mode == "error500":
-            return self._fail(request, record, style, "outage")
+            return self._fail(request, record, style, "outage", job=job)
         if self.max_num_ctx and job.num_ctx > self.max_num_ctx:
             # This request's own context does not fit: its load fails, the GPU is fine.
-            return self._fail(request, record, style, "load_oom")
+            return self._fail(request, record, style, "load_oom", job=job)
         if job.template_error is not None:
             # Ollama loads the model, then parses the caller's template: a 500 quoting it.
-            return self._fail(request, record, style, "template", job.template_error)
+            return self._fail(request, record, style, "template", job.template_error, job)
         if job.load_only and job.keep_alive == 0:
             return self._unload(request, record, job)
         if self._scheduler.full():
-            return self._fail(request, record, style, "busy")
+            return self._fail(request, record, style, "busy", job=job)
         self._scheduler.admit(job, hang=mode == "hang")
         return NOT_DONE_YET
 
@@ -350,31 +403,38 @@ class SimOllama:
         request.transport.abortConnection()
         return NOT_DONE_YET
 
-    def _fail(self, request: Request, record: SimRequest, style: str, failure: str, message: str = "") -> bytes:
+    def _fail(
+        self, request: Request, record: SimRequest, style: str, failure: str, message: str = "", job: Job | None = None
+    ) -> bytes:
         """Refuse a request in its API's own error shape."""
         self._finish_record(record, _OUTCOMES.get(failure, "bad_request"))
-        return self._write_reply(request, self._api.error(style, failure, message))
+        return self._write_reply(request, self._flavour.error(style, failure, message, job))
 
     def _write_reply(self, request: Request, reply: Reply) -> bytes:
-        """Status and content type of a whole answer; its body, for ``render`` to return."""
+        """Status and headers of a whole answer; its body, for ``render`` to return."""
         if reply.code != 200:
             request.setResponseCode(reply.code)
         request.setHeader(b"content-type", reply.content_type)
+        for name, value in reply.headers:
+            request.setHeader(name, value)
         return reply.body
 
     def _info(self, request: Request, record: SimRequest, route: Route) -> bytes:
         """Routes that never touch the model; they answer in every mode but refuse."""
-        self._finish_record(record, "ok")
         if route.op == "stats":
+            self._finish_record(record, "ok")
             return self._write_reply(request, Reply(200, dumps(self.stats())))
-        return self._write_reply(request, self._api.info(self, request, route))
+        reply = self._flavour.info(self, request, route)
+        # TEI's /health answers 503 while its GPU fails.
+        self._finish_record(record, "ok" if reply.code < 400 else "error500" if reply.code >= 500 else "bad_request")
+        return self._write_reply(request, reply)
 
     def _unload(self, request: Request, record: SimRequest, job: Job) -> bytes:
         """``keep_alive: 0`` and nothing to do: how Ollama unloads a model."""
         self.store.unload(job.key)
         self._finish_record(record, "ok")
         request.setHeader(b"content-type", JSON)
-        return dumps(self._api.load_answer(self, job, "unload"))
+        return dumps(self._flavour.load_answer(self, job, "unload"))
 
     # -- a job's life ----------------------------------------------------------
 
@@ -415,7 +475,7 @@ class SimOllama:
         if job.headers_sent:
             self._scheduler.abort(job, "error500")
         else:
-            self._send(job, self._api.error(job.route.style, "internal", ""), "error500")
+            self._send(job, self._flavour.error(job.route.style, "internal", "", job), "error500")
 
     # -- answers -------------------------------------------------------------
 
@@ -424,6 +484,8 @@ class SimOllama:
         request = job.request
         request.setResponseCode(reply.code)
         request.setHeader(b"content-type", reply.content_type)
+        for name, value in reply.headers:
+            request.setHeader(name, value)
         request.setHeader(b"content-length", b"%d" % len(reply.body))
         job.headers_sent = True
         request.write(reply.body)
@@ -438,26 +500,26 @@ class SimOllama:
 
     def _answer_load(self, job: Job) -> None:
         """A load-only request: the model is in memory now."""
-        self._send(job, Reply(200, dumps(self._api.load_answer(self, job, "load"))))
+        self._send(job, Reply(200, dumps(self._flavour.load_answer(self, job, "load"))))
 
     def _answer_batch(self, job: Job) -> None:
         """The model ran over every input: one JSON answer."""
-        body = self._api.answer(self, job)
+        body = self._flavour.answer(self, job)
         self.texts_embedded.update(job.texts)
         self._send(job, Reply(200, dumps(body)))
 
     def _answer_reply(self, job: Job) -> None:
         """A whole reply at once (``stream: false``)."""
-        text = "".join(expected_reply(job.prompt, job.model, self.chunks))
-        self._send(job, Reply(200, dumps(self._api.reply(self, job, text))))
+        text = "".join(expected_reply(job.prompt, job.key, self.chunks))
+        self._send(job, Reply(200, dumps(self._flavour.reply(self, job, text))))
 
     def _stream_step(self, job: Job, i: int) -> None:
         """Write piece ``i`` of a stream; the one after the last piece closes it."""
         if not job.headers_sent:
-            self._api.start_stream(self, job)
+            self._flavour.start_stream(self, job)
             job.headers_sent = True
-        pieces = expected_reply(job.prompt, job.model, self.chunks)
-        job.request.write(self._api.stream_chunk(self, job, i, pieces))
+        pieces = expected_reply(job.prompt, job.key, self.chunks)
+        job.request.write(self._flavour.stream_chunk(self, job, i, pieces))
         if i < len(pieces):
             self._scheduler.after(job, self.chunk_delay, self._stream_step, job, i + 1)
         else:
