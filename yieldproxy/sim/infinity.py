@@ -79,19 +79,35 @@ def _missing(field: str, body: Any, loc: tuple[str, ...] = ("body",)) -> _Invali
 
 
 def _strings(value: Any, field: str, loc: tuple[str, ...], single: bool) -> list[str]:
-    """A non-empty list of strings (or, when ``single``, one string)."""
+    """
+    A non-empty list of strings (or, when ``single``, one string), refused as pydantic refuses it.
+
+    ``single`` is ``/embeddings``' ``Union[conlist(str), str]``: pydantic then
+    reports each branch, its location suffixed with the branch's name.
+    """
     if single and isinstance(value, str):
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return list(value)
+    where = [*loc, field, "list[constrained-str]"] if single else [*loc, field]
     if isinstance(value, list) and not value:
-        raise _Invalid({
-            "type": "too_short", "loc": [*loc, field], "input": [],
-            "msg": "List should have at least 1 item after validation, not 0",
+        detail = [{
+            "type": "too_short", "loc": where,
+            "msg": "List should have at least 1 item after validation, not 0", "input": [],
             "ctx": {"field_type": "List", "min_length": 1, "actual_length": 0},
-        })
-    raise _Invalid({"type": "string_type", "loc": [*loc, field], "msg": "Input should be a valid string",
-                    "input": value})
+        }]
+    elif isinstance(value, list):
+        detail = [{"type": "string_type", "loc": [*where, i], "msg": _NOT_A_STRING, "input": v}
+                  for i, v in enumerate(value) if not isinstance(v, str)]
+    else:
+        detail = [{"type": "list_type", "loc": where, "msg": "Input should be a valid list", "input": value}]
+    if single:
+        detail.append({"type": "string_type", "loc": [*loc, field, "constrained-str"], "msg": _NOT_A_STRING,
+                       "input": value})
+    raise _Invalid(*detail)
+
+
+_NOT_A_STRING = "Input should be a valid string"
 
 
 class InfinityApi(Api):
@@ -124,8 +140,9 @@ class InfinityApi(Api):
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise _Invalid({"type": "json_invalid", "loc": ["body", 0], "msg": "JSON decode error", "input": {},
-                            "ctx": {"error": str(e).split(":")[0]}}) from None
+            raise _Invalid({"type": "json_invalid", "loc": ["body", getattr(e, "pos", 0)],
+                            "msg": "JSON decode error", "input": {},
+                            "ctx": {"error": getattr(e, "msg", str(e))}}) from None
 
     def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
         if not isinstance(body, dict):
