@@ -153,7 +153,7 @@ SIM_CHILD = r"""
 import json, sys
 from yieldproxy import sim
 
-_answer = sim.SimOllama._answer_embed
+_answer = sim.SimOllama._answer_batch
 
 def _answer_and_tell(self, job):
     # Told before answering: a text the parent hears about may have died unanswered
@@ -162,7 +162,7 @@ def _answer_and_tell(self, job):
         print("EMBEDDED " + json.dumps(text), flush=True)
     _answer(self, job)
 
-sim.SimOllama._answer_embed = _answer_and_tell
+sim.SimOllama._answer_batch = _answer_and_tell
 sim.main(sys.argv[1:])
 """
 

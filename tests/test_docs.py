@@ -298,7 +298,7 @@ def _check_options(words: list[str], known: dict[str, bool], what: str) -> list[
 
 
 def _yieldproxy_problems(args: list[str]) -> list[str]:
-    from yieldproxy.sim import _parser as sim_parser
+    from yieldproxy.sim.command import build_parser as sim_parser
 
     parser = cli.build_parser()
     common = _argparse_options(parser)

@@ -29,6 +29,7 @@ missing the tests are skipped with the reason; with ``CI`` set they fail.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -363,3 +365,63 @@ async def test_a_different_model_fails_verification_and_everything_parks(infinit
         assert stack.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "ok"}) == 0
     finally:
         await stack.stop()
+
+
+# -- the simulated Infinity against the real one -----------------------------------------
+
+
+def _exchange(root: str, method: str, path: str, body: bytes | None) -> tuple[int, object]:
+    """Status and decoded JSON of one call, errors included (urllib raises them)."""
+    request = urllib.request.Request(root + path, data=body, method=method,
+                                     headers={"content-type": "application/json"} if body is not None else {})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _shape(value: object) -> object:
+    """Keys in order and value types, not values: what a client parses."""
+    if isinstance(value, dict):
+        return [(key, _shape(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [_shape(item) for item in value]
+    return type(value).__name__
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_sim_answers_in_the_real_infinitys_shapes(infinity):
+    """``yieldproxy sim --api infinity`` next to the real server: same statuses, same JSON shapes, same errors."""
+    from yieldproxy.sim import SimOllama
+
+    real = infinity[0]
+    sim = SimOllama(reactor, api="infinity", models=(MODEL,))
+    port = await sim.listen(0)
+    try:
+        answers = [
+            ("POST", "/v1/embeddings", {"model": "any", "input": ["a", "b"]}, "shape"),
+            ("POST", "/v1/embeddings", {"input": "a", "encoding_format": "base64"}, "shape"),
+            ("GET", "/health", None, "shape"),
+            ("POST", "/v1/embeddings", {"model": "any", "input": []}, "equal"),
+            ("POST", "/v1/embeddings", {"model": "any"}, "equal"),
+            ("POST", "/v1/embeddings", {"input": [1, "b"]}, "equal"),
+            ("POST", "/v1/embeddings", b"{no json", "equal"),
+            ("GET", "/v1/nope", None, "equal"),
+            ("GET", "/v1/embeddings", None, "equal"),
+        ]
+        for method, path, body, compare in answers:
+            raw = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+            want = await in_thread(reactor, _exchange, real.root, method, path, raw, timeout=TIMEOUT)
+            got = await in_thread(reactor, _exchange, f"http://127.0.0.1:{port}", method, path, raw, timeout=TIMEOUT)
+            if compare == "equal":
+                assert got == want, (method, path, body)
+            else:
+                assert got[0] == want[0] and _shape(got[1]) == _shape(want[1]), (method, path, body, got, want)
+        code, models = await in_thread(reactor, _exchange, f"http://127.0.0.1:{port}", "GET", "/v1/models", None)
+        real_code, real_models = await in_thread(reactor, _exchange, real.root, "GET", "/v1/models", None)
+        for listing in (models, real_models):
+            del listing["data"][0]["capabilities"]  # the sim serves every task
+        assert (code, _shape(models)) == (real_code, _shape(real_models))
+    finally:
+        await sim.stop()

@@ -307,6 +307,40 @@ def test_embedding_routes_in_memory() -> None:
     assert clock.getDelayedCalls() == []
 
 
+class _BrokenSim(SimOllama):
+    """A sim whose answers raise: a bug in one step must answer its request, not hang it."""
+
+    def _answer_batch(self, job: Any) -> None:
+        raise RuntimeError("boom")
+
+    def _stream_step(self, job: Any, i: int) -> None:
+        if i == 1:
+            raise RuntimeError("boom mid-stream")
+        super()._stream_step(job, i)
+
+
+def test_a_failing_step_answers_in_the_routes_shape() -> None:
+    clock = task.Clock()
+    sim = _BrokenSim(clock, latency=1.0)
+    stub = StubTreq(sim.resource())
+    ollama = _post(stub, "/api/embed", {"model": "m", "input": "x"})
+    openai = _post(stub, "/v1/embeddings", {"model": "m", "input": "x"})
+    streamed = _post(stub, "/api/generate", {"model": "m", "prompt": "p"})
+    stub.flush()
+    clock.advance(1.0)
+    assert _json_of(stub, ollama) == (500, {"error": "sim internal error"})
+    code, body = _json_of(stub, openai)
+    assert code == 500 and body["error"]["message"] == "sim internal error"
+    # Once a stream has begun its status is sent: the connection is reset instead.
+    stub.flush()
+    assert not _fired(streamed) or _result(streamed).code == 200
+    assert sim.in_flight == 0 and sim.serving == 0
+    # Counted as what they were, not as answered fine.
+    assert sim.outcomes == {"error500": 3}
+    assert [r.outcome for r in sim.history] == ["error500"] * 3
+    assert clock.getDelayedCalls() == []
+
+
 def test_hang_then_stop_leaves_no_timer() -> None:
     clock = task.Clock()
     sim = SimOllama(clock, latency=1.0, load_seconds=1.0)
@@ -525,8 +559,8 @@ async def test_parallel_cap_over_sockets() -> None:
         assert server.sim.peak_in_flight == 10
         assert server.sim.peak_serving == 2
         assert server.sim.open_connections >= 2
-        for conn in server.sim._factory.protocols:  # Nagle is off on every accepted socket
-            assert conn.transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        for transport in server.sim.transports():  # Nagle is off on every accepted socket
+            assert transport.getHandle().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         assert elapsed >= 0.2 * 5 - 0.05
         assert server.sim.in_flight == 0
         assert max(server.sim.texts_embedded.values()) == 1
@@ -652,3 +686,338 @@ def test_no_reactor_at_import() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
     assert set(MODES) == {"ok", "refuse", "error500", "hang", "reset"}
     assert simmod.__all__
+
+
+# ---------------------------------------------------------------------------
+# The other servers it plays: TEI, Infinity, llama.cpp (docs/servers.md).
+
+from yieldproxy.sim import (  # noqa: E402
+    cosine,
+    expected_labels,
+    expected_relevance,
+    expected_sparse,
+    expected_tokens,
+    raw_embedding,
+)
+
+SERVED = "all-minilm"  # the first of the default models: what a one-model server serves
+
+
+async def _raw(server: _Server, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any, bytes]:
+    """One exchange: status, headers, the raw body (JSON bodies sent as JSON unless bytes)."""
+    if body is not None and not isinstance(body, bytes):
+        kw["json"] = body
+    elif body is not None:
+        kw["data"] = body
+    response = await _within(server.http.request(method, server.url + path, **kw))
+    return response.code, response.headers, await _within(response.content())
+
+
+def _content_type(headers: Any) -> str:
+    return (headers.getRawHeaders(b"content-type") or [b""])[0].decode()
+
+
+@pytest_twisted.ensureDeferred
+async def test_tei_routes_and_shapes() -> None:
+    server = await _Server(api="tei", dim=16).start()
+    try:
+        code, body = await server.post_json("/embed", {"inputs": ["a", "b"]})
+        assert code == 200 and body == [expected_embedding("a", SERVED, 16), expected_embedding("b", SERVED, 16)]
+        # One input still answers a list of vectors; no model name anywhere.
+        _, body = await server.post_json("/embed", {"inputs": "a", "normalize": False})
+        assert body == [raw_embedding("a", SERVED, 16)]
+        _, body = await server.post_json("/embed", {"inputs": "a", "dimensions": 4})
+        assert body == [expected_embedding("a", SERVED, 4)]
+        # POST / runs the model's default task (embed); GET / is the health check.
+        assert (await server.post_json("/", {"inputs": "a"}))[1] == [expected_embedding("a", SERVED, 16)]
+        _, body = await server.post_json("/rerank", {"query": "q", "texts": ["x", "q", "y"], "return_text": True})
+        assert [r["index"] for r in body][0] == 1 and body[0]["text"] == "q"
+        assert body == sorted(body, key=lambda r: r["score"], reverse=True)
+        assert {r["index"]: r["score"] for r in body} == {
+            i: expected_relevance("q", t, SERVED) for i, t in enumerate(["x", "q", "y"])
+        }
+        _, single = await server.post_json("/predict", {"inputs": "great"})
+        assert single == [{"score": s, "label": label} for label, s in expected_labels("great", SERVED)]
+        _, batch = await server.post_json("/predict", {"inputs": [["great"], ["a", "b"]]})
+        assert len(batch) == 2 and batch[0] == single
+        _, body = await server.post_json("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["a", "b"]}})
+        assert body == pytest.approx([1.0, cosine(expected_embedding("a", SERVED, 16), expected_embedding("b", SERVED, 16))])
+        _, body = await server.post_json("/embed_sparse", {"inputs": "a b"})
+        assert body == [[{"index": i, "value": v} for i, v in expected_sparse("a b", SERVED)]]
+        _, body = await server.post_json("/embed_all", {"inputs": "a b"})
+        assert body == [[raw_embedding("a", SERVED, 16), raw_embedding("b", SERVED, 16)]]
+        _, body = await server.post_json("/tokenize", {"inputs": "Hi there", "add_special_tokens": False})
+        assert body == [[{"id": i, "text": t, "special": False, "start": a, "stop": b} for i, t, a, b in expected_tokens("Hi there")]]
+        # The OpenAI-compatible route ignores the model named and answers with the served one.
+        _, body = await server.post_json("/v1/embeddings", {"model": "anything", "input": ["a"]})
+        assert body["model"] == SERVED and body["data"][0]["embedding"] == expected_embedding("a", SERVED, 16)
+        code, body = await server.get_json("/info")
+        assert code == 200 and body["served_model_name"] == SERVED and body["max_client_batch_size"] == 32
+        code, _, raw = await _raw(server, "GET", "/health")
+        assert (code, raw) == (200, b"")
+        assert server.sim.texts_embedded["a"] >= 5 and server.sim.in_flight == 0
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_tei_errors_in_its_own_shapes() -> None:
+    server = await _Server(api="tei", latency=0.3, parallel=1, max_queue=0).start()
+    try:
+        code, body = await server.post_json("/embed", {"inputs": []})
+        assert (code, body) == (400, {"error": "`inputs` cannot be empty", "error_type": "Empty"})
+        code, body = await server.post_json("/embed", {"inputs": ["a"] * 33})
+        assert (code, body) == (422, {"error": "batch size 33 > maximum allowed batch size 32", "error_type": "Validation"})
+        code, body = await server.post_json("/embed", {"inputs": "x " * 600, "truncate": False})
+        assert code == 422 and body["error_type"] == "Validation" and "less than 512 tokens" in body["error"]
+        # axum's JSON extractor rejects in plain text, before TEI's own code runs.
+        code, headers, raw = await _raw(server, "POST", "/embed", {"input": "a"})
+        assert code == 422 and _content_type(headers).startswith("text/plain")
+        assert raw.startswith(b"Failed to deserialize the JSON body into the target type")
+        code, headers, raw = await _raw(server, "POST", "/embed", b"{no", headers={"content-type": ["application/json"]})
+        assert code == 400 and raw.startswith(b"Failed to parse the request body as JSON")
+        code, _, raw = await _raw(server, "POST", "/embed", b"{}")
+        assert (code, raw) == (415, b"Expected request with `Content-Type: application/json`")
+        # The OpenAI route words the same errors OpenAI's way, but flat.
+        code, body = await server.post_json("/v1/embeddings", {"input": []})
+        assert (code, body) == (400, {"message": "`inputs` cannot be empty", "code": 400, "type": "Empty"})
+        assert (await _raw(server, "GET", "/nope"))[::2] == (404, b"")
+        assert (await _raw(server, "GET", "/embed"))[::2] == (405, b"")
+        # Busy: one served, none may wait: TEI's 429.
+        first = defer.ensureDeferred(server.post_json("/embed", {"inputs": "a"}))
+        await _until(lambda: server.sim.serving == 1)
+        code, body = await server.post_json("/embed", {"inputs": "b"})
+        assert (code, body) == (429, {"error": "Model is overloaded", "error_type": "Overloaded"})
+        assert (await _within(first))[0] == 200
+        # The GPU fails: 424 Backend on model routes, and /health says so.
+        await _within(server.sim.set_mode("error500"))
+        code, body = await server.post_json("/embed", {"inputs": "a"})
+        assert code == 424 and body["error_type"] == "Backend" and "out of memory" in body["error"]
+        code, body = await server.post_json("/v1/embeddings", {"input": "a"})
+        assert code == 424 and body["type"] == "Backend" and body["code"] == 424
+        assert await server.get_json("/health") == (503, {"error": "unhealthy", "error_type": "Unhealthy"})
+        assert (await server.post_json("/tokenize", {"inputs": "a"}))[0] == 200  # the tokenizer needs no GPU
+        await _within(server.sim.set_mode("ok"))
+        assert (await _raw(server, "GET", "/health"))[0] == 200
+    finally:
+        await server.close()
+
+
+def test_tei_health_runs_the_model_so_it_hangs_and_resets_with_it() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, api="tei")
+    stub = StubTreq(sim.resource())
+    sim.set_mode("hang")
+    hung = stub.get(URL + "/health")
+    stub.flush()
+    assert not _fired(hung) and sim.in_flight == 1
+    assert _fired(stub.get(URL + "/info"))  # the rest of the router answers
+    _fired(sim.set_mode("reset"))
+    assert sim.in_flight == 0 and sim.history[0].outcome == "reset"
+    sim.set_mode("ok")
+    assert _json_of(stub, stub.post(URL + "/tokenize", data=b'{"inputs": "a"}', headers={"content-type": ["application/json"]}))[0] == 200
+    assert clock.getDelayedCalls() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_infinity_routes_and_shapes() -> None:
+    from openai import OpenAI
+
+    server = await _Server(api="infinity", dim=16).start()
+    try:
+        # One model: any name is answered, with the served one.
+        code, body = await server.post_json("/embeddings", {"model": "whatever", "input": ["a", "b"]})
+        assert code == 200 and body["object"] == "list" and body["model"] == SERVED
+        assert [d["embedding"] for d in body["data"]] == [expected_embedding(t, SERVED, 16) for t in "ab"]
+        assert body["id"].startswith("infinity-") and isinstance(body["created"], int)
+        # dimensions truncate without renormalising, as the real server does.
+        _, body = await server.post_json("/embeddings", {"input": "a", "dimensions": 4})
+        assert body["data"][0]["embedding"] == expected_embedding("a", SERVED, 16)[:4]
+        # Often started with --url-prefix /v1: both are answered; base64 for the openai client.
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        result = await _in_thread(lambda: client.embeddings.create(model="m", input=["a"]))
+        assert result.data[0].embedding == pytest.approx(expected_embedding("a", SERVED, 16), abs=1e-7)
+        _, body = await server.post_json("/rerank", {"query": "q", "documents": ["x", "q", "y"], "top_n": 2,
+                                                     "return_documents": True})
+        assert body["object"] == "rerank" and [r["index"] for r in body["results"]][0] == 1
+        assert len(body["results"]) == 2 and body["results"][0]["document"] == "q"
+        assert body["results"][1]["relevance_score"] == max(expected_relevance("q", t, SERVED) for t in "xy")
+        _, body = await server.post_json("/classify", {"input": ["great"]})
+        assert body["object"] == "classify"
+        assert body["data"] == [[{"score": s, "label": label} for label, s in expected_labels("great", SERVED)]]
+        code, body = await server.get_json("/models")
+        assert code == 200 and body["data"][0]["id"] == SERVED and body["data"][0]["owned_by"] == "infinity"
+        code, body = await server.get_json("/health")
+        assert code == 200 and set(body) == {"unix"}
+        code, headers, _ = await _raw(server, "GET", "/", allow_redirects=False)
+        assert code == 307 and headers.getRawHeaders(b"location") == [b"/docs"]
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_infinity_errors_in_its_own_shapes() -> None:
+    server = await _Server(api="infinity", latency=0.3, parallel=1, max_queue=0).start()
+    try:
+        # FastAPI's validation: 422 {"detail": [...]}, a malformed body too.
+        code, body = await server.post_json("/embeddings", {"model": "m", "input": []})
+        assert code == 422 and body["detail"][0]["type"] == "too_short"
+        code, body = await server.post_json("/embeddings", {"model": "m"})
+        assert code == 422 and body["detail"][0]["type"] == "missing" and body["detail"][0]["loc"][-1] == "input"
+        code, _, raw = await _raw(server, "POST", "/embeddings", b"{no", headers={"content-type": ["application/json"]})
+        assert code == 422 and json.loads(raw)["detail"][0]["type"] == "json_invalid"
+        assert await server.get_json("/nope") == (404, {"detail": "Not Found"})
+        assert await server.get_json("/embeddings") == (405, {"detail": "Method Not Allowed"})
+        first = defer.ensureDeferred(server.post_json("/embeddings", {"input": "a"}))
+        await _until(lambda: server.sim.serving == 1)
+        code, body = await server.post_json("/embeddings", {"model": "bert", "input": "b"})
+        assert (code, body) == (429, {"error": {"message": "model bert is currently overloaded", "type": None,
+                                                "param": None, "code": 429}})
+        assert (await _within(first))[0] == 200
+        await _within(server.sim.set_mode("error500"))
+        code, body = await server.post_json("/rerank", {"query": "q", "documents": ["a"]})
+        assert code == 500 and body["error"]["code"] == 500
+        assert body["error"]["message"].startswith("InternalServerError: CUDA out of memory")
+        assert (await server.get_json("/health"))[0] == 200  # Infinity's health does not look at the engine
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_llamacpp_routes_and_shapes() -> None:
+    from openai import OpenAI
+
+    server = await _Server(api="llamacpp", dim=16, chunks=3, models=("llama3.2",)).start()
+    try:
+        assert await server.get_json("/health") == (200, {"status": "ok"})
+        _, body = await server.post_json("/embedding", {"content": "a"})
+        assert body == [{"index": 0, "embedding": [expected_embedding("a", "llama3.2", 16)]}]
+        _, body = await server.post_json("/v1/embeddings", {"model": "named", "input": ["a", "b"]})
+        assert body["model"] == "named" and body["object"] == "list"  # the name asked for, echoed
+        assert [d["embedding"] for d in body["data"]] == [expected_embedding(t, "llama3.2", 16) for t in "ab"]
+        _, body = await server.post_json("/v1/rerank", {"query": "q", "documents": ["x", "q"], "top_n": 1})
+        assert body["object"] == "list" and body["results"] == [{"index": 1, "relevance_score": 1.0}]
+        # With "texts", TEI's format: a bare list.
+        _, body = await server.post_json("/rerank", {"query": "q", "texts": ["x", "q"], "return_text": True})
+        assert body[0] == {"index": 1, "score": 1.0, "text": "q"} and body[1]["index"] == 0
+        text = "".join(expected_reply("hello", "llama3.2", 3))
+        _, body = await server.post_json("/completion", {"prompt": "hello"})
+        assert body["content"] == text and body["stop"] is True and body["stop_type"] == "eos"
+        # The native stream: SSE objects, the last with stop true, and no [DONE].
+        response = await server.post("/completion", {"prompt": "hello", "stream": True})
+        events = [e for e in (await _within(response.content())).decode().split("\n\n") if e]
+        chunks = [json.loads(e[len("data: "):]) for e in events]
+        assert [c["stop"] for c in chunks] == [False, False, False, True]
+        assert "".join(c["content"] for c in chunks) == text
+        _, body = await server.post_json("/infill", {"input_prefix": "def f(", "input_suffix": "):"})
+        assert body["content"] == "".join(expected_reply("def f():", "llama3.2", 3))
+        # /api/chat is Ollama's path with llama.cpp's OpenAI-shaped answer.
+        _, body = await server.post_json("/api/chat", {"messages": [{"role": "user", "content": "hi"}]})
+        assert body["object"] == "chat.completion"
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        pieces = await _in_thread(lambda: [
+            c.choices[0].delta.content
+            for c in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+            if c.choices
+        ])
+        assert "".join(p or "" for p in pieces) == "".join(expected_reply("user: hi", "llama3.2", 3))
+        _, body = await server.post_json("/tokenize", {"content": "Hi there"})
+        assert body == {"tokens": [i for i, _, _, _ in expected_tokens("Hi there")]}
+        code, body = await server.get_json("/v1/models")
+        assert code == 200 and body["data"][0]["id"] == "llama3.2" and body["data"][0]["meta"] is not None
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_llamacpp_errors_loading_and_outages() -> None:
+    server = await _Server(api="llamacpp", load_seconds=0.3).start()
+    try:
+        loading = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
+        # Its HTTP server is up before the model: 503 everywhere but the model lists.
+        assert await server.get_json("/health") == (503, loading)
+        assert await server.post_json("/v1/embeddings", {"input": "a"}) == (503, loading)
+        code, body = await server.get_json("/v1/models")
+        assert code == 200 and body["data"][0]["meta"] is None
+        await _until(lambda: not server.sim.loading)
+        assert await server.get_json("/health") == (200, {"status": "ok"})
+        not_found = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+        assert await server.get_json("/nope") == (404, not_found)
+        assert await server.get_json("/embedding") == (404, not_found)  # no 405 in cpp-httplib
+        code, body = await server.post_json("/embedding", {"nothing": 1})
+        assert (code, body) == (400, {"error": {"code": 400, "message": '"input" or "content" must be provided',
+                                                "type": "invalid_request_error"}})
+        # The caller's malformed JSON or chat body is a 500 there: the message tells it from the GPU's.
+        code, _, raw = await _raw(server, "POST", "/completion", b"{no")
+        assert code == 500 and json.loads(raw)["error"]["type"] == "server_error"
+        code, body = await server.post_json("/v1/chat/completions", {"model": "m"})
+        assert code == 500 and body["error"]["message"] == "'messages' is required"
+        await _within(server.sim.set_mode("error500"))
+        compute = {"error": {"code": 500, "message": "Compute error.", "type": "server_error"}}
+        assert await server.post_json("/v1/embeddings", {"input": "a"}) == (500, compute)
+        assert await server.post_json("/completion", {"prompt": "a"}) == (500, compute)
+        assert await server.get_json("/health") == (200, {"status": "ok"})  # the process is fine
+        # Down and back: the restarted server loads its model again.
+        await _within(server.sim.set_mode("refuse"))
+        await _within(server.sim.set_mode("ok"))
+        assert await server.get_json("/health") == (503, loading)
+        await _until(lambda: not server.sim.loading)
+        assert await server.get_json("/health") == (200, {"status": "ok"})
+    finally:
+        await server.close()
+
+
+def test_llamacpp_loads_at_start_and_after_refuse_or_reset_on_a_clock() -> None:
+    clock = task.Clock()
+    clock.advance(1000)
+    sim = SimOllama(clock, api="llamacpp", load_seconds=2.0)
+    stub = StubTreq(sim.resource())
+    assert _json_of(stub, stub.get(URL + "/health"))[0] == 503
+    clock.advance(1.999)
+    assert _json_of(stub, stub.get(URL + "/health"))[0] == 503
+    clock.advance(0.001)
+    assert _json_of(stub, stub.get(URL + "/health"))[0] == 200
+    sim.set_mode("error500")
+    sim.set_mode("ok")  # a compute error does not restart it
+    assert _json_of(stub, stub.get(URL + "/health"))[0] == 200
+    for outage in ("reset", "refuse"):
+        sim.set_mode(outage)
+        sim.set_mode("ok")
+        assert _json_of(stub, stub.get(URL + "/health"))[0] == 503
+        clock.advance(2.0)
+        assert _json_of(stub, stub.get(URL + "/health"))[0] == 200
+    assert [r.outcome for r in sim.history].count("loading") == 4
+    assert clock.getDelayedCalls() == []
+
+
+@pytest.mark.parametrize("api, path, body", [
+    ("tei", "/embed", {"inputs": "cli"}),
+    ("infinity", "/embeddings", {"input": "cli"}),
+    ("llamacpp", "/embedding", {"content": "cli"}),
+])
+@pytest_twisted.ensureDeferred
+async def test_command_line_plays_another_server(api: str, path: str, body: Any) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "yieldproxy.sim", "--port", "0", "--api", api, "--model", "bge", "--dim", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    timer = threading.Timer(20, proc.kill)
+    timer.start()
+    pool = HTTPConnectionPool(_reactor(), persistent=False)
+    try:
+        line = await _in_thread(proc.stdout.readline)
+        assert line.startswith("listening on 127.0.0.1:"), line + proc.stderr.read()
+        port = int(line.rsplit(":", 1)[1])
+        http = HTTPClient(Agent(_reactor(), pool=pool))
+        response = await _within(http.post(f"http://127.0.0.1:{port}{path}", json=body))
+        answer = await _within(response.json())
+        vector = answer["data"][0]["embedding"] if api == "infinity" else (
+            answer[0] if api == "tei" else answer[0]["embedding"][0])
+        assert vector == expected_embedding("cli", "bge", 8)
+    finally:
+        timer.cancel()
+        proc.terminate()
+        await _in_thread(lambda: proc.wait(10))
+        proc.stdout.close()
+        proc.stderr.close()
+        await _within(pool.closeCachedConnections())

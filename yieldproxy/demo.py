@@ -20,17 +20,18 @@ from twisted.internet import defer, task
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 
-from .cli import (
+from .adminclient import (
     EXIT_ERROR,
     EXIT_OK,
     AdminClient,
     AdminTarget,
     CliError,
-    _bounded,
-    _NoDelayEndpoints,
-    _printable,
-    _why_unreachable,
+    NoDelayEndpoints,
+    bounded,
+    printable,
+    why_unreachable,
 )
+from .sim import SimOllama, expected_embedding
 
 #: The demo's embedding model; the sim answers any name, deterministically.
 DEMO_MODEL = "all-minilm"
@@ -175,9 +176,21 @@ async def _sleep(reactor, seconds: float) -> None:
 
 async def demo_command(reactor, args: argparse.Namespace) -> int:
     """Sim + proxy in this process, a burst through them, a yield in the middle; a report."""
-    from treq.client import HTTPClient
-    from twisted.internet.endpoints import TCP4ServerEndpoint
-    from twisted.internet.task import LoopingCall
+    line = _Line(sys.stderr, sys.stderr.isatty())
+    _log_above(line)
+    run = await _start(reactor, args, line)
+    print(run.intro(), flush=True)
+    elapsed = await run.burst_through_a_yield()
+    sim, burst = run.sim, run.burst
+    duplicates = sum(1 for n in sim.texts_embedded.values() if n > 1)
+    not_sent = burst.total - burst.sent
+    good = burst.failed == 0 and burst.wrong == 0 and not_sent == 0 and not run.admin_errors
+    print(_demo_report(args, burst, run.watch, run.cap, elapsed, duplicates, not_sent, run.admin_errors, good))
+    return EXIT_OK if good else EXIT_ERROR
+
+
+def _log_above(line: _Line) -> None:
+    """Warnings from the proxy and the sim go above the progress line."""
     from twisted.logger import (
         FilteringLogObserver,
         LogLevel,
@@ -186,9 +199,22 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
         globalLogBeginner,
     )
 
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(
+            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),
+            [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
+        )],
+        redirectStandardIO=False,
+    )
+
+
+async def _start(reactor, args: argparse.Namespace, line: _Line) -> _Run:
+    """The simulated backend, a proxy in front of it with its admin API, a client: all listening."""
+    from treq.client import HTTPClient
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+
     from .config import Config
     from .service import build
-    from .sim import SimOllama, expected_embedding
 
     watch = _Watch(started=reactor.seconds())
 
@@ -198,19 +224,6 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
         def resource(self):
             return _BackendTimer(super().resource(), reactor, watch.at_backend)
 
-    line = _Line(sys.stderr, sys.stderr.isatty())
-    # Warnings from the proxy and the sim go above the progress line.
-    globalLogBeginner.beginLoggingTo(
-        [FilteringLogObserver(
-            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),
-            [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
-        )],
-        redirectStandardIO=False,
-    )
-
-    deadline = args.deadline or (60.0 + args.yield_after + args.yield_for + 0.02 * args.texts)
-    request_timeout = max(30.0, args.yield_for + 30.0)
-
     sim = TimedSim(reactor, latency=args.latency, parallel=DEMO_SIM_PARALLEL)
     sim_port = await sim.listen(0, "127.0.0.1")
     config = Config().with_overrides(**{"proxy.upstream": f"http://127.0.0.1:{sim_port}"})
@@ -218,185 +231,240 @@ async def demo_command(reactor, args: argparse.Namespace) -> int:
     proxy = build(reactor, config, token=token)
     proxy_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.proxy_app.site())
     admin_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.admin_app.site())
-    proxy_url = f"http://127.0.0.1:{proxy_listener.getHost().port}"
     admin = AdminClient(reactor, AdminTarget(f"http://127.0.0.1:{admin_listener.getHost().port}"), token)
-    cap = config.replay.concurrency
-
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = args.concurrency
-    http = HTTPClient(Agent.usingEndpointFactory(reactor, _NoDelayEndpoints(reactor, 10.0), pool=pool))
-
-    burst = _Burst(args.texts)
-    watch.started = reactor.seconds()
-
-    def mark() -> float:
-        return reactor.seconds() - watch.started
-
-    print(
-        f"demo: {args.texts} embedding requests, {args.concurrency} at a time, through the proxy at "
-        f"{proxy_url} to a simulated Ollama ({args.latency * 1000:g} ms a request, {DEMO_SIM_PARALLEL} in parallel); "
-        f"the GPU is yielded after {args.yield_after:g} s for {args.yield_for:g} s.",
-        flush=True,
+    http = HTTPClient(Agent.usingEndpointFactory(reactor, NoDelayEndpoints(reactor, 10.0), pool=pool))
+    run = _Run(
+        reactor, args, line, watch, _Burst(args.texts), sim, proxy,
+        proxy_url=f"http://127.0.0.1:{proxy_listener.getHost().port}",
+        admin=admin, http=http, cap=config.replay.concurrency,
+        listeners=[proxy_listener, admin_listener], pool=pool,
     )
+    watch.started = reactor.seconds()
+    proxy.state.observe(run.state_changed)
+    return run
 
-    def watch_drain() -> None:
-        """Note when the lot is empty again after the resume."""
-        if proxy.gate.state_name == "draining":
-            reactor.callLater(0.01, watch_drain)
-        elif watch.drained_at is None:
-            watch.drained_at = reactor.seconds()
-            line.say(f"{mark():6.2f}s  the lot is empty: drained in {watch.drained_at - watch.resumed_at:.2f} s")
 
-    def state_changed(yielded: bool) -> None:
-        now = reactor.seconds()
-        if yielded:
-            watch.yielded_at = now
-            watch.peak_before_yield = sim.peak_in_flight
-        else:
-            watch.resumed_at = now
-            watch.parked_in_yield = len(proxy.lot)
-            watch_drain()
+@attrs.define(eq=False)
+class _Run:
+    """One run of the demo: its parts, the burst's client side, the yield, the watch over both."""
 
-    proxy.state.observe(state_changed)
+    reactor: Any
+    args: argparse.Namespace
+    line: _Line
+    watch: _Watch
+    burst: _Burst
+    sim: Any
+    proxy: Any
+    proxy_url: str
+    admin: AdminClient
+    http: Any
+    cap: int
+    listeners: list
+    pool: HTTPConnectionPool
+    admin_errors: list[str] = attrs.Factory(list)
+    #: "waiting" for the moment to yield, then "yielding" (the controller's progress).
+    phase: str = "waiting"
+    #: Fires when it is time to yield: after --yield-after, or once half the burst is sent.
+    go: defer.Deferred = attrs.Factory(defer.Deferred)
 
-    def progress() -> None:
+    @property
+    def deadline(self) -> float:
+        return self.args.deadline or (60.0 + self.args.yield_after + self.args.yield_for + 0.02 * self.args.texts)
+
+    @property
+    def request_timeout(self) -> float:
+        return max(30.0, self.args.yield_for + 30.0)
+
+    def mark(self) -> float:
+        """Seconds since the burst started, for the progress lines."""
+        return self.reactor.seconds() - self.watch.started
+
+    def intro(self) -> str:
+        args = self.args
+        return (
+            f"demo: {args.texts} embedding requests, {args.concurrency} at a time, through the proxy at "
+            f"{self.proxy_url} to a simulated Ollama ({args.latency * 1000:g} ms a request, "
+            f"{DEMO_SIM_PARALLEL} in parallel); "
+            f"the GPU is yielded after {args.yield_after:g} s for {args.yield_for:g} s."
+        )
+
+    # -- the burst -----------------------------------------------------------
+
+    async def burst_through_a_yield(self) -> float:
+        """Send the whole burst, yield and resume in the middle; the seconds it took."""
+        from twisted.internet.task import LoopingCall
+
+        reactor, args = self.reactor, self.args
+        ticker = LoopingCall(self.progress)
+        ticker.clock = reactor
+        ticker.start(0.2 if self.line.tty else 1.0, now=True)
+        controller = defer.Deferred.fromCoroutine(self.yield_and_resume())
+        texts = iter(range(args.texts))
+        workers = defer.gatherResults(
+            [defer.Deferred.fromCoroutine(self.worker(texts)) for _ in range(args.concurrency)],
+            consumeErrors=True,
+        )
+        watchdog = reactor.callLater(self.deadline, self.out_of_time, controller)
+        yield_timer = reactor.callLater(args.yield_after, self.time_to_yield)
         try:
-            line.show(
-                f"{mark():6.2f}s  sent {burst.sent}/{burst.total}  ok {burst.ok}  failed {burst.failed + burst.wrong}"
-                f"  parked {len(proxy.lot)}  state {proxy.gate.state_name}"
-            )
-        except Exception as e:  # A broken progress line must not stop the demo.
-            line.say(f"progress line failed: {e!r}")
+            await workers
+            elapsed = self.mark()
+            if self.phase == "waiting":
+                controller.cancel()
+            await controller.addErrback(lambda f: f.trap(defer.CancelledError))
+        finally:
+            for call in (watchdog, yield_timer):
+                if call.active():
+                    call.cancel()
+            ticker.stop()
+            self.progress()
+            self.line.finish()
+            await self.shut_down()
+        return elapsed
 
-    async def one(text: str) -> None:
+    async def worker(self, texts) -> None:
+        """Send the next text, one at a time, until none is left."""
+        half = (self.args.texts + 1) // 2
+        for i in texts:
+            if self.burst.stopped:
+                return
+            self.burst.sent += 1
+            if self.burst.sent == half:
+                self.time_to_yield()
+            await self.send(demo_text(i))
+
+    async def send(self, text: str) -> None:
+        """One embedding request through the proxy; its answer checked and counted."""
+        reactor, burst = self.reactor, self.burst
         began = reactor.seconds()
 
         async def exchange():
-            response = await http.post(
-                proxy_url + "/api/embed", json={"model": DEMO_MODEL, "input": text}, reactor=reactor
+            response = await self.http.post(
+                self.proxy_url + "/api/embed", json={"model": DEMO_MODEL, "input": text}, reactor=reactor
             )
             return response.code, response.headers.getRawHeaders(b"x-yield-parked-seconds"), await response.content()
 
-        d = defer.Deferred.fromCoroutine(_bounded(reactor, exchange(), request_timeout))
+        d = defer.Deferred.fromCoroutine(bounded(reactor, exchange(), self.request_timeout))
         burst.in_flight.add(d)
         try:
             code, parked, raw = await d
         except Exception as e:
-            why = "stopped at the deadline" if burst.stopped else (_why_unreachable(e, request_timeout) or repr(e))
+            why = "stopped at the deadline" if burst.stopped else (why_unreachable(e, self.request_timeout) or repr(e))
             burst.fail(text, why)
             return
         finally:
             burst.in_flight.discard(d)
-        waited = reactor.seconds() - began
-        burst.longest_wait = max(burst.longest_wait, waited)
+        burst.longest_wait = max(burst.longest_wait, reactor.seconds() - began)
         if parked:
             burst.replayed.add(text)
             try:
                 burst.longest_parked = max(burst.longest_parked, float(parked[0]))
             except ValueError:
                 pass
+        self._check(text, code, raw)
+
+    def _check(self, text: str, code: int, raw: bytes) -> None:
+        """A 200 carrying exactly the text's vector is ok; anything else a failure, with why."""
+        burst = self.burst
         try:
             body = json.loads(raw)
         except ValueError:
             body = None
         if code != 200:
             error = body.get("error") if isinstance(body, dict) else raw[:200]
-            burst.fail(text, f"HTTP {code}: {_printable(error, 200)}")
+            burst.fail(text, f"HTTP {code}: {printable(error, 200)}")
             return
         vectors = body.get("embeddings") if isinstance(body, dict) else None
-        if isinstance(vectors, list) and len(vectors) == 1 and _vector_ok(vectors[0], expected_embedding(text, DEMO_MODEL, sim.dim)):
+        expected = expected_embedding(text, DEMO_MODEL, self.sim.dim)
+        if isinstance(vectors, list) and len(vectors) == 1 and _vector_ok(vectors[0], expected):
             burst.ok += 1
         else:
             burst.fail(text, "wrong vector", wrong=True)
 
-    texts = iter(range(args.texts))
+    # -- the yield -------------------------------------------------------------
 
-    # The yield comes after --yield-after seconds, or once half the burst is sent
-    # if that is sooner: a fast machine must not finish the burst before it.
-    go: defer.Deferred = defer.Deferred()
-    half = (args.texts + 1) // 2
+    def time_to_yield(self) -> None:
+        # A fast machine must not finish the burst before the yield.
+        if not self.go.called:
+            self.go.callback(None)
 
-    def time_to_yield() -> None:
-        if not go.called:
-            go.callback(None)
-
-    async def worker() -> None:
-        for i in texts:
-            if burst.stopped:
-                return
-            burst.sent += 1
-            if burst.sent == half:
-                time_to_yield()
-            await one(demo_text(i))
-
-    admin_errors: list[str] = []
-    phase = {"name": "waiting"}
-
-    async def yield_and_resume() -> None:
-        await go
-        phase["name"] = "yielding"
+    async def yield_and_resume(self) -> None:
+        """Hold the GPU over the admin API when it is time, and release it --yield-for later."""
+        args, line, mark = self.args, self.line, self.mark
+        await self.go
+        self.phase = "yielding"
         line.say(f"{mark():6.2f}s  POST /yield (source {DEMO_SOURCE}, expected {args.yield_for:g} s)")
         try:
             # The lease ends the hold by itself should the resume call below be lost.
-            await admin.hold(
+            await self.admin.hold(
                 source=DEMO_SOURCE, reason="demo: the GPU is lent to another job",
                 expected_seconds=args.yield_for, for_seconds=args.yield_for + 10.0,
             )
         except CliError as e:
-            admin_errors.append(f"yield: {e.message}")
+            self.admin_errors.append(f"yield: {e.message}")
             return
-        await _sleep(reactor, args.yield_for)
-        parked = len(proxy.lot)
-        line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {cap} at a time")
+        await _sleep(self.reactor, args.yield_for)
+        parked = len(self.proxy.lot)
+        line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {self.cap} at a time")
         try:
-            await admin.release(DEMO_SOURCE)
+            await self.admin.release(DEMO_SOURCE)
         except CliError as e:
-            admin_errors.append(f"resume: {e.message}")
+            self.admin_errors.append(f"resume: {e.message}")
 
-    ticker = LoopingCall(progress)
-    ticker.clock = reactor
-    ticker.start(0.2 if line.tty else 1.0, now=True)
-    controller = defer.Deferred.fromCoroutine(yield_and_resume())
-    workers = defer.gatherResults(
-        [defer.Deferred.fromCoroutine(worker()) for _ in range(args.concurrency)], consumeErrors=True
-    )
-
-    def out_of_time() -> None:
-        burst.stopped = True
+    def out_of_time(self, controller: defer.Deferred) -> None:
+        """The deadline: stop sending, give up on what is in flight and on the yield."""
+        watch = self.watch
+        self.burst.stopped = True
         if watch.yielded_at is not None and watch.resumed_at is None:
-            watch.parked_in_yield = len(proxy.lot)
-        line.say(f"{mark():6.2f}s  the demo's deadline ({deadline:g} s) passed; stopping")
-        for d in list(burst.in_flight):
+            watch.parked_in_yield = len(self.proxy.lot)
+        self.line.say(f"{self.mark():6.2f}s  the demo's deadline ({self.deadline:g} s) passed; stopping")
+        for d in list(self.burst.in_flight):
             d.cancel()
         controller.cancel()
 
-    watchdog = reactor.callLater(deadline, out_of_time)
-    yield_timer = reactor.callLater(args.yield_after, time_to_yield)
-    try:
-        await workers
-        elapsed = mark()
-        if phase["name"] == "waiting":
-            controller.cancel()
-        await controller.addErrback(lambda f: f.trap(defer.CancelledError))
-    finally:
-        for call in (watchdog, yield_timer):
-            if call.active():
-                call.cancel()
-        ticker.stop()
-        progress()
-        line.finish()
-        await _quietly(reactor, pool.closeCachedConnections())
-        await _quietly(reactor, proxy_listener.stopListening())
-        await _quietly(reactor, admin_listener.stopListening())
-        proxy.replayer.stop()
-        await _quietly(reactor, proxy.upstream.close())
-        await _quietly(reactor, sim.stop())
+    # -- watching the proxy ----------------------------------------------------
 
-    duplicates = sum(1 for n in sim.texts_embedded.values() if n > 1)
-    not_sent = burst.total - burst.sent
-    good = burst.failed == 0 and burst.wrong == 0 and not_sent == 0 and not admin_errors
-    print(_demo_report(args, burst, watch, cap, elapsed, duplicates, not_sent, admin_errors, good))
-    return EXIT_OK if good else EXIT_ERROR
+    def state_changed(self, yielded: bool) -> None:
+        """The proxy's own state observer: when it yielded, resumed, and what it parked."""
+        watch, now = self.watch, self.reactor.seconds()
+        if yielded:
+            watch.yielded_at = now
+            watch.peak_before_yield = self.sim.peak_in_flight
+        else:
+            watch.resumed_at = now
+            watch.parked_in_yield = len(self.proxy.lot)
+            self.watch_drain()
+
+    def watch_drain(self) -> None:
+        """Note when the lot is empty again after the resume."""
+        watch = self.watch
+        if self.proxy.gate.state_name == "draining":
+            self.reactor.callLater(0.01, self.watch_drain)
+        elif watch.drained_at is None:
+            watch.drained_at = self.reactor.seconds()
+            self.line.say(f"{self.mark():6.2f}s  the lot is empty: drained in {watch.drained_at - watch.resumed_at:.2f} s")
+
+    def progress(self) -> None:
+        burst = self.burst
+        try:
+            self.line.show(
+                f"{self.mark():6.2f}s  sent {burst.sent}/{burst.total}  ok {burst.ok}  failed {burst.failed + burst.wrong}"
+                f"  parked {len(self.proxy.lot)}  state {self.proxy.gate.state_name}"
+            )
+        except Exception as e:  # A broken progress line must not stop the demo.
+            self.line.say(f"progress line failed: {e!r}")
+
+    async def shut_down(self) -> None:
+        """Client, listeners, proxy, sim: each bounded, none may hide the report."""
+        reactor = self.reactor
+        await _quietly(reactor, self.pool.closeCachedConnections())
+        for listener in self.listeners:
+            await _quietly(reactor, listener.stopListening())
+        self.proxy.replayer.stop()
+        await _quietly(reactor, self.proxy.upstream.close())
+        await _quietly(reactor, self.sim.stop())
 
 
 async def _quietly(reactor, d) -> None:

@@ -1,0 +1,103 @@
+"""
+The package's modules import each other without cycles.
+
+A cycle (cli imports demo, demo imports cli) means neither module can be read,
+tested or changed alone; it also hides behind function-level imports, so
+those count here too.  Imports only a type checker runs (``if TYPE_CHECKING:``)
+do not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "yieldproxy"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports at run time, wherever in the module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    type_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # "from . import x" imports the submodule x, not the package's own code.
+            candidates = ([target] if node.module else []) + [f"{target}.{a.name}" for a in node.names]
+        else:
+            continue
+        out.update(c for c in candidates if c in modules and c != name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    assert "yieldproxy.cli" in modules and "yieldproxy.sim.server" in modules
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "yieldproxy.adminclient" in graph["yieldproxy.demo"]
+    assert _cycles(graph) == []

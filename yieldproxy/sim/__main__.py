@@ -1,0 +1,5 @@
+"""``python -m yieldproxy.sim``."""
+
+from .command import main
+
+main()

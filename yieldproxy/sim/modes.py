@@ -1,0 +1,24 @@
+"""
+The outage modes: the ways a real GPU server fails as a whole.
+
+``ok``
+    every request is served.
+``refuse``
+    the server is gone: its port is closed, every connection reset (a crash,
+    a restart, a stopped service).
+``error500``
+    the process answers, its GPU does not: every model request gets the
+    server's own out-of-memory error at once, while the routes that do not
+    touch the model still answer.
+``hang``
+    model requests are accepted and never answered (a wedged runner).
+``reset``
+    model requests get a TCP reset (a runner that dies mid-request).
+
+Each API words the errors its own way (see :mod:`.ollama` and its siblings).
+"""
+
+from __future__ import annotations
+
+MODES = ("ok", "refuse", "error500", "hang", "reset")
+"""The outage modes :meth:`SimOllama.set_mode` accepts."""

@@ -1,0 +1,286 @@
+"""
+Ollama's API: its routes, its answers, its errors (and the OpenAI-compatible routes it serves).
+
+Shapes follow Ollama's ``api/types.go`` and ``server/routes.go``: compact
+JSON, durations in nanoseconds, RFC 3339 timestamps, ``{"error": "..."}`` on
+its own routes and OpenAI's error object on ``/v1/`` ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+from typing import TYPE_CHECKING, Any
+
+from twisted.web.server import Request
+
+from . import ollama_requests, openai
+from .api import NDJSON, SSE, Api, Reply, Route, dumps
+from .content import count_tokens, expected_embedding
+from .models import FOREVER, LoadedModel
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .server import SimOllama
+
+SIM_VERSION = "0.12.0-sim"
+
+OOM_ERROR = "llama runner process has terminated: CUDA error: out of memory"
+"""The error a model request gets in ``error500`` mode, in Ollama's wording."""
+
+LOAD_OOM_ERROR = "llama runner process has terminated: cudaMalloc failed: out of memory"
+"""What a request whose ``num_ctx`` passes ``max_num_ctx`` gets: its own load does not fit."""
+
+BUSY_ERROR = "server busy, please try again.  maximum pending requests exceeded"
+"""Ollama's 503 once ``OLLAMA_MAX_QUEUE`` requests wait (see ``max_queue``)."""
+
+_FINGERPRINT = "fp_ollama"
+
+_ROUTES: dict[str, Route] = {
+    "/api/embed": Route(("POST",), "batch", "ollama", "embed"),
+    "/api/embeddings": Route(("POST",), "batch", "ollama", "embeddings"),
+    "/v1/embeddings": Route(("POST",), "batch", "openai", "v1_embeddings"),
+    "/api/chat": Route(("POST",), "generate", "ollama", "chat"),
+    "/api/generate": Route(("POST",), "generate", "ollama", "generate"),
+    "/v1/chat/completions": Route(("POST",), "generate", "openai", "v1_chat"),
+    "/v1/completions": Route(("POST",), "generate", "openai", "v1_completions"),
+    "/": Route(("GET", "HEAD"), "info", "ollama", "root"),
+    "/api/version": Route(("GET", "HEAD"), "info", "ollama", "version"),
+    "/api/tags": Route(("GET", "HEAD"), "info", "ollama", "tags"),
+    "/api/ps": Route(("GET", "HEAD"), "info", "ollama", "ps"),
+    "/v1/models": Route(("GET", "HEAD"), "info", "openai", "v1_models"),
+    "/_sim/stats": Route(("GET", "HEAD"), "info", "ollama", "stats"),
+}
+
+#: What Ollama answers when the sim refuses a request itself.
+_FAILURES: dict[str, tuple[int, str]] = {
+    "not_found": (404, "404 page not found"),
+    "method": (405, "405 method not allowed"),
+    "busy": (503, BUSY_ERROR),
+    "outage": (500, OOM_ERROR),
+    "load_oom": (500, LOAD_OOM_ERROR),
+    "internal": (500, "sim internal error"),
+}
+
+
+def iso(t: float) -> str:
+    """RFC 3339 the way Ollama writes its timestamps."""
+    if math.isinf(t):
+        return "2318-01-01T00:00:00Z"
+    return (
+        datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
+        .isoformat()
+        .replace("+00:00", "Z")
+    )
+
+
+def ns(seconds: float) -> int:
+    """Ollama reports durations in integer nanoseconds."""
+    return max(0, int(round(seconds * 1e9)))
+
+
+def _model_details(name: str) -> tuple[dict[str, Any], int]:
+    """Plausible ``details`` and size, so clients that parse them are happy."""
+    lowered = name.lower()
+    if any(k in lowered for k in ("minilm", "embed", "bge", "e5")):
+        family, params, size = "bert", "23M", 45_960_996
+    else:
+        family, params, size = "llama", "3.2B", 2_019_393_189
+    details = {
+        "parent_model": "",
+        "format": "gguf",
+        "family": family,
+        "families": [family],
+        "parameter_size": params,
+        "quantization_level": "F16" if family == "bert" else "Q4_K_M",
+    }
+    return details, size
+
+
+def _digest(name: str) -> str:
+    """A stable stand-in for a model's blob digest."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()
+
+
+def _model_entry(name: str) -> dict[str, Any]:
+    """A model as ``/api/tags`` lists it."""
+    details, size = _model_details(name)
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": iso(0),
+        "size": size,
+        "digest": _digest(name),
+        "details": details,
+    }
+
+
+def _ps_entry(sim: SimOllama, model: LoadedModel) -> dict[str, Any]:
+    """A loaded model as ``/api/ps`` lists it."""
+    entry = _model_entry(model.name)
+    del entry["modified_at"]
+    entry["expires_at"] = iso(FOREVER if model.busy else model.expires_at)
+    entry["size_vram"] = entry["size"]
+    entry["context_length"] = sim.context_length
+    return entry
+
+
+def _durations(sim: SimOllama, job: Job) -> dict[str, Any]:
+    """The timing fields of Ollama's final chat/generate object."""
+    return {
+        "total_duration": ns(sim.now() - job.arrived),
+        "load_duration": ns(job.load_wait),
+        "prompt_eval_count": count_tokens(job.prompt),
+        "prompt_eval_duration": ns(sim.latency),
+        "eval_count": sim.chunks,
+        "eval_duration": ns(sim.chunk_delay * sim.chunks),
+    }
+
+
+def _usage(sim: SimOllama, job: Job) -> dict[str, int]:
+    """OpenAI's usage block for a reply."""
+    return openai.usage(count_tokens(job.prompt), sim.chunks)
+
+
+class OllamaApi(Api):
+    """Ollama's own routes and the OpenAI-compatible ones it serves."""
+
+    name = "ollama"
+    routes = _ROUTES
+    loads_on_demand = True
+
+    def style_of(self, path: str) -> str:
+        return "openai" if path.startswith("/v1/") else "ollama"
+
+    def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
+        code, text = _FAILURES.get(failure, (400, message))
+        if failure == "template":
+            code, text = 500, message
+        if style == "ollama":
+            return Reply(code, dumps({"error": text}))
+        return Reply(code, dumps(openai.error_body(code, text)))
+
+    def read(self, request: Request) -> Any:
+        return ollama_requests.read_json(request)
+
+    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+        ollama_requests.parse(sim, job, body)
+
+    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+        op = route.op
+        if op == "root":
+            return Reply(200, b"Ollama is running", b"text/plain; charset=utf-8")
+        if op == "version":
+            body: Any = {"version": SIM_VERSION}
+        elif op == "tags":
+            body = {"models": [_model_entry(name) for name in sim.store.known()]}
+        elif op == "ps":
+            body = {"models": [_ps_entry(sim, m) for m in sim.store.loaded()]}
+        else:
+            body = {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "library"}
+                    for name in sim.store.known()
+                ],
+            }
+        return Reply(200, dumps(body))
+
+    def answer(self, sim: SimOllama, job: Job) -> Any:
+        """The three embed routes, each in its own shape."""
+        vectors = [expected_embedding(t, job.model, job.dimensions or sim.dim) for t in job.texts]
+        tokens = sum(count_tokens(t) for t in job.texts)
+        op = job.route.op
+        if op == "embed":
+            return {
+                "model": job.model,
+                "embeddings": vectors,
+                "total_duration": ns(sim.now() - job.arrived),
+                "load_duration": ns(job.load_wait),
+                "prompt_eval_count": tokens,
+            }
+        if op == "embeddings":
+            return {"embedding": vectors[0]}
+        return openai.embeddings_body(vectors, job.model, tokens, job.encoding_format)
+
+    def reply(self, sim: SimOllama, job: Job, text: str) -> Any:
+        op = job.route.op
+        if op in ("chat", "generate"):
+            body: dict[str, Any] = {"model": job.model, "created_at": iso(sim.now())}
+            if op == "chat":
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["response"] = text
+            body.update({"done": True, "done_reason": "stop"})
+            body.update(_durations(sim, job))
+            return body
+        chat = op == "v1_chat"
+        return openai.completion_body(
+            chat,
+            sim.next_id("chatcmpl" if chat else "cmpl"),
+            int(sim.now()),
+            job.model,
+            text,
+            _usage(sim, job),
+            _FINGERPRINT,
+        )
+
+    def start_stream(self, sim: SimOllama, job: Job) -> None:
+        request = job.request
+        request.setResponseCode(200)
+        if job.route.style == "openai":
+            request.setHeader(b"content-type", SSE)
+            request.setHeader(b"cache-control", b"no-cache")
+            job.stream_id = sim.next_id("chatcmpl" if job.route.op == "v1_chat" else "cmpl")
+        else:
+            request.setHeader(b"content-type", NDJSON)
+
+    def stream_chunk(self, sim: SimOllama, job: Job, i: int, pieces: list[str]) -> bytes:
+        if job.route.style == "openai":
+            return openai.stream_events(
+                job.route.op == "v1_chat",
+                job.stream_id,
+                int(sim.now()),
+                job.model,
+                _FINGERPRINT,
+                i,
+                pieces,
+                _usage(sim, job) if job.include_usage else None,
+            )
+        done = i >= len(pieces)
+        piece = "" if done else pieces[i]
+        line: dict[str, Any] = {"model": job.model, "created_at": iso(sim.now())}
+        if job.route.op == "chat":
+            line["message"] = {"role": "assistant", "content": piece}
+        else:
+            line["response"] = piece
+        line["done"] = done
+        if done:
+            line["done_reason"] = "stop"
+            line.update(_durations(sim, job))
+        return dumps(line) + b"\n"
+
+    def load_answer(self, sim: SimOllama, job: Job, reason: str) -> Any:
+        op = job.route.op
+        if op == "embed":
+            return {
+                "model": job.model,
+                "embeddings": [],
+                "total_duration": ns(sim.now() - job.arrived),
+                "load_duration": ns(job.load_wait),
+                "prompt_eval_count": 0,
+            }
+        if op == "embeddings":
+            return {"embedding": []}
+        body: dict[str, Any] = {"model": job.model, "created_at": iso(sim.now())}
+        if op == "chat":
+            body["message"] = {"role": "assistant", "content": ""}
+        else:
+            body["response"] = ""
+        body["done"] = True
+        body["done_reason"] = reason
+        return body
+
+
+OLLAMA = OllamaApi()
