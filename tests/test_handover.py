@@ -18,7 +18,8 @@ from twisted.python.failure import Failure
 from helpers import config_with, make_core, start_stack, wait_for
 from yieldproxy.config import HandoverConfig
 from yieldproxy.control import Answer, ControlTimeout
-from yieldproxy.handover import Handover, canonical, loaded_models
+from yieldproxy.handover import Handover, loaded_models
+from yieldproxy.names import canonical_model as canonical
 from yieldproxy.parking import Entry
 
 TIMEOUT = 30

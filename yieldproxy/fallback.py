@@ -44,6 +44,7 @@ from twisted.web.http_headers import Headers
 from .config import FallbackConfig
 from .forward import BytesProducer, Upstream, _describe, _was_cancelled, classify_failure
 from .metrics import Metrics, fallback_families
+from .names import canonical_model
 from .parking import Entry, ParkingLot, Refused
 from .replay import Replayer
 from .translate import (
@@ -270,12 +271,6 @@ def compare(
 # -- the fallback ------------------------------------------------------------------------
 
 
-def _model_key(name: str) -> str:
-    """Ollama's canonical name: ``all-minilm`` and ``all-minilm:latest`` are one model."""
-    last = name.strip().rsplit("/", 1)[-1]
-    return name.strip() if ":" in last else name.strip() + ":latest"
-
-
 @attrs.define(eq=False)
 class Fallback:
     """Verification on a timer, and the use of a verified fallback during a yield.
@@ -317,7 +312,7 @@ class Fallback:
     _in_line: collections.Counter = attrs.field(init=False, factory=collections.Counter)
 
     def __attrs_post_init__(self) -> None:
-        self._keys = {_model_key(name): name for name in self._config.models}
+        self._keys = {canonical_model(name): name for name in self._config.models}
         if self._lot is not None and self._new_drainer is not None:
             self._drainer = self._new_drainer(target=TARGET, accepts=self.may_take, is_open=self._takes_work)
             self._lot.when_parked(self._drainer.kick)
@@ -352,7 +347,7 @@ class Fallback:
         """The primary model name under which ``model`` is mapped, or None."""
         if model in self._config.models:
             return model
-        return self._keys.get(_model_key(model))
+        return self._keys.get(canonical_model(model))
 
     def usable(self, model: str) -> bool:
         """:meth:`why_not` is None, without building the sentence (the drainer asks per parked entry)."""

@@ -17,6 +17,7 @@ from twisted.logger import Logger
 
 from .config import ClassConfig
 from .metrics import Metrics
+from .names import OUTAGE_SOURCE
 from .parking import Entry, ParkingLot, Refused
 from .replay import Replayer
 from .state import YieldState
@@ -151,7 +152,7 @@ class Gate:
         """What keeps the lot waiting right now, for the message of a request that expires in it."""
         if self._state.yielded:
             sources = sorted({hold.source for hold in self._state.holds})
-            if sources == ["outage"]:
+            if sources == [OUTAGE_SOURCE]:
                 return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
             return f"the GPU was still yielded (held by {', '.join(sources)})"
         if self._replayer.release_held:

@@ -39,19 +39,11 @@ from twisted.python.failure import Failure
 from .config import HandoverConfig
 from .control import ControlTimeout
 from .metrics import Metrics
+from .names import OUTAGE_SOURCE, canonical_model
 from .replay import Replayer
 from .state import Hold, YieldState
 
 log = Logger()
-
-#: The outage watcher's source: its holds are no handover.
-OUTAGE_SOURCE = "outage"
-
-
-def canonical(name: str) -> str:
-    """Ollama's full name for a model: ``all-minilm`` is listed as ``all-minilm:latest``."""
-    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
-
 
 def loaded_models(body: Any) -> set[str]:
     """Model names from an ``/api/ps`` answer."""
@@ -61,7 +53,7 @@ def loaded_models(body: Any) -> set[str]:
         if isinstance(entry, dict):
             name = entry.get("model") or entry.get("name")
             if isinstance(name, str) and name:
-                names.add(canonical(name))
+                names.add(canonical_model(name))
     return names
 
 
@@ -188,7 +180,7 @@ class Handover(Service):
         """Load :attr:`HandoverConfig.preload_models` and wait until ``/api/ps`` lists them."""
         began = self._clock.seconds()
         deadline = began + self.config.preload_timeout_seconds
-        wanted = {canonical(m) for m in self.config.preload_models}
+        wanted = {canonical_model(m) for m in self.config.preload_models}
         self.step = "preloading"
         log.info(
             "handover: loading {models} before the parked requests are replayed",

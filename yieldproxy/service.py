@@ -29,7 +29,8 @@ from .metrics import Metrics, connection_families, hold_families, oldest_parked_
 from .parking import ParkingLot
 from .proxy import ProxyApp
 from .replay import Replayer
-from .state import BUILTIN_SOURCES, YieldState
+from .names import BUILTIN_SOURCES
+from .state import YieldState
 from .watchers import build_watchers
 
 log = Logger()

@@ -51,6 +51,8 @@ from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from .names import canonical_model
+
 __all__ = [
     "BUSY_ERROR",
     "DEFAULT_CHAT_MODEL",
@@ -101,18 +103,6 @@ _SSE = b"text/event-stream"
 
 # ---------------------------------------------------------------------------
 # Deterministic content: what tests recompute.
-
-
-def canonical_model(name: str) -> str:
-    """
-    Ollama's own name for a model: ``all-minilm`` is ``all-minilm:latest``.
-
-    Used as the seed of every vector and reply, so a client may name the
-    model either way and still get the same answer.
-    """
-    name = name.strip()
-    last = name.rsplit("/", 1)[-1]
-    return name if ":" in last else name + ":latest"
 
 
 def _raw_embedding(text: str, model: str, dim: int) -> list[float]:

@@ -20,13 +20,12 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .names import WATCHER_SOURCES
+
 log = Logger()
 
-#: The hold sources yieldproxy itself uses: the watchers, the outage detector,
-#: the default of ``POST /yield`` and the demo.  Metrics name them; others count as ``other``.
-BUILTIN_SOURCES = ("api", "file", "signal", "command", "outage", "demo")
 #: Sources of the proxy's own watchers: never refused, whatever ``max_holds`` says.
-WATCHER_SOURCES = frozenset({"file", "signal", "command", "outage"})
+_NEVER_REFUSED = frozenset(WATCHER_SOURCES)
 #: The longest a hold's ``expected_seconds`` or ``for_seconds`` may be: a week.
 MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 #: Holds from callers (everything but the watchers) at once (``admin.max_holds``).
@@ -146,7 +145,7 @@ class YieldState:
                 raise ValueError(f"{name} must be above 0 and at most {MAX_HOLD_SECONDS:g} seconds (a week)")
         now = self._clock.seconds()
         previous = self._holds.get(source)
-        if previous is None and source not in WATCHER_SOURCES and self.caller_holds() >= self.max_holds:
+        if previous is None and source not in _NEVER_REFUSED and self.caller_holds() >= self.max_holds:
             raise TooManyHolds(
                 f"{self.caller_holds()} sources hold the GPU already, the most allowed (admin.max_holds); "
                 "end one (POST /resume) or renew an existing source's hold"
@@ -185,7 +184,7 @@ class YieldState:
 
     def caller_holds(self) -> int:
         """Holds from callers (not the watchers): what ``max_holds`` bounds."""
-        return sum(1 for source in self._holds if source not in WATCHER_SOURCES)
+        return sum(1 for source in self._holds if source not in _NEVER_REFUSED)
 
     def release(self, source: str) -> bool:
         """End ``source``'s hold; True if it held the GPU."""

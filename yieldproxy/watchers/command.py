@@ -29,11 +29,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..names import COMMAND_SOURCE
 from ..state import YieldState
 
 log = Logger()
 
-SOURCE = "command"
+SOURCE = COMMAND_SOURCE
 #: Output kept from one run, for the hold's reason and the error log.
 OUTPUT_LIMIT = 4096
 #: The same error is logged again at most this often (a broken probe runs every few seconds).

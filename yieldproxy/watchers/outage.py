@@ -46,11 +46,12 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..names import OUTAGE_SOURCE
 from ..state import YieldState
 
 log = Logger()
 
-SOURCE = "outage"
+SOURCE = OUTAGE_SOURCE
 #: Failures that may mean "the upstream (or its GPU) is down", not "this request was slow".
 OUTAGE_REASONS = frozenset({"refused", "connect", "reset", "gpu_error", "status_503"})
 

@@ -25,11 +25,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..names import FILE_SOURCE
 from ..state import MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
 
-SOURCE = "file"
+SOURCE = FILE_SOURCE
 #: More than this is not a small JSON note; only this much is read.
 MAX_CONTENT_BYTES = 64 * 1024
 
