@@ -172,7 +172,6 @@ class AdminApp:
         return ProxySite(
             self.app.resource(),
             _ADMIN_BODY_LIMIT,
-            answer_too_large=True,
             request_log=False,
             timeout=_ADMIN_IDLE_SECONDS,
             connections=self.connections,

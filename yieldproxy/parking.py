@@ -368,7 +368,8 @@ class ParkingLot:
         del queue[index]
         if not queue:
             self._passed_over.pop(entry.cls, None)
-        stayed = self._clock.seconds() - (entry.parked_at or self._clock.seconds())
+        now = self._clock.seconds()
+        stayed = now - entry.parked_at if entry.parked_at is not None else 0.0
         entry.parked_seconds += stayed
         entry.parked_at = None
         self._account(entry, -1)

@@ -134,7 +134,23 @@ class ProxyApp:
             stall_timeout=proxy.idle_timeout_seconds,
             connections=self.connections,
             host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
+            oversized=self.refuse_oversized,
             reactor=self._clock,
+        )
+
+    def refuse_oversized(self, request) -> bytes:
+        """The answer to a body over ``proxy.max_body_bytes`` that the HTTP layer stopped reading."""
+        request.started_at = self._clock.seconds()
+        try:
+            target = parse_target(request.uri)
+        except BadTarget as e:
+            return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
+        return self._too_large(request, api_family(target.api_path))
+
+    def _too_large(self, request, api: str) -> bytes:
+        limit = self._config.proxy.max_body_bytes
+        return self._reject(
+            request, PASSTHROUGH, api, 413, "too_large", f"request body larger than proxy.max_body_bytes ({limit} bytes)"
         )
 
     # -- the request's life -------------------------------------------------
@@ -148,15 +164,15 @@ class ProxyApp:
         except BadTarget as e:
             return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
         api = api_family(target.api_path)
-        if request.too_large:
-            return self._reject(
-                request,
-                PASSTHROUGH,
-                api,
-                413,
-                "too_large",
-                f"request body larger than proxy.max_body_bytes ({self._config.proxy.max_body_bytes} bytes)",
-            )
+        # Any file-like body: a plain Site spools a large one to a temporary file.
+        request.content.seek(0)
+        body = request.content.read()
+        # Hold the body once, not twice, while the request may sit parked
+        # (Twisted's cleanup accepts None here).
+        request.content = None
+        if len(body) > self._config.proxy.max_body_bytes:
+            # Only behind a plain Site: ProxySite stops reading such a body and calls refuse_oversized.
+            return self._too_large(request, api)
         wanted = None
         if self._trusts_header(request):
             try:
@@ -178,10 +194,6 @@ class ProxyApp:
                     request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
-        body = request.content.getvalue()
-        # Hold the body once, not twice, while the request may sit parked
-        # (Twisted's cleanup accepts None here).
-        request.content = None
         try:
             cls = self._class_of(request, target, body, wanted)
         except BadBody as e:

@@ -110,8 +110,13 @@ def build(
     cooperator: Cooperator | None = None,
     metrics: Metrics | None = None,
     read_token: str | None = None,
+    upstream: Upstream | None = None,
 ) -> Proxy:
-    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
+    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock).
+
+    ``upstream`` replaces the client of ``proxy.upstream`` (tests on a Clock
+    give one that reaches an in-memory resource).
+    """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
     state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
@@ -121,7 +126,7 @@ def build(
     metrics.watch(
         lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
     )
-    upstream = Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
+    upstream = upstream or Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
     fallback = None
     if config.fallback.enabled:
         fallback = build_fallback(reactor, config, upstream, metrics, state, lot, cooperator)
