@@ -12,6 +12,7 @@ from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
 from yieldproxy.gate import Gate
+from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
@@ -34,6 +35,8 @@ class Core:
     lot: ParkingLot
     replayer: Replayer
     gate: Gate
+    #: The upstream's reachability and outage verdicts, as ``service.build`` gives them to the proxy app.
+    health: UpstreamHealth = attrs.Factory(lambda: UpstreamHealth("http://upstream.invalid"))
 
     def run(self, seconds: float = 0.0, step: float = 0.001) -> None:
         """Advance the clock by ``seconds`` in small steps, running due calls."""
@@ -167,9 +170,7 @@ async def start_stack(
     urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
     stack = Stack(reactor, sim, proxy, urls[0], urls[1], ports)
     if watchers:
-        from yieldproxy.watchers import build_watchers
-
-        stack.services = build_watchers(reactor, proxy)
+        stack.services = [*proxy.watchers, *([proxy.handover] if proxy.handover is not None else [])]
         for service in stack.services:
             service.startService()
     return stack

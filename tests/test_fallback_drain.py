@@ -23,6 +23,7 @@ from helpers import InMemoryUpstream, clock_cooperator, config_with
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
 from yieldproxy.gate import Gate
+from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
@@ -166,7 +167,8 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
     )
     state.observe(fallback.state_changed)
-    app = ProxyApp(clock, config, gate, InMemoryUpstream(sim.resource()), metrics, fallback)
+    upstream = InMemoryUpstream(sim.resource())
+    app = ProxyApp(clock, config, gate, upstream, UpstreamHealth(upstream.url), metrics, fallback)
     http = StubTreq(app.app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http)
     if verify:

@@ -11,14 +11,14 @@ from yieldproxy.replay import Replayer
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
-    """Admit an entry and collect what happens to it."""
+    """Admit an entry and collect what happens to it, refusals as the caller reads them (``gate.explain``)."""
     entry = Entry(cls=cls, size=size, max_wait=max_wait)
     entry.attempts = attempts
     outcome = {"entry": entry}
     try:
         d = core.gate.admit(entry)
     except Refused as refusal:
-        outcome["refused"] = refusal
+        outcome["refused"] = core.gate.explain(refusal)
         return outcome
     outcome["deferred"] = d
 
@@ -27,7 +27,7 @@ def park(core, cls="batch", size=10, max_wait=None, attempts=0):
         return e
 
     def failed(f):
-        outcome["failure"] = f.value
+        outcome["failure"] = core.gate.explain(f.value) if f.check(Refused) else f.value
         return None
 
     d.addCallbacks(released, failed)
@@ -316,7 +316,7 @@ def test_shutdown_refuses_parked_requests_with_503():
     assert core.gate.refuse_all_parked("shutting down") == 3
     assert all(o["failure"].status == 503 and o["failure"].reason == "shutdown" for o in outcomes)
     assert len(core.lot) == 0
-    core.gate.shutting_down = True
+    core.gate.stop_admitting()
     assert park(core)["refused"].reason == "shutdown"
 
 

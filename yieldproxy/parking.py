@@ -91,7 +91,9 @@ class Refused(Exception):
     """The request was not parked, or left the lot without being released.
 
     ``reason`` is a metric label (``queue_full``, ``over_budget``, ``expired``,
-    ``shutdown``, ...); ``message`` is the sentence the caller reads.
+    ``shutdown``, ...); ``message`` is the sentence the caller reads.  The lot
+    refuses without ``retry_after``: the gate, which knows the yield and the
+    service time, explains it to the caller (:meth:`advised`).
     """
 
     def __init__(self, reason: str, message: str, status: int = 503, retry_after: float | None = None):
@@ -100,6 +102,11 @@ class Refused(Exception):
         self.message = message
         self.status = status
         self.retry_after = retry_after
+
+    def advised(self, retry_after: float, cause: str | None = None) -> "Refused":
+        """The same refusal with the caller's ``Retry-After`` and, for an expiry, what kept it waiting."""
+        message = f"{self.message}: {cause}" if cause else self.message
+        return Refused(self.reason, message, self.status, retry_after)
 
 
 @attrs.define(eq=False)
@@ -112,8 +119,6 @@ class ParkingLot:
     max_parked_bytes: int
     class_max_parked: dict[str, int] = attrs.Factory(dict)
     reject_status: int = 503
-    #: Estimates Retry-After for a refused entry (set by the gate).
-    retry_after: Callable[[Entry], float] = lambda entry: 1.0
     #: Higher-priority classes drain first...
     priorities: dict[str, int] = attrs.Factory(dict)
     #: ...but a waiting class gets at least this share of releases.
@@ -128,8 +133,6 @@ class ParkingLot:
     _parked_listeners: list[Callable[[], None]] = attrs.Factory(list)
     #: Called with each entry that leaves the lot, whichever way.
     _out_listeners: list[Callable[[Entry], None]] = attrs.Factory(list)
-    #: Says what keeps the lot waiting, for an expiry's message (set by the gate).
-    why_still_waiting: Callable[[], str] = lambda: "the GPU or the upstream did not come back in time"
     #: Deadlines of parked entries, soonest first, as (deadline, seq, entry).
     #: An entry that left stays until it comes up (it is skipped then), until
     #: the lot empties, or until the heap is rebuilt (see :meth:`park`).
@@ -193,7 +196,7 @@ class ParkingLot:
             why = f"parked queue full for {entry.cls} requests ({cls_cap} parked)"
         else:
             return
-        raise Refused("queue_full", why, self.reject_status, self.retry_after(entry))
+        raise Refused("queue_full", why, self.reject_status)
 
     def park(self, entry: Entry, hold_seconds: float, check_room: bool = True) -> Deferred:
         """Hold ``entry`` until released; its Deferred fires with the entry.
@@ -329,13 +332,12 @@ class ParkingLot:
         self._arm()
 
     def _expire(self, entry: Entry) -> None:
-        """Past its hold bound: refused, with what really kept it (yield, outage, or a busy GPU)."""
-        cause = self.why_still_waiting()
+        """Past its hold bound: refused (the gate adds what kept it: a yield, an outage, or a busy GPU)."""
         if entry.bound_by_caller:
-            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): {cause}"
+            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s)"
         else:
-            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests): {cause}"
-        self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
+            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests)"
+        self._fail(entry, Refused("expired", why, 503))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:
         self._leave(entry)

@@ -68,6 +68,10 @@ class Replayer:
     #: Pre-release steps still running (see :meth:`hold_release_until`).
     _release_gates: list[Deferred] = attrs.Factory(list)
 
+    def __attrs_post_init__(self) -> None:
+        # A request that parks may be one this target can take now.
+        self._lot.when_parked(self.kick)
+
     @property
     def draining(self) -> bool:
         """True while parked requests are being let out (the target is open, it has work in the lot)."""

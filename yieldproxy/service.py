@@ -14,15 +14,18 @@ from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
 from .admin import AdminApp
+from .control import UpstreamControl
 from .config import Config
 from .forward import Upstream
 from .fallback import Fallback, build_fallback
 from .gate import Gate
+from .handover import Handover
+from .health import UpstreamHealth
 from .history import History, snapshot_reader
 from .listen_errors import why_cannot_listen
 from .metrics import Metrics, connection_families, hold_families, oldest_parked_family, source_label
@@ -31,7 +34,7 @@ from .proxy import ProxyApp
 from .replay import Replayer
 from .names import BUILTIN_SOURCES
 from .state import YieldState
-from .watchers import build_watchers
+from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 log = Logger()
 
@@ -49,9 +52,9 @@ def one_step_cooperator(clock) -> Cooperator:
     )
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class Proxy:
-    """Every part of one running proxy."""
+    """Every part of one proxy, as :func:`build` connected them."""
 
     clock: IReactorTime
     config: Config
@@ -60,12 +63,19 @@ class Proxy:
     lot: ParkingLot
     replayer: Replayer
     gate: Gate
+    #: The client of ``proxy.upstream`` (its connection pool).
     upstream: Upstream
+    #: Whether the upstream answered since start, and the outage verdicts on its failures.
+    health: UpstreamHealth
     proxy_app: ProxyApp
     admin_app: AdminApp
-    #: The status page's last hour; sampling runs while the service runs.
-    history: History | None = None
-    #: The verified CPU fallback, when ``fallback.enabled``; verification runs while the service runs.
+    #: The status page's last hour.
+    history: History
+    #: The enabled watchers (docs/watchers.md).
+    watchers: tuple[Service, ...] = ()
+    #: The VRAM handover, when ``handover.unload_on_yield`` or ``preload_models`` is set.
+    handover: Handover | None = None
+    #: The verified CPU fallback, when ``fallback.enabled``.
     fallback: Fallback | None = None
 
 
@@ -114,8 +124,10 @@ def build(
 ) -> Proxy:
     """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock).
 
-    ``upstream`` replaces the client of ``proxy.upstream`` (tests on a Clock
-    give one that reaches an in-memory resource).
+    Each part is made once, here, with everything it uses; none is changed
+    by another after it is made.  ``upstream`` replaces the client of
+    ``proxy.upstream`` (tests on a Clock give one that reaches an in-memory
+    resource).
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
@@ -126,24 +138,72 @@ def build(
     metrics.watch(
         lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
     )
+
     upstream = upstream or Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
+    health = UpstreamHealth(config.proxy.upstream)
+    control = UpstreamControl(reactor, config.proxy.upstream)
     fallback = None
     if config.fallback.enabled:
         fallback = build_fallback(reactor, config, upstream, metrics, state, lot, cooperator)
         state.observe(fallback.state_changed)
-    proxy_app = ProxyApp(reactor, config, gate, upstream, metrics, fallback)
+
+    watchers = tuple(_watchers(reactor, config, state, metrics, health, control))
+    h = config.handover
+    handover = None
+    if h.unload_on_yield or h.preload_models:
+        handover = Handover(reactor, state, replayer, control, metrics, h)
     history = History(reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes))
     state.observe(history.state_changed)
+
+    proxy_app = ProxyApp(reactor, config, gate, upstream, health, metrics, fallback)
+    sections = {
+        "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
+        "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
+    }
+    if handover is not None:
+        sections["handover"] = handover.status
     admin_app = AdminApp(
-        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token, history=history
+        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token,
+        history=history, sections=sections, fallback=fallback,
     )
-    admin_app.fallback = fallback
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
-    admin_app.status_extras["fallback"] = fallback.status if fallback is not None else lambda: {"enabled": False}
     return Proxy(
-        reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app, history=history,
-        fallback=fallback,
+        reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
+        watchers=watchers, handover=handover, fallback=fallback,
     )
+
+
+def _watchers(reactor, config: Config, state, metrics, health, control) -> list[Service]:
+    """The watchers ``config.watchers`` and ``upstream.detect_outages`` enable, not started."""
+    w, up = config.watchers, config.upstream
+    watchers: list[Service] = []
+    if w.state_file:
+        # inotify needs a reactor that watches file descriptors; a Clock only polls.
+        real = reactor if IReactorFDSet.providedBy(reactor) else None
+        watchers.append(
+            StateFileWatcher(reactor, state, metrics, w.state_file, w.state_file_poll_seconds, inotify_reactor=real)
+        )
+    if w.signals:
+        watchers.append(SignalWatcher(reactor, state, metrics))
+    if w.command:
+        watchers.append(
+            CommandWatcher(
+                reactor, state, metrics, w.command,
+                interval=w.command_interval_seconds, timeout=w.command_timeout_seconds,
+            )
+        )
+    if up.detect_outages:
+        probe = UpstreamProbe(
+            control, health, up.health_path,
+            health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
+        )
+        watchers.append(
+            OutageWatcher(
+                reactor, state, health, probe, metrics,
+                interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+            )
+        )
+    return watchers
 
 
 class CannotListen(Exception):
@@ -183,7 +243,7 @@ class YieldProxyService(MultiService):
         self._admin_listener = _Listener(reactor, "admin.listen", proxy.config.admin.listen, proxy.admin_app.site())
         self._admin_listener.setServiceParent(self)
         #: The enabled watchers and the VRAM handover (docs/watchers.md), started with the rest.
-        self.watchers = build_watchers(reactor, proxy)
+        self.watchers = [*proxy.watchers, *([proxy.handover] if proxy.handover is not None else [])]
         for service in self.watchers:
             service.setServiceParent(self)
 

@@ -79,6 +79,16 @@ class Hold:
         }
 
 
+@attrs.frozen
+class Transition:
+    """The GPU was taken or given back: by which hold, and how long the state before it lasted."""
+
+    yielded: bool
+    #: The hold that began the yield, or the last one to end.
+    hold: Hold
+    lasted: float
+
+
 @attrs.define(eq=False)
 class YieldState:
     """The set of active holds, with lease timers on an injected clock."""
@@ -93,9 +103,7 @@ class YieldState:
     last_change: float = attrs.field(default=None)
     _on_yield_ended: list[Callable[[str, float], None]] = attrs.Factory(list)
     _on_hold_taken: list[Callable[[Hold], None]] = attrs.Factory(list)
-    #: What the proxy looks like now ("now draining, parked batch=3, in flight 0"),
-    #: so each transition is one log line; the gate sets it.
-    describe: Callable[[], str] = attrs.field(default=lambda: "")
+    _on_transition: list[Callable[[Transition], None]] = attrs.Factory(list)
     #: At most this many holds from callers at once (watcher holds are not counted).
     max_holds: int = DEFAULT_MAX_HOLDS
 
@@ -117,6 +125,14 @@ class YieldState:
     def observe(self, callback: Callable[[bool], None]) -> None:
         """Call ``callback(yielded)`` whenever the GPU is taken or given back."""
         self._observers.append(callback)
+
+    def on_transition(self, callback: Callable[[Transition], None]) -> None:
+        """Call ``callback(transition)`` when the GPU is taken or given back, before the observers.
+
+        For the one log line of each change (the gate's, which says what the
+        proxy looks like then), so it comes before what the change sets off.
+        """
+        self._on_transition.append(callback)
 
     def on_hold_taken(self, callback: Callable[[Hold], None]) -> None:
         self._on_hold_taken.append(callback)
@@ -235,21 +251,13 @@ class YieldState:
 
     def _changed(self, yielded: bool, hold: Hold) -> None:
         now = self._clock.seconds()
-        lasted = now - self.last_change
+        transition = Transition(yielded, hold, now - self.last_change)
         self.last_change = now
-        try:
-            details = self.describe()
-        except Exception:
-            log.failure("describing the proxy for the state log line failed")
-            details = ""
-        log.info(
-            "GPU {what}: source={source} reason={reason!r}{details} (previous state lasted {lasted:.1f}s)",
-            what="yielded" if yielded else "available",
-            source=hold.source,
-            reason=hold.reason,
-            details=f"; {details}" if details else "",
-            lasted=lasted,
-        )
+        for callback in list(self._on_transition):
+            try:
+                callback(transition)
+            except Exception:
+                log.failure("yield-state transition callback failed")
         for callback in list(self._observers):
             try:
                 callback(yielded)
