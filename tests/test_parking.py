@@ -559,3 +559,48 @@ def test_a_parked_entry_costs_the_lot_about_half_a_kilobyte():
     assert per_entry < 600, per_entry
     core.gate.refuse_all_parked("test over")
     assert core.clock.getDelayedCalls() == []
+
+
+# -- waiting for the lot to empty and the replayer to go idle (the graceful stop, the handover) ---------
+
+
+def fired(d) -> bool:
+    results = []
+    d.addBoth(lambda r: results.append(r) or r)
+    return bool(results)
+
+
+def test_when_empty_and_when_idle_fire_on_the_event_not_before():
+    core = make_core(concurrency=1)
+    assert fired(core.lot.when_empty()) and fired(core.replayer.when_idle())
+    core.state.hold("api", "game")
+    outcomes = [park(core) for _ in range(2)]
+    empty, idle = core.lot.when_empty(), core.replayer.when_idle()
+    assert fired(idle) and not fired(empty)  # parked is not in flight
+    core.state.release("api")
+    core.run(0.01)
+    # One released into the only slot, one still parked.
+    idle = core.replayer.when_idle()
+    assert not fired(empty) and not fired(idle)
+    finish(core, outcomes[0])
+    # Nothing was in flight for a moment: the waiter fired (whoever waits checks again).
+    assert fired(idle) and not fired(empty)
+    core.run(0.01)
+    # The first's end let the second out: the lot is empty, the slot busy again.
+    assert fired(empty) and core.replayer.inflight == 1
+    idle = core.replayer.when_idle()
+    assert not fired(idle)
+    finish(core, outcomes[1])
+    assert fired(idle)
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_cancelled_wait_is_forgotten():
+    core = make_core()
+    core.state.hold("api", "game")
+    o = park(core)
+    waiting = core.lot.when_empty()
+    waiting.cancel()
+    assert core.lot._empty_waiters == []
+    o["deferred"].cancel()  # the client leaves: the lot empties with nobody left to tell
+    assert len(core.lot) == 0

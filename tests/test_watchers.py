@@ -720,7 +720,7 @@ async def test_an_outage_before_the_first_request_is_an_outage_too():
     """The health probe at start counts as an answer: the first caller waits instead of failing."""
     stack = await start_stack(reactor, config_with(), watchers=True)
     try:
-        outage = next(s for s in stack.services if s.name == "watcher:outage")
+        outage = next(s for s in stack.proxy.watchers if s.name == "watcher:outage")
         await wait_for(reactor, lambda: outage.reachable)
         await stack.sim.set_mode("refuse")
         pending = treq.post(

@@ -5,8 +5,6 @@ the only place that knows a class's policy and hold bound.  It also keeps the
 recent upstream service time, from which honest ``Retry-After`` values come,
 so it explains every refusal the lot makes (:meth:`Gate.explain`): when to
 come back and, for a request that expired in the lot, what kept it waiting.
-And it logs each change of the yield state as one line that says what the
-proxy looks like now.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from .metrics import Metrics
 from .names import OUTAGE_SOURCE
 from .parking import Entry, ParkingLot, Refused
 from .replay import Replayer
-from .state import Transition, YieldState
+from .state import YieldState
 
 log = Logger()
 
@@ -54,7 +52,6 @@ class Gate:
     shutting_down: bool = False
 
     def __attrs_post_init__(self) -> None:
-        self._state.on_transition(self._log_transition)
         self._state.observe(self._state_changed)
 
     @property
@@ -70,7 +67,7 @@ class Gate:
         return "draining" if self._lot or self._replayer.release_held else "available"
 
     def describe(self) -> str:
-        """The state, what is parked and what is in flight, for the state log line."""
+        """The state, what is parked and what is in flight, for the state log line (state.transition_logger)."""
         counts = self._lot.count_by_class()
         parked = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none"
         return f"now {self.state_name}, parked {parked}, in flight {self._replayer.inflight}"
@@ -194,17 +191,6 @@ class Gate:
                 f"{entry.cls} requests are held at most {cls.hold_seconds:g}s"
             )
         raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
-
-    def _log_transition(self, change: Transition) -> None:
-        """One line per change of the yield state, with what the proxy looks like now."""
-        log.info(
-            "GPU {what}: source={source} reason={reason!r}; {details} (previous state lasted {lasted:.1f}s)",
-            what="yielded" if change.yielded else "available",
-            source=change.hold.source,
-            reason=change.hold.reason,
-            details=self.describe(),
-            lasted=change.lasted,
-        )
 
     def _state_changed(self, yielded: bool) -> None:
         self._metrics.yield_active.set(1 if yielded else 0)

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -72,7 +72,7 @@ class Handover(Service):
     _control: Any
     _metrics: Metrics
     config: HandoverConfig = attrs.Factory(HandoverConfig)
-    #: How often ``/api/ps`` and the in-flight count are looked at while waiting.
+    #: How often ``/api/ps`` is read while waiting for models to come or go.
     poll_seconds: float = 0.25
     #: The step running now (for ``/status``): waiting_inflight, unloading, preloading, or None.
     step: str | None = None
@@ -203,12 +203,11 @@ class Handover(Service):
     # -- helpers -----------------------------------------------------------------
 
     async def _wait_inflight(self, seconds: float) -> bool:
-        """Poll the in-flight count until it is 0; False if ``seconds`` pass first."""
-        deadline = self._clock.seconds() + seconds
-        while self._replayer.inflight > 0:
-            if self._clock.seconds() >= deadline:
-                return False
-            await deferLater(self._clock, min(self.poll_seconds, deadline - self._clock.seconds()))
+        """Wait until nothing is in flight (the replayer says when); False if ``seconds`` pass first."""
+        try:
+            await self._replayer.when_idle().addTimeout(seconds, self._clock)
+        except TimeoutError:
+            return False
         return True
 
     def _remaining(self, deadline: float) -> float:

@@ -22,7 +22,7 @@ import math
 from typing import Any, Callable
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
@@ -142,6 +142,8 @@ class ParkingLot:
     _timer: IDelayedCall | None = None
     _timer_at: float = math.inf
     _expiring: bool = False
+    #: Waiting for the lot to empty (see :meth:`when_empty`).
+    _empty_waiters: list[Deferred] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -158,6 +160,23 @@ class ParkingLot:
         for the primary and for every way out but a release.
         """
         self._out_listeners.append(listener)
+
+    def when_empty(self) -> Deferred:
+        """A Deferred that fires once nothing is parked (at once if nothing is); cancel it to stop waiting.
+
+        Fired after the last entry's own Deferred, when its request has moved on.
+        """
+        if not self._count:
+            return succeed(None)
+        waiter: Deferred = Deferred(canceller=self._empty_waiters.remove)
+        self._empty_waiters.append(waiter)
+        return waiter
+
+    def _tell_empty(self) -> None:
+        if not self._count and self._empty_waiters:
+            waiters, self._empty_waiters = self._empty_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     def __len__(self) -> int:
         return self._count
@@ -263,6 +282,7 @@ class ParkingLot:
         entry._deferred, d = None, entry._deferred
         self._tell_out(entry)
         d.callback(entry)
+        self._tell_empty()
         return entry
 
     def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
@@ -344,6 +364,7 @@ class ParkingLot:
         entry._deferred, d = None, entry._deferred
         self._tell_out(entry)
         d.errback(refusal)
+        self._tell_empty()
 
     def _abandon(self, entry: Entry) -> None:
         """Canceller: the client went away while parked."""
@@ -354,6 +375,7 @@ class ParkingLot:
         self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))
+        self._tell_empty()
 
     def _tell_out(self, entry: Entry) -> None:
         """Tell the listeners an entry left, before its request moves on; one failing must not stop the rest."""

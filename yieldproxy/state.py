@@ -129,8 +129,8 @@ class YieldState:
     def on_transition(self, callback: Callable[[Transition], None]) -> None:
         """Call ``callback(transition)`` when the GPU is taken or given back, before the observers.
 
-        For the one log line of each change (the gate's, which says what the
-        proxy looks like then), so it comes before what the change sets off.
+        For the one log line of each change (:func:`transition_logger`), so it
+        comes before what the change sets off.
         """
         self._on_transition.append(callback)
 
@@ -263,6 +263,26 @@ class YieldState:
                 callback(yielded)
             except Exception:
                 log.failure("yield-state observer failed")
+
+
+def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], None]:
+    """The one log line of each transition, given to :meth:`YieldState.on_transition`.
+
+    ``describe()`` says what the proxy looks like then ("now draining, parked
+    batch=3, in flight 0"): the gate knows that, the state does not.
+    """
+
+    def log_transition(change: Transition) -> None:
+        log.info(
+            "GPU {what}: source={source} reason={reason!r}; {details} (previous state lasted {lasted:.1f}s)",
+            what="yielded" if change.yielded else "available",
+            source=change.hold.source,
+            reason=change.hold.reason,
+            details=describe(),
+            lasted=change.lasted,
+        )
+
+    return log_transition
 
 
 def _others(count: int) -> str:

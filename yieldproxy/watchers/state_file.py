@@ -25,6 +25,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..periodic import every
 from ..names import FILE_SOURCE
 from ..state import MAX_HOLD_SECONDS, YieldState
 
@@ -89,9 +90,7 @@ class StateFileWatcher(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._loop = LoopingCall(self.check)
-        self._loop.clock = self._clock
-        self._loop.start(self.poll_seconds, now=True)
+        self._loop = every(self._clock, self.poll_seconds, self.check, "state-file watcher step")
         if self.inotify_reactor is not None:
             self._start_inotify()
         log.info(
