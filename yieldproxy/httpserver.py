@@ -42,7 +42,8 @@ client still sends, so the client reads our answer instead of a TCP reset.
 The channel hooks into :class:`twisted.web.http.HTTPChannel` internals
 (``_receivedHeaderSize``, ``_handlingRequest``, ``_respondToBadRequestAndDisconnect``,
 ``_failChooseTransferDecoder``, ``_finishRequestBody``...), as they are in
-Twisted 26.10; ``tests/test_hostile.py`` fails if a Twisted release moves them.
+Twisted 26.10; ``tests/test_httpserver_hooks.py`` fails, naming the hook, if a Twisted release
+stops calling one.
 """
 
 from __future__ import annotations
@@ -602,7 +603,8 @@ class ProxySite(Site):
             (ProxyRequest,),
             {"max_body_bytes": max_body_bytes, "request_log": request_log},
         )
-        super().__init__(resource, requestFactory=request_class, **kwargs)
+        # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
+        super().__init__(resource, requestFactory=request_class, parsePOSTFormSubmission=False, **kwargs)
         #: Seconds a client has to deliver a whole request (None: no limit).
         self.request_read_timeout = request_read_timeout
         #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
@@ -611,8 +613,6 @@ class ProxySite(Site):
         self.host_policy = host_policy
         #: Answers a request whose body passed the limit (None: a plain 413 here).
         self.oversized = oversized
-        # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
-        self._parsePOSTFormSubmission = False
 
     def buildProtocol(self, addr):
         """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""
