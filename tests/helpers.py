@@ -12,6 +12,7 @@ from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
 from yieldproxy.gate import Gate
+from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
@@ -34,6 +35,8 @@ class Core:
     lot: ParkingLot
     replayer: Replayer
     gate: Gate
+    #: The upstream's reachability and outage verdicts, as ``service.build`` gives them to the proxy app.
+    health: UpstreamHealth = attrs.Factory(lambda: UpstreamHealth("http://upstream.invalid"))
 
     def run(self, seconds: float = 0.0, step: float = 0.001) -> None:
         """Advance the clock by ``seconds`` in small steps, running due calls."""
@@ -74,7 +77,38 @@ def config_with(**sections) -> Config:
     return attrs.evolve(config, **changes)
 
 
-__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
+class InMemoryUpstream:
+    """The proxy's upstream client (:class:`yieldproxy.forward.Upstream`) reaching a resource in memory.
+
+    An agent and a base URI, as the proxy uses them, with treq's
+    :class:`~treq.testing.RequestTraversalAgent` in place of the Agent on a
+    connection pool: ``build(clock, config, upstream=InMemoryUpstream(sim.resource()))``
+    runs the whole proxy on a Clock.
+    """
+
+    url = "http://upstream.invalid"
+
+    def __init__(self, resource):
+        from treq.testing import RequestTraversalAgent
+
+        self.agent = RequestTraversalAgent(resource)
+
+    def uri(self, request_uri: bytes) -> bytes:
+        return self.url.encode() + request_uri
+
+    def flush(self) -> None:
+        """Deliver what the in-memory connections hold (an answer the resource wrote later)."""
+        self.agent.flush()
+
+    def close(self) -> Deferred:
+        from twisted.internet.defer import succeed
+
+        return succeed(None)
+
+
+__all__ = [
+    "Core", "make_core", "config_with", "InMemoryUpstream", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig",
+]
 
 
 # -- real sockets ---------------------------------------------------------------
@@ -82,29 +116,24 @@ __all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingC
 
 @attrs.define(eq=False)
 class Stack:
-    """A simulated backend and a proxy (both listeners) on free 127.0.0.1 ports."""
+    """A simulated backend and a proxy (``service.build``, its service started) on free 127.0.0.1 ports."""
 
     reactor: object
     sim: object
     proxy: object
     proxy_url: str
     admin_url: str
-    _ports: list
     #: A test's own backend in place of the sim, if any.
     echo: object = None
-    #: Watchers and handover, when started with ``watchers=True``.
-    services: list = attrs.Factory(list)
+    #: Ports a test opened beside the stack (its own backend), closed after the proxy stops.
+    _ports: list = attrs.Factory(list)
 
     async def stop(self) -> None:
-        for service in reversed(self.services):
-            if service.running:
-                service.stopService()
+        """Stop the proxy as twistd does (the graceful stop), then the sim and the test's own ports."""
+        if self.proxy.service.running:
+            await self.proxy.service.stopService()
         for port in self._ports:
             await port.stopListening()
-        self.proxy.replayer.stop()
-        if getattr(self.proxy, "fallback", None) is not None:
-            await self.proxy.fallback.stop()
-        await self.proxy.upstream.close()
         if self.sim is not None:
             await self.sim.stop()
 
@@ -113,17 +142,26 @@ class Stack:
         return 0.0 if value is None else value
 
 
+#: Both listeners on a port the kernel picks.
+EPHEMERAL = {"proxy.listen": "tcp:0:interface=127.0.0.1", "admin.listen": "tcp:0:interface=127.0.0.1"}
+
+
+def listening_url(proxy, name: str) -> str:
+    """Where the proxy's ``proxy`` or ``admin`` listener listens (it may have been given port 0)."""
+    return f"http://127.0.0.1:{proxy.service.getServiceNamed(name).port.getHost().port}"
+
+
 async def start_stack(
     reactor, config: Config | None = None, upstream: str | None = None, token=None, watchers: bool = False,
-    read_token=None, **sim_options,
+    read_token=None, history_interval: float = 1.0, **sim_options,
 ) -> Stack:
-    """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it.
+    """Start a SimOllama (unless ``upstream`` is given) and a proxy in front of it, as twistd would.
 
-    With ``watchers``, the watchers and handover the config enables run too
-    (as ``YieldProxyService`` would start them).
+    The proxy is ``service.build``'s, its service started on ephemeral ports.
+    Without ``watchers`` the outage watcher is left out
+    (``upstream.detect_outages`` off): most stacks test what happens to
+    requests that fail on their own; outage detection has its own tests.
     """
-    from twisted.internet.endpoints import TCP4ServerEndpoint
-
     from yieldproxy.service import build
     from yieldproxy.sim import SimOllama
 
@@ -132,20 +170,12 @@ async def start_stack(
         sim = SimOllama(reactor, **sim_options)
         port = await sim.listen()
         upstream = f"http://127.0.0.1:{port}"
-    config = (config or Config()).with_overrides(**{"proxy.upstream": upstream})
-    proxy = build(reactor, config, token=token, read_token=read_token)
-    ports = []
-    for site in (proxy.proxy_app.site(), proxy.admin_app.site()):
-        ports.append(await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site))
-    urls = [f"http://127.0.0.1:{p.getHost().port}" for p in ports]
-    stack = Stack(reactor, sim, proxy, urls[0], urls[1], ports)
-    if watchers:
-        from yieldproxy.watchers import build_watchers
-
-        stack.services = build_watchers(reactor, proxy)
-        for service in stack.services:
-            service.startService()
-    return stack
+    config = (config or Config()).with_overrides(**{"proxy.upstream": upstream}, **EPHEMERAL)
+    if not watchers:
+        config = config.with_overrides(**{"upstream.detect_outages": False})
+    proxy = build(reactor, config, token=token, read_token=read_token, history_interval=history_interval)
+    proxy.service.startService()
+    return Stack(reactor, sim, proxy, listening_url(proxy, "proxy"), listening_url(proxy, "admin"))
 
 
 async def sleep(reactor, seconds: float) -> None:

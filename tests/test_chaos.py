@@ -38,12 +38,12 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import ProcessProtocol, Protocol
 
-from helpers import ChildOutput, config_with, free_port, in_thread, make_core, sleep, start_stack, wait_for
+from helpers import EPHEMERAL, ChildOutput, config_with, free_port, in_thread, listening_url, make_core, sleep, start_stack, wait_for
 from helpers import Entry
 from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
 from test_twistd import TWISTD
-from yieldproxy.service import YieldProxyService, build
+from yieldproxy.service import build
 
 TIMEOUT = 60
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,18 +397,13 @@ async def test_graceful_stop_with_requests_parked_and_in_flight_adds_up():
 
     sim = SimOllama(reactor, latency=1.0, parallel=8)
     sim_port = await sim.listen()
-    proxy_port, admin_port = free_port(), free_port()
-    config = config_with(
-        proxy={"listen": f"tcp:{proxy_port}:interface=127.0.0.1", "upstream": f"http://127.0.0.1:{sim_port}"},
-        admin={"listen": f"tcp:{admin_port}:interface=127.0.0.1"},
-    )
+    config = config_with(proxy={"upstream": f"http://127.0.0.1:{sim_port}"}).with_overrides(**EPHEMERAL)
     proxy = build(reactor, config)
-    service = YieldProxyService(reactor, proxy)
+    service = proxy.service
     service.startService()
-    url = f"http://127.0.0.1:{proxy_port}"
+    url = listening_url(proxy, "proxy")
     try:
         with LogCapture() as logs:
-            await wait_for(reactor, lambda: _accepts(proxy_port), timeout=10)
             in_flight = await _post_many(url, [f"flying {i}" for i in range(4)])
             await wait_for(reactor, lambda: sim.in_flight == 4, timeout=10)
             proxy.state.hold("game", "game")
@@ -430,18 +425,6 @@ async def test_graceful_stop_with_requests_parked_and_in_flight_adds_up():
         if service.running:
             await service.stopService()
         await sim.stop()
-
-
-def _accepts(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 
 
 async def start_twistd(sim_port: int, tmp_path, shutdown_timeout: float = 30.0):

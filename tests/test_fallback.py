@@ -30,7 +30,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import clock_cooperator, config_with, free_port, in_thread, sleep, start_stack, wait_for
+from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, sleep, start_stack, wait_for
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, Config, ConfigError, FallbackConfig, from_dict
 from yieldproxy.fallback import (
     RETRY_AFTER_ERROR_SECONDS,
@@ -291,7 +291,7 @@ def test_a_wrong_model_fails_verification():
 def test_an_unreachable_side_fails_verification_and_is_retried_sooner(side):
     core = make_core()
     getattr(core, side).fail = "connection refused"
-    core.fallback.start()
+    core.fallback.startService()
     core.clock.advance(0)
     v = core.fallback.verifications[MODEL]
     assert not v.ok and v.rows == ()
@@ -301,13 +301,13 @@ def test_an_unreachable_side_fails_verification_and_is_retried_sooner(side):
     assert core.fallback.verifications[MODEL].ok
     # Then the regular interval.
     assert [c.getTime() for c in core.clock.getDelayedCalls()] == [RETRY_AFTER_ERROR_SECONDS + 600]
-    core.fallback.stop()
+    core.fallback.stopService()
     assert core.clock.getDelayedCalls() == []
 
 
 def test_verification_runs_on_a_timer_and_waits_out_a_yield():
     core = make_core()
-    core.fallback.start()
+    core.fallback.startService()
     core.clock.advance(0)
     assert len(core.primary.calls) == 1
     core.clock.advance(600)
@@ -320,7 +320,7 @@ def test_verification_runs_on_a_timer_and_waits_out_a_yield():
     core.clock.advance(0)
     assert len(core.primary.calls) == 3
     assert core.fallback.status()["verification_due"] is False
-    core.fallback.stop()
+    core.fallback.stopService()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -520,26 +520,24 @@ async def test_a_burst_of_40_during_a_yield_is_all_served_by_the_verified_twin()
 @pytest_twisted.ensureDeferred
 async def test_a_graceful_stop_lets_the_fallback_finish_and_answers_its_line_503():
     """Stopping during a yield: what the fallback is serving finishes before the stop ends; the line gets 503."""
-    from yieldproxy.service import YieldProxyService, build
+    from yieldproxy.service import build
 
     twin = SimOllama(reactor, latency=1.0)
     twin_port = await twin.listen()
     sim = SimOllama(reactor)
     sim_port = await sim.listen()
-    proxy_port, admin_port = free_port(), free_port()
     config = config_with(
-        proxy={"listen": f"tcp:{proxy_port}:interface=127.0.0.1", "upstream": f"http://127.0.0.1:{sim_port}"},
-        admin={"listen": f"tcp:{admin_port}:interface=127.0.0.1"},
+        proxy={"upstream": f"http://127.0.0.1:{sim_port}"},
         classes={"batch": {"policy": "fallback"}},
         fallback={**ENABLED, "url": f"http://127.0.0.1:{twin_port}/v1", "timeout_seconds": 10.0},
-    )
+    ).with_overrides(**EPHEMERAL)
     proxy = build(reactor, config)
-    service = YieldProxyService(reactor, proxy)
+    service = proxy.service
     service.startService()  # verifies the fallback at once
     try:
         await wait_for(reactor, lambda: proxy.fallback.why_not(MODEL) is None, timeout=20)
         proxy.state.hold("api", "game")
-        url = f"http://127.0.0.1:{proxy_port}/api/embed"
+        url = listening_url(proxy, "proxy") + "/api/embed"
         pending = [
             treq.post(url, json={"model": MODEL, "input": f"stop {i}"}, persistent=False).addTimeout(TIMEOUT, reactor)
             for i in range(6)

@@ -15,15 +15,15 @@ import json
 
 import attrs
 import pytest
-from treq.testing import RequestTraversalAgent, StubTreq
+from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
-from twisted.web.resource import Resource
 
-from helpers import clock_cooperator, config_with
+from helpers import InMemoryUpstream, clock_cooperator, config_with
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
 from yieldproxy.gate import Gate
+from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
@@ -70,35 +70,6 @@ class Twin:
 
     def close(self):
         return succeed(None)
-
-
-class _Primary:
-    """The proxy's upstream, as :class:`yieldproxy.forward.Upstream` is used: an agent and a base URI."""
-
-    url = "http://primary.invalid"
-
-    def __init__(self, resource):
-        self.agent = RequestTraversalAgent(resource)
-
-    def uri(self, request_uri: bytes) -> bytes:
-        return self.url.encode() + request_uri
-
-    def close(self):
-        return succeed(None)
-
-
-class _AsProxyRequest(Resource):
-    """What ``ProxySite``'s request class adds (a body within bounds), for a plain in-memory Site."""
-
-    isLeaf = True
-
-    def __init__(self, inner):
-        super().__init__()
-        self._inner = inner
-
-    def render(self, request):
-        request.too_large = False
-        return self._inner.render(request)
 
 
 @attrs.define(eq=False)
@@ -196,8 +167,9 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
     )
     state.observe(fallback.state_changed)
-    app = ProxyApp(clock, config, gate, _Primary(sim.resource()), metrics, fallback)
-    http = StubTreq(_AsProxyRequest(app.app.resource()))
+    upstream = InMemoryUpstream(sim.resource())
+    app = ProxyApp(clock, config, gate, upstream, UpstreamHealth(upstream.url), metrics, fallback)
+    http = StubTreq(app.app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http)
     if verify:
         twin.hold = False

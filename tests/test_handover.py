@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
@@ -18,7 +19,8 @@ from twisted.python.failure import Failure
 from helpers import config_with, make_core, start_stack, wait_for
 from yieldproxy.config import HandoverConfig
 from yieldproxy.control import Answer, ControlTimeout
-from yieldproxy.handover import Handover, canonical, loaded_models
+from yieldproxy.handover import Handover, loaded_models
+from yieldproxy.names import canonical_model as canonical
 from yieldproxy.parking import Entry
 
 TIMEOUT = 30
@@ -129,7 +131,7 @@ def test_unload_waits_for_requests_in_flight_then_unloads_every_model():
     ]
     assert fake.loaded == set() and handover.step is None
     assert steps(core, "wait_inflight", "ok") == 1 and steps(core, "unload", "ok") == 1
-    assert core.sample("yieldproxy_handover_seconds_sum", step="wait_inflight") >= 1
+    assert core.sample("yieldproxy_handover_seconds_sum", step="wait_inflight") == pytest.approx(1.0)
     core.state.release("api")
     handover.stopService()
     assert core.clock.getDelayedCalls() == []

@@ -45,7 +45,7 @@ class HistoryTests(SynchronousTestCase):
         self.history = History(self.clock, self.reader, CLASSES, interval=1.0, capacity=5)
 
     def test_samples_every_interval_while_started(self):
-        self.history.start()
+        self.history.startService()
         self.assertEqual(len(self.history), 1)  # at once
         self.reader.state, self.reader.parked, self.reader.inflight = "yielded", {"batch": 3}, 2
         self.clock.advance(1)
@@ -55,20 +55,20 @@ class HistoryTests(SynchronousTestCase):
         self.assertEqual(
             last, {"t": 1002.0, "state": "yielded", "parked": {"interactive": 0, "batch": 3, "long": 0}, "inflight": 2}
         )
-        self.history.stop()
+        self.history.stopService()
         self.clock.advance(10)
         self.assertEqual(len(self.history), 3)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_keeps_only_capacity_samples_oldest_dropped(self):
-        self.history.start()
+        self.history.startService()
         self.clock.pump([1] * 9)
         times = [s.t for s in self.history.samples()]
         self.assertEqual(times, [1005.0, 1006.0, 1007.0, 1008.0, 1009.0])
-        self.history.stop()
+        self.history.stopService()
 
     def test_since_returns_only_newer_samples(self):
-        self.history.start()
+        self.history.startService()
         self.clock.pump([1] * 3)
         body = self.history.as_json(since=1001.0)
         self.assertEqual([s["t"] for s in body["samples"]], [1002.0, 1003.0])
@@ -76,10 +76,10 @@ class HistoryTests(SynchronousTestCase):
         self.assertEqual(body["now"], 1003.0)
         self.assertEqual(body["classes"], list(CLASSES))
         self.assertEqual((body["interval"], body["capacity"]), (1.0, 5))
-        self.history.stop()
+        self.history.stopService()
 
     def test_a_failing_read_is_logged_and_sampling_goes_on(self):
-        self.history.start()
+        self.history.startService()
         self.reader.fail = True
         self.clock.advance(1)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
@@ -87,36 +87,34 @@ class HistoryTests(SynchronousTestCase):
         self.reader.fail = False
         self.clock.advance(1)
         self.assertEqual(len(self.history), 2)
-        self.history.stop()
+        self.history.stopService()
 
     def test_state_change_adds_a_sample_only_while_running(self):
         self.history.state_changed(True)
         self.assertEqual(len(self.history), 0)
-        self.history.start()
+        self.history.startService()
         self.clock.advance(0.25)
         self.reader.state = "yielded"
         self.history.state_changed(True)
         self.assertEqual([(s.t, s.state) for s in self.history.samples()], [(1000.0, "available"), (1000.25, "yielded")])
-        self.history.stop()
+        self.history.stopService()
 
     def test_sample_times_strictly_increase(self):
         """A change sampled in the same millisecond as a tick still reads back after it with ``since``."""
-        self.history.start()
+        self.history.startService()
         self.reader.state = "yielded"
         self.history.state_changed(True)
         times = [s.t for s in self.history.samples()]
         self.assertEqual(times, [1000.0, 1000.001])
         self.assertEqual([s.state for s in self.history.samples(since=1000.0)], ["yielded"])
-        self.history.stop()
+        self.history.stopService()
 
-    def test_start_with_a_shorter_interval(self):
-        self.history.start(interval=0.25)
-        self.clock.pump([0.25] * 3)
-        self.assertEqual([s.t for s in self.history.samples()], [1000.0, 1000.25, 1000.5, 1000.75])
-        self.history.start()  # already running: no second loop
-        self.clock.advance(0.25)
-        self.assertEqual([s.t for s in self.history.samples()][-2:], [1000.75, 1001.0])
-        self.history.stop()
+    def test_a_shorter_interval(self):
+        history = History(self.clock, self.reader, CLASSES, interval=0.25)
+        history.startService()
+        self.clock.pump([0.25] * 4)
+        self.assertEqual([s.t for s in history.samples()], [1000.0, 1000.25, 1000.5, 1000.75, 1001.0])
+        history.stopService()
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
 
@@ -126,14 +124,14 @@ class BuiltProxyTests(SynchronousTestCase):
     def test_reads_state_and_parked_counts_and_samples_on_yield(self):
         clock = Clock()
         proxy = build(clock, Config())
-        proxy.history.start()
+        proxy.history.startService()
         proxy.state.hold("game", reason="boss fight")
         d = proxy.gate.admit(Entry(cls="batch", size=3))
         clock.advance(1)
         samples = proxy.history.as_json()["samples"]
         self.assertEqual([s["state"] for s in samples], ["available", "yielded", "yielded"])
         self.assertEqual(samples[-1]["parked"], {"interactive": 0, "batch": 1, "long": 0})
-        proxy.history.stop()
+        proxy.history.stopService()
         d.cancel()
         self.failureResultOf(d)
         proxy.state.release_all()
@@ -160,13 +158,13 @@ class AdminPageTests(SynchronousTestCase):
         self.clock = Clock()
         self.clock.advance(500)
         self.proxy = build(self.clock, Config(), token="s3cret")
-        self.proxy.history.start()
+        self.proxy.history.startService()
         self.clock.advance(1)
         self.clock.advance(1)
         self.http = StubTreq(self.proxy.admin_app.app.resource())
 
     def tearDown(self):
-        self.proxy.history.stop()
+        self.proxy.history.stopService()
 
     def get(self, path, token=None):
         headers = {"Authorization": f"Bearer {token}"} if token else {}

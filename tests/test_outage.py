@@ -93,7 +93,7 @@ def record_states(stack) -> list[bool]:
 
 
 async def reachable(stack) -> None:
-    outage = next(s for s in stack.services if s.name == "watcher:outage")
+    outage = next(s for s in stack.proxy.watchers if s.name == "watcher:outage")
     await wait_for(reactor, lambda: outage.reachable, timeout=10)
 
 

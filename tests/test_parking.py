@@ -11,14 +11,14 @@ from yieldproxy.replay import Replayer
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
-    """Admit an entry and collect what happens to it."""
+    """Admit an entry and collect what happens to it, refusals as the caller reads them (``gate.explain``)."""
     entry = Entry(cls=cls, size=size, max_wait=max_wait)
     entry.attempts = attempts
     outcome = {"entry": entry}
     try:
         d = core.gate.admit(entry)
     except Refused as refusal:
-        outcome["refused"] = refusal
+        outcome["refused"] = core.gate.explain(refusal)
         return outcome
     outcome["deferred"] = d
 
@@ -27,7 +27,7 @@ def park(core, cls="batch", size=10, max_wait=None, attempts=0):
         return e
 
     def failed(f):
-        outcome["failure"] = f.value
+        outcome["failure"] = core.gate.explain(f.value) if f.check(Refused) else f.value
         return None
 
     d.addCallbacks(released, failed)
@@ -316,7 +316,7 @@ def test_shutdown_refuses_parked_requests_with_503():
     assert core.gate.refuse_all_parked("shutting down") == 3
     assert all(o["failure"].status == 503 and o["failure"].reason == "shutdown" for o in outcomes)
     assert len(core.lot) == 0
-    core.gate.shutting_down = True
+    core.gate.stop_admitting()
     assert park(core)["refused"].reason == "shutdown"
 
 
@@ -559,3 +559,48 @@ def test_a_parked_entry_costs_the_lot_about_half_a_kilobyte():
     assert per_entry < 600, per_entry
     core.gate.refuse_all_parked("test over")
     assert core.clock.getDelayedCalls() == []
+
+
+# -- waiting for the lot to empty and the replayer to go idle (the graceful stop, the handover) ---------
+
+
+def fired(d) -> bool:
+    results = []
+    d.addBoth(lambda r: results.append(r) or r)
+    return bool(results)
+
+
+def test_when_empty_and_when_idle_fire_on_the_event_not_before():
+    core = make_core(concurrency=1)
+    assert fired(core.lot.when_empty()) and fired(core.replayer.when_idle())
+    core.state.hold("api", "game")
+    outcomes = [park(core) for _ in range(2)]
+    empty, idle = core.lot.when_empty(), core.replayer.when_idle()
+    assert fired(idle) and not fired(empty)  # parked is not in flight
+    core.state.release("api")
+    core.run(0.01)
+    # One released into the only slot, one still parked.
+    idle = core.replayer.when_idle()
+    assert not fired(empty) and not fired(idle)
+    finish(core, outcomes[0])
+    # Nothing was in flight for a moment: the waiter fired (whoever waits checks again).
+    assert fired(idle) and not fired(empty)
+    core.run(0.01)
+    # The first's end let the second out: the lot is empty, the slot busy again.
+    assert fired(empty) and core.replayer.inflight == 1
+    idle = core.replayer.when_idle()
+    assert not fired(idle)
+    finish(core, outcomes[1])
+    assert fired(idle)
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_cancelled_wait_is_forgotten():
+    core = make_core()
+    core.state.hold("api", "game")
+    o = park(core)
+    waiting = core.lot.when_empty()
+    waiting.cancel()
+    assert core.lot._empty_waiters == []
+    o["deferred"].cancel()  # the client leaves: the lot empties with nobody left to tell
+    assert len(core.lot) == 0

@@ -185,8 +185,7 @@ def near(colour, tolerance=12):
 
 async def yielded_stack_with_history():
     """A stack with a token, sampling every 0.2 s, yielded with 4 batch and 2 long requests parked."""
-    stack = await start_stack(reactor, token=TOKEN)
-    stack.proxy.history.start(interval=0.2)
+    stack = await start_stack(reactor, token=TOKEN, history_interval=0.2)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     await sleep(reactor, 0.6)
     answer = await treq.post(
@@ -275,7 +274,6 @@ async def test_page_shows_the_yield_its_hold_and_draws_it():
         levels = [float(v) for v in re.findall(r"[MV]\s*(?:[\d.]+\s+)?([\d.]+)", dom.by_id("parked-batch-line")["d"])]
         assert levels[0] == levels[-1] and min(levels) < levels[0]
     finally:
-        stack.proxy.history.stop()
         await stack.stop()
 
 
@@ -296,7 +294,6 @@ async def test_page_without_the_token_asks_for_it_and_shows_nothing():
         await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
         for d in pending:
             await d
-        stack.proxy.history.stop()
         await stack.stop()
 
 
@@ -387,5 +384,4 @@ async def test_a_rebound_name_reads_nothing():
         await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
         for d in pending:
             await d
-        stack.proxy.history.stop()
         await stack.stop()

@@ -503,13 +503,7 @@ class FakeCheck:
 def outage_watcher(**options):
     core = make_core()
     check = FakeCheck()
-
-    def set_judge(judge):
-        core.gate.outage_judge = judge
-
-    watcher = OutageWatcher(
-        core.clock, core.state, core.gate.upstream_listeners, check, core.metrics, set_judge, **options
-    )
+    watcher = OutageWatcher(core.clock, core.state, core.health, check, core.metrics, **options)
     return watcher, check, core
 
 
@@ -529,7 +523,7 @@ def test_no_outage_hold_for_an_upstream_that_never_answered():
     watcher.startService()
     check.calls[0].errback(ConnectionRefusedError())  # the probe at start
     for reason in ("refused", "connect", "reset"):
-        assert verdict(core.gate.upstream_result(reason)) is False
+        assert verdict(core.health.report(reason)) is False
     assert not core.state.yielded and not watcher.reachable
     assert len(check.calls) == 1
     assert core.clock.getDelayedCalls() == []
@@ -541,12 +535,12 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
     watcher.startService()
     check.calls[0].callback(True)
     assert watcher.reachable
-    assert verdict(core.gate.upstream_result("timeout")) is False  # slow is not down
-    assert verdict(core.gate.upstream_result("status_502")) is False
+    assert verdict(core.health.report("timeout")) is False  # slow is not down
+    assert verdict(core.health.report("status_502")) is False
     assert len(check.calls) == 1
     # A refused connection starts a probe; the failures wait for its verdict, no hold yet.
-    first = core.gate.upstream_result("refused")
-    second = core.gate.upstream_result("reset")  # joins the same probe
+    first = core.health.report("refused")
+    second = core.health.report("reset")  # joins the same probe
     assert len(check.calls) == 2 and check.targets[1] is None
     assert not core.state.yielded
     assert not first.called and not second.called
@@ -555,7 +549,7 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
     assert core.state.holds[0].reason == "upstream failing (the health path fails)"
     assert verdict(first) is True and verdict(second) is True
     # Held: later failures are forgiven at once, with no probe of their own.
-    assert verdict(core.gate.upstream_result("reset")) is True
+    assert verdict(core.health.report("reset")) is True
     assert len(check.calls) == 2
     # Probes after 0.5, 1 and 2 seconds, each failing; then 2 again (the cap).
     for delay in (0.5, 1, 2):
@@ -570,8 +564,8 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
     check.calls[-1].callback(True)
     assert not core.state.yielded
     # Real traffic succeeds: the next outage starts with quick probes again.
-    core.gate.upstream_result(None)
-    core.gate.upstream_result("status_503")
+    core.health.report(None)
+    core.health.report("status_503")
     check.calls[-1].callback(False)
     assert core.state.yielded
     core.clock.advance(0.5)
@@ -580,7 +574,8 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
     assert core.clock.getDelayedCalls() == []
     assert core.state.yielded  # stopping does not end the hold
     assert check.calls[-1].called  # the probe in flight was cancelled
-    assert core.gate.upstream_listeners == [] and core.gate.outage_judge is None
+    # Stopped: nothing judges the failures any more, and nothing is probed.
+    assert verdict(core.health.report("refused")) is False and len(check.calls) == 8
     assert core.sample("yieldproxy_outage_probes_total", probe="health", result="down") == 5
     assert core.sample("yieldproxy_outage_probes_total", probe="health", result="up") == 2
 
@@ -591,7 +586,7 @@ def test_a_request_that_fails_alone_is_counted_and_takes_no_hold():
     watcher.startService()
     check.calls[0].callback(True)
     for _ in range(5):
-        judged = core.gate.upstream_result("gpu_error", EMBED_CALL)
+        judged = core.health.report("gpu_error", EMBED_CALL)
         assert check.targets[-1] == EMBED_CALL
         check.calls[-1].callback(True)
         assert verdict(judged) is False
@@ -606,7 +601,7 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
     watcher, check, core = outage_watcher(interval=0.5, max_interval=4)
     watcher.startService()
     check.calls[0].callback(True)
-    judged = [core.gate.upstream_result("gpu_error", EMBED_CALL) for _ in range(3)]
+    judged = [core.health.report("gpu_error", EMBED_CALL) for _ in range(3)]
     assert len(check.calls) == 2 and check.targets[1] == EMBED_CALL
     check.calls[1].callback(False)
     assert [verdict(d) for d in judged] == [True, True, True]
@@ -631,7 +626,7 @@ def test_model_probes_wait_while_another_source_holds_the_gpu():
     watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
     watcher.startService()
     check.calls[0].callback(True)
-    core.gate.upstream_result("gpu_error", EMBED_CALL)
+    core.health.report("gpu_error", EMBED_CALL)
     check.calls[1].callback(False)
     core.state.hold("api", "game")
     calls = len(check.calls)
@@ -651,11 +646,11 @@ def test_no_outage_hold_or_probe_while_another_source_holds():
     watcher.startService()
     check.calls[0].callback(True)
     core.state.hold("api", "game")
-    assert verdict(core.gate.upstream_result("refused")) is True  # the GPU is lent away: explained
-    assert verdict(core.gate.upstream_result("gpu_error", EMBED_CALL)) is True
+    assert verdict(core.health.report("refused")) is True  # the GPU is lent away: explained
+    assert verdict(core.health.report("gpu_error", EMBED_CALL)) is True
     assert sources(core.state) == ["api"] and len(check.calls) == 1
     core.state.release("api")
-    core.gate.upstream_result("refused")
+    core.health.report("refused")
     check.calls[-1].errback(ConnectionRefusedError())
     assert sources(core.state) == ["outage"]
     watcher.stopService()
@@ -666,8 +661,8 @@ def test_a_verdict_abandoned_by_its_client_is_forgotten_and_stopping_decides_the
     watcher, check, core = outage_watcher()
     watcher.startService()
     check.calls[0].callback(True)
-    gone = core.gate.upstream_result("gpu_error", EMBED_CALL)
-    waiting = core.gate.upstream_result("gpu_error", EMBED_CALL)
+    gone = core.health.report("gpu_error", EMBED_CALL)
+    waiting = core.health.report("gpu_error", EMBED_CALL)
     gone.cancel()
     gone.addErrback(lambda f: None)
     watcher.stopService()
@@ -680,7 +675,7 @@ def test_an_outage_hold_ended_by_hand_stops_the_probing():
     watcher, check, core = outage_watcher()
     watcher.startService()
     check.calls[0].callback(True)
-    core.gate.upstream_result("refused")
+    core.health.report("refused")
     check.calls[-1].errback(ConnectionRefusedError())
     assert core.state.yielded
     core.state.release("outage")  # POST /resume {"source": "outage"}
@@ -725,7 +720,7 @@ async def test_an_outage_before_the_first_request_is_an_outage_too():
     """The health probe at start counts as an answer: the first caller waits instead of failing."""
     stack = await start_stack(reactor, config_with(), watchers=True)
     try:
-        outage = next(s for s in stack.services if s.name == "watcher:outage")
+        outage = next(s for s in stack.proxy.watchers if s.name == "watcher:outage")
         await wait_for(reactor, lambda: outage.reachable)
         await stack.sim.set_mode("refuse")
         pending = treq.post(

@@ -21,7 +21,8 @@ import hmac
 import importlib.resources
 import json
 import math
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import attrs
 from klein import Klein
@@ -155,8 +156,8 @@ class AdminApp:
     read_token: str | None = None
     #: The last hour of samples for the status page's chart (``GET /history``).
     history: History | None = None
-    #: Extra ``/status`` fields from other parts (watchers, fallback), by name.
-    status_extras: dict[str, Callable[[], Any]] = attrs.Factory(dict)
+    #: Other parts' ``/status`` sections (``watchers``, ``handover``, ``fallback``), each read when asked.
+    sections: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict, converter=MappingProxyType)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
@@ -172,7 +173,6 @@ class AdminApp:
         return ProxySite(
             self.app.resource(),
             _ADMIN_BODY_LIMIT,
-            answer_too_large=True,
             request_log=False,
             timeout=_ADMIN_IDLE_SECONDS,
             connections=self.connections,
@@ -203,7 +203,7 @@ class AdminApp:
                 "classes": {k: attrs.asdict(v) for k, v in self._config.classes.items()},
             },
         }
-        for name, read in self.status_extras.items():
+        for name, read in self.sections.items():
             status[name] = read()
         return status
 

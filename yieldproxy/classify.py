@@ -22,11 +22,10 @@ import attrs
 
 from .config import RouteRule
 from .gojson import BadBody, GoRequest
+from .names import CLASS_NAMES, PASSTHROUGH
 
 __all__ = ["BadBody"]
 
-PASSTHROUGH = "passthrough"
-CLASSES = ("interactive", "batch", "long")
 
 #: DESIGN.md's default routes: every route of Ollama that runs a model (each
 #: is POST only in Ollama; another method there is an unknown route).
@@ -195,6 +194,6 @@ def header_class(value: bytes | None) -> str | None:
     if value is None:
         return None
     wanted = value.strip().lower().decode("ascii", "replace")
-    if wanted not in CLASSES:
+    if wanted not in CLASS_NAMES:
         raise ValueError(wanted)
     return wanted

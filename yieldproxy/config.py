@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 import attrs
 
-CLASS_NAMES = ("interactive", "batch", "long")
+from .names import CLASS_NAMES, ROUTE_CLASSES
+
 POLICIES = ("park", "reject", "fallback")
 TRUST_MODES = ("loopback", "always", "never")
 
@@ -92,7 +93,7 @@ class ProxyConfig:
     trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
     #: The class of a route no ``[[routes]]`` rule names and that is not known to run no
     #: model: it parks during a yield unless this says ``passthrough`` (docs/classes.md).
-    unknown_route_class: str = attrs.field(default="interactive", validator=_one_of((*CLASS_NAMES, "passthrough")))
+    unknown_route_class: str = attrs.field(default="interactive", validator=_one_of(ROUTE_CLASSES))
     #: Time a client may read nothing of its answer before it is dropped.
     idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
     #: Time a connection may wait for its next request (or its first) before it is closed.
@@ -231,9 +232,6 @@ def _default_classes() -> dict[str, ClassConfig]:
         # Long jobs may think for many minutes before their first byte.
         "long": ClassConfig(hold_seconds=3600.0, priority=0, min_share=0.1, attempt_timeout_seconds=1800.0),
     }
-
-
-ROUTE_CLASSES = (*CLASS_NAMES, "passthrough")
 
 
 def _path(instance, attribute, value):

@@ -32,7 +32,8 @@ import unicodedata
 from typing import Callable, Mapping, Sequence
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -44,6 +45,7 @@ from twisted.web.http_headers import Headers
 from .config import FallbackConfig
 from .forward import BytesProducer, Upstream, _describe, _was_cancelled, classify_failure
 from .metrics import Metrics, fallback_families
+from .names import canonical_model
 from .parking import Entry, ParkingLot, Refused
 from .replay import Replayer
 from .translate import (
@@ -270,15 +272,9 @@ def compare(
 # -- the fallback ------------------------------------------------------------------------
 
 
-def _model_key(name: str) -> str:
-    """Ollama's canonical name: ``all-minilm`` and ``all-minilm:latest`` are one model."""
-    last = name.strip().rsplit("/", 1)[-1]
-    return name.strip() if ":" in last else name.strip() + ":latest"
-
-
-@attrs.define(eq=False)
-class Fallback:
-    """Verification on a timer, and the use of a verified fallback during a yield.
+@attrs.define(eq=False, slots=False)
+class Fallback(Service):
+    """Verification on a timer while the service runs, and the use of a verified fallback during a yield.
 
     It serves a request at its arrival when a slot is free and nobody is in
     line, else from the lot through its own drainer as slots free; the lot's
@@ -308,7 +304,6 @@ class Fallback:
     _timer: IDelayedCall | None = None
     #: A verification came due while the GPU was yielded: run it when it is back.
     _due: bool = False
-    _running: bool = False
     #: The last "not used because ..." logged per model, so a yield logs it once.
     _skip_logged: dict[str, str] = attrs.Factory(dict)
     _keys: dict[str, str] = attrs.field(init=False)
@@ -316,17 +311,22 @@ class Fallback:
     #: Parked requests in line for the fallback, by mapped model.
     _in_line: collections.Counter = attrs.field(init=False, factory=collections.Counter)
 
+    name = "fallback"
+
     def __attrs_post_init__(self) -> None:
-        self._keys = {_model_key(name): name for name in self._config.models}
+        self._keys = {canonical_model(name): name for name in self._config.models}
         if self._lot is not None and self._new_drainer is not None:
             self._drainer = self._new_drainer(target=TARGET, accepts=self.may_take, is_open=self._takes_work)
-            self._lot.when_parked(self._drainer.kick)
             self._lot.when_out(self._left_lot)
 
     @property
     def inflight(self) -> int:
         """Requests at the fallback now (taken at arrival or from the lot)."""
         return self._drainer.inflight if self._drainer is not None else 0
+
+    def when_idle(self) -> Deferred:
+        """A Deferred that fires once no request is at the fallback (at once if none is)."""
+        return self._drainer.when_idle() if self._drainer is not None else succeed(None)
 
     @property
     def waiting(self) -> int:
@@ -352,7 +352,7 @@ class Fallback:
         """The primary model name under which ``model`` is mapped, or None."""
         if model in self._config.models:
             return model
-        return self._keys.get(_model_key(model))
+        return self._keys.get(canonical_model(model))
 
     def usable(self, model: str) -> bool:
         """:meth:`why_not` is None, without building the sentence (the drainer asks per parked entry)."""
@@ -521,7 +521,7 @@ class Fallback:
         self._waiters.append(waiter)  # before the run starts: it may end at once
         if self._verifying is None:
             running = Deferred.fromCoroutine(self._verify_all())
-            if not running.called:  # still running: later callers share it, stop() cancels it
+            if not running.called:  # still running: later callers share it, stopService() cancels it
                 self._verifying = running
             running.addBoth(self._verified)
         return waiter
@@ -586,15 +586,18 @@ class Fallback:
             model, fallback_model, texts, primary.vectors, fallback.vectors, self._config.min_cosine, now()
         )
 
-    # -- the timer ------------------------------------------------------------------------------
+    # -- the timer ----------------------------------------------------------------------------
+    # A callLater chain, not a fixed loop (periodic.py): its delay varies, sooner after an
+    # error, at once when the GPU comes back with a verification due.
 
-    def start(self) -> None:
+    def startService(self) -> None:
         """Verify now, then every ``verify_interval_seconds``."""
-        self._running = True
+        super().startService()
         self._schedule(0)
 
-    def stop(self) -> Deferred:
-        self._running = False
+    def stopService(self) -> None:
+        """Stop verifying and taking requests from the lot (the proxy's drain is over by then)."""
+        super().stopService()
         if self._drainer is not None:
             self._drainer.stop()
         if self._timer is not None and self._timer.active():
@@ -602,14 +605,13 @@ class Fallback:
         self._timer = None
         if self._verifying is not None:
             self._verifying.cancel()
-        return self._backend.close()
 
     def state_changed(self, yielded: bool) -> None:
         """The yield state moved: the drainer opens or closes; a due verification runs once the GPU is back."""
         self._skip_logged.clear()
         if self._drainer is not None:
             self._drainer.kick()
-        if not yielded and self._due and self._running:
+        if not yielded and self._due and self.running:
             self._schedule(0)
 
     def _schedule(self, delay: float) -> None:
@@ -620,7 +622,7 @@ class Fallback:
     def _tick(self) -> None:
         """One periodic step; wrapped, so one exception cannot end the loop."""
         self._timer = None
-        if not self._running:
+        if not self.running:
             return
         if self._yielded():
             self._due = True
@@ -633,13 +635,13 @@ class Fallback:
             # No rows: a side did not answer (not a mismatch), so try again sooner.
             errored = any(not v.ok and not v.rows for v in results.values())
             interval = self._config.verify_interval_seconds
-            if self._running and self._timer is None:
+            if self.running and self._timer is None:
                 self._schedule(min(interval, RETRY_AFTER_ERROR_SECONDS) if errored else interval)
 
         def failed(failure):
             if not failure.check(CancelledError):
                 log.failure("fallback verification failed unexpectedly", failure)
-            if self._running and self._timer is None:
+            if self.running and self._timer is None:
                 self._schedule(min(self._config.verify_interval_seconds, RETRY_AFTER_ERROR_SECONDS))
 
         d.addCallbacks(next_run, failed)
@@ -698,23 +700,6 @@ def fallback_drainer(
         backoff_seconds=config.upstream.retry_backoff_seconds,
         backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
     )
-
-
-def build_fallback(
-    reactor, config, upstream: Upstream, metrics: Metrics, state, lot: ParkingLot, cooperator
-) -> Fallback:
-    """A :class:`Fallback` for ``config.fallback``: its primary side on the proxy's own ``upstream``,
-    its drainer on ``lot``, open while ``state`` is yielded."""
-    fc = config.fallback
-    primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
-    backend = EmbedBackend(reactor, Upstream(reactor, fc.url, fc.concurrency + 1), fc.api, fc.timeout_seconds)
-    fallback = Fallback(
-        reactor, fc, primary, backend, metrics, lambda: state.yielded,
-        {k: v.policy for k, v in config.classes.items()},
-        lot, fallback_drainer(reactor, config, metrics, state, lot, cooperator),
-    )
-    metrics.watch(fallback.metric_families)
-    return fallback
 
 
 # -- yieldproxy check-fallback ------------------------------------------------------------------
@@ -797,5 +782,5 @@ def check_command(config_path: str | None) -> int:
 
 __all__ = [
     "OUTCOMES", "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
-    "Fallback", "fallback_drainer", "build_fallback", "format_table", "check", "check_command",
+    "Fallback", "fallback_drainer", "format_table", "check", "check_command",
 ]

@@ -2,13 +2,15 @@
 
 It ties the yield state, the parking lot and the replayer together, and is
 the only place that knows a class's policy and hold bound.  It also keeps the
-recent upstream service time, from which honest ``Retry-After`` values come.
+recent upstream service time, from which honest ``Retry-After`` values come,
+so it explains every refusal the lot makes (:meth:`Gate.explain`): when to
+come back and, for a request that expired in the lot, what kept it waiting.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Mapping
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
@@ -17,6 +19,7 @@ from twisted.logger import Logger
 
 from .config import ClassConfig
 from .metrics import Metrics
+from .names import OUTAGE_SOURCE
 from .parking import Entry, ParkingLot, Refused
 from .replay import Replayer
 from .state import YieldState
@@ -45,22 +48,11 @@ class Gate:
     reject_status: int = 503
     #: Recent upstream service time (seconds), an exponentially weighted average.
     service_seconds: float = 0.5
+    #: Set when the proxy stops (:meth:`stop_admitting`): every request is refused from then on.
     shutting_down: bool = False
-    #: False until the upstream has answered once: before that, a refused
-    #: connection is a configuration error, not an outage worth waiting out.
-    upstream_answered: bool = False
-    #: Called with each attempt's failure reason (None for an answer), for outage detection.
-    upstream_listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
-    #: Judges a failed attempt: ``judge(reason, call)`` is a Deferred firing True when a
-    #: recognised outage explains the failure (the outage watcher, while it runs).
-    outage_judge: Callable[[str, object], Deferred] | None = None
 
     def __attrs_post_init__(self) -> None:
-        self._lot.retry_after = self.retry_after
-        self._lot.why_still_waiting = self.why_still_waiting
-        self._lot.when_parked(self._replayer.kick)
         self._state.observe(self._state_changed)
-        self._state.describe = self.describe
 
     @property
     def yielded(self) -> bool:
@@ -75,7 +67,7 @@ class Gate:
         return "draining" if self._lot or self._replayer.release_held else "available"
 
     def describe(self) -> str:
-        """The state, what is parked and what is in flight, for the state log line."""
+        """The state, what is parked and what is in flight, for the state log line (state.transition_logger)."""
         counts = self._lot.count_by_class()
         parked = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none"
         return f"now {self.state_name}, parked {parked}, in flight {self._replayer.inflight}"
@@ -84,15 +76,13 @@ class Gate:
         """A Deferred that fires with ``entry`` when it may go upstream.
 
         It fails with :class:`Refused` when the request is turned away, at
-        once or after waiting.  A request coming back after a failed attempt
-        (``entry.tries > 0``, or a failed turn at another target after
-        parking) keeps its place in line and is not checked against the
-        ceilings again: it was accepted already.
+        once or after waiting (:meth:`explain` words it for the caller).  A
+        request coming back after a failed attempt (``entry.tries > 0``, or a
+        failed turn at another target after parking) keeps its place in line
+        and is not checked against the ceilings again: it was accepted already.
         """
         if self.shutting_down:
-            raise Refused(
-                "shutdown", "the proxy is shutting down", 503, self.retry_after(entry)
-            )
+            raise Refused("shutdown", "the proxy is shutting down", 503, self.retry_after())
         returning = entry.tries > 0 or entry.was_parked
         if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
             self._replayer.started()
@@ -105,7 +95,7 @@ class Gate:
                     "policy",
                     f"policy rejects {entry.cls} requests during a yield",
                     self.reject_status,
-                    self.retry_after(entry),
+                    self.retry_after(),
                 )
             self._check_budget(entry, cls)
         try:
@@ -114,6 +104,23 @@ class Gate:
             self._metrics.rejected_total.labels(entry.cls, refusal.reason).inc()
             raise
 
+    def explain(self, refusal: Refused) -> Refused:
+        """``refusal`` as the caller reads it: with ``Retry-After``, and for an expiry, what kept it waiting.
+
+        The lot refuses without either (it knows neither the yield nor the
+        service time), so whoever answers a refusal of :meth:`admit` asks
+        here, as it happens: an expiry's cause is the state at that moment.
+        """
+        if refusal.reason == "expired":
+            return refusal.advised(self.retry_after(), self.why_still_waiting())
+        if refusal.retry_after is None:
+            return refusal.advised(self.retry_after())
+        return refusal
+
+    def stop_admitting(self) -> None:
+        """The proxy is stopping: refuse every request from now on, new or coming back."""
+        self.shutting_down = True
+
     def finished(self, failed: bool = False, seconds: float | None = None) -> None:
         """The upstream exchange of an admitted request ended."""
         if seconds is not None and not failed:
@@ -121,37 +128,11 @@ class Gate:
         started = None if seconds is None else self._clock.seconds() - seconds
         self._replayer.finished(failed, started)
 
-    def upstream_result(self, failure_reason: str | None, call: object = None) -> Deferred:
-        """Report how an upstream attempt went (any class, passthrough too).
-
-        For a failure, the Deferred fires with the verdict: True when a
-        recognised outage explains it, so the attempt does not count against
-        the request; False when the request failed on its own (or nothing
-        judges outages).  ``call`` says what failed (a
-        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can probe
-        the same kind of call.  The Deferred never fails; cancelling it only
-        stops waiting.
-        """
-        if failure_reason is None:
-            self.upstream_answered = True
-        for listener in self.upstream_listeners:
-            try:
-                listener(failure_reason)
-            except Exception:
-                log.failure("upstream listener failed")
-        if failure_reason is None or self.outage_judge is None:
-            return succeed(False)
-        try:
-            return self.outage_judge(failure_reason, call)
-        except Exception:
-            log.failure("outage judge failed")
-            return succeed(False)
-
     def why_still_waiting(self) -> str:
         """What keeps the lot waiting right now, for the message of a request that expires in it."""
         if self._state.yielded:
             sources = sorted({hold.source for hold in self._state.holds})
-            if sources == ["outage"]:
+            if sources == [OUTAGE_SOURCE]:
                 return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
             return f"the GPU was still yielded (held by {', '.join(sources)})"
         if self._replayer.release_held:
@@ -161,7 +142,7 @@ class Gate:
             f"{self._replayer.concurrency} replay slots"
         )
 
-    def retry_after(self, entry: Entry | None = None) -> int:
+    def retry_after(self) -> int:
         """Seconds a refused caller should wait, from what is known.
 
         The declared end of the yield when every hold gave one; else, while
@@ -181,9 +162,7 @@ class Gate:
 
     def refuse_all_parked(self, why: str) -> int:
         """Answer every parked request with 503 (shutdown while yielded)."""
-        return self._lot.refuse_all(
-            lambda entry: Refused("shutdown", why, 503, self.retry_after(entry))
-        )
+        return self._lot.refuse_all(lambda entry: Refused("shutdown", why, 503, self.retry_after()))
 
     def _check_budget(self, entry: Entry, cls: ClassConfig) -> None:
         """Refuse at once when the declared yield outlasts what this request may wait.
@@ -214,7 +193,6 @@ class Gate:
         raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
 
     def _state_changed(self, yielded: bool) -> None:
-        # The yield state logs the transition itself, with :meth:`describe`.
         self._metrics.yield_active.set(1 if yielded else 0)
         if not yielded:
             self._replayer.reset_backoff()

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -39,19 +39,11 @@ from twisted.python.failure import Failure
 from .config import HandoverConfig
 from .control import ControlTimeout
 from .metrics import Metrics
+from .names import OUTAGE_SOURCE, canonical_model
 from .replay import Replayer
 from .state import Hold, YieldState
 
 log = Logger()
-
-#: The outage watcher's source: its holds are no handover.
-OUTAGE_SOURCE = "outage"
-
-
-def canonical(name: str) -> str:
-    """Ollama's full name for a model: ``all-minilm`` is listed as ``all-minilm:latest``."""
-    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
-
 
 def loaded_models(body: Any) -> set[str]:
     """Model names from an ``/api/ps`` answer."""
@@ -61,7 +53,7 @@ def loaded_models(body: Any) -> set[str]:
         if isinstance(entry, dict):
             name = entry.get("model") or entry.get("name")
             if isinstance(name, str) and name:
-                names.add(canonical(name))
+                names.add(canonical_model(name))
     return names
 
 
@@ -80,7 +72,7 @@ class Handover(Service):
     _control: Any
     _metrics: Metrics
     config: HandoverConfig = attrs.Factory(HandoverConfig)
-    #: How often ``/api/ps`` and the in-flight count are looked at while waiting.
+    #: How often ``/api/ps`` is read while waiting for models to come or go.
     poll_seconds: float = 0.25
     #: The step running now (for ``/status``): waiting_inflight, unloading, preloading, or None.
     step: str | None = None
@@ -188,7 +180,7 @@ class Handover(Service):
         """Load :attr:`HandoverConfig.preload_models` and wait until ``/api/ps`` lists them."""
         began = self._clock.seconds()
         deadline = began + self.config.preload_timeout_seconds
-        wanted = {canonical(m) for m in self.config.preload_models}
+        wanted = {canonical_model(m) for m in self.config.preload_models}
         self.step = "preloading"
         log.info(
             "handover: loading {models} before the parked requests are replayed",
@@ -211,12 +203,11 @@ class Handover(Service):
     # -- helpers -----------------------------------------------------------------
 
     async def _wait_inflight(self, seconds: float) -> bool:
-        """Poll the in-flight count until it is 0; False if ``seconds`` pass first."""
-        deadline = self._clock.seconds() + seconds
-        while self._replayer.inflight > 0:
-            if self._clock.seconds() >= deadline:
-                return False
-            await deferLater(self._clock, min(self.poll_seconds, deadline - self._clock.seconds()))
+        """Wait until nothing is in flight (the replayer says when); False if ``seconds`` pass first."""
+        try:
+            await self._replayer.when_idle().addTimeout(seconds, self._clock)
+        except TimeoutError:
+            return False
         return True
 
     def _remaining(self, deadline: float) -> float:

@@ -7,8 +7,8 @@ samples (3600 at one a second: an hour, about a megabyte) and forgets the
 oldest first.
 
 Each sample is ``{t, state, parked: {class: count}, inflight}``, taken on the
-injected clock by a :class:`~twisted.internet.task.LoopingCall` whose step
-catches and logs its own errors, so one bad read cannot stop the sampling.
+injected clock while the service runs (:func:`~yieldproxy.periodic.every`:
+one bad read is logged and the sampling goes on).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import collections
 from typing import Any, Callable, Iterable
 
 import attrs
+from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from .periodic import every
 
 log = Logger()
 
@@ -49,9 +52,9 @@ class Sample:
     inflight: int
 
 
-@attrs.define(eq=False)
-class History:
-    """A ring buffer of :class:`Sample`, filled every ``interval`` seconds while started."""
+@attrs.define(eq=False, slots=False)
+class History(Service):
+    """A ring buffer of :class:`Sample`, filled every ``interval`` seconds while the service runs."""
 
     _clock: IReactorTime
     #: Reads the current state; called once per sample.
@@ -62,29 +65,23 @@ class History:
     _samples: collections.deque = attrs.field(init=False)
     _loop: LoopingCall | None = attrs.field(init=False, default=None)
 
+    name = "history"
+
     def __attrs_post_init__(self) -> None:
         self._samples = collections.deque(maxlen=self.capacity)
 
     def __len__(self) -> int:
         return len(self._samples)
 
-    @property
-    def running(self) -> bool:
-        return self._loop is not None and self._loop.running
+    def startService(self) -> None:
+        """Sample now, then every :attr:`interval` seconds."""
+        super().startService()
+        self._loop = every(self._clock, self.interval, self.sample, "history: taking a sample")
 
-    def start(self, interval: float | None = None) -> None:
-        """Sample now, then every ``interval`` seconds (default: :attr:`interval`)."""
-        if self.running:
-            return
-        if interval is not None:
-            self.interval = interval
-        self._loop = LoopingCall(self.sample)
-        self._loop.clock = self._clock  # LoopingCall's default clock is the global reactor.
-        self._loop.start(self.interval, now=True)
-
-    def stop(self) -> None:
+    def stopService(self) -> None:
         """Stop sampling; the samples taken so far stay readable."""
-        if self.running:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
 

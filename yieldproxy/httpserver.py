@@ -6,9 +6,10 @@ client must not be able to make the proxy buffer without bound, wait without
 bound, or forward anything it did not parse itself, so this layer:
 
 * refuses a body over ``proxy.max_body_bytes`` as soon as that is known (from
-  ``Content-Length``, or mid-way through a chunked body): the request goes to
-  the app at once, without its body, and is answered 413; the rest of the
-  body is read and dropped, then the connection is closed;
+  ``Content-Length``, or mid-way through a chunked body): the request is
+  answered 413 at once, without its body (by the site's ``oversized``, the
+  proxy app's own answer); the rest of the body is read and dropped, then the
+  connection is closed;
 * answers 431 for too many or too large header lines, 414 for an overlong
   request line, and a JSON 400 for every request Twisted's parser rejects
   (conflicting ``Content-Length``/``Transfer-Encoding``, CR/LF/NUL in a
@@ -41,12 +42,14 @@ client still sends, so the client reads our answer instead of a TCP reset.
 The channel hooks into :class:`twisted.web.http.HTTPChannel` internals
 (``_receivedHeaderSize``, ``_handlingRequest``, ``_respondToBadRequestAndDisconnect``,
 ``_failChooseTransferDecoder``, ``_finishRequestBody``...), as they are in
-Twisted 26.10; ``tests/test_hostile.py`` fails if a Twisted release moves them.
+Twisted 26.10; ``tests/test_httpserver_hooks.py`` fails, naming the hook, if a Twisted release
+stops calling one.
 """
 
 from __future__ import annotations
 
 import io
+from typing import Callable
 from urllib.parse import unquote_to_bytes
 
 import attrs
@@ -225,9 +228,8 @@ class ProxyRequest(Request):
     """
 
     max_body_bytes = 32 * 1024 * 1024
+    #: Set once the body passed ``max_body_bytes``: it is no longer kept, and the app never sees it.
     too_large = False
-    #: Answer 413 here rather than let the app see ``too_large`` (for apps that do not check it).
-    answer_too_large = False
     #: Give the requests answered here their line in the request log (requestlog.py).
     request_log = True
 
@@ -256,10 +258,22 @@ class ProxyRequest(Request):
             refuse(self)
 
     def process(self):
-        """Hand the request to the app, unless it is answered here (see :meth:`_refusal`)."""
+        """Hand the request to the app, unless it is answered here (see :meth:`_refusal`).
+
+        A body over the limit was not read: such a request goes to the site's
+        ``oversized`` answer (the proxy app's, which counts it) instead of the
+        app's resource, which only ever sees whole bodies.
+        """
         refusal = self._refusal()
         if refusal is None:
-            super().process()
+            oversized = self.channel.site.oversized if self.too_large else None
+            if oversized is None:
+                super().process()
+                return
+            body = oversized(self)
+            self.setHeader(b"content-length", b"%d" % len(body))
+            self.write(body)
+            self.finish()
             return
         status, message, code = refusal
         if self.request_log:
@@ -285,7 +299,7 @@ class ProxyRequest(Request):
         if self.method == b"CONNECT":
             # A reverse proxy for one upstream opens no tunnels, whatever the target.
             return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
-        if self.too_large and self.answer_too_large:
+        if self.too_large and self.channel.site.oversized is None:
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
         for host in hosts:
@@ -557,10 +571,11 @@ class ProxyChannel(HTTPChannel):
 class ProxySite(Site):
     """A Site with bounded requests in memory, TCP_NODELAY, and no per-request access log.
 
-    The proxy app answers an oversized body itself (``request.too_large``,
-    with its metrics); another app (the admin API) can pass
-    ``answer_too_large=True`` to have such requests answered 413 here, and
-    ``request_log=False`` to keep its requests out of the request log.
+    A body over ``max_body_bytes`` is not read: the request is answered by
+    ``oversized(request)``, which sets the status and headers and returns the
+    body (the proxy app's 413, counted in its metrics), or, without it, by a
+    plain 413 here (the admin API).  ``request_log=False`` keeps the requests
+    answered here out of the request log.
 
     ``timeout`` (Twisted's) is the keep-alive timeout: how long a connection
     may wait for a request.  ``stall_timeout`` is how long a client may read
@@ -576,7 +591,7 @@ class ProxySite(Site):
         resource,
         max_body_bytes: int,
         request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
-        answer_too_large: bool = False,
+        oversized: Callable[[Request], bytes] | None = None,
         request_log: bool = True,
         stall_timeout: float | None = None,
         connections: Connections | None = None,
@@ -586,17 +601,18 @@ class ProxySite(Site):
         request_class = type(
             "BoundedProxyRequest",
             (ProxyRequest,),
-            {"max_body_bytes": max_body_bytes, "answer_too_large": answer_too_large, "request_log": request_log},
+            {"max_body_bytes": max_body_bytes, "request_log": request_log},
         )
-        super().__init__(resource, requestFactory=request_class, **kwargs)
+        # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
+        super().__init__(resource, requestFactory=request_class, parsePOSTFormSubmission=False, **kwargs)
         #: Seconds a client has to deliver a whole request (None: no limit).
         self.request_read_timeout = request_read_timeout
         #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
         self.stall_timeout = stall_timeout
         self.connections = connections
         self.host_policy = host_policy
-        # A proxy forwards bodies as they are: no parsing of form uploads into request.args.
-        self._parsePOSTFormSubmission = False
+        #: Answers a request whose body passed the limit (None: a plain 413 here).
+        self.oversized = oversized
 
     def buildProtocol(self, addr):
         """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from .names import CLASS_NAMES, WATCHER_SOURCES
+
 #: Time spent parked: from 10 ms (a short flap) to an hour (a long job's bound).
 PARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 #: Upstream answer times: embeddings take milliseconds, generations minutes.
@@ -23,12 +25,8 @@ YIELD_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
 #: VRAM handover steps: an unload takes a second, a large model's load a minute or two.
 HANDOVER_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-#: The watchers, as ``watcher`` label values.
-WATCHERS = ("file", "signal", "command", "outage")
 #: The VRAM handover steps, as ``step`` label values.
 HANDOVER_STEPS = ("wait_inflight", "unload", "preload")
-
-CLASSES = ("interactive", "batch", "long")
 
 __all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
 
@@ -182,9 +180,9 @@ class Metrics:
             ["step", "outcome"],
             registry=r,
         )
-        for cls in CLASSES:
+        for cls in CLASS_NAMES:
             self.parked_requests.labels(cls)
-        for watcher in WATCHERS:
+        for watcher in WATCHER_SOURCES:
             self.watcher_errors_total.labels(watcher)
         for probe in ("health", "model"):
             for result in ("up", "down"):
@@ -265,7 +263,7 @@ def oldest_parked_family(ages: dict[str, float]) -> GaugeMetricFamily:
     fam = GaugeMetricFamily(
         "yieldproxy_oldest_parked_seconds", "Age of the oldest parked request per class.", labels=["class"]
     )
-    for cls in CLASSES:
+    for cls in CLASS_NAMES:
         fam.add_metric([cls], ages.get(cls, 0.0))
     return fam
 

@@ -22,7 +22,7 @@ import math
 from typing import Any, Callable
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
@@ -91,7 +91,9 @@ class Refused(Exception):
     """The request was not parked, or left the lot without being released.
 
     ``reason`` is a metric label (``queue_full``, ``over_budget``, ``expired``,
-    ``shutdown``, ...); ``message`` is the sentence the caller reads.
+    ``shutdown``, ...); ``message`` is the sentence the caller reads.  The lot
+    refuses without ``retry_after``: the gate, which knows the yield and the
+    service time, explains it to the caller (:meth:`advised`).
     """
 
     def __init__(self, reason: str, message: str, status: int = 503, retry_after: float | None = None):
@@ -100,6 +102,11 @@ class Refused(Exception):
         self.message = message
         self.status = status
         self.retry_after = retry_after
+
+    def advised(self, retry_after: float, cause: str | None = None) -> "Refused":
+        """The same refusal with the caller's ``Retry-After`` and, for an expiry, what kept it waiting."""
+        message = f"{self.message}: {cause}" if cause else self.message
+        return Refused(self.reason, message, self.status, retry_after)
 
 
 @attrs.define(eq=False)
@@ -112,8 +119,6 @@ class ParkingLot:
     max_parked_bytes: int
     class_max_parked: dict[str, int] = attrs.Factory(dict)
     reject_status: int = 503
-    #: Estimates Retry-After for a refused entry (set by the gate).
-    retry_after: Callable[[Entry], float] = lambda entry: 1.0
     #: Higher-priority classes drain first...
     priorities: dict[str, int] = attrs.Factory(dict)
     #: ...but a waiting class gets at least this share of releases.
@@ -128,8 +133,6 @@ class ParkingLot:
     _parked_listeners: list[Callable[[], None]] = attrs.Factory(list)
     #: Called with each entry that leaves the lot, whichever way.
     _out_listeners: list[Callable[[Entry], None]] = attrs.Factory(list)
-    #: Says what keeps the lot waiting, for an expiry's message (set by the gate).
-    why_still_waiting: Callable[[], str] = lambda: "the GPU or the upstream did not come back in time"
     #: Deadlines of parked entries, soonest first, as (deadline, seq, entry).
     #: An entry that left stays until it comes up (it is skipped then), until
     #: the lot empties, or until the heap is rebuilt (see :meth:`park`).
@@ -139,6 +142,8 @@ class ParkingLot:
     _timer: IDelayedCall | None = None
     _timer_at: float = math.inf
     _expiring: bool = False
+    #: Waiting for the lot to empty (see :meth:`when_empty`).
+    _empty_waiters: list[Deferred] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -155,6 +160,23 @@ class ParkingLot:
         for the primary and for every way out but a release.
         """
         self._out_listeners.append(listener)
+
+    def when_empty(self) -> Deferred:
+        """A Deferred that fires once nothing is parked (at once if nothing is); cancel it to stop waiting.
+
+        Fired after the last entry's own Deferred, when its request has moved on.
+        """
+        if not self._count:
+            return succeed(None)
+        waiter: Deferred = Deferred(canceller=self._empty_waiters.remove)
+        self._empty_waiters.append(waiter)
+        return waiter
+
+    def _tell_empty(self) -> None:
+        if not self._count and self._empty_waiters:
+            waiters, self._empty_waiters = self._empty_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     def __len__(self) -> int:
         return self._count
@@ -193,7 +215,7 @@ class ParkingLot:
             why = f"parked queue full for {entry.cls} requests ({cls_cap} parked)"
         else:
             return
-        raise Refused("queue_full", why, self.reject_status, self.retry_after(entry))
+        raise Refused("queue_full", why, self.reject_status)
 
     def park(self, entry: Entry, hold_seconds: float, check_room: bool = True) -> Deferred:
         """Hold ``entry`` until released; its Deferred fires with the entry.
@@ -260,6 +282,7 @@ class ParkingLot:
         entry._deferred, d = None, entry._deferred
         self._tell_out(entry)
         d.callback(entry)
+        self._tell_empty()
         return entry
 
     def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
@@ -329,19 +352,19 @@ class ParkingLot:
         self._arm()
 
     def _expire(self, entry: Entry) -> None:
-        """Past its hold bound: refused, with what really kept it (yield, outage, or a busy GPU)."""
-        cause = self.why_still_waiting()
+        """Past its hold bound: refused (the gate adds what kept it: a yield, an outage, or a busy GPU)."""
         if entry.bound_by_caller:
-            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s): {cause}"
+            why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s)"
         else:
-            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests): {cause}"
-        self._fail(entry, Refused("expired", why, 503, self.retry_after(entry)))
+            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests)"
+        self._fail(entry, Refused("expired", why, 503))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:
         self._leave(entry)
         entry._deferred, d = None, entry._deferred
         self._tell_out(entry)
         d.errback(refusal)
+        self._tell_empty()
 
     def _abandon(self, entry: Entry) -> None:
         """Canceller: the client went away while parked."""
@@ -352,6 +375,7 @@ class ParkingLot:
         self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))
+        self._tell_empty()
 
     def _tell_out(self, entry: Entry) -> None:
         """Tell the listeners an entry left, before its request moves on; one failing must not stop the rest."""
@@ -368,7 +392,8 @@ class ParkingLot:
         del queue[index]
         if not queue:
             self._passed_over.pop(entry.cls, None)
-        stayed = self._clock.seconds() - (entry.parked_at or self._clock.seconds())
+        now = self._clock.seconds()
+        stayed = now - entry.parked_at if entry.parked_at is not None else 0.0
         entry.parked_seconds += stayed
         entry.parked_at = None
         self._account(entry, -1)

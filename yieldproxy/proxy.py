@@ -33,6 +33,7 @@ from .errors import stream_error_chunk, write_error
 from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
+from .health import UpstreamHealth
 from .hosts import HostPolicy
 from .httpserver import Connections, ProxySite
 from .metrics import Metrics
@@ -89,6 +90,8 @@ class ProxyApp:
     _config: Config
     _gate: Gate
     _upstream: Upstream
+    #: The upstream's reachability and outage verdicts: every attempt is reported there.
+    _health: UpstreamHealth
     _metrics: Metrics
     #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
     _fallback: Fallback | None = None
@@ -134,7 +137,23 @@ class ProxyApp:
             stall_timeout=proxy.idle_timeout_seconds,
             connections=self.connections,
             host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
+            oversized=self.refuse_oversized,
             reactor=self._clock,
+        )
+
+    def refuse_oversized(self, request) -> bytes:
+        """The answer to a body over ``proxy.max_body_bytes`` that the HTTP layer stopped reading."""
+        request.started_at = self._clock.seconds()
+        try:
+            target = parse_target(request.uri)
+        except BadTarget as e:
+            return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
+        return self._too_large(request, api_family(target.api_path))
+
+    def _too_large(self, request, api: str) -> bytes:
+        limit = self._config.proxy.max_body_bytes
+        return self._reject(
+            request, PASSTHROUGH, api, 413, "too_large", f"request body larger than proxy.max_body_bytes ({limit} bytes)"
         )
 
     # -- the request's life -------------------------------------------------
@@ -148,15 +167,15 @@ class ProxyApp:
         except BadTarget as e:
             return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
         api = api_family(target.api_path)
-        if request.too_large:
-            return self._reject(
-                request,
-                PASSTHROUGH,
-                api,
-                413,
-                "too_large",
-                f"request body larger than proxy.max_body_bytes ({self._config.proxy.max_body_bytes} bytes)",
-            )
+        # Any file-like body: a plain Site spools a large one to a temporary file.
+        request.content.seek(0)
+        body = request.content.read()
+        # Hold the body once, not twice, while the request may sit parked
+        # (Twisted's cleanup accepts None here).
+        request.content = None
+        if len(body) > self._config.proxy.max_body_bytes:
+            # Only behind a plain Site: ProxySite stops reading such a body and calls refuse_oversized.
+            return self._too_large(request, api)
         wanted = None
         if self._trusts_header(request):
             try:
@@ -178,10 +197,6 @@ class ProxyApp:
                     request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
-        body = request.content.getvalue()
-        # Hold the body once, not twice, while the request may sit parked
-        # (Twisted's cleanup accepts None here).
-        request.content = None
         try:
             cls = self._class_of(request, target, body, wanted)
         except BadBody as e:
@@ -241,7 +256,8 @@ class ProxyApp:
         while True:
             try:
                 await self._gate.admit(entry)
-            except Refused as refusal:
+            except Refused as refused:
+                refusal = self._gate.explain(refused)
                 if entry.was_parked:
                     outcome = refusal.reason if refusal.reason in ("expired", "shutdown") else "rejected"
                     self._metrics.replay_total.labels(entry.cls, outcome).inc()
@@ -298,7 +314,7 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            self._gate.upstream_result(None)
+            self._health.report(None)
             self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
             try:
                 await attempt.client_drained()
@@ -315,7 +331,7 @@ class ProxyApp:
     ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
 
-        The outage watcher judges the failure (gate.upstream_result): when a
+        The upstream's health judges the failure (its outage watcher, while it runs): when a
         recognised outage explains it (the GPU is yielded, or a probe of the
         same kind of call failed too), the attempt is not counted against the
         request and it parks behind the hold.  A request that fails alone
@@ -324,13 +340,13 @@ class ProxyApp:
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         try:
-            forgiven = await self._gate.upstream_result(failure.reason, failed_call(target, body))
+            forgiven = await self._health.report(failure.reason, failed_call(target, body))
         except CancelledError:
             if entry.was_parked:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
             self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
             raise
-        if failure.reason in ("refused", "connect") and not self._gate.upstream_answered:
+        if failure.reason in ("refused", "connect") and not self._health.reachable:
             # Never reached since start: a wrong URL or a backend not started
             # yet. Waiting cannot help; say so at once.
             entry.attempts += 1
@@ -364,7 +380,7 @@ class ProxyApp:
             status = await attempt.run()
         except RetryableFailure as failure:
             # Reported for outage detection; nobody waits on the verdict.
-            self._gate.upstream_result(failure.reason)
+            self._health.report(failure.reason)
             code = 504 if failure.reason == "timeout" else 502
             return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
@@ -375,7 +391,7 @@ class ProxyApp:
         except CancelledError:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
-        self._gate.upstream_result(None)
+        self._health.report(None)
         try:
             await attempt.client_drained()
         except CancelledError:

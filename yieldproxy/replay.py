@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Cooperator, TaskDone, TaskStopped
 from twisted.logger import Logger
@@ -67,6 +67,12 @@ class Replayer:
     _stopped: bool = False
     #: Pre-release steps still running (see :meth:`hold_release_until`).
     _release_gates: list[Deferred] = attrs.Factory(list)
+    #: Waiting for nothing to be in flight (see :meth:`when_idle`).
+    _idle_waiters: list[Deferred] = attrs.Factory(list)
+
+    def __attrs_post_init__(self) -> None:
+        # A request that parks may be one this target can take now.
+        self._lot.when_parked(self.kick)
 
     @property
     def draining(self) -> bool:
@@ -114,6 +120,18 @@ class Replayer:
         self._task = self._cooperator.cooperate(self._release())
         self._task.whenDone().addBoth(self._task_ended)
 
+    def when_idle(self) -> Deferred:
+        """A Deferred that fires once nothing is in flight to the target (at once if nothing is).
+
+        For the waits that must not poll: the shutdown's drain, the VRAM
+        handover's wait before it unloads.  Cancelling it only stops waiting.
+        """
+        if self.inflight == 0:
+            return succeed(None)
+        waiter: Deferred = Deferred(canceller=self._idle_waiters.remove)
+        self._idle_waiters.append(waiter)
+        return waiter
+
     def started(self) -> None:
         """A request went to the target (directly or from the lot)."""
         self.inflight += 1
@@ -146,6 +164,10 @@ class Replayer:
         elif not abandoned and (started is None or started >= self._last_failure):
             self.reset_backoff()
         self._wake()
+        if self.inflight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     def _count_inflight(self) -> None:
         # yieldproxy_inflight_requests is the primary's (docs/metrics.md).

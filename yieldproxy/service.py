@@ -1,36 +1,55 @@
-"""Wiring: the object graph of one proxy, and the service that runs it.
+"""The composition root: every part of one proxy, made and connected in one place, and the service that runs them.
 
-:func:`build` takes the reactor (or a Clock) and the config and returns every
-part, connected; tests use it with a Clock, ``tap.py`` with the real reactor.
-:class:`YieldProxyService` listens on both endpoints and stops gracefully:
-parked requests are answered (or released, if the GPU is back) and in-flight
-ones get a bounded time to finish.
+:func:`build` takes the reactor (or a Clock) and the config, makes each part
+once with everything it uses, in dependency order, and returns them in a
+frozen :class:`Proxy`; no part is changed by another after it is made.
+Tests use it with a Clock, ``tap.py`` with the real reactor.
+
+What runs is a child of :class:`YieldProxyService`, started in order and
+stopped in the reverse order, each child after the one before it has
+stopped (docs/architecture.md):
+
+1. the admin listener (it answers until the very end);
+2. the upstream clients' connection pools (closed once nothing uses them);
+3. the fallback's verification (when enabled);
+4. the history sampling;
+5. the drain (drain.py: parked requests answered or released, in-flight ones
+   given ``proxy.shutdown_timeout_seconds``);
+6. the watchers, then the VRAM handover (their holds stay when they stop);
+7. the proxy listener (the first to stop: no new connections).
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, Sequence
+
 import attrs
-from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
+from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
 from .admin import AdminApp
 from .config import Config
+from .control import UpstreamControl
+from .drain import Drain
+from .fallback import EmbedBackend, Fallback, fallback_drainer
 from .forward import Upstream
-from .fallback import Fallback, build_fallback
 from .gate import Gate
+from .handover import Handover
+from .health import UpstreamHealth
 from .history import History, snapshot_reader
-from .listen_errors import why_cannot_listen
+from .listener import CannotListen, Listener
 from .metrics import Metrics, connection_families, hold_families, oldest_parked_family, source_label
+from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
 from .proxy import ProxyApp
 from .replay import Replayer
-from .state import BUILTIN_SOURCES, YieldState
-from .watchers import build_watchers
+from .state import YieldState, transition_logger
+from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
+
+__all__ = ["Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator"]
 
 log = Logger()
 
@@ -48,9 +67,9 @@ def one_step_cooperator(clock) -> Cooperator:
     )
 
 
-@attrs.define(eq=False)
+@attrs.frozen
 class Proxy:
-    """Every part of one running proxy."""
+    """Every part of one proxy, as :func:`build` made them."""
 
     clock: IReactorTime
     config: Config
@@ -59,13 +78,22 @@ class Proxy:
     lot: ParkingLot
     replayer: Replayer
     gate: Gate
+    #: The client of ``proxy.upstream`` (its connection pool).
     upstream: Upstream
+    #: Whether the upstream answered since start, and the outage verdicts on its failures.
+    health: UpstreamHealth
     proxy_app: ProxyApp
     admin_app: AdminApp
-    #: The status page's last hour; sampling runs while the service runs.
-    history: History | None = None
-    #: The verified CPU fallback, when ``fallback.enabled``; verification runs while the service runs.
-    fallback: Fallback | None = None
+    #: The status page's last hour.
+    history: History
+    #: The enabled watchers (docs/watchers.md).
+    watchers: tuple[Service, ...]
+    #: The VRAM handover, when ``handover.unload_on_yield`` or ``preload_models`` is set.
+    handover: Handover | None
+    #: The verified CPU fallback, when ``fallback.enabled``.
+    fallback: Fallback | None
+    #: What runs all of the above: start it, and stop it, as twistd does.
+    service: YieldProxyService
 
 
 def build_core(
@@ -99,6 +127,7 @@ def build_core(
     gate = Gate(
         reactor, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status
     )
+    state.on_transition(transition_logger(gate.describe))
     return state, lot, replayer, gate
 
 
@@ -109,10 +138,19 @@ def build(
     cooperator: Cooperator | None = None,
     metrics: Metrics | None = None,
     read_token: str | None = None,
+    upstream: Upstream | None = None,
+    history_interval: float = 1.0,
 ) -> Proxy:
-    """Connect the parts of a proxy on ``reactor`` (a real reactor or a Clock)."""
+    """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
+
+    ``upstream`` replaces the client of ``proxy.upstream`` (tests on a Clock
+    give one that reaches an in-memory resource).  Start ``proxy.service``
+    to listen and run the watchers; stop it to drain and close.
+    """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
+
+    # The clock-driven heart, and what it reports.
     state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
@@ -120,66 +158,139 @@ def build(
     metrics.watch(
         lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
     )
-    upstream = Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
+
+    # The upstream: its client for requests, its control calls, what is known of its health.
+    upstream = upstream or Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
+    control = UpstreamControl(reactor, config.proxy.upstream)
+    health = UpstreamHealth(config.proxy.upstream)
+    clients: list[Any] = [upstream]
+
     fallback = None
     if config.fallback.enabled:
-        fallback = build_fallback(reactor, config, upstream, metrics, state, lot, cooperator)
+        fc = config.fallback
+        backend = Upstream(reactor, fc.url, fc.concurrency + 1)
+        clients.append(backend)
+        fallback = Fallback(
+            reactor, fc,
+            EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1"),
+            EmbedBackend(reactor, backend, fc.api, fc.timeout_seconds),
+            metrics, lambda: state.yielded, {k: v.policy for k, v in config.classes.items()},
+            lot, fallback_drainer(reactor, config, metrics, state, lot, cooperator),
+        )
         state.observe(fallback.state_changed)
-    proxy_app = ProxyApp(reactor, config, gate, upstream, metrics, fallback)
-    history = History(reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes))
+        metrics.watch(fallback.metric_families)
+
+    # What takes holds by itself, and what acts on them.
+    watchers = tuple(_watchers(reactor, config, state, metrics, health, control))
+    handover = None
+    if config.handover.unload_on_yield or config.handover.preload_models:
+        handover = Handover(reactor, state, replayer, control, metrics, config.handover)
+    history = History(
+        reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes),
+        interval=history_interval,
+    )
     state.observe(history.state_changed)
+
+    # The two HTTP apps.
+    proxy_app = ProxyApp(reactor, config, gate, upstream, health, metrics, fallback)
     admin_app = AdminApp(
-        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token, history=history
+        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token,
+        history=history, sections=_status_sections(watchers, handover, fallback), fallback=fallback,
     )
-    admin_app.fallback = fallback
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
-    admin_app.status_extras["fallback"] = fallback.status if fallback is not None else lambda: {"enabled": False}
+
+    # What runs, in start order (it stops in the reverse order).
+    drain = Drain(
+        reactor, state, gate, lot, replayer, (replayer, *([fallback] if fallback is not None else [])),
+        timeout=config.proxy.shutdown_timeout_seconds,
+    )
+    service = YieldProxyService([
+        Listener(reactor, "admin.listen", config.admin.listen, admin_app.site()),
+        ClientPools(clients),
+        *([fallback] if fallback is not None else []),
+        history,
+        drain,
+        *watchers,
+        *([handover] if handover is not None else []),
+        Listener(reactor, "proxy.listen", config.proxy.listen, proxy_app.site()),
+    ])
     return Proxy(
-        reactor, config, metrics, state, lot, replayer, gate, upstream, proxy_app, admin_app, history=history,
-        fallback=fallback,
+        reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
+        watchers, handover, fallback, service,
     )
 
 
-class CannotListen(Exception):
-    """A listener could not start; the message is one line naming the key, the endpoint and why."""
+def _watchers(reactor, config: Config, state, metrics, health, control) -> list[Service]:
+    """The watchers ``config.watchers`` and ``upstream.detect_outages`` enable, not started."""
+    w, up = config.watchers, config.upstream
+    watchers: list[Service] = []
+    if w.state_file:
+        # inotify needs a reactor that watches file descriptors; a Clock only polls.
+        real = reactor if IReactorFDSet.providedBy(reactor) else None
+        watchers.append(
+            StateFileWatcher(reactor, state, metrics, w.state_file, w.state_file_poll_seconds, inotify_reactor=real)
+        )
+    if w.signals:
+        watchers.append(SignalWatcher(reactor, state, metrics))
+    if w.command:
+        watchers.append(
+            CommandWatcher(
+                reactor, state, metrics, w.command,
+                interval=w.command_interval_seconds, timeout=w.command_timeout_seconds,
+            )
+        )
+    if up.detect_outages:
+        probe = UpstreamProbe(
+            control, health, up.health_path,
+            health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
+        )
+        watchers.append(
+            OutageWatcher(
+                reactor, state, health, probe, metrics,
+                interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+            )
+        )
+    return watchers
 
 
-class _Listener(StreamServerEndpointService):
-    """A listener that fails at once, with :class:`CannotListen`, when it cannot bind.
+def _status_sections(watchers, handover, fallback) -> dict[str, Callable[[], Any]]:
+    """The ``/status`` sections of the parts beside the core: each read when ``/status`` is."""
+    sections: dict[str, Callable[[], Any]] = {
+        "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
+        "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
+    }
+    if handover is not None:
+        sections["handover"] = handover.status
+    return sections
 
-    twistd calls :meth:`privilegedStartService` before it drops privileges;
-    a port in use or a missing socket directory surfaces there.
-    """
 
-    def __init__(self, reactor, key: str, endpoint: str, factory):
-        super().__init__(serverFromString(reactor, endpoint), factory)
-        self.setName(key.split(".")[0])
-        self._key = key
-        self._endpoint = endpoint
-        self._raiseSynchronously = True
+class ClientPools(Service):
+    """The upstream clients' connection pools, closed when the proxy stops (after the drain: it uses them)."""
 
-    def privilegedStartService(self) -> None:
-        try:
-            super().privilegedStartService()
-        except Exception as e:
-            raise CannotListen(f"{self._key} {self._endpoint!r}: cannot listen: {why_cannot_listen(e)}") from e
+    name = "clients"
+
+    def __init__(self, clients: Sequence[Any]):
+        self._clients = tuple(clients)
+
+    def stopService(self) -> Deferred:
+        super().stopService()
+        return gatherResults([maybeDeferred(client.close) for client in self._clients], consumeErrors=True)
 
 
 class YieldProxyService(MultiService):
-    """Both listeners, and the graceful stop that keeps the "nothing lost" promise."""
+    """Runs the proxy's parts: started in order, stopped one at a time in the reverse order.
 
-    def __init__(self, reactor, proxy: Proxy):
+    :class:`~twisted.application.service.MultiService` stops every child at
+    once; a graceful stop cannot: the proxy listener must be closed before
+    the drain starts, and the admin listener must answer until the drain
+    ends.  So each child is stopped once the one after it has stopped, and a
+    child that fails to stop is logged and the next one stops anyway.
+    """
+
+    def __init__(self, children: Sequence[Service]):
         super().__init__()
-        self._reactor = reactor
-        self.proxy = proxy
-        self._proxy_listener = _Listener(reactor, "proxy.listen", proxy.config.proxy.listen, proxy.proxy_app.site())
-        self._proxy_listener.setServiceParent(self)
-        self._admin_listener = _Listener(reactor, "admin.listen", proxy.config.admin.listen, proxy.admin_app.site())
-        self._admin_listener.setServiceParent(self)
-        #: The enabled watchers and the VRAM handover (docs/watchers.md), started with the rest.
-        self.watchers = build_watchers(reactor, proxy)
-        for service in self.watchers:
-            service.setServiceParent(self)
+        for child in children:
+            child.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
         """Bind both listeners: twistd calls this before it drops privileges.
@@ -194,59 +305,13 @@ class YieldProxyService(MultiService):
             log.critical("{message}", message=str(e))
             raise SystemExit(1) from None
 
-    def startService(self) -> None:
-        super().startService()
-        if self.proxy.history is not None:
-            self.proxy.history.start()
-        if self.proxy.fallback is not None:
-            self.proxy.fallback.start()
-
     def stopService(self) -> Deferred:
-        """Stop taking requests, settle the parked ones, then let in-flight ones finish."""
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self):
-        proxy = self.proxy
-        await self._proxy_listener.stopService()
-        # Watchers stop first and leave their holds as they are: a yielded GPU
-        # stays yielded through the shutdown.  A pending preload stops holding the lot.
-        for service in reversed(self.watchers):
-            try:
-                service.stopService()
-            except Exception:
-                log.failure("stopping {name} failed", name=service.name)
-        proxy.gate.shutting_down = True
-        if proxy.state.yielded:
-            count = proxy.gate.refuse_all_parked("the proxy is shutting down while the GPU is yielded")
-            log.info("shutdown: answered {count} parked requests with 503", count=count)
-        timeout = proxy.config.proxy.shutdown_timeout_seconds
-        settled = await self._wait_settled(timeout)
-        if not settled:
-            left = proxy.gate.refuse_all_parked("the proxy is shutting down")
-            log.warn(
-                "shutdown: {inflight} requests still in flight after {timeout}s; "
-                "{left} parked answered with 503",
-                inflight=proxy.replayer.inflight, timeout=timeout, left=left,
-            )
-        proxy.replayer.stop()
-        if proxy.fallback is not None:
-            await proxy.fallback.stop()
-        await proxy.upstream.close()
         Service.stopService(self)
-        await self._admin_listener.stopService()
-        if proxy.history is not None:
-            proxy.history.stop()
+        return Deferred.fromCoroutine(self._stop_in_turn())
 
-    async def _wait_settled(self, timeout: float) -> bool:
-        """Poll until nothing is parked or in flight (at the fallback too), up to ``timeout`` seconds."""
-        proxy = self.proxy
-        waited = 0.0
-        step = 0.05
-        while proxy.lot or proxy.replayer.inflight or (proxy.fallback is not None and proxy.fallback.inflight):
-            if waited >= timeout:
-                return False
-            d = Deferred()
-            self._reactor.callLater(step, d.callback, None)
-            await d
-            waited += step
-        return True
+    async def _stop_in_turn(self) -> None:
+        for child in reversed(list(self)):
+            try:
+                await maybeDeferred(child.stopService)
+            except Exception:
+                log.failure("stopping {name} failed", name=child.name)

@@ -20,13 +20,12 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .names import WATCHER_SOURCES
+
 log = Logger()
 
-#: The hold sources yieldproxy itself uses: the watchers, the outage detector,
-#: the default of ``POST /yield`` and the demo.  Metrics name them; others count as ``other``.
-BUILTIN_SOURCES = ("api", "file", "signal", "command", "outage", "demo")
 #: Sources of the proxy's own watchers: never refused, whatever ``max_holds`` says.
-WATCHER_SOURCES = frozenset({"file", "signal", "command", "outage"})
+_NEVER_REFUSED = frozenset(WATCHER_SOURCES)
 #: The longest a hold's ``expected_seconds`` or ``for_seconds`` may be: a week.
 MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 #: Holds from callers (everything but the watchers) at once (``admin.max_holds``).
@@ -80,6 +79,16 @@ class Hold:
         }
 
 
+@attrs.frozen
+class Transition:
+    """The GPU was taken or given back: by which hold, and how long the state before it lasted."""
+
+    yielded: bool
+    #: The hold that began the yield, or the last one to end.
+    hold: Hold
+    lasted: float
+
+
 @attrs.define(eq=False)
 class YieldState:
     """The set of active holds, with lease timers on an injected clock."""
@@ -94,9 +103,7 @@ class YieldState:
     last_change: float = attrs.field(default=None)
     _on_yield_ended: list[Callable[[str, float], None]] = attrs.Factory(list)
     _on_hold_taken: list[Callable[[Hold], None]] = attrs.Factory(list)
-    #: What the proxy looks like now ("now draining, parked batch=3, in flight 0"),
-    #: so each transition is one log line; the gate sets it.
-    describe: Callable[[], str] = attrs.field(default=lambda: "")
+    _on_transition: list[Callable[[Transition], None]] = attrs.Factory(list)
     #: At most this many holds from callers at once (watcher holds are not counted).
     max_holds: int = DEFAULT_MAX_HOLDS
 
@@ -118,6 +125,14 @@ class YieldState:
     def observe(self, callback: Callable[[bool], None]) -> None:
         """Call ``callback(yielded)`` whenever the GPU is taken or given back."""
         self._observers.append(callback)
+
+    def on_transition(self, callback: Callable[[Transition], None]) -> None:
+        """Call ``callback(transition)`` when the GPU is taken or given back, before the observers.
+
+        For the one log line of each change (:func:`transition_logger`), so it
+        comes before what the change sets off.
+        """
+        self._on_transition.append(callback)
 
     def on_hold_taken(self, callback: Callable[[Hold], None]) -> None:
         self._on_hold_taken.append(callback)
@@ -146,7 +161,7 @@ class YieldState:
                 raise ValueError(f"{name} must be above 0 and at most {MAX_HOLD_SECONDS:g} seconds (a week)")
         now = self._clock.seconds()
         previous = self._holds.get(source)
-        if previous is None and source not in WATCHER_SOURCES and self.caller_holds() >= self.max_holds:
+        if previous is None and source not in _NEVER_REFUSED and self.caller_holds() >= self.max_holds:
             raise TooManyHolds(
                 f"{self.caller_holds()} sources hold the GPU already, the most allowed (admin.max_holds); "
                 "end one (POST /resume) or renew an existing source's hold"
@@ -185,7 +200,7 @@ class YieldState:
 
     def caller_holds(self) -> int:
         """Holds from callers (not the watchers): what ``max_holds`` bounds."""
-        return sum(1 for source in self._holds if source not in WATCHER_SOURCES)
+        return sum(1 for source in self._holds if source not in _NEVER_REFUSED)
 
     def release(self, source: str) -> bool:
         """End ``source``'s hold; True if it held the GPU."""
@@ -236,26 +251,38 @@ class YieldState:
 
     def _changed(self, yielded: bool, hold: Hold) -> None:
         now = self._clock.seconds()
-        lasted = now - self.last_change
+        transition = Transition(yielded, hold, now - self.last_change)
         self.last_change = now
-        try:
-            details = self.describe()
-        except Exception:
-            log.failure("describing the proxy for the state log line failed")
-            details = ""
-        log.info(
-            "GPU {what}: source={source} reason={reason!r}{details} (previous state lasted {lasted:.1f}s)",
-            what="yielded" if yielded else "available",
-            source=hold.source,
-            reason=hold.reason,
-            details=f"; {details}" if details else "",
-            lasted=lasted,
-        )
+        for callback in list(self._on_transition):
+            try:
+                callback(transition)
+            except Exception:
+                log.failure("yield-state transition callback failed")
         for callback in list(self._observers):
             try:
                 callback(yielded)
             except Exception:
                 log.failure("yield-state observer failed")
+
+
+def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], None]:
+    """The one log line of each transition, given to :meth:`YieldState.on_transition`.
+
+    ``describe()`` says what the proxy looks like then ("now draining, parked
+    batch=3, in flight 0"): the gate knows that, the state does not.
+    """
+
+    def log_transition(change: Transition) -> None:
+        log.info(
+            "GPU {what}: source={source} reason={reason!r}; {details} (previous state lasted {lasted:.1f}s)",
+            what="yielded" if change.yielded else "available",
+            source=change.hold.source,
+            reason=change.hold.reason,
+            details=describe(),
+            lasted=change.lasted,
+        )
+
+    return log_transition
 
 
 def _others(count: int) -> str:

@@ -127,9 +127,8 @@ def makeService(options: Options):
     from twisted.internet import reactor
 
     from .limits import fit_fd_limit
-    from .service import YieldProxyService, build
+    from .service import build
 
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
-    proxy = build(reactor, config, token=options.token, read_token=options.read_token)
-    return YieldProxyService(reactor, proxy)
+    return build(reactor, config, token=options.token, read_token=options.read_token).service

@@ -9,20 +9,10 @@ import re
 import struct
 from typing import Any, Iterable, Sequence
 
+from ..names import canonical_model
+
 DEFAULT_EMBED_MODEL = "all-minilm"
 DEFAULT_CHAT_MODEL = "llama3.2"
-
-
-def canonical_model(name: str) -> str:
-    """
-    Ollama's own name for a model: ``all-minilm`` is ``all-minilm:latest``.
-
-    Used as the seed of every vector and reply, so a client may name the
-    model either way and still get the same answer.
-    """
-    name = name.strip()
-    last = name.rsplit("/", 1)[-1]
-    return name if ":" in last else name + ":latest"
 
 
 def _raw_embedding(text: str, model: str, dim: int) -> list[float]:

@@ -29,11 +29,13 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..periodic import every
+from ..names import COMMAND_SOURCE
 from ..state import YieldState
 
 log = Logger()
 
-SOURCE = "command"
+SOURCE = COMMAND_SOURCE
 #: Output kept from one run, for the hold's reason and the error log.
 OUTPUT_LIMIT = 4096
 #: The same error is logged again at most this often (a broken probe runs every few seconds).
@@ -108,11 +110,7 @@ class CommandWatcher(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._loop = LoopingCall(self.probe_once)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True).addErrback(
-            lambda f: log.failure("command probe loop stopped", f)
-        )
+        self._loop = every(self._reactor, self.interval, self.probe_once, "command probe step")
         log.info(
             "command watcher: running {command!r} every {interval:g}s (timeout {timeout:g}s)",
             command=self.command,

@@ -1,8 +1,9 @@
 """Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
-The gate hands every failed attempt of the outage kinds (refused, connect,
-reset, gpu_error, status_503) to :meth:`OutageWatcher.judge`, which answers
-with a verdict: does a recognised outage explain the failure?
+The upstream's health (health.py) hands every failed attempt of the outage
+kinds (refused, connect, reset, gpu_error, status_503) to
+:meth:`OutageWatcher.judge` while the watcher runs, which answers with a
+verdict: does a recognised outage explain the failure?
 
 * The GPU is yielded already (another source holds it), or the ``outage``
   hold is in place: yes, at once.  Nothing is probed then: nothing reaches a
@@ -45,12 +46,17 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from ..control import Answer, UpstreamControl
+from ..health import UpstreamHealth
 from ..metrics import Metrics
+from ..names import OUTAGE_SOURCE
+from ..ollama_errors import is_gpu_failure
+from ..probes import minimal_call
 from ..state import YieldState
 
 log = Logger()
 
-SOURCE = "outage"
+SOURCE = OUTAGE_SOURCE
 #: Failures that may mean "the upstream (or its GPU) is down", not "this request was slow".
 OUTAGE_REASONS = frozenset({"refused", "connect", "reset", "gpu_error", "status_503"})
 
@@ -64,26 +70,56 @@ class _Pending:
     probe: Deferred | None = None
 
 
+@attrs.frozen
+class UpstreamProbe:
+    """One outage probe through the control client: the health path, or the minimal twin of a failed model call.
+
+    Any answer to a model call shows the upstream is reachable (it answered),
+    even one that says it is down.
+    """
+
+    _control: UpstreamControl
+    _health: UpstreamHealth
+    health_path: str = "/api/version"
+    health_timeout: float = 2.0
+    model_timeout: float = 60.0
+
+    def __call__(self, call: object = None) -> Deferred:
+        """A Deferred firing True when the upstream serves ``call`` (None: the health path answers 200)."""
+        minimal = minimal_call(call) if call is not None else None
+        if minimal is None:
+            d = self._control.request("GET", self.health_path, timeout=self.health_timeout)
+            return d.addCallback(self._health_answered)
+        method, path, body = minimal
+        return self._control.request(method, path, body, timeout=self.model_timeout).addCallback(self._model_answered)
+
+    def _health_answered(self, answer: Answer) -> bool:
+        if answer.code != 200:
+            return False
+        self._health.answered()
+        return True
+
+    def _model_answered(self, answer: Answer) -> bool:
+        """Down only when it fails the way an outage does; any other answer means the GPU serves."""
+        self._health.answered()
+        return not (answer.code == 503 or is_gpu_failure(answer.code, answer.body))
+
+
 @attrs.define(eq=False, slots=False)
 class OutageWatcher(Service):
     """Judges failed attempts with probes; takes and ends the ``outage`` hold."""
 
     _clock: IReactorTime
     _state: YieldState
-    #: The gate's ``upstream_listeners``, joined while running.
-    _listeners: list
+    #: The upstream's health: the watcher judges its failures while running, and marks it reachable.
+    _health: UpstreamHealth
     #: ``check(call)``: probes once; a Deferred firing True when the upstream serves ``call``
-    #: (None: the health path), False or an error when it fails the way an outage does.
+    #: (None: the health path), False or an error when it fails the way an outage does
+    #: (an :class:`UpstreamProbe`).
     _check: Callable[[object], Deferred]
     _metrics: Metrics
-    #: Sets the gate's outage judge (called with :meth:`judge` at start and None at stop).
-    _set_judge: Callable[[Callable | None], None] = lambda judge: None
     interval: float = 0.5
     max_interval: float = 10.0
-    #: For log lines.
-    upstream: str = "the upstream"
-    #: True once the upstream has answered (a request, or a health probe) since start.
-    reachable: bool = False
     _next_interval: float = attrs.field(init=False)
     _timer: IDelayedCall | None = None
     #: The follow-up probe of a held outage, in flight.
@@ -100,19 +136,27 @@ class OutageWatcher(Service):
     def __attrs_post_init__(self) -> None:
         self._next_interval = self.interval
 
+    @property
+    def reachable(self) -> bool:
+        """True once the upstream has answered (a request, or a probe) since start."""
+        return self._health.reachable
+
+    @property
+    def upstream(self) -> str:
+        return self._health.url
+
     def startService(self) -> None:
         super().startService()
-        self._listeners.append(self.upstream_result)
-        self._set_judge(self.judge)
+        self._health.listen(self.upstream_result)
+        self._health.judge_outages_with(self.judge)
         # One probe at start, so an outage before the first request is an outage too.
         self._start_probe(None)
 
     def stopService(self) -> None:
         """Stop listening, judging and probing; an outage hold stays (the upstream is still down)."""
         super().stopService()
-        if self.upstream_result in self._listeners:
-            self._listeners.remove(self.upstream_result)
-        self._set_judge(None)
+        self._health.forget(self.upstream_result)
+        self._health.judge_outages_with(None)
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -135,7 +179,7 @@ class OutageWatcher(Service):
     # -- what the gate reports ------------------------------------------------------------
 
     def upstream_result(self, reason: str | None) -> None:
-        """A gate listener: every attempt's result.  Answers mark the upstream reachable."""
+        """Every attempt's result (a listener of the upstream's health)."""
         if reason is not None:
             return
         self._answered()
@@ -256,10 +300,10 @@ class OutageWatcher(Service):
     # -- while the outage hold lasts --------------------------------------------------------------
 
     def _answered(self) -> None:
-        if not self.reachable:
-            self.reachable = True
-            if self._said_unreachable:
-                log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
+        self._health.answered()
+        if self._said_unreachable:
+            self._said_unreachable = False
+            log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
     def _schedule(self) -> None:
         """The next probe of the held outage, after the current interval; the interval then doubles."""

@@ -20,11 +20,12 @@ from twisted.application.service import Service
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..names import SIGNAL_SOURCE
 from ..state import YieldState
 
 log = Logger()
 
-SOURCE = "signal"
+SOURCE = SIGNAL_SOURCE
 
 
 @attrs.define(eq=False, slots=False)

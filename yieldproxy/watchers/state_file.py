@@ -25,11 +25,13 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
+from ..periodic import every
+from ..names import FILE_SOURCE
 from ..state import MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
 
-SOURCE = "file"
+SOURCE = FILE_SOURCE
 #: More than this is not a small JSON note; only this much is read.
 MAX_CONTENT_BYTES = 64 * 1024
 
@@ -88,9 +90,7 @@ class StateFileWatcher(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._loop = LoopingCall(self.check)
-        self._loop.clock = self._clock
-        self._loop.start(self.poll_seconds, now=True)
+        self._loop = every(self._clock, self.poll_seconds, self.check, "state-file watcher step")
         if self.inotify_reactor is not None:
             self._start_inotify()
         log.info(

@@ -1,0 +1,162 @@
+"""The private Twisted hooks the HTTP hardening relies on are still called, each by the request that needs it.
+
+``httpserver.ProxyChannel`` overrides or reads parts of
+:class:`twisted.web.http.HTTPChannel` that are not public API (its docstring
+lists them).  If a Twisted release renames one, an override is simply never
+called again and the hardening it carries silently stops; this file fails
+loudly instead, naming the hook.  Each case feeds a channel, in memory, the
+request that must go through the hook, and checks both that the hook ran and
+that the answer is the one the hook exists for.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.web import http
+from twisted.web.resource import Resource
+
+from yieldproxy.httpserver import ProxyChannel, ProxySite
+
+#: The HTTPChannel methods ProxyChannel overrides that Twisted does not document.
+PRIVATE_OVERRIDES = (
+    "_maybeChooseTransferDecoder",
+    "_failChooseTransferDecoder",
+    "_respondToBadRequestAndDisconnect",
+    "_finishRequestBody",
+)
+#: The HTTPChannel attributes ProxyChannel reads that Twisted does not document.
+PRIVATE_ATTRIBUTES = ("_receivedHeaderSize", "_receivedHeaderCount", "_handlingRequest", "_path", "_networkProducer")
+
+
+class _Ok(Resource):
+    isLeaf = True
+
+    def render(self, request):
+        return b"ok"
+
+
+class _Transport(StringTransport):
+    """A transport that can shut its write side, as TCP's can (the channel lingers then)."""
+
+    def loseWriteConnection(self):
+        self.write_closed = True
+
+    def abortConnection(self):
+        self.loseConnection()
+
+
+class _Probe:
+    """A channel in memory that records which private hooks it went through, and what it wrote."""
+
+    def __init__(self, **site_options):
+        calls = self.calls = []
+        self.reads: set[str] = set()
+
+        def spy(name):
+            def hook(channel, *args, **kwargs):
+                calls.append(name)
+                return getattr(ProxyChannel, name)(channel, *args, **kwargs)
+
+            return hook
+
+        reads = self.reads
+
+        class Spy(ProxyChannel):
+            def __getattribute__(self, name):
+                if name in PRIVATE_ATTRIBUTES:
+                    reads.add(name)
+                return super().__getattribute__(name)
+
+        for name in PRIVATE_OVERRIDES:
+            setattr(Spy, name, spy(name))
+        self.clock = Clock()
+        site = ProxySite(_Ok(), site_options.pop("max_body_bytes", 1000), reactor=self.clock, **site_options)
+        site.protocol = Spy
+        self.channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
+        self.transport = _Transport()
+        self.channel.makeConnection(self.transport)
+
+    def send(self, raw: bytes) -> None:
+        self.channel.dataReceived(raw)
+
+    def answer(self) -> tuple[int, dict]:
+        head, _, body = self.transport.value().partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), json.loads(body)
+
+    def went_through(self, *names: str) -> None:
+        for name in names:
+            seen = name in self.calls or name in self.reads
+            assert seen, (
+                f"Twisted's HTTPChannel no longer goes through {name}: the hardening in "
+                f"yieldproxy/httpserver.py that relies on it is dead (see its module docstring)"
+            )
+
+
+def test_twisted_still_has_every_private_name_the_channel_uses():
+    for name in PRIVATE_OVERRIDES:
+        assert callable(getattr(http.HTTPChannel, name, None)), f"HTTPChannel.{name} is gone"
+    channel = http.HTTPChannel()
+    channel.makeConnection(StringTransport())
+    for name in ("_receivedHeaderSize", "_receivedHeaderCount", "_handlingRequest", "_networkProducer"):
+        assert hasattr(channel, name), f"HTTPChannel has no {name} any more"
+
+
+def test_a_transfer_coding_other_than_chunked_goes_through_the_decoder_hooks():
+    probe = _Probe()
+    probe.send(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: identity\r\n\r\n")
+    probe.went_through("_maybeChooseTransferDecoder", "_failChooseTransferDecoder", "_respondToBadRequestAndDisconnect")
+    status, body = probe.answer()
+    assert status == 400 and "Transfer-Encoding must be chunked" in body["error"]["message"]
+    # The OpenAI shape: the request line's path was read from the channel.
+    probe.went_through("_path")
+
+
+def test_conflicting_lengths_go_through_twisteds_own_failure_hook():
+    probe = _Probe()
+    probe.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+    probe.went_through("_failChooseTransferDecoder", "_respondToBadRequestAndDisconnect")
+    status, body = probe.answer()
+    assert status == 400 and body == {"error": "invalid or conflicting Content-Length / Transfer-Encoding"}
+
+
+@pytest.mark.parametrize(
+    "headers, hook",
+    [
+        ([b"X-Big: " + b"a" * 8000] * 3, "_receivedHeaderSize"),
+        ([b"X-Many-%d: 1" % i for i in range(120)], "_receivedHeaderCount"),
+    ],
+)
+def test_too_many_or_too_large_headers_are_measured_with_the_channels_own_counts(headers, hook):
+    probe = _Probe()
+    probe.send(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n")
+    probe.went_through(hook)
+    status, body = probe.answer()
+    assert status == 431 and body["error"].startswith(("request headers larger", "more than"))
+
+
+def test_the_end_of_a_refused_chunked_body_goes_through_finish_request_body():
+    probe = _Probe(max_body_bytes=10)
+    probe.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n")
+    # The chunk past the limit and the body's end in one read: the decoder ends the body
+    # while the channel is already refusing it.
+    probe.send(b"14\r\n" + b"x" * 20 + b"\r\n0\r\n\r\n")
+    probe.went_through("_finishRequestBody")
+    status, _ = probe.answer()
+    assert status == 413
+    # The refusal lingers (write side shut, the rest read and dropped) through the channel's producer.
+    probe.went_through("_networkProducer")
+    assert probe.transport.write_closed
+
+
+def test_a_slow_request_is_timed_with_the_channels_handling_flag():
+    probe = _Probe()
+    probe.send(b"GET /api/tags HTTP/1.1\r\n")
+    probe.clock.advance(30)
+    probe.went_through("_handlingRequest")
+    status, body = probe.answer()
+    assert status == 408 and "not received in full" in body["error"]

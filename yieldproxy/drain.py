@@ -1,0 +1,92 @@
+"""The graceful stop's middle: settle the parked and in-flight requests, within a bound.
+
+A child of the proxy's service, stopped after the proxy listener (no new
+connections) and the watchers (their holds stay: a yielded GPU stays
+yielded), and before the upstream clients close and the admin listener
+stops.  Its :meth:`Drain.stopService`:
+
+* makes the gate refuse every request from then on (a request coming back
+  after a failed attempt too);
+* answers every parked request 503 at once if the GPU is yielded (it will
+  not be back in time), else lets the lot drain as usual;
+* waits until nothing is parked and nothing is in flight (at the primary or
+  the fallback), each told by an event, not polled: the lot and the
+  replayers fire their waiters when they empty (:meth:`ParkingLot.when_empty`,
+  :meth:`Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
+* gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
+  answered 503, what is in flight is left to finish as the process ends;
+* and stops the primary's replayer for good.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import attrs
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from .gate import Gate
+from .parking import ParkingLot
+from .replay import Replayer
+from .state import YieldState
+
+log = Logger()
+
+
+class InFlight(Protocol):
+    """Where admitted requests go (the primary's replayer, the fallback): what is in flight there."""
+
+    inflight: int
+
+    def when_idle(self) -> Deferred: ...
+
+
+@attrs.define(eq=False, slots=False)
+class Drain(Service):
+    """Settles the parked and in-flight requests when the proxy stops."""
+
+    _clock: IReactorTime
+    _state: YieldState
+    _gate: Gate
+    _lot: ParkingLot
+    #: The primary's replayer, stopped once the drain is over.
+    _replayer: Replayer
+    #: Every target requests may be in flight at (the primary's replayer first).
+    _targets: Sequence[InFlight]
+    #: ``proxy.shutdown_timeout_seconds``.
+    timeout: float = 30.0
+
+    name = "drain"
+
+    def stopService(self) -> Deferred:
+        super().stopService()
+        return Deferred.fromCoroutine(self._drain())
+
+    async def _drain(self) -> None:
+        self._gate.stop_admitting()
+        if self._state.yielded:
+            count = self._gate.refuse_all_parked("the proxy is shutting down while the GPU is yielded")
+            log.info("shutdown: answered {count} parked requests with 503", count=count)
+        try:
+            await Deferred.fromCoroutine(self._settled()).addTimeout(self.timeout, self._clock)
+        except TimeoutError:
+            left = self._gate.refuse_all_parked("the proxy is shutting down")
+            log.warn(
+                "shutdown: {inflight} requests still in flight after {timeout:g}s; {left} parked answered with 503",
+                inflight=sum(target.inflight for target in self._targets), timeout=self.timeout, left=left,
+            )
+        self._replayer.stop()
+
+    def settled(self) -> bool:
+        """Nothing parked, nothing in flight."""
+        return not self._lot and not any(target.inflight for target in self._targets)
+
+    async def _settled(self) -> None:
+        """Wait for each to empty in turn, until all are empty at once (a failed attempt may park again)."""
+        while not self.settled():
+            await self._lot.when_empty()
+            for target in self._targets:
+                await target.when_idle()

@@ -1,0 +1,84 @@
+"""What the proxy knows about one upstream's health, kept in one place.
+
+Two facts, each with this one owner:
+
+* **reachable**: the upstream has answered since the proxy started (a
+  request, or a probe).  Until then a refused connection is a configuration
+  error (a wrong URL, a backend not started yet), answered 502 at once, and
+  not an outage worth waiting out.
+* **the outage verdict** on a failed attempt: does a recognised outage
+  explain it?  The upstream's outage watcher decides while it runs
+  (watchers/outage.py); without one, no failure is forgiven.
+
+The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
+the outage watcher registers as the judge and as a listener while it runs,
+and marks the upstream reachable when its probes get an answer.  With an
+upstream pool (issue 12) each upstream gets its own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+
+log = Logger()
+
+#: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
+Judge = Callable[[str, object], Deferred]
+
+
+@attrs.define(eq=False)
+class UpstreamHealth:
+    """Reachability and outage verdicts of one upstream."""
+
+    #: The upstream's URL, for log lines.
+    url: str
+    #: True once the upstream has answered since the proxy started.
+    reachable: bool = False
+    _judge: Judge | None = None
+    _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
+
+    def answered(self) -> None:
+        """The upstream answered (a request or a probe): it is reachable from now on."""
+        self.reachable = True
+
+    def report(self, failure_reason: str | None, call: object = None) -> Deferred:
+        """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.
+
+        For a failure, the Deferred fires with the verdict: True when a
+        recognised outage explains it, so the attempt does not count against
+        the request; False when the request failed on its own (or nothing
+        judges outages).  ``call`` says what failed (a
+        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can
+        probe the same kind of call.  The Deferred never fails; cancelling
+        it only stops waiting.
+        """
+        if failure_reason is None:
+            self.answered()
+        for listener in list(self._listeners):
+            try:
+                listener(failure_reason)
+            except Exception:
+                log.failure("upstream health listener failed")
+        if failure_reason is None or self._judge is None:
+            return succeed(False)
+        try:
+            return self._judge(failure_reason, call)
+        except Exception:
+            log.failure("outage judge failed")
+            return succeed(False)
+
+    def listen(self, listener: Callable[[str | None], None]) -> None:
+        """Call ``listener(failure_reason)`` with every attempt's result, until :meth:`forget`."""
+        self._listeners.append(listener)
+
+    def forget(self, listener: Callable[[str | None], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def judge_outages_with(self, judge: Judge | None) -> None:
+        """Let ``judge`` decide the verdicts from now on (None: no failure is forgiven)."""
+        self._judge = judge
