@@ -15,6 +15,7 @@ from twisted.python import usage
 
 from . import requestlog
 from .config import ConfigError, load, read_tokens
+from .pool.apis import check_apis
 from .requestlog import JSON_OBSERVER, LOG_FORMATS, LOG_LEVELS, TEXT_OBSERVER
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
@@ -57,9 +58,15 @@ class Options(usage.Options):
     def postOptions(self):
         try:
             config = load(self["config"])
+            check_apis(config, self["config"] or "<defaults>")
             token, read_token = read_tokens(config)
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None
+        if self["upstream"] is not None and config.upstreams:
+            raise usage.UsageError(
+                "--upstream: the config file has [[upstreams]]; --upstream replaces proxy.upstream, "
+                "the one-upstream form (change the url in [[upstreams]] instead)"
+            )
         for option, key in (("upstream", "proxy.upstream"), ("listen", "proxy.listen"), ("admin", "admin.listen")):
             if self[option] is not None:
                 try:
