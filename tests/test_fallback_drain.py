@@ -23,7 +23,6 @@ from helpers import InMemoryUpstream, clock_cooperator, config_with
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
 from yieldproxy.gate import Gate
-from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
@@ -155,8 +154,9 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     config = attrs.evolve(config or config_with(classes={"batch": {"policy": "fallback"}}), fallback=fc)
     metrics = Metrics()
     cooperator = clock_cooperator(clock)
-    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator)
     sim = SimOllama(clock)
+    upstream = InMemoryUpstream(sim.resource())
+    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator, lambda spec: (upstream, None))
     twin = Twin()
     # Verification embeds the probe on both sides: the primary is another twin, answering at once.
     primary = Twin()
@@ -167,8 +167,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
     )
     state.observe(fallback.state_changed)
-    upstream = InMemoryUpstream(sim.resource())
-    app = ProxyApp(clock, config, gate, upstream, UpstreamHealth(upstream.url), metrics, fallback)
+    app = ProxyApp(clock, config, gate, gate.pool, metrics, fallback)
     http = StubTreq(app.app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http)
     if verify:

@@ -32,6 +32,29 @@ log = Logger()
 
 _sequence = itertools.count()
 
+#: What an entry's route does: ``embedding`` routes are the ones whose answers a
+#: vector store keeps (a member serves them only as the model's reference or a
+#: verified twin), ``generation`` the others that run a model.
+ROUTE_KINDS = ("embedding", "generation", "other")
+
+
+@attrs.frozen
+class Routing:
+    """What decides where a request may go: its model, its route's kind, the members eligible for it.
+
+    Decided once at admission (pool/routing.py) and shared by every request
+    with the same route, class and model, so a parked request carries one
+    reference, not three.  Whether a member is available is not part of it:
+    that changes while the request waits.
+    """
+
+    #: The pool members that may serve it, in config order.
+    eligible: tuple[str, ...] = ()
+    #: The model its body names (None: none).
+    model: str | None = None
+    #: :data:`ROUTE_KINDS`.
+    kind: str = "other"
+
 
 @attrs.define(eq=False)
 class Entry:
@@ -63,14 +86,33 @@ class Entry:
     #: to (the fallback: the mapped model), set at admission by the target
     #: (None until one does: most entries never get an offer).
     offers: dict[str, Any] | None = None
-    #: The target whose drainer let it out of the lot last; None: the primary.
+    #: The target whose drainer let it out of the lot last, or the pool member the gate
+    #: sent it to; None: the primary (a pool of one's member).
     released_to: str | None = None
+    #: Its model, route kind and eligible pool members, decided once at admission
+    #: (one shared value for every request alike: see :class:`Routing`).
+    routing: Routing | None = None
+    #: The member its last attempt failed on: another eligible one takes it first.
+    failed_on: str | None = None
     _deferred: Deferred | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    @property
+    def eligible(self) -> tuple[str, ...]:
+        """The pool members that may serve it, in config order (none until admission decides)."""
+        return self.routing.eligible if self.routing is not None else ()
+
+    @property
+    def model(self) -> str | None:
+        return self.routing.model if self.routing is not None else None
+
+    @property
+    def kind(self) -> str:
+        return self.routing.kind if self.routing is not None else "other"
 
     @property
     def tries(self) -> int:
@@ -144,6 +186,8 @@ class ParkingLot:
     _expiring: bool = False
     #: Waiting for the lot to empty (see :meth:`when_empty`).
     _empty_waiters: list[Deferred] = attrs.Factory(list)
+    #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
+    _waiting: dict[str, int] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -180,6 +224,10 @@ class ParkingLot:
 
     def __len__(self) -> int:
         return self._count
+
+    def waiting_for(self, member: str) -> int:
+        """Parked entries ``member`` is eligible for (whether or not it is available)."""
+        return self._waiting.get(member, 0)
 
     def __bool__(self) -> bool:
         return self._count > 0
@@ -409,5 +457,8 @@ class ParkingLot:
     def _account(self, entry: Entry, sign: int) -> None:
         self._count += sign
         self._bytes += sign * entry.size
+        waiting = self._waiting
+        for member in entry.eligible:
+            waiting[member] = waiting.get(member, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)

@@ -55,6 +55,9 @@ class Replayer:
     accepts: Callable[[Entry], bool] | None = None
     #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
     is_open: Callable[[], bool] | None = None
+    #: Called after every change of :attr:`inflight` (a pool keeps the proxy-wide gauge);
+    #: None: the primary's own count is the gauge.
+    on_inflight: Callable[[], None] | None = None
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: object = None
@@ -170,8 +173,10 @@ class Replayer:
                 waiter.callback(None)
 
     def _count_inflight(self) -> None:
-        # yieldproxy_inflight_requests is the primary's (docs/metrics.md).
-        if self.target is None:
+        if self.on_inflight is not None:
+            self.on_inflight()
+        elif self.target is None:
+            # yieldproxy_inflight_requests is the primary's (docs/metrics.md).
             self._metrics.inflight_requests.set(self.inflight)
 
     def reset_backoff(self) -> None:
