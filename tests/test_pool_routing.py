@@ -274,3 +274,53 @@ def test_a_pool_of_one_reads_as_the_one_upstream_did():
     core.state.hold("api")
     assert core.gate.state_name == "yielded"
     assert pool.status()[0]["state"] == "yielded"
+
+
+def test_a_drainer_walks_only_the_requests_its_member_may_take(monkeypatch):
+    """A thousand requests parked for a yielded member cost the other member's drain nothing per release."""
+    from yieldproxy.pool.routing import Pool
+
+    looked = []
+    may_take = Pool.may_take
+    monkeypatch.setattr(Pool, "may_take", lambda self, name, entry: looked.append(name) or may_take(self, name, entry))
+    core = make_pool_core(
+        {"name": "big", "models": ("llama3",)}, {"name": "small", "models": ("all-minilm",), "replay_concurrency": 2},
+    )
+    core.state.hold("api", "game", scope="big")
+    waiting = [admit(core, "batch", "/api/embed", "llama3")[1] for _ in range(1000)]
+    core.state.hold("api", "busy", scope="small")
+    embeds = [admit(core) for _ in range(10)]
+    looked.clear()
+    core.state.release("api", "small")
+    core.run()
+    finished = set()
+    while len(finished) < len(embeds):
+        running = [e for e, d in embeds if went(d) and id(e) not in finished]
+        assert running, "the drain stopped"
+        for entry in running:
+            finished.add(id(entry))
+            finish(core, entry)
+    assert looked and len(looked) < 50, len(looked)
+    assert not any(went(d) for d in waiting) and core.lot.waiting_for("big") == 1000
+
+
+def test_a_standby_member_does_not_look_through_the_lot_while_the_always_ones_drain_it(monkeypatch):
+    from yieldproxy.pool.routing import Pool
+
+    looked = []
+    may_take = Pool.may_take
+    monkeypatch.setattr(Pool, "may_take", lambda self, name, entry: looked.append(name) or may_take(self, name, entry))
+    core = make_pool_core({"name": "gpu", "replay_concurrency": 1}, {"name": "cpu", "use": "when_others_yielded"})
+    core.state.hold("api")
+    core.state.hold("api", scope="cpu")
+    parked = [admit(core) for _ in range(500)]
+    core.state.release("api", "cpu")
+    core.state.release("api")
+    core.run()
+    looked.clear()
+    # New arrivals join the tail while the GPU drains: the CPU copy's drainer is woken each time.
+    for _ in range(100):
+        admit(core)
+    core.run()
+    assert looked.count("cpu") == 0
+    assert sum(went(d) for _, d in parked) == 1

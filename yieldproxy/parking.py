@@ -36,6 +36,8 @@ _sequence = itertools.count()
 #: vector store keeps (a member serves them only as the model's reference or a
 #: verified twin), ``generation`` the others that run a model.
 ROUTE_KINDS = ("embedding", "generation", "other")
+#: The lot's count (:meth:`ParkingLot.waiting_for`) of parked entries only standby members may take.
+STANDBY_ONLY = "*standby-only*"
 
 
 @attrs.frozen
@@ -54,6 +56,9 @@ class Routing:
     model: str | None = None
     #: :data:`ROUTE_KINDS`.
     kind: str = "other"
+    #: Every eligible member is a standby one (``use = "when_others_yielded"``): no
+    #: ``always`` member may ever take it (counted as :data:`STANDBY_ONLY` in the lot).
+    standby_only: bool = False
 
 
 @attrs.define(eq=False)
@@ -188,6 +193,11 @@ class ParkingLot:
     _empty_waiters: list[Deferred] = attrs.Factory(list)
     #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
     _waiting: dict[str, int] = attrs.Factory(dict)
+    #: Keep a line per pool member (a pool of several): each member's drainer then walks only
+    #: the entries it may take, not those waiting for another member.
+    index_members: bool = False
+    #: Per member, per class, the entries it may take, in arrival order (with ``index_members``).
+    _lines: dict[str, dict[str, list[Entry]]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -226,7 +236,8 @@ class ParkingLot:
         return self._count
 
     def waiting_for(self, member: str) -> int:
-        """Parked entries ``member`` is eligible for (whether or not it is available)."""
+        """Parked entries ``member`` is eligible for (whether or not it is available); with
+        :data:`STANDBY_ONLY`, those only standby members are eligible for."""
         return self._waiting.get(member, 0)
 
     def __bool__(self) -> bool:
@@ -291,15 +302,18 @@ class ParkingLot:
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
+        if self.index_members:
+            for member in entry.eligible:
+                bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         for listener in self._parked_listeners:
             listener()
         return d
 
-    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
-        """The entry :meth:`release_next` would let out now (for ``accepts``)."""
-        heads = self._heads(accepts)
+    def peek(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
+        """The entry :meth:`release_next` would let out now (for ``accepts``, to ``target``)."""
+        heads = self._heads(accepts, target)
         cls = self._next_class(heads)
         return heads[cls] if cls is not None else None
 
@@ -313,9 +327,10 @@ class ParkingLot:
         its first allowed entry, and the drain order between the classes is
         kept as it is for the primary.  ``target`` is written on the entry
         (``released_to``) before its Deferred fires, so the request knows
-        where it goes.
+        where it goes.  A pool member's target walks only its own line
+        (``index_members``).
         """
-        heads = self._heads(accepts)
+        heads = self._heads(accepts, target)
         cls = self._next_class(heads)
         if cls is None:
             return None
@@ -333,12 +348,15 @@ class ParkingLot:
         self._tell_empty()
         return entry
 
-    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
+    def _heads(self, accepts: Callable[[Entry], bool] | None, target: str | None = None) -> dict[str, Entry]:
         """Each waiting class's first entry (that ``accepts`` allows), in class order."""
+        queues = self._queues
+        if self.index_members and target in self._lines:
+            queues = self._lines[target]
         if accepts is None:
-            return {cls: queue[0] for cls, queue in self._queues.items() if queue}
+            return {cls: queue[0] for cls, queue in queues.items() if queue}
         heads = {}
-        for cls, queue in self._queues.items():
+        for cls, queue in queues.items():
             for entry in queue:
                 if accepts(entry):
                     heads[cls] = entry
@@ -434,10 +452,11 @@ class ParkingLot:
                 log.failure("lot listener failed")
 
     def _leave(self, entry: Entry) -> None:
+        _remove(self._queues[entry.cls], entry)
+        if self.index_members:
+            for member in entry.eligible:
+                _remove(self._lines[member][entry.cls], entry)
         queue = self._queues[entry.cls]
-        index = bisect.bisect_left(queue, entry)
-        assert queue[index] is entry
-        del queue[index]
         if not queue:
             self._passed_over.pop(entry.cls, None)
         now = self._clock.seconds()
@@ -460,5 +479,14 @@ class ParkingLot:
         waiting = self._waiting
         for member in entry.eligible:
             waiting[member] = waiting.get(member, 0) + sign
+        if entry.routing is not None and entry.routing.standby_only:
+            waiting[STANDBY_ONLY] = waiting.get(STANDBY_ONLY, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)
+
+
+def _remove(line: list[Entry], entry: Entry) -> None:
+    """Take ``entry`` out of a line kept in arrival order."""
+    index = bisect.bisect_left(line, entry)
+    assert line[index] is entry
+    del line[index]

@@ -82,7 +82,7 @@ class Replayer:
         """True while parked requests are being let out (the target is open, it has work in the lot)."""
         if self._release_gates or not self._open():
             return False
-        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts) is not None
+        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts, self.target) is not None
 
     def _open(self) -> bool:
         return not self._state.yielded if self.is_open is None else self.is_open()

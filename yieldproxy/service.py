@@ -132,6 +132,7 @@ def build_core(
         reject_status=config.parking.reject_status,
         priorities={k: v.priority for k, v in config.classes.items()},
         min_shares={k: v.min_share for k, v in config.classes.items()},
+        index_members=len(specs) > 1,
     )
     pool = Pool(reactor, state, lot, metrics, cooperator, config, specs, clients=clients)
     gate = Gate(

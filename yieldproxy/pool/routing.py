@@ -43,7 +43,7 @@ from ..config import Config
 from ..health import UpstreamHealth
 from ..metrics import Metrics
 from ..names import PASSTHROUGH
-from ..parking import Entry, ParkingLot, Routing
+from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
 from ..state import YieldState
 from .apis import native_apis, server
@@ -148,7 +148,8 @@ class Pool:
         found = self._cache.get(key)
         if found is None:
             eligible = self._single if self._single is not None else self._eligible(method, path, cls, model)
-            found = Routing(eligible, model, route_kind(path, cls))
+            standby_only = bool(eligible) and all(self._by_name[n].spec.standby for n in eligible)
+            found = Routing(eligible, model, route_kind(path, cls), standby_only)
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = found
@@ -316,7 +317,14 @@ class Pool:
             member.stop()
 
     def _drainer_open(self, name: str) -> bool:
-        return self._lot.waiting_for(name) > 0 and self._by_name[name].available()
+        """Whether ``name``'s drainer has anything to look for, in O(members) (it walks its line only then)."""
+        member = self._by_name[name]
+        if not (self._lot.waiting_for(name) and member.available()):
+            return False
+        if member.spec.standby and all(m.available() for m in self.members if not m.spec.standby):
+            # Every always member takes what it may: a standby one only what none of them may.
+            return self._lot.waiting_for(STANDBY_ONLY) > 0
+        return True
 
     def _count_inflight(self) -> None:
         self._metrics.inflight_requests.set(self.inflight)
