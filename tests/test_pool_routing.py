@@ -324,3 +324,22 @@ def test_a_standby_member_does_not_look_through_the_lot_while_the_always_ones_dr
     core.run()
     assert looked.count("cpu") == 0
     assert sum(went(d) for _, d in parked) == 1
+
+
+def test_the_twin_check_decides_at_each_choice_and_release():
+    """The hook the twin verification plugs into: an embedding goes only where it says, re-asked each time."""
+    core = make_pool_core({"name": "ref"}, {"name": "twin"})
+    pool = core.gate.pool
+    verified = {"twin": False}
+    pool.check_twins_with(
+        lambda member, entry: entry.kind != "embedding" or member.name == entry.eligible[0] or verified[member.name]
+    )
+    core.state.hold("api", "game", scope="ref")
+    chat, now = admit(core, "interactive", "/api/chat", "all-minilm")
+    embed, waiting = admit(core)
+    assert went(now) and chat.released_to == "twin"
+    assert not went(waiting) and core.lot.waiting_for("twin") == 1
+    verified["twin"] = True
+    pool.kick()
+    core.run()
+    assert went(waiting) and embed.released_to == "twin"

@@ -36,7 +36,7 @@ from .classify import (
 from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
 from .fallback import TARGET as FALLBACK_TARGET
-from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
+from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, write_answer
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy

@@ -25,8 +25,9 @@ eligible one first, when one is available.
 
 Embedding requests go only to a model's reference or a verified twin
 (issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
-release since a verification can go stale.  Until twin verification is
-built it lets every eligible member serve.
+release since a verification can go stale; the twin verification gives it
+with :meth:`Pool.check_twins_with` once it is made (it needs the members'
+clients, so it comes after the pool).  Until then every eligible member serves.
 """
 
 from __future__ import annotations
@@ -167,6 +168,16 @@ class Pool:
             if serving:
                 members = serving
         return tuple(m.name for m in members)
+
+    def check_twins_with(self, twin_ok: Callable[[Member, Entry], bool]) -> None:
+        """From now on, ``twin_ok(member, entry)`` says whether ``member`` may serve ``entry`` (see above).
+
+        ``entry.kind``, ``entry.model`` and ``entry.eligible`` (in config
+        order: its first member serving the model is the reference) are
+        what it needs; the drainers look again at once.
+        """
+        self.twin_ok = twin_ok
+        self.kick()
 
     def usable(self, member: Member, entry: Entry) -> bool:
         """Available now, and (for an embedding) the model's reference or a verified twin."""
