@@ -414,5 +414,6 @@ async def test_page_shows_each_upstream_of_a_pool():
         assert [h["text"] for h in dom.with_class("hold-upstream")] == ["desktop"]
         assert dom.with_class("reason")[0]["text"] == REASON
         assert dom.by_id("state")["data-state"] == "available"
+        assert dom.by_id("state-detail")["text"].endswith("(desktop yielded)")
     finally:
         await stack.stop()

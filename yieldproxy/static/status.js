@@ -196,6 +196,11 @@
     } else {
       detail = "requests go straight to the upstream";
     }
+    const upstreams = status.upstreams || [];
+    const away = upstreams.filter((u) => u.state !== "available").map((u) => u.name + " " + u.state);
+    if (upstreams.length > 1 && away.length && status.state !== "yielded") {
+      detail += " (" + away.join(", ") + ")";
+    }
     setState(status.state, detail);
     $("updated").textContent = "updated " + clock(now) + " · version " + status.version;
 
