@@ -20,8 +20,7 @@ from twisted.internet.interfaces import IReactorFDSet
 
 from ..control import Answer, UpstreamControl
 from ..handover import Handover
-from ..ollama_errors import is_gpu_failure
-from ..probes import minimal_call
+from ..servers.ollama import is_gpu_failure, minimal_call
 from .command import CommandWatcher
 from .outage import OutageWatcher
 from .signals import SignalWatcher
