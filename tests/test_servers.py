@@ -28,7 +28,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, Respon
 
 from yieldproxy import servers, translate
 from yieldproxy.classify import Classifier
-from yieldproxy.config import RouteRule
+from yieldproxy.config import RouteRule, UpstreamConfig
 from yieldproxy.errors import ERROR_SHAPES, error_body
 from yieldproxy.servers import (
     APIS,
@@ -89,6 +89,11 @@ def test_every_api_has_a_description_and_an_unknown_one_is_refused():
         server("vllm")
     with pytest.raises(ValueError):
         Classifier.from_rules((), apis=("ollama", "vllm"))
+
+
+def test_the_legacy_health_path_is_ollamas():
+    """``upstream.health_path`` (a single Ollama, before the pool) defaults to the Ollama description's."""
+    assert UpstreamConfig().health_path == server("ollama").health_path == "/api/version"
 
 
 def test_servers_agree_on_the_class_of_every_route_they_share():
