@@ -236,6 +236,9 @@ class Server:
 
     def route_class(self, method: str, path: str) -> str | None:
         """The class this server's table gives the route, or None for a route it does not know."""
+        found = self._exact.get((method, path))
+        if found is not None:
+            return found.cls
         if path in self.model_loading_paths:
             return PASSTHROUGH
         route = self.route(method, path)
