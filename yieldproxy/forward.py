@@ -44,7 +44,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
-from .ollama_errors import is_gpu_failure
+from .servers.ollama import is_gpu_failure
 
 log = Logger()
 

@@ -38,8 +38,8 @@ from .hosts import HostPolicy
 from .httpserver import Connections, ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
-from .probes import ModelCall
 from .requestlog import CLIENT_GONE, log_request
+from .servers import ModelCall
 from .target import BadTarget, Target, parse_target
 
 if TYPE_CHECKING:
