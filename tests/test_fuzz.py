@@ -514,7 +514,7 @@ def disguised_body(draw):
     if mangle == 0:
         body += b' {"prompt":"hi"}'  # Go reads the first value only
     elif mangle == 1:
-        body = body.replace(b"0", b"NaN", 1)
+        body = body[:-1] + b',"x":NaN}'  # not JSON: a NaN inside a string would still be
     elif mangle == 2:
         body = body[:-1] + b',"x":"\xff"}'
     return body, binding, mangle in (0, 1, 2)
