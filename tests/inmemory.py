@@ -205,10 +205,11 @@ class Rig:
 
     # -- requests -----------------------------------------------------------------------
 
-    def request(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Deferred:
-        """Send a request (to the admin site if ``url`` is under :attr:`admin_url`); a Deferred of its :class:`Answer`.
+    def open(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Deferred:
+        """Send a request (to the admin site if ``url`` is under :attr:`admin_url`); a Deferred of treq's response.
 
-        Each request is a new caller: its own connection and an empty cookie jar.
+        Each request is a new caller: its own connection and an empty cookie
+        jar.  The body is left to the caller (``treq.collect`` to watch it arrive).
         """
         agent = self.admin_agent if url.startswith(self.admin_url) else self.proxy_agent
         client = treq.client.HTTPClient(agent, data_to_body_producer=BytesProducer)
@@ -219,6 +220,12 @@ class Rig:
         elif data is not None:
             kwargs["data"] = data
         d = client.request(method, url, **kwargs)
+        self.turn()
+        return d
+
+    def request(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Deferred:
+        """:meth:`open`, and read the whole body: a Deferred of its :class:`Answer`."""
+        d = self.open(method, url, json=json, data=data, headers=headers)
         d.addCallback(lambda response: treq.content(response).addCallback(
             lambda body: Answer(response.code, response.headers, body)
         ))
