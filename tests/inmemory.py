@@ -84,7 +84,9 @@ class SiteAgent:
             client_transport = iosim.FakeTransport(
                 client, isServer=False, hostAddress=client_address, peerAddress=server_address
             )
-            self._pumps.append(iosim.connect(server, server_transport, client, client_transport, clock=self._clock))
+            self._pumps.append(
+                iosim.connect(server, server_transport, client, client_transport, greet=False, clock=self._clock)
+            )
         return d
 
     def flush(self) -> bool:
@@ -151,6 +153,9 @@ class Rig:
         ``upstream.detect_outages`` is turned off, as :func:`helpers.start_stack` does.
     :param upstream: a resource to use as the upstream instead of a new
         :class:`~yieldproxy.sim.SimOllama` (then :attr:`sim` is None).
+    :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
+        to start and stop ``proxy.service`` itself (its listeners listen on it);
+        a new Clock by default.
     :param sim_options: the SimOllama's options (``latency``, ``chunk_delay``...).
     """
 
@@ -159,9 +164,9 @@ class Rig:
 
     def __init__(
         self, config: Config | None = None, upstream=None, token=None, read_token=None, watchers: bool = False,
-        **sim_options,
+        reactor: Clock | None = None, **sim_options,
     ):
-        self.clock = Clock()
+        self.clock = reactor if reactor is not None else Clock()
         self.sim = SimOllama(self.clock, **sim_options) if upstream is None else None
         self.upstream = MemoryUpstream(upstream if upstream is not None else self.sim.resource(), self.clock)
         config = config or Config()
@@ -211,6 +216,12 @@ class Rig:
         Each request is a new caller: its own connection and an empty cookie
         jar.  The body is left to the caller (``treq.collect`` to watch it arrive).
         """
+        d = self.send(method, url, json=json, data=data, headers=headers)
+        self.turn()
+        return d
+
+    def send(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Deferred:
+        """:meth:`open` without running what follows: for callers that send from a callback (a burst's workers)."""
         agent = self.admin_agent if url.startswith(self.admin_url) else self.proxy_agent
         client = treq.client.HTTPClient(agent, data_to_body_producer=BytesProducer)
         kwargs: dict[str, Any] = {"headers": headers}
@@ -219,9 +230,7 @@ class Rig:
             kwargs["headers"] = {"Content-Type": "application/json", **(headers or {})}
         elif data is not None:
             kwargs["data"] = data
-        d = client.request(method, url, **kwargs)
-        self.turn()
-        return d
+        return client.request(method, url, **kwargs)
 
     def request(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Deferred:
         """:meth:`open`, and read the whole body: a Deferred of its :class:`Answer`."""
