@@ -1,8 +1,11 @@
 """Chaos runs: the promise ("nothing lost") under flapping yields, a killed backend, clients that
 leave, yields that outlive the hold bound, and SIGTERM.
 
-Each run is bounded (well under 60 s) and on 127.0.0.1 only.  After each, the
-checks are the same three:
+The runs about time alone (flapping yields, the hold bound, the graceful
+stop) run on a Clock with the proxy in memory (``tests/inmemory.py``), so
+their timings are exact; those about processes and sockets (a killed backend,
+clients that drop their connections, SIGTERM to twistd) run on 127.0.0.1,
+each bounded well under 60 s.  After each, the checks are the same three:
 
 * the callers saw no failure they should not have (every request answered,
   and every answer right, or an explicit error with Retry-After where the
