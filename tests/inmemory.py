@@ -23,6 +23,7 @@ import treq
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
@@ -72,22 +73,26 @@ class SiteAgent:
     def request(self, method, uri, headers=None, bodyProducer=None) -> Deferred:
         d = self._agent.request(method, uri, headers, bodyProducer)
         while self._memory.tcpClients:
-            host, port, factory, _timeout, _bind = self._memory.tcpClients.pop(0)
-            self._next_port += 1
-            client_address = IPv4Address("TCP", "127.0.0.1", self._next_port)
-            server_address = IPv4Address("TCP", "127.0.0.1", port)
-            server = self._site.buildProtocol(client_address)
-            client = factory.buildProtocol(server_address)
-            server_transport = iosim.FakeTransport(
-                server, isServer=True, hostAddress=server_address, peerAddress=client_address
-            )
-            client_transport = iosim.FakeTransport(
-                client, isServer=False, hostAddress=client_address, peerAddress=server_address
-            )
-            self._pumps.append(
-                iosim.connect(server, server_transport, client, client_transport, greet=False, clock=self._clock)
-            )
+            _host, port, factory, _timeout, _bind = self._memory.tcpClients.pop(0)
+            self._connect(factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port)), port)
         return d
+
+    def raw(self, site=None) -> "RawPeer":
+        """A connection to ``site`` (by default this agent's) for a test that writes the bytes itself."""
+        peer = RawPeer()
+        self._connect(peer, 11434, site)
+        return peer
+
+    def _connect(self, client, port: int, site=None) -> None:
+        self._next_port += 1
+        client_address = IPv4Address("TCP", "127.0.0.1", self._next_port)
+        server_address = IPv4Address("TCP", "127.0.0.1", port)
+        server = (site or self._site).buildProtocol(client_address)
+        server_transport = iosim.FakeTransport(server, isServer=True, hostAddress=server_address, peerAddress=client_address)
+        client_transport = iosim.FakeTransport(client, isServer=False, hostAddress=client_address, peerAddress=server_address)
+        self._pumps.append(
+            iosim.connect(server, server_transport, client, client_transport, greet=False, clock=self._clock)
+        )
 
     def flush(self) -> bool:
         """Deliver what the connections hold, both ways, and their closes; True if anything moved."""
@@ -102,6 +107,23 @@ class SiteAgent:
     @property
     def open_connections(self) -> int:
         return len(self._pumps)
+
+
+class RawPeer(Protocol):
+    """The client end of a raw in-memory connection: the bytes a test writes, what came back, and the close."""
+
+    def __init__(self):
+        self.data = b""
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason) -> None:
+        self.closed = True
 
 
 class MemoryUpstream:
@@ -244,6 +266,10 @@ class Rig:
     def call(self, method: str, url: str, json: Any = None, data: bytes | None = None, headers=None) -> Answer:
         """:meth:`request`, answered without the clock moving (else the test fails)."""
         return self.result(self.request(method, url, json=json, data=data, headers=headers))
+
+    def raw(self, site=None) -> RawPeer:
+        """A connection to the proxy listener's site (or to ``site``, one of its own) that the test writes bytes on."""
+        return self.proxy_agent.raw(site)
 
     def post(self, path: str, json: Any = None, **kwargs) -> Deferred:
         """POST ``json`` to the proxy at ``path``; a Deferred of its :class:`Answer`."""

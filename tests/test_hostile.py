@@ -3,7 +3,14 @@
 Requests are written byte for byte on raw sockets (in threads, so the
 reactor keeps serving), and the upstream is a :class:`RecordingBackend` that
 keeps the exact bytes the proxy sent it: a header that was not forwarded is
-provably absent, not merely unparsed.
+provably absent, not merely unparsed.  "Nothing was forwarded" is proved by
+a request sent after, which reaches the upstream alone
+(:func:`assert_nothing_forwarded`), not by a sleep.
+
+The listener's timeouts are checked twice: over a real socket that they
+happen, and on a Clock, with the bytes written in memory to the proxy
+listener's own site (``tests/inmemory.py``), that they happen at exactly
+their second.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
+from inmemory import Rig
 from rawhttp import (
     LogCapture,
     RawClient,
     counter_total,
     exchange,
     listen_site,
+    parse_response,
     port_of,
     recording_stack,
     request_bytes,
@@ -51,6 +60,26 @@ def assert_json_error(response, status: int, api: str = "ollama") -> dict:
     else:
         assert isinstance(body["error"], str) and body["error"]
     return body
+
+
+#: A request that passes even during a yield, sent to prove the upstream got nothing before it.
+SENTINEL = request_bytes(b"GET", b"/api/version", [(b"X-Sentinel", b"1")])
+
+
+async def assert_nothing_forwarded(stack) -> None:
+    """The upstream got nothing so far: a request sent after it reaches the upstream, and alone.
+
+    The proxy starts forwarding a request as soon as it has read it, so
+    whatever it forwarded earlier is at the upstream before this one's
+    answer is back: a positive event instead of a sleep.  The sentinel is
+    then taken off the record, so later checks see only the test's requests.
+    """
+    answer = await raw(stack, SENTINEL)
+    assert answer.status == 200, answer.raw[:300]
+    assert len(stack.echo.heads) == 1, stack.echo.heads
+    assert stack.echo.header_values(0, b"x-sentinel") == [b"1"]
+    stack.echo.heads.pop()
+    stack.echo.bodies.pop()
 
 
 # -- where requests can go ------------------------------------------------------------
@@ -117,8 +146,7 @@ async def test_malformed_header_lines_are_refused_not_forwarded(header_block):
         response = await raw(stack, data)
         assert_json_error(response, 400)
         assert response.header(b"connection") == b"close"
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
     finally:
         await stack.stop()
 
@@ -179,8 +207,7 @@ async def test_ambiguous_body_framing_is_refused_and_never_forwarded(framing):
         response = await raw(stack, data)
         assert_json_error(response, 400)
         assert response.header(b"connection") == b"close"
-        await sleep(reactor, 0.2)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
         assert len(stack.proxy.lot) == 0 and stack.proxy.replayer.inflight == 0
     finally:
         await stack.stop()
@@ -462,27 +489,47 @@ async def test_slowloris_headers_get_408_and_never_park():
 
         def slowloris():
             c = RawClient(port)
-            began = time.monotonic()
             try:
                 for byte in data:
                     if _readable(c.sock) or not c.send(bytes([byte])):
                         break  # answered (or closed): stop dribbling
                     parked_meanwhile.append(len(stack.proxy.lot))
                     time.sleep(0.25)
-                return c.response(5), time.monotonic() - began
+                return c.response(5)
             finally:
                 c.close()
 
         parked_meanwhile: list[int] = []
-        answer, took = await in_thread(reactor, slowloris, timeout=TIMEOUT)
+        answer = await in_thread(reactor, slowloris, timeout=TIMEOUT)
         body = assert_json_error(answer, 408)
         assert "1.5s" in body["error"]
         assert answer.header(b"connection") == b"close"
-        assert 1.4 <= took < 4
-        assert set(parked_meanwhile) == {0}
+        # Cut mid-header, never at the end of the request (the exact time is on a Clock:
+        # test_slowloris_gets_408_at_the_read_timeout_however_it_dribbles).
+        assert len(parked_meanwhile) < len(data) and set(parked_meanwhile) == {0}
         assert len(stack.proxy.lot) == 0 and stack.echo.heads == []
     finally:
         await stack.stop()
+
+
+def test_slowloris_gets_408_at_the_read_timeout_however_it_dribbles():
+    """On a Clock: one header byte every 0.25 s resets nothing; the 408 comes at exactly 1.5 s."""
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 1.5}))
+    rig.proxy.state.hold("api", "game")
+    data = request_bytes(b"POST", b"/api/embed", [(b"X-Padding", b"p" * 40)], EMBED)
+    peer = rig.raw()
+    for i, byte in enumerate(data[:6]):  # at 0, 0.25 ... 1.25 s
+        rig.run(0.25 if i else 0.0)
+        peer.send(bytes([byte]))
+    rig.run(0.249)
+    assert peer.data == b"" and len(rig.proxy.lot) == 0
+    rig.run(0.001)
+    answer = parse_response(peer.data)[0]
+    assert answer.status == 408 and "1.5s" in answer.json()["error"]
+    assert answer.header(b"connection") == b"close"
+    rig.run(10)
+    assert peer.closed and len(rig.proxy.lot) == 0 and rig.sim.requests_total == {}
+    assert rig.clock.getDelayedCalls() == []
 
 
 def _readable(sock) -> bool:
@@ -511,22 +558,64 @@ async def test_slow_body_gets_408_and_a_complete_request_is_not_cut():
 
         assert_json_error(await in_thread(reactor, slow_body, timeout=TIMEOUT), 408)
 
-        def keep_alive_then_idle():
-            """A kept-alive connection: two requests 1.5 s apart (longer than the read timeout)."""
+        def keep_alive():
+            """A kept-alive connection: two complete requests, one after the other."""
             c = RawClient(port)
             try:
                 c.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
                 first = c.response(5)
-                time.sleep(1.5)
                 c.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
                 return first, c.response(5)
             finally:
                 c.close()
 
-        first, second = await in_thread(reactor, keep_alive_then_idle, timeout=TIMEOUT)
+        # That it is not cut when idle for longer than the read timeout between them is on a
+        # Clock: test_slow_body_gets_408_at_the_read_timeout_and_an_idle_kept_alive_connection_is_not_cut.
+        first, second = await in_thread(reactor, keep_alive, timeout=TIMEOUT)
         assert first.status == 200 and second.status == 200
     finally:
         await stack.stop()
+
+
+def test_slow_body_gets_408_at_the_read_timeout_and_an_idle_kept_alive_connection_is_not_cut():
+    """On a Clock: a body dribbled 0.2 s a byte gets its 408 at exactly 1 s; a kept-alive connection
+    idle for longer than that between two complete requests is not cut."""
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 1.0}))
+    slow = rig.raw()
+    slow.send(request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % len(EMBED))]))
+    for i, byte in enumerate(EMBED[:5]):  # at 0, 0.2 ... 0.8 s
+        rig.run(0.2 if i else 0.0)
+        slow.send(bytes([byte]))
+    rig.run(0.199)
+    assert slow.data == b""
+    rig.run(0.001)
+    assert parse_response(slow.data)[0].status == 408
+    kept = rig.raw()
+    kept.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
+    rig.turn()
+    first, rest = parse_response(kept.data)
+    assert first.status == 200 and rest == b""
+    rig.run(1.5)
+    assert not kept.closed
+    kept.data = b""
+    kept.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
+    rig.turn()
+    assert parse_response(kept.data)[0].status == 200
+    assert rig.sim.texts_embedded["hello"] == 2
+
+
+def test_a_silent_connection_is_closed_at_exactly_the_keepalive_timeout():
+    """On a Clock: no byte, no request: past the read timeout no 408; closed at
+    ``proxy.keepalive_timeout_seconds`` (not the longer idle timeout), nothing written."""
+    rig = Rig(config_with(proxy={
+        "request_read_timeout_seconds": 1.0, "keepalive_timeout_seconds": 2.0, "idle_timeout_seconds": 300.0,
+    }))
+    peer = rig.raw()
+    rig.run(1.999)
+    assert not peer.closed and peer.data == b""
+    rig.run(0.001)
+    assert peer.closed and peer.data == b""
+    assert rig.clock.getDelayedCalls() == []
 
 
 @pytest_twisted.ensureDeferred
@@ -538,16 +627,16 @@ async def test_a_silent_connection_is_closed_by_the_idle_timeout_without_an_answ
 
         def silent():
             c = RawClient(port)
-            began = time.monotonic()
             try:
                 closed = c.wait_closed(10)
-                return closed, c.buffer, time.monotonic() - began
+                return closed, c.buffer
             finally:
                 c.close()
 
-        closed, data, took = await in_thread(reactor, silent, timeout=TIMEOUT)
+        # Closed by the proxy (within wait_closed's 10 s), with not a byte written; the exact
+        # time is on a Clock: test_a_silent_connection_is_closed_at_exactly_the_keepalive_timeout.
+        closed, data = await in_thread(reactor, silent, timeout=TIMEOUT)
         assert closed and data == b""
-        assert 0.9 <= took < 5
     finally:
         await stack.stop()
 
@@ -579,10 +668,11 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
         client.sendall(request_bytes(b"GET", b"/big", [(b"X-Yield-Class", b"batch")]))
         try:
             await wait_for(reactor, lambda: len(stack.echo.heads) == 1, timeout=10)
-            began = reactor.seconds()
             await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0, timeout=20)
-            # Well before the idle timeout: the slow client does not keep the slot.
-            assert reactor.seconds() - began < 0.9
+            # The slot is free while the client is still connected with its answer unread:
+            # the slow client does not keep the slot until it is dropped.
+            assert stack.sample("yieldproxy_client_buffered_bytes") > 0
+            assert stack.sample("yieldproxy_requests_total", **{"class": "batch", "code": "499"}) == 0
             # The slot is free: the next request goes through.
             response = await treq.post(stack.proxy_url + "/api/embed", data=EMBED).addTimeout(TIMEOUT, reactor)
             assert response.code == 200
@@ -806,8 +896,7 @@ async def _assert_parks_then_goes(stack, data: bytes, request_line: bytes, body:
     """``data`` parks (nothing reaches the upstream), then goes exactly as ``request_line`` on resume."""
     answer = raw(stack, data, timeout=20)
     await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-    await sleep(reactor, 0.2)
-    assert stack.echo.heads == [], stack.echo.heads
+    await assert_nothing_forwarded(stack)
     stack.proxy.state.release("test")
     response = await answer
     assert response.status == 200, response.raw[:300]
@@ -891,8 +980,8 @@ async def test_ambiguous_targets_get_a_400_in_the_route_shape_and_reach_nothing(
         body = assert_json_error(response, 400, "openai" if target.startswith(b"/v1/") else "ollama")
         assert "target" in str(body) or "path" in str(body) or "query" in str(body)
         assert counter_total(stack, "yieldproxy_rejected", reason="bad_request") == 1
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == [] and len(stack.proxy.lot) == 0
+        await assert_nothing_forwarded(stack)
+        assert len(stack.proxy.lot) == 0
         assert logs.errors() == []
     finally:
         await stack.stop()
