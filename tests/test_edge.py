@@ -1,19 +1,24 @@
 """The listeners' edge over real sockets: whose Host they answer, how many connections they keep,
 how long an idle one lives, and which body framings they accept (issue 10, findings 4, 6 and 8b).
+
+How long an idle kept-alive connection lives is a timer: that one runs on a
+Clock, its bytes written in memory to the proxy listener's own site.
 """
 
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
-from rawhttp import LogCapture, RawClient, exchange, port_of, recording_stack, request_bytes
+from helpers import config_with, in_thread, start_stack, wait_for
+from inmemory import Rig
+from rawhttp import (
+    LogCapture, RawClient, assert_nothing_forwarded, exchange, parse_response, port_of, recording_stack, request_bytes,
+)
 from yieldproxy.hosts import HostPolicy, cross_site, host_name
 
 TIMEOUT = 30
@@ -88,8 +93,7 @@ async def test_both_listeners_refuse_a_host_that_is_not_theirs():
             admin = await raw(stack.admin_url, request_bytes(b"GET", path, [(b"Host", b"evil.example")]))
             assert "admin.allowed_hosts" in json_error(admin, 403)
             assert b"yielded" not in admin.body and b"yieldproxy_" not in admin.body
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
         # The machine's own names and addresses pass, on both listeners.
         for host in (b"localhost", b"127.0.0.1:%d" % port_of(stack.proxy_url), b"[::1]", b"app.localhost", socket.gethostname().encode()):
             assert (await raw(stack.proxy_url, request_bytes(b"GET", b"/api/tags", [(b"Host", host)]))).status == 200, host
@@ -143,8 +147,7 @@ async def test_transfer_encoding_identity_is_refused_and_smuggles_nothing(length
         assert "Transfer-Encoding" in json_error(first, 400)
         assert first.header(b"connection") == b"close"
         assert second.status == 0 and closed
-        await sleep(reactor, 0.3)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
     finally:
         await stack.stop()
 
@@ -259,26 +262,22 @@ async def test_at_the_cap_an_idle_keepalive_connection_makes_room():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
-    """Waiting for a next request is bounded by proxy.keepalive_timeout_seconds, not the 300 s idle timeout."""
-    stack = await start_stack(reactor, config_with(proxy={"keepalive_timeout_seconds": 1.0}))
-    try:
+def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
+    """Waiting for a next request is bounded by proxy.keepalive_timeout_seconds, not the 300 s idle timeout.
 
-        def keep_alive() -> tuple[int, float]:
-            client = RawClient(port_of(stack.proxy_url), timeout=10)
-            try:
-                client.send(request_bytes(b"GET", b"/api/version"))
-                status = client.response(10).status
-                began = time.monotonic()
-                client.wait_closed(10)
-                return status, time.monotonic() - began if client.closed else -1.0
-            finally:
-                client.close()
-
-        status, waited = await in_thread(reactor, keep_alive, timeout=TIMEOUT)
-        assert status == 200
-        assert 0.8 <= waited <= 5, waited
-        await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == 0)
-    finally:
-        await stack.stop()
+    On a Clock, the bytes written in memory to the proxy listener's own site:
+    closed at exactly 1 s after the answer.
+    """
+    rig = Rig(config_with(proxy={"keepalive_timeout_seconds": 1.0, "idle_timeout_seconds": 300.0}))
+    peer = rig.raw()
+    peer.send(request_bytes(b"GET", b"/api/version"))
+    rig.turn()
+    answer, rest = parse_response(peer.data)
+    assert answer.status == 200 and rest == b""
+    assert rig.proxy.proxy_app.connections.open == 1
+    rig.run(0.999)
+    assert not peer.closed
+    rig.run(0.001)
+    assert peer.closed and parse_response(peer.data)[1] == b""
+    assert rig.proxy.proxy_app.connections.open == 0
+    assert rig.clock.getDelayedCalls() == []

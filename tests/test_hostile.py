@@ -32,6 +32,7 @@ from inmemory import Rig
 from rawhttp import (
     LogCapture,
     RawClient,
+    assert_nothing_forwarded,
     counter_total,
     exchange,
     listen_site,
@@ -60,26 +61,6 @@ def assert_json_error(response, status: int, api: str = "ollama") -> dict:
     else:
         assert isinstance(body["error"], str) and body["error"]
     return body
-
-
-#: A request that passes even during a yield, sent to prove the upstream got nothing before it.
-SENTINEL = request_bytes(b"GET", b"/api/version", [(b"X-Sentinel", b"1")])
-
-
-async def assert_nothing_forwarded(stack) -> None:
-    """The upstream got nothing so far: a request sent after it reaches the upstream, and alone.
-
-    The proxy starts forwarding a request as soon as it has read it, so
-    whatever it forwarded earlier is at the upstream before this one's
-    answer is back: a positive event instead of a sleep.  The sentinel is
-    then taken off the record, so later checks see only the test's requests.
-    """
-    answer = await raw(stack, SENTINEL)
-    assert answer.status == 200, answer.raw[:300]
-    assert len(stack.echo.heads) == 1, stack.echo.heads
-    assert stack.echo.header_values(0, b"x-sentinel") == [b"1"]
-    stack.echo.heads.pop()
-    stack.echo.bodies.pop()
 
 
 # -- where requests can go ------------------------------------------------------------
