@@ -697,7 +697,8 @@ async def test_outage_without_a_declared_yield_loses_nothing(mode):
         await wait_for(reactor, lambda: burst.done >= 40, timeout=60)
         await stack.sim.set_mode(mode)
         await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
-        await sleep(reactor, 1.5)
+        # Every caller's request is held in the lot: none in flight to the failing backend, none failed.
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 16, timeout=10)
         await stack.sim.set_mode("ok")
         await running
         assert_clean(burst, stack)
@@ -727,7 +728,8 @@ async def test_an_outage_before_the_first_request_is_an_outage_too():
             stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "first"}, persistent=False
         ).addTimeout(TIMEOUT, reactor)
         await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None)
-        await sleep(reactor, 0.5)
+        # The first caller waits in the lot behind the hold instead of failing.
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
         await stack.sim.set_mode("ok")
         response = await pending
         assert response.code == 200
