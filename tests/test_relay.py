@@ -105,12 +105,11 @@ async def test_slow_readers_do_not_hold_the_replay_slots():
         ]
         await wait_for(reactor, lambda: len(stack.proxy.lot) == 8, timeout=10)
         stack.proxy.state.release("api")
-        began = reactor.seconds()
         for pending in waiting:
             answer = await pending
+            # Served, not refused at their X-Yield-Max-Wait of 10 s: the slow readers did not keep the slots...
             assert answer.status == 200, answer.body
-        # Served well inside their 10 s, while the slow readers are still reading (that takes minutes).
-        assert reactor.seconds() - began < 8
+        # ...which are still reading (that takes minutes).
         assert all(r.received < BIG for r in readers)
         assert stack.proxy.replayer.inflight == 0
         # Their answers wait in the proxy for them, and are counted there.
@@ -140,14 +139,13 @@ async def test_a_client_past_its_buffer_bound_is_dropped_and_counted():
     reader = None
     logs = LogCapture().__enter__()
     try:
-        began = reactor.seconds()
         reader = SlowReader(port, b"/big", read=False)
         await wait_for(
             reactor, lambda: stack.sample("yieldproxy_slow_clients_dropped_total", **{"class": "batch"}) == 1,
             timeout=20,
         )
+        # Dropped by the buffer bound (its own log line), not by the 300 s idle timeout.
         assert "dropping a slow batch client" in logs.text()
-        assert reactor.seconds() - began < 10
         await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0 and not stack.echo.open, timeout=10)
         assert buffered(stack) == 0
         assert counter_by(stack, "yieldproxy_requests", "code") == {"499": 1.0}
