@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 from twisted.web.client import Agent
 from twisted.web.http_headers import Headers
+from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from yieldproxy.config import Config
@@ -127,16 +128,20 @@ class RawPeer(Protocol):
 
 
 class MemoryUpstream:
-    """The proxy's upstream client (as :class:`yieldproxy.forward.Upstream`) reaching ``resource`` in memory.
+    """The proxy's upstream client (as :class:`yieldproxy.forward.Upstream`) reaching ``upstream`` in memory.
 
-    The same shape as :class:`helpers.InMemoryUpstream`, on a :class:`SiteAgent`
-    so that :meth:`Rig.turn` knows when the upstream side has settled.
+    ``upstream`` is a resource (served by a plain ``Site``) or a protocol
+    factory of its own (``rawhttp.RecordingBackend``, which keeps the exact
+    bytes the proxy sent).  The same shape as :class:`helpers.InMemoryUpstream`,
+    on a :class:`SiteAgent` so that :meth:`Rig.turn` knows when the upstream
+    side has settled.
     """
 
     url = "http://upstream.invalid"
 
-    def __init__(self, resource, clock: Clock):
-        self.agent = SiteAgent(Site(resource, reactor=MemoryReactorClock()), clock)
+    def __init__(self, upstream, clock: Clock):
+        factory = Site(upstream, reactor=MemoryReactorClock()) if IResource.providedBy(upstream) else upstream
+        self.agent = SiteAgent(factory, clock)
 
     def uri(self, request_uri: bytes) -> bytes:
         return self.url.encode() + request_uri
@@ -173,7 +178,8 @@ class Rig:
 
     :param config: the proxy's config; without ``watchers``,
         ``upstream.detect_outages`` is turned off, as :func:`helpers.start_stack` does.
-    :param upstream: a resource to use as the upstream instead of a new
+    :param upstream: a resource, or a protocol factory such as
+        ``rawhttp.RecordingBackend``, to use as the upstream instead of a new
         :class:`~yieldproxy.sim.SimOllama` (then :attr:`sim` is None).
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);

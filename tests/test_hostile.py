@@ -32,6 +32,7 @@ from inmemory import Rig
 from rawhttp import (
     LogCapture,
     RawClient,
+    RecordingBackend,
     assert_nothing_forwarded,
     counter_total,
     exchange,
@@ -1001,6 +1002,42 @@ async def test_escapes_reach_the_upstream_in_canonical_form():
         await stack.stop()
 
 
+# The body tests below are about how Ollama's Go decoder reads a body, not about the wire: they
+# write the same bytes in memory to the proxy listener's own site, on a Clock, and the upstream
+# is the same RecordingBackend, connected in memory, keeping the exact bytes the proxy sent.
+
+
+def _recording_rig(config=None, yielded: bool = True):
+    backend = RecordingBackend()
+    rig = Rig(config, upstream=backend)
+    if yielded:
+        rig.proxy.state.hold("test", "a game")
+    return rig, backend
+
+
+def _exchange(rig, data: bytes):
+    """``data`` written on a new in-memory connection; the complete answer once everything due has run."""
+    peer = rig.raw()
+    peer.send(data)
+    rig.turn()
+    return parse_response(peer.data)[0]
+
+
+def _parks_then_goes(rig, backend, data: bytes, request_line: bytes, body: bytes) -> None:
+    """``data`` parks (nothing reaches the upstream while the clock moves), then goes exactly as ``request_line``."""
+    peer = rig.raw()
+    peer.send(data)
+    rig.run(10)
+    assert len(rig.proxy.lot) == 1 and peer.data == b""
+    assert backend.heads == [], backend.heads
+    rig.proxy.state.release("test")
+    rig.turn()
+    response = parse_response(peer.data)[0]
+    assert response is not None and response.status == 200, peer.data[:300]
+    assert [head.split(b"\r\n")[0] for head in backend.heads] == [request_line]
+    assert backend.bodies == [body]
+
+
 #: Bodies Ollama reads as a generation or a model load, however the proxy used to read them.
 DISGUISED_BODIES = [
     (b"/api/generate", b'{"model":"m","keep_alive":0,"Prompt":"hi"}'),
@@ -1019,13 +1056,9 @@ DISGUISED_BODIES = [
 
 
 @pytest.mark.parametrize("path, body", DISGUISED_BODIES)
-@pytest_twisted.ensureDeferred
-async def test_disguised_bodies_park_during_a_yield(path, body):
-    stack = await _yielded_recording_stack()
-    try:
-        await _assert_parks_then_goes(stack, request_bytes(b"POST", path, body=body), b"POST " + path + b" HTTP/1.1", body)
-    finally:
-        await stack.stop()
+def test_disguised_bodies_park_during_a_yield(path, body):
+    rig, backend = _recording_rig()
+    _parks_then_goes(rig, backend, request_bytes(b"POST", path, body=body), b"POST " + path + b" HTTP/1.1", body)
 
 
 #: Unloads as Ollama reads them: they free the GPU and load nothing.
@@ -1041,15 +1074,12 @@ TRUE_UNLOADS = [
 
 
 @pytest.mark.parametrize("path, body", TRUE_UNLOADS)
-@pytest_twisted.ensureDeferred
-async def test_true_unloads_pass_during_a_yield(path, body):
-    stack = await _yielded_recording_stack()
-    try:
-        response = await raw(stack, request_bytes(b"POST", path, body=body))
-        assert response.status == 200
-        assert len(stack.echo.heads) == 1 and stack.echo.bodies == [body]
-    finally:
-        await stack.stop()
+def test_true_unloads_pass_during_a_yield(path, body):
+    rig, backend = _recording_rig()
+    response = _exchange(rig, request_bytes(b"POST", path, body=body))
+    assert response.status == 200
+    assert len(backend.heads) == 1 and backend.bodies == [body]
+    assert len(rig.proxy.lot) == 0
 
 
 def _model_rule_config():
@@ -1078,22 +1108,18 @@ _PAD = ",".join(['"%s"' % ("x" * 60)] * 2000)  # well past the size where the bo
     ids=["folded-dup", "folded-last", "null", "type-error", "trailing",
          "big-folded-dup", "big-last", "big-escaped-key", "big-trailing"],
 )
-@pytest_twisted.ensureDeferred
-async def test_model_rules_read_the_model_ollama_reads(body, passes):
-    stack = await recording_stack(_model_rule_config())
-    stack.proxy.state.hold("test", "a game")
-    try:
-        data = request_bytes(b"POST", b"/api/embed", body=body)
-        if passes is None:
-            assert_json_error(await raw(stack, data), 400)
-            assert stack.echo.heads == []
-        elif passes:
-            assert (await raw(stack, data)).status == 200
-            assert stack.echo.bodies == [body]
-        else:
-            await _assert_parks_then_goes(stack, data, b"POST /api/embed HTTP/1.1", body)
-    finally:
-        await stack.stop()
+def test_model_rules_read_the_model_ollama_reads(body, passes):
+    rig, backend = _recording_rig(_model_rule_config())
+    data = request_bytes(b"POST", b"/api/embed", body=body)
+    if passes is None:
+        assert_json_error(_exchange(rig, data), 400)
+        rig.run(10)
+        assert backend.heads == []
+    elif passes:
+        assert _exchange(rig, data).status == 200
+        assert backend.bodies == [body]
+    else:
+        _parks_then_goes(rig, backend, data, b"POST /api/embed HTTP/1.1", body)
 
 
 @pytest_twisted.ensureDeferred
