@@ -672,8 +672,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
 # -- the admin token ------------------------------------------------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_admin_token_is_compared_in_constant_time(monkeypatch):
+def test_admin_token_is_compared_in_constant_time(monkeypatch):
     token = "s3cret-token-" + "k" * 40
     compared = []
     real = hmac.compare_digest
@@ -683,23 +682,15 @@ async def test_admin_token_is_compared_in_constant_time(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(admin_module.hmac, "compare_digest", spy)
-    stack = await start_stack(reactor, token=token)
-    try:
-        for given in (None, "x", token[:-1], token + "x", token.upper()):
-            headers = {"Authorization": f"Bearer {given}"} if given else {}
-            response = await treq.get(stack.admin_url + "/status", headers=headers, persistent=False).addTimeout(TIMEOUT, reactor)
-            assert response.code == 401, given
-            await response.content()
-        ok = await treq.get(
-            stack.admin_url + "/status", headers={"Authorization": f"Bearer {token}"}, persistent=False
-        ).addTimeout(TIMEOUT, reactor)
-        assert ok.code == 200
-        await ok.content()
-        # Every check, of every length, went through hmac.compare_digest.
-        assert len(compared) == 6
-        assert {a for a, _ in compared} == {0, len("Bearer x"), len("Bearer ") + len(token) - 1, len("Bearer ") + len(token) + 1, len("Bearer ") + len(token)}
-    finally:
-        await stack.stop()
+    rig = Rig(token=token)
+    for given in (None, "x", token[:-1], token + "x", token.upper()):
+        headers = {"Authorization": f"Bearer {given}"} if given else {}
+        assert rig.call("GET", rig.admin_url + "/status", headers=headers).code == 401, given
+    ok = rig.call("GET", rig.admin_url + "/status", headers={"Authorization": f"Bearer {token}"})
+    assert ok.code == 200
+    # Every check, of every length, went through hmac.compare_digest.
+    assert len(compared) == 6
+    assert {a for a, _ in compared} == {0, len("Bearer x"), len("Bearer ") + len(token) - 1, len("Bearer ") + len(token) + 1, len("Bearer ") + len(token)}
 
 
 @pytest_twisted.ensureDeferred
@@ -778,14 +769,9 @@ async def test_admin_listener_refuses_an_oversized_body_before_reading_it():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_admin_listener_bounds_the_time_to_read_a_request():
-    stack = await start_stack(reactor)
-    try:
-        site = stack.proxy.admin_app.site()
-        assert getattr(site, "request_read_timeout", None) is not None and site.request_read_timeout <= 60
-    finally:
-        await stack.stop()
+def test_admin_listener_bounds_the_time_to_read_a_request():
+    site = Rig().proxy.admin_app.site()
+    assert getattr(site, "request_read_timeout", None) is not None and site.request_read_timeout <= 60
 
 
 @pytest_twisted.ensureDeferred
@@ -851,13 +837,16 @@ async def test_requests_answered_by_the_listener_get_their_request_log_line():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_request_read_timeout_setting_reaches_the_listener():
-    stack = await start_stack(reactor, config_with(proxy={"request_read_timeout_seconds": 2.0}))
-    try:
-        assert stack.proxy.proxy_app.site().request_read_timeout == 2.0
-    finally:
-        await stack.stop()
+def test_request_read_timeout_setting_reaches_the_listener():
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 2.0}))
+    assert rig.proxy.proxy_app.site().request_read_timeout == 2.0
+    # And it is what the listener enforces: a request begun and not finished gets its 408 at 2 s.
+    peer = rig.raw()
+    peer.send(b"POST /api/embed HTTP/1.1\r\nHost: x\r\n")
+    rig.run(1.999)
+    assert peer.data == b""
+    rig.run(0.001)
+    assert parse_response(peer.data)[0].status == 408
 
 
 # -- disguised model calls during a yield ------------------------------------------------------
@@ -1122,22 +1111,22 @@ def test_model_rules_read_the_model_ollama_reads(body, passes):
         _parks_then_goes(rig, backend, data, b"POST /api/embed HTTP/1.1", body)
 
 
-@pytest_twisted.ensureDeferred
-async def test_header_bytes_of_parked_requests_count_in_parked_bytes():
+def test_header_bytes_of_parked_requests_count_in_parked_bytes():
     """Headers are held in memory while parked, like the body: parking.max_parked_bytes bounds them too."""
-    stack = await _yielded_recording_stack(config_with(parking={"max_parked_bytes": 8192}))
-    try:
-        padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
-        first = raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED), timeout=20)
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-        assert stack.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
-        assert stack.sample("yieldproxy_parked_bytes") == stack.proxy.lot.parked_bytes
-        # A second such request would hold more than 8 KiB: refused at once, small as its body is.
-        second = await raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
-        assert "bytes held" in assert_json_error(second, 503)["error"]
-        assert len(stack.proxy.lot) == 1
-        stack.proxy.state.release("test")
-        assert (await first).status == 200
-        assert stack.proxy.lot.parked_bytes == 0
-    finally:
-        await stack.stop()
+    rig, backend = _recording_rig(config_with(parking={"max_parked_bytes": 8192}))
+    padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
+    first = rig.raw()
+    first.send(request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+    rig.turn()
+    assert len(rig.proxy.lot) == 1
+    assert rig.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
+    assert rig.sample("yieldproxy_parked_bytes") == rig.proxy.lot.parked_bytes
+    # A second such request would hold more than 8 KiB: refused at once, small as its body is.
+    second = _exchange(rig, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+    assert "bytes held" in assert_json_error(second, 503)["error"]
+    assert len(rig.proxy.lot) == 1
+    rig.proxy.state.release("test")
+    rig.turn()
+    assert parse_response(first.data)[0].status == 200
+    assert rig.proxy.lot.parked_bytes == 0
+    assert len(backend.heads) == 1
