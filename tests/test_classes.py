@@ -202,7 +202,7 @@ def test_long_jobs_wait_minutes_while_interactive_is_told_at_once():
     assert chat["refused"].reason == "over_budget" and chat["refused"].retry_after == 120
     assert "held at most 15s" in chat["refused"].message
     assert "deferred" in job
-    core.run(119, step=1)
+    core.run(119)
     assert "failure" not in job
     core.state.release("broker")
     core.run(0.01)

@@ -200,7 +200,7 @@ def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
     assert first.called and not second.called  # the first holds the only slot, and keeps it
     failures = []
     second.addErrback(failures.append)
-    core.run(15, step=0.1)
+    core.run(15)
     refusal = core.gate.explain(failures[0].value)  # as the caller reads it
     assert isinstance(refusal, Refused) and refusal.reason == "expired"
     assert "yielded" not in refusal.message
@@ -220,9 +220,9 @@ def test_an_expiry_during_a_yield_or_an_outage_says_which():
     explain = lambda f: messages.append(core.gate.explain(f.value).message)  # noqa: E731
     yielded.addErrback(explain)
     outage.addErrback(explain)
-    core.run(1.1, step=0.1)
+    core.run(1.1)
     core.state.hold("api", "game")
-    core.run(2, step=0.1)
+    core.run(2)
     assert messages[0] == (
         "wait longer than your X-Yield-Max-Wait (1s): the upstream was failing and had not recovered in time "
         "(outage detected by the proxy)"
