@@ -9,8 +9,13 @@ is the simulated Ollama's resource, or a test's own, behind a plain ``Site``.
 Time moves only when the test moves it, so "nothing happened" is a fact about
 a clock that was advanced, not a guess after a sleep.
 
-What is about the wire (raw request bytes, slow or vanishing TCP peers, real
-clients and processes) stays in the real-socket tests.
+:meth:`Rig.raw` writes exact bytes on such a connection (the listener's HTTP
+parser sees them as a socket would deliver them), and the upstream may be
+``rawhttp.RecordingBackend``, connected in memory too, which keeps the exact
+bytes the proxy sent.
+
+What is about the wire (raw framing over TCP, slow or vanishing TCP peers,
+real clients and processes) stays in the real-socket tests.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class SiteAgent:
         client_address = IPv4Address("TCP", "127.0.0.1", self._next_port)
         server_address = IPv4Address("TCP", "127.0.0.1", port)
         server = (site or self._site).buildProtocol(client_address)
+        if server is None:
+            server = _Refused()
         server_transport = iosim.FakeTransport(server, isServer=True, hostAddress=server_address, peerAddress=client_address)
         client_transport = iosim.FakeTransport(client, isServer=False, hostAddress=client_address, peerAddress=server_address)
         self._pumps.append(
@@ -105,9 +112,12 @@ class SiteAgent:
                 self._pumps.remove(pump)
         return moved
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._pumps)
+
+class _Refused(Protocol):
+    """Where a factory's ``buildProtocol`` returned None: the connection is closed at once, as Twisted does."""
+
+    def connectionMade(self) -> None:
+        self.transport.loseConnection()
 
 
 class RawPeer(Protocol):
