@@ -22,6 +22,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import CancelledError
 from twisted.web.client import ResponseNeverReceived
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.task import Clock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
@@ -97,9 +98,10 @@ def echo_stack():
 
 
 def echo_rig(config=None) -> tuple[Rig, Echo]:
-    """A proxy in front of the Echo backend, on a Clock in memory."""
-    echo = Echo()
-    return Rig(config, upstream=echo), echo
+    """A proxy in front of the Echo backend, both on one Clock, in memory."""
+    clock = Clock()
+    echo = Echo(clock)
+    return Rig(config, upstream=echo, reactor=clock), echo
 
 
 def arrivals_of(rig: Rig, d, seconds: float) -> tuple[object, list]:
