@@ -325,6 +325,28 @@ async def recording_stack(config=None, reactor=_reactor, **backend_options):
     return stack
 
 
+#: A request that passes even during a yield, sent to prove the upstream got nothing before it.
+SENTINEL = request_bytes(b"GET", b"/api/version", [(b"X-Sentinel", b"1")])
+
+
+async def assert_nothing_forwarded(stack, timeout: float = 10.0) -> None:
+    """The upstream (a :class:`RecordingBackend`) got nothing so far: a request sent after reaches it, and alone.
+
+    The proxy starts forwarding a request as soon as it has read it, so
+    whatever it forwarded earlier is at the upstream before this one's
+    answer is back: a positive event instead of a sleep.  The sentinel is
+    then taken off the record, so later checks see only the test's requests.
+    """
+    from helpers import in_thread
+
+    answer = await in_thread(_reactor, exchange, port_of(stack.proxy_url), SENTINEL, timeout, timeout=timeout + 5)
+    assert answer.status == 200, answer.raw[:300]
+    assert len(stack.echo.heads) == 1, stack.echo.heads
+    assert stack.echo.header_values(0, b"x-sentinel") == [b"1"]
+    stack.echo.heads.pop()
+    stack.echo.bodies.pop()
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 

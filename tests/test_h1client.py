@@ -929,7 +929,7 @@ async def test_real_large_bodies_both_ways_with_length_and_chunked():
 
 @pytest_twisted.ensureDeferred
 async def test_real_backpressure_pauses_the_upstream_socket():
-    from helpers import sleep
+    from helpers import wait_for
     from twisted.web.resource import Resource
 
     total = 64 * 1024 * 1024
@@ -954,14 +954,23 @@ async def test_real_backpressure_pauses_the_upstream_socket():
         def body_received(self, data):
             received[0] += len(data)
 
+    def reading_from_the_server() -> bool:
+        """The reactor reads a TCP socket connected to the server (public IReactorFDSet and ITCPTransport only)."""
+        from twisted.internet.interfaces import ITCPTransport
+
+        server = port.getHost().port
+        return any(ITCPTransport.providedBy(r) and r.getPeer().port == server for r in reactor.getReaders())
+
     handler = Slow()
     try:
         d = pool.request(b"GET", b"/big", handler=handler, timeout=TIMEOUT)
-        await sleep(reactor, 0.5)
-        paused_at = received[0]
-        await sleep(reactor, 0.3)
-        assert received[0] == paused_at < total, "nothing read while paused"
+        await wait_for(reactor, lambda: hasattr(handler, "response"))
+        # Paused: the socket is out of the reactor's readers, so nothing more can be read
+        # from it, however long the test would wait.
+        assert not reading_from_the_server(), "the upstream socket is still read while paused"
+        assert received[0] < total
         handler.response.resumeProducing()
+        assert reading_from_the_server()
         await within(d)
         assert received[0] == total
     finally:
