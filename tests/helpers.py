@@ -6,9 +6,11 @@ import signal
 import socket
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
+from zope.interface import implementer
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
 from yieldproxy.gate import Gate
@@ -74,7 +76,47 @@ def config_with(**sections) -> Config:
     return attrs.evolve(config, **changes)
 
 
-__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
+__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig", "MemoryEndpoint"]
+
+
+@implementer(IStreamClientEndpoint)
+class MemoryEndpoint:
+    """Connects clients to a server in memory (``twisted.test.iosim``); :meth:`flush` moves the bytes.
+
+    The upstream pool's connections in a Clock test, as ``StubTreq`` does for
+    the client side: ``Upstream(clock, url, endpoint=MemoryEndpoint(site))``.
+    Give the server ``Site`` a reactor of its own (its channel timers), so the
+    test's clock ends with no delayed calls.
+    """
+
+    def __init__(self, server_factory):
+        self._server_factory = server_factory
+        self._pumps: list = []
+        #: Connections made so far.
+        self.connections = 0
+
+    def connect(self, factory):
+        from twisted.internet.address import IPv4Address
+        from twisted.test import iosim
+
+        client_address = IPv4Address("TCP", "127.0.0.1", 40000 + self.connections)
+        server_address = IPv4Address("TCP", "127.0.0.1", 11434)
+        self.connections += 1
+        server = self._server_factory.buildProtocol(client_address)
+        client = factory.buildProtocol(server_address)
+        pump = iosim.connect(
+            server, iosim.FakeTransport(server, True, server_address, client_address),
+            client, iosim.FakeTransport(client, False, client_address, server_address),
+            greet=False,
+        )
+        self._pumps.append(pump)
+        return succeed(client)
+
+    def flush(self) -> None:
+        """Deliver what either side wrote, until nothing moves; forget closed connections."""
+        for pump in list(self._pumps):
+            pump.flush()
+        self._pumps = [p for p in self._pumps if not (p.clientIO.disconnected and p.serverIO.disconnected)]
 
 
 # -- real sockets ---------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The proxy app runs whole on a Clock: requests go in through ``StubTreq``
 (a real Agent and Site in memory), the primary is the simulated Ollama's
-resource behind an in-memory agent, and the fallback is a fake backend whose
+resource behind the proxy's own upstream client on in-memory connections
+(``helpers.MemoryEndpoint``), and the fallback is a fake backend whose
 answers the test holds and lets go one by one.  So the drain order, the cap,
 failures, clients leaving, the GPU coming back and verification going stale
 are each a few clock steps.  The same flow over real sockets is in
@@ -15,14 +16,17 @@ import json
 
 import attrs
 import pytest
-from treq.testing import RequestTraversalAgent, StubTreq
+from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.web.resource import Resource
+from twisted.web.server import Site
 
-from helpers import clock_cooperator, config_with
+from helpers import MemoryEndpoint, clock_cooperator, config_with
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
+from yieldproxy.forward import Upstream
 from yieldproxy.gate import Gate
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
@@ -72,21 +76,6 @@ class Twin:
         return succeed(None)
 
 
-class _Primary:
-    """The proxy's upstream, as :class:`yieldproxy.forward.Upstream` is used: an agent and a base URI."""
-
-    url = "http://primary.invalid"
-
-    def __init__(self, resource):
-        self.agent = RequestTraversalAgent(resource)
-
-    def uri(self, request_uri: bytes) -> bytes:
-        return self.url.encode() + request_uri
-
-    def close(self):
-        return succeed(None)
-
-
 class _AsProxyRequest(Resource):
     """What ``ProxySite``'s request class adds (a body within bounds), for a plain in-memory Site."""
 
@@ -113,6 +102,8 @@ class Rig:
     twin: Twin
     sim: SimOllama
     http: StubTreq
+    #: The proxy's connections to the primary (the sim), in memory.
+    wire: MemoryEndpoint
     #: The fallback's in-flight count after every step, to check the cap.
     seen_inflight: list[int] = attrs.field(factory=list, repr=False)
 
@@ -131,6 +122,7 @@ class Rig:
         """Let everything due run: the in-memory connections and the clock."""
         for _ in range(4):
             self.http.flush()
+            self.wire.flush()
             self.clock.advance(0)
             self.seen_inflight.append(self.fallback.inflight)
         if seconds:
@@ -196,9 +188,12 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
     )
     state.observe(fallback.state_changed)
-    app = ProxyApp(clock, config, gate, _Primary(sim.resource()), metrics, fallback)
+    # The sim's own Site runs its channel timers on a reactor of its own, not on the test's clock.
+    wire = MemoryEndpoint(Site(sim.resource(), reactor=MemoryReactorClock()))
+    primary_upstream = Upstream(clock, "http://primary.invalid", idle_timeout=None, endpoint=wire)
+    app = ProxyApp(clock, config, gate, primary_upstream, metrics, fallback)
     http = StubTreq(_AsProxyRequest(app.app.resource()))
-    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http)
+    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire)
     if verify:
         twin.hold = False
         fallback.verify()

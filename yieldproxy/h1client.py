@@ -8,10 +8,15 @@ profile of the proxy shows the Agent among the largest costs per request
 (``bench/latency.py`` measures it against the same Klein front).  This module
 does the same hop with one object per request and one Deferred:
 
-* :class:`H1Pool`: the connections to one upstream.  Persistent and bounded
-  (``max_connections``, requests beyond it wait their turn, FIFO); idle ones
-  are reused last-in first-out (the warmest), and closed after
+* :class:`H1Pool`: the connections to one upstream.  Persistent, bounded
+  (``max_connections``: requests beyond it wait their turn, FIFO) or not
+  (``None``); at most ``max_idle`` idle ones are kept (the oldest is closed
+  past it), reused last-in first-out (the warmest), and closed after
   ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
+  Before an idle connection is reused, its socket is checked (a ``MSG_PEEK``
+  read) for an end or bytes the reactor has not handled yet: a connection
+  the upstream closed while idle is dropped *before* a byte is written to
+  it, and the request goes on another one: not a retry, nothing was sent.
 * :meth:`H1Pool.request` writes the request in one ``transport.write`` (small
   bodies), and streams the answer to a handler as it arrives: the head to
   ``response_started``, the body to ``body_received``; the Deferred fires
@@ -51,18 +56,20 @@ all of these hold:
 * the connection ended (closed or reset), it did not time out and was not
   cancelled: a timed-out request may still be running upstream;
 * the request may be sent twice: its method is idempotent (``GET``,
-  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``), or the caller said
-  ``replayable=True``.  An idle-close race is harmless to retry, but the same
+  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``) and the caller did
+  not say ``replayable=False``, or the caller said ``replayable=True``.  An idle-close race is harmless to retry, but the same
   picture (connection closed, no answer) also follows a server that read the
   request and then died; sending a POST again is then a duplicate, which only
   the caller can accept (an Ollama embedding is deterministic: only GPU time
   is lost) and must count: ``Response.retried`` and ``H1Error.retried`` say
-  it happened;
+  it happened.  The proxy's hop says ``replayable=False``: every duplicate
+  it sends is a retry it counts itself;
 * it was not retried already: once per request.
 """
 
 from __future__ import annotations
 
+import socket
 from ipaddress import ip_address
 from typing import Any, Callable, Iterable, Protocol as TypingProtocol
 
@@ -309,6 +316,25 @@ class H1Connection(Protocol):
         if ex.body:
             self.transport.write(ex.body)
 
+    def still_open(self) -> bool:
+        """False when the socket has ended, failed, or holds unread bytes (checked without reading).
+
+        The reactor may not have handled the upstream's close of an idle
+        connection yet (it arrived during this turn); the kernel has.  A
+        transport without a socket (TLS, tests) is taken as open.
+        """
+        get_handle = getattr(self.transport, "getHandle", None)
+        sock = get_handle() if get_handle is not None else None
+        if not isinstance(sock, socket.socket):
+            return True
+        try:
+            sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True  # nothing to read: open and quiet
+        except OSError:
+            return False
+        return False  # the end (b"") or bytes nobody asked for
+
     def pause(self) -> None:
         if not self._paused and not self.lost:
             self._paused = True
@@ -442,7 +468,10 @@ class H1Pool:
     :param port: its port.
     :param max_connections: connections open at once (busy, idle and being
         made); a request beyond that waits for one to be free, in order.
-    :param idle_timeout: seconds an idle connection is kept.
+        None: no bound (each request that finds no idle connection opens one).
+    :param max_idle: idle connections kept for reuse; past it the oldest is
+        closed (None: ``max_connections``).
+    :param idle_timeout: seconds an idle connection is kept (None: no limit).
     :param endpoint: how to connect (TLS, a unix socket, a test's endpoint);
         by default TCP to ``host``:``port``.
     """
@@ -453,17 +482,23 @@ class H1Pool:
         host: str,
         port: int,
         *,
-        max_connections: int = 64,
-        idle_timeout: float = 60.0,
+        max_connections: int | None = 64,
+        max_idle: int | None = None,
+        idle_timeout: float | None = 60.0,
         connect_timeout: float = 30.0,
         endpoint: IStreamClientEndpoint | None = None,
         host_header: bytes | None = None,
     ):
-        if max_connections < 1:
+        if max_connections is not None and max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+        if max_idle is None:
+            max_idle = max_connections
+        elif max_idle < 0:
+            raise ValueError("max_idle must be at least 0")
         self._reactor = reactor
         self._endpoint = endpoint if endpoint is not None else client_endpoint(reactor, host, port, connect_timeout)
         self.max_connections = max_connections
+        self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         if host_header is None:
             name = f"[{host}]" if ":" in host else host
@@ -489,7 +524,7 @@ class H1Pool:
         handler: ResponseHandler | None = None,
         *,
         timeout: float | None = None,
-        replayable: bool = False,
+        replayable: bool | None = None,
     ) -> Deferred:
         """Send a request; a Deferred firing with the :class:`Response` once its body is complete.
 
@@ -502,9 +537,10 @@ class H1Pool:
         :param timeout: seconds to wait for the response head (connecting
             and waiting for a free connection included); then the request
             fails with :class:`ResponseTimeout` and its connection is aborted.
-        :param replayable: the request may be sent again after a stale
-            connection even if its method is not idempotent (see the module
-            docstring).
+        :param replayable: True: the request may be sent again after a stale
+            connection even if its method is not idempotent; False: never,
+            whatever its method; None: if its method is idempotent (see the
+            module docstring).
 
         Cancelling the Deferred (or ``stopProducing`` on the response)
         abandons the request: its connection is aborted, never reused.
@@ -528,7 +564,8 @@ class H1Pool:
             or not target
         ):
             raise ValueError("CR, LF, NUL or space in a request line or header")
-        replayable = replayable or method in IDEMPOTENT
+        if replayable is None:
+            replayable = method in IDEMPOTENT
         if len(body) <= SMALL_BODY:
             ex = _Exchange(method, head + body if body else head, b"", handler or Collector(), replayable, self._cancel)
         else:
@@ -574,16 +611,23 @@ class H1Pool:
                 timer, conn.idle_timer = conn.idle_timer, None
                 if timer is not None and timer.active():
                     timer.cancel()
-                if not conn.dead:
-                    conn.start(ex)
-                    return
-        if self._count >= self.max_connections and ex.retried and self._idle:
+                if conn.dead:
+                    continue
+                if not conn.still_open():
+                    # Closed by the upstream (or written to) while idle: nothing was sent on it.
+                    conn.dead = True
+                    conn.transport.loseConnection()
+                    continue
+                conn.start(ex)
+                return
+        bound = self.max_connections
+        if bound is not None and self._count >= bound and ex.retried and self._idle:
             # A retry wants a fresh connection: make room by closing the oldest idle one.
             oldest = self._idle[0]
             self._drop_idle(oldest)
             oldest.dead = True
             oldest.transport.loseConnection()
-        if self._count < self.max_connections:
+        if bound is None or self._count < bound:
             self._connect(ex)
         else:
             self._waiting.append(ex)
@@ -632,7 +676,18 @@ class H1Pool:
                 return
             conn.start(ex)
             return
-        self._idle.append(conn)
+        idle = self._idle
+        if self.max_idle is not None and len(idle) >= self.max_idle:
+            # Room for this one (the warmest): the oldest idle one goes, as the Agent's pool does.
+            if not idle:
+                conn.dead = True
+                conn.transport.loseConnection()
+                return
+            oldest = idle[0]
+            self._drop_idle(oldest)
+            oldest.dead = True
+            oldest.transport.loseConnection()
+        idle.append(conn)
         if self.idle_timeout is not None:
             conn.idle_timer = self._reactor.callLater(self.idle_timeout, self._idle_expired, conn)
 
@@ -657,7 +712,9 @@ class H1Pool:
 
     def _kick(self) -> None:
         """Room for a connection: open one for the first waiting request."""
-        while self._waiting and self._count < self.max_connections and not self._closed:
+        while self._waiting and not self._closed and (
+            self.max_connections is None or self._count < self.max_connections
+        ):
             ex = self._waiting.pop(0)
             if not ex.finished:
                 self._connect(ex)
