@@ -13,8 +13,8 @@ does the same hop with one object per request and one Deferred:
   (``None``); at most ``max_idle`` idle ones are kept (the oldest is closed
   past it), reused last-in first-out (the warmest), and closed after
   ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
-  Before an idle connection is reused, its socket is checked (a ``MSG_PEEK``
-  read) for an end or bytes the reactor has not handled yet: a connection
+  Before an idle connection is reused, its socket is polled (``poll(2)``,
+  no wait) for an end or bytes the reactor has not handled yet: a connection
   the upstream closed while idle is dropped *before* a byte is written to
   it, and the request goes on another one: not a retry, nothing was sent.
 * :meth:`H1Pool.request` writes the request in one ``transport.write`` (small
@@ -69,6 +69,7 @@ all of these hold:
 
 from __future__ import annotations
 
+import select
 import socket
 from ipaddress import ip_address
 from typing import Any, Callable, Iterable, Protocol as TypingProtocol
@@ -285,13 +286,16 @@ class H1Connection(Protocol):
         self._pool = pool
         self._parser = ResponseParser(self)
         self.exchange: _Exchange | None = None
-        self.idle_timer: IDelayedCall | None = None
+        #: When it last went back to the pool (``reactor.seconds()``).
+        self.idle_since = 0.0
         self.lost = False
         #: Set once the connection must not be reused (aborted, or closing).
         self.dead = False
         self._paused = False
         #: Requests this connection has carried.
         self.served = 0
+        #: For :meth:`still_open`: a poll object on the socket (False: no socket to poll).
+        self._poller = None
         #: Fired when the connection is gone (the pool's close waits on these).
         self.when_lost: list[Deferred] = []
 
@@ -323,17 +327,20 @@ class H1Connection(Protocol):
         connection yet (it arrived during this turn); the kernel has.  A
         transport without a socket (TLS, tests) is taken as open.
         """
-        get_handle = getattr(self.transport, "getHandle", None)
-        sock = get_handle() if get_handle is not None else None
-        if not isinstance(sock, socket.socket):
+        poller = self._poller
+        if poller is None:
+            get_handle = getattr(self.transport, "getHandle", None)
+            sock = get_handle() if get_handle is not None else None
+            if not isinstance(sock, socket.socket):
+                self._poller = False
+                return True
+            # A poll object of its own: one poll(2) call, no exception, per check.
+            poller = self._poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+        elif poller is False:
             return True
-        try:
-            sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return True  # nothing to read: open and quiet
-        except OSError:
-            return False
-        return False  # the end (b"") or bytes nobody asked for
+        # Readable: the end, an error, or bytes nobody asked for.
+        return not poller.poll(0)
 
     def pause(self) -> None:
         if not self._paused and not self.lost:
@@ -512,6 +519,8 @@ class H1Pool:
         #: Connections open or being opened.
         self._count = 0
         self._closed = False
+        #: The one timer that closes idle connections past ``idle_timeout`` (see :meth:`_sweep`).
+        self._sweeper: IDelayedCall | None = None
 
     # -- public -----------------------------------------------------------------------------
 
@@ -581,6 +590,7 @@ class H1Pool:
         Fires when the idle connections are closed.
         """
         self._closed = True
+        self._stop_sweeper()
         for ex in self._waiting[:]:
             self._fail(ex, PoolClosed("the upstream client was closed"))
         waits = []
@@ -608,9 +618,6 @@ class H1Pool:
             idle = self._idle
             while idle:
                 conn = idle.pop()
-                timer, conn.idle_timer = conn.idle_timer, None
-                if timer is not None and timer.active():
-                    timer.cancel()
                 if conn.dead:
                     continue
                 if not conn.still_open():
@@ -689,21 +696,38 @@ class H1Pool:
             oldest.transport.loseConnection()
         idle.append(conn)
         if self.idle_timeout is not None:
-            conn.idle_timer = self._reactor.callLater(self.idle_timeout, self._idle_expired, conn)
+            conn.idle_since = self._reactor.seconds()
+            if self._sweeper is None:
+                self._sweeper = self._reactor.callLater(self.idle_timeout, self._sweep)
 
-    def _idle_expired(self, conn: H1Connection) -> None:
-        conn.idle_timer = None
-        if conn in self._idle:
-            self._idle.remove(conn)
+    def _sweep(self) -> None:
+        """Close the connections idle for ``idle_timeout``; wait for the next one to be.
+
+        One timer per pool rather than one per connection each time it goes
+        back to the pool: the idle list is in the order connections came
+        back (reuse takes the last), so the oldest are first.
+        """
+        self._sweeper = None
+        idle = self._idle
+        now = self._reactor.seconds()
+        while idle and idle[0].idle_since + self.idle_timeout <= now:
+            conn = idle.pop(0)
             conn.dead = True
             conn.transport.loseConnection()
+        if idle:
+            self._sweeper = self._reactor.callLater(idle[0].idle_since + self.idle_timeout - now, self._sweep)
+
+    def _stop_sweeper(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and sweeper.active():
+            sweeper.cancel()
 
     def _drop_idle(self, conn: H1Connection) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
-        timer, conn.idle_timer = conn.idle_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        idle = self._idle
+        if conn in idle:
+            idle.remove(conn)
+            if not idle:
+                self._stop_sweeper()
 
     def _connection_lost(self, conn: H1Connection) -> None:
         self._count -= 1

@@ -1,0 +1,73 @@
+"""The per-request work made cheap (issue 11, performance), each piece with the behaviour it keeps.
+
+Every request pays for what is done on its way, so what can be done once (a
+connection's timers and addresses, a metric's children, a peer's address
+kind, a route's class) is done once.  Each test checks the mechanism on a
+``Clock`` (or a count of calls) and the behaviour around it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from treq.testing import StubTreq
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import Logger, LogLevel
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from helpers import MemoryEndpoint, clock_cooperator, config_with
+from yieldproxy import classify, hosts
+from yieldproxy.classify import PASSTHROUGH, Classifier
+from yieldproxy.config import RouteRule
+from yieldproxy.forward import Upstream
+from yieldproxy.h1client import H1Pool
+from yieldproxy.httpserver import ProxySite
+from yieldproxy.hosts import HostPolicy
+from yieldproxy.metrics import Metrics
+from yieldproxy.proxy import ProxyApp
+from yieldproxy.requestlog import log_request
+from yieldproxy.service import build_core
+from yieldproxy.sim import SimOllama
+
+
+class Counting:
+    """Wraps ``clock.callLater`` (before anything captures it) to record what gets scheduled."""
+
+    def __init__(self, clock: Clock):
+        self.names: list[str] = []
+        real = clock.callLater
+
+        def call_later(delay, f, *args, **kwargs):
+            self.names.append(getattr(f, "__name__", repr(f)))
+            return real(delay, f, *args, **kwargs)
+
+        clock.callLater = call_later
+
+    def count(self, *names: str) -> int:
+        return sum(self.names.count(name) for name in names)
+
+
+# -- the upstream pool: one idle timer per pool ----------------------------------------------------
+
+
+def test_idle_pooled_connections_share_one_timer():
+    from test_h1client import Endpoint, ok
+
+    clock = Clock()
+    timers = Counting(clock)
+    endpoint = Endpoint()
+    pool = H1Pool(clock, "127.0.0.1", 11434, endpoint=endpoint, idle_timeout=5.0)
+    for i in range(10):
+        d = pool.request(b"GET", b"/%d" % i)
+        endpoint.made[0][0].dataReceived(ok())
+        assert d.called
+        clock.advance(1)
+    assert len(endpoint.made) == 1
+    # One sweep timer, re-armed when it finds the connection was used since (not one per request).
+    assert timers.count("_sweep", "_idle_expired") <= 3
+    clock.advance(5)
+    assert endpoint.made[0][1].disconnecting and pool.stats()["idle"] == 0
+    assert clock.getDelayedCalls() == []
