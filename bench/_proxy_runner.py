@@ -74,28 +74,18 @@ def main(argv=None) -> None:
     epollreactor.install()
     from twisted.internet import defer, reactor
     from twisted.internet.endpoints import serverFromString
-    from twisted.logger import (
-        FilteringLogObserver,
-        LogLevel,
-        LogLevelFilterPredicate,
-        globalLogBeginner,
-    )
+    from twisted.logger import LogLevel, globalLogBeginner
 
     import yieldproxy
     from yieldproxy.config import Config, load
     from yieldproxy.requestlog import text_file_observer
     from yieldproxy.service import build
 
-    # Log as `twistd -n yieldproxy` would (its text observer, to stderr, which
-    # the parent sends to a file), so the cost of the proxy's own log lines is
-    # part of what is measured.
+    # Log as `twistd -n yieldproxy` would (its text observer at --log-level,
+    # requestlog.text_observer, to stderr, which the parent sends to a file),
+    # so the cost of the proxy's own log lines is part of what is measured.
     globalLogBeginner.beginLoggingTo(
-        [
-            FilteringLogObserver(
-                text_file_observer(sys.stderr),
-                [LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(args.log_level))],
-            )
-        ],
+        [text_file_observer(sys.stderr, LogLevel.levelWithName(args.log_level))],
         redirectStandardIO=False,
     )
 

@@ -71,3 +71,28 @@ def test_idle_pooled_connections_share_one_timer():
     clock.advance(5)
     assert endpoint.made[0][1].disconnecting and pool.stats()["idle"] == 0
     assert clock.getDelayedCalls() == []
+
+
+# -- the request log: no Logger.emit for the hot line ---------------------------------------------
+
+
+def test_a_request_line_reaches_its_observer_without_logger_emit(monkeypatch):
+    def no_emit(self, level, format=None, **kwargs):
+        raise AssertionError("Logger.emit sorts the log levels on every call")
+
+    monkeypatch.setattr(Logger, "emit", no_emit)
+
+    class Request:
+        path = b"/api/embed"
+        method = b"POST"
+        sentLength = 3
+
+        def getClientAddress(self):
+            return None
+
+    events = []
+    logger = Logger(namespace="yieldproxy.requestlog", observer=events.append)
+    log_request(Request(), "batch", 502, "upstream_error", 0.0, 1, 0.0, Clock(), logger=logger)
+    (event,) = events
+    assert event["log_level"] == LogLevel.warn and event["log_namespace"] == "yieldproxy.requestlog"
+    assert event["log_logger"] is logger and event["status"] == 502
