@@ -50,6 +50,67 @@ class Counting:
         return sum(self.names.count(name) for name in names)
 
 
+# -- the listener: one read timer per connection, its addresses read once ------------------------
+
+
+class Ok(Resource):
+    isLeaf = True
+
+    def render(self, request):
+        request.too_large  # what the proxy app reads: ProxyRequest has it
+        return b"ok"
+
+
+def connect(site: ProxySite) -> tuple[object, StringTransport]:
+    channel = site.buildProtocol(None)
+    transport = StringTransport()
+    lookups = []
+    real_get_host = transport.getHost
+    transport.getHost = lambda: lookups.append(1) or real_get_host()
+    transport.host_lookups = lookups
+    channel.makeConnection(transport)
+    return channel, transport
+
+
+def get(host: bytes = b"localhost") -> bytes:
+    return b"GET /api/tags HTTP/1.1\r\nHost: " + host + b"\r\n\r\n"
+
+
+def test_a_keep_alive_connection_arms_one_read_timer_and_a_late_request_still_gets_its_408():
+    clock = Clock()
+    timers = Counting(clock)
+    site = ProxySite(Ok(), 1000, request_read_timeout=30.0, timeout=300, reactor=clock)
+    channel, transport = connect(site)
+    for _ in range(5):
+        channel.dataReceived(get())
+        assert transport.value().count(b"200 OK") >= 1
+    assert transport.value().count(b"HTTP/1.1 200 OK") == 5
+    # One timer for the connection, not one per request (each used to arm and cancel its own).
+    assert timers.count("_read_timed_out", "_read_timer_fired") == 1
+    # The local address is asked for once (a getsockname call each time on a socket).
+    assert len(transport.host_lookups) == 1
+    # A request that starts late has its own deadline, 30 s from its first byte.
+    clock.advance(25)
+    channel.dataReceived(b"GET /api/tags HTTP/1.1\r\n")
+    clock.advance(29.9)
+    assert b"408" not in transport.value()
+    clock.advance(0.2)
+    assert b"HTTP/1.1 408 " in transport.value() and b"not received in full within 30s" in transport.value()
+    channel.connectionLost(None)
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_host_that_passed_once_is_checked_again_when_it_changes_on_the_same_connection():
+    clock = Clock()
+    site = ProxySite(Ok(), 1000, timeout=300, reactor=clock, host_policy=HostPolicy("proxy.allowed_hosts"))
+    channel, transport = connect(site)
+    channel.dataReceived(get(b"localhost:11434") + get(b"localhost:11434"))
+    assert transport.value().count(b"HTTP/1.1 200 OK") == 2
+    channel.dataReceived(get(b"evil.example"))
+    assert b"HTTP/1.1 403 Forbidden" in transport.value()
+    assert b"is not a name of this listener" in transport.value()
+
+
 # -- the upstream pool: one idle timer per pool ----------------------------------------------------
 
 
