@@ -157,3 +157,42 @@ def test_a_request_line_reaches_its_observer_without_logger_emit(monkeypatch):
     (event,) = events
     assert event["log_level"] == LogLevel.warn and event["log_namespace"] == "yieldproxy.requestlog"
     assert event["log_logger"] is logger and event["status"] == 502
+
+
+# -- addresses and routes: worked out once -----------------------------------------------------------
+
+
+def test_a_peer_address_is_parsed_once(monkeypatch):
+    parsed = []
+    real = classify.ip_address
+    monkeypatch.setattr(classify, "ip_address", lambda text: parsed.append(text) or real(text))
+    classify._is_loopback_address.cache_clear()
+    assert all(classify.is_loopback("127.0.0.1") for _ in range(5))
+    assert not any(classify.is_loopback("10.1.2.3") for _ in range(5))
+    assert classify.is_loopback(None) and not classify.is_loopback("not-an-address")
+    assert parsed == ["127.0.0.1", "10.1.2.3", "not-an-address"]
+
+
+def test_a_host_address_is_parsed_once(monkeypatch):
+    parsed = []
+    real = hosts.ip_address
+    monkeypatch.setattr(hosts, "ip_address", lambda text: parsed.append(text) or real(text))
+    hosts._is_private_ip.cache_clear()
+    policy = HostPolicy("proxy.allowed_hosts")
+    for _ in range(5):
+        assert policy.allows("192.168.1.9:11434") and not policy.allows("8.8.8.8")
+        assert policy.allows("8.8.8.8", "8.8.8.8")  # the listener's own address
+    assert parsed == ["192.168.1.9", "8.8.8.8"]
+
+
+def test_routes_are_classified_once_and_model_rules_still_read_the_model():
+    rules = (RouteRule(path="/api/embed", models=("nomic*",), cls="batch"),)
+    classifier = Classifier.from_rules(rules)
+    assert classifier.needs_model("POST", "/api/embed")
+    assert classifier.classify("POST", "/api/embed", "nomic-embed-text") == "batch"
+    assert classifier.classify("POST", "/api/embed", "other") == classifier.classify("POST", "/api/embed")
+    assert classifier.classify("GET", "/api/tags") == PASSTHROUGH
+    for i in range(classify._ROUTE_CACHE + 10):
+        classifier.classify("GET", f"/random/{i}")
+    assert len(classifier._routes) == classify._ROUTE_CACHE  # bounded: paths come from clients
+    assert classifier.classify("GET", "/api/tags") == PASSTHROUGH

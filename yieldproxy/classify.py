@@ -13,6 +13,8 @@ bodies are read as Ollama reads them (:mod:`yieldproxy.gojson`).
 
 from __future__ import annotations
 
+import functools
+
 import re
 from fnmatch import fnmatchcase
 from ipaddress import ip_address
@@ -113,6 +115,12 @@ def is_loopback(host: str | None) -> bool:
     """True for 127.0.0.0/8, ::1 and unix-socket peers (host None)."""
     if host is None:
         return True
+    return _is_loopback_address(host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_loopback_address(host: str) -> bool:
+    """Parsing an address costs microseconds on every request; a client's peer address repeats."""
     try:
         return ip_address(host).is_loopback
     except ValueError:
@@ -152,6 +160,10 @@ def is_unload(method: str, path: str, request: GoRequest) -> bool:
     return request.values.get("messages", 0) == 0
 
 
+#: Routes whose class :class:`Classifier` keeps (paths come from clients: the cache is bounded).
+_ROUTE_CACHE = 4096
+
+
 @attrs.frozen
 class Classifier:
     """Route rules in order, the configured ones before the defaults; then the allow-list."""
@@ -159,6 +171,10 @@ class Classifier:
     rules: tuple[RouteRule, ...]
     #: The class of a route no rule names and the allow-list does not hold.
     unknown_class: str = "interactive"
+    #: What does not depend on the body, by (method, path): whether a model rule
+    #: could match, and the class without a model.  Every request asks; the
+    #: routes are few (at most :data:`_ROUTE_CACHE` are kept).
+    _routes: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def from_rules(cls, configured: Iterable[RouteRule], unknown_class: str = "interactive") -> "Classifier":
@@ -173,12 +189,29 @@ class Classifier:
 
     def needs_model(self, method: str, path: str) -> bool:
         """True when a rule that could match depends on the body's model name."""
-        return any(rule.models and self._matches(rule, method, path) for rule in self.rules)
+        return self._route(method, path)[0]
 
     def classify(self, method: str, path: str, model: str | None = None) -> str:
         """The class of the first matching rule; else passthrough for a route known to run no
         model (or one that loads models, which the proxy holds during a yield); else the
         unknown-route class."""
+        if model is None:
+            return self._route(method, path)[1]
+        return self._classify(method, path, model)
+
+    def _route(self, method: str, path: str) -> tuple[bool, str]:
+        key = (method, path)
+        known = self._routes.get(key)
+        if known is None:
+            known = (
+                any(rule.models and self._matches(rule, method, path) for rule in self.rules),
+                self._classify(method, path, None),
+            )
+            if len(self._routes) < _ROUTE_CACHE:
+                self._routes[key] = known
+        return known
+
+    def _classify(self, method: str, path: str, model: str | None) -> str:
         for rule in self.rules:
             if not self._matches(rule, method, path):
                 continue
