@@ -196,3 +196,90 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
         classifier.classify("GET", f"/random/{i}")
     assert len(classifier._routes) == classify._ROUTE_CACHE  # bounded: paths come from clients
     assert classifier.classify("GET", "/api/tags") == PASSTHROUGH
+
+
+# -- the proxy on a Clock: metric children, the in-flight gauge, no producer for a fast client -----
+
+
+class _AsProxyRequest(Resource):
+    """What ``ProxySite``'s request class adds (a body within bounds), for StubTreq's plain Site."""
+
+    isLeaf = True
+
+    def __init__(self, inner):
+        super().__init__()
+        self._inner = inner
+
+    def render(self, request):
+        request.too_large = False
+        return self._inner.render(request)
+
+
+class Rig:
+    """The proxy app on a Clock: StubTreq in front, the sim behind the proxy's own client in memory."""
+
+    def __init__(self, latency: float = 0.0):
+        self.clock = Clock()
+        config = config_with()
+        self.metrics = Metrics()
+        state, lot, replayer, gate = build_core(self.clock, config, self.metrics, clock_cooperator(self.clock))
+        self.sim = SimOllama(self.clock, latency=latency)
+        self.wire = MemoryEndpoint(Site(self.sim.resource(), reactor=MemoryReactorClock()))
+        upstream = Upstream(self.clock, "http://sim.invalid", idle_timeout=None, endpoint=self.wire)
+        self.app = ProxyApp(self.clock, config, gate, upstream, self.metrics)
+        self.http = StubTreq(_AsProxyRequest(self.app.app.resource()))
+
+    def turn(self) -> None:
+        for _ in range(6):
+            self.http.flush()
+            self.wire.flush()
+            self.clock.advance(0)
+
+    def embed(self, text: str):
+        body = json.dumps({"model": "all-minilm", "input": text}).encode()
+        d = self.http.post("http://proxy.invalid/api/embed", data=body)
+        self.turn()
+        return d
+
+    def sample(self, name: str, **labels) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def test_metric_children_are_looked_up_once_and_the_inflight_gauge_is_read_when_scraped(monkeypatch):
+    rig = Rig(latency=1.0)
+    looked_up = []
+    for name in ("requests_total", "upstream_seconds"):
+        metric = getattr(rig.metrics, name)
+        real = metric.labels
+        monkeypatch.setattr(metric, "labels", lambda *labels, real=real, name=name: looked_up.append(name) or real(*labels))
+    gauge = rig.metrics.inflight_requests
+    monkeypatch.setattr(gauge, "set", lambda value: pytest.fail("the in-flight gauge is set on every request"))
+    for i in range(3):
+        d = rig.embed(f"text {i}")
+        assert rig.sample("yieldproxy_inflight_requests") == 1  # held by the sim's latency
+        rig.clock.advance(1.0)
+        rig.turn()
+        assert d.result.code == 200
+        assert rig.sample("yieldproxy_inflight_requests") == 0
+    assert sorted(looked_up) == ["requests_total", "upstream_seconds"]
+    assert rig.sample("yieldproxy_requests_total", **{"class": "batch", "code": "200"}) == 3
+    assert rig.sample("yieldproxy_upstream_seconds_count", **{"class": "batch"}) == 3
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_client_that_takes_its_answer_at_once_never_registers_a_producer(monkeypatch):
+    from twisted.web.server import Request
+
+    registered = []
+    real = Request.registerProducer
+    monkeypatch.setattr(Request, "registerProducer", lambda self, p, s: registered.append(p) or real(self, p, s))
+    rig = Rig()
+    d = rig.embed("fast")
+    response = d.result
+    assert response.code == 200
+    body = rig.http.json_content(response)
+    rig.turn()
+    assert len(body.result["embeddings"][0]) == 384
+    assert registered == []  # the attempt becomes the producer only once a client's transport is full
+    assert rig.clock.getDelayedCalls() == []

@@ -258,160 +258,6 @@ def describe_failure(error: H1Error, url: str) -> str:
 
 
 @implementer(IPushProducer)
-class _Relay:
-    """The attempt's response handler: judges an error answer, or streams the answer to the client.
-
-    As the client request's producer (not the upstream socket), it never
-    pauses the upstream for a slow client, which would keep its replay slot:
-    it only learns when the client's transport is full (``pauseProducing``)
-    and when everything written has gone out (``resumeProducing``).  What it
-    writes in between waits in memory, counted in :class:`ClientBuffers`;
-    past a bound the client is dropped (:class:`ClientTooSlow` raised into
-    the client, which aborts the upstream connection).
-
-    An error status (5xx, or 400 when statuses are retried) is read first,
-    up to :data:`_ERROR_BODY_LIMIT` bytes, to judge whether it is retryable;
-    a longer one is then relayed whole, what was read first.
-
-    It stays the request's producer after the upstream has finished, until
-    :meth:`drained` reports that the client has taken the rest.
-    """
-
-    __slots__ = ("_attempt", "_request", "_buffers", "response", "inspecting", "_parts", "_size", "committed",
-                 "client_gone", "buffered", "_registered", "_paused", "_drained")
-
-    def __init__(self, attempt: "Attempt", request, buffers: ClientBuffers | None):
-        self._attempt = attempt
-        self._request = request
-        self._buffers = buffers
-        self.response: Response | None = None
-        #: Reading an error body to judge it (nothing reached the client yet).
-        self.inspecting = False
-        self._parts: list[bytes] = []
-        self._size = 0
-        self.committed = False
-        self.client_gone = False
-        #: Bytes written since the client's transport paused us, counted in ``buffers``.
-        self.buffered = 0
-        self._registered = False
-        self._paused = False
-        self._drained: Deferred | None = None
-
-    # -- the upstream's answer (h1client's ResponseHandler) --------------------------------
-
-    def response_started(self, response: Response) -> None:
-        self.response = response
-        code = response.code
-        if code >= 500 or (code == 400 and self._attempt._retry_statuses):
-            self.inspecting = True
-            return
-        self._register()
-
-    def body_received(self, data: bytes) -> None:
-        if self.inspecting:
-            self._parts.append(data)
-            self._size += len(data)
-            if self._size >= _ERROR_BODY_LIMIT:
-                self._judge_long()
-            return
-        if self.client_gone:
-            return
-        if not self.committed:
-            self.committed = True
-            self._attempt._first_byte(self.response)
-        if self._paused and self._buffers is not None:
-            if not self._buffers.take(len(data), self.buffered):
-                self._drop(len(data))
-            self.buffered += len(data)
-        self._request.write(data)
-
-    def error_body(self) -> bytes:
-        """What was read of an error body (all of it once the answer is complete)."""
-        return b"".join(self._parts)
-
-    def _judge_long(self) -> None:
-        """An error body longer than what is read to judge it: a 502/503 is retried, the rest relayed whole."""
-        code = self.response.code
-        if code in (502, 503) and self._attempt._retry_statuses:
-            # Not read further: the client aborts the connection.
-            raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(self.error_body())}")
-        self.inspecting = False
-        head, self._parts = self.error_body(), []
-        self._register()
-        self.body_received(head)
-
-    # -- IPushProducer, for the client's transport ----------------------------------------
-
-    def pauseProducing(self) -> None:
-        self._paused = True
-
-    def resumeProducing(self) -> None:
-        """Everything written so far has gone out to the client."""
-        self._paused = False
-        self._give_back()
-        if self._drained is not None:
-            d, self._drained = self._drained, None
-            self._unregister()
-            d.callback(None)
-
-    def stopProducing(self) -> None:
-        """The client's connection is gone: the upstream's work is of no use any more."""
-        self.client_gone = True
-        self.abandon()
-        if self.response is not None:
-            self.response.stopProducing()  # nothing once the exchange is over
-
-    # -- for the attempt --------------------------------------------------------------------
-
-    def drained(self) -> Deferred:
-        """Fires once the client has taken the whole answer (at once when nothing waits for it)."""
-        if self.client_gone or self.buffered == 0:
-            self.abandon()
-            return succeed(None)
-        self._drained = Deferred(canceller=lambda d: self.abandon())
-        return self._drained
-
-    def abandon(self) -> None:
-        """Stop being the request's producer and return the bytes counted (idempotent)."""
-        self._give_back()
-        self._unregister()
-
-    def _register(self) -> None:
-        try:
-            self._request.registerProducer(self, True)
-            self._registered = True
-        except Exception:
-            # The client is already gone (no channel); the cancel will follow.
-            self.client_gone = True
-            return
-        # A transport that was full before this answer began does not pause a new producer.
-        channel = getattr(self._request, "channel", None)
-        self._paused = bool(getattr(channel, "_waitingForTransport", False))
-
-    def _drop(self, size: int) -> None:
-        """Past a buffer bound: raise :class:`ClientTooSlow` into the client (it aborts the upstream)."""
-        waiting = self.buffered + size
-        self.client_gone = True
-        self.abandon()
-        raise ClientTooSlow(
-            f"the client read too slowly: {waiting} bytes of its answer would wait in the proxy "
-            f"(bounds: {self._buffers.per_response} per answer, {self._buffers.total} in all)"
-        )
-
-    def _give_back(self) -> None:
-        if self._buffers is not None:
-            self._buffers.give_back(self.buffered)
-        self.buffered = 0
-
-    def _unregister(self) -> None:
-        if self._registered:
-            self._registered = False
-            try:
-                self._request.unregisterProducer()
-            except Exception:
-                pass
-
-
 class Attempt:
     """One try at sending a request upstream and relaying its answer.
 
@@ -422,6 +268,26 @@ class Attempt:
     the wait for the first byte only: a long stream, once flowing, is not cut.
     After a success, :meth:`client_drained` fires when the client has read
     the rest; the request must not be finished before.
+
+    The attempt is the upstream client's response handler (``response_started``,
+    ``body_received``): an error status (5xx, or 400 when statuses are
+    retried) is read first, up to :data:`_ERROR_BODY_LIMIT` bytes, to judge
+    whether it is retryable, and a longer one is then relayed whole, what was
+    read first; any other answer is relayed as it comes, the status and
+    headers committed with its first byte.
+
+    It is also the client request's producer (not the upstream socket), so it
+    never pauses the upstream for a slow client, which would keep its replay
+    slot: it only learns when the client's transport is full
+    (``pauseProducing``) and when everything written has gone out
+    (``resumeProducing``).  What it writes in between waits in memory, counted
+    in :class:`ClientBuffers`; past a bound the client is dropped
+    (:class:`ClientTooSlow` raised into the upstream client, which aborts the
+    upstream connection).  It becomes the producer only once the client's
+    transport is full: most answers are written at once, and a client that
+    leaves before then is cancelled by Klein (its connection's end cancels the
+    handler).  It stays the producer after the upstream has finished, until
+    the client has taken the rest.
     """
 
     def __init__(
@@ -450,19 +316,29 @@ class Attempt:
         self._timer = None
         self._timed_out = False
         self._pending: Deferred | None = None
-        self._relay: _Relay | None = None
         self.status: int | None = None
+        self._response: Response | None = None
+        #: Reading an error body to judge it (nothing reached the client yet).
+        self._inspecting = False
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._committed = False
+        self._client_gone = False
+        #: Bytes written since the client's transport paused us, counted in ``buffers``.
+        self._buffered = 0
+        self._registered = False
+        self._paused = False
+        self._drained: Deferred | None = None
 
     def run(self) -> Deferred:
         request = self._request
         upstream = self._upstream
-        relay = self._relay = _Relay(self, request, self._buffers)
         # Armed first: the client may fail the request at once (a closed pool).
         self._timer = self._clock.callLater(self._timeout, self._expire)
         try:
             d = upstream.client.request(
                 request.method, upstream.target(self._target), upstream_request_headers(request.requestHeaders),
-                self._body, relay, replayable=False,
+                self._body, self, replayable=False,
             )
         except BaseException:
             self._disarm()
@@ -470,54 +346,98 @@ class Attempt:
         self._pending = d
         return d.addCallbacks(self._answered, self._failed)
 
+    def client_has_all(self) -> bool:
+        """After a success: True when nothing of the answer waits for the client (or it left).
+
+        Then :meth:`client_drained` would fire at once; checking first spares
+        the caller a Deferred and a turn of its coroutine on every request.
+        """
+        if self._client_gone or self._buffered == 0:
+            self._abandon()
+            return True
+        return False
+
     def client_drained(self) -> Deferred:
-        """After a success: fires once the client has taken the whole answer."""
-        if self._relay is None:
+        """After a success: fires once the client has taken the whole answer (at once when nothing waits)."""
+        if self.client_has_all():
             return succeed(None)
-        return self._relay.drained()
+        self._drained = Deferred(canceller=lambda d: self._abandon())
+        return self._drained
 
-    # -- the timeout: until the first byte reaches the client ------------------------------
+    # -- the upstream's answer (h1client's ResponseHandler) --------------------------------
 
-    def _disarm(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+    def response_started(self, response: Response) -> None:
+        self._response = response
+        code = response.code
+        if code >= 500 or (code == 400 and self._retry_statuses):
+            self._inspecting = True
 
-    def _expire(self) -> None:
-        self._timer = None
-        self._timed_out = True
-        if self._pending is not None:
-            self._pending.cancel()
+    def body_received(self, data: bytes) -> None:
+        if self._inspecting:
+            self._parts.append(data)
+            self._size += len(data)
+            if self._size >= _ERROR_BODY_LIMIT:
+                self._judge_long()
+            return
+        if self._client_gone:
+            return
+        request = self._request
+        if not self._registered:
+            channel = request.channel
+            if channel is None:
+                self._client_gone = True  # the cancel follows
+                return
+            if channel._waitingForTransport:
+                # The client's transport is full: from here on, what is written waits in memory.
+                self._register()
+        if not self._committed:
+            # The answer is about to reach the client: from here on, no retry and no timeout.
+            self._committed = True
+            self._disarm()
+            self._commit(self._response)
+        if self._paused and self._buffers is not None:
+            if not self._buffers.take(len(data), self._buffered):
+                self._drop(len(data))
+            self._buffered += len(data)
+        request.write(data)
+
+    def _judge_long(self) -> None:
+        """An error body longer than what is read to judge it: a 502/503 is retried, the rest relayed whole."""
+        code = self._response.code
+        if code in (502, 503) and self._retry_statuses:
+            # Not read further: the client aborts the connection.
+            raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
+        self._inspecting = False
+        head, self._parts = b"".join(self._parts), []
+        self.body_received(head)
 
     # -- the ends ----------------------------------------------------------------------------
 
     def _answered(self, response: Response) -> int:
         """The upstream's answer is complete."""
         self._disarm()
-        relay = self._relay
-        if relay.inspecting:
-            return self._whole_error(response, relay.error_body())
-        if not relay.committed and not relay.client_gone:
-            relay.committed = True
+        if self._inspecting:
+            return self._whole_error(response, b"".join(self._parts))
+        if not self._committed and not self._client_gone:
+            self._committed = True
             self._commit(response)  # an empty body
         return response.code
 
     def _failed(self, failure):
         self._disarm()
-        relay = self._relay
-        relay.abandon()
+        self._abandon()
         error = failure.value
         url = self._upstream.url
         if self._timed_out:
             raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
         if not isinstance(error, H1Error):
-            # The client left (CancelledError), the relay judged (RetryableFailure,
+            # The client left (CancelledError), the answer was judged (RetryableFailure,
             # ClientTooSlow), or a bug: as it is.
             return failure
-        if relay.inspecting:
+        if self._inspecting:
             # The connection ended part-way through an error body: what came is the body.
-            return self._whole_error(relay.response, relay.error_body())
-        if relay.committed:
+            return self._whole_error(self._response, b"".join(self._parts))
+        if self._committed:
             raise RelayBroken(describe_failure(error, url))
         raise RetryableFailure(failure_reason(error), describe_failure(error, url))
 
@@ -536,11 +456,6 @@ class Attempt:
             self._request.write(body)
         return code
 
-    def _first_byte(self, response: Response) -> None:
-        """The answer is about to reach the client: from here on, no retry and no timeout."""
-        self._disarm()
-        self._commit(response)
-
     def _commit(self, response: Response) -> None:
         request = self._request
         self.status = response.code
@@ -552,6 +467,79 @@ class Attempt:
             headers.setRawHeaders(b"content-length", [b"%d" % response.length])
         for name, value in self._extra_headers:
             headers.setRawHeaders(name, [value])
+
+    # -- the timeout: until the first byte reaches the client ------------------------------
+
+    def _disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._timed_out = True
+        if self._pending is not None:
+            self._pending.cancel()
+
+    # -- IPushProducer, for the client's transport ----------------------------------------
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        """Everything written so far has gone out to the client."""
+        self._paused = False
+        self._give_back()
+        if self._drained is not None:
+            d, self._drained = self._drained, None
+            self._unregister()
+            d.callback(None)
+
+    def stopProducing(self) -> None:
+        """The client's connection is gone: the upstream's work is of no use any more."""
+        self._client_gone = True
+        self._abandon()
+        if self._response is not None:
+            self._response.stopProducing()  # nothing once the exchange is over
+
+    def _register(self) -> None:
+        """Become the producer of a client whose transport is full (it pauses no new producer: we start paused)."""
+        try:
+            self._request.registerProducer(self, True)
+        except Exception:
+            # The client is already gone (no channel); the cancel will follow.
+            self._client_gone = True
+            return
+        self._registered = True
+        self._paused = True
+
+    def _drop(self, size: int) -> None:
+        """Past a buffer bound: raise :class:`ClientTooSlow` into the client (it aborts the upstream)."""
+        waiting = self._buffered + size
+        self._client_gone = True
+        self._abandon()
+        raise ClientTooSlow(
+            f"the client read too slowly: {waiting} bytes of its answer would wait in the proxy "
+            f"(bounds: {self._buffers.per_response} per answer, {self._buffers.total} in all)"
+        )
+
+    def _abandon(self) -> None:
+        """Stop being the request's producer and return the bytes counted (idempotent)."""
+        self._give_back()
+        self._unregister()
+
+    def _give_back(self) -> None:
+        if self._buffers is not None:
+            self._buffers.give_back(self._buffered)
+        self._buffered = 0
+
+    def _unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            try:
+                self._request.unregisterProducer()
+            except Exception:
+                pass
 
 
 def _snippet(body: bytes) -> str:

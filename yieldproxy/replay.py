@@ -68,6 +68,12 @@ class Replayer:
     #: Pre-release steps still running (see :meth:`hold_release_until`).
     _release_gates: list[Deferred] = attrs.Factory(list)
 
+    def __attrs_post_init__(self) -> None:
+        # yieldproxy_inflight_requests is the primary's (docs/metrics.md), read when
+        # scraped rather than set twice per request.
+        if self.target is None:
+            self._metrics.inflight_requests.set_function(lambda: self.inflight)
+
     @property
     def draining(self) -> bool:
         """True while parked requests are being let out (the target is open, it has work in the lot)."""
@@ -117,7 +123,6 @@ class Replayer:
     def started(self) -> None:
         """A request went to the target (directly or from the lot)."""
         self.inflight += 1
-        self._count_inflight()
 
     def finished(self, failed: bool = False, started: float | None = None, abandoned: bool = False) -> None:
         """A request's upstream exchange ended; free its slot.
@@ -128,7 +133,6 @@ class Replayer:
         exchange its client ``abandoned``.
         """
         self.inflight -= 1
-        self._count_inflight()
         now = self._clock.seconds()
         if failed:
             self._last_failure = now
@@ -146,11 +150,6 @@ class Replayer:
         elif not abandoned and (started is None or started >= self._last_failure):
             self.reset_backoff()
         self._wake()
-
-    def _count_inflight(self) -> None:
-        # yieldproxy_inflight_requests is the primary's (docs/metrics.md).
-        if self.target is None:
-            self._metrics.inflight_requests.set(self.inflight)
 
     def reset_backoff(self) -> None:
         """Forget past failures: an answer came back, or the GPU was declared back."""
