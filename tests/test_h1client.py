@@ -938,6 +938,35 @@ async def test_real_an_idle_connection_the_upstream_closed_is_never_written_to()
 
 
 @pytest_twisted.ensureDeferred
+async def test_real_a_request_goes_out_at_once_on_a_connection_with_nothing_waiting():
+    """No write buffered for the reactor's next turn (two epoll_ctl calls and a turn per request).
+
+    It also fails loudly if Twisted moves the transport internals ``write_now`` relies on.
+    """
+    reactor = _reactor()
+    factory, port = await scripted_server(lambda n, head: ok(b"answer %d" % n))
+    pool = H1Pool(reactor, "127.0.0.1", port.getHost().port)
+    try:
+        first = await within(pool.request(b"GET", b"/1", timeout=TIMEOUT))
+        assert first.body == b"answer 0"
+        (conn,) = pool._idle
+        transport = conn.transport
+        for name in ("dataBuffer", "_tempDataLen", "_writeDisconnected", "connected", "disconnecting"):
+            assert hasattr(transport, name), f"Twisted moved {name}: h1client.write_now falls back to write()"
+        assert callable(transport.writeSomeData)
+        buffered = []
+        real_write = transport.write
+        transport.write = lambda data: buffered.append(data) or real_write(data)
+        d = pool.request(b"POST", b"/2", body=b"{}", timeout=TIMEOUT)
+        assert buffered == [] and transport.dataBuffer == b"" and transport._tempDataLen == 0
+        assert (await within(d)).body == b"answer 1"
+        assert factory.requests == [b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]
+    finally:
+        await pool.close()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
 async def test_real_chunked_stream_arrives_piece_by_piece():
     from yieldproxy.sim import SimOllama
 

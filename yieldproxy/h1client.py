@@ -17,8 +17,9 @@ does the same hop with one object per request and one Deferred:
   no wait) for an end or bytes the reactor has not handled yet: a connection
   the upstream closed while idle is dropped *before* a byte is written to
   it, and the request goes on another one: not a retry, nothing was sent.
-* :meth:`H1Pool.request` writes the request in one ``transport.write`` (small
-  bodies), and streams the answer to a handler as it arrives: the head to
+* :meth:`H1Pool.request` writes the request in one write (small bodies),
+  sent at once when the connection has nothing waiting (:func:`write_now`),
+  and streams the answer to a handler as it arrives: the head to
   ``response_started``, the body to ``body_received``; the Deferred fires
   with the :class:`Response` once the body is complete.  The response is an
   ``IPushProducer`` for as long as its exchange lasts: a relay registers it
@@ -74,7 +75,7 @@ import socket
 from ipaddress import ip_address
 from typing import Any, Callable, Iterable, Protocol as TypingProtocol
 
-from twisted.internet import error as ierror
+from twisted.internet import error as ierror, tcp
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
@@ -316,7 +317,7 @@ class H1Connection(Protocol):
         ex.reused = self.served > 0
         self.served += 1
         self._parser.start(ex.method == b"HEAD")
-        self.transport.write(ex.data)
+        write_now(self.transport, ex.data)
         if ex.body:
             self.transport.write(ex.body)
 
@@ -436,6 +437,37 @@ class H1Connection(Protocol):
         waiters, self.when_lost = self.when_lost, []
         for d in waiters:
             d.callback(None)
+
+
+def write_now(transport: Any, data: bytes) -> None:
+    """``transport.write(data)``, sent at once when a TCP transport has nothing waiting to go out.
+
+    A TCP transport buffers every write until the reactor's next turn finds
+    the socket writable: a write costs two ``epoll_ctl`` calls and a turn of
+    the reactor before the ``send``.  A request goes out in one write, on a
+    connection with nothing else to send, so it is sent here, and only what
+    the socket does not take is left to the transport.  Anything else (TLS,
+    a test's transport, data already waiting, a closing connection, an
+    error) takes the transport's own way.  Relies on
+    ``twisted.internet.abstract.FileDescriptor`` attributes
+    (``dataBuffer``, ``_tempDataLen``, ``_writeDisconnected``) and
+    ``tcp.Connection.writeSomeData``, as they are in Twisted 26;
+    ``tests/test_h1client.py`` fails if a release moves them.
+    """
+    if (
+        isinstance(transport, tcp.Connection)
+        and transport.connected
+        and not transport.disconnecting
+        and not getattr(transport, "_writeDisconnected", True)
+        and not transport.dataBuffer
+        and getattr(transport, "_tempDataLen", 1) == 0
+    ):
+        sent = transport.writeSomeData(data)
+        if isinstance(sent, int) and sent > 0:
+            if sent == len(data):
+                return
+            data = data[sent:]
+    transport.write(data)
 
 
 class _ConnectionFactory(Factory):
