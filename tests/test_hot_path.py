@@ -198,6 +198,18 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
     assert classifier.classify("GET", "/api/tags") == PASSTHROUGH
 
 
+def test_a_target_is_read_once_and_a_bad_one_is_refused_every_time():
+    from yieldproxy.target import BadTarget, parse_target
+
+    parse_target.cache_clear()
+    first = parse_target(b"/api/%65mbed?x=1")
+    assert parse_target(b"/api/%65mbed?x=1") is first and first.path == "/api/embed"
+    assert parse_target.cache_info().hits == 1
+    for _ in range(2):
+        with pytest.raises(BadTarget):
+            parse_target(b"/api/embed#x")
+
+
 # -- the proxy on a Clock: metric children, the in-flight gauge, no producer for a fast client -----
 
 
