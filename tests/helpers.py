@@ -100,38 +100,7 @@ def config_with(**sections) -> Config:
     return attrs.evolve(config, **changes)
 
 
-class InMemoryUpstream:
-    """The proxy's upstream client (:class:`yieldproxy.forward.Upstream`) reaching a resource in memory.
-
-    An agent and a base URI, as the proxy uses them, with treq's
-    :class:`~treq.testing.RequestTraversalAgent` in place of the Agent on a
-    connection pool: ``build(clock, config, upstream=InMemoryUpstream(sim.resource()))``
-    runs the whole proxy on a Clock.
-    """
-
-    url = "http://upstream.invalid"
-
-    def __init__(self, resource):
-        from treq.testing import RequestTraversalAgent
-
-        self.agent = RequestTraversalAgent(resource)
-
-    def uri(self, request_uri: bytes) -> bytes:
-        return self.url.encode() + request_uri
-
-    def flush(self) -> None:
-        """Deliver what the in-memory connections hold (an answer the resource wrote later)."""
-        self.agent.flush()
-
-    def close(self) -> Deferred:
-        from twisted.internet.defer import succeed
-
-        return succeed(None)
-
-
-__all__ = [
-    "Core", "make_core", "config_with", "InMemoryUpstream", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig",
-]
+__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
 
 
 # -- real sockets ---------------------------------------------------------------

@@ -28,6 +28,7 @@ import treq
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
@@ -38,8 +39,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
+from zope.interface import implementer
+
 from yieldproxy.config import Config
-from yieldproxy.forward import BytesProducer
+from yieldproxy.forward import BytesProducer, Upstream
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
 
@@ -57,6 +60,7 @@ class _Endpoints:
         return TCP4ClientEndpoint(self._memory, uri.host, uri.port)
 
 
+@implementer(IStreamClientEndpoint)
 class SiteAgent:
     """An ``IAgent`` whose every connection is an in-memory one to ``site``, pumped by :meth:`flush`.
 
@@ -82,6 +86,12 @@ class SiteAgent:
             _host, port, factory, _timeout, _bind = self._memory.tcpClients.pop(0)
             self._connect(factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port)), port)
         return d
+
+    def connect(self, factory) -> Deferred:
+        """As an ``IStreamClientEndpoint``: a protocol of ``factory`` connected in memory to the site."""
+        client = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 11434))
+        self._connect(client, 11434)
+        return succeed(client)
 
     def raw(self, site=None) -> "RawPeer":
         """A connection to ``site`` (by default this agent's) for a test that writes the bytes itself."""
@@ -137,30 +147,23 @@ class RawPeer(Protocol):
         self.closed = True
 
 
-class MemoryUpstream:
-    """The proxy's upstream client (as :class:`yieldproxy.forward.Upstream`) reaching ``upstream`` in memory.
+class MemoryUpstream(Upstream):
+    """The proxy's upstream client (:class:`yieldproxy.forward.Upstream`) reaching ``upstream`` in memory.
 
     ``upstream`` is a resource (served by a plain ``Site``) or a protocol
     factory of its own (``rawhttp.RecordingBackend``, which keeps the exact
-    bytes the proxy sent).  The same shape as :class:`helpers.InMemoryUpstream`,
-    on a :class:`SiteAgent` so that :meth:`Rig.turn` knows when the upstream
-    side has settled.
+    bytes the proxy sent).  Its connections are made by a :class:`SiteAgent`
+    (as an endpoint), so that :meth:`Rig.turn` knows when the upstream side
+    has settled.
     """
-
-    url = "http://upstream.invalid"
 
     def __init__(self, upstream, clock: Clock):
         factory = Site(upstream, reactor=MemoryReactorClock()) if IResource.providedBy(upstream) else upstream
-        self.agent = SiteAgent(factory, clock)
-
-    def uri(self, request_uri: bytes) -> bytes:
-        return self.url.encode() + request_uri
+        self.wire = SiteAgent(factory, clock)
+        super().__init__(clock, "http://upstream.invalid", idle_timeout=None, endpoint=self.wire)
 
     def flush(self) -> bool:
-        return self.agent.flush()
-
-    def close(self) -> Deferred:
-        return succeed(None)
+        return self.wire.flush()
 
 
 @attrs.frozen

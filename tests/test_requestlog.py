@@ -178,7 +178,7 @@ def test_log_level_drops_debug_events(capsys):
         twistd_options("yieldproxy")
     assert requestlog.log_level == LogLevel.info
     out = io.StringIO()
-    observer = requestlog._at_level(requestlog.json_file_observer(out))
+    observer = requestlog.json_file_observer(out, requestlog.log_level)
     observer({"log_level": LogLevel.debug, "log_format": "noise", "log_namespace": "x", "log_time": 0})
     observer({"log_level": LogLevel.info, "log_format": "kept", "log_namespace": "x", "log_time": 0})
     assert "noise" not in out.getvalue() and "kept" in out.getvalue()

@@ -18,6 +18,7 @@ config order (``("ollama",)`` for a single Ollama, as before the pool).
 
 from __future__ import annotations
 
+import functools
 from fnmatch import fnmatchcase
 from ipaddress import ip_address
 from typing import Iterable
@@ -48,6 +49,12 @@ def is_loopback(host: str | None) -> bool:
     """True for 127.0.0.0/8, ::1 and unix-socket peers (host None)."""
     if host is None:
         return True
+    return _is_loopback_address(host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_loopback_address(host: str) -> bool:
+    """Parsing an address costs microseconds on every request; a client's peer address repeats."""
     try:
         return ip_address(host).is_loopback
     except ValueError:
@@ -57,6 +64,10 @@ def is_loopback(host: str | None) -> bool:
 def runs_no_model(method: str, path: str) -> bool:
     """True for a request Ollama serves without scheduling a runner (its allow-list, :mod:`yieldproxy.servers.ollama`)."""
     return path not in MODEL_LOADING_PATHS and server("ollama").route_class(method, path) == PASSTHROUGH
+
+
+#: Routes whose class :class:`Classifier` keeps (paths come from clients: the cache is bounded).
+_ROUTE_CACHE = 4096
 
 
 @attrs.frozen
@@ -73,6 +84,10 @@ class Classifier:
     _servers: tuple[Server, ...] = attrs.field(
         init=False, repr=False, default=attrs.Factory(lambda self: tuple(map(server, self.apis)), takes_self=True)
     )
+    #: What does not depend on the body, by (method, path): whether a model rule
+    #: could match, and the class without a model.  Every request asks; the
+    #: routes are few (at most :data:`_ROUTE_CACHE` are kept).
+    _routes: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def from_rules(
@@ -89,13 +104,30 @@ class Classifier:
 
     def needs_model(self, method: str, path: str) -> bool:
         """True when a rule that could match depends on the body's model name."""
-        return any(rule.models and self._matches(rule, method, path) for rule in self.rules)
+        return self._route(method, path)[0]
 
     def classify(self, method: str, path: str, model: str | None = None) -> str:
         """The class of the first matching rule; else the class the first server that knows
         the route gives it (a model route's class, or passthrough for a route on its
         allow-list or one that loads models, which the proxy holds during a yield); else
         the unknown-route class."""
+        if model is None:
+            return self._route(method, path)[1]
+        return self._classify(method, path, model)
+
+    def _route(self, method: str, path: str) -> tuple[bool, str]:
+        key = (method, path)
+        known = self._routes.get(key)
+        if known is None:
+            known = (
+                any(rule.models and self._matches(rule, method, path) for rule in self.rules),
+                self._classify(method, path, None),
+            )
+            if len(self._routes) < _ROUTE_CACHE:
+                self._routes[key] = known
+        return known
+
+    def _classify(self, method: str, path: str, model: str | None) -> str:
         for rule in self.rules:
             if not self._matches(rule, method, path):
                 continue
