@@ -9,9 +9,7 @@ loopback ports.  Then it prints one line::
     ready proxy=PORT admin=PORT pid=PID src=DIR
 
 Then it serves until SIGTERM/SIGINT.  With ``--profile FILE`` it runs under
-cProfile and writes the stats to FILE when it stops.  With ``--client lean``
-the proxy forwards with ``yieldproxy.h1client`` (``_lean_attempt.py``)
-instead of the Agent: a measurement variant, not a deployment option.
+cProfile and writes the stats to FILE when it stops.
 """
 
 from __future__ import annotations
@@ -66,8 +64,6 @@ def main(argv=None) -> None:
     p.add_argument("--backlog", type=int, default=0, help="proxy listen backlog (0: the endpoint's own, 50 for tcp:)")
     p.add_argument("--log-level", default="info", help="twisted log level (stderr)")
     p.add_argument("--config", default="", help="a yieldproxy.toml to start from (the other options override it)")
-    p.add_argument("--client", choices=("agent", "lean"), default="agent",
-                   help="the upstream client: agent (forward.py as it is) or lean (h1client, _lean_attempt.py)")
     args = p.parse_args(argv)
 
     if args.nofile:
@@ -78,34 +74,18 @@ def main(argv=None) -> None:
     epollreactor.install()
     from twisted.internet import defer, reactor
     from twisted.internet.endpoints import serverFromString
-    from twisted.logger import (
-        FilteringLogObserver,
-        LogLevel,
-        LogLevelFilterPredicate,
-        globalLogBeginner,
-    )
+    from twisted.logger import LogLevel, globalLogBeginner
 
     import yieldproxy
     from yieldproxy.config import Config, load
     from yieldproxy.requestlog import text_file_observer
     from yieldproxy.service import build
 
-    if args.client == "lean":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _lean_attempt
-
-        _lean_attempt.install()
-
-    # Log as `twistd -n yieldproxy` would (its text observer, to stderr, which
-    # the parent sends to a file), so the cost of the proxy's own log lines is
-    # part of what is measured.
+    # Log as `twistd -n yieldproxy` would (its text observer at --log-level,
+    # requestlog.text_observer, to stderr, which the parent sends to a file),
+    # so the cost of the proxy's own log lines is part of what is measured.
     globalLogBeginner.beginLoggingTo(
-        [
-            FilteringLogObserver(
-                text_file_observer(sys.stderr),
-                [LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(args.log_level))],
-            )
-        ],
+        [text_file_observer(sys.stderr, LogLevel.levelWithName(args.log_level))],
         redirectStandardIO=False,
     )
 

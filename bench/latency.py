@@ -253,8 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="wrk rounds per side at concurrency 16")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per wrk round")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, write stats here")
-    p.add_argument("--lean", action="store_true",
-                   help="also measure the floor's Klein front on yieldproxy.h1client instead of the Agent")
+    p.add_argument("--floor-h1", action="store_true",
+                   help="also measure the floor's Klein front on yieldproxy.h1client (the proxy's client) "
+                        "instead of the Agent")
     p.add_argument("--context-latency", type=float, default=0.02,
                    help="also measure c=16 throughput with this backend latency (s; 0: skip)")
     args = p.parse_args(argv)
@@ -266,10 +267,9 @@ def main(argv=None) -> int:
         floor, floor_port = start_floor(children, sim_port)
         ports = {"direct": sim_port, "proxy": proxy_port, "floor": floor_port}
         relays = {"proxy": proxy.pid, "floor": floor.pid}
-        if args.lean:
+        if args.floor_h1:
             lean_floor, ports["floor-h1"] = start_floor(children, sim_port, client="lean", name="floor-h1")
-            lean_proxy, ports["proxy-h1"], _ = start_proxy(children, sim_port, "--client", "lean", name="proxy-h1")
-            relays["floor-h1"], relays["proxy-h1"] = lean_floor.pid, lean_proxy.pid
+            relays["floor-h1"] = lean_floor.pid
         c1 = concurrency_one(ports, relays, args.pairs, args.pair_seconds)
         cn = concurrency_n(ports, {"sim": sim.pid, **relays}, args.concurrency, args.rounds, args.seconds)
         errors = proxy.log_tail(4000)
@@ -287,9 +287,8 @@ def main(argv=None) -> int:
     header("yieldproxy latency: direct to the sim, through the proxy, through the floor (POST /api/embed, small body)")
     print(f"proxy code: {proxy.src}; sim, proxy and floor each in its own process; {os.cpu_count()} cores")
     print("floor: a minimal Klein + Agent pass-through (bench/_floor.py: persistent pool, TCP_NODELAY, no parking)")
-    if args.lean:
-        print("floor-h1: the floor's Klein front on yieldproxy.h1client (bench/_floor.py --client lean)")
-        print("proxy-h1: the proxy forwarding with yieldproxy.h1client (bench/_lean_attempt.py, a measurement variant)")
+    if args.floor_h1:
+        print("floor-h1: the floor's Klein front on yieldproxy.h1client, the proxy's client (bench/_floor.py --client lean)")
     print(f"{'':34}" + "".join(f"{side:>10}" for side in ports))
     print(f"c=1 ({c1['pairs']} rounds of one call each way, order rotated)")
     for q in ("p50", "p99", "mean"):
@@ -298,10 +297,10 @@ def main(argv=None) -> int:
     print(f"c={args.concurrency} ({args.rounds} rounds of {args.seconds:g}s each way, order rotated, {cn['loadgen']})")
     for q in ("p50", "p99"):
         print(f"  latency {q:<24}" + "".join(f"{cn[side][q]:>8.3f}ms" for side in ports))
-    print(f"  throughput (req/s)              " + "".join(f"{cn[side]['rps']:>10.0f}" for side in ports))
+    print("  throughput (req/s)              " + "".join(f"{cn[side]['rps']:>10.0f}" for side in ports))
     print(f"  throughput, ratio to direct     {'':>10}" + "".join(
         f"{ratio(cn[side]['rps'], cn['direct']['rps']):>10.2f}" for side in relayed))
-    print(f"  errors                          " + "".join(f"{cn[side]['errors']:>10}" for side in ports))
+    print("  errors                          " + "".join(f"{cn[side]['errors']:>10}" for side in ports))
     for i, who in enumerate(["sim", *relayed, "loadgen"]):
         label = "CPU share (cores) " if i == 0 else ""
         print(f"  {label:<18}{who:<14}" + "".join(f"{cn[side]['cpu_share'][who]:>10.2f}" for side in ports))
@@ -319,20 +318,19 @@ def main(argv=None) -> int:
     for label, mine, floor_value in rows:
         print(f"  {label:<32}{mine:>8.3f}ms{floor_value:>8.3f}ms{ratio(mine, floor_value):>9.2f}x")
     print(f"  (the sim itself: {cn['direct']['cpu_ms_per_request']:.3f} ms of CPU per direct request)")
-    if args.lean:
-        print("the lean client, against the floor (not targets)")
-        print(f"{'':34}{'floor-h1':>10}{'proxy-h1':>10}{'floor':>10}{'ratios':>16}")
+    if args.floor_h1:
+        print("the floor's front on the proxy's own client, against the floor (not a target)")
+        print(f"{'':34}{'floor-h1':>10}{'floor':>10}{'ratio':>10}")
         lean_rows = [
-            ("CPU per request, c=1", cpu1["floor-h1"], cpu1["proxy-h1"], cpu1["floor"]),
+            ("CPU per request, c=1", cpu1["floor-h1"], cpu1["floor"]),
             (f"CPU per request, c={args.concurrency}", cn["floor-h1"]["cpu_ms_per_request"],
-             cn["proxy-h1"]["cpu_ms_per_request"], cn["floor"]["cpu_ms_per_request"]),
-            ("added latency, c=1 (round diffs)", c1["added"]["floor-h1"], c1["added"]["proxy-h1"],
-             c1["added"]["floor"]),
-            (f"added latency, c={args.concurrency} (p50)", added_n["floor-h1"], added_n["proxy-h1"], added_n["floor"]),
+             cn["floor"]["cpu_ms_per_request"]),
+            ("added latency, c=1 (round diffs)", c1["added"]["floor-h1"], c1["added"]["floor"]),
+            (f"added latency, c={args.concurrency} (p50)", added_n["floor-h1"], added_n["floor"]),
         ]
-        for label, lean_floor_value, lean_proxy_value, floor_value in lean_rows:
-            print(f"  {label:<32}{lean_floor_value:>8.3f}ms{lean_proxy_value:>8.3f}ms{floor_value:>8.3f}ms"
-                  f"{ratio(lean_floor_value, floor_value):>7.2f}x{ratio(lean_proxy_value, floor_value):>7.2f}x")
+        for label, lean_floor_value, floor_value in lean_rows:
+            print(f"  {label:<32}{lean_floor_value:>8.3f}ms{floor_value:>8.3f}ms"
+                  f"{ratio(lean_floor_value, floor_value):>9.2f}x")
 
     if context:
         d, x = context["direct"], context["proxy"]

@@ -223,6 +223,8 @@ class _RecordingProtocol(Protocol):
     def __init__(self, backend: "RecordingBackend"):
         self.backend = backend
         self.buffer = b""
+        #: Requests answered on this connection.
+        self.served = 0
 
     def connectionMade(self):
         self.backend.connections += 1
@@ -253,6 +255,11 @@ class _RecordingProtocol(Protocol):
         backend = self.backend
         backend.heads.append(head)
         backend.bodies.append(body)
+        if backend.drop_reused and self.served:
+            # Read, then the connection closed unanswered: an idle-close race, or a backend dying.
+            self.transport.loseConnection()
+            return
+        self.served += 1
         target = head.split(b"\r\n")[0].split(b" ")[1]
         path = target.split(b"?")[0]
         if path == b"/big":
@@ -278,7 +285,8 @@ class RecordingBackend(Factory):
     """An upstream that keeps the raw head of every request it got, and answers 200 JSON.
 
     ``/set-cookie`` answers with a Set-Cookie; ``/big`` streams ``big_size``
-    bytes, no faster than the reader takes them.
+    bytes, no faster than the reader takes them.  With ``drop_reused``, a
+    connection's second request is read and the connection closed unanswered.
     """
 
     def __init__(self, big_size: int = 64 * 1024 * 1024):
@@ -287,6 +295,7 @@ class RecordingBackend(Factory):
         self.connections = 0
         self.open: set = set()
         self.big_size = big_size
+        self.drop_reused = False
         self.port = None
 
     def buildProtocol(self, addr):
@@ -323,6 +332,28 @@ async def recording_stack(config=None, reactor=_reactor, **backend_options):
     # Stack.stop closes its listening ports (this one too), then the proxy's pool.
     stack._ports.append(backend.port)
     return stack
+
+
+#: A request that passes even during a yield, sent to prove the upstream got nothing before it.
+SENTINEL = request_bytes(b"GET", b"/api/version", [(b"X-Sentinel", b"1")])
+
+
+async def assert_nothing_forwarded(stack, timeout: float = 10.0) -> None:
+    """The upstream (a :class:`RecordingBackend`) got nothing so far: a request sent after reaches it, and alone.
+
+    The proxy starts forwarding a request as soon as it has read it, so
+    whatever it forwarded earlier is at the upstream before this one's
+    answer is back: a positive event instead of a sleep.  The sentinel is
+    then taken off the record, so later checks see only the test's requests.
+    """
+    from helpers import in_thread
+
+    answer = await in_thread(_reactor, exchange, port_of(stack.proxy_url), SENTINEL, timeout, timeout=timeout + 5)
+    assert answer.status == 200, answer.raw[:300]
+    assert len(stack.echo.heads) == 1, stack.echo.heads
+    assert stack.echo.header_values(0, b"x-sentinel") == [b"1"]
+    stack.echo.heads.pop()
+    stack.echo.bodies.pop()
 
 
 def port_of(url: str) -> int:

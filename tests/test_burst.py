@@ -14,7 +14,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
+from rawhttp import counter_total
 from yieldproxy.probes import PROBE_TEXT
 from yieldproxy.sim import expected_embedding
 
@@ -86,8 +87,8 @@ async def test_burst_survives_a_yield_with_zero_failures():
         running = in_thread(reactor, burst.run, timeout=180)
         await wait_for(reactor, lambda: burst.done >= 300, timeout=60)
         stack.proxy.state.hold("api", "forced by the test", expected_seconds=3)
-        await wait_for(reactor, lambda: len(stack.proxy.lot) >= 32, timeout=10)
-        await sleep(reactor, 3)
+        # Every caller parked: nothing is in flight, and nothing reaches the backend while yielded.
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 32, timeout=10)
         assert stack.sim.in_flight == 0
         done_during_yield = burst.done
         stack.sim.reset_peak()
@@ -119,11 +120,12 @@ async def test_burst_survives_each_outage_mode_under_a_yield(mode):
         burst = Burst(stack.proxy_url, [f"{mode} text {i}" for i in range(240)], concurrency=16)
         running = in_thread(reactor, burst.run, timeout=120)
         await wait_for(reactor, lambda: burst.done >= 40, timeout=60)
-        # The GPU goes away first; the broker declares the yield a moment later.
+        # The GPU goes away first; the broker declares the yield once the proxy has seen it fail.
         await stack.sim.set_mode(mode)
-        await sleep(reactor, 0.3)
+        await wait_for(reactor, lambda: counter_total(stack, "yieldproxy_upstream_failures") > 0, timeout=10)
         stack.proxy.state.hold("broker", f"test {mode}")
-        await sleep(reactor, 1.5)
+        # Every caller's request is back in the lot (none still in flight to the failing backend).
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 16, timeout=10)
         await stack.sim.set_mode("ok")
         stack.proxy.state.release("broker")
         await running

@@ -26,7 +26,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
 from yieldproxy.sim import expected_embedding, expected_embedding_f32
 
 MODEL = "all-minilm"
@@ -127,7 +127,8 @@ def assert_clean(burst: AsyncBurst, stack) -> None:
 
 
 async def through_a_yield(burst: AsyncBurst, stack, reset: bool = False) -> None:
-    """Run ``burst``; mid-burst hold the GPU ``HOLD_SECONDS`` (the backend resetting, if ``reset``)."""
+    """Run ``burst``; mid-burst hold the GPU (declared for ``HOLD_SECONDS``, the backend resetting if
+    ``reset``) until every one of the caller's concurrent requests waits in the lot, then release it."""
     running = in_thread(reactor, burst.run, timeout=60)
     # Hold while batches are at the backend, so the yield catches some mid-flight.
     await wait_for(
@@ -138,8 +139,9 @@ async def through_a_yield(burst: AsyncBurst, stack, reset: bool = False) -> None
     stack.proxy.state.hold("api", "forced by the test", expected_seconds=HOLD_SECONDS)
     if reset:
         await stack.sim.set_mode("reset")
-    await wait_for(reactor, lambda: len(stack.proxy.lot) >= 1, timeout=10)
-    await sleep(reactor, HOLD_SECONDS)
+    # The yield has stopped the burst: all its requests are parked, none at the backend.
+    await wait_for(reactor, lambda: len(stack.proxy.lot) == burst.concurrency, timeout=10)
+    assert stack.sim.in_flight == 0
     done_during_yield = burst.done
     parked = len(stack.proxy.lot)
     if reset:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
-import httpx
-import ollama
 import pytest
-import pytest_twisted
-from twisted.internet import reactor
 
-from helpers import config_with, in_thread, make_core, start_stack, wait_for
+from helpers import config_with, make_core
+from inmemory import Rig, answered
 from test_parking import finish, park, released
 from yieldproxy.classify import BadBody, Classifier, is_unload, runs_no_model
 from yieldproxy.gojson import read_request
@@ -207,7 +202,7 @@ def test_long_jobs_wait_minutes_while_interactive_is_told_at_once():
     assert chat["refused"].reason == "over_budget" and chat["refused"].retry_after == 120
     assert "held at most 15s" in chat["refused"].message
     assert "deferred" in job
-    core.run(119, step=1)
+    core.run(119)
     assert "failure" not in job
     core.state.release("broker")
     core.run(0.01)
@@ -244,86 +239,63 @@ def test_retry_after_follows_the_latest_declared_end():
 # -- over real sockets, with the real client ------------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_mixed_traffic_through_a_declared_yield():
+def test_mixed_traffic_through_a_declared_yield():
     """Chat is told at once when to come back; embeddings and a long job wait and are answered."""
-    config = config_with(classes={"interactive": {"hold_seconds": 2}})
-    stack = await start_stack(reactor, config, latency=0.01)
-    try:
-        stack.proxy.state.hold("broker", "game", expected_seconds=4)
-        declared_end = reactor.seconds() + 4
-
-        def chat():
-            began = time.monotonic()
-            try:
-                ollama.Client(host=stack.proxy_url).chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
-            except ollama.ResponseError as e:
-                return e.status_code, e.error, time.monotonic() - began
-            return 200, "", time.monotonic() - began
-
-        def chat_headers():
-            r = httpx.post(stack.proxy_url + "/v1/chat/completions", json={"model": "llama3.2", "messages": []})
-            return r.status_code, r.headers.get("retry-after"), r.json()
-
-        def embed():
-            return [list(v) for v in ollama.Client(host=stack.proxy_url).embed(model="all-minilm", input=["x", "y"]).embeddings]
-
-        def long_job():
-            client = ollama.Client(host=stack.proxy_url, headers={"X-Yield-Class": "long"})
-            return client.generate(model="llama3.2", prompt="summarise the archive", stream=False).response
-
-        embedding = in_thread(reactor, embed, timeout=30)
-        job = in_thread(reactor, long_job, timeout=30)
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 2)
-        status, error, waited = await in_thread(reactor, chat, timeout=30)
-        assert status == 503 and "expected back in" in error and waited < 2
-        status, retry_after, body = await in_thread(reactor, chat_headers, timeout=30)
-        assert status == 503 and body["error"]["code"] == "over_budget"
-        assert abs(int(retry_after) - (declared_end - reactor.seconds())) <= 1
-        assert stack.proxy.lot.count_by_class() == {"batch": 1, "long": 1}
-        await wait_for(reactor, lambda: reactor.seconds() >= declared_end, timeout=10)
-        stack.proxy.state.release("broker")
-        assert await embedding == [expected_embedding("x"), expected_embedding("y")]
-        assert await job
-        assert stack.sample("yieldproxy_rejected_total", **{"class": "interactive", "reason": "over_budget"}) == 2
-        assert stack.sample("yieldproxy_replay_total", **{"class": "long", "outcome": "ok"}) == 1
-    finally:
-        await stack.stop()
+    rig = Rig(config_with(classes={"interactive": {"hold_seconds": 2}}), latency=0.01)
+    rig.proxy.state.hold("broker", "game", expected_seconds=4)
+    embedding = rig.post("/api/embed", {"model": "all-minilm", "input": ["x", "y"]})
+    job = rig.post(
+        "/api/generate", {"model": "llama3.2", "prompt": "summarise the archive", "stream": False},
+        headers={"X-Yield-Class": "long"},
+    )
+    assert len(rig.proxy.lot) == 2
+    rig.run(1)
+    # Refused without the clock moving: told at once, not after its 2 s hold bound.
+    chat = rig.result(rig.post("/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}]}))
+    assert chat.code == 503 and "expected back in" in chat.json()["error"]
+    chat_headers = rig.result(rig.post("/v1/chat/completions", {"model": "llama3.2", "messages": []}))
+    assert chat_headers.code == 503 and chat_headers.json()["error"]["code"] == "over_budget"
+    assert chat_headers.header("retry-after") == ["3"]  # the declared end, 3 s from now
+    assert rig.proxy.lot.count_by_class() == {"batch": 1, "long": 1}
+    rig.run(3)
+    assert not answered(embedding) and not answered(job)
+    rig.proxy.state.release("broker")
+    rig.run(1)
+    assert rig.result(embedding).json()["embeddings"] == [expected_embedding("x"), expected_embedding("y")]
+    assert rig.result(job).json()["response"]
+    assert rig.sample("yieldproxy_rejected_total", **{"class": "interactive", "reason": "over_budget"}) == 2
+    assert rig.sample("yieldproxy_replay_total", **{"class": "long", "outcome": "ok"}) == 1
 
 
-@pytest_twisted.ensureDeferred
-async def test_model_loads_wait_and_unloads_pass_during_a_yield():
-    stack = await start_stack(reactor)
-    try:
-        stack.proxy.state.hold("api")
+def test_model_loads_wait_and_unloads_pass_during_a_yield():
+    rig = Rig()
+    rig.proxy.state.hold("api")
+    unload = rig.result(rig.post("/api/generate", {"model": "llama3.2", "keep_alive": 0}))
+    assert unload.code == 200
+    assert len(rig.proxy.lot) == 0
+    pull = rig.post("/api/pull", {"model": "x"})
+    assert rig.proxy.lot.count_by_class().get("long") == 1
+    rig.run(60)
+    assert not answered(pull)
+    rig.proxy.state.release("api")
+    rig.turn()
+    # Forwarded after the resume (the simulated Ollama has no /api/pull: its own 404).
+    pulled = rig.result(pull)
+    assert pulled.header("x-yield-parked-seconds") == ["60.000"]
+    assert pulled.code == 404 and rig.sim.requests_total["/api/pull"] == 1
 
-        def unload():
-            return httpx.post(stack.proxy_url + "/api/generate", json={"model": "llama3.2", "keep_alive": 0}, timeout=10).status_code
 
-        assert await in_thread(reactor, unload, timeout=20) == 200
-        assert len(stack.proxy.lot) == 0
-        pull = in_thread(reactor, httpx.post, stack.proxy_url + "/api/pull", json={"model": "x"}, timeout=20)
-        await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get("long") == 1)
-        stack.proxy.state.release("api")
-        await pull
-    finally:
-        await stack.stop()
-
-
-@pytest_twisted.ensureDeferred
-async def test_rule_by_model_and_malformed_json_gets_400(tmp_path):
+def test_rule_by_model_and_malformed_json_gets_400(tmp_path):
     from yieldproxy.config import load
 
     path = tmp_path / "y.toml"
     path.write_text('[[routes]]\npath = "/api/embed"\nmodels = ["bulk-*"]\nclass = "long"\n')
-    stack = await start_stack(reactor, load(path))
-    try:
-        stack.proxy.state.hold("api")
-        bulk = in_thread(reactor, httpx.post, stack.proxy_url + "/api/embed", json={"model": "bulk-embed", "input": "a"}, timeout=20)
-        await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get("long") == 1)
-        bad = await in_thread(reactor, httpx.post, stack.proxy_url + "/api/embed", content=b"{nope", timeout=20)
-        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
-        stack.proxy.state.release("api")
-        assert (await bulk).status_code == 200
-    finally:
-        await stack.stop()
+    rig = Rig(load(path))
+    rig.proxy.state.hold("api")
+    bulk = rig.post("/api/embed", {"model": "bulk-embed", "input": "a"})
+    assert rig.proxy.lot.count_by_class() == {"long": 1}
+    bad = rig.result(rig.post("/api/embed", data=b"{nope"))
+    assert bad.code == 400 and "not valid JSON" in bad.json()["error"]
+    rig.proxy.state.release("api")
+    rig.turn()
+    assert rig.result(bulk).code == 200

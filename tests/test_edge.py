@@ -1,19 +1,27 @@
 """The listeners' edge over real sockets: whose Host they answer, how many connections they keep,
 how long an idle one lives, and which body framings they accept (issue 10, findings 4, 6 and 8b).
+
+Whose Host a listener answers is its site's policy, and how long an idle
+kept-alive connection lives is a timer: those run on a Clock, their bytes
+written in memory to the listener's own site.  The connection caps and the
+framing stay on real sockets.
 """
 
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
-from rawhttp import LogCapture, RawClient, exchange, port_of, recording_stack, request_bytes
+from helpers import config_with, in_thread, start_stack, wait_for
+from inmemory import Rig
+from rawhttp import (
+    LogCapture, RawClient, RecordingBackend, assert_nothing_forwarded, exchange, parse_response, port_of,
+    recording_stack, request_bytes,
+)
 from yieldproxy.hosts import HostPolicy, cross_site, host_name
 
 TIMEOUT = 30
@@ -72,47 +80,52 @@ def test_cross_site_reads_origin_and_sec_fetch_site():
     assert why(host="127.0.0.1:11436", sec_fetch_site="cross-site") is not None
 
 
-@pytest_twisted.ensureDeferred
-async def test_both_listeners_refuse_a_host_that_is_not_theirs():
-    """A rebound name gets 403 in the route's shape on the proxy and on the admin API; nothing goes upstream."""
-    stack = await recording_stack()
-    try:
-        evil = [(b"Host", b"evil.example:%d" % port_of(stack.proxy_url))]
-        ollama = await raw(stack.proxy_url, request_bytes(b"POST", b"/api/embed", evil, EMBED))
-        assert "proxy.allowed_hosts" in json_error(ollama, 403)
-        openai = await raw(stack.proxy_url, request_bytes(b"GET", b"/v1/models", evil))
-        assert "proxy.allowed_hosts" in json_error(openai, 403, "openai")
-        twice = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/tags", [(b"Host", b"localhost"), (b"Host", b"evil.example")]))
-        json_error(twice, 400)
-        for path in (b"/status", b"/metrics", b"/"):
-            admin = await raw(stack.admin_url, request_bytes(b"GET", path, [(b"Host", b"evil.example")]))
-            assert "admin.allowed_hosts" in json_error(admin, 403)
-            assert b"yielded" not in admin.body and b"yieldproxy_" not in admin.body
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == []
-        # The machine's own names and addresses pass, on both listeners.
-        for host in (b"localhost", b"127.0.0.1:%d" % port_of(stack.proxy_url), b"[::1]", b"app.localhost", socket.gethostname().encode()):
-            assert (await raw(stack.proxy_url, request_bytes(b"GET", b"/api/tags", [(b"Host", host)]))).status == 200, host
-            assert (await raw(stack.admin_url, request_bytes(b"GET", b"/status", [(b"Host", host)]))).status == 200, host
-        assert len(stack.echo.heads) == 5
-    finally:
-        await stack.stop()
+def _exchange(rig, data: bytes, site=None):
+    """``data`` written in memory to the proxy listener's site (or ``site``); the complete answer."""
+    peer = rig.raw(site)
+    peer.send(data)
+    rig.turn()
+    return parse_response(peer.data)[0]
 
 
-@pytest_twisted.ensureDeferred
-async def test_allowed_hosts_adds_names():
-    stack = await start_stack(
-        reactor, config_with(proxy={"allowed_hosts": ("gpu.home.arpa",)}, admin={"allowed_hosts": ("*",)})
-    )
-    try:
-        named = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/version", [(b"Host", b"gpu.home.arpa:11435")]))
-        assert named.status == 200
-        other = await raw(stack.proxy_url, request_bytes(b"GET", b"/api/version", [(b"Host", b"other.home.arpa")]))
-        assert other.status == 403
-        anything = await raw(stack.admin_url, request_bytes(b"GET", b"/status", [(b"Host", b"whatever.example")]))
-        assert anything.status == 200
-    finally:
-        await stack.stop()
+def test_both_listeners_refuse_a_host_that_is_not_theirs():
+    """A rebound name gets 403 in the route's shape on the proxy and on the admin API; nothing goes upstream.
+
+    On a Clock, the bytes written in memory to each listener's own site (the
+    Host policy is the site's, not the socket's).
+    """
+    backend = RecordingBackend()
+    rig = Rig(upstream=backend)
+    admin = rig.proxy.admin_app.site()
+    evil = [(b"Host", b"evil.example:11434")]
+    ollama = _exchange(rig, request_bytes(b"POST", b"/api/embed", evil, EMBED))
+    assert "proxy.allowed_hosts" in json_error(ollama, 403)
+    openai = _exchange(rig, request_bytes(b"GET", b"/v1/models", evil))
+    assert "proxy.allowed_hosts" in json_error(openai, 403, "openai")
+    twice = _exchange(rig, request_bytes(b"GET", b"/api/tags", [(b"Host", b"localhost"), (b"Host", b"evil.example")]))
+    json_error(twice, 400)
+    for path in (b"/status", b"/metrics", b"/"):
+        answer = _exchange(rig, request_bytes(b"GET", path, [(b"Host", b"evil.example")]), admin)
+        assert "admin.allowed_hosts" in json_error(answer, 403)
+        assert b"yielded" not in answer.body and b"yieldproxy_" not in answer.body
+    rig.run(10)
+    assert backend.heads == []
+    # The machine's own names and addresses pass, on both listeners.
+    for host in (b"localhost", b"127.0.0.1:11434", b"[::1]", b"app.localhost", socket.gethostname().encode()):
+        assert _exchange(rig, request_bytes(b"GET", b"/api/tags", [(b"Host", host)])).status == 200, host
+        assert _exchange(rig, request_bytes(b"GET", b"/status", [(b"Host", host)]), admin).status == 200, host
+    assert len(backend.heads) == 5
+
+
+def test_allowed_hosts_adds_names():
+    rig = Rig(config_with(proxy={"allowed_hosts": ("gpu.home.arpa",)}, admin={"allowed_hosts": ("*",)}))
+    named = _exchange(rig, request_bytes(b"GET", b"/api/version", [(b"Host", b"gpu.home.arpa:11435")]))
+    assert named.status == 200
+    other = _exchange(rig, request_bytes(b"GET", b"/api/version", [(b"Host", b"other.home.arpa")]))
+    assert other.status == 403
+    admin = rig.proxy.admin_app.site()
+    anything = _exchange(rig, request_bytes(b"GET", b"/status", [(b"Host", b"whatever.example")]), admin)
+    assert anything.status == 200
 
 
 # -- Transfer-Encoding: chunked, or nothing (finding 8b) --------------------------------------
@@ -143,8 +156,7 @@ async def test_transfer_encoding_identity_is_refused_and_smuggles_nothing(length
         assert "Transfer-Encoding" in json_error(first, 400)
         assert first.header(b"connection") == b"close"
         assert second.status == 0 and closed
-        await sleep(reactor, 0.3)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
     finally:
         await stack.stop()
 
@@ -259,26 +271,22 @@ async def test_at_the_cap_an_idle_keepalive_connection_makes_room():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
-    """Waiting for a next request is bounded by proxy.keepalive_timeout_seconds, not the 300 s idle timeout."""
-    stack = await start_stack(reactor, config_with(proxy={"keepalive_timeout_seconds": 1.0}))
-    try:
+def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
+    """Waiting for a next request is bounded by proxy.keepalive_timeout_seconds, not the 300 s idle timeout.
 
-        def keep_alive() -> tuple[int, float]:
-            client = RawClient(port_of(stack.proxy_url), timeout=10)
-            try:
-                client.send(request_bytes(b"GET", b"/api/version"))
-                status = client.response(10).status
-                began = time.monotonic()
-                client.wait_closed(10)
-                return status, time.monotonic() - began if client.closed else -1.0
-            finally:
-                client.close()
-
-        status, waited = await in_thread(reactor, keep_alive, timeout=TIMEOUT)
-        assert status == 200
-        assert 0.8 <= waited <= 5, waited
-        await wait_for(reactor, lambda: stack.proxy.proxy_app.connections.open == 0)
-    finally:
-        await stack.stop()
+    On a Clock, the bytes written in memory to the proxy listener's own site:
+    closed at exactly 1 s after the answer.
+    """
+    rig = Rig(config_with(proxy={"keepalive_timeout_seconds": 1.0, "idle_timeout_seconds": 300.0}))
+    peer = rig.raw()
+    peer.send(request_bytes(b"GET", b"/api/version"))
+    rig.turn()
+    answer, rest = parse_response(peer.data)
+    assert answer.status == 200 and rest == b""
+    assert rig.proxy.proxy_app.connections.open == 1
+    rig.run(0.999)
+    assert not peer.closed
+    rig.run(0.001)
+    assert peer.closed and parse_response(peer.data)[1] == b""
+    assert rig.proxy.proxy_app.connections.open == 0
+    assert rig.clock.getDelayedCalls() == []

@@ -30,7 +30,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, sleep, start_stack, wait_for
+from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, start_stack, wait_for
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, Config, ConfigError, FallbackConfig, from_dict
 from yieldproxy.fallback import (
     RETRY_AFTER_ERROR_SECONDS,

@@ -2,7 +2,8 @@
 
 The proxy app runs whole on a Clock: requests go in through ``StubTreq``
 (a real Agent and Site in memory), the primary is the simulated Ollama's
-resource behind an in-memory agent, and the fallback is a fake backend whose
+resource behind the proxy's own upstream client on in-memory connections
+(``inmemory.MemoryUpstream``), and the fallback is a fake backend whose
 answers the test holds and lets go one by one.  So the drain order, the cap,
 failures, clients leaving, the GPU coming back and verification going stale
 are each a few clock steps.  The same flow over real sockets is in
@@ -19,7 +20,8 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
-from helpers import InMemoryUpstream, clock_cooperator, config_with
+from helpers import clock_cooperator, config_with
+from inmemory import MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
 from yieldproxy.gate import Gate
@@ -83,6 +85,8 @@ class Rig:
     twin: Twin
     sim: SimOllama
     http: StubTreq
+    #: The proxy's connections to the primary (the sim), in memory.
+    wire: MemoryUpstream
     #: The fallback's in-flight count after every step, to check the cap.
     seen_inflight: list[int] = attrs.field(factory=list, repr=False)
 
@@ -101,6 +105,7 @@ class Rig:
         """Let everything due run: the in-memory connections and the clock."""
         for _ in range(4):
             self.http.flush()
+            self.wire.flush()
             self.clock.advance(0)
             self.seen_inflight.append(self.fallback.inflight)
         if seconds:
@@ -155,7 +160,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     metrics = Metrics()
     cooperator = clock_cooperator(clock)
     sim = SimOllama(clock)
-    upstream = InMemoryUpstream(sim.resource())
+    upstream = wire = MemoryUpstream(sim.resource(), clock)
     state, lot, replayer, gate = build_core(clock, config, metrics, cooperator, lambda spec: (upstream, None))
     twin = Twin()
     # Verification embeds the probe on both sides: the primary is another twin, answering at once.
@@ -169,7 +174,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     state.observe(fallback.state_changed)
     app = ProxyApp(clock, config, gate, gate.pool, metrics, fallback)
     http = StubTreq(app.app.resource())
-    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http)
+    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire)
     if verify:
         twin.hold = False
         fallback.verify()

@@ -539,7 +539,7 @@ def test_a_connection_closing_mid_response_is_incomplete():
     assert failure(d, ResponseIncomplete).reason == "reset"
 
 
-def _stale(pool, endpoint, method=b"GET", replayable=False, answer_first=True):
+def _stale(pool, endpoint, method=b"GET", replayable=None, answer_first=True):
     """One request answered on a connection, then the next on the pooled one meets a closed connection."""
     d = pool.request(b"GET", b"/warm")
     protocol, transport = endpoint.made[0]
@@ -608,6 +608,44 @@ def test_stale_retry_makes_room_in_a_full_pool():
     endpoint.made[2][0].dataReceived(ok(b"3"))
     assert result(d).retried
     assert pool.stats()["open"] <= 2
+
+
+def test_replayable_false_never_resends_even_an_idempotent_request():
+    """The proxy's hop: a stale connection is the caller's failure to count, never a silent second send."""
+    pool, endpoint, clock = make_pool()
+    d, stale = _stale(pool, endpoint, method=b"GET", replayable=False)
+    lose(stale)
+    error = failure(d, ResponseNeverReceived)
+    assert error.reused and error.request_sent and not error.retried
+    assert len(endpoint.made) == 1, "sent once"
+
+
+def test_an_unbounded_pool_opens_a_connection_per_request_and_keeps_max_idle():
+    """``max_connections=None``: nothing waits for a connection; ``max_idle`` bounds what is kept (the warmest)."""
+    pool, endpoint, clock = make_pool(max_connections=None, max_idle=2)
+    pending = [pool.request(b"GET", b"/%d" % i) for i in range(5)]
+    assert len(endpoint.made) == 5 and pool.stats()["waiting"] == 0
+    for (protocol, _), d in zip(endpoint.made, pending):
+        protocol.dataReceived(ok())
+        assert result(d).code == 200
+    # The last two freed are kept; each older one was closed as a newer one came back.
+    assert pool.stats()["idle"] == 2
+    assert [t.disconnecting for _, t in endpoint.made] == [True, True, True, False, False]
+    for protocol, transport in endpoint.made[:3]:
+        lose(protocol)
+    assert pool.stats() == {"open": 2, "idle": 2, "waiting": 0}
+    pool.close()
+    assert clock.getDelayedCalls() == []
+
+
+def test_max_idle_zero_keeps_no_connection():
+    pool, endpoint, clock = make_pool(max_connections=None, max_idle=0)
+    d = pool.request(b"GET", b"/")
+    protocol, transport = endpoint.made[0]
+    protocol.dataReceived(ok())
+    assert result(d).code == 200 and transport.disconnecting
+    lose(protocol)
+    assert pool.stats() == {"open": 0, "idle": 0, "waiting": 0} and clock.getDelayedCalls() == []
 
 
 def test_pause_and_resume_reach_the_upstream_transport_only_during_the_exchange():
@@ -861,6 +899,74 @@ async def test_real_stale_connection_race_is_retried_once_when_allowed(how):
 
 
 @pytest_twisted.ensureDeferred
+async def test_real_an_idle_connection_the_upstream_closed_is_never_written_to():
+    """The upstream closed a pooled connection and the reactor has not seen it yet: the request goes elsewhere.
+
+    The close reaches the kernel while the reactor is held, so the pool
+    still lists the connection as idle when the POST comes: a peek at the
+    socket finds the end, and the POST goes once, on a new connection, with
+    no failure and no retry (nothing had been written to the dead one).
+    """
+    import socket
+    import time
+
+    reactor = _reactor()
+    factory, port = await scripted_server(lambda n, head: ok(b"answer"))
+    servers = []
+
+    class Kept(Scripted):
+        def connectionMade(self):
+            super().connectionMade()
+            servers.append(self)
+
+    factory.protocol = Kept
+    pool = H1Pool(reactor, "127.0.0.1", port.getHost().port)
+    try:
+        first = await within(pool.request(b"GET", b"/1", timeout=TIMEOUT))
+        assert first.body == b"answer" and pool.stats()["idle"] == 1
+        # Close the server's side under the reactor's feet, and give the FIN time to arrive.
+        servers[0].transport.getHandle().shutdown(socket.SHUT_RDWR)
+        time.sleep(0.1)
+        d = pool.request(b"POST", b"/2", body=b"{}", timeout=TIMEOUT, replayable=False)
+        second = await within(d)
+        assert second.body == b"answer" and not second.retried
+        assert factory.connections == 2
+        assert factory.requests == [b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"], "the POST reached the upstream once"
+    finally:
+        await pool.close()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_real_a_request_goes_out_at_once_on_a_connection_with_nothing_waiting():
+    """No write buffered for the reactor's next turn (two epoll_ctl calls and a turn per request).
+
+    It also fails loudly if Twisted moves the transport internals ``write_now`` relies on.
+    """
+    reactor = _reactor()
+    factory, port = await scripted_server(lambda n, head: ok(b"answer %d" % n))
+    pool = H1Pool(reactor, "127.0.0.1", port.getHost().port)
+    try:
+        first = await within(pool.request(b"GET", b"/1", timeout=TIMEOUT))
+        assert first.body == b"answer 0"
+        (conn,) = pool._idle
+        transport = conn.transport
+        for name in ("dataBuffer", "_tempDataLen", "_writeDisconnected", "connected", "disconnecting"):
+            assert hasattr(transport, name), f"Twisted moved {name}: h1client.write_now falls back to write()"
+        assert callable(transport.writeSomeData)
+        buffered = []
+        real_write = transport.write
+        transport.write = lambda data: buffered.append(data) or real_write(data)
+        d = pool.request(b"POST", b"/2", body=b"{}", timeout=TIMEOUT)
+        assert buffered == [] and transport.dataBuffer == b"" and transport._tempDataLen == 0
+        assert (await within(d)).body == b"answer 1"
+        assert factory.requests == [b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]
+    finally:
+        await pool.close()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
 async def test_real_chunked_stream_arrives_piece_by_piece():
     from yieldproxy.sim import SimOllama
 
@@ -929,7 +1035,7 @@ async def test_real_large_bodies_both_ways_with_length_and_chunked():
 
 @pytest_twisted.ensureDeferred
 async def test_real_backpressure_pauses_the_upstream_socket():
-    from helpers import sleep
+    from helpers import wait_for
     from twisted.web.resource import Resource
 
     total = 64 * 1024 * 1024
@@ -954,14 +1060,23 @@ async def test_real_backpressure_pauses_the_upstream_socket():
         def body_received(self, data):
             received[0] += len(data)
 
+    def reading_from_the_server() -> bool:
+        """The reactor reads a TCP socket connected to the server (public IReactorFDSet and ITCPTransport only)."""
+        from twisted.internet.interfaces import ITCPTransport
+
+        server = port.getHost().port
+        return any(ITCPTransport.providedBy(r) and r.getPeer().port == server for r in reactor.getReaders())
+
     handler = Slow()
     try:
         d = pool.request(b"GET", b"/big", handler=handler, timeout=TIMEOUT)
-        await sleep(reactor, 0.5)
-        paused_at = received[0]
-        await sleep(reactor, 0.3)
-        assert received[0] == paused_at < total, "nothing read while paused"
+        await wait_for(reactor, lambda: hasattr(handler, "response"))
+        # Paused: the socket is out of the reactor's readers, so nothing more can be read
+        # from it, however long the test would wait.
+        assert not reading_from_the_server(), "the upstream socket is still read while paused"
+        assert received[0] < total
         handler.response.resumeProducing()
+        assert reading_from_the_server()
         await within(d)
         assert received[0] == total
     finally:

@@ -3,7 +3,14 @@
 Requests are written byte for byte on raw sockets (in threads, so the
 reactor keeps serving), and the upstream is a :class:`RecordingBackend` that
 keeps the exact bytes the proxy sent it: a header that was not forwarded is
-provably absent, not merely unparsed.
+provably absent, not merely unparsed.  "Nothing was forwarded" is proved by
+a request sent after, which reaches the upstream alone
+(:func:`assert_nothing_forwarded`), not by a sleep.
+
+The listener's timeouts are checked twice: over a real socket that they
+happen, and on a Clock, with the bytes written in memory to the proxy
+listener's own site (``tests/inmemory.py``), that they happen at exactly
+their second.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
+from inmemory import Rig
 from rawhttp import (
     LogCapture,
     RawClient,
+    RecordingBackend,
+    assert_nothing_forwarded,
     counter_total,
     exchange,
     listen_site,
+    parse_response,
     port_of,
     recording_stack,
     request_bytes,
@@ -117,8 +128,7 @@ async def test_malformed_header_lines_are_refused_not_forwarded(header_block):
         response = await raw(stack, data)
         assert_json_error(response, 400)
         assert response.header(b"connection") == b"close"
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
     finally:
         await stack.stop()
 
@@ -179,8 +189,7 @@ async def test_ambiguous_body_framing_is_refused_and_never_forwarded(framing):
         response = await raw(stack, data)
         assert_json_error(response, 400)
         assert response.header(b"connection") == b"close"
-        await sleep(reactor, 0.2)
-        assert stack.echo.heads == []
+        await assert_nothing_forwarded(stack)
         assert len(stack.proxy.lot) == 0 and stack.proxy.replayer.inflight == 0
     finally:
         await stack.stop()
@@ -462,27 +471,47 @@ async def test_slowloris_headers_get_408_and_never_park():
 
         def slowloris():
             c = RawClient(port)
-            began = time.monotonic()
             try:
                 for byte in data:
                     if _readable(c.sock) or not c.send(bytes([byte])):
                         break  # answered (or closed): stop dribbling
                     parked_meanwhile.append(len(stack.proxy.lot))
                     time.sleep(0.25)
-                return c.response(5), time.monotonic() - began
+                return c.response(5)
             finally:
                 c.close()
 
         parked_meanwhile: list[int] = []
-        answer, took = await in_thread(reactor, slowloris, timeout=TIMEOUT)
+        answer = await in_thread(reactor, slowloris, timeout=TIMEOUT)
         body = assert_json_error(answer, 408)
         assert "1.5s" in body["error"]
         assert answer.header(b"connection") == b"close"
-        assert 1.4 <= took < 4
-        assert set(parked_meanwhile) == {0}
+        # Cut mid-header, never at the end of the request (the exact time is on a Clock:
+        # test_slowloris_gets_408_at_the_read_timeout_however_it_dribbles).
+        assert len(parked_meanwhile) < len(data) and set(parked_meanwhile) == {0}
         assert len(stack.proxy.lot) == 0 and stack.echo.heads == []
     finally:
         await stack.stop()
+
+
+def test_slowloris_gets_408_at_the_read_timeout_however_it_dribbles():
+    """On a Clock: one header byte every 0.25 s resets nothing; the 408 comes at exactly 1.5 s."""
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 1.5}))
+    rig.proxy.state.hold("api", "game")
+    data = request_bytes(b"POST", b"/api/embed", [(b"X-Padding", b"p" * 40)], EMBED)
+    peer = rig.raw()
+    for i, byte in enumerate(data[:6]):  # at 0, 0.25 ... 1.25 s
+        rig.run(0.25 if i else 0.0)
+        peer.send(bytes([byte]))
+    rig.run(0.249)
+    assert peer.data == b"" and len(rig.proxy.lot) == 0
+    rig.run(0.001)
+    answer = parse_response(peer.data)[0]
+    assert answer.status == 408 and "1.5s" in answer.json()["error"]
+    assert answer.header(b"connection") == b"close"
+    rig.run(10)
+    assert peer.closed and len(rig.proxy.lot) == 0 and rig.sim.requests_total == {}
+    assert rig.clock.getDelayedCalls() == []
 
 
 def _readable(sock) -> bool:
@@ -511,22 +540,64 @@ async def test_slow_body_gets_408_and_a_complete_request_is_not_cut():
 
         assert_json_error(await in_thread(reactor, slow_body, timeout=TIMEOUT), 408)
 
-        def keep_alive_then_idle():
-            """A kept-alive connection: two requests 1.5 s apart (longer than the read timeout)."""
+        def keep_alive():
+            """A kept-alive connection: two complete requests, one after the other."""
             c = RawClient(port)
             try:
                 c.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
                 first = c.response(5)
-                time.sleep(1.5)
                 c.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
                 return first, c.response(5)
             finally:
                 c.close()
 
-        first, second = await in_thread(reactor, keep_alive_then_idle, timeout=TIMEOUT)
+        # That it is not cut when idle for longer than the read timeout between them is on a
+        # Clock: test_slow_body_gets_408_at_the_read_timeout_and_an_idle_kept_alive_connection_is_not_cut.
+        first, second = await in_thread(reactor, keep_alive, timeout=TIMEOUT)
         assert first.status == 200 and second.status == 200
     finally:
         await stack.stop()
+
+
+def test_slow_body_gets_408_at_the_read_timeout_and_an_idle_kept_alive_connection_is_not_cut():
+    """On a Clock: a body dribbled 0.2 s a byte gets its 408 at exactly 1 s; a kept-alive connection
+    idle for longer than that between two complete requests is not cut."""
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 1.0}))
+    slow = rig.raw()
+    slow.send(request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % len(EMBED))]))
+    for i, byte in enumerate(EMBED[:5]):  # at 0, 0.2 ... 0.8 s
+        rig.run(0.2 if i else 0.0)
+        slow.send(bytes([byte]))
+    rig.run(0.199)
+    assert slow.data == b""
+    rig.run(0.001)
+    assert parse_response(slow.data)[0].status == 408
+    kept = rig.raw()
+    kept.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
+    rig.turn()
+    first, rest = parse_response(kept.data)
+    assert first.status == 200 and rest == b""
+    rig.run(1.5)
+    assert not kept.closed
+    kept.data = b""
+    kept.send(request_bytes(b"POST", b"/api/embed", body=EMBED))
+    rig.turn()
+    assert parse_response(kept.data)[0].status == 200
+    assert rig.sim.texts_embedded["hello"] == 2
+
+
+def test_a_silent_connection_is_closed_at_exactly_the_keepalive_timeout():
+    """On a Clock: no byte, no request: past the read timeout no 408; closed at
+    ``proxy.keepalive_timeout_seconds`` (not the longer idle timeout), nothing written."""
+    rig = Rig(config_with(proxy={
+        "request_read_timeout_seconds": 1.0, "keepalive_timeout_seconds": 2.0, "idle_timeout_seconds": 300.0,
+    }))
+    peer = rig.raw()
+    rig.run(1.999)
+    assert not peer.closed and peer.data == b""
+    rig.run(0.001)
+    assert peer.closed and peer.data == b""
+    assert rig.clock.getDelayedCalls() == []
 
 
 @pytest_twisted.ensureDeferred
@@ -538,16 +609,16 @@ async def test_a_silent_connection_is_closed_by_the_idle_timeout_without_an_answ
 
         def silent():
             c = RawClient(port)
-            began = time.monotonic()
             try:
                 closed = c.wait_closed(10)
-                return closed, c.buffer, time.monotonic() - began
+                return closed, c.buffer
             finally:
                 c.close()
 
-        closed, data, took = await in_thread(reactor, silent, timeout=TIMEOUT)
+        # Closed by the proxy (within wait_closed's 10 s), with not a byte written; the exact
+        # time is on a Clock: test_a_silent_connection_is_closed_at_exactly_the_keepalive_timeout.
+        closed, data = await in_thread(reactor, silent, timeout=TIMEOUT)
         assert closed and data == b""
-        assert 0.9 <= took < 5
     finally:
         await stack.stop()
 
@@ -579,10 +650,11 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
         client.sendall(request_bytes(b"GET", b"/big", [(b"X-Yield-Class", b"batch")]))
         try:
             await wait_for(reactor, lambda: len(stack.echo.heads) == 1, timeout=10)
-            began = reactor.seconds()
             await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0, timeout=20)
-            # Well before the idle timeout: the slow client does not keep the slot.
-            assert reactor.seconds() - began < 0.9
+            # The slot is free while the client is still connected with its answer unread:
+            # the slow client does not keep the slot until it is dropped.
+            assert stack.sample("yieldproxy_client_buffered_bytes") > 0
+            assert stack.sample("yieldproxy_requests_total", **{"class": "batch", "code": "499"}) == 0
             # The slot is free: the next request goes through.
             response = await treq.post(stack.proxy_url + "/api/embed", data=EMBED).addTimeout(TIMEOUT, reactor)
             assert response.code == 200
@@ -600,8 +672,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot():
 # -- the admin token ------------------------------------------------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_admin_token_is_compared_in_constant_time(monkeypatch):
+def test_admin_token_is_compared_in_constant_time(monkeypatch):
     token = "s3cret-token-" + "k" * 40
     compared = []
     real = hmac.compare_digest
@@ -611,23 +682,15 @@ async def test_admin_token_is_compared_in_constant_time(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(admin_module.hmac, "compare_digest", spy)
-    stack = await start_stack(reactor, token=token)
-    try:
-        for given in (None, "x", token[:-1], token + "x", token.upper()):
-            headers = {"Authorization": f"Bearer {given}"} if given else {}
-            response = await treq.get(stack.admin_url + "/status", headers=headers, persistent=False).addTimeout(TIMEOUT, reactor)
-            assert response.code == 401, given
-            await response.content()
-        ok = await treq.get(
-            stack.admin_url + "/status", headers={"Authorization": f"Bearer {token}"}, persistent=False
-        ).addTimeout(TIMEOUT, reactor)
-        assert ok.code == 200
-        await ok.content()
-        # Every check, of every length, went through hmac.compare_digest.
-        assert len(compared) == 6
-        assert {a for a, _ in compared} == {0, len("Bearer x"), len("Bearer ") + len(token) - 1, len("Bearer ") + len(token) + 1, len("Bearer ") + len(token)}
-    finally:
-        await stack.stop()
+    rig = Rig(token=token)
+    for given in (None, "x", token[:-1], token + "x", token.upper()):
+        headers = {"Authorization": f"Bearer {given}"} if given else {}
+        assert rig.call("GET", rig.admin_url + "/status", headers=headers).code == 401, given
+    ok = rig.call("GET", rig.admin_url + "/status", headers={"Authorization": f"Bearer {token}"})
+    assert ok.code == 200
+    # Every check, of every length, went through hmac.compare_digest.
+    assert len(compared) == 6
+    assert {a for a, _ in compared} == {0, len("Bearer x"), len("Bearer ") + len(token) - 1, len("Bearer ") + len(token) + 1, len("Bearer ") + len(token)}
 
 
 @pytest_twisted.ensureDeferred
@@ -706,14 +769,9 @@ async def test_admin_listener_refuses_an_oversized_body_before_reading_it():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_admin_listener_bounds_the_time_to_read_a_request():
-    stack = await start_stack(reactor)
-    try:
-        site = stack.proxy.admin_app.site()
-        assert getattr(site, "request_read_timeout", None) is not None and site.request_read_timeout <= 60
-    finally:
-        await stack.stop()
+def test_admin_listener_bounds_the_time_to_read_a_request():
+    site = Rig().proxy.admin_app.site()
+    assert getattr(site, "request_read_timeout", None) is not None and site.request_read_timeout <= 60
 
 
 @pytest_twisted.ensureDeferred
@@ -779,13 +837,16 @@ async def test_requests_answered_by_the_listener_get_their_request_log_line():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_request_read_timeout_setting_reaches_the_listener():
-    stack = await start_stack(reactor, config_with(proxy={"request_read_timeout_seconds": 2.0}))
-    try:
-        assert stack.proxy.proxy_app.site().request_read_timeout == 2.0
-    finally:
-        await stack.stop()
+def test_request_read_timeout_setting_reaches_the_listener():
+    rig = Rig(config_with(proxy={"request_read_timeout_seconds": 2.0}))
+    assert rig.proxy.proxy_app.site().request_read_timeout == 2.0
+    # And it is what the listener enforces: a request begun and not finished gets its 408 at 2 s.
+    peer = rig.raw()
+    peer.send(b"POST /api/embed HTTP/1.1\r\nHost: x\r\n")
+    rig.run(1.999)
+    assert peer.data == b""
+    rig.run(0.001)
+    assert parse_response(peer.data)[0].status == 408
 
 
 # -- disguised model calls during a yield ------------------------------------------------------
@@ -806,8 +867,7 @@ async def _assert_parks_then_goes(stack, data: bytes, request_line: bytes, body:
     """``data`` parks (nothing reaches the upstream), then goes exactly as ``request_line`` on resume."""
     answer = raw(stack, data, timeout=20)
     await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-    await sleep(reactor, 0.2)
-    assert stack.echo.heads == [], stack.echo.heads
+    await assert_nothing_forwarded(stack)
     stack.proxy.state.release("test")
     response = await answer
     assert response.status == 200, response.raw[:300]
@@ -891,8 +951,8 @@ async def test_ambiguous_targets_get_a_400_in_the_route_shape_and_reach_nothing(
         body = assert_json_error(response, 400, "openai" if target.startswith(b"/v1/") else "ollama")
         assert "target" in str(body) or "path" in str(body) or "query" in str(body)
         assert counter_total(stack, "yieldproxy_rejected", reason="bad_request") == 1
-        await sleep(reactor, 0.1)
-        assert stack.echo.heads == [] and len(stack.proxy.lot) == 0
+        await assert_nothing_forwarded(stack)
+        assert len(stack.proxy.lot) == 0
         assert logs.errors() == []
     finally:
         await stack.stop()
@@ -931,6 +991,42 @@ async def test_escapes_reach_the_upstream_in_canonical_form():
         await stack.stop()
 
 
+# The body tests below are about how Ollama's Go decoder reads a body, not about the wire: they
+# write the same bytes in memory to the proxy listener's own site, on a Clock, and the upstream
+# is the same RecordingBackend, connected in memory, keeping the exact bytes the proxy sent.
+
+
+def _recording_rig(config=None, yielded: bool = True):
+    backend = RecordingBackend()
+    rig = Rig(config, upstream=backend)
+    if yielded:
+        rig.proxy.state.hold("test", "a game")
+    return rig, backend
+
+
+def _exchange(rig, data: bytes):
+    """``data`` written on a new in-memory connection; the complete answer once everything due has run."""
+    peer = rig.raw()
+    peer.send(data)
+    rig.turn()
+    return parse_response(peer.data)[0]
+
+
+def _parks_then_goes(rig, backend, data: bytes, request_line: bytes, body: bytes) -> None:
+    """``data`` parks (nothing reaches the upstream while the clock moves), then goes exactly as ``request_line``."""
+    peer = rig.raw()
+    peer.send(data)
+    rig.run(10)
+    assert len(rig.proxy.lot) == 1 and peer.data == b""
+    assert backend.heads == [], backend.heads
+    rig.proxy.state.release("test")
+    rig.turn()
+    response = parse_response(peer.data)[0]
+    assert response is not None and response.status == 200, peer.data[:300]
+    assert [head.split(b"\r\n")[0] for head in backend.heads] == [request_line]
+    assert backend.bodies == [body]
+
+
 #: Bodies Ollama reads as a generation or a model load, however the proxy used to read them.
 DISGUISED_BODIES = [
     (b"/api/generate", b'{"model":"m","keep_alive":0,"Prompt":"hi"}'),
@@ -949,13 +1045,9 @@ DISGUISED_BODIES = [
 
 
 @pytest.mark.parametrize("path, body", DISGUISED_BODIES)
-@pytest_twisted.ensureDeferred
-async def test_disguised_bodies_park_during_a_yield(path, body):
-    stack = await _yielded_recording_stack()
-    try:
-        await _assert_parks_then_goes(stack, request_bytes(b"POST", path, body=body), b"POST " + path + b" HTTP/1.1", body)
-    finally:
-        await stack.stop()
+def test_disguised_bodies_park_during_a_yield(path, body):
+    rig, backend = _recording_rig()
+    _parks_then_goes(rig, backend, request_bytes(b"POST", path, body=body), b"POST " + path + b" HTTP/1.1", body)
 
 
 #: Unloads as Ollama reads them: they free the GPU and load nothing.
@@ -971,15 +1063,12 @@ TRUE_UNLOADS = [
 
 
 @pytest.mark.parametrize("path, body", TRUE_UNLOADS)
-@pytest_twisted.ensureDeferred
-async def test_true_unloads_pass_during_a_yield(path, body):
-    stack = await _yielded_recording_stack()
-    try:
-        response = await raw(stack, request_bytes(b"POST", path, body=body))
-        assert response.status == 200
-        assert len(stack.echo.heads) == 1 and stack.echo.bodies == [body]
-    finally:
-        await stack.stop()
+def test_true_unloads_pass_during_a_yield(path, body):
+    rig, backend = _recording_rig()
+    response = _exchange(rig, request_bytes(b"POST", path, body=body))
+    assert response.status == 200
+    assert len(backend.heads) == 1 and backend.bodies == [body]
+    assert len(rig.proxy.lot) == 0
 
 
 def _model_rule_config():
@@ -1008,40 +1097,36 @@ _PAD = ",".join(['"%s"' % ("x" * 60)] * 2000)  # well past the size where the bo
     ids=["folded-dup", "folded-last", "null", "type-error", "trailing",
          "big-folded-dup", "big-last", "big-escaped-key", "big-trailing"],
 )
-@pytest_twisted.ensureDeferred
-async def test_model_rules_read_the_model_ollama_reads(body, passes):
-    stack = await recording_stack(_model_rule_config())
-    stack.proxy.state.hold("test", "a game")
-    try:
-        data = request_bytes(b"POST", b"/api/embed", body=body)
-        if passes is None:
-            assert_json_error(await raw(stack, data), 400)
-            assert stack.echo.heads == []
-        elif passes:
-            assert (await raw(stack, data)).status == 200
-            assert stack.echo.bodies == [body]
-        else:
-            await _assert_parks_then_goes(stack, data, b"POST /api/embed HTTP/1.1", body)
-    finally:
-        await stack.stop()
+def test_model_rules_read_the_model_ollama_reads(body, passes):
+    rig, backend = _recording_rig(_model_rule_config())
+    data = request_bytes(b"POST", b"/api/embed", body=body)
+    if passes is None:
+        assert_json_error(_exchange(rig, data), 400)
+        rig.run(10)
+        assert backend.heads == []
+    elif passes:
+        assert _exchange(rig, data).status == 200
+        assert backend.bodies == [body]
+    else:
+        _parks_then_goes(rig, backend, data, b"POST /api/embed HTTP/1.1", body)
 
 
-@pytest_twisted.ensureDeferred
-async def test_header_bytes_of_parked_requests_count_in_parked_bytes():
+def test_header_bytes_of_parked_requests_count_in_parked_bytes():
     """Headers are held in memory while parked, like the body: parking.max_parked_bytes bounds them too."""
-    stack = await _yielded_recording_stack(config_with(parking={"max_parked_bytes": 8192}))
-    try:
-        padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
-        first = raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED), timeout=20)
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-        assert stack.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
-        assert stack.sample("yieldproxy_parked_bytes") == stack.proxy.lot.parked_bytes
-        # A second such request would hold more than 8 KiB: refused at once, small as its body is.
-        second = await raw(stack, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
-        assert "bytes held" in assert_json_error(second, 503)["error"]
-        assert len(stack.proxy.lot) == 1
-        stack.proxy.state.release("test")
-        assert (await first).status == 200
-        assert stack.proxy.lot.parked_bytes == 0
-    finally:
-        await stack.stop()
+    rig, backend = _recording_rig(config_with(parking={"max_parked_bytes": 8192}))
+    padding = [(b"X-Pad-%d" % i, b"p" * 1000) for i in range(6)]
+    first = rig.raw()
+    first.send(request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+    rig.turn()
+    assert len(rig.proxy.lot) == 1
+    assert rig.proxy.lot.parked_bytes > 6 * 1000 + len(EMBED)
+    assert rig.sample("yieldproxy_parked_bytes") == rig.proxy.lot.parked_bytes
+    # A second such request would hold more than 8 KiB: refused at once, small as its body is.
+    second = _exchange(rig, request_bytes(b"POST", b"/api/embed", padding, body=EMBED))
+    assert "bytes held" in assert_json_error(second, 503)["error"]
+    assert len(rig.proxy.lot) == 1
+    rig.proxy.state.release("test")
+    rig.turn()
+    assert parse_response(first.data)[0].status == 200
+    assert rig.proxy.lot.parked_bytes == 0
+    assert len(backend.heads) == 1

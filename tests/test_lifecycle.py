@@ -17,7 +17,8 @@ from twisted.internet.defer import Deferred, fail
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import LogLevel, capturedLogs
 
-from helpers import InMemoryUpstream, config_with
+from helpers import config_with
+from inmemory import MemoryUpstream
 from yieldproxy.service import YieldProxyService, build
 from yieldproxy.sim import SimOllama
 
@@ -32,7 +33,7 @@ class Rig:
         config = config_with(
             proxy={"listen": "tcp:11435", **sections.pop("proxy", {})}, admin={"listen": "tcp:11436"}, **sections
         )
-        self.upstream = InMemoryUpstream(self.sim.resource())
+        self.upstream = MemoryUpstream(self.sim.resource(), self.reactor)
         self.proxy = build(self.reactor, config, upstream=self.upstream)
         self.http = StubTreq(self.proxy.proxy_app.app.resource())
         self.service = self.proxy.service

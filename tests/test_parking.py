@@ -148,9 +148,9 @@ def test_hold_bound_expires_with_a_503_and_retry_after():
     core = make_core()
     core.state.hold("api", "game")
     o = park(core, cls="interactive")
-    core.run(14.9, step=0.1)
+    core.run(14.9)
     assert "failure" not in o
-    core.run(0.2, step=0.1)
+    core.run(0.2)
     refusal = o["failure"]
     assert isinstance(refusal, Refused)
     assert refusal.status == 503 and refusal.reason == "expired"
@@ -165,11 +165,11 @@ def test_each_class_has_its_own_hold_bound():
     core = make_core()
     core.state.hold("api")
     outcomes = {cls: park(core, cls=cls) for cls in ("interactive", "batch", "long")}
-    core.run(16, step=1)
+    core.run(16)
     assert "failure" in outcomes["interactive"] and "failure" not in outcomes["batch"]
-    core.run(600, step=1)
+    core.run(600)
     assert "failure" in outcomes["batch"] and "failure" not in outcomes["long"]
-    core.run(3000, step=10)
+    core.run(3000)
     assert "failure" in outcomes["long"]
 
 
@@ -178,10 +178,10 @@ def test_caller_max_wait_shortens_the_hold_never_lengthens_it():
     core.state.hold("api")
     short = park(core, cls="batch", max_wait=2)
     longer = park(core, cls="interactive", max_wait=100)
-    core.run(2.1, step=0.1)
+    core.run(2.1)
     assert "X-Yield-Max-Wait" in short["failure"].message
     assert "failure" not in longer
-    core.run(13, step=0.1)
+    core.run(13)
     assert "hold bound" in longer["failure"].message
 
 
@@ -395,7 +395,7 @@ def test_every_way_out_of_the_lot_is_told_once_with_its_target():
     a, b, c, d = (park(core, cls="interactive" if i == 2 else "batch") for i in range(4))
     core.lot.release_next(lambda e: e is a["entry"], "other")
     b["deferred"].cancel()
-    core.run(16, step=1)  # c (interactive) expires
+    core.run(16)  # c (interactive) expires
     core.state.release("api")
     core.run(0.01)
     assert told == [(a["entry"].seq, "other"), (b["entry"].seq, None), (c["entry"].seq, None), (d["entry"].seq, None)]

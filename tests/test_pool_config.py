@@ -102,19 +102,11 @@ def test_the_one_upstream_fallback_is_refused_beside_upstreams():
         parse(text)
 
 
-def test_twistd_refuses_an_api_this_build_cannot_describe_naming_the_key(tmp_path):
-    from twisted.python.usage import UsageError
+def test_every_api_the_config_takes_has_a_server_description():
+    from yieldproxy.config import UPSTREAM_APIS
+    from yieldproxy.servers import APIS
 
-    from yieldproxy.pool.apis import SERVERS
-    from yieldproxy.tap import Options
-
-    missing = [api for api in ("tei", "infinity", "llamacpp") if api not in SERVERS]
-    if not missing:
-        pytest.skip("this build describes every api")
-    path = tmp_path / "pool.toml"
-    path.write_text(f'[[upstreams]]\nname = "a"\nurl = "http://x:1"\napi = "{missing[0]}"\n')
-    with pytest.raises(UsageError, match=rf"pool.toml: upstreams\[0\].api: api '{missing[0]}' needs"):
-        Options().parseOptions(["--config", str(path)])
+    assert set(UPSTREAM_APIS) == set(APIS)
 
 
 def test_twistd_upstream_option_is_refused_beside_upstreams(tmp_path):

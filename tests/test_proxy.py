@@ -1,4 +1,13 @@
-"""The proxy over real sockets: streaming, parking edges, errors, and header hygiene."""
+"""The proxy: streaming, parking edges, errors, and header hygiene.
+
+Most run on a Clock, the callers connected in memory to the proxy
+listener's own site (``tests/inmemory.py``): a chunk arrives at the clock time
+the backend sent it, a hold bound ends at exactly its second, and "the
+backend saw nothing" is checked after the clock has moved past every timer.
+Real sockets remain where the wire is the subject: a refused connection, a
+connection cut mid-answer, a 2 MiB body through TCP, a raw request line, and
+the real ``ollama`` client.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +19,16 @@ import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
+from twisted.internet.defer import CancelledError
+from twisted.web.client import ResponseNeverReceived
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.task import Clock
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
-from yieldproxy.sim import expected_embedding
+from helpers import config_with, in_thread, start_stack
+from inmemory import Rig, answered
+from yieldproxy.sim import expected_embedding, expected_reply
 
 TIMEOUT = 30
 
@@ -37,9 +50,10 @@ class Echo(Resource):
 
     isLeaf = True
 
-    def __init__(self):
+    def __init__(self, clock=reactor):
         super().__init__()
         self.seen = []
+        self._clock = clock
 
     def render(self, request):
         request.content.seek(0)
@@ -60,7 +74,7 @@ class Echo(Resource):
         if request.path == b"/break-mid-body":
             request.responseHeaders.setRawHeaders(b"content-type", [b"application/x-ndjson"])
             request.write(b'{"part": 1}\n')
-            reactor.callLater(0.05, request.channel.transport.abortConnection)
+            self._clock.callLater(0.05, request.channel.transport.abortConnection)
             return NOT_DONE_YET
         request.responseHeaders.addRawHeader(b"x-repeated", b"one")
         request.responseHeaders.addRawHeader(b"x-repeated", b"two")
@@ -70,7 +84,7 @@ class Echo(Resource):
 
 @pytest.fixture
 def echo_stack():
-    """A proxy in front of the Echo backend."""
+    """A proxy in front of the Echo backend, over real sockets."""
 
     async def start(config=None):
         echo = Echo()
@@ -83,182 +97,183 @@ def echo_stack():
     return start
 
 
+def echo_rig(config=None) -> tuple[Rig, Echo]:
+    """A proxy in front of the Echo backend, both on one Clock, in memory."""
+    clock = Clock()
+    echo = Echo(clock)
+    return Rig(config, upstream=echo, reactor=clock), echo
+
+
+def arrivals_of(rig: Rig, d, seconds: float) -> tuple[object, list]:
+    """The response of ``d`` and its body's pieces with the clock time each arrived, over ``seconds``."""
+    response = rig.result(d)
+    arrivals: list = []
+    done = treq.collect(response, lambda data: arrivals.append((rig.clock.seconds(), data)))
+    rig.run(seconds)
+    rig.result(done)
+    return response, arrivals
+
+
 # -- streaming -------------------------------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_streamed_chat_arrives_chunk_by_chunk():
-    stack = await start_stack(reactor, chunk_delay=0.15, chunks=5)
-    try:
-        response = await post(
-            stack.proxy_url + "/api/chat",
-            {"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}]},
-        )
-        assert response.code == 200
-        assert response.headers.getRawHeaders("content-type")[0].startswith("application/x-ndjson")
-        arrivals = []
-        await treq.collect(response, lambda data: arrivals.append((reactor.seconds(), data))).addTimeout(TIMEOUT, reactor)
-        lines = b"".join(d for _, d in arrivals).splitlines()
-        assert len(lines) == 6 and json.loads(lines[-1])["done"] is True
-        # Chunks came as the backend produced them, not all at the end.
-        assert len(arrivals) >= 5
-        assert arrivals[-1][0] - arrivals[0][0] >= 0.5
-    finally:
-        await stack.stop()
+def test_streamed_chat_arrives_chunk_by_chunk():
+    rig = Rig(chunk_delay=0.15, chunks=5)
+    d = rig.open(
+        "POST", rig.proxy_url + "/api/chat",
+        json={"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    response, arrivals = arrivals_of(rig, d, 1.0)
+    assert response.code == 200
+    assert response.headers.getRawHeaders("content-type")[0].startswith("application/x-ndjson")
+    lines = b"".join(d for _, d in arrivals).splitlines()
+    assert len(lines) == 6 and json.loads(lines[-1])["done"] is True
+    # Each line came when the backend produced it (one every 0.15 s), not all at the end.
+    assert [round(t, 6) for t, _ in arrivals] == [0.0, 0.15, 0.3, 0.45, 0.6, 0.75]
+    assert [data.count(b"\n") for _, data in arrivals] == [1] * 6
+    assert rig.clock.getDelayedCalls() == []
 
 
-@pytest_twisted.ensureDeferred
-async def test_openai_sse_stream_is_relayed_as_it_comes():
-    stack = await start_stack(reactor, chunk_delay=0.1, chunks=4)
-    try:
-        response = await post(
-            stack.proxy_url + "/v1/chat/completions",
-            {"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-        )
-        arrivals = []
-        await treq.collect(response, lambda data: arrivals.append((reactor.seconds(), data))).addTimeout(TIMEOUT, reactor)
-        text = b"".join(d for _, d in arrivals).decode()
-        assert text.rstrip().endswith("data: [DONE]")
-        assert len(arrivals) >= 4 and arrivals[-1][0] - arrivals[0][0] >= 0.3
-    finally:
-        await stack.stop()
+def test_openai_sse_stream_is_relayed_as_it_comes():
+    rig = Rig(chunk_delay=0.1, chunks=4)
+    d = rig.open(
+        "POST", rig.proxy_url + "/v1/chat/completions",
+        json={"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    _, arrivals = arrivals_of(rig, d, 1.0)
+    text = b"".join(d for _, d in arrivals).decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    # Each event came when the backend produced it (one every 0.1 s), the closing ones with the last.
+    times = [round(t, 6) for t, _ in arrivals]
+    assert sorted(set(times)) == [0.0, 0.1, 0.2, 0.3, 0.4]
+    assert rig.clock.getDelayedCalls() == []
 
 
-@pytest_twisted.ensureDeferred
-async def test_parked_stream_is_replayed_whole():
-    stack = await start_stack(reactor, chunk_delay=0.01)
-    try:
-        stack.proxy.state.hold("api")
-        pending = post(stack.proxy_url + "/api/generate", {"model": "llama3.2", "prompt": "tell me"})
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-        stack.proxy.state.release("api")
-        response = await pending
-        assert float(response.headers.getRawHeaders("x-yield-parked-seconds")[0]) > 0
-        lines = (await response.content()).splitlines()
-        assert json.loads(lines[-1])["done"] is True
-    finally:
-        await stack.stop()
+def test_parked_stream_is_replayed_whole():
+    rig = Rig(chunk_delay=0.01)
+    rig.proxy.state.hold("api")
+    pending = rig.post("/api/generate", {"model": "llama3.2", "prompt": "tell me"})
+    assert len(rig.proxy.lot) == 1
+    rig.run(2.5)
+    assert not answered(pending) and rig.sim.requests_total["/api/generate"] == 0
+    rig.proxy.state.release("api")
+    rig.run(1)
+    response = rig.result(pending)
+    assert float(response.header("x-yield-parked-seconds")[0]) == 2.5
+    lines = response.body.splitlines()
+    assert json.loads(lines[-1])["done"] is True
+    assert "".join(json.loads(line)["response"] for line in lines) == "".join(expected_reply("tell me", "llama3.2"))
+    assert rig.clock.getDelayedCalls() == []
 
 
 # -- parking edges ------------------------------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_disconnected_parked_client_is_never_sent_upstream():
-    stack = await start_stack(reactor)
-    try:
-        stack.proxy.state.hold("api")
-        body = json.dumps(embed_body("left early")).encode()
-        host, port = stack.proxy_url.removeprefix("http://").split(":")
-        sock = socket.create_connection((host, int(port)))
-        sock.sendall(
-            b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-        sock.close()
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 0)
-        stack.proxy.state.release("api")
-        await sleep(reactor, 0.2)
-        assert stack.sim.texts_embedded["left early"] == 0
-        assert stack.sim.requests_total["/api/embed"] == 0
-        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "abandoned"}) == 1
-    finally:
-        await stack.stop()
+def test_disconnected_parked_client_is_never_sent_upstream():
+    rig = Rig()
+    rig.proxy.state.hold("api")
+    d = rig.post("/api/embed", embed_body("left early"))
+    assert len(rig.proxy.lot) == 1
+    d.cancel()  # the caller closes its connection
+    rig.turn()
+    assert len(rig.proxy.lot) == 0
+    rig.proxy.state.release("api")
+    rig.run(60)
+    assert rig.sim.texts_embedded["left early"] == 0
+    assert rig.sim.requests_total["/api/embed"] == 0
+    assert rig.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "abandoned"}) == 1
+    assert rig.clock.getDelayedCalls() == []
+    with pytest.raises(ResponseNeverReceived) as left:
+        rig.result(d)
+    assert left.value.reasons[0].check(CancelledError)
 
 
-@pytest_twisted.ensureDeferred
-async def test_client_leaving_mid_attempt_is_not_retried():
-    stack = await start_stack(reactor, latency=1.0)
-    try:
-        d = post(stack.proxy_url + "/api/embed", embed_body("impatient"))
-        await wait_for(reactor, lambda: stack.sim.in_flight == 1)
-        d.cancel()
-        await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0)
-        await sleep(reactor, 0.3)
-        assert stack.sim.requests_total["/api/embed"] == 1
-        assert stack.sample("yieldproxy_retries_total", **{"class": "batch"}) == 0
-        assert len(stack.proxy.lot) == 0
-    finally:
-        await stack.stop()
+def test_client_leaving_mid_attempt_is_not_retried():
+    rig = Rig(latency=1.0)
+    d = rig.post("/api/embed", embed_body("impatient"))
+    assert rig.sim.in_flight == 1
+    rig.run(0.5)
+    d.cancel()
+    rig.turn()
+    assert rig.proxy.replayer.inflight == 0
+    rig.run(300)  # past the sim's latency, any backoff and the attempt's timeout
+    assert rig.sim.requests_total["/api/embed"] == 1
+    assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 0
+    assert len(rig.proxy.lot) == 0
+    assert rig.clock.getDelayedCalls() == []
+    with pytest.raises(ResponseNeverReceived) as left:
+        rig.result(d)
+    assert left.value.reasons[0].check(CancelledError)
 
 
-@pytest_twisted.ensureDeferred
-async def test_full_lot_answers_at_once_with_retry_after():
-    stack = await start_stack(reactor, config_with(parking={"max_parked": 3}))
-    try:
-        stack.proxy.state.hold("api", expected_seconds=20)
-        parked = [post(stack.proxy_url + "/api/embed", embed_body(f"p{i}")) for i in range(3)]
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 3)
-        began = reactor.seconds()
-        response = await post(stack.proxy_url + "/v1/embeddings", {"model": "all-minilm", "input": "over"})
-        assert reactor.seconds() - began < 2
-        assert response.code == 503
-        assert 19 <= int(response.headers.getRawHeaders("retry-after")[0]) <= 20
-        error = (await response.json())["error"]
-        assert error["code"] == "queue_full" and "parked queue full" in error["message"]
-        stack.proxy.state.release("api")
-        for d in parked:
-            assert (await d).code == 200
-    finally:
-        await stack.stop()
+def test_full_lot_answers_at_once_with_retry_after():
+    rig = Rig(config_with(parking={"max_parked": 3}))
+    rig.proxy.state.hold("api", expected_seconds=20)
+    parked = [rig.post("/api/embed", embed_body(f"p{i}")) for i in range(3)]
+    assert len(rig.proxy.lot) == 3
+    # Answered without the clock moving at all.
+    response = rig.result(rig.post("/v1/embeddings", {"model": "all-minilm", "input": "over"}))
+    assert response.code == 503
+    assert int(response.header("retry-after")[0]) == 20
+    error = response.json()["error"]
+    assert error["code"] == "queue_full" and "parked queue full" in error["message"]
+    rig.proxy.state.release("api")
+    rig.turn()
+    for d in parked:
+        assert rig.result(d).code == 200
 
 
-@pytest_twisted.ensureDeferred
-async def test_hold_bound_gives_a_clean_503():
-    stack = await start_stack(reactor, config_with(classes={"batch": {"hold_seconds": 0.3}}))
-    try:
-        stack.proxy.state.hold("api")
-        response = await post(stack.proxy_url + "/api/embed", embed_body())
-        assert response.code == 503
-        assert response.headers.getRawHeaders("retry-after")
-        assert "hold bound" in (await response.json())["error"]
-        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "expired"}) == 1
-        assert stack.sim.requests_total["/api/embed"] == 0
-    finally:
-        await stack.stop()
+def test_hold_bound_gives_a_clean_503():
+    rig = Rig(config_with(classes={"batch": {"hold_seconds": 0.3}}))
+    rig.proxy.state.hold("api")
+    d = rig.post("/api/embed", embed_body())
+    rig.run(0.299)
+    assert not answered(d) and len(rig.proxy.lot) == 1
+    rig.run(0.001)
+    response = rig.result(d)
+    assert response.code == 503
+    assert response.header("retry-after")
+    assert "hold bound" in response.json()["error"]
+    assert rig.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "expired"}) == 1
+    assert rig.sim.requests_total["/api/embed"] == 0
+    assert len(rig.proxy.lot) == 0
 
 
-@pytest_twisted.ensureDeferred
-async def test_caller_max_wait_header():
-    stack = await start_stack(reactor)
-    try:
-        stack.proxy.state.hold("api")
-        response = await post(stack.proxy_url + "/api/embed", embed_body(), headers={"X-Yield-Max-Wait": "0.2"})
-        assert response.code == 503
-        assert "X-Yield-Max-Wait" in (await response.json())["error"]
-        bad = await post(stack.proxy_url + "/api/embed", embed_body(), headers={"X-Yield-Max-Wait": "soon"})
-        assert bad.code == 400
-    finally:
-        await stack.stop()
+def test_caller_max_wait_header():
+    rig = Rig()
+    rig.proxy.state.hold("api")
+    d = rig.post("/api/embed", embed_body(), headers={"X-Yield-Max-Wait": "0.2"})
+    rig.run(0.199)
+    assert not answered(d)
+    rig.run(0.001)
+    response = rig.result(d)
+    assert response.code == 503
+    assert "X-Yield-Max-Wait" in response.json()["error"]
+    bad = rig.result(rig.post("/api/embed", embed_body(), headers={"X-Yield-Max-Wait": "soon"}))
+    assert bad.code == 400
+    assert rig.sim.requests_total["/api/embed"] == 0
 
 
-@pytest_twisted.ensureDeferred
-async def test_passthrough_routes_are_never_parked():
-    stack = await start_stack(reactor)
-    try:
-        stack.proxy.state.hold("api")
-        response = await treq.get(stack.proxy_url + "/api/tags").addTimeout(TIMEOUT, reactor)
-        assert response.code == 200
-        assert "models" in await response.json()
-        assert len(stack.proxy.lot) == 0
-    finally:
-        await stack.stop()
+def test_passthrough_routes_are_never_parked():
+    rig = Rig()
+    rig.proxy.state.hold("api")
+    response = rig.call("GET", rig.proxy_url + "/api/tags")
+    assert response.code == 200
+    assert "models" in response.json()
+    assert len(rig.proxy.lot) == 0
 
 
-@pytest_twisted.ensureDeferred
-async def test_class_header_makes_a_route_parkable():
-    stack = await start_stack(reactor)
-    try:
-        stack.proxy.state.hold("api")
-        d = treq.get(stack.proxy_url + "/api/tags", headers={"X-Yield-Class": "long"}).addTimeout(TIMEOUT, reactor)
-        await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get("long") == 1)
-        stack.proxy.state.release("api")
-        assert (await d).code == 200
-        bad = await treq.get(stack.proxy_url + "/api/tags", headers={"X-Yield-Class": "urgent"})
-        assert bad.code == 400
-    finally:
-        await stack.stop()
+def test_class_header_makes_a_route_parkable():
+    rig = Rig()
+    rig.proxy.state.hold("api")
+    d = rig.request("GET", rig.proxy_url + "/api/tags", headers={"X-Yield-Class": "long"})
+    assert rig.proxy.lot.count_by_class().get("long") == 1
+    assert not answered(d)
+    rig.proxy.state.release("api")
+    rig.turn()
+    assert rig.result(d).code == 200
+    bad = rig.call("GET", rig.proxy_url + "/api/tags", headers={"X-Yield-Class": "urgent"})
+    assert bad.code == 400
 
 
 # -- upstream failures --------------------------------------------------------------
@@ -286,16 +301,14 @@ async def test_unreachable_upstream_gets_a_clear_502_in_each_api_shape():
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_plain_upstream_500_is_relayed_not_retried(echo_stack):
-    stack = await echo_stack()
-    try:
-        response = await post(stack.proxy_url + "/fail-500", {}, headers={"X-Yield-Class": "batch"})
-        assert response.code == 500
-        assert (await response.json()) == {"error": "model 'nope' not found"}
-        assert len(stack.echo.seen) == 1
-    finally:
-        await stack.stop()
+def test_plain_upstream_500_is_relayed_not_retried():
+    rig, echo = echo_rig()
+    response = rig.result(rig.post("/fail-500", {}, headers={"X-Yield-Class": "batch"}))
+    assert response.code == 500
+    assert response.json() == {"error": "model 'nope' not found"}
+    rig.run(300)  # past any backoff: nothing goes round again
+    assert len(echo.seen) == 1
+    assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -328,59 +341,46 @@ async def test_large_body_is_forwarded_intact(echo_stack):
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_oversized_body_gets_413(echo_stack):
-    stack = await echo_stack(config_with(proxy={"max_body_bytes": 1000}))
-    try:
-        response = await treq.post(stack.proxy_url + "/v1/embeddings", data=b"x" * 5000).addTimeout(TIMEOUT, reactor)
-        assert response.code == 413
-        assert (await response.json())["error"]["code"] == "too_large"
-        assert stack.echo.seen == []
-    finally:
-        await stack.stop()
+def test_oversized_body_gets_413():
+    rig, echo = echo_rig(config_with(proxy={"max_body_bytes": 1000}))
+    response = rig.call("POST", rig.proxy_url + "/v1/embeddings", data=b"x" * 5000)
+    assert response.code == 413
+    assert response.json()["error"]["code"] == "too_large"
+    assert echo.seen == []
 
 
-@pytest_twisted.ensureDeferred
-async def test_headers_hop_by_hop_stripped_repeated_kept(echo_stack):
-    stack = await echo_stack()
-    try:
-        response = await treq.get(
-            stack.proxy_url + "/api/show?x=1&y=%20",
-            headers={
-                "X-Multi": ["a", "b"],
-                "Connection": "keep-alive, X-Secret-Hop",
-                "X-Secret-Hop": "drop me",
-                "Keep-Alive": "timeout=5",
-                "Proxy-Authorization": "Basic abc",
-                "X-Yield-Max-Wait": "5",
-                "Authorization": "Bearer user-token",
-            },
-        ).addTimeout(TIMEOUT, reactor)
-        record = await response.json()
-        headers = record["headers"]
-        assert record["uri"] == "/api/show?x=1&y=%20"
-        assert headers["x-multi"] == ["a", "b"]
-        assert headers["authorization"] == ["Bearer user-token"]
-        for hop in ("x-secret-hop", "keep-alive", "proxy-authorization", "x-yield-max-wait"):
-            assert hop not in headers
-        assert headers["host"] == [stack.proxy.upstream.url.removeprefix("http://")]
-        assert response.headers.getRawHeaders("x-repeated") == ["one", "two"]
-    finally:
-        await stack.stop()
+def test_headers_hop_by_hop_stripped_repeated_kept():
+    rig, echo = echo_rig()
+    response = rig.call(
+        "GET", rig.proxy_url + "/api/show?x=1&y=%20",
+        headers={
+            "X-Multi": ["a", "b"],
+            "Connection": "keep-alive, X-Secret-Hop",
+            "X-Secret-Hop": "drop me",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Authorization": "Basic abc",
+            "X-Yield-Max-Wait": "5",
+            "Authorization": "Bearer user-token",
+        },
+    )
+    record = response.json()
+    headers = record["headers"]
+    assert record["uri"] == "/api/show?x=1&y=%20"
+    assert headers["x-multi"] == ["a", "b"]
+    assert headers["authorization"] == ["Bearer user-token"]
+    for hop in ("x-secret-hop", "keep-alive", "proxy-authorization", "x-yield-max-wait"):
+        assert hop not in headers
+    assert headers["host"] == [rig.proxy.upstream.url.removeprefix("http://")]
+    assert response.header("x-repeated") == ["one", "two"]
 
 
-@pytest_twisted.ensureDeferred
-async def test_no_cookies_shared_between_callers(echo_stack):
-    stack = await echo_stack()
-    try:
-        first = await treq.get(stack.proxy_url + "/set-cookie").addTimeout(TIMEOUT, reactor)
-        assert first.headers.getRawHeaders("set-cookie") == ["session=alice; Path=/"]
-        await first.content()
-        second = await treq.get(stack.proxy_url + "/other", persistent=False).addTimeout(TIMEOUT, reactor)
-        record = await second.json()
-        assert "cookie" not in record["headers"]
-    finally:
-        await stack.stop()
+def test_no_cookies_shared_between_callers():
+    rig, echo = echo_rig()
+    first = rig.call("GET", rig.proxy_url + "/set-cookie")
+    assert first.header("set-cookie") == ["session=alice; Path=/"]
+    second = rig.call("GET", rig.proxy_url + "/other")
+    assert "cookie" not in second.json()["headers"]
+    assert len(echo.seen) == 2
 
 
 @pytest_twisted.ensureDeferred

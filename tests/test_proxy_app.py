@@ -1,6 +1,6 @@
 """The proxy app driven in memory: ``StubTreq`` in front, the simulated Ollama behind, one Clock.
 
-``build(clock, config, upstream=InMemoryUpstream(...))`` wires the proxy as
+``build(clock, config, upstream=MemoryUpstream(...))`` wires the proxy as
 the service does; ``StubTreq`` sends requests through a real Site and Agent
 in memory, so no socket is opened and time moves only when the test moves
 it.  Behaviour that is about the wire (slow clients, resets, the HTTP
@@ -14,7 +14,8 @@ import json
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
-from helpers import InMemoryUpstream, config_with
+from helpers import config_with
+from inmemory import MemoryUpstream
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama, expected_embedding
 
@@ -27,7 +28,8 @@ class Rig:
     def __init__(self, config=None):
         self.clock = Clock()
         self.sim = SimOllama(self.clock)
-        self.proxy = build(self.clock, config or config_with(), upstream=InMemoryUpstream(self.sim.resource()))
+        self.upstream = MemoryUpstream(self.sim.resource(), self.clock)
+        self.proxy = build(self.clock, config or config_with(), upstream=self.upstream)
         self.http = StubTreq(self.proxy.proxy_app.app.resource())
 
     def post(self, path: str, body, headers=None):
@@ -40,6 +42,7 @@ class Rig:
         """Run what is due: the in-memory connections, then the clock's zero-delay calls."""
         for _ in range(4):
             self.http.flush()
+            self.upstream.flush()
             self.clock.advance(0)
 
     def answer(self, d) -> tuple[int, dict, object]:

@@ -24,7 +24,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, make_core, start_stack, wait_for
 from helpers import Entry
 from rawhttp import LogCapture, counter_by, exchange, port_of, recording_stack, request_bytes
 from yieldproxy.parking import Refused
@@ -105,12 +105,11 @@ async def test_slow_readers_do_not_hold_the_replay_slots():
         ]
         await wait_for(reactor, lambda: len(stack.proxy.lot) == 8, timeout=10)
         stack.proxy.state.release("api")
-        began = reactor.seconds()
         for pending in waiting:
             answer = await pending
+            # Served, not refused at their X-Yield-Max-Wait of 10 s: the slow readers did not keep the slots...
             assert answer.status == 200, answer.body
-        # Served well inside their 10 s, while the slow readers are still reading (that takes minutes).
-        assert reactor.seconds() - began < 8
+        # ...which are still reading (that takes minutes).
         assert all(r.received < BIG for r in readers)
         assert stack.proxy.replayer.inflight == 0
         # Their answers wait in the proxy for them, and are counted there.
@@ -140,14 +139,13 @@ async def test_a_client_past_its_buffer_bound_is_dropped_and_counted():
     reader = None
     logs = LogCapture().__enter__()
     try:
-        began = reactor.seconds()
         reader = SlowReader(port, b"/big", read=False)
         await wait_for(
             reactor, lambda: stack.sample("yieldproxy_slow_clients_dropped_total", **{"class": "batch"}) == 1,
             timeout=20,
         )
+        # Dropped by the buffer bound (its own log line), not by the 300 s idle timeout.
         assert "dropping a slow batch client" in logs.text()
-        assert reactor.seconds() - began < 10
         await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0 and not stack.echo.open, timeout=10)
         assert buffered(stack) == 0
         assert counter_by(stack, "yieldproxy_requests", "code") == {"499": 1.0}
@@ -202,7 +200,7 @@ def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
     assert first.called and not second.called  # the first holds the only slot, and keeps it
     failures = []
     second.addErrback(failures.append)
-    core.run(15, step=0.1)
+    core.run(15)
     refusal = core.gate.explain(failures[0].value)  # as the caller reads it
     assert isinstance(refusal, Refused) and refusal.reason == "expired"
     assert "yielded" not in refusal.message
@@ -222,9 +220,9 @@ def test_an_expiry_during_a_yield_or_an_outage_says_which():
     explain = lambda f: messages.append(core.gate.explain(f.value).message)  # noqa: E731
     yielded.addErrback(explain)
     outage.addErrback(explain)
-    core.run(1.1, step=0.1)
+    core.run(1.1)
     core.state.hold("api", "game")
-    core.run(2, step=0.1)
+    core.run(2)
     assert messages[0] == (
         "wait longer than your X-Yield-Max-Wait (1s): the upstream was failing and had not recovered in time "
         "(outage detected by the proxy)"

@@ -25,7 +25,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
-from helpers import required_tool, sleep, start_stack, wait_for
+from helpers import required_tool, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "page-test-token-0123456789"
@@ -187,7 +187,9 @@ async def yielded_stack_with_history():
     """A stack with a token, sampling every 0.2 s, yielded with 4 batch and 2 long requests parked."""
     stack = await start_stack(reactor, token=TOKEN, history_interval=0.2)
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    await sleep(reactor, 0.6)
+    history = stack.proxy.history
+    # Samples taken: three before the yield (0.6 s of history)...
+    await wait_for(reactor, lambda: len(history) >= 3)
     answer = await treq.post(
         stack.admin_url + "/yield", json={"reason": REASON, "source": "game", "for_seconds": 600},
         headers=auth, persistent=False,
@@ -205,7 +207,9 @@ async def yielded_stack_with_history():
         for _ in range(2)
     ]
     await wait_for(reactor, lambda: len(stack.proxy.lot) == 6)
-    await sleep(reactor, 1.5)
+    # ...and eight with the six parked (1.6 s), whatever the machine's load.
+    parked_from = len(history)
+    await wait_for(reactor, lambda: len(history) >= parked_from + 8)
     return stack, pending, auth
 
 
@@ -264,7 +268,9 @@ async def test_page_shows_the_yield_its_hold_and_draws_it():
         await treq.post(stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False)
         for d in pending:
             assert (await d).code == 200
-        await sleep(reactor, 0.6)
+        # Three samples after the resume, the lines back to 0.
+        resumed_at = len(stack.proxy.history)
+        await wait_for(reactor, lambda: len(stack.proxy.history) >= resumed_at + 3)
         dom = Dom((await chromium(url, "--dump-dom")).decode("utf-8"))
         assert dom.by_id("state")["data-state"] == "available"
         assert dom.by_id("no-holds").get("hidden") is None

@@ -1,11 +1,11 @@
 """Control-plane calls to the upstream: health probes, ``/api/ps``, model loads and unloads.
 
 These are the proxy's own small requests, not forwarded traffic, so they get
-their own :class:`~twisted.web.client.Agent` on a non-persistent pool (a
-probe during an outage must not pick up a stale pooled connection, and the
-forwarding pool's limits stay for callers).  Each call has a timeout on the
-injected reactor and reads the whole (small) body.  Not treq: its ``json=``
-goes through ``FileBodyProducer`` on the global reactor's Cooperator.
+their own client (:class:`~yieldproxy.forward.Upstream`, the same lean
+HTTP/1.1 client as the hop) that keeps no connection for reuse: a probe
+during an outage must not pick up a stale pooled connection, and the
+forwarding pool's limits stay for callers.  Each call has a timeout on the
+injected reactor (``Deferred.addTimeout``) and reads the whole (small) body.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ import json
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import Protocol
+from twisted.internet.defer import Deferred, fail
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, ResponseDone
-from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import Headers
 
-from .forward import BytesProducer, QuietPool
+from .forward import Upstream
+from .h1client import Collector
 
 #: A control call that takes longer than this is given up (unless the caller says otherwise).
 DEFAULT_TIMEOUT = 10.0
 #: Control answers are small (``/api/ps`` lists a few models); more than this is cut.
 MAX_BODY_BYTES = 1024 * 1024
+#: Sent with every control call: each goes on a connection of its own.
+_HEADERS = ((b"User-Agent", b"yieldproxy"), (b"Accept", b"application/json"), (b"Connection", b"close"))
+_JSON_HEADERS = (*_HEADERS, (b"Content-Type", b"application/json"))
 
 
 class ControlTimeout(Exception):
@@ -48,61 +48,39 @@ class Answer:
 class UpstreamControl:
     """Small JSON calls to the configured upstream, each bounded in time."""
 
-    def __init__(self, reactor, url: str):
+    def __init__(self, reactor, url: str, *, endpoint=None):
         self._reactor = reactor
         self.url = url.rstrip("/")
-        self._agent: Agent | None = None
+        self._endpoint = endpoint
+        self._upstream: Upstream | None = None
 
-    def _get_agent(self) -> Agent:
+    def _get_upstream(self) -> Upstream:
         """Built on first use, so building a proxy on a Clock never touches sockets."""
-        if self._agent is None:
-            pool = QuietPool(self._reactor, persistent=False)
-            self._agent = Agent(self._reactor, pool=pool, connectTimeout=DEFAULT_TIMEOUT)
-        return self._agent
+        if self._upstream is None:
+            self._upstream = Upstream(
+                self._reactor, self.url, max_connections=0, connect_timeout=DEFAULT_TIMEOUT, endpoint=self._endpoint
+            )
+        return self._upstream
 
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = DEFAULT_TIMEOUT
     ) -> Deferred[Answer]:
-        """``method path`` with an optional JSON ``body``; fails with :class:`ControlTimeout` after ``timeout``."""
-        d = Deferred.fromCoroutine(self._request(method, path, body))
+        """``method path`` with an optional JSON ``body``; fails with :class:`ControlTimeout` after ``timeout``.
+
+        Other failures are the client's (:class:`~yieldproxy.h1client.H1Error`).
+        """
+        upstream = self._get_upstream()
+        data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode("utf-8")
+        try:
+            d = upstream.client.request(
+                method.encode("ascii"), upstream.target(path.encode("utf-8")),
+                _HEADERS if body is None else _JSON_HEADERS, data, Collector(MAX_BODY_BYTES), replayable=False,
+            )
+        except ValueError:
+            return fail()
+        d.addCallback(lambda response: Answer(response.code, response.body or b""))
 
         def timed_out(result, seconds):
             return Failure(ControlTimeout(f"{method} {path}: no answer from {self.url} within {seconds:g}s"))
 
         return d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
-
-    async def _request(self, method: str, path: str, body: Any) -> Answer:
-        headers = Headers({b"user-agent": [b"yieldproxy"], b"accept": [b"application/json"]})
-        producer = None
-        if body is not None:
-            headers.setRawHeaders(b"content-type", [b"application/json"])
-            producer = BytesProducer(json.dumps(body, separators=(",", ":")).encode("utf-8"))
-        response = await self._get_agent().request(
-            method.encode("ascii"), (self.url + path).encode("utf-8"), headers, producer
-        )
-        done: Deferred = Deferred(canceller=lambda d: collect.transport and collect.transport.stopProducing())
-        collect = _Collect(done)
-        response.deliverBody(collect)
-        return Answer(response.code, await done)
-
-
-class _Collect(Protocol):
-    """The whole body, up to :data:`MAX_BODY_BYTES` (``readBody`` warns about pool transports)."""
-
-    def __init__(self, done: Deferred):
-        self._done = done
-        self._parts: list[bytes] = []
-        self._size = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        if self._size < MAX_BODY_BYTES:
-            self._parts.append(data[: MAX_BODY_BYTES - self._size])
-            self._size += len(data)
-
-    def connectionLost(self, reason) -> None:
-        if self._done.called:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self._done.callback(b"".join(self._parts))
-        else:
-            self._done.errback(reason)

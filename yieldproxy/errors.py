@@ -1,9 +1,12 @@
 """Error responses in the caller's own API shape.
 
-Ollama clients read ``{"error": "..."}``; OpenAI clients read
-``{"error": {"message", "type", "code"}}``.  A proxy error in the wrong shape
-surfaces as a confusing parse error in the caller, so every refusal goes
-through here.
+Ollama clients read ``{"error": "..."}``; OpenAI clients (and Infinity's and
+llama.cpp's) read ``{"error": {"message", "type", "code"}}``; TEI's clients
+read ``{"error": "...", "error_type": "..."}`` on its own routes and
+``{"message", "code", "type"}`` on its OpenAI-compatible ones.  A proxy error
+in the wrong shape surfaces as a confusing parse error in the caller, so every
+refusal goes through here.  Which shape a route takes is its server's
+business (:attr:`yieldproxy.servers.Server.error_shape`).
 """
 
 from __future__ import annotations
@@ -23,18 +26,42 @@ _OPENAI_TYPES = {
 }
 
 
+#: The shapes :func:`error_body` writes.
+ERROR_SHAPES = ("ollama", "openai", "tei", "tei_openai")
+
+
+def tei_error_type(status: int) -> str:
+    """The TEI ``ErrorType`` (router/src/lib.rs) a client of TEI expects with ``status``.
+
+    TEI's clients may decode the type as its enum, so only its own variants
+    are used: overload for 429, the unhealthy backend for 503 (a yield, a
+    shutdown), a backend failure for other 5xx, a validation error for 4xx.
+    """
+    if status == 429:
+        return "Overloaded"
+    if status == 503:
+        return "Unhealthy"
+    return "Backend" if status >= 500 else "Validation"
+
+
 def error_body(api: str, status: int, message: str, code: str) -> bytes:
-    """The JSON body for an error, shaped for ``api`` (``ollama`` or ``openai``)."""
+    """The JSON body for an error, in the shape ``api`` names (one of :data:`ERROR_SHAPES`)."""
     if api == "openai":
-        payload = {
+        payload: dict = {
             "error": {
                 "message": message,
                 "type": _OPENAI_TYPES.get(status, "server_error"),
                 "code": code,
             }
         }
-    else:
+    elif api == "ollama":
         payload = {"error": message}
+    elif api == "tei":
+        payload = {"error": message, "error_type": tei_error_type(status)}
+    elif api == "tei_openai":
+        payload = {"message": message, "code": status, "type": tei_error_type(status)}
+    else:
+        raise ValueError(f"unknown error shape {api!r}; expected one of {ERROR_SHAPES}")
     return json.dumps(payload).encode("utf-8")
 
 

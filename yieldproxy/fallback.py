@@ -37,13 +37,10 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.internet.protocol import Protocol
-from twisted.web.client import ResponseDone
-from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import Headers
 
 from .config import FallbackConfig
-from .forward import BytesProducer, Upstream, _describe, _was_cancelled, classify_failure
+from .forward import Upstream, describe_failure, failure_reason
+from .h1client import H1Error
 from .metrics import Metrics, fallback_families
 from .names import canonical_model
 from .parking import Entry, ParkingLot, Refused
@@ -80,39 +77,12 @@ class NotNow(Exception):
 # -- talking to an embedding server ---------------------------------------------------
 
 
-class _Body(Protocol):
-    """Collects a whole answer body."""
-
-    def __init__(self, done: Deferred):
-        self._done = done
-        self._parts: list[bytes] = []
-
-    def dataReceived(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def connectionLost(self, reason) -> None:
-        if self._done.called:  # cancelled
-            return
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self._done.callback(b"".join(self._parts))
-        else:
-            self._done.errback(reason)
-
-
-def _read_body(response) -> Deferred:
-    """``readBody``, but cancelling it stops the transfer.
-
-    ``readBody`` cannot abort through the Agent's transport proxy (it warns
-    and keeps reading); stopping the producer closes the connection.
-    """
-    done: Deferred = Deferred(lambda d: protocol.transport is not None and protocol.transport.stopProducing())
-    protocol = _Body(done)
-    response.deliverBody(protocol)
-    return done
+#: The header lines of an embedding call.
+_EMBED_HEADERS = ((b"Content-Type", b"application/json"), (b"Accept", b"application/json"))
 
 
 class EmbedBackend:
-    """An embedding server in one API shape, reached through an :class:`Upstream`'s Agent.
+    """An embedding server in one API shape, reached through an :class:`Upstream`'s client.
 
     The primary is reached through the proxy's own upstream (its pool, not the
     parking lot); the fallback through an Upstream of its own.
@@ -143,40 +113,24 @@ class EmbedBackend:
         path, body = backend_request(request, self.api, model)
         if self.api == "openai":
             path = self._openai_prefix + path
-        headers = Headers({b"content-type": [b"application/json"], b"accept": [b"application/json"]})
-        timed_out = []
-        pending: list[Deferred] = []
+        upstream = self._upstream
+        d = upstream.client.request(
+            b"POST", upstream.target(path.encode("ascii")), _EMBED_HEADERS, body, replayable=False
+        )
 
-        def expire() -> None:
-            timed_out.append(True)
-            if pending:
-                pending[-1].cancel()
+        def timed_out(result, seconds):
+            return Failure(BackendError("timeout", f"{self.url}: no answer within {seconds:g}s"))
 
-        async def step(d: Deferred):
-            pending.append(d)
-            try:
-                return await d
-            finally:
-                pending.remove(d)
-
-        timer = self._clock.callLater(self._timeout, expire)
+        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=timed_out)
         try:
-            response = await step(
-                self._upstream.agent.request(
-                    b"POST", self._upstream.uri(path.encode("ascii")), headers, BytesProducer(body)
-                )
-            )
-            raw = await step(_read_body(response))
+            response = await d
+        except H1Error as e:
+            raise BackendError(failure_reason(e), describe_failure(e, self.url)) from None
+        except (BackendError, CancelledError):
+            raise
         except Exception as e:
-            if timed_out:
-                raise BackendError("timeout", f"{self.url}: no answer within {self._timeout:g}s") from None
-            if _was_cancelled(e):
-                raise CancelledError("the caller went away") from None
-            raise BackendError(classify_failure(e) or "error", _describe(e, self.url)) from None
-        finally:
-            if timer.active():
-                timer.cancel()
-        return parse_response(request, self.api, response.code, raw)
+            raise BackendError("error", f"{self.url} failed: {type(e).__name__}: {e}") from None
+        return parse_response(request, self.api, response.code, response.body)
 
     def close(self) -> Deferred:
         return self._upstream.close()

@@ -8,12 +8,18 @@ profile of the proxy shows the Agent among the largest costs per request
 (``bench/latency.py`` measures it against the same Klein front).  This module
 does the same hop with one object per request and one Deferred:
 
-* :class:`H1Pool`: the connections to one upstream.  Persistent and bounded
-  (``max_connections``, requests beyond it wait their turn, FIFO); idle ones
-  are reused last-in first-out (the warmest), and closed after
+* :class:`H1Pool`: the connections to one upstream.  Persistent, bounded
+  (``max_connections``: requests beyond it wait their turn, FIFO) or not
+  (``None``); at most ``max_idle`` idle ones are kept (the oldest is closed
+  past it), reused last-in first-out (the warmest), and closed after
   ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
-* :meth:`H1Pool.request` writes the request in one ``transport.write`` (small
-  bodies), and streams the answer to a handler as it arrives: the head to
+  Before an idle connection is reused, its socket is polled (``poll(2)``,
+  no wait) for an end or bytes the reactor has not handled yet: a connection
+  the upstream closed while idle is dropped *before* a byte is written to
+  it, and the request goes on another one: not a retry, nothing was sent.
+* :meth:`H1Pool.request` writes the request in one write (small bodies),
+  sent at once when the connection has nothing waiting (:func:`write_now`),
+  and streams the answer to a handler as it arrives: the head to
   ``response_started``, the body to ``body_received``; the Deferred fires
   with the :class:`Response` once the body is complete.  The response is an
   ``IPushProducer`` for as long as its exchange lasts: a relay registers it
@@ -51,22 +57,25 @@ all of these hold:
 * the connection ended (closed or reset), it did not time out and was not
   cancelled: a timed-out request may still be running upstream;
 * the request may be sent twice: its method is idempotent (``GET``,
-  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``), or the caller said
-  ``replayable=True``.  An idle-close race is harmless to retry, but the same
+  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``) and the caller did
+  not say ``replayable=False``, or the caller said ``replayable=True``.  An idle-close race is harmless to retry, but the same
   picture (connection closed, no answer) also follows a server that read the
   request and then died; sending a POST again is then a duplicate, which only
   the caller can accept (an Ollama embedding is deterministic: only GPU time
   is lost) and must count: ``Response.retried`` and ``H1Error.retried`` say
-  it happened;
+  it happened.  The proxy's hop says ``replayable=False``: every duplicate
+  it sends is a retry it counts itself;
 * it was not retried already: once per request.
 """
 
 from __future__ import annotations
 
+import select
+import socket
 from ipaddress import ip_address
 from typing import Any, Callable, Iterable, Protocol as TypingProtocol
 
-from twisted.internet import error as ierror
+from twisted.internet import error as ierror, tcp
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
@@ -278,13 +287,16 @@ class H1Connection(Protocol):
         self._pool = pool
         self._parser = ResponseParser(self)
         self.exchange: _Exchange | None = None
-        self.idle_timer: IDelayedCall | None = None
+        #: When it last went back to the pool (``reactor.seconds()``).
+        self.idle_since = 0.0
         self.lost = False
         #: Set once the connection must not be reused (aborted, or closing).
         self.dead = False
         self._paused = False
         #: Requests this connection has carried.
         self.served = 0
+        #: For :meth:`still_open`: a poll object on the socket (False: no socket to poll).
+        self._poller = None
         #: Fired when the connection is gone (the pool's close waits on these).
         self.when_lost: list[Deferred] = []
 
@@ -305,9 +317,31 @@ class H1Connection(Protocol):
         ex.reused = self.served > 0
         self.served += 1
         self._parser.start(ex.method == b"HEAD")
-        self.transport.write(ex.data)
+        write_now(self.transport, ex.data)
         if ex.body:
             self.transport.write(ex.body)
+
+    def still_open(self) -> bool:
+        """False when the socket has ended, failed, or holds unread bytes (checked without reading).
+
+        The reactor may not have handled the upstream's close of an idle
+        connection yet (it arrived during this turn); the kernel has.  A
+        transport without a socket (TLS, tests) is taken as open.
+        """
+        poller = self._poller
+        if poller is None:
+            get_handle = getattr(self.transport, "getHandle", None)
+            sock = get_handle() if get_handle is not None else None
+            if not isinstance(sock, socket.socket):
+                self._poller = False
+                return True
+            # A poll object of its own: one poll(2) call, no exception, per check.
+            poller = self._poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+        elif poller is False:
+            return True
+        # Readable: the end, an error, or bytes nobody asked for.
+        return not poller.poll(0)
 
     def pause(self) -> None:
         if not self._paused and not self.lost:
@@ -405,6 +439,37 @@ class H1Connection(Protocol):
             d.callback(None)
 
 
+def write_now(transport: Any, data: bytes) -> None:
+    """``transport.write(data)``, sent at once when a TCP transport has nothing waiting to go out.
+
+    A TCP transport buffers every write until the reactor's next turn finds
+    the socket writable: a write costs two ``epoll_ctl`` calls and a turn of
+    the reactor before the ``send``.  A request goes out in one write, on a
+    connection with nothing else to send, so it is sent here, and only what
+    the socket does not take is left to the transport.  Anything else (TLS,
+    a test's transport, data already waiting, a closing connection, an
+    error) takes the transport's own way.  Relies on
+    ``twisted.internet.abstract.FileDescriptor`` attributes
+    (``dataBuffer``, ``_tempDataLen``, ``_writeDisconnected``) and
+    ``tcp.Connection.writeSomeData``, as they are in Twisted 26;
+    ``tests/test_h1client.py`` fails if a release moves them.
+    """
+    if (
+        isinstance(transport, tcp.Connection)
+        and transport.connected
+        and not transport.disconnecting
+        and not getattr(transport, "_writeDisconnected", True)
+        and not transport.dataBuffer
+        and getattr(transport, "_tempDataLen", 1) == 0
+    ):
+        sent = transport.writeSomeData(data)
+        if isinstance(sent, int) and sent > 0:
+            if sent == len(data):
+                return
+            data = data[sent:]
+    transport.write(data)
+
+
 class _ConnectionFactory(Factory):
     noisy = False
 
@@ -442,7 +507,10 @@ class H1Pool:
     :param port: its port.
     :param max_connections: connections open at once (busy, idle and being
         made); a request beyond that waits for one to be free, in order.
-    :param idle_timeout: seconds an idle connection is kept.
+        None: no bound (each request that finds no idle connection opens one).
+    :param max_idle: idle connections kept for reuse; past it the oldest is
+        closed (None: ``max_connections``).
+    :param idle_timeout: seconds an idle connection is kept (None: no limit).
     :param endpoint: how to connect (TLS, a unix socket, a test's endpoint);
         by default TCP to ``host``:``port``.
     """
@@ -453,17 +521,23 @@ class H1Pool:
         host: str,
         port: int,
         *,
-        max_connections: int = 64,
-        idle_timeout: float = 60.0,
+        max_connections: int | None = 64,
+        max_idle: int | None = None,
+        idle_timeout: float | None = 60.0,
         connect_timeout: float = 30.0,
         endpoint: IStreamClientEndpoint | None = None,
         host_header: bytes | None = None,
     ):
-        if max_connections < 1:
+        if max_connections is not None and max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+        if max_idle is None:
+            max_idle = max_connections
+        elif max_idle < 0:
+            raise ValueError("max_idle must be at least 0")
         self._reactor = reactor
         self._endpoint = endpoint if endpoint is not None else client_endpoint(reactor, host, port, connect_timeout)
         self.max_connections = max_connections
+        self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         if host_header is None:
             name = f"[{host}]" if ":" in host else host
@@ -477,6 +551,8 @@ class H1Pool:
         #: Connections open or being opened.
         self._count = 0
         self._closed = False
+        #: The one timer that closes idle connections past ``idle_timeout`` (see :meth:`_sweep`).
+        self._sweeper: IDelayedCall | None = None
 
     # -- public -----------------------------------------------------------------------------
 
@@ -489,7 +565,7 @@ class H1Pool:
         handler: ResponseHandler | None = None,
         *,
         timeout: float | None = None,
-        replayable: bool = False,
+        replayable: bool | None = None,
     ) -> Deferred:
         """Send a request; a Deferred firing with the :class:`Response` once its body is complete.
 
@@ -502,9 +578,10 @@ class H1Pool:
         :param timeout: seconds to wait for the response head (connecting
             and waiting for a free connection included); then the request
             fails with :class:`ResponseTimeout` and its connection is aborted.
-        :param replayable: the request may be sent again after a stale
-            connection even if its method is not idempotent (see the module
-            docstring).
+        :param replayable: True: the request may be sent again after a stale
+            connection even if its method is not idempotent; False: never,
+            whatever its method; None: if its method is idempotent (see the
+            module docstring).
 
         Cancelling the Deferred (or ``stopProducing`` on the response)
         abandons the request: its connection is aborted, never reused.
@@ -528,7 +605,8 @@ class H1Pool:
             or not target
         ):
             raise ValueError("CR, LF, NUL or space in a request line or header")
-        replayable = replayable or method in IDEMPOTENT
+        if replayable is None:
+            replayable = method in IDEMPOTENT
         if len(body) <= SMALL_BODY:
             ex = _Exchange(method, head + body if body else head, b"", handler or Collector(), replayable, self._cancel)
         else:
@@ -544,6 +622,7 @@ class H1Pool:
         Fires when the idle connections are closed.
         """
         self._closed = True
+        self._stop_sweeper()
         for ex in self._waiting[:]:
             self._fail(ex, PoolClosed("the upstream client was closed"))
         waits = []
@@ -571,19 +650,23 @@ class H1Pool:
             idle = self._idle
             while idle:
                 conn = idle.pop()
-                timer, conn.idle_timer = conn.idle_timer, None
-                if timer is not None and timer.active():
-                    timer.cancel()
-                if not conn.dead:
-                    conn.start(ex)
-                    return
-        if self._count >= self.max_connections and ex.retried and self._idle:
+                if conn.dead:
+                    continue
+                if not conn.still_open():
+                    # Closed by the upstream (or written to) while idle: nothing was sent on it.
+                    conn.dead = True
+                    conn.transport.loseConnection()
+                    continue
+                conn.start(ex)
+                return
+        bound = self.max_connections
+        if bound is not None and self._count >= bound and ex.retried and self._idle:
             # A retry wants a fresh connection: make room by closing the oldest idle one.
             oldest = self._idle[0]
             self._drop_idle(oldest)
             oldest.dead = True
             oldest.transport.loseConnection()
-        if self._count < self.max_connections:
+        if bound is None or self._count < bound:
             self._connect(ex)
         else:
             self._waiting.append(ex)
@@ -632,23 +715,51 @@ class H1Pool:
                 return
             conn.start(ex)
             return
-        self._idle.append(conn)
+        idle = self._idle
+        if self.max_idle is not None and len(idle) >= self.max_idle:
+            # Room for this one (the warmest): the oldest idle one goes, as the Agent's pool does.
+            if not idle:
+                conn.dead = True
+                conn.transport.loseConnection()
+                return
+            oldest = idle[0]
+            self._drop_idle(oldest)
+            oldest.dead = True
+            oldest.transport.loseConnection()
+        idle.append(conn)
         if self.idle_timeout is not None:
-            conn.idle_timer = self._reactor.callLater(self.idle_timeout, self._idle_expired, conn)
+            conn.idle_since = self._reactor.seconds()
+            if self._sweeper is None:
+                self._sweeper = self._reactor.callLater(self.idle_timeout, self._sweep)
 
-    def _idle_expired(self, conn: H1Connection) -> None:
-        conn.idle_timer = None
-        if conn in self._idle:
-            self._idle.remove(conn)
+    def _sweep(self) -> None:
+        """Close the connections idle for ``idle_timeout``; wait for the next one to be.
+
+        One timer per pool rather than one per connection each time it goes
+        back to the pool: the idle list is in the order connections came
+        back (reuse takes the last), so the oldest are first.
+        """
+        self._sweeper = None
+        idle = self._idle
+        now = self._reactor.seconds()
+        while idle and idle[0].idle_since + self.idle_timeout <= now:
+            conn = idle.pop(0)
             conn.dead = True
             conn.transport.loseConnection()
+        if idle:
+            self._sweeper = self._reactor.callLater(idle[0].idle_since + self.idle_timeout - now, self._sweep)
+
+    def _stop_sweeper(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and sweeper.active():
+            sweeper.cancel()
 
     def _drop_idle(self, conn: H1Connection) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
-        timer, conn.idle_timer = conn.idle_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        idle = self._idle
+        if conn in idle:
+            idle.remove(conn)
+            if not idle:
+                self._stop_sweeper()
 
     def _connection_lost(self, conn: H1Connection) -> None:
         self._count -= 1
@@ -657,7 +768,9 @@ class H1Pool:
 
     def _kick(self) -> None:
         """Room for a connection: open one for the first waiting request."""
-        while self._waiting and self._count < self.max_connections and not self._closed:
+        while self._waiting and not self._closed and (
+            self.max_connections is None or self._count < self.max_connections
+        ):
             ex = self._waiting.pop(0)
             if not ex.finished:
                 self._connect(ex)

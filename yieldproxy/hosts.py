@@ -20,6 +20,7 @@ can send anything, which is what the admin token is for.
 
 from __future__ import annotations
 
+import functools
 import socket
 from ipaddress import ip_address
 from typing import Iterable
@@ -44,12 +45,24 @@ def host_name(header: str) -> str:
 
 def _is_local_ip(name: str, own_address: str | None) -> bool | None:
     """For an IP literal: is it one of ours or a private address?  None for a name."""
+    local = _is_private_ip(name)
+    if local is None:
+        return None
+    if own_address is not None and name == own_address.lower():
+        return True
+    return local
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_private_ip(name: str) -> bool | None:
+    """For an IP literal: loopback, private, link-local or unspecified?  None for a name.
+
+    Cached: parsing an address costs microseconds, and a listener sees the same few ``Host`` values.
+    """
     try:
         address = ip_address(name)
     except ValueError:
         return None
-    if own_address is not None and name == own_address.lower():
-        return True
     mapped = getattr(address, "ipv4_mapped", None)
     if mapped is not None:
         address = mapped

@@ -302,19 +302,28 @@ class ProxyRequest(Request):
         if self.too_large and self.channel.site.oversized is None:
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
-        for host in hosts:
+        channel = self.channel
+        # The Host this connection's last request passed the checks below with:
+        # a keep-alive client sends the same one every time.
+        known = len(hosts) == 1 and hosts[0] == getattr(channel, "_host_passed", None)
+        if not known:
+            for host in hosts:
+                try:
+                    host.decode("utf-8")
+                except UnicodeDecodeError:
+                    return 400, "the Host header is not valid UTF-8", "bad_request"
+            if len(hosts) > 1:
+                # RFC 9112 3.2: more than one Host is a 400.
+                return 400, "more than one Host header", "bad_request"
+        path = self.path
+        if b"%" in path or not path.isascii():
             try:
-                host.decode("utf-8")
+                unquote_to_bytes(path).decode("utf-8")
             except UnicodeDecodeError:
-                return 400, "the Host header is not valid UTF-8", "bad_request"
-        if len(hosts) > 1:
-            # RFC 9112 3.2: more than one Host is a 400.
-            return 400, "more than one Host header", "bad_request"
-        try:
-            unquote_to_bytes(self.path).decode("utf-8")
-        except UnicodeDecodeError:
-            return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
-        policy = getattr(self.channel.site, "host_policy", None)
+                return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
+        if known:
+            return None
+        policy = getattr(channel.site, "host_policy", None)
         # A target that is not a path (absolute-form) goes nowhere whatever its Host:
         # the app refuses it with its own 400.  A unix socket is out of any web page's reach.
         if policy is not None and self.uri[:1] in (b"/", b"*"):
@@ -328,6 +337,8 @@ class ProxyRequest(Request):
                         f"rebinding?); if it is yours, add it to {policy.key}",
                         "forbidden_host",
                     )
+            if len(hosts) == 1 and isinstance(channel, ProxyChannel):
+                channel._host_passed = hosts[0]
         return None
 
 
@@ -345,6 +356,17 @@ class ProxyChannel(HTTPChannel):
     _in_request = False
     _connections = None
     _read_timer = None
+    #: When the request being read must be in (``clock.seconds()``); None between requests.
+    _read_deadline = None
+    #: The listener's address this connection came in on (it never changes: read once).
+    _local_address = None
+    #: Whether the transport is TLS (it never changes: asked once).
+    _secure = None
+    #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
+    _host_passed = None
+    #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
+    _read_timeout_seconds = None
+    _clock = None
     _stall_timer = None
     _linger_timer = None
     _idle_timeout = None
@@ -368,6 +390,20 @@ class ProxyChannel(HTTPChannel):
         if self._connections is not None:
             self._connections.opened(self)
             self._connections.set_idle(self, True)
+
+    def getHost(self):
+        """The local address, read once: Twisted asks for it with every request (a ``getsockname`` call)."""
+        local = self._local_address
+        if local is None:
+            local = self._local_address = super().getHost()
+        return local
+
+    def isSecure(self):
+        """Asked once: Klein asks twice a request (an interface adaptation of the transport each time)."""
+        secure = self._secure
+        if secure is None:
+            secure = self._secure = super().isSecure()
+        return secure
 
     def connectionLost(self, reason):
         for name in ("_read_timer", "_stall_timer", "_linger_timer"):
@@ -403,14 +439,46 @@ class ProxyChannel(HTTPChannel):
         super().dataReceived(data)
 
     def _arm_read_timer(self) -> None:
-        """Start counting the time this request takes to arrive."""
-        timeout = self._read_timeout()
-        if timeout:
-            self._read_timer = self.callLater(timeout, self._read_timed_out)
+        """Start counting the time this request takes to arrive.
+
+        One timer per connection, not one per request: each request sets its
+        deadline; the timer, when it fires, waits on for a later deadline (a
+        request that came after), or does nothing between requests.  A
+        keep-alive connection's requests then cost no timer each.
+        """
+        timeout = self._read_timeout_seconds
+        if timeout is None:
+            timeout = self._read_timeout_seconds = self._read_timeout() or 0
+        if not timeout:
+            return
+        self._read_deadline = self._now() + timeout
+        if self._read_timer is None:
+            self._read_timer = self.callLater(timeout, self._read_timer_fired)
+
+    def _now(self) -> float:
+        """The time on the clock of ``callLater`` (the site's reactor)."""
+        clock = self._clock
+        if clock is None:
+            clock = getattr(getattr(self, "site", None), "reactor", None)
+            if clock is None:
+                from twisted.internet import reactor as clock  # as TimeoutMixin.callLater does, without a site
+            self._clock = clock
+        return clock.seconds()
+
+    def _read_timer_fired(self) -> None:
+        self._read_timer = None
+        deadline = self._read_deadline
+        if deadline is None:
+            return  # no request being read: the next one arms it again
+        left = deadline - self._now()
+        if left > 0:
+            self._read_timer = self.callLater(left, self._read_timer_fired)
+            return
+        self._read_timed_out()
 
     def _read_timed_out(self) -> None:
         """The request did not arrive in full in time: 408, unless it did meanwhile."""
-        self._read_timer = None
+        self._read_deadline = None
         if self._handlingRequest or self._draining:
             return
         self._refuse(
@@ -449,7 +517,7 @@ class ProxyChannel(HTTPChannel):
 
     def allContentReceived(self):
         self._in_request = False
-        self._cancel("_read_timer")
+        self._read_deadline = None  # its timer stays armed for the next request (see _arm_read_timer)
         super().allContentReceived()
 
     def requestDone(self, request):
@@ -511,6 +579,7 @@ class ProxyChannel(HTTPChannel):
             return
         self._draining = True
         self.persistent = False
+        self._read_deadline = None
         self._cancel("_read_timer")
         path = getattr(self, "_path", None) or b""
         body = error_body(api_family(path), status, message, code)

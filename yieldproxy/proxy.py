@@ -47,8 +47,8 @@ from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.rename import renamed_body
 from .pool.routing import Pool
-from .probes import ModelCall
 from .requestlog import CLIENT_GONE, log_request
+from .servers import ModelCall
 from .target import BadTarget, Target, parse_target
 
 if TYPE_CHECKING:
@@ -119,6 +119,8 @@ class ProxyApp:
     _buffers: ClientBuffers = attrs.field(init=False)
     #: The listener's open connections and their cap (one count for every site built here).
     connections: Connections = attrs.field(init=False)
+    #: Metric children by (metric, labels): see :meth:`_child`.
+    _children: dict = attrs.field(init=False, factory=dict)
 
     app = Klein()
 
@@ -352,9 +354,10 @@ class ProxyApp:
                     return answered
                 continue
             member.health.report(None)
-            self._metrics.upstream_seconds.labels(entry.cls).observe(elapsed)
+            self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             try:
-                await attempt.client_drained()
+                if not attempt.client_has_all():
+                    await attempt.client_drained()
             except CancelledError:
                 self._outcome(entry, "abandoned")
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
@@ -459,7 +462,8 @@ class ProxyApp:
             raise
         member.health.report(None)
         try:
-            await attempt.client_drained()
+            if not attempt.client_has_all():
+                await attempt.client_drained()
         except CancelledError:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
@@ -537,6 +541,16 @@ class ProxyApp:
             entry=entry, attempts=entry.tries,
         )
 
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, looked up once: ``labels()`` costs a lock and a few objects each call.
+
+        For the metrics every request touches; the label sets are few (classes, status codes).
+        """
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[(metric, labels)] = metric.labels(*labels)
+        return child
+
     def _attempt_timeout(self, cls: str) -> float:
         """The class's own attempt timeout, or the upstream default."""
         own = self._config.classes[cls].attempt_timeout_seconds if cls in self._config.classes else 0
@@ -559,7 +573,7 @@ class ProxyApp:
         of ``yieldproxy_requests_total`` add up to every request the proxy took.
         """
         code = CLIENT_GONE if status is None else int(status)
-        self._metrics.requests_total.labels(cls, str(code)).inc()
+        self._child(self._metrics.requests_total, cls, str(code)).inc()
         log_request(
             request, cls, status, outcome,
             entry.parked_seconds if entry is not None else 0.0,

@@ -57,7 +57,6 @@ class Replayer:
     is_open: Callable[[], bool] | None = None
     #: Called after every change of :attr:`inflight` (a pool keeps the proxy-wide gauge);
     #: None: the primary's own count is the gauge.
-    on_inflight: Callable[[], None] | None = None
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: object = None
@@ -76,6 +75,10 @@ class Replayer:
     def __attrs_post_init__(self) -> None:
         # A request that parks may be one this target can take now.
         self._lot.when_parked(self.kick)
+        # yieldproxy_inflight_requests is the primary's (docs/metrics.md), read when
+        # scraped rather than set twice per request.
+        if self.target is None:
+            self._metrics.inflight_requests.set_function(lambda: self.inflight)
 
     @property
     def draining(self) -> bool:
@@ -138,7 +141,6 @@ class Replayer:
     def started(self) -> None:
         """A request went to the target (directly or from the lot)."""
         self.inflight += 1
-        self._count_inflight()
 
     def finished(self, failed: bool = False, started: float | None = None, abandoned: bool = False) -> None:
         """A request's upstream exchange ended; free its slot.
@@ -149,7 +151,6 @@ class Replayer:
         exchange its client ``abandoned``.
         """
         self.inflight -= 1
-        self._count_inflight()
         now = self._clock.seconds()
         if failed:
             self._last_failure = now
@@ -171,13 +172,6 @@ class Replayer:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
                 waiter.callback(None)
-
-    def _count_inflight(self) -> None:
-        if self.on_inflight is not None:
-            self.on_inflight()
-        elif self.target is None:
-            # yieldproxy_inflight_requests is the primary's (docs/metrics.md).
-            self._metrics.inflight_requests.set(self.inflight)
 
     def reset_backoff(self) -> None:
         """Forget past failures: an answer came back, or the GPU was declared back."""

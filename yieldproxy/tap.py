@@ -15,7 +15,6 @@ from twisted.python import usage
 
 from . import requestlog
 from .config import ConfigError, load, read_tokens
-from .pool.apis import check_apis
 from .requestlog import JSON_OBSERVER, LOG_FORMATS, LOG_LEVELS, TEXT_OBSERVER
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
@@ -58,7 +57,6 @@ class Options(usage.Options):
     def postOptions(self):
         try:
             config = load(self["config"])
-            check_apis(config, self["config"] or "<defaults>")
             token, read_token = read_tokens(config)
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None

@@ -43,6 +43,7 @@ What it changes, and why each is safe:
 
 from __future__ import annotations
 
+import functools
 import re
 
 import attrs
@@ -88,10 +89,14 @@ def _encode(segment: str) -> str:
     return "".join(_ENCODE[b] for b in segment.encode("utf-8"))
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_target(raw: bytes) -> Target:
     """The canonical form of a request target, or :class:`BadTarget` saying what is wrong.
 
     :param raw: the request-target exactly as it came on the request line.
+
+    Remembered for the targets seen last (clients send the same few again and
+    again; a refused one is read again each time).
     """
     if not raw.startswith(b"/"):
         raise BadTarget("request target must be a path")

@@ -13,16 +13,10 @@ import attrs
 
 from ..config import Config
 from ..names import CLASS_NAMES
+from ..servers import server
 from ..state import DEFAULT_MEMBER
 
 #: Each api's health route, when a member does not name one: a route that runs no model.
-DEFAULT_HEALTH_PATHS = {
-    "ollama": "/api/version",
-    "openai": "/v1/models",
-    "tei": "/health",
-    "infinity": "/health",
-    "llamacpp": "/health",
-}
 
 
 @attrs.frozen
@@ -79,7 +73,7 @@ def member_specs(config: Config) -> tuple[MemberSpec, ...]:
                 state_file=m.state_file,
                 command=m.command,
                 detect_outages=config.upstream.detect_outages if m.detect_outages is None else m.detect_outages,
-                health_path=m.health_path or DEFAULT_HEALTH_PATHS[m.api],
+                health_path=m.health_path or server(m.api).health_path,
                 # The global handover is for the members that speak Ollama's API.
                 unload_on_yield=(handover.unload_on_yield and ollama) if m.unload_on_yield is None else m.unload_on_yield,
                 preload_models=(handover.preload_models if ollama else ())

@@ -47,7 +47,7 @@ from ..names import PASSTHROUGH
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
 from ..state import YieldState
-from .apis import native_apis, server
+from ..servers import native_apis, server
 from .member import Member
 from .members import MemberSpec
 from .models import ModelCatalogue
@@ -110,7 +110,6 @@ class Pool:
                 target=spec.name if several else None,
                 accepts=functools.partial(self.may_take, spec.name) if several else None,
                 is_open=functools.partial(self._drainer_open, spec.name) if several else None,
-                on_inflight=self._count_inflight,
             )
             catalogue = ModelCatalogue(spec.models, spec.model_map)
             catalogue.when_changed(self._cache.clear)
@@ -123,6 +122,9 @@ class Pool:
                 )
             )
         self.members = tuple(members)
+        if several:
+            # yieldproxy_inflight_requests is the whole pool's, read when scraped.
+            self._metrics.inflight_requests.set_function(lambda: self.inflight)
         self._by_name = {m.name: m for m in self.members}
         self._apis = tuple(m.spec.api for m in self.members)
         if not several:
@@ -336,9 +338,6 @@ class Pool:
             # Every always member takes what it may: a standby one only what none of them may.
             return self._lot.waiting_for(STANDBY_ONLY) > 0
         return True
-
-    def _count_inflight(self) -> None:
-        self._metrics.inflight_requests.set(self.inflight)
 
     def _member_changed(self, name: str, yielded: bool) -> None:
         """A member was taken or given back: its backoff starts afresh, and every drainer looks again

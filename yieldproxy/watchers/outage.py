@@ -52,7 +52,7 @@ from ..metrics import Metrics
 from ..names import OUTAGE_SOURCE
 from ..ollama_errors import is_gpu_failure
 from ..probes import minimal_call
-from ..pool.apis import GPU, NOT_READY, UP
+from ..servers import GPU, NOT_READY, UP
 from ..state import ALL, DEFAULT_MEMBER, YieldState
 
 log = Logger()
@@ -77,7 +77,7 @@ class UpstreamProbe:
 
     Any answer to a model call shows the upstream is reachable (it answered),
     even one that says it is down.  ``server`` is what is known of the
-    upstream's kind of server (pool/apis.py): its minimal calls and how its
+    upstream's kind of server (yieldproxy/servers): its minimal calls and how its
     answers read; None: Ollama's, as a single upstream always was.
     """
 

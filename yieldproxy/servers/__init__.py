@@ -1,0 +1,117 @@
+"""What the proxy knows about each server it can front, one module per server.
+
+A pool member's ``api`` names one :class:`Server` description
+(:data:`SERVERS`): :mod:`.ollama`, :mod:`.openai` (any OpenAI-compatible
+server), :mod:`.tei`, :mod:`.infinity` and :mod:`.llamacpp`.  Each is a
+frozen value read from that server's own source (docs/servers.md): its
+routes with their class and dialect, how its error answers and its health
+answers read, its model list, its minimal model call, where translated
+embeddings go and the shape of the proxy's own errors on its routes.  Pure
+data and functions: no I/O, no reactor.
+
+For a pool of several apis (the members' apis, in config order):
+
+* :func:`route_class` classifies a route by the first api that knows it.  The
+  servers never disagree on a route they share (``tests/test_servers.py``
+  checks every shared route), so the order never changes a class.
+* :func:`native_apis` says which apis may serve a route: those that know it in
+  the same dialect as the first api that knows it.  Dialects differ where
+  servers share a path but not its body: ``POST /rerank`` is TEI's
+  (``texts``), Infinity's (``documents``, Cohere's answer) and llama.cpp's
+  own; ``/embeddings`` is OpenAI's on TEI and Infinity but llama.cpp's native
+  route; ``/api/chat`` on llama.cpp answers in OpenAI's shape, not Ollama's.
+  Where they share the dialect (OpenAI's ``/v1/embeddings`` on all five),
+  a member of any of those apis may serve it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from . import infinity, llamacpp, ollama, openai, tei
+from .base import (
+    BUSY,
+    CALLER,
+    DOWN,
+    GPU,
+    HEALTH,
+    JUDGEMENTS,
+    NOT_READY,
+    OK,
+    PASSTHROUGH,
+    PROBE_TEXT,
+    UP,
+    UPSTREAM,
+    ModelCall,
+    Route,
+    Server,
+)
+
+__all__ = [
+    "APIS",
+    "BUSY",
+    "CALLER",
+    "DOWN",
+    "GPU",
+    "HEALTH",
+    "JUDGEMENTS",
+    "NOT_READY",
+    "OK",
+    "PASSTHROUGH",
+    "PROBE_TEXT",
+    "SERVERS",
+    "UP",
+    "UPSTREAM",
+    "ModelCall",
+    "Route",
+    "Server",
+    "native_apis",
+    "route_class",
+    "server",
+]
+
+#: Every server description by its ``api`` name.
+SERVERS: dict[str, Server] = {
+    s.api: s for s in (ollama.SERVER, openai.SERVER, tei.SERVER, infinity.SERVER, llamacpp.SERVER)
+}
+#: The values ``[[upstreams]] api`` takes.
+APIS = tuple(SERVERS)
+
+
+def server(api: str) -> Server:
+    """The description of ``api``; ValueError naming the known ones."""
+    try:
+        return SERVERS[api]
+    except KeyError:
+        raise ValueError(f"unknown api {api!r}; expected one of {', '.join(APIS)}") from None
+
+
+def route_class(apis: Iterable[str], method: str, path: str) -> str | None:
+    """The class of ``method path`` on the first of ``apis`` that knows the route, or None."""
+    for api in apis:
+        cls = server(api).route_class(method, path)
+        if cls is not None:
+            return cls
+    return None
+
+
+def native_apis(apis: Iterable[str], method: str, path: str) -> tuple[str, ...]:
+    """The apis among ``apis`` (in their order) that serve ``method path`` natively, in one dialect.
+
+    The dialect is the first knowing api's; an api that knows the path in
+    another dialect (a different body) is left out.  Empty when none knows it.
+    """
+    dialect = None
+    out = []
+    for api in dict.fromkeys(apis):
+        s = server(api)
+        route = s.route(method, path)
+        if route is None and path in s.model_loading_paths:
+            route = s.route("POST", path)
+        if route is None:
+            continue
+        if dialect is None:
+            dialect = route.dialect
+        if route.dialect == dialect:
+            out.append(api)
+    return tuple(out)

@@ -1,0 +1,297 @@
+"""Ollama: its routes, its failures, its health, its model list, its probes.
+
+Read from Ollama's source (mirror of github.com/ollama/ollama):
+
+* ``HEAD`` = ``fb30760996871fa9460115c753afd2c60d4ab0f7`` (v0.33 era, the
+  ``llama-server`` runner), and
+* ``v0.12.0`` = ``9f3a37fd36bf1c46cc86a47bc5372535f8ee3547`` (the ``llama
+  runner`` wording still deployed widely, and the one the simulated Ollama
+  speaks).
+
+**Routes.**  Every route of Ollama that runs a model has a class (each is
+POST only in Ollama; another method there is an unknown route), and the
+routes that never schedule a runner are an allow-list, checked against
+``server/routes.go`` at HEAD (``GenerateRoutes``, lines 1841-1929) and each
+handler it names:
+
+=====================================  ==================================================
+``GET/HEAD /``, ``/api/version``       inline handlers, a constant answer (1877-1880)
+``GET /api/status``                    ``StatusHandler``: cloud status only (2146)
+``GET/HEAD /api/tags``, ``/v1/models`` ``ListHandler``: the model list cache (1632)
+``GET /api/ps``                        ``PsHandler``: reads ``sched.loadedModels()`` (2271)
+``POST /api/show``,                    ``ShowHandler`` -> ``GetModelInfo``: the manifest
+``GET /v1/models/:model``              and GGUF metadata from disk, no runner (1300, 1396, 1600)
+``HEAD/POST /api/blobs/:digest``       ``Head/CreateBlobHandler``: files (1688, 1703)
+``POST /api/copy``, ``DELETE /api/delete``  ``Copy/DeleteHandler``: manifests (1647, 1247)
+``POST /api/push``                     ``PushHandler``: uploads to a registry (1163)
+``POST /api/me``, ``/api/signout``,    ``Whoami/SignoutHandler``: ollama.com (2184, 2238)
+``DELETE /api/user/keys/:encodedKey``
+=====================================  ==================================================
+
+and ``OPTIONS`` on any path: gin-contrib/cors answers a preflight itself, and
+gin answers any other OPTIONS 405 (``HandleMethodNotAllowed``, no OPTIONS
+route), so no handler runs.  Left out on purpose: the ``/api/experimental/``
+routes (they may change without notice).  ``/api/pull`` and ``/api/create``
+fetch or build a model (:data:`MODEL_LOADING_PATHS`).
+
+**Failures** (:func:`is_gpu_failure`).  An upstream 500 is not, by itself, a
+GPU failure: Ollama answers a request's own mistakes with 500 too, and
+quotes the request while doing so (a bad ``template`` on ``/api/generate``
+gives ``template: :1: function "gpu" not defined``, HEAD
+``server/routes.go:503-505``).  Searching the body for words such as "gpu"
+or "cuda" would let any caller declare an outage.  So a failure counts only
+when the error *message*, taken from the structure of Ollama's error JSON,
+**starts** with a prefix that Ollama's own code writes for a runner or
+memory failure.  Text after the prefix (the runner's last stderr line, which
+can say ``CUDA error: out of memory``) is never read: only the prefix
+decides, and no request field can be put in front of it.
+
+The error JSON is Ollama's ``{"error": "<message>"}`` (``gin.H{"error":
+err.Error()}`` in ``server/routes.go``), or on the ``/v1/`` routes its
+OpenAI shape ``{"error": {"message": "<message>", "type": "api_error", ...}}``
+(``openai.NewError``, written by ``middleware/openai.go`` ``writeError``).
+
+How they reach a client as a 500: the scheduler's load errors go through
+``handleScheduleError``'s default branch (HEAD ``server/routes.go:3107-3118``:
+``c.JSON(http.StatusInternalServerError, gin.H{"error": err.Error()})``);
+errors of a completion go out through ``streamResponse`` /
+the non-streaming branch with status 500 (HEAD ``server/routes.go:765-777``,
+``2097-2120``); ``/api/embeddings`` answers 500 (HEAD ``server/routes.go:1084-1087``)
+and v0.12.0's ``/api/embed`` too.  HEAD's ``/api/embed`` answers the same
+runner errors with **400** (HEAD ``server/routes.go:1010-1012``: every error that
+is not an ``api.StatusError``), so a 400 with one of these prefixes counts as
+well; no request field can produce such a 400 either.
+
+**Busy.**  A full queue (``OLLAMA_MAX_QUEUE``) is a 503 with exactly
+``ErrMaxQueue``'s words (``server/sched.go:88``, v0.12.0 ``:65``; written by
+``handleScheduleError``, ``routes.go:3113-3114``).  Ollama's other 503
+(``account unavailable``, ollama.com) and its 502s (cloud models) are not
+about this server's GPU.
+
+**Health.**  ``GET /api/version`` answers while the runner cannot load or run
+a model, so it tells only that Ollama is reachable; an outage that model calls
+revealed is probed with a model call of the same kind (:func:`minimal_call`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    BUSY,
+    CALLER,
+    GPU,
+    MAX_MODEL_LIST,
+    OK,
+    PASSTHROUGH,
+    PROBE_TEXT,
+    UPSTREAM,
+    MinimalCall,
+    ModelCall,
+    Server,
+    json_object,
+    routes,
+    up_on_200,
+    unique_names,
+)
+
+# -- routes ----------------------------------------------------------------------
+
+ROUTES = (
+    *routes("ollama", "batch", "POST /api/embed", "POST /api/embeddings"),
+    *routes("openai", "batch", "POST /v1/embeddings"),
+    *routes("ollama", "interactive", "POST /api/chat", "POST /api/generate"),
+    *routes(
+        "openai", "interactive",
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/audio/transcriptions",
+    ),
+    *routes("anthropic", "interactive", "POST /v1/messages"),
+    *routes(
+        "ollama", PASSTHROUGH,
+        "GET HEAD /", "GET HEAD /api/version", "GET /api/status", "GET HEAD /api/tags", "GET /api/ps",
+        "POST /api/show", "HEAD POST /api/blobs/<digest>", "POST /api/copy", "DELETE /api/delete", "POST /api/push",
+        "POST /api/me", "POST /api/signout", "DELETE /api/user/keys/<key>", "POST /api/pull", "POST /api/create",
+    ),
+    *routes("openai", PASSTHROUGH, "GET /v1/models", "GET /v1/models/<name>"),
+)
+
+#: Routes that make Ollama fetch or build a model: passthrough while the GPU is
+#: there, held (as ``long``) during a yield.
+MODEL_LOADING_PATHS = frozenset({"/api/pull", "/api/create"})
+#: Routes where ``keep_alive: 0`` with nothing to compute unloads without loading.
+UNLOAD_PATHS = frozenset({"/api/generate", "/api/chat"})
+
+
+def is_unload(method: str, path: str, request: Any) -> bool:
+    """True for a request Ollama answers by unloading a model, without loading one.
+
+    ``request`` is a :class:`yieldproxy.gojson.GoRequest`.  Ollama's
+    server/routes.go at fb30760996871fa9460115c753afd2c60d4ab0f7:
+    ``GenerateHandler`` expires the runner when ``req.Prompt == "" &&
+    req.KeepAlive != nil && req.KeepAlive.Duration == 0`` (line 404) and
+    nothing before that line schedules one (the body is bound, the model
+    looked up on disk; cloud models are proxied elsewhere); ``ChatHandler``
+    likewise when ``len(req.Messages) == 0`` and keep_alive is 0 (line
+    2505).  ``EmbedHandler`` and ``EmbeddingsHandler`` call
+    ``scheduleRunner`` before anything else (lines 854, 1072): with
+    ``keep_alive: 0`` and no input they *load* the model, so they are never
+    an unload.  ``keep_alive`` is an ``api.Duration`` (api/types.go,
+    ``Duration.UnmarshalJSON``), read by :func:`yieldproxy.gojson.go_duration`.
+    A request with any field Go could not decode is not an unload (Ollama
+    refuses it; parking it is the safe side).
+    """
+    if method != "POST" or path not in UNLOAD_PATHS or request.type_errors:
+        return False
+    if request.values.get("keep_alive") != 0:
+        return False
+    if path == "/api/generate":
+        return request.values.get("prompt", "") == ""
+    return request.values.get("messages", 0) == 0
+
+
+def error_shape(path: str) -> str:
+    """``openai`` on the /v1/ routes, else ``ollama``: the shape of the proxy's own error bodies."""
+    return "openai" if path.startswith("/v1/") else "ollama"
+
+
+def api_family(path: bytes) -> str:
+    """:func:`error_shape` of a raw path (bytes), as the listener has it before routing."""
+    return "openai" if path.startswith(b"/v1/") else "ollama"
+
+
+# -- failures ----------------------------------------------------------------------
+
+#: Prefixes of Ollama's own runner and memory failures (see the module docstring for the commits).
+GPU_FAILURE_PREFIXES: tuple[str, ...] = (
+    # The runner process died or is gone.
+    "llama runner process has terminated",  # v0.12.0 llm/server.go:1261
+    "llama runner process no longer running",  # v0.12.0 llm/server.go:1173, 1277
+    "llama-server process has terminated",  # HEAD llm/llama_server.go:1306-1325
+    "llama-server process no longer running",  # HEAD llm/llama_server.go:1198, 1341
+    "model runner has unexpectedly stopped",  # HEAD llm/llama_server.go:1642-1644, 1936-1938; v0.12.0 llm/server.go:1460
+    "an error was encountered while running the model",  # HEAD llm/llama_server.go:1766, 2075; v0.12.0 llm/server.go:1537
+    "do embedding request:",  # the runner's port is gone: HEAD llm/llama_server.go:2371; v0.12.0 llm/server.go:1588
+    "unexpected server status:",  # the runner is not ready: HEAD llm/llama_server.go:1550, 1907, 2348; v0.12.0 llm/server.go:1438, 1572
+    "llama-server error:",  # the runner's health check failed: HEAD llm/llama_server.go:1250
+    # The runner could not start or load the model.
+    "timed out waiting for llama runner to start",  # v0.12.0 llm/server.go:1259, 1270
+    "timed out waiting for llama-server to start",  # HEAD llm/llama_server.go:1302, 1336
+    "error starting runner:",  # v0.12.0 llm/server.go:407
+    "error starting llama-server:",  # HEAD llm/llama_server.go:969
+    "llama-server startup failed",  # HEAD llm/llama_server.go:1059, 1096, 1101
+    # Not enough (GPU) memory to load.
+    "llama-server reported out-of-memory during startup",  # HEAD llm/llama_server.go:1372, 1375
+    "unable to load full model on GPU",  # ErrLoadRequiredFull: HEAD llm/server.go:20; v0.12.0 llm/server.go:497
+    "model requires more system memory",  # v0.12.0 llm/server.go:540, 957
+    "failed to allocate memory for model",  # v0.12.0 llm/server.go:591
+    "memory layout cannot be allocated",  # v0.12.0 llm/server.go:801, 811
+    "failed to commit memory for model",  # v0.12.0 llm/server.go:834
+)
+
+#: Statuses such an error comes with (500; 400 from HEAD's /api/embed, see above).
+GPU_FAILURE_STATUSES = frozenset({400, 500})
+
+#: ``ErrMaxQueue`` (server/sched.go): the whole message of Ollama's 503 for a full queue.
+BUSY_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+
+
+def error_message(body: bytes) -> str | None:
+    """The message of an Ollama error body, from its JSON structure only, or None.
+
+    ``{"error": "msg"}`` (Ollama) or ``{"error": {"message": "msg", ...}}``
+    (its OpenAI-compatible routes); anything else (not JSON, other keys, a
+    message that is not a string) has no message.
+    """
+    document = json_object(body)
+    if document is None:
+        return None
+    error = document.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    return error if isinstance(error, str) else None
+
+
+def is_gpu_failure(status: int, body: bytes) -> bool:
+    """True when Ollama says its runner or GPU memory failed (prefix at the very start of its message)."""
+    if status not in GPU_FAILURE_STATUSES:
+        return False
+    message = error_message(body)
+    return message is not None and message.startswith(GPU_FAILURE_PREFIXES)
+
+
+def judge(status: int, body: bytes) -> str:
+    """What an Ollama answer means: ``gpu`` for its runner and memory failures, ``busy``
+    for its full queue, ``caller`` for any other 4xx, ``upstream`` for any other 5xx."""
+    if status < 400:
+        return OK
+    if is_gpu_failure(status, body):
+        return GPU
+    if status == 503 and error_message(body) == BUSY_MESSAGE:
+        return BUSY
+    return CALLER if status < 500 else UPSTREAM
+
+
+# -- model list --------------------------------------------------------------------
+
+
+def parse_models(body: bytes) -> tuple[str, ...]:
+    """The names in ``/api/tags``'s answer ``{"models": [{"name": ...}, ...]}`` (``api.ListResponse``)."""
+    document = json_object(body, MAX_MODEL_LIST)
+    models = document.get("models") if document is not None else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("name"), str) for m in models):
+        raise ValueError('not an Ollama model list: expected {"models": [{"name": ...}, ...]}')
+    return unique_names(m["name"] for m in models)
+
+
+# -- probes ------------------------------------------------------------------------
+
+
+def _tiny_chat() -> list[dict[str, str]]:
+    return [{"role": "user", "content": "hi"}]
+
+
+def minimal_call(kind: ModelCall) -> MinimalCall | None:
+    """``(method, path, JSON body)`` of the smallest call of ``kind``'s kind, or None for other routes.
+
+    Embeddings embed one short text.  Ollama's ``/api/generate`` and
+    ``/api/chat`` load the model with an empty prompt / no messages and
+    answer at once (``server/routes.go``: "load the model"), which is the
+    step a GPU failure breaks; the OpenAI-compatible routes have no such
+    form, so they generate one token.  A request whose own input broke its
+    call (a huge context, a bad option) is not reproduced by such a probe,
+    which is how the proxy tells "the GPU is down" from "this request is wrong".
+    """
+    model = kind.model
+    path = kind.path
+    if path == "/api/embed":
+        return "POST", path, {"model": model, "input": PROBE_TEXT}
+    if path == "/api/embeddings":
+        return "POST", path, {"model": model, "prompt": PROBE_TEXT}
+    if path == "/v1/embeddings":
+        return "POST", path, {"model": model, "input": PROBE_TEXT}
+    if path == "/api/generate":
+        return "POST", path, {"model": model, "prompt": "", "stream": False}
+    if path == "/api/chat":
+        return "POST", path, {"model": model, "messages": [], "stream": False}
+    if path == "/v1/chat/completions":
+        return "POST", path, {"model": model, "messages": _tiny_chat(), "max_tokens": 1, "stream": False}
+    if path == "/v1/completions":
+        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
+    return None
+
+
+SERVER = Server(
+    api="ollama",
+    routes=ROUTES,
+    judge=judge,
+    health_path="/api/version",
+    judge_health=up_on_200,
+    models_path="/api/tags",
+    parse_models=parse_models,
+    minimal_call=minimal_call,
+    embed_shape="ollama",
+    embed_path="/api/embed",
+    error_shape=error_shape,
+    model_loading_paths=MODEL_LOADING_PATHS,
+    is_unload=is_unload,
+)

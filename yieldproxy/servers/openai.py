@@ -1,0 +1,86 @@
+"""An OpenAI-compatible server the proxy knows nothing else about (vLLM, LM Studio, a hosted API).
+
+Only OpenAI's public API is assumed (https://platform.openai.com/docs/api-reference):
+its model routes under ``/v1/`` and its model list.  Every other route of
+such a server is unknown and gets ``proxy.unknown_route_class``.  The
+member's URL is the server's root, as for every member: a client's
+``/v1/embeddings`` is forwarded to ``URL/v1/embeddings``.
+
+**Failures.**  Nothing is known of the server's own words, so no answer is
+ever read as a GPU failure (a dropped connection or a timeout still is,
+through the outage probe).  OpenAI's API answers 429 for rate limits and an
+overloaded engine and 503 when it is overloaded ("Slow Down"; its error-code
+guide): both mean "not now, try again", and no request content can make a
+server send them.  Any other 4xx is the caller's; any other 5xx is relayed.
+
+**Error shape.**  ``{"error": {"message", "type", "code"}}`` (the openai
+client reads ``error.message``).
+"""
+
+from __future__ import annotations
+
+from .base import (
+    BUSY,
+    CALLER,
+    OK,
+    PASSTHROUGH,
+    PROBE_TEXT,
+    UPSTREAM,
+    MinimalCall,
+    ModelCall,
+    Server,
+    openai_model_ids,
+    routes,
+    up_on_200,
+)
+
+ROUTES = (
+    *routes("openai", "batch", "POST /v1/embeddings"),
+    *routes(
+        "openai", "interactive",
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/audio/transcriptions",
+    ),
+    *routes("openai", PASSTHROUGH, "GET /v1/models", "GET /v1/models/<name>"),
+)
+
+
+def judge(status: int, body: bytes) -> str:
+    """``busy`` for 429 and 503, ``caller`` for any other 4xx, ``upstream`` for any other 5xx; never ``gpu``."""
+    if status < 400:
+        return OK
+    if status in (429, 503):
+        return BUSY
+    return CALLER if status < 500 else UPSTREAM
+
+
+def error_shape(path: str) -> str:
+    """OpenAI's nested error object on every route."""
+    return "openai"
+
+
+def minimal_call(kind: ModelCall) -> MinimalCall | None:
+    """One short text for embeddings; one generated token for completions."""
+    model, path = kind.model, kind.path
+    if path == "/v1/embeddings":
+        return "POST", path, {"model": model, "input": PROBE_TEXT}
+    if path == "/v1/chat/completions":
+        return "POST", path, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "stream": False}
+    if path == "/v1/completions":
+        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
+    return None
+
+
+SERVER = Server(
+    api="openai",
+    routes=ROUTES,
+    judge=judge,
+    health_path="/v1/models",
+    judge_health=up_on_200,
+    models_path="/v1/models",
+    parse_models=openai_model_ids,
+    minimal_call=minimal_call,
+    embed_shape="openai",
+    embed_path="/v1/embeddings",
+    error_shape=error_shape,
+)
