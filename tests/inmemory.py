@@ -36,13 +36,14 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 from twisted.web.client import Agent
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from zope.interface import implementer
 
 from yieldproxy.config import Config
-from yieldproxy.forward import BytesProducer, Upstream
+from yieldproxy.forward import Upstream
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
 
@@ -164,6 +165,29 @@ class MemoryUpstream(Upstream):
 
     def flush(self) -> bool:
         return self.wire.flush()
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body already in memory, written in one go (``FileBodyProducer`` would
+    cooperate through the global reactor's Cooperator, off the test's clock)."""
+
+    def __init__(self, body: bytes):
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer) -> Deferred:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import Logger, LogLevel
 from twisted.web.resource import Resource
 
-from helpers import clock_cooperator, config_with
+from helpers import config_with
 from inmemory import MemoryUpstream
 from yieldproxy import classify, hosts
 from yieldproxy.classify import PASSTHROUGH, Classifier
@@ -25,10 +25,8 @@ from yieldproxy.config import RouteRule
 from yieldproxy.h1client import H1Pool
 from yieldproxy.httpserver import ProxySite
 from yieldproxy.hosts import HostPolicy
-from yieldproxy.metrics import Metrics
-from yieldproxy.proxy import ProxyApp
 from yieldproxy.requestlog import log_request
-from yieldproxy.service import build_core
+from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
 
 
@@ -212,32 +210,16 @@ def test_a_target_is_read_once_and_a_bad_one_is_refused_every_time():
 # -- the proxy on a Clock: metric children, the in-flight gauge, no producer for a fast client -----
 
 
-class _AsProxyRequest(Resource):
-    """What ``ProxySite``'s request class adds (a body within bounds), for StubTreq's plain Site."""
-
-    isLeaf = True
-
-    def __init__(self, inner):
-        super().__init__()
-        self._inner = inner
-
-    def render(self, request):
-        request.too_large = False
-        return self._inner.render(request)
-
-
 class Rig:
-    """The proxy app on a Clock: StubTreq in front, the sim behind the proxy's own client in memory."""
+    """The proxy (``service.build``) on a Clock: StubTreq in front, the sim behind the proxy's own client in memory."""
 
     def __init__(self, latency: float = 0.0):
         self.clock = Clock()
-        config = config_with()
-        self.metrics = Metrics()
-        state, lot, replayer, gate = build_core(self.clock, config, self.metrics, clock_cooperator(self.clock))
         self.sim = SimOllama(self.clock, latency=latency)
-        upstream = self.wire = MemoryUpstream(self.sim.resource(), self.clock)
-        self.app = ProxyApp(self.clock, config, gate, upstream, self.metrics)
-        self.http = StubTreq(_AsProxyRequest(self.app.app.resource()))
+        self.wire = MemoryUpstream(self.sim.resource(), self.clock)
+        proxy = build(self.clock, config_with(), upstream=self.wire)
+        self.metrics = proxy.metrics
+        self.http = StubTreq(proxy.proxy_app.app.resource())
 
     def turn(self) -> None:
         for _ in range(6):
