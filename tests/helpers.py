@@ -237,3 +237,80 @@ def required_tool(*names: str, install: str) -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{names[0]} is not installed ({install}); CI must install it")
     pytest.skip(f"{names[0]} is not installed ({install}); set CI=1 to make this a failure")
+
+
+# -- a pool of upstreams on a Clock (issue 12) ----------------------------------------
+
+
+def pool_config(*members, config: Config | None = None) -> Config:
+    """``config`` (default: the defaults) with ``[[upstreams]]`` made of ``members``: dicts of MemberConfig keys.
+
+    A member without a ``url`` gets one of its own (nothing listens there:
+    clock-only pools have no clients).
+    """
+    from yieldproxy.config import MemberConfig
+
+    tables = tuple(
+        MemberConfig(**{"url": f"http://127.0.0.1:{20000 + i}", **member}) for i, member in enumerate(members)
+    )
+    return attrs.evolve(config or Config(), upstreams=tables)
+
+
+def make_pool_core(*members, config: Config | None = None, **replay) -> Core:
+    """A :class:`Core` whose gate routes over a pool of ``members`` (see :func:`pool_config`); ``core.gate.pool``."""
+    return make_core(pool_config(*members, config=config), **replay)
+
+
+@attrs.define(eq=False)
+class PoolStack:
+    """Several simulated backends and a proxy pooling them (``[[upstreams]]``), on free 127.0.0.1 ports."""
+
+    reactor: object
+    #: The sims by member name, in config order.
+    sims: dict
+    proxy: object
+    proxy_url: str
+    admin_url: str
+
+    async def stop(self) -> None:
+        if self.proxy.service.running:
+            await self.proxy.service.stopService()
+        for sim in self.sims.values():
+            await sim.stop()
+
+    def sample(self, name: str, **labels) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+async def start_pool_stack(
+    reactor, members, config: Config | None = None, token=None, watchers: bool = False, history_interval: float = 1.0,
+    **sim_options,
+) -> PoolStack:
+    """A SimOllama per member (dicts of ``[[upstreams]]`` keys, each with a ``name``) and a proxy pooling them.
+
+    A member's own sim options go under its ``sim`` key (merged over ``sim_options``).
+    Without ``watchers`` outage detection is off, as in :func:`start_stack`.
+    """
+    from yieldproxy.service import build
+    from yieldproxy.sim import SimOllama
+
+    sims = {}
+    tables = []
+    for member in members:
+        member = dict(member)
+        options = {**sim_options, **member.pop("sim", {})}
+        sim = SimOllama(reactor, **options)
+        port = await sim.listen()
+        sims[member["name"]] = sim
+        tables.append({"url": f"http://127.0.0.1:{port}", **member})
+    config = pool_config(*tables, config=config).with_overrides(**EPHEMERAL)
+    if not watchers:
+        config = attrs.evolve(
+            config,
+            upstream=attrs.evolve(config.upstream, detect_outages=False),
+            upstreams=tuple(attrs.evolve(m, detect_outages=False) for m in config.upstreams),
+        )
+    proxy = build(reactor, config, token=token, history_interval=history_interval)
+    proxy.service.startService()
+    return PoolStack(reactor, sims, proxy, listening_url(proxy, "proxy"), listening_url(proxy, "admin"))

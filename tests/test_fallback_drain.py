@@ -25,7 +25,6 @@ from inmemory import MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback, fallback_drainer
 from yieldproxy.gate import Gate
-from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
@@ -160,8 +159,9 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     config = attrs.evolve(config or config_with(classes={"batch": {"policy": "fallback"}}), fallback=fc)
     metrics = Metrics()
     cooperator = clock_cooperator(clock)
-    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator)
     sim = SimOllama(clock)
+    upstream = wire = MemoryUpstream(sim.resource(), clock)
+    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator, lambda spec: (upstream, None))
     twin = Twin()
     # Verification embeds the probe on both sides: the primary is another twin, answering at once.
     primary = Twin()
@@ -172,9 +172,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
     )
     state.observe(fallback.state_changed)
-    # The sim's own Site runs its channel timers on a reactor of its own, not on the test's clock.
-    primary_upstream = wire = MemoryUpstream(sim.resource(), clock)
-    app = ProxyApp(clock, config, gate, primary_upstream, UpstreamHealth(primary_upstream.url), metrics, fallback)
+    app = ProxyApp(clock, config, gate, gate.pool, metrics, fallback)
     http = StubTreq(app.app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire)
     if verify:

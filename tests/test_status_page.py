@@ -391,3 +391,35 @@ async def test_a_rebound_name_reads_nothing():
         for d in pending:
             await d
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_page_shows_each_upstream_of_a_pool():
+    """Two upstreams, one yielded by name: a row each, with its state, who holds it and its models."""
+    from helpers import start_pool_stack
+
+    chromium_path()
+    stack = await start_pool_stack(
+        reactor, [{"name": "desktop", "models": ["llama3.2"]}, {"name": "server", "models": ["all-minilm"]}],
+        token=TOKEN,
+    )
+    try:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        answer = await treq.post(
+            stack.admin_url + "/yield", json={"source": "game", "upstream": "desktop", "reason": REASON},
+            headers=auth, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert answer.code == 200
+        dom = Dom((await chromium(f"{stack.admin_url}/#token={TOKEN}", "--dump-dom")).decode("utf-8"))
+        assert dom.by_id("upstreams-section").get("hidden") is None
+        rows = dom.with_class("upstream")
+        assert [(r["data-upstream"], r["data-state"]) for r in rows] == [("desktop", "yielded"), ("server", "available")]
+        assert [r["text"] for r in dom.with_class("held-by")] == ["game", "—"]
+        assert [r["text"] for r in dom.with_class("models")] == ["llama3.2", "all-minilm"]
+        # The hold names its upstream; the reason stays text.
+        assert [h["text"] for h in dom.with_class("hold-upstream")] == ["desktop"]
+        assert dom.with_class("reason")[0]["text"] == REASON
+        assert dom.by_id("state")["data-state"] == "available"
+        assert dom.by_id("state-detail")["text"].endswith("(desktop yielded)")
+    finally:
+        await stack.stop()

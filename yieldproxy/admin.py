@@ -38,8 +38,8 @@ from .httpserver import Connections, ProxySite
 from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
-from .replay import Replayer
-from .state import MAX_HOLD_SECONDS, TooManyHolds, YieldState, check_source
+from .pool.routing import Pool
+from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState, check_source
 
 #: Admin bodies are a few fields of JSON.
 _ADMIN_BODY_LIMIT = 64 * 1024
@@ -127,9 +127,19 @@ def _text(body: dict, key: str, default: str, limit: int = 500) -> str:
     return value
 
 
-def parse_yield(body: dict) -> dict:
+def _upstream(body: dict, known: tuple[str, ...]) -> str:
+    """The hold's scope: the member ``upstream`` names, or all of them (``*``) when it names none."""
+    name = body.get("upstream")
+    if name is None:
+        return ALL
+    if not isinstance(name, str) or name not in known:
+        raise BadRequest(f"unknown upstream {name!r}; the upstreams are {', '.join(known)}")
+    return name
+
+
+def parse_yield(body: dict, upstreams: tuple[str, ...] = ("default",)) -> dict:
     """The keyword arguments of :meth:`YieldState.hold` from a ``POST /yield`` body."""
-    unknown = set(body) - {"reason", "source", "expected_seconds", "for_seconds"}
+    unknown = set(body) - {"reason", "source", "expected_seconds", "for_seconds", "upstream"}
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
     return {
@@ -137,6 +147,7 @@ def parse_yield(body: dict) -> dict:
         "reason": _text(body, "reason", ""),
         "expected_seconds": _seconds(body, "expected_seconds"),
         "for_seconds": _seconds(body, "for_seconds"),
+        "scope": _upstream(body, upstreams),
     }
 
 
@@ -149,7 +160,8 @@ class AdminApp:
     _state: YieldState
     _gate: Gate
     _lot: ParkingLot
-    _replayer: Replayer
+    #: The upstreams: what is in flight, which names ``upstream`` may take.
+    _pool: Pool
     _metrics: Metrics
     token: str | None = None
     #: A token that opens the reading routes only (``GET /status``, ``/metrics``, ``/history``).
@@ -193,7 +205,7 @@ class AdminApp:
             "parked": parked,
             "parked_total": len(self._lot),
             "parked_bytes": self._lot.parked_bytes,
-            "inflight": self._replayer.inflight,
+            "inflight": self._pool.inflight,
             "now": now,
             "version": __version__,
             "config": {
@@ -303,13 +315,15 @@ class AdminApp:
         if denied:
             return denied
         try:
-            hold = parse_yield(_read_json(request))
+            hold = parse_yield(_read_json(request), self._pool.names)
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
         try:
             self._state.hold(**hold)
         except TooManyHolds as e:
             return _json(request, {"error": str(e)}, 409)
+        except UnknownScope as e:
+            return _json(request, {"error": str(e)}, 400)
         return _json(request, self.status())
 
     @app.route("/resume", methods=["POST"])
@@ -319,14 +333,29 @@ class AdminApp:
             return denied
         try:
             body = _read_json(request)
-            unknown = set(body) - {"source"}
+            unknown = set(body) - {"source", "upstream"}
             if unknown:
                 raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
             source = _source(body)
+            scope = _upstream(body, self._pool.names)
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
-        self._state.release(source)
+        if scope == ALL:
+            # No upstream named: every hold of the source ends, whichever upstream it holds.
+            self._state.release_source(source)
+        elif not self._state.release(source, scope) and self._covered(source, scope):
+            return _json(
+                request,
+                {"error": f"source {source} holds every upstream (its hold named none): resume it without "
+                          f"upstream, or yield the others by name first"},
+                409,
+            )
         return _json(request, self.status())
+
+    def _covered(self, source: str, scope: str) -> bool:
+        """True when ``source``'s hold of every upstream holds ``scope`` (a resume of ``scope`` alone cannot end it)."""
+        hold = self._state.hold_of(source)
+        return hold is not None and self._state.applies(hold, scope)
 
     @app.route("/fallback/verify", methods=["POST"])
     def post_fallback_verify(self, request):

@@ -167,8 +167,9 @@ class AdminClient:
     async def hold(self, **body: Any) -> dict:
         return await self.call("POST", "/yield", {k: v for k, v in body.items() if v is not None})
 
-    async def release(self, source: str | None = None) -> dict:
-        return await self.call("POST", "/resume", {} if source is None else {"source": source})
+    async def release(self, source: str | None = None, upstream: str | None = None) -> dict:
+        body = {k: v for k, v in (("source", source), ("upstream", upstream)) if v is not None}
+        return await self.call("POST", "/resume", body)
 
     async def call(self, method: str, path: str, body: dict | None = None) -> dict:
         """The JSON answer of one call; :class:`CliError` with the right exit status otherwise."""

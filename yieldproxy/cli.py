@@ -303,7 +303,35 @@ def format_status(status: dict) -> str:
     per_class = ", ".join(f"{printable(k)} {v}" for k, v in sorted(parked.items()))
     lines.append(f"parked:     {total} ({per_class or 'no classes'}), {format_bytes(status.get('parked_bytes', 0))}")
     lines.append(f"in flight:  {status.get('inflight', 0)}")
+    lines.extend(format_upstreams(status.get("upstreams") or []))
     return "\n".join(lines)
+
+
+def format_upstreams(upstreams: list) -> list[str]:
+    """A row per upstream of a pool: its state, who holds it, what it has in flight and waiting, its models.
+
+    Nothing for a pool of one (the lines above say it all).
+    """
+    if len(upstreams) < 2:
+        return []
+    rows = [("UPSTREAM", "STATE", "USE", "HELD BY", "IN FLIGHT", "WAITING", "MODELS")]
+    for u in upstreams:
+        holders = sorted({printable(h.get("source", ""), 24) for h in u.get("holds") or []})
+        models = [printable(m, 40) for m in u.get("models") or []]
+        rows.append((
+            printable(u.get("name", ""), 24),
+            printable(u.get("state", "?"), 16),
+            "standby" if u.get("use") == "when_others_yielded" else "always",
+            ", ".join(holders) or "-",
+            str(u.get("inflight", 0)),
+            str(u.get("waiting", 0)),
+            (", ".join(models[:4]) + (f" (+{len(models) - 4})" if len(models) > 4 else "")) or "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"upstreams:  {len(upstreams)}"]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return lines
 
 
 def format_one_line(status: dict) -> str:
@@ -345,7 +373,8 @@ async def _status_command(reactor, args: argparse.Namespace, settings: Settings)
 async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
     client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
     status = await client.hold(
-        reason=args.reason, source=args.source, expected_seconds=args.expected, for_seconds=args.for_seconds
+        reason=args.reason, source=args.source, expected_seconds=args.expected, for_seconds=args.for_seconds,
+        upstream=args.upstream,
     )
     print(format_one_line(status))
     return EXIT_OK
@@ -353,7 +382,7 @@ async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) 
 
 async def _resume_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
     client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
-    status = await client.release(args.source)
+    status = await client.release(args.source, args.upstream)
     print(format_one_line(status))
     return EXIT_OK
 
@@ -445,10 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     hold.add_argument("--reason", metavar="TEXT", help="shown in status and the logs")
     hold.add_argument("--source", metavar="NAME", type=_source,
                       help="whose hold this is (default api): letters, digits, '.', '_', '-', up to 64")
+    hold.add_argument("--upstream", metavar="NAME", type=_source,
+                      help="hold this upstream of the pool alone (default: every upstream)")
 
     resume = command("resume", "end a hold: replay the parked requests once no hold is left",
                      "End one source's hold; the GPU is back once no source holds it.")
     resume.add_argument("--source", metavar="NAME", type=_source, help="whose hold to end (default api)")
+    resume.add_argument("--upstream", metavar="NAME", type=_source,
+                        help="end the source's hold of this upstream only (default: every hold of the source)")
 
     demo = sub.add_parser(
         "demo", help="a burst through a proxy and a simulated Ollama, with a yield in the middle",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import re
 import tomllib
+import types
 import typing
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -170,6 +171,8 @@ class UpstreamConfig:
     health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
     #: Bound on an outage probe that is a model call (it may have to load the model first).
     model_probe_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.01))
+    #: How often a pool member with no ``models`` is asked for its model list.
+    models_refresh_seconds: float = attrs.field(default=60.0, validator=_at_least(1))
 
 
 @attrs.frozen
@@ -325,6 +328,74 @@ class FallbackConfig:
     timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0.001))
 
 
+#: What ``[[upstreams]] api`` takes: the kind of server a member is (docs/servers.md).
+UPSTREAM_APIS = ("ollama", "openai", "tei", "infinity", "llamacpp")
+#: ``[[upstreams]] use``: ``always``, or only while no ``always`` member that may serve a request is available.
+MEMBER_USES = ("always", "when_others_yielded")
+#: A member's name: a metric label, a log word and a JSON string, so a conservative set.
+_MEMBER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _member_name(instance, attribute, value):
+    if not _MEMBER_NAME.fullmatch(value):
+        raise ValueError(
+            "must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or a digit, "
+            f"got {value!r}"
+        )
+
+
+def _model_patterns(instance, attribute, value):
+    for pattern in value:
+        if not pattern.strip() or pattern != pattern.strip():
+            raise ValueError(f"must be model names or shell patterns without surrounding spaces, got {pattern!r}")
+
+
+def _optional_model_names(instance, attribute, value):
+    if value is not None:
+        _model_names(instance, attribute, value)
+
+
+def _optional_url_path(instance, attribute, value):
+    if value:
+        _url_path(instance, attribute, value)
+
+
+@attrs.frozen
+class MemberConfig:
+    """One ``[[upstreams]]`` table: an upstream of the pool, with its own yield state (docs/configuration.md).
+
+    Keys it leaves out take the global sections' values: ``[replay]``,
+    ``[upstream]``, ``[watchers]`` and ``[handover]`` are the defaults of
+    every member (None here means "not set").
+    """
+
+    #: Its name in the admin API, the logs and the metric labels.
+    name: str = attrs.field(default="", validator=_member_name)
+    url: str = attrs.field(default="", validator=_nonempty_http_url)
+    api: str = attrs.field(default="ollama", validator=_one_of(UPSTREAM_APIS))
+    #: Model names (shell patterns) it serves; empty: the names its model list gives, refreshed.
+    models: tuple[str, ...] = attrs.field(default=(), validator=_model_patterns)
+    #: A request's model name -> this member's own name for the same model.
+    model_map: Mapping[str, str] = attrs.field(factory=dict, validator=_model_map)
+    #: Its cap while the lot drains into it (0: replay.concurrency).
+    replay_concurrency: int = attrs.field(default=0, validator=_at_least(0))
+    use: str = attrs.field(default="always", validator=_one_of(MEMBER_USES))
+    #: The classes it may serve.
+    classes: tuple[str, ...] = attrs.field(default=CLASS_NAMES, validator=_class_names)
+    #: A file whose existence yields this member ("" = none; watchers.state_file holds them all).
+    state_file: str = ""
+    #: A command whose exit 0 yields this member ("" = none; watchers.command holds them all).
+    command: str = ""
+    #: Outage detection for this member (unset: upstream.detect_outages).
+    detect_outages: bool | None = None
+    #: Its health route ("" = its api's: /api/version, /v1/models, /health).
+    health_path: str = attrs.field(default="", validator=_optional_url_path)
+    #: Unload its models when it yields (unset: handover.unload_on_yield); api ollama only.
+    unload_on_yield: bool | None = None
+    #: Models loaded on it when its yield ends (unset: handover.preload_models); api ollama only.
+    preload_models: tuple[str, ...] | None = attrs.field(default=None, validator=_optional_model_names)
+
+
 @attrs.frozen
 class Config:
     proxy: ProxyConfig = attrs.Factory(ProxyConfig)
@@ -337,6 +408,8 @@ class Config:
     classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
     routes: tuple[RouteRule, ...] = ()
     fallback: FallbackConfig = attrs.Factory(FallbackConfig)
+    #: The pool (``[[upstreams]]``); empty: one member, ``default``, from ``proxy.upstream``.
+    upstreams: tuple[MemberConfig, ...] = ()
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
@@ -364,6 +437,9 @@ _SECTIONS = {
 
 def _coerce(where: str, expected: Any, value: Any) -> Any:
     """Check a TOML value against the field's type; ints are fine where floats go."""
+    if typing.get_origin(expected) in (typing.Union, types.UnionType):
+        # ``X | None``: a key the file leaves out is None; one it sets is an X.
+        expected = next(arg for arg in typing.get_args(expected) if arg is not type(None))
     if typing.get_origin(expected) is collections.abc.Mapping:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where}: must be a table of strings, got {value!r}")
@@ -410,11 +486,18 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>") -> Config:
                 sections["classes"] = _classes(table)
             elif name == "routes":
                 sections["routes"] = _routes(table)
+            elif name == "upstreams":
+                sections["upstreams"] = _upstreams(table)
             elif name in _SECTIONS:
                 sections[name] = _build(_SECTIONS[name], table, name)
             else:
-                known = ", ".join([*_SECTIONS, "classes", "routes"])
+                known = ", ".join([*_SECTIONS, "classes", "routes", "upstreams"])
                 raise ConfigError(f"{name}: unknown section (known sections: {known})")
+        if "upstreams" in data and isinstance(data.get("proxy"), dict) and "upstream" in data["proxy"]:
+            raise ConfigError(
+                "proxy.upstream and [[upstreams]] are both set: proxy.upstream is the one-upstream form; "
+                "with [[upstreams]], give each upstream its url there and remove proxy.upstream"
+            )
         config = Config(**sections)
         _check_combinations(config)
     except ConfigError as e:
@@ -462,6 +545,33 @@ def _routes(tables: Any) -> tuple[RouteRule, ...]:
     return tuple(rules)
 
 
+def _upstreams(tables: Any) -> tuple[MemberConfig, ...]:
+    """``[[upstreams]]`` tables, in order: each needs a name and a url; names are distinct."""
+    if not isinstance(tables, list) or not tables:
+        raise ConfigError("upstreams: must be an array of tables ([[upstreams]]), at least one")
+    members = []
+    names: dict[str, int] = {}
+    for index, table in enumerate(tables):
+        where = f"upstreams[{index}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table")
+        for key in ("name", "url"):
+            if key not in table:
+                raise ConfigError(f"{where}.{key}: missing (every [[upstreams]] table needs a name and a url)")
+        member = _build(MemberConfig, table, where)
+        if member.name in names:
+            raise ConfigError(f"{where}.name: {member.name!r} is the name of upstreams[{names[member.name]}] too")
+        names[member.name] = index
+        if member.api != "ollama" and (member.unload_on_yield or member.preload_models):
+            key = "unload_on_yield" if member.unload_on_yield else "preload_models"
+            raise ConfigError(
+                f"{where}.{key}: the VRAM handover unloads and loads models through Ollama's API; "
+                f"this upstream's api is {member.api}"
+            )
+        members.append(member)
+    return tuple(members)
+
+
 def _check_combinations(config: Config) -> None:
     """Rules that span keys: each names the key to change."""
     for name, cls in config.classes.items():
@@ -492,6 +602,28 @@ def _check_combinations(config: Config) -> None:
             "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
         )
     _check_fallback(config.fallback)
+    _check_upstreams(config)
+
+
+def _check_upstreams(config: Config) -> None:
+    """A pool needs a member that is always used, and a member for every class."""
+    if not config.upstreams:
+        return
+    if not any(m.use == "always" for m in config.upstreams):
+        raise ConfigError(
+            "upstreams: every upstream has use = \"when_others_yielded\"; at least one must be \"always\" "
+            "(the others are used while it is yielded)"
+        )
+    for cls in config.classes:
+        if not any(cls in m.classes for m in config.upstreams):
+            raise ConfigError(
+                f"upstreams.*.classes: no upstream serves {cls} requests; add {cls!r} to some upstream's classes"
+            )
+    if config.fallback.enabled:
+        raise ConfigError(
+            "fallback.enabled: [fallback] is the one-upstream form of a CPU copy; with [[upstreams]], "
+            "add the CPU copy as an upstream with use = \"when_others_yielded\" and turn [fallback] off"
+        )
 
 
 def _check_fallback(fallback: FallbackConfig) -> None:

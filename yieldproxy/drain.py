@@ -12,10 +12,10 @@ stops.  Its :meth:`Drain.stopService`:
 * waits until nothing is parked and nothing is in flight (at the primary or
   the fallback), each told by an event, not polled: the lot and the
   replayers fire their waiters when they empty (:meth:`ParkingLot.when_empty`,
-  :meth:`Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
+  :meth:`~yieldproxy.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
 * gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
   answered 503, what is in flight is left to finish as the process ends;
-* and stops the primary's replayer for good.
+* and stops the pool's drainers for good.
 """
 
 from __future__ import annotations
@@ -30,10 +30,15 @@ from twisted.logger import Logger
 
 from .gate import Gate
 from .parking import ParkingLot
-from .replay import Replayer
 from .state import YieldState
 
 log = Logger()
+
+
+class Stoppable(Protocol):
+    """What stops releasing for good when the drain is over (the pool's drainers)."""
+
+    def stop(self) -> None: ...
 
 
 class InFlight(Protocol):
@@ -52,9 +57,9 @@ class Drain(Service):
     _state: YieldState
     _gate: Gate
     _lot: ParkingLot
-    #: The primary's replayer, stopped once the drain is over.
-    _replayer: Replayer
-    #: Every target requests may be in flight at (the primary's replayer first).
+    #: The pool (pool/routing.py): its drainers are stopped once the drain is over.
+    _replayer: "Stoppable"
+    #: Every target requests may be in flight at (the members' drainers first).
     _targets: Sequence[InFlight]
     #: ``proxy.shutdown_timeout_seconds``.
     timeout: float = 30.0

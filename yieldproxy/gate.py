@@ -1,7 +1,8 @@
-"""The gate: decides, for each request, go now, park, or refuse with reasons.
+"""The gate: decides, for each request, go now (and to which upstream), park, or refuse with reasons.
 
-It ties the yield state, the parking lot and the replayer together, and is
-the only place that knows a class's policy and hold bound.  It also keeps the
+It ties the yield state, the parking lot and the pool (its members and
+their drainers, pool/routing.py) together, and is the only place that knows
+a class's policy and hold bound.  It also keeps the
 recent upstream service time, from which honest ``Retry-After`` values come,
 so it explains every refusal the lot makes (:meth:`Gate.explain`): when to
 come back and, for a request that expired in the lot, what kept it waiting.
@@ -21,7 +22,7 @@ from .config import ClassConfig
 from .metrics import Metrics
 from .names import OUTAGE_SOURCE
 from .parking import Entry, ParkingLot, Refused
-from .replay import Replayer
+from .pool.routing import Pool
 from .state import YieldState
 
 log = Logger()
@@ -42,7 +43,8 @@ class Gate:
     _clock: IReactorTime
     _state: YieldState
     _lot: ParkingLot
-    _replayer: Replayer
+    #: The upstreams, their availability and their drainers.
+    pool: Pool
     _metrics: Metrics
     _classes: Mapping[str, ClassConfig]
     reject_status: int = 503
@@ -60,35 +62,51 @@ class Gate:
 
     @property
     def state_name(self) -> str:
-        if self._state.yielded:
-            return "yielded"
-        # Held release (a model preload after the yield) reads as draining: the
-        # GPU is back and the proxy is working its way to serving the lot.
-        return "draining" if self._lot or self._replayer.release_held else "available"
+        """``yielded``, ``draining`` or ``available``: the proxy as a whole (:meth:`Pool.state_name`).
+
+        A held release (a model preload after the yield) reads as draining:
+        the GPU is back and the proxy is working its way to serving the lot.
+        """
+        return self.pool.state_name(not self._lot)
 
     def describe(self) -> str:
         """The state, what is parked and what is in flight, for the state log line (state.transition_logger)."""
         counts = self._lot.count_by_class()
         parked = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none"
-        return f"now {self.state_name}, parked {parked}, in flight {self._replayer.inflight}"
+        return f"now {self.state_name}, parked {parked}, in flight {self.pool.inflight}"
 
     def admit(self, entry: Entry) -> Deferred:
-        """A Deferred that fires with ``entry`` when it may go upstream.
+        """A Deferred that fires with ``entry`` when it may go upstream, ``entry.released_to`` naming where.
 
-        It fails with :class:`Refused` when the request is turned away, at
-        once or after waiting (:meth:`explain` words it for the caller).  A
-        request coming back after a failed attempt (``entry.tries > 0``, or a
-        failed turn at another target after parking) keeps its place in line
-        and is not checked against the ceilings again: it was accepted already.
+        It goes at once to a member :meth:`Pool.choose` picks; else it parks
+        until a member's drainer lets it out.  It fails with :class:`Refused`
+        when the request is turned away, at once or after waiting
+        (:meth:`explain` words it for the caller).  A request coming back
+        after a failed attempt (``entry.tries > 0``, or a failed turn at
+        another target after parking) keeps its place in line and is not
+        checked against the ceilings again: it was accepted already.
         """
         if self.shutting_down:
             raise Refused("shutdown", "the proxy is shutting down", 503, self.retry_after())
+        pool = self.pool
+        if entry.routing is None:
+            entry.routing = pool.routing(None, None, entry.cls, None)
+            if not entry.eligible:
+                self._metrics.rejected_total.labels(entry.cls, "no_upstream").inc()
+                raise Refused(
+                    "no_upstream", f"no upstream of the pool may serve {entry.cls} requests (upstreams.*.classes)",
+                    self.reject_status, self.retry_after(),
+                )
         returning = entry.tries > 0 or entry.was_parked
-        if not self._state.yielded and not self._lot and not returning and not self._replayer.release_held:
-            self._replayer.started()
-            return succeed(entry)
+        if not returning:
+            member = pool.choose(entry)
+            if member is not None:
+                if pool.several:
+                    entry.released_to = member.name
+                member.drainer.started()
+                return succeed(entry)
         cls = self._classes[entry.cls]
-        if self._state.yielded:
+        if pool.all_held(entry):
             if cls.policy == "reject":
                 self._metrics.rejected_total.labels(entry.cls, "policy").inc()
                 raise Refused(
@@ -121,12 +139,12 @@ class Gate:
         """The proxy is stopping: refuse every request from now on, new or coming back."""
         self.shutting_down = True
 
-    def finished(self, failed: bool = False, seconds: float | None = None) -> None:
-        """The upstream exchange of an admitted request ended."""
+    def finished(self, failed: bool = False, seconds: float | None = None, member: str | None = None) -> None:
+        """The upstream exchange of an admitted request ended (at ``member``: ``entry.released_to``)."""
         if seconds is not None and not failed:
             self.service_seconds += _EWMA_WEIGHT * (seconds - self.service_seconds)
         started = None if seconds is None else self._clock.seconds() - seconds
-        self._replayer.finished(failed, started)
+        self.pool.member(member).drainer.finished(failed, started)
 
     def why_still_waiting(self) -> str:
         """What keeps the lot waiting right now, for the message of a request that expires in it."""
@@ -135,11 +153,11 @@ class Gate:
             if sources == [OUTAGE_SOURCE]:
                 return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
             return f"the GPU was still yielded (held by {', '.join(sources)})"
-        if self._replayer.release_held:
+        if self.pool.release_held:
             return "the GPU was back, but the models were still being loaded back onto it"
         return (
             f"the GPU was back, but the requests ahead of this one still held all "
-            f"{self._replayer.concurrency} replay slots"
+            f"{self.pool.concurrency} replay slots"
         )
 
     def retry_after(self) -> int:
@@ -158,7 +176,7 @@ class Gate:
             since = self._state.yielded_since if self._state.yielded_since is not None else now
             return min(300, _whole_seconds(now - since))
         ahead = len(self._lot)
-        return _whole_seconds(ahead * self.service_seconds / self._replayer.concurrency)
+        return _whole_seconds(ahead * self.service_seconds / self.pool.concurrency)
 
     def refuse_all_parked(self, why: str) -> int:
         """Answer every parked request with 503 (shutdown while yielded)."""
@@ -172,7 +190,8 @@ class Gate:
         """
         if entry.offers:
             return
-        end = self._state.expected_end()
+        # The soonest any member it may use is expected back.
+        end = self._state.expected_end(entry.eligible)
         if end is None:
             return
         remaining = end - self._clock.seconds()
@@ -193,7 +212,5 @@ class Gate:
         raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
 
     def _state_changed(self, yielded: bool) -> None:
+        # The pool wakes its drainers itself, on each member's change (Pool._member_changed).
         self._metrics.yield_active.set(1 if yielded else 0)
-        if not yielded:
-            self._replayer.reset_backoff()
-            self._replayer.kick()

@@ -41,7 +41,7 @@ from .control import ControlTimeout
 from .metrics import Metrics
 from .names import OUTAGE_SOURCE, canonical_model
 from .replay import Replayer
-from .state import Hold, YieldState
+from .state import DEFAULT_MEMBER, Hold, YieldState
 
 log = Logger()
 
@@ -80,12 +80,20 @@ class Handover(Service):
     _preloading: Deferred | None = None
     #: True once a non-outage hold was taken in the current yield.
     _handed_over: bool = False
+    #: The pool member whose models it unloads and loads (its yields, its drainer, its control client).
+    member: str = DEFAULT_MEMBER
 
     name = "handover"
 
     def __attrs_post_init__(self) -> None:
+        if len(self._state.members) > 1:
+            self.name = f"handover:{self.member}"
         self._state.on_hold_taken(self._hold_taken)
-        self._state.observe(self._state_changed)
+        self._state.observe_members(self._member_changed)
+
+    def _member_changed(self, member: str, yielded: bool) -> None:
+        if member == self.member:
+            self._state_changed(yielded)
 
     def stopService(self) -> None:
         """Give up any step in progress: a pending preload no longer holds the lot."""
@@ -104,7 +112,7 @@ class Handover(Service):
     # -- triggers -------------------------------------------------------------------
 
     def _hold_taken(self, hold: Hold) -> None:
-        if not self.running or hold.source == OUTAGE_SOURCE:
+        if not self.running or hold.source == OUTAGE_SOURCE or not self._state.applies(hold, self.member):
             return
         self._handed_over = True
         if self._preloading is not None:

@@ -137,6 +137,21 @@ class Metrics:
             ["class"],
             registry=r,
         )
+        self.upstream_attempts_total = Counter(
+            "yieldproxy_upstream_attempts",
+            "Attempts sent to each pool member, by how they ended: ok, a retryable failure's reason (refused, "
+            "connect, reset, timeout, status_502, status_503, gpu_error), broken (failed mid-answer), "
+            "abandoned, slow_client, error.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_attempt_seconds = Histogram(
+            "yieldproxy_upstream_attempt_seconds",
+            "Time from sending an attempt to a pool member to the end of its answer (or its failure).",
+            ["upstream", "class"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
         self.inflight_requests = Gauge(
             "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
         )
@@ -211,7 +226,11 @@ def source_label(source: str, known: Iterable[str]) -> str:
 
 
 def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
-    """Per-source hold gauges, built from the current holds at each scrape."""
+    """Per-source hold gauges, built from the current holds at each scrape.
+
+    A source holding several pool members is one series: its oldest hold's
+    age, and the longest duration it said to expect.
+    """
     active = GaugeMetricFamily("yieldproxy_hold_active", "1 for each source holding the GPU.", labels=["source"])
     age = GaugeMetricFamily("yieldproxy_hold_age_seconds", "How long each hold has lasted.", labels=["source"])
     expected = GaugeMetricFamily(
@@ -219,12 +238,49 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
         "The duration each hold's source said to expect (absent when it gave none).",
         labels=["source"],
     )
+    ages: dict[str, float] = {}
+    expects: dict[str, float] = {}
     for hold in holds:
-        active.add_metric([hold.source], 1)
-        age.add_metric([hold.source], max(0.0, now - hold.since))
+        ages[hold.source] = max(ages.get(hold.source, 0.0), now - hold.since)
         if hold.expected_end is not None:
-            expected.add_metric([hold.source], max(0.0, hold.expected_end - hold.since))
+            expects[hold.source] = max(expects.get(hold.source, 0.0), hold.expected_end - hold.since)
+    for source, held in ages.items():
+        active.add_metric([source], 1)
+        age.add_metric([source], max(0.0, held))
+        if source in expects:
+            expected.add_metric([source], max(0.0, expects[source]))
     return [active, age, expected]
+
+
+def pool_families(rows) -> list[GaugeMetricFamily]:
+    """Per pool member: available now, in flight, holds on it, parked requests it could take.
+
+    ``rows`` holds ``(upstream, available, inflight, holds, waiting)``.
+    """
+    available = GaugeMetricFamily(
+        "yieldproxy_upstream_available",
+        "1 while the pool member takes requests (no hold on it, not handing over, reachable), else 0.",
+        labels=["upstream"],
+    )
+    inflight = GaugeMetricFamily(
+        "yieldproxy_upstream_inflight_requests", "Requests at each pool member now.", labels=["upstream"]
+    )
+    holds = GaugeMetricFamily(
+        "yieldproxy_upstream_holds",
+        "Holds on each pool member now (its own, and those of every member).",
+        labels=["upstream"],
+    )
+    waiting = GaugeMetricFamily(
+        "yieldproxy_upstream_waiting_requests",
+        "Parked requests each pool member may serve (it drains them when available).",
+        labels=["upstream"],
+    )
+    for name, is_available, in_flight, held, parked in rows:
+        available.add_metric([name], 1 if is_available else 0)
+        inflight.add_metric([name], in_flight)
+        holds.add_metric([name], held)
+        waiting.add_metric([name], parked)
+    return [available, inflight, holds, waiting]
 
 
 def connection_families(listeners) -> list:

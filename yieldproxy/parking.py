@@ -32,6 +32,34 @@ log = Logger()
 
 _sequence = itertools.count()
 
+#: What an entry's route does: ``embedding`` routes are the ones whose answers a
+#: vector store keeps (a member serves them only as the model's reference or a
+#: verified twin), ``generation`` the others that run a model.
+ROUTE_KINDS = ("embedding", "generation", "other")
+#: The lot's count (:meth:`ParkingLot.waiting_for`) of parked entries only standby members may take.
+STANDBY_ONLY = "*standby-only*"
+
+
+@attrs.frozen
+class Routing:
+    """What decides where a request may go: its model, its route's kind, the members eligible for it.
+
+    Decided once at admission (pool/routing.py) and shared by every request
+    with the same route, class and model, so a parked request carries one
+    reference, not three.  Whether a member is available is not part of it:
+    that changes while the request waits.
+    """
+
+    #: The pool members that may serve it, in config order.
+    eligible: tuple[str, ...] = ()
+    #: The model its body names (None: none).
+    model: str | None = None
+    #: :data:`ROUTE_KINDS`.
+    kind: str = "other"
+    #: Every eligible member is a standby one (``use = "when_others_yielded"``): no
+    #: ``always`` member may ever take it (counted as :data:`STANDBY_ONLY` in the lot).
+    standby_only: bool = False
+
 
 @attrs.define(eq=False)
 class Entry:
@@ -63,14 +91,33 @@ class Entry:
     #: to (the fallback: the mapped model), set at admission by the target
     #: (None until one does: most entries never get an offer).
     offers: dict[str, Any] | None = None
-    #: The target whose drainer let it out of the lot last; None: the primary.
+    #: The target whose drainer let it out of the lot last, or the pool member the gate
+    #: sent it to; None: the primary (a pool of one's member).
     released_to: str | None = None
+    #: Its model, route kind and eligible pool members, decided once at admission
+    #: (one shared value for every request alike: see :class:`Routing`).
+    routing: Routing | None = None
+    #: The member its last attempt failed on: another eligible one takes it first.
+    failed_on: str | None = None
     _deferred: Deferred | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    @property
+    def eligible(self) -> tuple[str, ...]:
+        """The pool members that may serve it, in config order (none until admission decides)."""
+        return self.routing.eligible if self.routing is not None else ()
+
+    @property
+    def model(self) -> str | None:
+        return self.routing.model if self.routing is not None else None
+
+    @property
+    def kind(self) -> str:
+        return self.routing.kind if self.routing is not None else "other"
 
     @property
     def tries(self) -> int:
@@ -144,6 +191,13 @@ class ParkingLot:
     _expiring: bool = False
     #: Waiting for the lot to empty (see :meth:`when_empty`).
     _empty_waiters: list[Deferred] = attrs.Factory(list)
+    #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
+    _waiting: dict[str, int] = attrs.Factory(dict)
+    #: Keep a line per pool member (a pool of several): each member's drainer then walks only
+    #: the entries it may take, not those waiting for another member.
+    index_members: bool = False
+    #: Per member, per class, the entries it may take, in arrival order (with ``index_members``).
+    _lines: dict[str, dict[str, list[Entry]]] = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -180,6 +234,11 @@ class ParkingLot:
 
     def __len__(self) -> int:
         return self._count
+
+    def waiting_for(self, member: str) -> int:
+        """Parked entries ``member`` is eligible for (whether or not it is available); with
+        :data:`STANDBY_ONLY`, those only standby members are eligible for."""
+        return self._waiting.get(member, 0)
 
     def __bool__(self) -> bool:
         return self._count > 0
@@ -243,15 +302,18 @@ class ParkingLot:
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
+        if self.index_members:
+            for member in entry.eligible:
+                bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         for listener in self._parked_listeners:
             listener()
         return d
 
-    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
-        """The entry :meth:`release_next` would let out now (for ``accepts``)."""
-        heads = self._heads(accepts)
+    def peek(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
+        """The entry :meth:`release_next` would let out now (for ``accepts``, to ``target``)."""
+        heads = self._heads(accepts, target)
         cls = self._next_class(heads)
         return heads[cls] if cls is not None else None
 
@@ -265,9 +327,10 @@ class ParkingLot:
         its first allowed entry, and the drain order between the classes is
         kept as it is for the primary.  ``target`` is written on the entry
         (``released_to``) before its Deferred fires, so the request knows
-        where it goes.
+        where it goes.  A pool member's target walks only its own line
+        (``index_members``).
         """
-        heads = self._heads(accepts)
+        heads = self._heads(accepts, target)
         cls = self._next_class(heads)
         if cls is None:
             return None
@@ -285,12 +348,15 @@ class ParkingLot:
         self._tell_empty()
         return entry
 
-    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
+    def _heads(self, accepts: Callable[[Entry], bool] | None, target: str | None = None) -> dict[str, Entry]:
         """Each waiting class's first entry (that ``accepts`` allows), in class order."""
+        queues = self._queues
+        if self.index_members and target in self._lines:
+            queues = self._lines[target]
         if accepts is None:
-            return {cls: queue[0] for cls, queue in self._queues.items() if queue}
+            return {cls: queue[0] for cls, queue in queues.items() if queue}
         heads = {}
-        for cls, queue in self._queues.items():
+        for cls, queue in queues.items():
             for entry in queue:
                 if accepts(entry):
                     heads[cls] = entry
@@ -386,10 +452,11 @@ class ParkingLot:
                 log.failure("lot listener failed")
 
     def _leave(self, entry: Entry) -> None:
+        _remove(self._queues[entry.cls], entry)
+        if self.index_members:
+            for member in entry.eligible:
+                _remove(self._lines[member][entry.cls], entry)
         queue = self._queues[entry.cls]
-        index = bisect.bisect_left(queue, entry)
-        assert queue[index] is entry
-        del queue[index]
         if not queue:
             self._passed_over.pop(entry.cls, None)
         now = self._clock.seconds()
@@ -409,5 +476,17 @@ class ParkingLot:
     def _account(self, entry: Entry, sign: int) -> None:
         self._count += sign
         self._bytes += sign * entry.size
+        waiting = self._waiting
+        for member in entry.eligible:
+            waiting[member] = waiting.get(member, 0) + sign
+        if entry.routing is not None and entry.routing.standby_only:
+            waiting[STANDBY_ONLY] = waiting.get(STANDBY_ONLY, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)
+
+
+def _remove(line: list[Entry], entry: Entry) -> None:
+    """Take ``entry`` out of a line kept in arrival order."""
+    index = bisect.bisect_left(line, entry)
+    assert line[index] is entry
+    del line[index]

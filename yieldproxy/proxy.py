@@ -3,6 +3,11 @@
 Each request ends in exactly one outcome: relayed from the upstream, or an
 explicit error in its API's shape (400/413/502/503/504...).  A client that
 goes away while parked leaves the lot at once and is never sent upstream.
+
+With a pool of upstreams (pool/routing.py) each attempt runs on the member
+the gate or a member's drainer chose; a retryable failure sends the request
+back to its place in the lot, where another eligible member may take it;
+once bytes reach the client it never moves.
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ from .classify import (
 )
 from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
-from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, Upstream, write_answer
+from .fallback import TARGET as FALLBACK_TARGET
+from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, write_answer
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
-from .health import UpstreamHealth
 from .hosts import HostPolicy
 from .httpserver import Connections, ProxySite
 from .metrics import Metrics
 from .parking import Entry, Refused
+from .pool.lists import UNION_PATHS, union_list
+from .pool.member import Member
+from .pool.rename import renamed_body
+from .pool.routing import Pool
 from .requestlog import CLIENT_GONE, log_request
 from .servers import ModelCall
 from .target import BadTarget, Target, parse_target
@@ -68,6 +77,17 @@ def failed_call(target: Target, body: bytes) -> ModelCall | None:
     return ModelCall(target.path, model) if model else None
 
 
+def _model_of(body: bytes) -> str | None:
+    """The model a body names, read as Ollama's Go decoder reads it; None when none (or not JSON)."""
+    if not body:
+        return None
+    try:
+        model = find_model(body)
+    except BadBody:
+        return None
+    return model if isinstance(model, str) and model else None
+
+
 def _peer_host(request) -> str | None:
     peer = request.getClientAddress()
     return getattr(peer, "host", None)
@@ -89,9 +109,8 @@ class ProxyApp:
     _clock: IReactorTime
     _config: Config
     _gate: Gate
-    _upstream: Upstream
-    #: The upstream's reachability and outage verdicts: every attempt is reported there.
-    _health: UpstreamHealth
+    #: The upstreams: each attempt runs on a member, reported to its health (reachability, outage verdicts).
+    _pool: Pool
     _metrics: Metrics
     #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
     _fallback: Fallback | None = None
@@ -199,17 +218,25 @@ class ProxyApp:
                     request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
+        # Which model it is for decides which members may serve it (a pool of one has no choice to make).
+        model = _model_of(body) if self._pool.several else None
         try:
-            cls = self._class_of(request, target, body, wanted)
+            cls = self._class_of(request, target, body, wanted, model)
         except BadBody as e:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
-            return await self._passthrough(request, target, body, api)
+            return await self._passthrough(request, target, body, api, model)
+        routing = self._pool.routing(request.method.decode("latin-1"), target.path, cls, model)
+        if not routing.eligible:
+            return self._reject(
+                request, cls, api, self._gate.reject_status, "no_upstream",
+                f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
+            )
         # Headers are held while parked too: they count against parking.max_parked_bytes.
-        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait)
+        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
         return await self._gated(request, target, entry, body)
 
-    def _class_of(self, request, target: Target, body: bytes, wanted: str | None) -> str:
+    def _class_of(self, request, target: Target, body: bytes, wanted: str | None, model: str | None = None) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
 
         The body is read as Ollama's Go decoder reads it (gojson.py): whole when
@@ -220,7 +247,8 @@ class ProxyApp:
         instead of passing through, and a true unload request (see
         :func:`~yieldproxy.classify.is_unload`, decided only on a small body
         read whole) passes through instead of waiting, since it only frees
-        memory.
+        memory.  In a pool, "yielded" is said of the member such a request
+        would go to.
         """
         method = request.method.decode("latin-1")
         path = target.path
@@ -236,7 +264,7 @@ class ProxyApp:
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
                         model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
-        if self._gate.yielded:
+        if self._route_held(method, path, model):
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
@@ -272,36 +300,43 @@ class ProxyApp:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
-            if entry.released_to is not None:
+            if entry.released_to == FALLBACK_TARGET:
                 # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
                 if await self._at_fallback(request, entry, body, self._fallback.serve_released):
                     return None
                 continue
+            member = self._pool.member(entry.released_to)
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
             attempt = Attempt(
-                self._clock, self._upstream, request, body, self._attempt_timeout(entry.cls), extra,
-                buffers=self._buffers, target=target.raw,
+                self._clock, member.upstream, request, self._body_for(member, entry, body),
+                self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
             )
             failure = None
+            outcome = "error"
             # Only the upstream's failures slow the replay down, not a client leaving.
             failed = False
             try:
                 status = await attempt.run()
+                outcome = "ok"
             except RetryableFailure as retryable:
                 failed = True
                 failure = retryable
+                outcome = retryable.reason
             except RelayBroken as broken:
                 failed = True
+                outcome = "broken"
                 self._outcome(entry, "upstream_error")
                 self._log(request, entry.cls, request.code, "upstream_error", entry, entry.tries + 1)
                 return await self._broken(request, entry.api, str(broken))
             except ClientTooSlow as slow:
+                outcome = "slow_client"
                 self._outcome(entry, "abandoned")
                 return await self._drop_slow_client(request, entry.cls, slow, entry, entry.tries + 1)
             except CancelledError:
+                outcome = "abandoned"
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
@@ -310,13 +345,15 @@ class ProxyApp:
                 # The upstream is done with this attempt: its replay slot is free,
                 # whether or not the client has read the whole answer yet.
                 elapsed = self._clock.seconds() - began
-                self._gate.finished(failed=failed, seconds=elapsed)
+                self._gate.finished(failed=failed, seconds=elapsed, member=entry.released_to)
+                self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
+                self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
             if failure is not None:
-                answered = await self._after_failure(request, target, entry, body, failure, max_attempts)
+                answered = await self._after_failure(request, target, entry, body, failure, max_attempts, member)
                 if answered is not _RETRY:
                     return answered
                 continue
-            self._health.report(None)
+            member.health.report(None)
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             try:
                 if not attempt.client_has_all():
@@ -329,8 +366,16 @@ class ProxyApp:
             self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
 
+    def _body_for(self, member: Member, entry: Entry, body: bytes) -> bytes:
+        """The body as ``member`` takes it: with its own name for the model when its ``model_map`` renames it."""
+        if entry.model is None:
+            return body
+        own = member.catalogue.own_name(entry.model)
+        return body if own is None else renamed_body(body, own)
+
     async def _after_failure(
-        self, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int
+        self, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int,
+        member: Member,
     ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
 
@@ -343,13 +388,23 @@ class ProxyApp:
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         try:
-            forgiven = await self._health.report(failure.reason, failed_call(target, body))
+            forgiven = await member.health.report(failure.reason, failed_call(target, body))
         except CancelledError:
             if entry.was_parked:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
             self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
             raise
-        if failure.reason in ("refused", "connect") and not self._health.reachable:
+        if self._pool.several:
+            # Another eligible member takes it first, when one is available.
+            entry.failed_on = member.name
+        if failure.reason in ("refused", "connect") and not member.health.reachable:
+            if any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name):
+                # Never reached since start, but the pool has others that may serve it: pass
+                # this one over (checked again on its own) and let another take it, not counted.
+                member.refused()
+                entry.forgiven += 1
+                self._metrics.retries_total.labels(entry.cls).inc()
+                return _RETRY
             # Never reached since start: a wrong URL or a backend not started
             # yet. Waiting cannot help; say so at once.
             entry.attempts += 1
@@ -372,10 +427,21 @@ class ProxyApp:
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
 
-    async def _passthrough(self, request, target: Target, body: bytes, api: str):
-        """Routes that never park: one attempt, failures reported as they are."""
+    async def _passthrough(self, request, target: Target, body: bytes, api: str, model: str | None = None):
+        """Routes that never park: one attempt, failures reported as they are.
+
+        In a pool it goes to one member (:meth:`Pool.passthrough_member`);
+        the model lists (``GET /api/tags``, ``/v1/models``) are the union of
+        every member's that serves the route.
+        """
+        method = request.method.decode("latin-1")
+        if self._pool.several and method == "GET" and target.path in UNION_PATHS:
+            members = self._pool.members_serving(method, target.path)
+            if len(members) > 1:
+                return await self._union(request, target, api, members)
+        member = self._pool.passthrough_member(method, target.path, model)
         attempt = Attempt(
-            self._clock, self._upstream, request, body,
+            self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
             target=target.raw,
         )
@@ -383,7 +449,7 @@ class ProxyApp:
             status = await attempt.run()
         except RetryableFailure as failure:
             # Reported for outage detection; nobody waits on the verdict.
-            self._health.report(failure.reason)
+            member.health.report(failure.reason)
             code = 504 if failure.reason == "timeout" else 502
             return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
@@ -394,7 +460,7 @@ class ProxyApp:
         except CancelledError:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
-        self._health.report(None)
+        member.health.report(None)
         try:
             if not attempt.client_has_all():
                 await attempt.client_drained()
@@ -403,6 +469,38 @@ class ProxyApp:
             raise
         self._log(request, PASSTHROUGH, status, "ok", None, 1)
         return None
+
+    def _body_for_passthrough(self, member: Member, model: str | None, body: bytes) -> bytes:
+        if model is None:
+            return body
+        own = member.catalogue.own_name(model)
+        return body if own is None else renamed_body(body, own)
+
+    async def _union(self, request, target: Target, api: str, members: list[Member]):
+        """``GET /api/tags`` or ``/v1/models`` of a pool: every member's list, each model once."""
+        try:
+            answer = await union_list(
+                members, target.path, timeout=self._config.upstream.health_timeout_seconds
+            )
+        except CancelledError:
+            self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
+            raise
+        if answer is None:
+            return self._reject(
+                request, PASSTHROUGH, api, 502, "upstream_error",
+                f"no upstream of the pool answered {target.path}", attempts=len(members),
+            )
+        request.setResponseCode(200)
+        request.responseHeaders.setRawHeaders(b"content-type", [b"application/json; charset=utf-8"])
+        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(answer)])
+        self._log(request, PASSTHROUGH, 200, "ok", None, len(members))
+        return answer
+
+    def _route_held(self, method: str, path: str, model: str | None) -> bool:
+        """Whether the member a request that runs no model would go to is yielded (the GPU, for a pool of one)."""
+        if not self._pool.several:
+            return self._gate.yielded
+        return self._pool.passthrough_member(method, path, model).held()
 
     async def _at_fallback(self, request, entry: Entry, body: bytes, serve) -> bool:
         """One turn at the fallback (``serve`` or ``serve_released``): True when it answered.

@@ -55,6 +55,8 @@ class Replayer:
     accepts: Callable[[Entry], bool] | None = None
     #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
     is_open: Callable[[], bool] | None = None
+    #: Called after every change of :attr:`inflight` (a pool keeps the proxy-wide gauge);
+    #: None: the primary's own count is the gauge.
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: object = None
@@ -83,7 +85,7 @@ class Replayer:
         """True while parked requests are being let out (the target is open, it has work in the lot)."""
         if self._release_gates or not self._open():
             return False
-        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts) is not None
+        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts, self.target) is not None
 
     def _open(self) -> bool:
         return not self._state.yielded if self.is_open is None else self.is_open()

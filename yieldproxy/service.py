@@ -11,11 +11,11 @@ stopped (docs/architecture.md):
 
 1. the admin listener (it answers until the very end);
 2. the upstream clients' connection pools (closed once nothing uses them);
-3. the fallback's verification (when enabled);
+3. the fallback's verification (when enabled), each upstream's model list (pool/models.py);
 4. the history sampling;
 5. the drain (drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
-6. the watchers, then the VRAM handover (their holds stay when they stop);
+6. the watchers, then the VRAM handovers (their holds stay when they stop);
 7. the proxy listener (the first to stop: no new connections).
 """
 
@@ -41,12 +41,17 @@ from .handover import Handover
 from .health import UpstreamHealth
 from .history import History, snapshot_reader
 from .listener import CannotListen, Listener
-from .metrics import Metrics, connection_families, hold_families, oldest_parked_family, source_label
+from .metrics import (
+    Metrics, connection_families, hold_families, oldest_parked_family, pool_families, source_label,
+)
 from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
+from .pool.models import ModelDiscovery
+from .pool.members import MemberSpec, member_specs
+from .pool.routing import Pool
 from .proxy import ProxyApp
 from .replay import Replayer
-from .state import YieldState, transition_logger
+from .state import ALL, YieldState, transition_logger
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = ["Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator"]
@@ -76,11 +81,12 @@ class Proxy:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
+    #: The first member's drainer (a pool of one's: the one upstream's replayer).
     replayer: Replayer
     gate: Gate
-    #: The client of ``proxy.upstream`` (its connection pool).
+    #: The first member's client (a pool of one's: the client of ``proxy.upstream``).
     upstream: Upstream
-    #: Whether the upstream answered since start, and the outage verdicts on its failures.
+    #: Whether the first member answered since start, and the outage verdicts on its failures.
     health: UpstreamHealth
     proxy_app: ProxyApp
     admin_app: AdminApp
@@ -94,15 +100,29 @@ class Proxy:
     fallback: Fallback | None
     #: What runs all of the above: start it, and stop it, as twistd does.
     service: YieldProxyService
+    #: The upstreams (``[[upstreams]]``, or ``proxy.upstream`` as a pool of one), with their drainers.
+    pool: Pool
+
+
+Clients = Callable[[MemberSpec], tuple[Any, Any]]
 
 
 def build_core(
-    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None
+    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
 ) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
-    """The yield state, the lot, the replayer and the gate: the clock-driven heart."""
+    """The yield state, the lot, the pool and the gate: the clock-driven heart.
+
+    Returns the first member's drainer as the replayer (a pool of one's only
+    one); the pool is ``gate.pool``.  ``clients(spec)`` gives each member its
+    request and control clients (None: clock-only, none).
+    """
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
-    state = YieldState(reactor, max_holds=config.admin.max_holds)
+    specs = member_specs(config)
+    state = YieldState(
+        reactor, max_holds=config.admin.max_holds,
+        members=[spec.name for spec in specs], standby={spec.name for spec in specs if spec.standby},
+    )
     lot = ParkingLot(
         reactor,
         metrics,
@@ -112,23 +132,14 @@ def build_core(
         reject_status=config.parking.reject_status,
         priorities={k: v.priority for k, v in config.classes.items()},
         min_shares={k: v.min_share for k, v in config.classes.items()},
+        index_members=len(specs) > 1,
     )
-    replayer = Replayer(
-        reactor,
-        lot,
-        state,
-        metrics,
-        cooperator,
-        concurrency=config.replay.concurrency,
-        rate=config.replay.rate,
-        backoff_seconds=config.upstream.retry_backoff_seconds,
-        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
-    )
+    pool = Pool(reactor, state, lot, metrics, cooperator, config, specs, clients=clients)
     gate = Gate(
-        reactor, state, lot, replayer, metrics, config.classes, reject_status=config.parking.reject_status
+        reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status
     )
     state.on_transition(transition_logger(gate.describe))
-    return state, lot, replayer, gate
+    return state, lot, pool.members[0].drainer, gate
 
 
 def build(
@@ -143,33 +154,44 @@ def build(
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
-    ``upstream`` replaces the client of ``proxy.upstream`` (tests on a Clock
-    give one that reaches an in-memory resource).  Start ``proxy.service``
-    to listen and run the watchers; stop it to drain and close.
+    ``upstream`` replaces the first member's client (a pool of one's: the
+    client of ``proxy.upstream``; tests on a Clock give one that reaches an
+    in-memory resource).  Start ``proxy.service`` to listen and run the
+    watchers; stop it to drain and close.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
+    first = member_specs(config)[0].name
+
+    def clients(spec: MemberSpec) -> tuple[Any, Any]:
+        """Each member's client for requests (its connection pool) and its control-plane client."""
+        client = upstream if upstream is not None and spec.name == first else Upstream(
+            reactor, spec.url, config.upstream.max_connections
+        )
+        return client, UpstreamControl(reactor, spec.url)
 
     # The clock-driven heart, and what it reports.
-    state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator)
+    state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator, clients)
+    pool = gate.pool
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
     metrics.watch(
-        lambda: [*hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages())]
+        lambda: [
+            *hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages()),
+            *pool_families(pool.metric_rows()),
+        ]
     )
 
-    # The upstream: its client for requests, its control calls, what is known of its health.
-    upstream = upstream or Upstream(reactor, config.proxy.upstream, config.upstream.max_connections)
-    control = UpstreamControl(reactor, config.proxy.upstream)
-    health = UpstreamHealth(config.proxy.upstream)
-    clients: list[Any] = [upstream]
+    # The upstreams: each member's client for requests, its control calls, what is known of its health.
+    upstream, health = pool.members[0].upstream, pool.members[0].health
+    client_pools: list[Any] = [m.upstream for m in pool.members]
 
     fallback = None
     if config.fallback.enabled:
         fc = config.fallback
         backend = Upstream(reactor, fc.url, fc.concurrency + 1)
-        clients.append(backend)
+        client_pools.append(backend)
         fallback = Fallback(
             reactor, fc,
             EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1"),
@@ -181,52 +203,58 @@ def build(
         metrics.watch(fallback.metric_families)
 
     # What takes holds by itself, and what acts on them.
-    watchers = tuple(_watchers(reactor, config, state, metrics, health, control))
-    handover = None
-    if config.handover.unload_on_yield or config.handover.preload_models:
-        handover = Handover(reactor, state, replayer, control, metrics, config.handover)
+    watchers = tuple(_watchers(reactor, config, state, metrics, pool))
+    handovers = tuple(_handovers(reactor, config, state, metrics, pool))
+    handover = handovers[0] if len(handovers) == 1 and not pool.several else None
+    discovery = tuple(_discovery(reactor, config, pool))
     history = History(
-        reactor, snapshot_reader(gate, lot, replayer, config.classes), tuple(config.classes),
+        reactor, snapshot_reader(gate, lot, pool, config.classes), tuple(config.classes),
         interval=history_interval,
     )
     state.observe(history.state_changed)
 
     # The two HTTP apps.
-    proxy_app = ProxyApp(reactor, config, gate, upstream, health, metrics, fallback)
+    proxy_app = ProxyApp(reactor, config, gate, pool, metrics, fallback)
     admin_app = AdminApp(
-        reactor, config, state, gate, lot, replayer, metrics, token=token, read_token=read_token,
-        history=history, sections=_status_sections(watchers, handover, fallback), fallback=fallback,
+        reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
+        history=history, sections=_status_sections(watchers, handovers, fallback, pool), fallback=fallback,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
     # What runs, in start order (it stops in the reverse order).
     drain = Drain(
-        reactor, state, gate, lot, replayer, (replayer, *([fallback] if fallback is not None else [])),
+        reactor, state, gate, lot, pool,
+        (*(m.drainer for m in pool.members), *([fallback] if fallback is not None else [])),
         timeout=config.proxy.shutdown_timeout_seconds,
     )
     service = YieldProxyService([
         Listener(reactor, "admin.listen", config.admin.listen, admin_app.site()),
-        ClientPools(clients),
+        ClientPools(client_pools),
         *([fallback] if fallback is not None else []),
+        *discovery,
         history,
         drain,
         *watchers,
-        *([handover] if handover is not None else []),
+        *handovers,
         Listener(reactor, "proxy.listen", config.proxy.listen, proxy_app.site()),
     ])
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
-        watchers, handover, fallback, service,
+        watchers, handover, fallback, service, pool,
     )
 
 
-def _watchers(reactor, config: Config, state, metrics, health, control) -> list[Service]:
-    """The watchers ``config.watchers`` and ``upstream.detect_outages`` enable, not started."""
+def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Service]:
+    """The watchers ``config.watchers``, each member's keys and outage detection enable, not started.
+
+    The global ones hold every member (scope ``*``); a member's own hold it
+    alone.  In a pool of one the outage hold is a hold of all, as it always was.
+    """
     w, up = config.watchers, config.upstream
+    # inotify needs a reactor that watches file descriptors; a Clock only polls.
+    real = reactor if IReactorFDSet.providedBy(reactor) else None
     watchers: list[Service] = []
     if w.state_file:
-        # inotify needs a reactor that watches file descriptors; a Clock only polls.
-        real = reactor if IReactorFDSet.providedBy(reactor) else None
         watchers.append(
             StateFileWatcher(reactor, state, metrics, w.state_file, w.state_file_poll_seconds, inotify_reactor=real)
         )
@@ -239,28 +267,79 @@ def _watchers(reactor, config: Config, state, metrics, health, control) -> list[
                 interval=w.command_interval_seconds, timeout=w.command_timeout_seconds,
             )
         )
-    if up.detect_outages:
-        probe = UpstreamProbe(
-            control, health, up.health_path,
-            health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
-        )
-        watchers.append(
-            OutageWatcher(
-                reactor, state, health, probe, metrics,
-                interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+    for member in pool.members:
+        spec, scope = member.spec, (member.name if pool.several else ALL)
+        if spec.state_file:
+            watchers.append(
+                StateFileWatcher(
+                    reactor, state, metrics, spec.state_file, w.state_file_poll_seconds,
+                    inotify_reactor=real, scope=spec.name,
+                )
             )
-        )
+        if spec.command:
+            watchers.append(
+                CommandWatcher(
+                    reactor, state, metrics, spec.command,
+                    interval=w.command_interval_seconds, timeout=w.command_timeout_seconds, scope=spec.name,
+                )
+            )
+        if spec.detect_outages:
+            probe = UpstreamProbe(
+                member.control, member.health, spec.health_path,
+                health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
+                server=member.server,
+            )
+            watchers.append(
+                OutageWatcher(
+                    reactor, state, member.health, probe, metrics,
+                    interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+                    scope=scope, member=member.name,
+                )
+            )
     return watchers
 
 
-def _status_sections(watchers, handover, fallback) -> dict[str, Callable[[], Any]]:
+def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Handover]:
+    """A VRAM handover for each member whose yields unload or preload models (api ollama)."""
+    handovers = []
+    for member in pool.members:
+        spec = member.spec
+        if spec.hands_over:
+            settings = attrs.evolve(
+                config.handover, unload_on_yield=spec.unload_on_yield, preload_models=spec.preload_models
+            )
+            handovers.append(
+                Handover(reactor, state, member.drainer, member.control, metrics, settings, member=member.name)
+            )
+    return handovers
+
+
+def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
+    """A model-list reader for each member without ``models``, in pools of several (a pool of one has no choice to make)."""
+    if not pool.several:
+        return []
+    return [
+        ModelDiscovery(
+            reactor, member.catalogue, member.control, member.name, member.server.models_path,
+            member.server.parse_models, interval=config.upstream.models_refresh_seconds,
+            timeout=config.upstream.health_timeout_seconds,
+        )
+        for member in pool.members
+        if not member.catalogue.static
+    ]
+
+
+def _status_sections(watchers, handovers, fallback, pool: Pool) -> dict[str, Callable[[], Any]]:
     """The ``/status`` sections of the parts beside the core: each read when ``/status`` is."""
     sections: dict[str, Callable[[], Any]] = {
+        "upstreams": pool.status,
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
         "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
     }
-    if handover is not None:
-        sections["handover"] = handover.status
+    if handovers and not pool.several:
+        sections["handover"] = handovers[0].status
+    elif handovers:
+        sections["handover"] = lambda: {h.member: h.status() for h in handovers}
     return sections
 
 

@@ -1,9 +1,17 @@
-"""The yield state: who holds the GPU, why, and until when.
+"""The yield state: who holds which upstream's GPU, why, and until when.
 
-The GPU is yielded while *any* source holds it.  Each hold comes from a named
-source (``api``, ``signal``, ``file``, ...) so one broker resuming cannot end
-another's hold.  A hold may carry a lease (``for_seconds``): it ends by itself
-unless renewed, so a broker that dies mid-yield cannot park requests forever.
+An upstream (a pool member) is yielded while *any* hold applies to it.  Each
+hold comes from a named source (``api``, ``signal``, ``file``, ...) so one
+broker resuming cannot end another's hold, and has a *scope*: one member's
+name, or :data:`ALL` (every member but the standby ones, ``use =
+"when_others_yielded"``: a CPU copy kept for yields is not itself yielded by
+a hold that names no member).  Holds are keyed by ``(source, scope)``.  A
+hold may carry a lease (``for_seconds``): it ends by itself unless renewed,
+so a broker that dies mid-yield cannot park requests forever.
+
+:attr:`YieldState.yielded` is the proxy-wide "the GPU is yielded": every
+member that is not standby is held.  For a pool of one (the legacy
+``proxy.upstream``) that is exactly "any source holds the GPU".
 
 Sources are names a caller chose, so they are bounded: a conservative
 character set and length (:func:`check_source`: nothing that can forge a log
@@ -14,7 +22,7 @@ line or a metric label), and at most ``max_holds`` holds at once from callers
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -32,6 +40,10 @@ MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 DEFAULT_MAX_HOLDS = 32
 MAX_SOURCE_LENGTH = 64
 _SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: The scope of a hold that names no member: every member but the standby ones.
+ALL = "*"
+#: The one member of a pool made from the legacy ``proxy.upstream``.
+DEFAULT_MEMBER = "default"
 
 
 def check_source(source: object) -> str:
@@ -57,9 +69,13 @@ class TooManyHolds(Exception):
     """A new source would take the GPU while ``max_holds`` caller holds exist already."""
 
 
+class UnknownScope(ValueError):
+    """A hold or a release named an upstream the pool does not have."""
+
+
 @attrs.frozen
 class Hold:
-    """One source's claim on the GPU."""
+    """One source's claim on one member's GPU, or on all of them."""
 
     source: str
     reason: str
@@ -68,6 +84,8 @@ class Hold:
     expected_end: float | None = None
     #: When the lease runs out and the hold ends by itself.
     expires_at: float | None = None
+    #: The member it holds, or :data:`ALL`.
+    scope: str = ALL
 
     def as_json(self) -> dict:
         return {
@@ -76,6 +94,7 @@ class Hold:
             "since": self.since,
             "expires_at": self.expires_at,
             "expected_end": self.expected_end,
+            "upstream": None if self.scope == ALL else self.scope,
         }
 
 
@@ -94,8 +113,8 @@ class YieldState:
     """The set of active holds, with lease timers on an injected clock."""
 
     _clock: IReactorTime
-    _holds: dict[str, Hold] = attrs.Factory(dict)
-    _leases: dict[str, IDelayedCall] = attrs.Factory(dict)
+    _holds: dict[tuple[str, str], Hold] = attrs.Factory(dict)
+    _leases: dict[tuple[str, str], IDelayedCall] = attrs.Factory(dict)
     _observers: list[Callable[[bool], None]] = attrs.Factory(list)
     #: When the current yield began (first hold taken), for its length.
     yielded_since: float | None = None
@@ -106,25 +125,75 @@ class YieldState:
     _on_transition: list[Callable[[Transition], None]] = attrs.Factory(list)
     #: At most this many holds from callers at once (watcher holds are not counted).
     max_holds: int = DEFAULT_MAX_HOLDS
+    #: The pool's members, in config order (a hold's scope is one of them, or :data:`ALL`).
+    members: tuple[str, ...] = attrs.field(default=(DEFAULT_MEMBER,), converter=tuple)
+    #: Members a hold scoped :data:`ALL` leaves alone (``use = "when_others_yielded"``).
+    standby: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    _member_observers: list[Callable[[str, bool], None]] = attrs.Factory(list)
+    #: Holds scoped to each member, and holds scoped :data:`ALL`: ``yielded_for`` in O(1).
+    _scoped: dict[str, int] = attrs.Factory(dict)
+    _all: int = 0
+    #: When each member's current yield began, for its log line.
+    _member_since: dict[str, float] = attrs.Factory(dict)
+    #: The members a hold scoped :data:`ALL` holds (all but the standby ones), in config order.
+    _always: tuple[str, ...] = attrs.field(init=False, default=())
 
     def __attrs_post_init__(self) -> None:
         self.last_change = self._clock.seconds()
+        if not self.members or len(set(self.members)) != len(self.members):
+            raise ValueError(f"members must be distinct names, got {self.members!r}")
+        if not self.standby < set(self.members):
+            raise ValueError("standby must be some of the members, not all of them")
+        self._always = tuple(m for m in self.members if m not in self.standby)
 
     @property
     def yielded(self) -> bool:
-        return bool(self._holds)
+        """True while every member that is not standby is held: the proxy-wide "GPU yielded"."""
+        if self._all:
+            return True
+        scoped = self._scoped
+        return all(scoped.get(m) for m in self._always)
+
+    def yielded_for(self, member: str) -> bool:
+        """True while some hold applies to ``member`` (one scoped to it, or to all unless it is standby)."""
+        return bool(self._scoped.get(member)) or (self._all > 0 and member not in self.standby)
+
+    def applies(self, hold: Hold, member: str) -> bool:
+        """True when ``hold`` holds ``member``."""
+        return hold.scope == member or (hold.scope == ALL and member not in self.standby)
+
+    def affected(self, scope: str) -> tuple[str, ...]:
+        """The members a hold of ``scope`` holds."""
+        return self._always if scope == ALL else (scope,)
 
     @property
     def holds(self) -> list[Hold]:
         return sorted(self._holds.values(), key=lambda h: h.since)
 
-    def hold_of(self, source: str) -> Hold | None:
-        """``source``'s current hold, if it has one (watchers check before renewing)."""
-        return self._holds.get(source)
+    def holds_for(self, member: str) -> list[Hold]:
+        """The holds that hold ``member``, oldest first."""
+        return [h for h in self.holds if self.applies(h, member)]
+
+    def hold_of(self, source: str, scope: str = ALL) -> Hold | None:
+        """``source``'s current hold of ``scope``, if it has one (watchers check before renewing)."""
+        return self._holds.get((source, scope))
+
+    def check_scope(self, scope: str) -> str:
+        """``scope`` if it is :data:`ALL` or a member's name, else :class:`UnknownScope` naming the members."""
+        if scope != ALL and scope not in self.members:
+            raise UnknownScope(f"unknown upstream {scope!r}; the upstreams are {', '.join(self.members)}")
+        return scope
 
     def observe(self, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(yielded)`` whenever the GPU is taken or given back."""
+        """Call ``callback(yielded)`` whenever the GPU is taken or given back (:attr:`yielded` changes)."""
         self._observers.append(callback)
+
+    def observe_members(self, callback: Callable[[str, bool], None]) -> None:
+        """Call ``callback(member, yielded)`` whenever one member's :meth:`yielded_for` changes.
+
+        Called after the proxy-wide observers of the same change.
+        """
+        self._member_observers.append(callback)
 
     def on_transition(self, callback: Callable[[Transition], None]) -> None:
         """Call ``callback(transition)`` when the GPU is taken or given back, before the observers.
@@ -147,20 +216,24 @@ class YieldState:
         reason: str = "",
         expected_seconds: float | None = None,
         for_seconds: float | None = None,
+        scope: str = ALL,
     ) -> Hold:
-        """Take (or renew) ``source``'s hold.  Renewing keeps its start time.
+        """Take (or renew) ``source``'s hold of ``scope``.  Renewing keeps its start time.
 
-        :raises ValueError: ``source`` is not a valid source name, or a duration
-            is not a positive number of seconds up to :data:`MAX_HOLD_SECONDS`.
-        :raises TooManyHolds: ``source`` holds nothing yet and ``max_holds``
-            holds from callers exist already.
+        :raises ValueError: ``source`` is not a valid source name, ``scope``
+            names no member (:class:`UnknownScope`), or a duration is not a
+            positive number of seconds up to :data:`MAX_HOLD_SECONDS`.
+        :raises TooManyHolds: ``source`` holds nothing of ``scope`` yet and
+            ``max_holds`` holds from callers exist already.
         """
         check_source(source)
+        self.check_scope(scope)
         for name, value in (("expected_seconds", expected_seconds), ("for_seconds", for_seconds)):
             if value is not None and not 0 < value <= MAX_HOLD_SECONDS:
                 raise ValueError(f"{name} must be above 0 and at most {MAX_HOLD_SECONDS:g} seconds (a week)")
+        key = (source, scope)
         now = self._clock.seconds()
-        previous = self._holds.get(source)
+        previous = self._holds.get(key)
         if previous is None and source not in _NEVER_REFUSED and self.caller_holds() >= self.max_holds:
             raise TooManyHolds(
                 f"{self.caller_holds()} sources hold the GPU already, the most allowed (admin.max_holds); "
@@ -176,39 +249,50 @@ class YieldState:
             since=previous.since if previous else now,
             expected_end=expected_end,
             expires_at=expires_at,
+            scope=scope,
         )
         was_yielded = self.yielded
-        self._holds[source] = hold
-        self._set_lease(source, for_seconds)
+        before = self._member_states(scope)
+        self._holds[key] = hold
+        if previous is None:
+            self._count(scope, +1)
+        self._set_lease(key, for_seconds)
         if previous is None:
             for callback in list(self._on_hold_taken):
                 try:
                     callback(hold)
                 except Exception:
                     log.failure("hold-taken callback failed")
-        if not was_yielded:
+        if not was_yielded and self.yielded:
             self.yielded_since = now
             self._changed(True, hold)
         elif previous is None:
             log.info(
-                "hold taken: source={source} reason={reason!r}, also held by {others}",
+                "hold taken: source={source}{upstream} reason={reason!r}, also held by {others}",
                 source=source,
+                upstream=_upstream(scope),
                 reason=hold.reason,
                 others=_others(len(self._holds) - 1),
             )
+        self._members_changed(before, hold)
         return hold
 
     def caller_holds(self) -> int:
         """Holds from callers (not the watchers): what ``max_holds`` bounds."""
-        return sum(1 for source in self._holds if source not in _NEVER_REFUSED)
+        return sum(1 for source, _ in self._holds if source not in _NEVER_REFUSED)
 
-    def release(self, source: str) -> bool:
-        """End ``source``'s hold; True if it held the GPU."""
-        hold = self._holds.pop(source, None)
-        self._set_lease(source, None)
-        if hold is None:
+    def release(self, source: str, scope: str = ALL) -> bool:
+        """End ``source``'s hold of ``scope``; True if it had one."""
+        key = (source, scope)
+        if key not in self._holds:
+            self._set_lease(key, None)
             return False
-        if not self._holds:
+        was_yielded = self.yielded
+        before = self._member_states(scope)
+        hold = self._holds.pop(key)
+        self._count(scope, -1)
+        self._set_lease(key, None)
+        if was_yielded and not self.yielded:
             now = self._clock.seconds()
             began = self.yielded_since if self.yielded_since is not None else now
             self.yielded_since = None
@@ -220,34 +304,92 @@ class YieldState:
             self._changed(False, hold)
         else:
             log.info(
-                "hold ended: source={source}, still held by {others}",
+                "hold ended: source={source}{upstream}, {still}",
                 source=source,
-                others=_others(len(self._holds)),
+                upstream=_upstream(scope),
+                still=f"still held by {_others(len(self._holds))}" if self._holds else "no hold left",
             )
+        self._members_changed(before, hold)
         return True
 
-    def expected_end(self) -> float | None:
-        """When the yield should end: the latest expected end, if every hold gave one."""
-        ends = [h.expected_end for h in self._holds.values()]
-        if not ends or any(e is None for e in ends):
-            return None
-        return max(ends)
+    def release_source(self, source: str) -> int:
+        """End every hold of ``source``, whatever its scope; how many ended."""
+        keys = [key for key in self._holds if key[0] == source]
+        for _, scope in keys:
+            self.release(source, scope)
+        return len(keys)
+
+    def expected_end(self, members: Iterable[str] | None = None) -> float | None:
+        """When one of ``members`` (default: those not standby) should be back, if known.
+
+        A member's end is the latest expected end of the holds on it, known
+        only when every one of them gave one; the soonest of the members',
+        known only when each of theirs is (one that might come back any
+        moment makes the estimate worthless).  None for a member not held.
+        """
+        ends = []
+        for member in self._always if members is None else members:
+            holds = [h.expected_end for h in self._holds.values() if self.applies(h, member)]
+            if not holds or any(e is None for e in holds):
+                return None
+            ends.append(max(holds))
+        return min(ends) if ends else None
 
     def release_all(self) -> None:
-        for source in list(self._holds):
-            self.release(source)
+        for source, scope in list(self._holds):
+            self.release(source, scope)
 
-    def _set_lease(self, source: str, for_seconds: float | None) -> None:
-        call = self._leases.pop(source, None)
+    def _count(self, scope: str, sign: int) -> None:
+        if scope == ALL:
+            self._all += sign
+        else:
+            self._scoped[scope] = self._scoped.get(scope, 0) + sign
+
+    def _member_states(self, scope: str) -> dict[str, bool]:
+        """Whether each member a hold of ``scope`` touches is held now (compared after the change)."""
+        if not self._member_observers and len(self.members) == 1:
+            return {}
+        return {member: self.yielded_for(member) for member in self.affected(scope)}
+
+    def _members_changed(self, before: dict[str, bool], hold: Hold) -> None:
+        """Tell the member observers of every member whose state this hold's change flipped."""
+        now = self._clock.seconds()
+        for member, was in before.items():
+            is_now = self.yielded_for(member)
+            if is_now == was:
+                continue
+            if len(self.members) > 1:
+                if is_now:
+                    self._member_since[member] = now
+                    log.info(
+                        "upstream {member} yielded: source={source} reason={reason!r}",
+                        member=member, source=hold.source, reason=hold.reason,
+                    )
+                else:
+                    began = self._member_since.pop(member, now)
+                    log.info(
+                        "upstream {member} available: source={source} ended the last hold on it "
+                        "(held for {held:.1f}s)",
+                        member=member, source=hold.source, held=now - began,
+                    )
+            for callback in list(self._member_observers):
+                try:
+                    callback(member, is_now)
+                except Exception:
+                    log.failure("member observer failed")
+
+    def _set_lease(self, key: tuple[str, str], for_seconds: float | None) -> None:
+        call = self._leases.pop(key, None)
         if call is not None and call.active():
             call.cancel()
         if for_seconds is not None:
-            self._leases[source] = self._clock.callLater(for_seconds, self._lease_ran_out, source)
+            self._leases[key] = self._clock.callLater(for_seconds, self._lease_ran_out, key)
 
-    def _lease_ran_out(self, source: str) -> None:
-        self._leases.pop(source, None)
-        log.warn("hold lease ran out without renewal: source={source}", source=source)
-        self.release(source)
+    def _lease_ran_out(self, key: tuple[str, str]) -> None:
+        self._leases.pop(key, None)
+        source, scope = key
+        log.warn("hold lease ran out without renewal: source={source}{upstream}", source=source, upstream=_upstream(scope))
+        self.release(source, scope)
 
     def _changed(self, yielded: bool, hold: Hold) -> None:
         now = self._clock.seconds()
@@ -283,6 +425,11 @@ def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], Non
         )
 
     return log_transition
+
+
+def _upstream(scope: str) -> str:
+    """`` upstream=NAME`` for a hold of one member, nothing for a hold of all: log lines of a pool of one stay as they were."""
+    return "" if scope == ALL else f" upstream={scope}"
 
 
 def _others(count: int) -> str:

@@ -60,6 +60,11 @@ class Options(usage.Options):
             token, read_token = read_tokens(config)
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None
+        if self["upstream"] is not None and config.upstreams:
+            raise usage.UsageError(
+                "--upstream: the config file has [[upstreams]]; --upstream replaces proxy.upstream, "
+                "the one-upstream form (change the url in [[upstreams]] instead)"
+            )
         for option, key in (("upstream", "proxy.upstream"), ("listen", "proxy.listen"), ("admin", "admin.listen")):
             if self[option] is not None:
                 try:

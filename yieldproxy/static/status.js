@@ -196,6 +196,11 @@
     } else {
       detail = "requests go straight to the upstream";
     }
+    const upstreams = status.upstreams || [];
+    const away = upstreams.filter((u) => u.state !== "available").map((u) => u.name + " " + u.state);
+    if (upstreams.length > 1 && away.length && status.state !== "yielded") {
+      detail += " (" + away.join(", ") + ")";
+    }
     setState(status.state, detail);
     $("updated").textContent = "updated " + clock(now) + " · version " + status.version;
 
@@ -226,6 +231,7 @@
       row.dataset.source = hold.source;
       row.append(
         el("td", "source", hold.source),
+        el("td", "hold-upstream", hold.upstream == null ? "all" : hold.upstream),
         el("td", "reason", hold.reason || "—"),
         el("td", "num age", duration(now - hold.since)),
         el("td", "num expiry", hold.expires_at == null ? "no lease" : "in " + duration(hold.expires_at - now)),
@@ -235,6 +241,32 @@
     }
     $("holds").hidden = holds.length === 0;
     $("no-holds").hidden = holds.length !== 0;
+    renderUpstreams(status.upstreams || []);
+  }
+
+  // One row per upstream of a pool; a pool of one shows none (the badge says it all).
+  function renderUpstreams(upstreams) {
+    const body = $("upstreams-body");
+    body.replaceChildren();
+    $("upstreams-section").hidden = upstreams.length < 2;
+    for (const u of upstreams) {
+      const row = el("tr", "upstream");
+      row.dataset.upstream = u.name;
+      row.dataset.state = u.state;
+      const state = el("td", "upstream-state");
+      state.append(el("span", "state state-" + u.state, u.state));
+      const holders = [...new Set((u.holds || []).map((h) => h.source))].join(", ");
+      row.append(
+        el("td", "name", u.name),
+        state,
+        el("td", "use", u.use === "when_others_yielded" ? "standby" : "always"),
+        el("td", "held-by", holders || "—"),
+        el("td", "num inflight", String(u.inflight)),
+        el("td", "num waiting", String(u.waiting)),
+        el("td", "models", (u.models || []).join(", ") || "—"),
+      );
+      body.append(row);
+    }
   }
 
   // -- the chart ---------------------------------------------------------------

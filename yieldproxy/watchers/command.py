@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from ..metrics import Metrics
 from ..periodic import every
 from ..names import COMMAND_SOURCE
-from ..state import YieldState
+from ..state import ALL, YieldState
 
 log = Logger()
 
@@ -105,8 +105,14 @@ class CommandWatcher(Service):
     _error_logged: tuple[str, float] | None = None
     _errors_unlogged: int = 0
     _stopped: bool = False
+    #: Whose GPU the hold takes: one pool member, or all (``*``: the global ``watchers.command``).
+    scope: str = ALL
 
     name = "watcher:command"
+
+    def __attrs_post_init__(self) -> None:
+        if self.scope != ALL:
+            self.name = f"watcher:command:{self.scope}"
 
     def startService(self) -> None:
         super().startService()
@@ -139,7 +145,7 @@ class CommandWatcher(Service):
             "last_answer": self.last_answer,
             "last_detail": self.last_detail,
             "runs": self.runs,
-            "holding": self._state.hold_of(SOURCE) is not None,
+            "holding": self._state.hold_of(SOURCE, self.scope) is not None,
         }
 
     def probe_once(self) -> Deferred:
@@ -234,10 +240,10 @@ class CommandWatcher(Service):
             log.info("command probe answers again ({answer})", answer=answer)
             self._error_logged, self._errors_unlogged = None, 0
         if answer == "yielded":
-            if self._state.hold_of(SOURCE) is None:
-                self._state.hold(SOURCE, detail or f"command {self.command!r} exited 0")
-        elif self._state.hold_of(SOURCE) is not None:
-            self._state.release(SOURCE)
+            if self._state.hold_of(SOURCE, self.scope) is None:
+                self._state.hold(SOURCE, detail or f"command {self.command!r} exited 0", scope=self.scope)
+        elif self._state.hold_of(SOURCE, self.scope) is not None:
+            self._state.release(SOURCE, self.scope)
         if answer != previous:
             log.debug("command probe: {answer}", answer=answer)
 

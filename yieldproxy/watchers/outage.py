@@ -38,7 +38,7 @@ probed quickly again.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 from twisted.application.service import Service
@@ -52,7 +52,8 @@ from ..metrics import Metrics
 from ..names import OUTAGE_SOURCE
 from ..ollama_errors import is_gpu_failure
 from ..probes import minimal_call
-from ..state import YieldState
+from ..servers import GPU, NOT_READY, UP
+from ..state import ALL, DEFAULT_MEMBER, YieldState
 
 log = Logger()
 
@@ -75,7 +76,9 @@ class UpstreamProbe:
     """One outage probe through the control client: the health path, or the minimal twin of a failed model call.
 
     Any answer to a model call shows the upstream is reachable (it answered),
-    even one that says it is down.
+    even one that says it is down.  ``server`` is what is known of the
+    upstream's kind of server (yieldproxy/servers): its minimal calls and how its
+    answers read; None: Ollama's, as a single upstream always was.
     """
 
     _control: UpstreamControl
@@ -83,10 +86,12 @@ class UpstreamProbe:
     health_path: str = "/api/version"
     health_timeout: float = 2.0
     model_timeout: float = 60.0
+    server: Any = None
 
     def __call__(self, call: object = None) -> Deferred:
         """A Deferred firing True when the upstream serves ``call`` (None: the health path answers 200)."""
-        minimal = minimal_call(call) if call is not None else None
+        minimal_of = minimal_call if self.server is None else self.server.minimal_call
+        minimal = minimal_of(call) if call is not None else None
         if minimal is None:
             d = self._control.request("GET", self.health_path, timeout=self.health_timeout)
             return d.addCallback(self._health_answered)
@@ -94,6 +99,8 @@ class UpstreamProbe:
         return self._control.request(method, path, body, timeout=self.model_timeout).addCallback(self._model_answered)
 
     def _health_answered(self, answer: Answer) -> bool:
+        if self.server is not None and self.server.judge_health(answer.code, answer.body) != UP:
+            return False
         if answer.code != 200:
             return False
         self._health.answered()
@@ -102,7 +109,11 @@ class UpstreamProbe:
     def _model_answered(self, answer: Answer) -> bool:
         """Down only when it fails the way an outage does; any other answer means the GPU serves."""
         self._health.answered()
-        return not (answer.code == 503 or is_gpu_failure(answer.code, answer.body))
+        if answer.code == 503:
+            return False
+        if self.server is None:
+            return not is_gpu_failure(answer.code, answer.body)
+        return self.server.judge(answer.code, answer.body) not in (GPU, NOT_READY)
 
 
 @attrs.define(eq=False, slots=False)
@@ -130,11 +141,25 @@ class OutageWatcher(Service):
     _said_unreachable: bool = False
     #: Verdicts being decided, by the call probed.
     _pending: dict = attrs.Factory(dict)
+    #: The scope of its ``outage`` hold: its member's name, or ``*`` in a pool of one (as it always was).
+    scope: str = ALL
+    #: The pool member it watches: the holds on it are what "yielded" means here.
+    member: str = DEFAULT_MEMBER
 
     name = "watcher:outage"
 
     def __attrs_post_init__(self) -> None:
         self._next_interval = self.interval
+        if self.scope != ALL:
+            self.name = f"watcher:outage:{self.scope}"
+
+    def _yielded(self) -> bool:
+        """Some hold applies to the member (its own outage hold, or a GPU lent away)."""
+        return self._state.yielded_for(self.member)
+
+    def _held(self) -> bool:
+        """Its own ``outage`` hold is in place."""
+        return self._state.hold_of(SOURCE, self.scope) is not None
 
     @property
     def reachable(self) -> bool:
@@ -173,7 +198,7 @@ class OutageWatcher(Service):
             "reachable": self.reachable,
             "probing": self._timer is not None or self._probe is not None or bool(self._pending),
             "next_interval_seconds": self._next_interval,
-            "outage_probe": _describe(self._outage_call) if self._state.hold_of(SOURCE) is not None else None,
+            "outage_probe": _describe(self._outage_call) if self._held() else None,
         }
 
     # -- what the gate reports ------------------------------------------------------------
@@ -183,7 +208,7 @@ class OutageWatcher(Service):
         if reason is not None:
             return
         self._answered()
-        if self._state.hold_of(SOURCE) is None:
+        if not self._held():
             # Traffic flows: the next outage starts with quick probes again.
             self._next_interval = self.interval
 
@@ -202,7 +227,7 @@ class OutageWatcher(Service):
     def _judge(self, reason: str, call: object) -> Deferred:
         if reason not in OUTAGE_REASONS or not self.running:
             return succeed(False)
-        if self._state.yielded:
+        if self._yielded():
             # Held already (an outage, or the GPU lent away): the failure is explained.
             return succeed(True)
         if not self.reachable:
@@ -221,7 +246,7 @@ class OutageWatcher(Service):
             pending = self._start_probe(call)
         if pending is None:
             # The probe decided at once (it fired synchronously).
-            return succeed(self._state.hold_of(SOURCE) is not None)
+            return succeed(self._held())
         waiter: Deferred = Deferred(canceller=lambda d: _forget(pending.waiters, d))
         pending.waiters.append(waiter)
         return waiter
@@ -247,9 +272,9 @@ class OutageWatcher(Service):
         elif up:
             self._answered()
             forgiven = False  # the upstream serves this kind of call: the request failed alone
-        elif self._state.yielded or not self.reachable:
+        elif self._yielded() or not self.reachable:
             # Held already (by this watcher or another source), or never reachable.
-            forgiven = self._state.yielded
+            forgiven = self._yielded()
         else:
             confirmed = forgiven = True
             self._held_since = self._clock.seconds()
@@ -259,7 +284,7 @@ class OutageWatcher(Service):
                 "until it works again",
                 upstream=self.upstream, what=_describe(pending.call),
             )
-            self._state.hold(SOURCE, f"upstream failing ({_describe(pending.call)} fails)")
+            self._state.hold(SOURCE, f"upstream failing ({_describe(pending.call)} fails)", scope=self.scope)
         for waiter in _take(pending.waiters):
             waiter.callback(forgiven)
         if forgiven:
@@ -315,9 +340,9 @@ class OutageWatcher(Service):
 
     def _probe_step(self) -> None:
         self._timer = None
-        if self._state.hold_of(SOURCE) is None:
+        if not self._held():
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
-        if self._outage_call is not None and any(h.source != SOURCE for h in self._state.holds):
+        if self._outage_call is not None and any(h.source != SOURCE for h in self._state.holds_for(self.member)):
             # The GPU is lent away: a model call would load the model onto it. Look again later.
             self._schedule()
             return
@@ -333,7 +358,7 @@ class OutageWatcher(Service):
             self._schedule_if_held()
             return
         self._answered()
-        if self._state.hold_of(SOURCE) is not None:
+        if self._held():
             began = self._held_since if self._held_since is not None else self._clock.seconds()
             log.info(
                 "{upstream} serves {what} again after {seconds:.1f}s: ending the outage hold",
@@ -342,10 +367,10 @@ class OutageWatcher(Service):
                 seconds=self._clock.seconds() - began,
             )
             self._held_since = None
-            self._state.release(SOURCE)
+            self._state.release(SOURCE, self.scope)
 
     def _schedule_if_held(self) -> None:
-        if self._state.hold_of(SOURCE) is not None:
+        if self._held():
             self._schedule()
 
 

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from ..metrics import Metrics
 from ..periodic import every
 from ..names import FILE_SOURCE
-from ..state import MAX_HOLD_SECONDS, YieldState
+from ..state import ALL, MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
 
@@ -85,8 +85,14 @@ class StateFileWatcher(Service):
     _seen: tuple | None = None
     _loop: LoopingCall | None = None
     _notifier: object = None
+    #: Whose GPU the hold takes: one pool member, or all (``*``: the global ``watchers.state_file``).
+    scope: str = ALL
 
     name = "watcher:file"
+
+    def __attrs_post_init__(self) -> None:
+        if self.scope != ALL:
+            self.name = f"watcher:file:{self.scope}"
 
     def startService(self) -> None:
         super().startService()
@@ -113,7 +119,7 @@ class StateFileWatcher(Service):
     def status(self) -> dict:
         return {
             "path": self.path,
-            "holding": self._state.hold_of(SOURCE) is not None,
+            "holding": self._state.hold_of(SOURCE, self.scope) is not None,
             "inotify": self._notifier is not None,
         }
 
@@ -130,9 +136,9 @@ class StateFileWatcher(Service):
             stat = os.stat(self.path)
         except FileNotFoundError:
             self._seen = None
-            if self._state.hold_of(SOURCE) is not None:
+            if self._state.hold_of(SOURCE, self.scope) is not None:
                 log.info("state file {path} is gone: ending the file hold", path=self.path)
-                self._state.release(SOURCE)
+                self._state.release(SOURCE, self.scope)
             return
         except OSError as e:
             # Cannot tell (a permission problem on the directory): keep the state as it is.
@@ -140,7 +146,7 @@ class StateFileWatcher(Service):
             log.warn("state file {path}: cannot stat it ({error}); keeping the state", path=self.path, error=e)
             return
         signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if signature == self._seen and self._state.hold_of(SOURCE) is not None:
+        if signature == self._seen and self._state.hold_of(SOURCE, self.scope) is not None:
             return
         self._seen = signature
         raw = b""
@@ -162,7 +168,7 @@ class StateFileWatcher(Service):
                 path=self.path,
                 problem=problem,
             )
-        self._state.hold(SOURCE, reason or f"state file {self.path}", expected_seconds=expected)
+        self._state.hold(SOURCE, reason or f"state file {self.path}", expected_seconds=expected, scope=self.scope)
 
     def _start_inotify(self) -> None:
         """Watch the file's directory too, so a change is seen at once; polling stays."""

@@ -1,0 +1,10 @@
+"""The upstream pool (issue 12): several upstreams, each with its own yield state, one lot draining into them.
+
+* :mod:`.members`: each ``[[upstreams]]`` table (or the legacy
+  ``proxy.upstream``) with its defaults resolved;
+* :mod:`.apis`: what the pool asks of a member's kind of server;
+* :mod:`.models`: which models a member serves, configured or discovered;
+* :mod:`.member`: one member as it runs (available or not, in flight);
+* :mod:`.routing`: the pool: eligibility, the choice at admission, the drain;
+* :mod:`.lists`: ``GET /api/tags`` and ``/v1/models`` as the union of the members' lists.
+"""

@@ -1,0 +1,347 @@
+"""The pool: which members a request may go to, and which one takes it now.
+
+**Eligible** (decided once per request, at admission, and kept on its
+:class:`~yieldproxy.parking.Entry`): the members whose api serves the
+request's route natively (in the dialect of the first that knows it; any
+member for a route none knows), that may serve its class (``classes``), and
+that serve its model (``models``, ``model_map`` or the discovered list); when
+no member is known to serve the model, every member the route and class
+allow, so a server answers in its own words.  Whether a member is available
+is not part of it: that changes while the request waits.
+
+**The choice at admission** (:meth:`Pool.choose`): among the eligible
+members that are available and have no eligible request waiting in the lot
+(no overtaking), the least in flight, then the first in config order; a
+standby member (``use = "when_others_yielded"``) only while no eligible
+``always`` member is available.  None: the request parks.
+
+**The drain**: each member has its own drainer (a
+:class:`~yieldproxy.replay.Replayer` with its ``replay_concurrency``) that
+lets out the next parked entry it may take (:meth:`Pool.may_take`), in the
+lot's drain order, while the member is available; it is woken when the
+member becomes available, when an entry it could take parks, and when a
+slot frees.  An entry whose attempt failed on a member goes to another
+eligible one first, when one is available.
+
+Embedding requests go only to a model's reference or a verified twin
+(issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
+release since a verification can go stale; the twin verification gives it
+with :meth:`Pool.check_twins_with` once it is made (it needs the members'
+clients, so it comes after the pool).  Until then every eligible member serves.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Cooperator
+from twisted.logger import Logger
+
+from ..config import Config
+from ..health import UpstreamHealth
+from ..metrics import Metrics
+from ..names import PASSTHROUGH
+from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
+from ..replay import Replayer
+from ..state import YieldState
+from ..servers import native_apis, server
+from .member import Member
+from .members import MemberSpec
+from .models import ModelCatalogue
+
+log = Logger()
+
+#: Eligibility decisions kept (by method, path, class and model); past this the cache starts over.
+_CACHE_LIMIT = 4096
+#: Last path segments of the routes that return embeddings.
+_EMBEDDING_ROUTES = frozenset({"embed", "embeddings", "embedding", "embed_all", "embed_sparse"})
+
+
+def route_kind(path: str | None, cls: str) -> str:
+    """``embedding``, ``generation`` or ``other`` (:data:`yieldproxy.parking.ROUTE_KINDS`)."""
+    if cls == PASSTHROUGH or path is None:
+        return "other"
+    return "embedding" if path.rsplit("/", 1)[-1] in _EMBEDDING_ROUTES else "generation"
+
+
+def any_member(member: Member, entry: Entry) -> bool:
+    """The twin check until twin verification is built: every eligible member may serve."""
+    return True
+
+
+@attrs.define(eq=False)
+class Pool:
+    """The members of the pool, with their drainers, and the routing choices between them."""
+
+    _clock: IReactorTime
+    _state: YieldState
+    _lot: ParkingLot
+    _metrics: Metrics
+    _cooperator: Cooperator
+    _config: Config
+    specs: tuple[MemberSpec, ...]
+    #: ``clients(spec)``: the member's request client and control client; None: neither (clock-only tests).
+    clients: Callable[[MemberSpec], tuple[Any, Any]] | None = None
+    #: ``twin_ok(member, entry)``: may ``member`` serve ``entry`` now (an embedding: the
+    #: model's reference or a verified twin).  See the module docstring.
+    twin_ok: Callable[[Member, Entry], bool] = any_member
+    members: tuple[Member, ...] = attrs.field(init=False)
+    _by_name: dict[str, Member] = attrs.field(init=False)
+    _apis: tuple[str, ...] = attrs.field(init=False)
+    _single: tuple[str, ...] | None = attrs.field(init=False, default=None)
+    _cache: dict = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        several = len(self.specs) > 1
+        up, replay = self._config.upstream, self._config.replay
+        members = []
+        for index, spec in enumerate(self.specs):
+            upstream, control = self.clients(spec) if self.clients is not None else (None, None)
+            drainer = Replayer(
+                self._clock, self._lot, self._state, self._metrics, self._cooperator,
+                concurrency=spec.replay_concurrency,
+                rate=replay.rate,
+                backoff_seconds=up.retry_backoff_seconds,
+                backoff_max_seconds=up.retry_backoff_max_seconds,
+                # A pool of one drains as the one upstream always did: every entry, while not yielded.
+                target=spec.name if several else None,
+                accepts=functools.partial(self.may_take, spec.name) if several else None,
+                is_open=functools.partial(self._drainer_open, spec.name) if several else None,
+            )
+            catalogue = ModelCatalogue(spec.models, spec.model_map)
+            catalogue.when_changed(self._cache.clear)
+            members.append(
+                Member(
+                    spec, index, self._clock, self._state, server(spec.api), UpstreamHealth(spec.url), catalogue,
+                    drainer, upstream, control,
+                    recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
+                    on_reachable=self.kick,
+                )
+            )
+        self.members = tuple(members)
+        if several:
+            # yieldproxy_inflight_requests is the whole pool's, read when scraped.
+            self._metrics.inflight_requests.set_function(lambda: self.inflight)
+        self._by_name = {m.name: m for m in self.members}
+        self._apis = tuple(m.spec.api for m in self.members)
+        if not several:
+            self._single = (self.members[0].name,)
+        self._state.observe_members(self._member_changed)
+
+    # -- what a request may use -----------------------------------------------------------
+
+    def member(self, name: str | None) -> Member:
+        """The member ``name`` (None: the first, where a pool of one's requests go)."""
+        return self.members[0] if name is None else self._by_name[name]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._by_name)
+
+    def routing(self, method: str | None, path: str | None, cls: str, model: str | None) -> Routing:
+        """Where a request may go: the members eligible for it (see the module docstring), in config order.
+
+        One shared value per route, class and model (cached, dropped when a
+        member's model list changes).
+        """
+        key = (method, path, cls, model)
+        found = self._cache.get(key)
+        if found is None:
+            eligible = self._single if self._single is not None else self._eligible(method, path, cls, model)
+            standby_only = bool(eligible) and all(self._by_name[n].spec.standby for n in eligible)
+            found = Routing(eligible, model, route_kind(path, cls), standby_only)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = found
+        return found
+
+    def _eligible(self, method, path, cls, model) -> tuple[str, ...]:
+        members: Iterable[Member] = self.members
+        if path is not None:
+            native = native_apis(self._apis, method or "POST", path)
+            if native:
+                members = [m for m in members if m.spec.api in native]
+        members = [m for m in members if cls in m.spec.classes]
+        if model:
+            serving = [m for m in members if m.catalogue.serves(model)]
+            if serving:
+                members = serving
+        return tuple(m.name for m in members)
+
+    def check_twins_with(self, twin_ok: Callable[[Member, Entry], bool]) -> None:
+        """From now on, ``twin_ok(member, entry)`` says whether ``member`` may serve ``entry`` (see above).
+
+        ``entry.kind``, ``entry.model`` and ``entry.eligible`` (in config
+        order: its first member serving the model is the reference) are
+        what it needs; the drainers look again at once.
+        """
+        self.twin_ok = twin_ok
+        self.kick()
+
+    def usable(self, member: Member, entry: Entry) -> bool:
+        """Available now, and (for an embedding) the model's reference or a verified twin."""
+        return member.available() and self.twin_ok(member, entry)
+
+    def choose(self, entry: Entry) -> Member | None:
+        """The member ``entry`` goes to at once, or None: it parks (see the module docstring)."""
+        best = None
+        spare = None
+        always_usable = False
+        waiting = self._lot.waiting_for
+        for name in entry.eligible:
+            member = self._by_name[name]
+            if not self.usable(member, entry):
+                continue
+            if member.spec.standby:
+                if not waiting(name) and (spare is None or member.inflight < spare.inflight):
+                    spare = member
+                continue
+            always_usable = True
+            if not waiting(name) and (best is None or member.inflight < best.inflight):
+                best = member
+        if best is not None:
+            return best
+        return spare if not always_usable else None
+
+    def all_held(self, entry: Entry) -> bool:
+        """True when a hold applies to every member ``entry`` is eligible for: it waits for a yield to end.
+
+        (Not merely for its turn, or for a preload: class policies and the
+        hold budget apply only then.)
+        """
+        return all(self._state.yielded_for(name) for name in entry.eligible)
+
+    def may_take(self, name: str, entry: Entry) -> bool:
+        """Whether ``name``'s drainer may let ``entry`` out of the lot now.
+
+        A standby member only while no ``always`` member it is eligible for
+        is usable; the member its last attempt failed on only while no other
+        member (of the same use) is.
+        """
+        if name not in entry.eligible:
+            return False
+        member = self._by_name[name]
+        if not self.twin_ok(member, entry):
+            return False
+        standby = member.spec.standby
+        if standby or entry.failed_on == name:
+            for other_name in entry.eligible:
+                if other_name == name:
+                    continue
+                other = self._by_name[other_name]
+                if (not other.spec.standby or (standby and entry.failed_on == name)) and self.usable(other, entry):
+                    return False
+        return True
+
+    def passthrough_member(self, method: str, path: str, model: str | None) -> Member:
+        """Where a request that runs no model goes: the first member whose api serves the route
+        (the first serving ``model`` when it names one), available ones first."""
+        if self._single is not None:
+            return self.members[0]
+        native = native_apis(self._apis, method, path)
+        candidates = [m for m in self.members if m.spec.api in native] or list(self.members)
+        if model:
+            serving = [m for m in candidates if m.catalogue.serves(model)]
+            candidates = serving or candidates
+        for member in candidates:
+            if member.available():
+                return member
+        return candidates[0]
+
+    def members_serving(self, method: str, path: str) -> list[Member]:
+        """Every member whose api serves ``method path`` natively, in config order."""
+        native = native_apis(self._apis, method, path)
+        return [m for m in self.members if m.spec.api in native]
+
+    # -- the state of the pool --------------------------------------------------------------
+
+    @property
+    def several(self) -> bool:
+        return self._single is None
+
+    @property
+    def inflight(self) -> int:
+        return sum(m.inflight for m in self.members)
+
+    @property
+    def release_held(self) -> bool:
+        """Some member's release is held (a model preload after its yield)."""
+        return any(m.drainer.release_held for m in self.members)
+
+    @property
+    def concurrency(self) -> int:
+        """The replay slots of the available members (all of them when none is)."""
+        caps = [m.drainer.concurrency for m in self.members if m.available()]
+        return sum(caps) or sum(m.drainer.concurrency for m in self.members)
+
+    def state_name(self, lot_empty: bool) -> str:
+        """``yielded`` when no ``always`` member is available or handing over, ``draining`` when
+        the lot is not empty or a release is held, else ``available`` (a pool of one reads as before)."""
+        coming = [
+            m for m in self.members
+            if not m.spec.standby and not self._state.yielded_for(m.name) and not m.unreachable
+        ]
+        if not coming:
+            return "yielded"
+        return "available" if lot_empty and not self.release_held else "draining"
+
+    def status(self) -> list[dict]:
+        """The ``upstreams`` section of ``/status``: one row per member, in config order."""
+        return [
+            {
+                "name": m.name,
+                "url": m.spec.url,
+                "api": m.spec.api,
+                "use": m.spec.use,
+                "state": m.state_name(),
+                "holds": [h.as_json() for h in self._state.holds_for(m.name)],
+                "inflight": m.inflight,
+                "waiting": self._lot.waiting_for(m.name) if self.several else len(self._lot),
+                "replay_concurrency": m.drainer.concurrency,
+                "classes": list(m.spec.classes),
+                "models": m.catalogue.names(),
+                "models_discovered": not m.catalogue.static and m.catalogue.discovered is not None,
+            }
+            for m in self.members
+        ]
+
+    def metric_rows(self) -> list[tuple[str, bool, int, int, int]]:
+        """``(upstream, available, inflight, holds, waiting)`` per member, for :func:`~yieldproxy.metrics.pool_families`."""
+        return [
+            (
+                m.name, m.available(), m.inflight, len(self._state.holds_for(m.name)),
+                self._lot.waiting_for(m.name) if self.several else len(self._lot),
+            )
+            for m in self.members
+        ]
+
+    def kick(self) -> None:
+        """Wake every drainer (one of them may have work now)."""
+        for member in self.members:
+            member.drainer.kick()
+
+    def stop(self) -> None:
+        """The proxy stops: every drainer for good, every check."""
+        for member in self.members:
+            member.drainer.stop()
+            member.stop()
+
+    def _drainer_open(self, name: str) -> bool:
+        """Whether ``name``'s drainer has anything to look for, in O(members) (it walks its line only then)."""
+        member = self._by_name[name]
+        if not (self._lot.waiting_for(name) and member.available()):
+            return False
+        if member.spec.standby and all(m.available() for m in self.members if not m.spec.standby):
+            # Every always member takes what it may: a standby one only what none of them may.
+            return self._lot.waiting_for(STANDBY_ONLY) > 0
+        return True
+
+    def _member_changed(self, name: str, yielded: bool) -> None:
+        """A member was taken or given back: its backoff starts afresh, and every drainer looks again
+        (a standby member's turn depends on the others)."""
+        if not yielded:
+            self._by_name[name].drainer.reset_backoff()
+        self.kick()
