@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 
 from helpers import required_tool
-from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family
+from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family, pool_families
 
 PROM_DIR = ROOT / "etc" / "prometheus"
 RULES = PROM_DIR / "yieldproxy-rules.yml"
@@ -89,7 +89,10 @@ def grafana_to_promql(expr: str) -> str:
 def fresh_metrics() -> Metrics:
     m = Metrics()
     hold = types.SimpleNamespace(source="api", reason="test", since=100.0, expected_end=700.0, expires_at=None)
-    m.watch(lambda: [*hold_families([hold], 160.0), oldest_parked_family({})])
+    # The live families service.build registers: holds, the oldest parked, the pool's members.
+    m.watch(lambda: [
+        *hold_families([hold], 160.0), oldest_parked_family({}), *pool_families([("default", True, 0, 0, 0)]),
+    ])
     return m
 
 
@@ -189,6 +192,10 @@ def test_live_collectors_are_exposed():
         "yieldproxy_hold_age_seconds",
         "yieldproxy_hold_expected_seconds",
         "yieldproxy_oldest_parked_seconds",
+        "yieldproxy_upstream_available",
+        "yieldproxy_upstream_inflight_requests",
+        "yieldproxy_upstream_holds",
+        "yieldproxy_upstream_waiting_requests",
     ):
         assert name in series, f"{name} missing: the fake hold did not reach the exposition"
 
