@@ -9,12 +9,14 @@ one ``available 0`` with none).
 
 from __future__ import annotations
 
+import socket
+
 import pytest_twisted
 import treq
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import reactor
 
-from helpers import free_port, start_pool_stack, start_stack, wait_for
+from helpers import start_pool_stack, start_stack, wait_for
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
@@ -78,8 +80,10 @@ async def embedded(stack, text: str) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_every_per_upstream_series_is_exported_with_its_labels_and_moves_as_documented():
-    # b answers slowly enough to be seen in flight.
-    stack = await start_pool_stack(reactor, [{"name": "a"}, {"name": "b", "sim": {"latency": 0.6}}])
+    # b answers slowly enough to be seen in flight; both name the model, so the first request goes to a.
+    stack = await start_pool_stack(
+        reactor, [{"name": "a", "models": [MODEL]}, {"name": "b", "models": [MODEL], "sim": {"latency": 0.6}}]
+    )
     try:
         m = await scrape(stack)
         for gauge in ("available", "inflight_requests", "holds", "waiting_requests"):
@@ -159,8 +163,14 @@ async def test_every_per_upstream_series_is_exported_with_its_labels_and_moves_a
 @pytest_twisted.ensureDeferred
 async def test_an_unreachable_upstream_reads_unavailable_without_a_hold_while_the_other_serves():
     """What YieldproxyUpstreamUnavailable looks for: ``available 0`` and ``holds 0``, the pool still serving."""
-    closed = f"http://127.0.0.1:{free_port()}"
-    stack = await start_pool_stack(reactor, [{"name": "a", "url": closed}, {"name": "b"}])
+    # Bound, never listening: connections to it are refused, and no other process can take the port.
+    closed_socket = socket.socket()
+    closed_socket.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{closed_socket.getsockname()[1]}"
+    # Both name the model, so a is tried first (not passed over once b's model list is read).
+    stack = await start_pool_stack(
+        reactor, [{"name": "a", "url": closed, "models": [MODEL]}, {"name": "b", "models": [MODEL]}]
+    )
     try:
         for i in range(3):
             await embedded(stack, f"around {i}")
@@ -173,6 +183,7 @@ async def test_an_unreachable_upstream_reads_unavailable_without_a_hold_while_th
         assert m.get("yieldproxy_yield_active") == 0
     finally:
         await stack.stop()
+        closed_socket.close()
 
 
 @pytest_twisted.ensureDeferred
