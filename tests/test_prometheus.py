@@ -198,6 +198,21 @@ async def test_prometheus_sees_the_yield_the_parked_requests_and_the_replay():
             await stack.stop()
 
 
+def availability_query() -> str:
+    """The dashboard's "Upstream availability" query, its variables set to all (2 available, 1 held, 0 out)."""
+    with open(os.path.join(ROOT, "etc", "grafana", "yieldproxy-dashboard.json"), encoding="utf-8") as f:
+        panels = json.load(f)["panels"]
+    [expr] = [t["expr"] for p in panels if p.get("title") == "Upstream availability" for t in p["targets"]]
+    for var in ("$job", "$instance", "$upstream"):
+        expr = expr.replace(var, ".*")
+    return expr
+
+
+async def by_upstream(prometheus: Prometheus, query: str) -> dict[str, float]:
+    result = (await prometheus.api("/api/v1/query", query=query))["result"]
+    return {r["metric"]["upstream"]: float(r["value"][1]) for r in result}
+
+
 async def alert_query(prometheus: Prometheus, alert: str) -> list[dict]:
     """The labels of the series the shipped rule ``alert``'s expression gives now (its ``for`` aside)."""
     rules = (await prometheus.api("/api/v1/rules"))["groups"][0]["rules"]
@@ -222,7 +237,8 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
 
     The unreachable upstream is picked out (no hold on it) while the other
     serves; a game on the other makes the whole pool unavailable; a request
-    parked behind them is not a stalled lot.
+    parked behind them is not a stalled lot. The dashboard's availability
+    panel reads the same series as out (0), held (1) and available (2).
     """
     binary = prometheus_path()
     # Bound, never listening: connections to it are refused, and no other process can take the port.
@@ -254,6 +270,7 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
             await until_alert_query(prometheus, "YieldproxyUpstreamUnavailable", [{"upstream": "a"}])
             assert await alert_query(prometheus, "YieldproxyNoUpstreamAvailable") == []
             assert await alert_query(prometheus, "YieldproxyLotStalled") == []
+            assert await by_upstream(prometheus, availability_query()) == {"a": 0, "b": 2}
 
             # b games: nothing serves, and not only because of a yield; b itself is no "unavailable" upstream.
             answer = await treq.post(
@@ -267,6 +284,7 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
             await prometheus.until('yieldproxy_upstream_waiting_requests{upstream="b"}', 1)
             await until_alert_query(prometheus, "YieldproxyNoUpstreamAvailable", [{}])
             assert await alert_query(prometheus, "YieldproxyUpstreamUnavailable") == [{"upstream": "a"}]
+            assert await by_upstream(prometheus, availability_query()) == {"a": 0, "b": 1}
             assert await alert_query(prometheus, "YieldproxyLotStalled") == []
 
             answer = await treq.post(
