@@ -197,7 +197,7 @@ def test_live_collectors_are_exposed():
         "yieldproxy_upstream_holds",
         "yieldproxy_upstream_waiting_requests",
     ):
-        assert name in series, f"{name} missing: the fake hold did not reach the exposition"
+        assert name in series, f"{name} missing: a live family (the fake hold, the pool row) did not reach the exposition"
 
 
 @pytest.mark.parametrize("filename", [RULES.name, RULE_TESTS.name, DASHBOARD.name])
@@ -290,7 +290,10 @@ def test_dashboard_covers_the_essentials():
 
 
 def test_dashboard_upstream_panels_follow_the_upstream_variable():
-    """Every query of a per-upstream series selects ``upstream=~"$upstream"``; rates use ``$__rate_interval``."""
+    """Every query of a per-upstream series selects ``upstream=~"$upstream"``; rates use ``$__rate_interval``.
+
+    (The failed-share panel keeps the 10m window of YieldproxyUpstreamAttemptsFailing, to read as the alert does.)
+    """
     d = dashboard()
     variable = {v["name"]: v for v in d["templating"]["list"]}.get("upstream")
     assert variable and "yieldproxy_upstream_available" in variable["definition"], variable
