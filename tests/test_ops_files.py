@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 
 from helpers import required_tool
-from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family
+from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family, pool_families
 
 PROM_DIR = ROOT / "etc" / "prometheus"
 RULES = PROM_DIR / "yieldproxy-rules.yml"
@@ -89,7 +89,10 @@ def grafana_to_promql(expr: str) -> str:
 def fresh_metrics() -> Metrics:
     m = Metrics()
     hold = types.SimpleNamespace(source="api", reason="test", since=100.0, expected_end=700.0, expires_at=None)
-    m.watch(lambda: [*hold_families([hold], 160.0), oldest_parked_family({})])
+    # The live families service.build registers: holds, the oldest parked, the pool's members.
+    m.watch(lambda: [
+        *hold_families([hold], 160.0), oldest_parked_family({}), *pool_families([("default", True, 0, 0, 0)]),
+    ])
     return m
 
 
@@ -189,8 +192,12 @@ def test_live_collectors_are_exposed():
         "yieldproxy_hold_age_seconds",
         "yieldproxy_hold_expected_seconds",
         "yieldproxy_oldest_parked_seconds",
+        "yieldproxy_upstream_available",
+        "yieldproxy_upstream_inflight_requests",
+        "yieldproxy_upstream_holds",
+        "yieldproxy_upstream_waiting_requests",
     ):
-        assert name in series, f"{name} missing: the fake hold did not reach the exposition"
+        assert name in series, f"{name} missing: a live family (the fake hold, the pool row) did not reach the exposition"
 
 
 @pytest.mark.parametrize("filename", [RULES.name, RULE_TESTS.name, DASHBOARD.name])
@@ -271,8 +278,53 @@ def test_dashboard_covers_the_essentials():
         "yieldproxy_upstream_seconds_bucket",
         "yieldproxy_inflight_requests",
         "yieldproxy_upstream_failures_total",
+        # the upstreams of a pool
+        "yieldproxy_upstream_available",
+        "yieldproxy_upstream_inflight_requests",
+        "yieldproxy_upstream_waiting_requests",
+        "yieldproxy_upstream_holds",
+        "sum by (upstream, outcome) (rate(yieldproxy_upstream_attempts_total",
+        "histogram_quantile(0.99, sum by (le, upstream) (rate(yieldproxy_upstream_attempt_seconds_bucket",
     ):
         assert needle in exprs, f"the dashboard has no panel with {needle}"
+
+
+def test_dashboard_upstream_panels_follow_the_upstream_variable():
+    """Every query of a per-upstream series selects ``upstream=~"$upstream"``; rates use ``$__rate_interval``.
+
+    (The failed-share panel keeps the 10m window of YieldproxyUpstreamAttemptsFailing, to read as the alert does.)
+    """
+    d = dashboard()
+    variable = {v["name"]: v for v in d["templating"]["list"]}.get("upstream")
+    assert variable and "yieldproxy_upstream_available" in variable["definition"], variable
+    assert variable["includeAll"] and variable["multi"] and variable["allValue"] == ".*"
+    per_upstream = {n for n, labels in exposed_series().items() if labels and "upstream" in labels}
+    wrong = []
+    for expr in dashboard_exprs(d):
+        for name, body in SELECTOR.findall(expr):
+            if name in per_upstream and 'upstream=~"$upstream"' not in body:
+                wrong.append(f"{name}{{{body}}}")
+    assert not wrong, f"per-upstream selectors that ignore $upstream: {wrong}"
+    for p in query_panels(d):
+        for t in p["targets"]:
+            if "yieldproxy_upstream_attempt" in t["expr"] and "Failed attempts" not in p["title"]:
+                assert "[$__rate_interval]" in t["expr"], f"{p['title']}: {t['expr']}"
+
+
+DOCUMENTED_NAME = re.compile(r"^\| `(yieldproxy_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.M)
+
+
+@pytest.mark.parametrize("filename", [RULES.name, RULE_TESTS.name, DASHBOARD.name])
+def test_metric_names_are_documented(filename):
+    """What the rules, their tests and the dashboard read is in docs/metrics.md's tables."""
+    documented: set[str] = set()
+    for name, kind in DOCUMENTED_NAME.findall((ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")):
+        base = name.removesuffix("_total") if kind == "counter" else name  # counters are listed as NAME_total
+        documented |= {base + suffix for suffix in SUFFIXES[kind] if suffix != "_created"}
+    assert "yieldproxy_upstream_attempts_total" in documented and "yieldproxy_upstream_available" in documented
+    used = set(METRIC_NAME.findall(_ops_texts()[filename]))
+    undocumented = sorted(used - documented)
+    assert not undocumented, f"{filename} reads metrics docs/metrics.md does not list: {undocumented}"
 
 
 def test_dashboard_exprs_parse(tmp_path):

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 
 import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import ChildOutput, free_port, required_tool, sleep, start_stack, wait_for
+from helpers import ChildOutput, free_port, required_tool, sleep, start_pool_stack, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "prometheus-test-token-0123456789"
@@ -34,10 +35,10 @@ def prometheus_path() -> str:
     return required_tool("prometheus", install="apt-get install prometheus")
 
 
-def write_config(directory: str, admin_url: str) -> str:
+def write_config(directory: str, admin_url: str, token: str = READ_TOKEN) -> str:
     token_file = os.path.join(directory, "yieldproxy.token")
     with open(token_file, "w") as f:
-        f.write(READ_TOKEN + "\n")
+        f.write(token + "\n")
     os.chmod(token_file, 0o600)
     target = admin_url.removeprefix("http://")
     # JSON is YAML: no YAML writer needed.
@@ -195,3 +196,113 @@ async def test_prometheus_sees_the_yield_the_parked_requests_and_the_replay():
                 d.addErrback(lambda failure: None)
                 d.cancel()
             await stack.stop()
+
+
+def availability_query() -> str:
+    """The dashboard's "Upstream availability" query, its variables set to all (2 available, 1 held, 0 out)."""
+    with open(os.path.join(ROOT, "etc", "grafana", "yieldproxy-dashboard.json"), encoding="utf-8") as f:
+        panels = json.load(f)["panels"]
+    [expr] = [t["expr"] for p in panels if p.get("title") == "Upstream availability" for t in p["targets"]]
+    for var in ("$job", "$instance", "$upstream"):
+        expr = expr.replace(var, ".*")
+    return expr
+
+
+async def by_upstream(prometheus: Prometheus, query: str) -> dict[str, float]:
+    result = (await prometheus.api("/api/v1/query", query=query))["result"]
+    return {r["metric"]["upstream"]: float(r["value"][1]) for r in result}
+
+
+async def alert_query(prometheus: Prometheus, alert: str) -> list[dict]:
+    """The labels of the series the shipped rule ``alert``'s expression gives now (its ``for`` aside)."""
+    rules = (await prometheus.api("/api/v1/rules"))["groups"][0]["rules"]
+    [query] = [r["query"] for r in rules if r.get("name") == alert]
+    result = (await prometheus.api("/api/v1/query", query=query))["result"]
+    return [{k: v for k, v in r["metric"].items() if k not in ("job", "instance", "__name__")} for r in result]
+
+
+async def until_alert_query(prometheus: Prometheus, alert: str, expected: list[dict], timeout: float = 20) -> None:
+    seen = None
+    for _ in range(int(timeout / 0.25)):
+        seen = await alert_query(prometheus, alert)
+        if seen == expected:
+            return
+        await sleep(reactor, 0.25)
+    raise AssertionError(f"{alert}'s expression gives {seen}, expected {expected}, after {timeout}s")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_pool_alerts_read_the_real_per_upstream_series():
+    """A pool of two, one of them unreachable: the shipped per-upstream rules' expressions, on real scrapes.
+
+    The unreachable upstream is picked out (no hold on it) while the other
+    serves; a game on the other makes the whole pool unavailable; a request
+    parked behind them is not a stalled lot. The dashboard's availability
+    panel reads the same series as out (0), held (1) and available (2).
+    """
+    binary = prometheus_path()
+    # Bound, never listening: connections to it are refused, and no other process can take the port.
+    closed_socket = socket.socket()
+    closed_socket.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{closed_socket.getsockname()[1]}"
+    # Both name the model, so a is tried first (not passed over once b's model list is read).
+    stack = await start_pool_stack(
+        reactor, [{"name": "a", "url": closed, "models": ["all-minilm"]}, {"name": "b", "models": ["all-minilm"]}], token=TOKEN
+    )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    prometheus = None
+    parked = None
+    with tempfile.TemporaryDirectory(prefix="yp-prometheus-") as directory:
+        try:
+            prometheus = Prometheus(binary, directory, write_config(directory, stack.admin_url, token=TOKEN))
+            await prometheus.ready()
+            await prometheus.until('up{job="yieldproxy"}', 1)
+            for i in range(3):
+                answer = await treq.post(
+                    stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"b{i}"}, persistent=False
+                ).addTimeout(TIMEOUT, reactor)
+                assert answer.code == 200
+                await answer.content()
+            await wait_for(reactor, lambda: stack.proxy.pool.members[0].unreachable, timeout=TIMEOUT)
+
+            await prometheus.until('yieldproxy_upstream_available{upstream="a"}', 0)
+            await prometheus.until('yieldproxy_upstream_available{upstream="b"}', 1)
+            await until_alert_query(prometheus, "YieldproxyUpstreamUnavailable", [{"upstream": "a"}])
+            assert await alert_query(prometheus, "YieldproxyNoUpstreamAvailable") == []
+            assert await alert_query(prometheus, "YieldproxyLotStalled") == []
+            assert await by_upstream(prometheus, availability_query()) == {"a": 0, "b": 2}
+
+            # b games: nothing serves, and not only because of a yield; b itself is no "unavailable" upstream.
+            answer = await treq.post(
+                stack.admin_url + "/yield", json={"source": "game", "upstream": "b"}, headers=auth, persistent=False
+            ).addTimeout(TIMEOUT, reactor)
+            assert answer.code == 200
+            parked = treq.post(
+                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "parked"}, persistent=False
+            ).addTimeout(TIMEOUT * 2, reactor)
+            await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
+            await prometheus.until('yieldproxy_upstream_waiting_requests{upstream="b"}', 1)
+            await until_alert_query(prometheus, "YieldproxyNoUpstreamAvailable", [{}])
+            assert await alert_query(prometheus, "YieldproxyUpstreamUnavailable") == [{"upstream": "a"}]
+            assert await by_upstream(prometheus, availability_query()) == {"a": 0, "b": 1}
+            assert await alert_query(prometheus, "YieldproxyLotStalled") == []
+
+            answer = await treq.post(
+                stack.admin_url + "/resume", json={"source": "game"}, headers=auth, persistent=False
+            ).addTimeout(TIMEOUT, reactor)
+            assert answer.code == 200
+            assert (await parked).code == 200
+            parked = None
+            await prometheus.until('yieldproxy_upstream_attempts_total{upstream="b",outcome="ok"}', 4)
+            await until_alert_query(prometheus, "YieldproxyNoUpstreamAvailable", [])
+            assert await alert_query(prometheus, "YieldproxyLotStalled") == []
+            rules = (await prometheus.api("/api/v1/rules"))["groups"][0]["rules"]
+            assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+        finally:
+            if prometheus is not None:
+                await prometheus.stop()
+            if parked is not None:
+                parked.addErrback(lambda failure: None)
+                parked.cancel()
+            await stack.stop()
+            closed_socket.close()
