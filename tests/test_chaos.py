@@ -43,10 +43,9 @@ from twisted.internet.protocol import ProcessProtocol, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.web.client import ResponseNeverReceived
 
-from helpers import ChildOutput, config_with, free_port, in_thread, make_core, sleep, start_stack, wait_for
-from helpers import Entry
-from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
+from helpers import ChildOutput, Entry, config_with, free_port, in_thread, make_core, sleep, start_stack, wait_for
 from inmemory import Rig, answered
+from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
 from test_twistd import TWISTD
 from yieldproxy.sim import expected_embedding

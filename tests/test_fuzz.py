@@ -22,14 +22,12 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from twisted.internet import reactor
 
 from helpers import config_with, in_thread, start_stack
 from inmemory import Rig
 from rawhttp import LogCapture, RecordingBackend, exchange, parse_response, port_of, recording_stack, request_bytes
-
 
 TOKEN = "fuzz-admin-token"
 

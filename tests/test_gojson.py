@@ -6,8 +6,7 @@ import json
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from yieldproxy.gojson import (
     FULL_READ_LIMIT,

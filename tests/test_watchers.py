@@ -226,7 +226,6 @@ def test_signal_handlers_are_installed_and_put_back():
 @pytest_twisted.ensureDeferred
 async def test_sigusr1_and_sigusr2_to_a_twistd_process(tmp_path):
     from test_twistd import start_service
-
     from yieldproxy.sim import SimOllama
 
     config = tmp_path / "y.toml"

@@ -33,9 +33,9 @@ from . import __version__
 from .config import Config
 from .fallback import NotNow
 from .gate import Gate
+from .history import History
 from .hosts import HostPolicy, cross_site
 from .httpserver import Connections, ProxySite
-from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool

@@ -13,8 +13,8 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import attrs
 

@@ -30,7 +30,6 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 import attrs
-
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import wrapClientTLS
 from twisted.internet.interfaces import IPushProducer, IReactorTime, IStreamClientEndpoint

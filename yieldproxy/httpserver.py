@@ -56,7 +56,7 @@ import attrs
 from twisted.internet.address import UNIXAddress
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.web.http import HTTPChannel, RESPONSES
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from .classify import api_family

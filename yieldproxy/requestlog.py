@@ -31,8 +31,8 @@ from typing import IO, Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import (
     ILogObserver,
-    Logger,
     LogLevel,
+    Logger,
     formatEvent,
     formatEventAsClassicLogText,
     formatTime,

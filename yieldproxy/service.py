@@ -42,12 +42,17 @@ from .health import UpstreamHealth
 from .history import History, snapshot_reader
 from .listener import CannotListen, Listener
 from .metrics import (
-    Metrics, connection_families, hold_families, oldest_parked_family, pool_families, source_label,
+    Metrics,
+    connection_families,
+    hold_families,
+    oldest_parked_family,
+    pool_families,
+    source_label,
 )
 from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
-from .pool.models import ModelDiscovery
 from .pool.members import MemberSpec, member_specs
+from .pool.models import ModelDiscovery
 from .pool.routing import Pool
 from .proxy import ProxyApp
 from .replay import Replayer

@@ -91,8 +91,8 @@ from .base import (
     Server,
     json_object,
     routes,
-    up_on_200,
     unique_names,
+    up_on_200,
 )
 
 # -- routes ----------------------------------------------------------------------

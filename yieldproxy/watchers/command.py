@@ -29,8 +29,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
-from ..periodic import every
 from ..names import COMMAND_SOURCE
+from ..periodic import every
 from ..state import ALL, YieldState
 
 log = Logger()
