@@ -49,7 +49,7 @@ stops calling one.
 from __future__ import annotations
 
 import io
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import unquote_to_bytes
 
 import attrs
@@ -165,6 +165,9 @@ class OverCapacity(Protocol):
     the answer rather than a reset).
     """
 
+    #: Set by ``makeConnection``: a TCP (or unix) transport.
+    transport: Any
+
     def __init__(self, connections: Connections, clock):
         self._connections = connections
         self._clock = clock
@@ -227,6 +230,8 @@ class ProxyRequest(Request):
     disk nor be read whole before it is refused.
     """
 
+    #: The body so far (Twisted types it None until ``gotLength``).
+    content: Any
     max_body_bytes = 32 * 1024 * 1024
     #: Set once the body passed ``max_body_bytes``: it is no longer kept, and the app never sees it.
     too_large = False
@@ -299,7 +304,7 @@ class ProxyRequest(Request):
         if self.method == b"CONNECT":
             # A reverse proxy for one upstream opens no tunnels, whatever the target.
             return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
-        if self.too_large and self.channel.site.oversized is None:
+        if self.too_large and self.channel.site.oversized is None:  # type: ignore[attr-defined]  # Site.buildProtocol sets it
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
         channel = self.channel
@@ -323,17 +328,17 @@ class ProxyRequest(Request):
                 return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
         if known:
             return None
-        policy = getattr(channel.site, "host_policy", None)
+        policy = getattr(channel.site, "host_policy", None)  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         # A target that is not a path (absolute-form) goes nowhere whatever its Host:
         # the app refuses it with its own 400.  A unix socket is out of any web page's reach.
         if policy is not None and self.uri[:1] in (b"/", b"*"):
             local = self.getHost()
             if not isinstance(local, UNIXAddress):
-                host = hosts[0].decode("utf-8") if hosts else None
-                if not policy.allows(host, getattr(local, "host", None)):
+                named = hosts[0].decode("utf-8") if hosts else None
+                if named is not None and not policy.allows(named, getattr(local, "host", None)):
                     return (
                         403,
-                        f"Host {host[:100]!r} is not a name of this listener (a web page using DNS "
+                        f"Host {named[:100]!r} is not a name of this listener (a web page using DNS "
                         f"rebinding?); if it is yours, add it to {policy.key}",
                         "forbidden_host",
                     )
@@ -344,6 +349,9 @@ class ProxyRequest(Request):
 
 class ProxyChannel(HTTPChannel):
     """HTTP/1.1 with Nagle off, bounded reading, and explicit answers to bad requests."""
+
+    #: Set by ``makeConnection``: a TCP (or unix) transport.
+    transport: Any
 
     maxHeaders = MAX_HEADERS
     totalHeadersSize = MAX_HEADER_BYTES
@@ -363,10 +371,10 @@ class ProxyChannel(HTTPChannel):
     #: Whether the transport is TLS (it never changes: asked once).
     _secure = None
     #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
-    _host_passed = None
+    _host_passed: bytes | None = None
     #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
     _read_timeout_seconds = None
-    _clock = None
+    _clock: Any = None
     _stall_timer = None
     _linger_timer = None
     _idle_timeout = None
@@ -653,7 +661,7 @@ class ProxySite(Site):
     """
 
     displayTracebacks = False
-    protocol = ProxyChannel
+    protocol = ProxyChannel  # type: ignore[assignment]  # plain HTTP/1.1 channels, no HTTP/2 negotiation
 
     def __init__(
         self,

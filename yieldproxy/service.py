@@ -351,7 +351,7 @@ def _status_sections(watchers, handovers, fallback, pool: Pool) -> dict[str, Cal
 class ClientPools(Service):
     """The upstream clients' connection pools, closed when the proxy stops (after the drain: it uses them)."""
 
-    name = "clients"
+    name = "clients"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __init__(self, clients: Sequence[Any]):
         self._clients = tuple(clients)

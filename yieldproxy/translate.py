@@ -266,7 +266,7 @@ def parse_response(request: EmbedRequest, api: str, status: int, body: bytes) ->
         raise BackendError("bad_answer", "backend answer is not a JSON object")
     if "error" in data:
         raise BackendError("backend_error", f"backend answered an error: {error_message(body)}")
-    tokens = 0
+    tokens: object = 0  # checked below, whatever the backend sent
     if api == "ollama" and request.route == "legacy":
         vectors = [_vector(data.get("embedding"), "embedding")]
     elif api == "ollama":
