@@ -25,6 +25,7 @@ import pytest_twisted
 from twisted.internet import threads
 from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
 
+from helpers import release_every_hold
 from yieldproxy import cli, demo
 from yieldproxy.config import Config
 from yieldproxy.service import build
@@ -89,7 +90,7 @@ class AdminServer:
         return self
 
     async def close(self) -> None:
-        self.proxy.state.release_all()  # cancels lease timers
+        release_every_hold(self.proxy.state)
         self.proxy.replayer.stop()
         try:
             if self.port is not None:

@@ -124,13 +124,6 @@ class GoRequest:
             return None
         return self.values.get("model")
 
-    def string(self, name: str) -> str | None:
-        """A string field's value ("" when never set), None after a type error."""
-        if name in self.type_errors:
-            return None
-        value: str = self.values.get(name, "")
-        return value
-
 
 def _bind(pairs: Iterable[tuple[str, Any]]) -> GoRequest:
     """Apply each top-level pair in order, as Go's decoder does."""

@@ -220,11 +220,6 @@ class Response:
                 return value
         return None
 
-    def header_values(self, name: bytes) -> list[bytes]:
-        """Every value of header ``name`` (any case), in order."""
-        name = name.lower()
-        return [value for key, value in self.headers if key.lower() == name]
-
     def pauseProducing(self) -> None:
         ex = self._exchange
         if ex is not None and ex.conn is not None:

@@ -336,10 +336,6 @@ class YieldState:
             ends.append(max(known))
         return min(ends) if ends else None
 
-    def release_all(self) -> None:
-        for source, scope in list(self._holds):
-            self.release(source, scope)
-
     def _count(self, scope: str, sign: int) -> None:
         if scope == ALL:
             self._all += sign

@@ -72,10 +72,6 @@ class EmbedRequest:
     keep_alive: Any = attrs.field(default=None, hash=False)
 
     @property
-    def client_api(self) -> str:
-        return "openai" if self.route == "v1" else "ollama"
-
-    @property
     def unit_vectors(self) -> bool:
         """True when the client's API promises L2-normalised vectors."""
         return self.route != "legacy"
