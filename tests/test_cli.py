@@ -383,12 +383,12 @@ def test_format_status_sanitises_and_aligns() -> None:
     text = cli.format_status(status)
     assert "\x1b" not in text
     assert "state:      yielded (expected back in 2m 05s)" in text
-    assert "  file    -               1h 01m    -           -\n" in text
-    assert "  api     evil?[2Jreason  10s       in 30s      in 2m 05s" in text
+    assert "  file    -                  1h 01m    -           -\n" in text
+    assert "  api     evil\\x1b[2Jreason  10s       in 30s      in 2m 05s" in text
     assert "parked:     13 (batch 12, interactive 1, long 0), 3.5 KiB" in text
     assert "in flight:  2" in text
     assert cli.format_one_line(status) == (
-        "state: yielded | held by file; api (evil?[2Jreason, lease ends in 30s) "
+        "state: yielded | held by file; api (evil\\x1b[2Jreason, lease ends in 30s) "
         "| expected back in 2m 05s | 13 parked, 2 in flight"
     )
 

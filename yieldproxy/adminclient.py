@@ -19,6 +19,8 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, Respon
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
+from .text import printable
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -222,11 +224,3 @@ class AdminClient:
             "Is --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?",
             EXIT_ERROR,
         )
-
-
-def printable(text: Any, limit: int | None = None) -> str:
-    """Text from the network, safe for a terminal: no control characters, bounded."""
-    text = "".join(ch if ch.isprintable() else "?" for ch in str(text))
-    if limit is not None and len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text

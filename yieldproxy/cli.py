@@ -36,8 +36,8 @@ from .adminclient import (
     AdminClient,
     AdminTarget,
     CliError,
-    printable,
 )
+from .text import printable
 
 __all__ = [
     "EXIT_ERROR", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",

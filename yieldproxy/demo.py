@@ -28,10 +28,10 @@ from .adminclient import (
     CliError,
     NoDelayEndpoints,
     bounded,
-    printable,
     why_unreachable,
 )
 from .sim import SimOllama, expected_embedding
+from .text import printable
 
 #: The demo's embedding model; the sim answers any name, deterministically.
 DEMO_MODEL = "all-minilm"
