@@ -19,6 +19,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, Respon
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
+from .tcp import set_no_delay
 from .text import printable
 
 EXIT_OK = 0
@@ -85,9 +86,7 @@ class _NoDelay:
 
     def connect(self, factory):
         def nodelay(protocol):
-            transport = getattr(protocol, "transport", None)
-            if transport is not None and hasattr(transport, "setTcpNoDelay"):
-                transport.setTcpNoDelay(True)
+            set_no_delay(getattr(protocol, "transport", None))
             return protocol
 
         return self._wrapped.connect(factory).addCallback(nodelay)

@@ -84,6 +84,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from .h1parse import ParseError, ResponseParser
+from .tcp import set_no_delay
 
 #: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -299,12 +300,7 @@ class H1Connection(Protocol):
         self.when_lost: list[Deferred] = []
 
     def connectionMade(self) -> None:
-        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
-        if set_nodelay is not None:
-            try:
-                set_nodelay(True)
-            except OSError:
-                pass
+        set_no_delay(self.transport)
 
     # -- the exchange -----------------------------------------------------------
 

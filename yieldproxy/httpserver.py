@@ -63,6 +63,7 @@ from .classify import api_family
 from .errors import error_body
 from .hosts import HostPolicy
 from .requestlog import log_request
+from .tcp import set_no_delay
 
 log = Logger()
 
@@ -384,12 +385,7 @@ class ProxyChannel(HTTPChannel):
 
     def connectionMade(self):
         super().connectionMade()
-        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
-        if set_nodelay is not None:
-            try:
-                set_nodelay(True)
-            except OSError:
-                pass
+        set_no_delay(self.transport)
         # The read timeout starts with a request's first byte: a connection that
         # sends nothing at all is the keep-alive timeout's (closed without an answer).
         site = getattr(self, "site", None)
