@@ -388,6 +388,7 @@ class Attempt:
                 return
             if channel._waitingForTransport:
                 # The client's transport is full: from here on, what is written waits in memory.
+                # (A private HTTPChannel flag: tests/test_httpserver_hooks.py fails if Twisted drops it.)
                 self._register()
         if not self._committed:
             # The answer is about to reach the client: from here on, no retry and no timeout.
