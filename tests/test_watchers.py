@@ -28,7 +28,7 @@ from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_
 from test_burst import Burst, assert_clean
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
-from yieldproxy.probes import ModelCall
+from yieldproxy.servers.base import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import OutageWatcher

@@ -54,7 +54,7 @@ class UpstreamHealth:
         recognised outage explains it, so the attempt does not count against
         the request; False when the request failed on its own (or nothing
         judges outages).  ``call`` says what failed (a
-        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can
+        :class:`~yieldproxy.servers.base.ModelCall`, or None), so the judge can
         probe the same kind of call.  The Deferred never fails; cancelling
         it only stops waiting.
         """

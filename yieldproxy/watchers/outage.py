@@ -12,8 +12,8 @@ verdict: does a recognised outage explain the failure?
   configuration error (wrong URL or port), not an outage; its callers keep
   getting a fast 502.
 * Otherwise a **probe** decides, one per kind of failed call, shared by every
-  failure waiting on it: for a model call (a :class:`~yieldproxy.probes.ModelCall`)
-  the minimal call of the same kind (same route, same model; see probes.py),
+  failure waiting on it: for a model call (a :class:`~yieldproxy.servers.base.ModelCall`)
+  the minimal call of the same kind (same route, same model; see the server's ``minimal_call``),
   else ``upstream.health_path``.  If the probe fails too, the upstream is
   down: the watcher takes the ``outage`` hold and every failure waiting is
   forgiven (it parks, its attempt not counted).  If the probe passes, the
@@ -50,9 +50,9 @@ from ..control import Answer, UpstreamControl
 from ..health import UpstreamHealth
 from ..metrics import Metrics
 from ..names import OUTAGE_SOURCE
-from ..ollama_errors import is_gpu_failure
-from ..probes import ModelCall, minimal_call
 from ..servers import GPU, NOT_READY, UP
+from ..servers.base import ModelCall
+from ..servers.ollama import is_gpu_failure, minimal_call
 from ..state import ALL, DEFAULT_MEMBER, YieldState
 
 log = Logger()
