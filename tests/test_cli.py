@@ -435,3 +435,39 @@ def test_source_option_follows_the_api_rule(source: str, capsys: pytest.CaptureF
         cli.main(["yield", "--source", source])
     assert exited.value.code == 2
     assert "--source" in capsys.readouterr().err
+
+
+def test_bounded_turns_a_cancelled_request_into_a_timeout_on_the_clock():
+    """A cancelled Agent request fails with ResponseNeverReceived, not CancelledError: still a timeout."""
+    from twisted.internet.defer import Deferred, TimeoutError
+    from twisted.internet.task import Clock
+    from twisted.python.failure import Failure
+    from twisted.trial.unittest import SynchronousTestCase
+    from twisted.web.client import ResponseNeverReceived
+
+    from yieldproxy.adminclient import bounded
+
+    check = SynchronousTestCase()
+    clock = Clock()
+    answer: Deferred = Deferred(lambda d: d.errback(ResponseNeverReceived([Failure(Exception("cancelled"))])))
+
+    async def exchange():
+        return await answer
+
+    d = Deferred.fromCoroutine(bounded(clock, exchange(), 2.0))
+    clock.advance(1.9)
+    check.assertNoResult(d)
+    clock.advance(0.1)
+    assert "no answer within 2 s" in str(check.failureResultOf(d, TimeoutError).value)
+    assert clock.getDelayedCalls() == []
+
+    # An answer in time is the answer, and leaves no timer behind.
+    in_time: Deferred = Deferred()
+
+    async def quick():
+        return await in_time
+
+    d = Deferred.fromCoroutine(bounded(clock, quick(), 2.0))
+    in_time.callback("ok")
+    assert check.successResultOf(d) == "ok"
+    assert clock.getDelayedCalls() == []
