@@ -87,7 +87,7 @@ class Classifier:
     #: What does not depend on the body, by (method, path): whether a model rule
     #: could match, and the class without a model.  Every request asks; the
     #: routes are few (at most :data:`_ROUTE_CACHE` are kept).
-    _routes: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
+    _routes: dict[tuple[str, str], tuple[bool, str]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def from_rules(

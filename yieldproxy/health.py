@@ -29,7 +29,7 @@ from .servers.base import ModelCall
 log = Logger()
 
 #: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
-Judge = Callable[[str, ModelCall | None], Deferred]
+Judge = Callable[[str, ModelCall | None], "Deferred[bool]"]
 
 
 @attrs.define(eq=False)
@@ -47,7 +47,7 @@ class UpstreamHealth:
         """The upstream answered (a request or a probe): it is reachable from now on."""
         self.reachable = True
 
-    def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred:
+    def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred[bool]:
         """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.
 
         For a failure, the Deferred fires with the verdict: True when a
