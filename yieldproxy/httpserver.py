@@ -373,7 +373,8 @@ class ProxyChannel(HTTPChannel):
     _secure = None
     #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
     _host_passed: bytes | None = None
-    #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
+    #: The site's request read timeout, read once (see :meth:`_arm_read_timer`), and its reactor (set by
+    #: :meth:`ProxySite.buildProtocol`), the clock the read timer reads.
     _read_timeout_seconds = None
     _clock: Any = None
     _stall_timer = None
@@ -460,14 +461,8 @@ class ProxyChannel(HTTPChannel):
             self._read_timer = self.callLater(timeout, self._read_timer_fired)
 
     def _now(self) -> float:
-        """The time on the clock of ``callLater`` (the site's reactor)."""
-        clock = self._clock
-        if clock is None:
-            clock = getattr(getattr(self, "site", None), "reactor", None)
-            if clock is None:
-                from twisted.internet import reactor as clock  # as TimeoutMixin.callLater does, without a site
-            self._clock = clock
-        return clock.seconds()
+        """The time on the clock of ``callLater``: the site's reactor (:meth:`ProxySite.buildProtocol` sets both)."""
+        return self._clock.seconds()
 
     def _read_timer_fired(self) -> None:
         self._read_timer = None
@@ -695,7 +690,11 @@ class ProxySite(Site):
             if connections.refusing >= MAX_REFUSING:
                 return None  # Twisted closes the socket at once.
             return OverCapacity(connections, self.reactor)
-        return super().buildProtocol(addr)
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            # HTTPFactory gives the channel the reactor's callLater; the read timer reads the same clock.
+            channel._clock = self.reactor
+        return channel
 
     def log(self, request):
         """The request log is ours (one line with class and outcome), not Twisted's."""
