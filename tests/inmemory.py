@@ -39,7 +39,6 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
 from twisted.web.resource import IResource
 from twisted.web.server import Site
-
 from zope.interface import implementer
 
 from yieldproxy.config import Config

@@ -16,10 +16,10 @@ import time
 import attrs
 from twisted.internet import reactor as _reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from zope.interface import implementer
-from twisted.internet.interfaces import IPushProducer
 
 from helpers import start_stack
 

@@ -9,8 +9,8 @@ size, read time, Host) are about the wire and live in ``test_hostile.py`` and
 
 from __future__ import annotations
 
-from inmemory import Rig, answered
 from helpers import config_with
+from inmemory import Rig, answered
 
 
 def call(rig: Rig, method: str, path: str, body=None, token=None):

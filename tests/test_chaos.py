@@ -43,10 +43,9 @@ from twisted.internet.protocol import ProcessProtocol, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.web.client import ResponseNeverReceived
 
-from helpers import ChildOutput, config_with, free_port, in_thread, make_core, sleep, start_stack, wait_for
-from helpers import Entry
-from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
+from helpers import ChildOutput, Entry, config_with, free_port, in_thread, make_core, release_every_hold, sleep, start_stack, wait_for
 from inmemory import Rig, answered
+from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
 from test_twistd import TWISTD
 from yieldproxy.sim import expected_embedding
@@ -386,7 +385,7 @@ async def test_thirty_percent_of_parked_clients_leave_at_random():
         assert_accounts(stack, count, ok=count - leaving, abandoned=leaving, refused_at_once=0)
         assert texts >= set(stack.sim.texts_embedded)
     finally:
-        stack.proxy.state.release_all()
+        release_every_hold(stack.proxy.state)
         await stack.stop()
 
 

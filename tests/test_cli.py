@@ -25,6 +25,7 @@ import pytest_twisted
 from twisted.internet import threads
 from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
 
+from helpers import release_every_hold
 from yieldproxy import cli, demo
 from yieldproxy.config import Config
 from yieldproxy.service import build
@@ -89,7 +90,7 @@ class AdminServer:
         return self
 
     async def close(self) -> None:
-        self.proxy.state.release_all()  # cancels lease timers
+        release_every_hold(self.proxy.state)
         self.proxy.replayer.stop()
         try:
             if self.port is not None:
@@ -382,12 +383,12 @@ def test_format_status_sanitises_and_aligns() -> None:
     text = cli.format_status(status)
     assert "\x1b" not in text
     assert "state:      yielded (expected back in 2m 05s)" in text
-    assert "  file    -               1h 01m    -           -\n" in text
-    assert "  api     evil?[2Jreason  10s       in 30s      in 2m 05s" in text
+    assert "  file    -                  1h 01m    -           -\n" in text
+    assert "  api     evil\\x1b[2Jreason  10s       in 30s      in 2m 05s" in text
     assert "parked:     13 (batch 12, interactive 1, long 0), 3.5 KiB" in text
     assert "in flight:  2" in text
     assert cli.format_one_line(status) == (
-        "state: yielded | held by file; api (evil?[2Jreason, lease ends in 30s) "
+        "state: yielded | held by file; api (evil\\x1b[2Jreason, lease ends in 30s) "
         "| expected back in 2m 05s | 13 parked, 2 in flight"
     )
 
@@ -434,3 +435,39 @@ def test_source_option_follows_the_api_rule(source: str, capsys: pytest.CaptureF
         cli.main(["yield", "--source", source])
     assert exited.value.code == 2
     assert "--source" in capsys.readouterr().err
+
+
+def test_bounded_turns_a_cancelled_request_into_a_timeout_on_the_clock():
+    """A cancelled Agent request fails with ResponseNeverReceived, not CancelledError: still a timeout."""
+    from twisted.internet.defer import Deferred, TimeoutError
+    from twisted.internet.task import Clock
+    from twisted.python.failure import Failure
+    from twisted.trial.unittest import SynchronousTestCase
+    from twisted.web.client import ResponseNeverReceived
+
+    from yieldproxy.adminclient import bounded
+
+    check = SynchronousTestCase()
+    clock = Clock()
+    answer: Deferred = Deferred(lambda d: d.errback(ResponseNeverReceived([Failure(Exception("cancelled"))])))
+
+    async def exchange():
+        return await answer
+
+    d = Deferred.fromCoroutine(bounded(clock, exchange(), 2.0))
+    clock.advance(1.9)
+    check.assertNoResult(d)
+    clock.advance(0.1)
+    assert "no answer within 2 s" in str(check.failureResultOf(d, TimeoutError).value)
+    assert clock.getDelayedCalls() == []
+
+    # An answer in time is the answer, and leaves no timer behind.
+    in_time: Deferred = Deferred()
+
+    async def quick():
+        return await in_time
+
+    d = Deferred.fromCoroutine(bounded(clock, quick(), 2.0))
+    in_time.callback("ok")
+    assert check.successResultOf(d) == "ok"
+    assert clock.getDelayedCalls() == []

@@ -19,8 +19,15 @@ from twisted.internet import reactor
 from helpers import config_with, in_thread, start_stack, wait_for
 from inmemory import Rig
 from rawhttp import (
-    LogCapture, RawClient, RecordingBackend, assert_nothing_forwarded, exchange, parse_response, port_of,
-    recording_stack, request_bytes,
+    LogCapture,
+    RawClient,
+    RecordingBackend,
+    assert_nothing_forwarded,
+    exchange,
+    parse_response,
+    port_of,
+    recording_stack,
+    request_bytes,
 )
 from yieldproxy.hosts import HostPolicy, cross_site, host_name
 

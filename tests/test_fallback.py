@@ -42,14 +42,14 @@ from yieldproxy.fallback import (
     fallback_drainer,
     format_table,
 )
+from yieldproxy.forward import Upstream
 from yieldproxy.gate import Gate
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
 from yieldproxy.service import build_core
-from yieldproxy.state import YieldState
 from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
-from yieldproxy.forward import Upstream
+from yieldproxy.state import YieldState
 from yieldproxy.translate import BackendError, EmbedRequest, Embeddings
 
 MODEL = "all-minilm"

@@ -22,14 +22,12 @@ import attrs
 import pytest
 import pytest_twisted
 import treq
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, start_stack
+from helpers import config_with, in_thread, release_every_hold, start_stack
 from inmemory import Rig
 from rawhttp import LogCapture, RecordingBackend, exchange, parse_response, port_of, recording_stack, request_bytes
-
 
 TOKEN = "fuzz-admin-token"
 
@@ -358,7 +356,7 @@ async def test_fuzzed_admin_calls_are_answered_without_a_500():
         with LogCapture() as logs:
             await in_thread(reactor, fuzz, timeout=TIMEOUT)
         assert logs.errors() == []
-        stack.proxy.state.release_all()
+        release_every_hold(stack.proxy.state)
         await assert_still_serving(stack)
     finally:
         await stack.stop()

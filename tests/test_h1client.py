@@ -1035,8 +1035,9 @@ async def test_real_large_bodies_both_ways_with_length_and_chunked():
 
 @pytest_twisted.ensureDeferred
 async def test_real_backpressure_pauses_the_upstream_socket():
-    from helpers import wait_for
     from twisted.web.resource import Resource
+
+    from helpers import wait_for
 
     total = 64 * 1024 * 1024
 
@@ -1097,8 +1098,7 @@ async def test_real_refused_connection():
 
 # -- fuzz ----------------------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 #: Examples per fuzz test; raise it for a longer hunt: YIELDPROXY_FUZZ_EXAMPLES=6000 pytest tests/test_h1client.py -k fuzz
 FUZZ = settings(

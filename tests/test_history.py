@@ -12,6 +12,7 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from helpers import release_every_hold
 from yieldproxy.config import Config
 from yieldproxy.history import History, Snapshot, snapshot_reader
 from yieldproxy.parking import Entry
@@ -134,7 +135,7 @@ class BuiltProxyTests(SynchronousTestCase):
         proxy.history.stopService()
         d.cancel()
         self.failureResultOf(d)
-        proxy.state.release_all()
+        release_every_hold(proxy.state)
 
     def test_snapshot_reader_lists_every_class(self):
         class Lot:

@@ -911,7 +911,7 @@ async def test_route_rules_match_the_canonical_path():
     try:
         for target, cls in [(b"/api/%65mbed/", "long"), (b"/api//experimental/./x", "batch")]:
             answer = raw(stack, request_bytes(b"POST", target, body=EMBED), timeout=20)
-            await wait_for(reactor, lambda: stack.proxy.lot.count_by_class().get(cls) == 1)
+            await wait_for(reactor, lambda cls=cls: stack.proxy.lot.count_by_class().get(cls) == 1)
             stack.proxy.state.release("test")
             assert (await answer).status == 200
             stack.proxy.state.hold("test", "a game")

@@ -14,7 +14,7 @@ import pytest
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.logger import Logger, LogLevel
+from twisted.logger import LogLevel, Logger
 from twisted.web.resource import Resource
 
 from helpers import config_with
@@ -23,8 +23,8 @@ from yieldproxy import classify, hosts
 from yieldproxy.classify import PASSTHROUGH, Classifier
 from yieldproxy.config import RouteRule
 from yieldproxy.h1client import H1Pool
-from yieldproxy.httpserver import ProxySite
 from yieldproxy.hosts import HostPolicy
+from yieldproxy.httpserver import ProxySite
 from yieldproxy.requestlog import log_request
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama

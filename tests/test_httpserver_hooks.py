@@ -2,7 +2,7 @@
 
 ``httpserver.ProxyChannel`` overrides or reads parts of
 :class:`twisted.web.http.HTTPChannel` that are not public API (its docstring
-lists them).  If a Twisted release renames one, an override is simply never
+lists them), and ``forward.Attempt`` reads the channel's ``_waitingForTransport``.  If a Twisted release renames one, an override is simply never
 called again and the hardening it carries silently stops; this file fails
 loudly instead, naming the hook.  Each case feeds a channel, in memory, the
 request that must go through the hook, and checks both that the hook ran and
@@ -160,3 +160,21 @@ def test_a_slow_request_is_timed_with_the_channels_handling_flag():
     probe.went_through("_handlingRequest")
     status, body = probe.answer()
     assert status == 408 and "not received in full" in body["error"]
+
+
+def test_a_full_client_transport_shows_in_the_channels_waiting_flag():
+    """forward.Attempt reads ``HTTPChannel._waitingForTransport`` to know the client's transport is full.
+
+    The relay then registers itself as the client's producer and counts what
+    waits in memory against the client buffer bounds; were the flag gone or
+    never set, a slow client would be buffered without bound, silently.
+    """
+    probe = _Probe()
+    probe.send(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    channel = probe.channel
+    assert getattr(channel, "_waitingForTransport", None) is False, "HTTPChannel has no _waitingForTransport any more"
+    # What a TCP transport does when its send buffer fills, and when it drains.
+    channel.pauseProducing()
+    assert channel._waitingForTransport is True, "a paused HTTPChannel no longer sets _waitingForTransport"
+    channel.resumeProducing()
+    assert channel._waitingForTransport is False

@@ -101,3 +101,24 @@ def test_no_import_cycles() -> None:
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert "yieldproxy.adminclient" in graph["yieldproxy.demo"]
     assert _cycles(graph) == []
+
+
+#: The modules that may use the global reactor: the twistd plugin's service maker.  Every
+#: other part takes the reactor (or a test's clock) as an argument (issue 11).
+GLOBAL_REACTOR_USERS = {"yieldproxy.tap"}
+
+
+def _imports_global_reactor(path: Path) -> bool:
+    """Whether ``path`` imports ``twisted.internet.reactor``, anywhere in the module."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "twisted.internet":
+            if any(alias.name == "reactor" for alias in node.names):
+                return True
+        if isinstance(node, ast.Import) and any(alias.name == "twisted.internet.reactor" for alias in node.names):
+            return True
+    return False
+
+
+def test_only_the_plugin_imports_the_global_reactor() -> None:
+    users = {name for name, path in _modules().items() if _imports_global_reactor(path)}
+    assert users == GLOBAL_REACTOR_USERS

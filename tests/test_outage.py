@@ -23,8 +23,8 @@ from twisted.internet import reactor
 from helpers import config_with, in_thread, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
 from test_burst import Burst, assert_clean
-from yieldproxy.ollama_errors import GPU_FAILURE_PREFIXES, is_gpu_failure
-from yieldproxy.probes import PROBE_TEXT
+from yieldproxy.servers.base import PROBE_TEXT
+from yieldproxy.servers.ollama import GPU_FAILURE_PREFIXES, is_gpu_failure
 from yieldproxy.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
 
 TIMEOUT = 60

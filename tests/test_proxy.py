@@ -20,9 +20,9 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError
-from twisted.web.client import ResponseNeverReceived
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import Clock
+from twisted.web.client import ResponseNeverReceived
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 

@@ -24,8 +24,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import config_with, in_thread, make_core, start_stack, wait_for
-from helpers import Entry
+from helpers import Entry, config_with, in_thread, make_core, start_stack, wait_for
 from rawhttp import LogCapture, counter_by, exchange, port_of, recording_stack, request_bytes
 from yieldproxy.parking import Refused
 

@@ -212,7 +212,6 @@ def test_plugin_options_alone_accept_log_format():
 async def test_twistd_with_log_format_json_logs_json_lines():
     """A real ``twistd -n yieldproxy --log-format json``: every stdout line is a JSON object."""
     from test_twistd import start_service  # the same launcher as the service tests
-
     from yieldproxy.sim import SimOllama
 
     sim = SimOllama(reactor)

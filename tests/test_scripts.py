@@ -43,22 +43,28 @@ def project(tmp_path):
     # The venv's python runs the scripts' own Python code; the plugin-cache one-liner is only recorded.
     _executable(bin_dir / "python", f'#!/bin/sh\nif [ "$1" = -c ]; then echo "python -c" >> {log}; exit 0; fi\n'
                                     f'exec {sys.executable} "$@"\n')
-    for tool in ("pip", "twistd", "pytest"):
-        _executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {log}\necho "{tool} $*"\n')
+    for tool in ("pip", "twistd", "pytest", "ruff", "mypy"):
+        # A stand-in exits with $FAIL_<TOOL> (0 when unset), to show what a failed check does.
+        _executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {log}\necho "{tool} $*"\n'
+                                    f'exit ${{FAIL_{tool.upper()}:-0}}\n')
     return copy, tmp_path / "venv", log
 
 
-def _run(project, script: str, *args: str, offline: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run(
+    project, script: str, *args: str, offline: bool = False, fail: str | None = None,
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     copy, venv, log = project
     before = log.read_text().splitlines() if log.exists() else []
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["VENV"] = str(venv)
     if offline:
         env["PIP_NO_INDEX"] = "1"
+    if fail is not None:
+        env[f"FAIL_{fail.upper()}"] = "1"
     result = subprocess.run(
         [str(copy / "scripts" / script), *args], capture_output=True, text=True, env=env, timeout=60,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert (result.returncode != 0) == (fail is not None), result.stdout + result.stderr
     calls = log.read_text().splitlines()[len(before):]
     return result, calls
 
@@ -86,7 +92,7 @@ def test_an_extra_or_a_changed_project_installs_again(project):
     assert calls[:2] == ["pip install --quiet --upgrade pip", "pip install --quiet .[test]"]
     assert calls[-1] == "pytest -q"
     _, calls = _run(project, "test", "-q", offline=True)
-    assert calls == ["pytest -q"]
+    assert calls == [*STATIC_CHECKS, "pytest -q"]
     # scripts/run is content with a venv that has more.
     _, calls = _run(project, "run", offline=True)
     assert calls == ["twistd -n --pidfile= yieldproxy"]
@@ -101,4 +107,17 @@ def test_an_extra_or_a_changed_project_installs_again(project):
     _, calls = _run(project, "test")
     assert "pip install --quiet .[test]" in calls
     _, calls = _run(project, "test", offline=True)
-    assert calls == ["pytest "]
+    assert calls == [*STATIC_CHECKS, "pytest "]
+
+
+#: What scripts/test runs before pytest: ruff (rules in pyproject.toml), then mypy (setup.cfg).
+STATIC_CHECKS = ["ruff check --quiet yieldproxy twisted_plugins tests bench", "mypy "]
+
+
+@pytest.mark.parametrize("check", ["ruff", "mypy"])
+def test_a_failed_static_check_stops_the_tests(project, check):
+    """ruff and mypy run first, in the README's test command, and a finding fails it before pytest starts."""
+    _run(project, "test", "-q")
+    result, calls = _run(project, "test", "-q", offline=True, fail=check)
+    assert calls == STATIC_CHECKS[: [c.split()[0] for c in STATIC_CHECKS].index(check) + 1]
+    assert not any(call.startswith("pytest") for call in calls)

@@ -42,13 +42,13 @@ from yieldproxy.servers import (
     UP,
     UPSTREAM,
     ModelCall,
+    infinity as infinity_mod,
+    llamacpp as llamacpp_mod,
     native_apis,
     route_class,
     server,
+    tei as tei_mod,
 )
-from yieldproxy.servers import infinity as infinity_mod
-from yieldproxy.servers import llamacpp as llamacpp_mod
-from yieldproxy.servers import tei as tei_mod
 from yieldproxy.sim import BUSY_ERROR, OOM_ERROR, SimOllama, expected_embedding
 from yieldproxy.sim.infinity import OOM_MESSAGE as INFINITY_OOM
 from yieldproxy.sim.llamacpp import COMPUTE_ERROR, LOADING_BODY

@@ -5,8 +5,7 @@ from __future__ import annotations
 from urllib.parse import unquote_to_bytes
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from yieldproxy.target import BadTarget, parse_target
 

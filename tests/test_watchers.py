@@ -28,7 +28,7 @@ from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_
 from test_burst import Burst, assert_clean
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
-from yieldproxy.probes import ModelCall
+from yieldproxy.servers.base import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import OutageWatcher
@@ -226,7 +226,6 @@ def test_signal_handlers_are_installed_and_put_back():
 @pytest_twisted.ensureDeferred
 async def test_sigusr1_and_sigusr2_to_a_twistd_process(tmp_path):
     from test_twistd import start_service
-
     from yieldproxy.sim import SimOllama
 
     config = tmp_path / "y.toml"

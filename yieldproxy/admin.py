@@ -33,9 +33,9 @@ from . import __version__
 from .config import Config
 from .fallback import NotNow
 from .gate import Gate
+from .history import History
 from .hosts import HostPolicy, cross_site
 from .httpserver import Connections, ProxySite
-from .history import History
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
@@ -151,6 +151,11 @@ def parse_yield(body: dict, upstreams: tuple[str, ...] = ("default",)) -> dict:
     }
 
 
+def _read_only(sections: Mapping[str, Callable[[], Any]]) -> Mapping[str, Callable[[], Any]]:
+    """A read-only view of the status sections (typed, for the attrs converter)."""
+    return MappingProxyType(sections)
+
+
 @attrs.define(eq=False)
 class AdminApp:
     """The Klein app of the admin listener."""
@@ -169,7 +174,7 @@ class AdminApp:
     #: The last hour of samples for the status page's chart (``GET /history``).
     history: History | None = None
     #: Other parts' ``/status`` sections (``watchers``, ``handover``, ``fallback``), each read when asked.
-    sections: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict, converter=MappingProxyType)
+    sections: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict, converter=_read_only)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
@@ -380,7 +385,7 @@ class AdminApp:
         return self._metrics.render()
 
     @app.handle_errors
-    def not_found(self, request, failure):
+    def not_found(self, request, failure):  # type: ignore[misc]  # klein types the handler as a plain function
         from werkzeug.exceptions import MethodNotAllowed, NotFound
 
         if failure.check(NotFound):

@@ -15,9 +15,13 @@ from typing import Any
 import attrs
 from twisted.internet import defer, error as ierror
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint
+from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
+
+from .tcp import set_no_delay
+from .text import printable
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -83,9 +87,7 @@ class _NoDelay:
 
     def connect(self, factory):
         def nodelay(protocol):
-            transport = getattr(protocol, "transport", None)
-            if transport is not None and hasattr(transport, "setTcpNoDelay"):
-                transport.setTcpNoDelay(True)
+            set_no_delay(getattr(protocol, "transport", None))
             return protocol
 
         return self._wrapped.connect(factory).addCallback(nodelay)
@@ -116,26 +118,15 @@ def why_unreachable(failure_value: BaseException, timeout: float) -> str | None:
 async def bounded(reactor, coroutine, timeout: float):
     """Await ``coroutine``, cancelled after ``timeout`` seconds with a :class:`defer.TimeoutError`.
 
-    Not ``addTimeout``: cancelling an Agent request fails it with
-    ``ResponseNeverReceived``, which ``addTimeout`` does not recognise as its own.
+    A cancelled Agent request fails with ``ResponseNeverReceived``, not
+    ``CancelledError``: ``onTimeoutCancel`` turns whatever the cancel left into
+    the timeout (addTimeout calls it only when its own timer fired).
     """
-    d = defer.Deferred.fromCoroutine(coroutine)
-    expired = []
 
-    def expire() -> None:
-        expired.append(True)
-        d.cancel()
+    def timed_out(result: object, seconds: float) -> Failure:
+        return Failure(defer.TimeoutError(f"no answer within {seconds:g} s"))
 
-    timer = reactor.callLater(timeout, expire)
-    try:
-        return await d
-    except Exception:
-        if expired:
-            raise defer.TimeoutError(f"no answer within {timeout:g} s") from None
-        raise
-    finally:
-        if timer.active():
-            timer.cancel()
+    return await defer.Deferred.fromCoroutine(coroutine).addTimeout(timeout, reactor, onTimeoutCancel=timed_out)
 
 
 @attrs.define(eq=False)
@@ -222,11 +213,3 @@ class AdminClient:
             "Is --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?",
             EXIT_ERROR,
         )
-
-
-def printable(text: Any, limit: int | None = None) -> str:
-    """Text from the network, safe for a terminal: no control characters, bounded."""
-    text = "".join(ch if ch.isprintable() else "?" for ch in str(text))
-    if limit is not None and len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text

@@ -27,7 +27,7 @@ import attrs
 
 from .config import RouteRule
 from .gojson import BadBody
-from .names import CLASS_NAMES, PASSTHROUGH
+from .names import CLASS_NAMES, PASSTHROUGH, name_tuple
 from .servers import Server, server
 from .servers.ollama import MODEL_LOADING_PATHS, UNLOAD_PATHS, api_family, is_unload
 
@@ -79,7 +79,7 @@ class Classifier:
     #: The class of a route no rule names and no server's table holds.
     unknown_class: str = "interactive"
     #: The apis of the upstreams, in config order: their tables classify what no rule does.
-    apis: tuple[str, ...] = attrs.field(default=("ollama",), converter=tuple)
+    apis: tuple[str, ...] = attrs.field(default=("ollama",), converter=name_tuple)
     #: Their descriptions (an unknown api is a ValueError here).
     _servers: tuple[Server, ...] = attrs.field(
         init=False, repr=False, default=attrs.Factory(lambda self: tuple(map(server, self.apis)), takes_self=True)
@@ -87,7 +87,7 @@ class Classifier:
     #: What does not depend on the body, by (method, path): whether a model rule
     #: could match, and the class without a model.  Every request asks; the
     #: routes are few (at most :data:`_ROUTE_CACHE` are kept).
-    _routes: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
+    _routes: dict[tuple[str, str], tuple[bool, str]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def from_rules(

@@ -36,8 +36,8 @@ from .adminclient import (
     AdminClient,
     AdminTarget,
     CliError,
-    printable,
 )
+from .text import printable
 
 __all__ = [
     "EXIT_ERROR", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
@@ -199,14 +199,14 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Setti
             config = load(config_path)
         except ConfigError as e:
             raise CliError(str(e), EXIT_USAGE) from None
-    notes = []
+    notes: list[str] = []
     admin = getattr(args, "admin", None) or environ.get("YIELDPROXY_ADMIN")
     if admin:
         target = admin_target_from_option(admin)
     elif config is not None:
-        target = admin_target_from_endpoint(config.admin.listen)
-        if target is None:
-            target = AdminTarget(DEFAULT_ADMIN)
+        from_config = admin_target_from_endpoint(config.admin.listen)
+        target = from_config if from_config is not None else AdminTarget(DEFAULT_ADMIN)
+        if from_config is None:
             notes.append(
                 f"admin.listen {config.admin.listen!r} in {config_path} is not a tcp: or unix: "
                 f"endpoint; trying {DEFAULT_ADMIN} (use --admin to say where)"
@@ -215,6 +215,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Setti
         target = AdminTarget(DEFAULT_ADMIN)
 
     token_file = getattr(args, "token_file", None)
+    token: str | None
     if token_file:
         token = _read_token_file(token_file, "--token-file")
     elif environ.get("YIELDPROXY_TOKEN", "").strip():

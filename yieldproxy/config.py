@@ -13,8 +13,8 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -413,7 +413,7 @@ class Config:
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
-        sections = {}
+        sections: dict[str, dict[str, Any]] = {}
         for dotted_key, value in dotted.items():
             if value is None:
                 continue

@@ -11,11 +11,10 @@ injected reactor (``Deferred.addTimeout``) and reads the whole (small) body.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 from twisted.internet.defer import Deferred, fail
-from twisted.python.failure import Failure
 
 from .forward import Upstream
 from .h1client import Collector
@@ -48,7 +47,7 @@ class Answer:
 class UpstreamControl:
     """Small JSON calls to the configured upstream, each bounded in time."""
 
-    def __init__(self, reactor, url: str, *, endpoint=None):
+    def __init__(self, reactor: Any, url: str, *, endpoint: Any = None):
         self._reactor = reactor
         self.url = url.rstrip("/")
         self._endpoint = endpoint
@@ -80,7 +79,7 @@ class UpstreamControl:
             return fail()
         d.addCallback(lambda response: Answer(response.code, response.body or b""))
 
-        def timed_out(result, seconds):
-            return Failure(ControlTimeout(f"{method} {path}: no answer from {self.url} within {seconds:g}s"))
+        def timed_out(result: object, seconds: float) -> NoReturn:
+            raise ControlTimeout(f"{method} {path}: no answer from {self.url} within {seconds:g}s")
 
         return d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)

@@ -28,10 +28,10 @@ from .adminclient import (
     CliError,
     NoDelayEndpoints,
     bounded,
-    printable,
     why_unreachable,
 )
 from .sim import SimOllama, expected_embedding
+from .text import printable
 
 #: The demo's embedding model; the sim answers any name, deterministically.
 DEMO_MODEL = "all-minilm"
@@ -201,7 +201,7 @@ def _log_above(line: _Line) -> None:
 
     globalLogBeginner.beginLoggingTo(
         [FilteringLogObserver(
-            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),
+            lambda event: line.say((formatEventAsClassicLogText(event) or "").rstrip()),  # type: ignore[arg-type]
             [LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)],
         )],
         redirectStandardIO=False,
@@ -442,9 +442,9 @@ class _Run:
         watch = self.watch
         if self.proxy.gate.state_name == "draining":
             self.reactor.callLater(0.01, self.watch_drain)
-        elif watch.drained_at is None:
-            watch.drained_at = self.reactor.seconds()
-            self.line.say(f"{self.mark():6.2f}s  the lot is empty: drained in {watch.drained_at - watch.resumed_at:.2f} s")
+        elif watch.drained_at is None and watch.resumed_at is not None:
+            drained_at = watch.drained_at = self.reactor.seconds()
+            self.line.say(f"{self.mark():6.2f}s  the lot is empty: drained in {drained_at - watch.resumed_at:.2f} s")
 
     def progress(self) -> None:
         burst = self.burst

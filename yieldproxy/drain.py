@@ -44,9 +44,10 @@ class Stoppable(Protocol):
 class InFlight(Protocol):
     """Where admitted requests go (the primary's replayer, the fallback): what is in flight there."""
 
-    inflight: int
+    @property
+    def inflight(self) -> int: ...
 
-    def when_idle(self) -> Deferred: ...
+    def when_idle(self) -> Deferred[None]: ...
 
 
 @attrs.define(eq=False, slots=False)
@@ -64,10 +65,10 @@ class Drain(Service):
     #: ``proxy.shutdown_timeout_seconds``.
     timeout: float = 30.0
 
-    name = "drain"
+    name = "drain"  # type: ignore[assignment]  # Twisted types Service.name as None
 
-    def stopService(self) -> Deferred:
-        super().stopService()
+    def stopService(self) -> Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:

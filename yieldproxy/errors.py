@@ -12,6 +12,7 @@ business (:attr:`yieldproxy.servers.Server.error_shape`).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 #: The longest Retry-After sent (an hour): past that a client does better to ask again
 #: than to sleep on an estimate, and a caller-given estimate must not become a huge header.
@@ -47,7 +48,7 @@ def tei_error_type(status: int) -> str:
 def error_body(api: str, status: int, message: str, code: str) -> bytes:
     """The JSON body for an error, in the shape ``api`` names (one of :data:`ERROR_SHAPES`)."""
     if api == "openai":
-        payload: dict = {
+        payload: dict[str, Any] = {
             "error": {
                 "message": message,
                 "type": _OPENAI_TYPES.get(status, "server_error"),
@@ -65,7 +66,7 @@ def error_body(api: str, status: int, message: str, code: str) -> bytes:
     return json.dumps(payload).encode("utf-8")
 
 
-def write_error(request, api: str, status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
+def write_error(request: Any, api: str, status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
     """Set status and headers on ``request`` and return the body to send."""
     # Twisted knows no reason phrase for 429 and would send "Unknown Status".
     request.setResponseCode(status, b"Too Many Requests" if status == 429 else None)

@@ -60,9 +60,6 @@ from .translate import (
 
 log = Logger()
 
-#: ``yieldproxy_fallback_total`` outcomes: each request of a ``fallback``
-#: class arriving during a yield gets exactly one (docs/fallback.md).
-OUTCOMES = ("ok", "failed_parked", "skipped_unverified", "skipped_busy", "skipped_unsupported", "abandoned")
 #: The fallback's name as a drain target (``Entry.offers``, ``Entry.released_to``).
 TARGET = "fallback"
 #: After a verification that could not run (a side unreachable, an error
@@ -735,6 +732,6 @@ def check_command(config_path: str | None) -> int:
 
 
 __all__ = [
-    "OUTCOMES", "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
+    "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
     "Fallback", "fallback_drainer", "format_table", "check", "check_command",
 ]

@@ -26,14 +26,13 @@ bound is dropped (:class:`ClientTooSlow`) instead of pausing the upstream.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 import attrs
-
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import wrapClientTLS
-from twisted.internet.interfaces import IPushProducer, IReactorTime, IStreamClientEndpoint
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
@@ -297,7 +296,7 @@ class Attempt:
         request,
         body: bytes,
         timeout: float,
-        extra_headers: list[tuple[bytes, bytes]] = (),
+        extra_headers: Sequence[tuple[bytes, bytes]] = (),
         retry_statuses: bool = True,
         buffers: ClientBuffers | None = None,
         *,
@@ -313,7 +312,7 @@ class Attempt:
         self._extra_headers = extra_headers
         self._retry_statuses = retry_statuses
         self._buffers = buffers
-        self._timer = None
+        self._timer: IDelayedCall | None = None
         self._timed_out = False
         self._pending: Deferred | None = None
         self.status: int | None = None
@@ -389,11 +388,13 @@ class Attempt:
                 return
             if channel._waitingForTransport:
                 # The client's transport is full: from here on, what is written waits in memory.
+                # (A private HTTPChannel flag: tests/test_httpserver_hooks.py fails if Twisted drops it.)
                 self._register()
         if not self._committed:
             # The answer is about to reach the client: from here on, no retry and no timeout.
             self._committed = True
             self._disarm()
+            assert self._response is not None  # the body comes after the response
             self._commit(self._response)
         if self._paused and self._buffers is not None:
             if not self._buffers.take(len(data), self._buffered):
@@ -403,6 +404,7 @@ class Attempt:
 
     def _judge_long(self) -> None:
         """An error body longer than what is read to judge it: a 502/503 is retried, the rest relayed whole."""
+        assert self._response is not None  # the body comes after the response
         code = self._response.code
         if code in (502, 503) and self._retry_statuses:
             # Not read further: the client aborts the connection.
@@ -516,6 +518,7 @@ class Attempt:
     def _drop(self, size: int) -> None:
         """Past a buffer bound: raise :class:`ClientTooSlow` into the client (it aborts the upstream)."""
         waiting = self._buffered + size
+        assert self._buffers is not None  # only a bounded client drops
         self._client_gone = True
         self._abandon()
         raise ClientTooSlow(

@@ -75,7 +75,7 @@ class Gate:
         parked = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "none"
         return f"now {self.state_name}, parked {parked}, in flight {self.pool.inflight}"
 
-    def admit(self, entry: Entry) -> Deferred:
+    def admit(self, entry: Entry) -> Deferred[Entry]:
         """A Deferred that fires with ``entry`` when it may go upstream, ``entry.released_to`` naming where.
 
         It goes at once to a member :meth:`Pool.choose` picks; else it parks

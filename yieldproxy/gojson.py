@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 import attrs
 
@@ -124,12 +124,6 @@ class GoRequest:
             return None
         return self.values.get("model")
 
-    def string(self, name: str) -> str | None:
-        """A string field's value ("" when never set), None after a type error."""
-        if name in self.type_errors:
-            return None
-        return self.values.get(name, "")
-
 
 def _bind(pairs: Iterable[tuple[str, Any]]) -> GoRequest:
     """Apply each top-level pair in order, as Go's decoder does."""
@@ -202,9 +196,20 @@ def go_duration(value: Any) -> int:
         raise _TypeError
     if seconds < 0:
         return _MAX_INT64
-    nanos = seconds * 1e9
+    scaled = seconds * 1e9
     # Go's float64 -> int64 conversion truncates; past int64 it is not zero.
-    return int(nanos) if nanos < 2**63 else _MAX_INT64
+    return int(scaled) if scaled < 2**63 else _MAX_INT64
+
+
+_DIGITS = re.compile(rb"[0-9]*")
+_UNIT = re.compile(rb"[^0-9.]*")
+
+
+def _take(pattern: re.Pattern[bytes], s: bytes) -> tuple[bytes, bytes]:
+    """The leading run of ``s`` that ``pattern`` (which matches the empty string too) takes, and the rest."""
+    m = pattern.match(s)
+    assert m is not None
+    return m.group(), s[m.end():]
 
 
 def _parse_go_duration(text: str) -> int:
@@ -222,9 +227,7 @@ def _parse_go_duration(text: str) -> int:
     while s:
         if not (s[:1] == b"." or s[:1].isdigit()):
             raise _TypeError
-        m = re.match(rb"[0-9]*", s)
-        whole_digits = m.group()
-        s = s[m.end():]
+        whole_digits, s = _take(_DIGITS, s)
         if len(whole_digits) > 0:
             whole = int(whole_digits)
             if whole > 2**63:
@@ -234,9 +237,7 @@ def _parse_go_duration(text: str) -> int:
         frac, scale, post = 0, 1.0, False
         if s[:1] == b".":
             s = s[1:]
-            m = re.match(rb"[0-9]*", s)
-            digits = m.group()
-            s = s[m.end():]
+            digits, s = _take(_DIGITS, s)
             post = bool(digits)
             overflow = False
             for d in digits:
@@ -253,9 +254,7 @@ def _parse_go_duration(text: str) -> int:
                 scale *= 10
         if not whole_digits and not post:
             raise _TypeError
-        m = re.match(rb"[^0-9.]*", s)
-        unit_text = m.group()
-        s = s[m.end():]
+        unit_text, s = _take(_UNIT, s)
         if not unit_text:
             raise _TypeError
         unit = _NANOSECONDS.get(unit_text.decode("utf-8", "replace"))
@@ -281,11 +280,11 @@ def _parse_go_duration(text: str) -> int:
 # -- the whole body -------------------------------------------------------------------------
 
 
-class _Pairs(list):
+class _Pairs(list[tuple[str, Any]]):
     """An object's members in order, duplicates kept (``object_pairs_hook``)."""
 
 
-def _refuse_constant(name: str):
+def _refuse_constant(name: str) -> NoReturn:
     raise BadBody(f"request body has {name}, which is not JSON")
 
 

@@ -73,7 +73,7 @@ from __future__ import annotations
 import select
 import socket
 from ipaddress import ip_address
-from typing import Any, Callable, Iterable, Protocol as TypingProtocol
+from typing import Any, Callable, Iterable, Literal, Protocol as TypingProtocol
 
 from twisted.internet import error as ierror, tcp
 from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
@@ -84,6 +84,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from .h1parse import ParseError, ResponseParser
+from .tcp import set_no_delay
 
 #: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -220,11 +221,6 @@ class Response:
                 return value
         return None
 
-    def header_values(self, name: bytes) -> list[bytes]:
-        """Every value of header ``name`` (any case), in order."""
-        name = name.lower()
-        return [value for key, value in self.headers if key.lower() == name]
-
     def pauseProducing(self) -> None:
         ex = self._exchange
         if ex is not None and ex.conn is not None:
@@ -283,6 +279,9 @@ class _Exchange:
 class H1Connection(Protocol):
     """One persistent connection: runs one exchange at a time, then goes back to its pool."""
 
+    #: Set by ``makeConnection``: a TCP (or TLS) transport, its own push producer too.
+    transport: Any
+
     def __init__(self, pool: "H1Pool"):
         self._pool = pool
         self._parser = ResponseParser(self)
@@ -296,17 +295,12 @@ class H1Connection(Protocol):
         #: Requests this connection has carried.
         self.served = 0
         #: For :meth:`still_open`: a poll object on the socket (False: no socket to poll).
-        self._poller = None
+        self._poller: select.poll | Literal[False] | None = None
         #: Fired when the connection is gone (the pool's close waits on these).
         self.when_lost: list[Deferred] = []
 
     def connectionMade(self) -> None:
-        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
-        if set_nodelay is not None:
-            try:
-                set_nodelay(True)
-            except OSError:
-                pass
+        set_no_delay(self.transport)
 
     # -- the exchange -----------------------------------------------------------
 
@@ -379,6 +373,7 @@ class H1Connection(Protocol):
 
     def on_head(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None) -> None:
         ex = self.exchange
+        assert ex is not None  # the parser runs only during an exchange
         if ex.timer is not None:
             # The timeout covers the wait for the head; a long body is not cut.
             if ex.timer.active():
@@ -393,12 +388,14 @@ class H1Connection(Protocol):
     def on_body(self, data: bytes) -> None:
         ex = self.exchange
         try:
-            ex.handler.body_received(data)
+            ex.handler.body_received(data)  # type: ignore[union-attr]  # the parser runs only during an exchange
         except BaseException:
+            assert ex is not None
             self._handler_failed(ex, Failure())
 
     def on_end(self, keep_alive: bool) -> None:
         ex = self.exchange
+        assert ex is not None  # the parser runs only during an exchange
         self.exchange = None
         ex.conn = None
         if self._paused and not self.lost:
@@ -422,7 +419,7 @@ class H1Connection(Protocol):
 
     # -- the end ---------------------------------------------------------------------
 
-    def connectionLost(self, reason: Failure = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self.lost = True
         self.dead = True
         # Leave the count first, so a retry can have a fresh connection in its place.
@@ -742,12 +739,14 @@ class H1Pool:
         self._sweeper = None
         idle = self._idle
         now = self._reactor.seconds()
-        while idle and idle[0].idle_since + self.idle_timeout <= now:
+        timeout = self.idle_timeout
+        assert timeout is not None  # no sweeper without a timeout
+        while idle and idle[0].idle_since + timeout <= now:
             conn = idle.pop(0)
             conn.dead = True
             conn.transport.loseConnection()
         if idle:
-            self._sweeper = self._reactor.callLater(idle[0].idle_since + self.idle_timeout - now, self._sweep)
+            self._sweeper = self._reactor.callLater(idle[0].idle_since + timeout - now, self._sweep)
 
     def _stop_sweeper(self) -> None:
         sweeper, self._sweeper = self._sweeper, None

@@ -83,7 +83,7 @@ class Handover(Service):
     #: The pool member whose models it unloads and loads (its yields, its drainer, its control client).
     member: str = DEFAULT_MEMBER
 
-    name = "handover"
+    name = "handover"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         if len(self._state.members) > 1:
@@ -252,7 +252,6 @@ class Handover(Service):
         body: dict[str, Any] = {"model": model}
         if unload:
             body["keep_alive"] = 0
-        answer = None
         for path in ("/api/generate", "/api/embed"):
             answer = await self._control.request("POST", path, body, timeout=self._remaining(deadline))
             if answer.code == 200:

@@ -24,10 +24,12 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from .servers.base import ModelCall
+
 log = Logger()
 
 #: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
-Judge = Callable[[str, object], Deferred]
+Judge = Callable[[str, ModelCall | None], "Deferred[bool]"]
 
 
 @attrs.define(eq=False)
@@ -45,14 +47,14 @@ class UpstreamHealth:
         """The upstream answered (a request or a probe): it is reachable from now on."""
         self.reachable = True
 
-    def report(self, failure_reason: str | None, call: object = None) -> Deferred:
+    def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred[bool]:
         """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.
 
         For a failure, the Deferred fires with the verdict: True when a
         recognised outage explains it, so the attempt does not count against
         the request; False when the request failed on its own (or nothing
         judges outages).  ``call`` says what failed (a
-        :class:`~yieldproxy.probes.ModelCall`, or None), so the judge can
+        :class:`~yieldproxy.servers.base.ModelCall`, or None), so the judge can
         probe the same kind of call.  The Deferred never fails; cancelling
         it only stops waiting.
         """

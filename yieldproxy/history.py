@@ -65,7 +65,7 @@ class History(Service):
     _samples: collections.deque = attrs.field(init=False)
     _loop: LoopingCall | None = attrs.field(init=False, default=None)
 
-    name = "history"
+    name = "history"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         self._samples = collections.deque(maxlen=self.capacity)

@@ -23,9 +23,12 @@ from __future__ import annotations
 import functools
 import socket
 from ipaddress import ip_address
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import attrs
+
+if TYPE_CHECKING:
+    from twisted.web.http_headers import Headers
 
 #: Names under these suffixes never resolve through public DNS, so a web page cannot
 #: rebind them (Ollama's list: ``.localhost`` by RFC 6761, mDNS ``.local``, ``.internal``).
@@ -127,7 +130,7 @@ def _without_default_port(authority: str, scheme: str = "http") -> str:
     return authority[: -len(default)] if authority.endswith(default) else authority
 
 
-def cross_site(headers) -> str | None:
+def cross_site(headers: Headers) -> str | None:
     """Why a request comes from another web site, or None when it does not (or is no browser's).
 
     ``headers`` is a :class:`twisted.web.http_headers.Headers`.  A browser

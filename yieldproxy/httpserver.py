@@ -49,20 +49,21 @@ stops calling one.
 from __future__ import annotations
 
 import io
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import unquote_to_bytes
 
 import attrs
 from twisted.internet.address import UNIXAddress
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.web.http import HTTPChannel, RESPONSES
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.server import Request, Site
 
 from .classify import api_family
 from .errors import error_body
 from .hosts import HostPolicy
 from .requestlog import log_request
+from .tcp import set_no_delay
 
 log = Logger()
 
@@ -165,6 +166,9 @@ class OverCapacity(Protocol):
     the answer rather than a reset).
     """
 
+    #: Set by ``makeConnection``: a TCP (or unix) transport.
+    transport: Any
+
     def __init__(self, connections: Connections, clock):
         self._connections = connections
         self._clock = clock
@@ -227,6 +231,8 @@ class ProxyRequest(Request):
     disk nor be read whole before it is refused.
     """
 
+    #: The body so far (Twisted types it None until ``gotLength``).
+    content: Any
     max_body_bytes = 32 * 1024 * 1024
     #: Set once the body passed ``max_body_bytes``: it is no longer kept, and the app never sees it.
     too_large = False
@@ -299,7 +305,7 @@ class ProxyRequest(Request):
         if self.method == b"CONNECT":
             # A reverse proxy for one upstream opens no tunnels, whatever the target.
             return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
-        if self.too_large and self.channel.site.oversized is None:
+        if self.too_large and self.channel.site.oversized is None:  # type: ignore[attr-defined]  # Site.buildProtocol sets it
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
         channel = self.channel
@@ -323,17 +329,17 @@ class ProxyRequest(Request):
                 return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
         if known:
             return None
-        policy = getattr(channel.site, "host_policy", None)
+        policy = getattr(channel.site, "host_policy", None)  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         # A target that is not a path (absolute-form) goes nowhere whatever its Host:
         # the app refuses it with its own 400.  A unix socket is out of any web page's reach.
         if policy is not None and self.uri[:1] in (b"/", b"*"):
             local = self.getHost()
             if not isinstance(local, UNIXAddress):
-                host = hosts[0].decode("utf-8") if hosts else None
-                if not policy.allows(host, getattr(local, "host", None)):
+                named = hosts[0].decode("utf-8") if hosts else None
+                if named is not None and not policy.allows(named, getattr(local, "host", None)):
                     return (
                         403,
-                        f"Host {host[:100]!r} is not a name of this listener (a web page using DNS "
+                        f"Host {named[:100]!r} is not a name of this listener (a web page using DNS "
                         f"rebinding?); if it is yours, add it to {policy.key}",
                         "forbidden_host",
                     )
@@ -344,6 +350,9 @@ class ProxyRequest(Request):
 
 class ProxyChannel(HTTPChannel):
     """HTTP/1.1 with Nagle off, bounded reading, and explicit answers to bad requests."""
+
+    #: Set by ``makeConnection``: a TCP (or unix) transport.
+    transport: Any
 
     maxHeaders = MAX_HEADERS
     totalHeadersSize = MAX_HEADER_BYTES
@@ -363,10 +372,11 @@ class ProxyChannel(HTTPChannel):
     #: Whether the transport is TLS (it never changes: asked once).
     _secure = None
     #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
-    _host_passed = None
-    #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
+    _host_passed: bytes | None = None
+    #: The site's request read timeout, read once (see :meth:`_arm_read_timer`), and its reactor (set by
+    #: :meth:`ProxySite.buildProtocol`), the clock the read timer reads.
     _read_timeout_seconds = None
-    _clock = None
+    _clock: Any = None
     _stall_timer = None
     _linger_timer = None
     _idle_timeout = None
@@ -376,12 +386,7 @@ class ProxyChannel(HTTPChannel):
 
     def connectionMade(self):
         super().connectionMade()
-        set_nodelay = getattr(self.transport, "setTcpNoDelay", None)
-        if set_nodelay is not None:
-            try:
-                set_nodelay(True)
-            except OSError:
-                pass
+        set_no_delay(self.transport)
         # The read timeout starts with a request's first byte: a connection that
         # sends nothing at all is the keep-alive timeout's (closed without an answer).
         site = getattr(self, "site", None)
@@ -456,14 +461,8 @@ class ProxyChannel(HTTPChannel):
             self._read_timer = self.callLater(timeout, self._read_timer_fired)
 
     def _now(self) -> float:
-        """The time on the clock of ``callLater`` (the site's reactor)."""
-        clock = self._clock
-        if clock is None:
-            clock = getattr(getattr(self, "site", None), "reactor", None)
-            if clock is None:
-                from twisted.internet import reactor as clock  # as TimeoutMixin.callLater does, without a site
-            self._clock = clock
-        return clock.seconds()
+        """The time on the clock of ``callLater``: the site's reactor (:meth:`ProxySite.buildProtocol` sets both)."""
+        return self._clock.seconds()
 
     def _read_timer_fired(self) -> None:
         self._read_timer = None
@@ -653,7 +652,7 @@ class ProxySite(Site):
     """
 
     displayTracebacks = False
-    protocol = ProxyChannel
+    protocol = ProxyChannel  # type: ignore[assignment]  # plain HTTP/1.1 channels, no HTTP/2 negotiation
 
     def __init__(
         self,
@@ -691,7 +690,11 @@ class ProxySite(Site):
             if connections.refusing >= MAX_REFUSING:
                 return None  # Twisted closes the socket at once.
             return OverCapacity(connections, self.reactor)
-        return super().buildProtocol(addr)
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            # HTTPFactory gives the channel the reactor's callLater; the read timer reads the same clock.
+            channel._clock = self.reactor
+        return channel
 
     def log(self, request):
         """The request log is ours (one line with class and outcome), not Twisted's."""

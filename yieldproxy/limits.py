@@ -98,7 +98,11 @@ def fd_budget(
     return FdBudget(need, soft_before, soft, hard, cap, tuple(warnings))
 
 
-def fit_fd_limit(config: Config, getrlimit=resource.getrlimit, setrlimit=resource.setrlimit) -> Config:
+def fit_fd_limit(
+    config: Config,
+    getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
+    setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
+) -> Config:
     """:func:`fd_budget`, logged; ``config`` with the connection cap that fits."""
     budget = fd_budget(config, getrlimit, setrlimit)
     if budget.soft != budget.soft_before:

@@ -32,7 +32,7 @@ class Listener(Service):
 
     def __init__(self, reactor, key: str, description: str, factory: IProtocolFactory):
         #: ``proxy`` or ``admin``: the service's name.
-        self.name = key.split(".")[0]
+        self.name = key.split(".")[0]  # type: ignore[assignment]  # Twisted types Service.name as None
         #: The config key the endpoint came from, for the error.
         self.key = key
         self.description = description

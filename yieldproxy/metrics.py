@@ -25,9 +25,6 @@ YIELD_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
 #: VRAM handover steps: an unload takes a second, a large model's load a minute or two.
 HANDOVER_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-#: The VRAM handover steps, as ``step`` label values.
-HANDOVER_STEPS = ("wait_inflight", "unload", "preload")
-
 __all__ = ["Metrics", "CONTENT_TYPE_LATEST"]
 
 

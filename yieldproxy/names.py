@@ -7,6 +7,8 @@ spelt.  It imports nothing from the package, so any module may import it.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 #: The classes a parkable request may have (config.py gives each its policy and bounds).
 CLASS_NAMES = ("interactive", "batch", "long")
 #: The class of requests that never park (routes known to run no model).
@@ -34,3 +36,13 @@ def canonical_model(name: str) -> str:
     """
     name = name.strip()
     return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+
+
+def name_tuple(names: Iterable[str]) -> tuple[str, ...]:
+    """``tuple``, typed: an attrs converter for a field of names (mypy cannot type plain ``tuple`` there)."""
+    return tuple(names)
+
+
+def name_set(names: Iterable[str]) -> frozenset[str]:
+    """``frozenset``, typed, as :func:`name_tuple`."""
+    return frozenset(names)

@@ -99,7 +99,7 @@ class Entry:
     routing: Routing | None = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
-    _deferred: Deferred | None = None
+    _deferred: Deferred[Entry] | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
 
@@ -124,7 +124,7 @@ class Entry:
         """Every failed attempt so far, counted or forgiven."""
         return self.attempts + self.forgiven
 
-    def _cancelled(self, d: Deferred) -> None:
+    def _cancelled(self, d: Deferred[Entry]) -> None:
         """Canceller of the parked Deferred: the client went away.
 
         A bound method, not a closure per entry: one small object less for
@@ -156,6 +156,14 @@ class Refused(Exception):
         return Refused(self.reason, message, self.status, retry_after)
 
 
+def _take_deferred(entry: Entry) -> Deferred[Entry]:
+    """The Deferred a parked entry waits on, taken from it as it leaves the lot."""
+    d = entry._deferred
+    assert d is not None
+    entry._deferred = None
+    return d
+
+
 @attrs.define(eq=False)
 class ParkingLot:
     """FIFO of parked entries with global and per-class ceilings."""
@@ -183,14 +191,14 @@ class ParkingLot:
     #: Deadlines of parked entries, soonest first, as (deadline, seq, entry).
     #: An entry that left stays until it comes up (it is skipped then), until
     #: the lot empties, or until the heap is rebuilt (see :meth:`park`).
-    _deadlines: list = attrs.Factory(list)
+    _deadlines: list[tuple[float, int, Entry]] = attrs.Factory(list)
     #: One timer for the whole lot, at the soonest deadline: a DelayedCall
     #: per parked request cost about half a kilobyte each.
     _timer: IDelayedCall | None = None
     _timer_at: float = math.inf
     _expiring: bool = False
     #: Waiting for the lot to empty (see :meth:`when_empty`).
-    _empty_waiters: list[Deferred] = attrs.Factory(list)
+    _empty_waiters: list[Deferred[None]] = attrs.Factory(list)
     #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
     _waiting: dict[str, int] = attrs.Factory(dict)
     #: Keep a line per pool member (a pool of several): each member's drainer then walks only
@@ -215,14 +223,14 @@ class ParkingLot:
         """
         self._out_listeners.append(listener)
 
-    def when_empty(self) -> Deferred:
+    def when_empty(self) -> Deferred[None]:
         """A Deferred that fires once nothing is parked (at once if nothing is); cancel it to stop waiting.
 
         Fired after the last entry's own Deferred, when its request has moved on.
         """
         if not self._count:
             return succeed(None)
-        waiter: Deferred = Deferred(canceller=self._empty_waiters.remove)
+        waiter: Deferred[None] = Deferred(canceller=self._empty_waiters.remove)
         self._empty_waiters.append(waiter)
         return waiter
 
@@ -276,7 +284,7 @@ class ParkingLot:
             return
         raise Refused("queue_full", why, self.reject_status)
 
-    def park(self, entry: Entry, hold_seconds: float, check_room: bool = True) -> Deferred:
+    def park(self, entry: Entry, hold_seconds: float, check_room: bool = True) -> Deferred[Entry]:
         """Hold ``entry`` until released; its Deferred fires with the entry.
 
         The hold bound counts from the first time the entry was parked, so a
@@ -288,8 +296,9 @@ class ParkingLot:
         now = self._clock.seconds()
         if entry.deadline is None:
             entry.first_parked = now
-            entry.bound_by_caller = entry.max_wait is not None and entry.max_wait < hold_seconds
-            entry.deadline = now + (entry.max_wait if entry.bound_by_caller else hold_seconds)
+            caller_bound = entry.max_wait if entry.max_wait is not None and entry.max_wait < hold_seconds else None
+            entry.bound_by_caller = caller_bound is not None
+            entry.deadline = now + (caller_bound if caller_bound is not None else hold_seconds)
         entry.was_parked = True
         entry.parked_at = now
         entry.released_to = None
@@ -342,7 +351,7 @@ class ParkingLot:
         entry = heads[cls]
         entry.released_to = target
         self._leave(entry)
-        entry._deferred, d = None, entry._deferred
+        d = _take_deferred(entry)
         self._tell_out(entry)
         d.callback(entry)
         self._tell_empty()
@@ -419,15 +428,17 @@ class ParkingLot:
 
     def _expire(self, entry: Entry) -> None:
         """Past its hold bound: refused (the gate adds what kept it: a yield, an outage, or a busy GPU)."""
+        deadline, first_parked = entry.deadline, entry.first_parked
+        assert deadline is not None and first_parked is not None  # set when it was parked
         if entry.bound_by_caller:
             why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s)"
         else:
-            why = f"parked past the hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests)"
+            why = f"parked past the hold bound ({deadline - first_parked:g}s for {entry.cls} requests)"
         self._fail(entry, Refused("expired", why, 503))
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:
         self._leave(entry)
-        entry._deferred, d = None, entry._deferred
+        d = _take_deferred(entry)
         self._tell_out(entry)
         d.errback(refusal)
         self._tell_empty()
@@ -437,7 +448,7 @@ class ParkingLot:
         if entry._deferred is None:
             return
         self._leave(entry)
-        entry._deferred, d = None, entry._deferred
+        d = _take_deferred(entry)
         self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))

@@ -33,7 +33,7 @@ def every(clock: IReactorTime, seconds: float, step: Callable[[], Any], what: st
     is logged as "``what`` failed" and the loop goes on.
     """
 
-    def guarded() -> Deferred:
+    def guarded() -> Deferred[Any]:
         return maybeDeferred(step).addErrback(failed)
 
     def failed(failure: Failure) -> None:

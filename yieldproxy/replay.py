@@ -24,8 +24,8 @@ from typing import Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import Cooperator, TaskDone, TaskStopped
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import CooperativeTask, Cooperator, TaskDone, TaskStopped
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -59,9 +59,9 @@ class Replayer:
     #: None: the primary's own count is the gauge.
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
-    _task: object = None
+    _task: CooperativeTask | None = None
     _waiting: Deferred | None = None
-    _timer: object = None
+    _timer: IDelayedCall | None = None
     _next_start: float = 0.0
     _backoff_until: float = 0.0
     _failures_in_a_row: int = 0

@@ -31,13 +31,15 @@ from typing import IO, Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import (
     ILogObserver,
-    Logger,
     LogLevel,
+    Logger,
     formatEvent,
     formatEventAsClassicLogText,
     formatTime,
 )
 from zope.interface import implementer
+
+from .text import printable
 
 log = Logger()
 
@@ -48,15 +50,6 @@ _REQUEST_FORMAT = "{request_line}"
 CLIENT_GONE = 499
 
 _MAX_PATH = 300
-
-
-def _printable(text: str, limit: int) -> str:
-    """Escape control characters (no forged log lines) and cut very long values."""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _client(request) -> str:
@@ -94,9 +87,9 @@ def log_request(
     path = request.path.decode("latin-1") if isinstance(request.path, bytes) else str(request.path)
     method = request.method.decode("latin-1") if isinstance(request.method, bytes) else str(request.method)
     if not (len(method) <= 16 and method.isprintable()):
-        method = _printable(method, 16)
+        method = printable(method, 16)
     if not (len(path) <= _MAX_PATH and path.isprintable()):
-        path = _printable(path, _MAX_PATH)
+        path = printable(path, _MAX_PATH)
     code = CLIENT_GONE if status is None else int(status)
     parked = round(float(parked_seconds or 0.0), 3)
     attempts = int(attempts)

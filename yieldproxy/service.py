@@ -42,12 +42,17 @@ from .health import UpstreamHealth
 from .history import History, snapshot_reader
 from .listener import CannotListen, Listener
 from .metrics import (
-    Metrics, connection_families, hold_families, oldest_parked_family, pool_families, source_label,
+    Metrics,
+    connection_families,
+    hold_families,
+    oldest_parked_family,
+    pool_families,
+    source_label,
 )
 from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
-from .pool.models import ModelDiscovery
 from .pool.members import MemberSpec, member_specs
+from .pool.models import ModelDiscovery
 from .pool.routing import Pool
 from .proxy import ProxyApp
 from .replay import Replayer
@@ -346,7 +351,7 @@ def _status_sections(watchers, handovers, fallback, pool: Pool) -> dict[str, Cal
 class ClientPools(Service):
     """The upstream clients' connection pools, closed when the proxy stops (after the drain: it uses them)."""
 
-    name = "clients"
+    name = "clients"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __init__(self, clients: Sequence[Any]):
         self._clients = tuple(clients)

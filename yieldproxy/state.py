@@ -22,13 +22,13 @@ line or a metric label), and at most ``max_holds`` holds at once from callers
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .names import WATCHER_SOURCES
+from .names import WATCHER_SOURCES, name_set, name_tuple
 
 log = Logger()
 
@@ -87,7 +87,7 @@ class Hold:
     #: The member it holds, or :data:`ALL`.
     scope: str = ALL
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "reason": self.reason,
@@ -126,9 +126,9 @@ class YieldState:
     #: At most this many holds from callers at once (watcher holds are not counted).
     max_holds: int = DEFAULT_MAX_HOLDS
     #: The pool's members, in config order (a hold's scope is one of them, or :data:`ALL`).
-    members: tuple[str, ...] = attrs.field(default=(DEFAULT_MEMBER,), converter=tuple)
+    members: tuple[str, ...] = attrs.field(default=(DEFAULT_MEMBER,), converter=name_tuple)
     #: Members a hold scoped :data:`ALL` leaves alone (``use = "when_others_yielded"``).
-    standby: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    standby: frozenset[str] = attrs.field(default=frozenset(), converter=name_set)
     _member_observers: list[Callable[[str, bool], None]] = attrs.Factory(list)
     #: Holds scoped to each member, and holds scoped :data:`ALL`: ``yielded_for`` in O(1).
     _scoped: dict[str, int] = attrs.Factory(dict)
@@ -330,14 +330,11 @@ class YieldState:
         ends = []
         for member in self._always if members is None else members:
             holds = [h.expected_end for h in self._holds.values() if self.applies(h, member)]
-            if not holds or any(e is None for e in holds):
+            known = [e for e in holds if e is not None]
+            if not holds or len(known) < len(holds):
                 return None
-            ends.append(max(holds))
+            ends.append(max(known))
         return min(ends) if ends else None
-
-    def release_all(self) -> None:
-        for source, scope in list(self._holds):
-            self.release(source, scope)
 
     def _count(self, scope: str, sign: int) -> None:
         if scope == ALL:
@@ -400,9 +397,9 @@ class YieldState:
                 callback(transition)
             except Exception:
                 log.failure("yield-state transition callback failed")
-        for callback in list(self._observers):
+        for observer in list(self._observers):
             try:
-                callback(yielded)
+                observer(yielded)
             except Exception:
                 log.failure("yield-state observer failed")
 

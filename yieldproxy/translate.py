@@ -68,12 +68,8 @@ class EmbedRequest:
     #: OpenAI's answer encoding: ``float`` or ``base64``.
     encoding_format: str = "float"
     #: Ollama's ``options`` and ``keep_alive``, passed on to an Ollama backend only.
-    options: dict | None = attrs.field(default=None, hash=False)
+    options: dict[str, Any] | None = attrs.field(default=None, hash=False)
     keep_alive: Any = attrs.field(default=None, hash=False)
-
-    @property
-    def client_api(self) -> str:
-        return "openai" if self.route == "v1" else "ollama"
 
     @property
     def unit_vectors(self) -> bool:
@@ -148,7 +144,7 @@ def _text_inputs(value: Any, route: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _dimensions(body: dict) -> int | None:
+def _dimensions(body: dict[str, Any]) -> int | None:
     value = body.get("dimensions")
     if value is None:
         return None
@@ -229,8 +225,9 @@ def error_message(body: bytes) -> str:
         data = None
     if isinstance(data, dict):
         error = data.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return message
         if isinstance(error, str):
             return error
         # FastAPI (Infinity) validation errors and TEI's {"error", "error_type"} both land here.
@@ -266,7 +263,7 @@ def parse_response(request: EmbedRequest, api: str, status: int, body: bytes) ->
         raise BackendError("bad_answer", "backend answer is not a JSON object")
     if "error" in data:
         raise BackendError("backend_error", f"backend answered an error: {error_message(body)}")
-    tokens = 0
+    tokens: object = 0  # checked below, whatever the backend sent
     if api == "ollama" and request.route == "legacy":
         vectors = [_vector(data.get("embedding"), "embedding")]
     elif api == "ollama":

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import attrs
 
-from ..names import PASSTHROUGH
+from ..names import PASSTHROUGH as PASSTHROUGH  # re-exported: the servers' tables name it
 
 # -- what an error answer means (Server.judge) ------------------------------------
 
@@ -152,7 +152,7 @@ def openai_model_ids(body: bytes) -> tuple[str, ...]:
     return unique_names(m["id"] for m in data)
 
 
-def unique_names(names) -> tuple[str, ...]:
+def unique_names(names: Iterable[str]) -> tuple[str, ...]:
     """Names in order, each once, none empty."""
     return tuple(dict.fromkeys(n for n in names if n))
 

@@ -128,7 +128,7 @@ def llamacpp_error(body: bytes) -> tuple[str, str] | None:
     if not isinstance(error, dict):
         return None
     code, message, kind = error.get("code"), error.get("message"), error.get("type")
-    if type(code) is not int or not isinstance(message, str) or STATUS_OF_TYPE.get(kind) != code:
+    if type(code) is not int or not isinstance(message, str) or not isinstance(kind, str) or STATUS_OF_TYPE.get(kind) != code:
         return None
     return kind, message
 

@@ -91,8 +91,8 @@ from .base import (
     Server,
     json_object,
     routes,
-    up_on_200,
     unique_names,
+    up_on_200,
 )
 
 # -- routes ----------------------------------------------------------------------
@@ -145,8 +145,8 @@ def is_unload(method: str, path: str, request: Any) -> bool:
     if request.values.get("keep_alive") != 0:
         return False
     if path == "/api/generate":
-        return request.values.get("prompt", "") == ""
-    return request.values.get("messages", 0) == 0
+        return bool(request.values.get("prompt", "") == "")
+    return bool(request.values.get("messages", 0) == 0)
 
 
 def error_shape(path: str) -> str:

@@ -18,7 +18,7 @@ model routes and ``/models`` both with and without that prefix
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.web.server import Request
 
@@ -89,7 +89,7 @@ def _strings(value: Any, field: str, loc: tuple[str, ...], single: bool) -> list
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return list(value)
-    where = [*loc, field, "list[constrained-str]"] if single else [*loc, field]
+    where: list[str | int] = [*loc, field, "list[constrained-str]"] if single else [*loc, field]
     if isinstance(value, list) and not value:
         detail = [{
             "type": "too_short", "loc": where,
@@ -195,7 +195,7 @@ class InfinityApi(Api):
                 ({"relevance_score": expected_relevance(query, text, model), "index": i,
                   "document": text if job.options["return_documents"] else None}
                  for i, text in enumerate(job.texts)),
-                key=lambda r: r["relevance_score"], reverse=True,
+                key=lambda r: cast(float, r["relevance_score"]), reverse=True,
             )
             kind, data = "rerank", results[: job.options["top_n"]]
         else:

@@ -179,7 +179,7 @@ class Scheduler:
         transport = job.request.transport
         self.retire(job, outcome)
         if transport is not None:
-            transport.abortConnection()
+            transport.abortConnection()  # type: ignore[attr-defined]  # a TCP transport
 
     def abort_all(self, outcome: str) -> None:
         """Reset every job's connection (``reset``, ``refuse``, ``stop``)."""

@@ -18,14 +18,14 @@ from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from ..tcp import set_no_delay
+
 
 class _TrackedConnection(ProtocolWrapper):
     """A connection the sim can abort, with Nagle off (see STYLE pitfall 9)."""
 
     def makeConnection(self, transport: Any) -> None:
-        set_no_delay = getattr(transport, "setTcpNoDelay", None)
-        if set_no_delay is not None:
-            set_no_delay(True)
+        set_no_delay(transport)
         super().makeConnection(transport)
 
 

@@ -135,7 +135,6 @@ class SimOllama:
     )
     """Finished requests by :attr:`SimRequest.outcome`."""
     history: collections.deque[SimRequest] = attrs.field(init=False, repr=False)
-    history: collections.deque[SimRequest] = attrs.field(init=False, repr=False)
     store: ModelStore = attrs.field(init=False, repr=False)
     """The models the sim has, and which are loaded."""
 
@@ -400,7 +399,7 @@ class SimOllama:
     def _abort_request(self, request: Request, record: SimRequest, outcome: str) -> int:
         """A TCP reset instead of an answer."""
         self._finish_record(record, outcome)
-        request.transport.abortConnection()
+        request.transport.abortConnection()  # type: ignore[union-attr]  # a TCP transport
         return NOT_DONE_YET
 
     def _fail(

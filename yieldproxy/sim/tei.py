@@ -21,8 +21,8 @@ from twisted.web.server import Request
 from . import openai
 from .api import Api, BadRequest, Reply, Route, dumps
 from .content import (
-    count_tokens,
     cosine,
+    count_tokens,
     expected_embedding,
     expected_labels,
     expected_relevance,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 from twisted.application.service import Service
@@ -29,8 +29,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
-from ..periodic import every
 from ..names import COMMAND_SOURCE
+from ..periodic import every
 from ..state import ALL, YieldState
 
 log = Logger()
@@ -88,7 +88,7 @@ class CommandWatcher(Service):
     """Runs :attr:`command` every :attr:`interval` seconds and holds the GPU while it says so."""
 
     #: ``IReactorTime`` and ``IReactorProcess``.
-    _reactor: object
+    _reactor: Any
     _state: YieldState
     _metrics: Metrics
     command: str
@@ -108,7 +108,7 @@ class CommandWatcher(Service):
     #: Whose GPU the hold takes: one pool member, or all (``*``: the global ``watchers.command``).
     scope: str = ALL
 
-    name = "watcher:command"
+    name = "watcher:command"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         if self.scope != ALL:

@@ -12,8 +12,8 @@ verdict: does a recognised outage explain the failure?
   configuration error (wrong URL or port), not an outage; its callers keep
   getting a fast 502.
 * Otherwise a **probe** decides, one per kind of failed call, shared by every
-  failure waiting on it: for a model call (a :class:`~yieldproxy.probes.ModelCall`)
-  the minimal call of the same kind (same route, same model; see probes.py),
+  failure waiting on it: for a model call (a :class:`~yieldproxy.servers.base.ModelCall`)
+  the minimal call of the same kind (same route, same model; see the server's ``minimal_call``),
   else ``upstream.health_path``.  If the probe fails too, the upstream is
   down: the watcher takes the ``outage`` hold and every failure waiting is
   forgiven (it parks, its attempt not counted).  If the probe passes, the
@@ -50,9 +50,9 @@ from ..control import Answer, UpstreamControl
 from ..health import UpstreamHealth
 from ..metrics import Metrics
 from ..names import OUTAGE_SOURCE
-from ..ollama_errors import is_gpu_failure
-from ..probes import minimal_call
 from ..servers import GPU, NOT_READY, UP
+from ..servers.base import ModelCall
+from ..servers.ollama import is_gpu_failure, minimal_call
 from ..state import ALL, DEFAULT_MEMBER, YieldState
 
 log = Logger()
@@ -66,7 +66,7 @@ OUTAGE_REASONS = frozenset({"refused", "connect", "reset", "gpu_error", "status_
 class _Pending:
     """One probe deciding a verdict, and the failures waiting on it."""
 
-    call: object
+    call: ModelCall | None
     waiters: list[Deferred] = attrs.Factory(list)
     probe: Deferred | None = None
 
@@ -88,7 +88,7 @@ class UpstreamProbe:
     model_timeout: float = 60.0
     server: Any = None
 
-    def __call__(self, call: object = None) -> Deferred:
+    def __call__(self, call: ModelCall | None = None) -> Deferred:
         """A Deferred firing True when the upstream serves ``call`` (None: the health path answers 200)."""
         minimal_of = minimal_call if self.server is None else self.server.minimal_call
         minimal = minimal_of(call) if call is not None else None
@@ -127,7 +127,7 @@ class OutageWatcher(Service):
     #: ``check(call)``: probes once; a Deferred firing True when the upstream serves ``call``
     #: (None: the health path), False or an error when it fails the way an outage does
     #: (an :class:`UpstreamProbe`).
-    _check: Callable[[object], Deferred]
+    _check: Callable[[ModelCall | None], Deferred]
     _metrics: Metrics
     interval: float = 0.5
     max_interval: float = 10.0
@@ -136,7 +136,7 @@ class OutageWatcher(Service):
     #: The follow-up probe of a held outage, in flight.
     _probe: Deferred | None = None
     #: The call whose probe confirmed the outage (None: the health path).
-    _outage_call: object = None
+    _outage_call: ModelCall | None = None
     _held_since: float | None = None
     _said_unreachable: bool = False
     #: Verdicts being decided, by the call probed.
@@ -146,7 +146,7 @@ class OutageWatcher(Service):
     #: The pool member it watches: the holds on it are what "yielded" means here.
     member: str = DEFAULT_MEMBER
 
-    name = "watcher:outage"
+    name = "watcher:outage"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         self._next_interval = self.interval
@@ -212,7 +212,7 @@ class OutageWatcher(Service):
             # Traffic flows: the next outage starts with quick probes again.
             self._next_interval = self.interval
 
-    def judge(self, reason: str, call: object = None) -> Deferred:
+    def judge(self, reason: str, call: ModelCall | None = None) -> Deferred:
         """The verdict on one failed attempt: a Deferred firing True when an outage explains it.
 
         Never raises and never fails; cancelling the Deferred only stops waiting.
@@ -224,7 +224,7 @@ class OutageWatcher(Service):
             log.failure("outage watcher: judging a failure failed")
             return succeed(False)
 
-    def _judge(self, reason: str, call: object) -> Deferred:
+    def _judge(self, reason: str, call: ModelCall | None) -> Deferred:
         if reason not in OUTAGE_REASONS or not self.running:
             return succeed(False)
         if self._yielded():
@@ -253,7 +253,7 @@ class OutageWatcher(Service):
 
     # -- the probe that decides a verdict -----------------------------------------------------
 
-    def _start_probe(self, call: object) -> _Pending | None:
+    def _start_probe(self, call: ModelCall | None) -> _Pending | None:
         """Probe ``call`` now; the result decides every verdict waiting on it."""
         pending = self._pending[call] = _Pending(call)
         d = self._run_check(call)
@@ -298,7 +298,7 @@ class OutageWatcher(Service):
             for waiter in _take(pending.waiters):
                 waiter.callback(forgiven)
 
-    def _run_check(self, call: object) -> Deferred:
+    def _run_check(self, call: ModelCall | None) -> Deferred:
         """One probe: a Deferred firing True (up), False (down), or None (cancelled); it never fails."""
         kind = "health" if call is None else "model"
         try:
@@ -374,7 +374,7 @@ class OutageWatcher(Service):
             self._schedule()
 
 
-def _describe(call: object) -> str:
+def _describe(call: ModelCall | None) -> str:
     """A probe's target, for logs and /status."""
     if call is None:
         return "the health path"

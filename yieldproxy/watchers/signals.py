@@ -17,6 +17,7 @@ import signal
 
 import attrs
 from twisted.application.service import Service
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
 from ..metrics import Metrics
@@ -33,14 +34,14 @@ class SignalWatcher(Service):
     """SIGUSR1 -> hold, SIGUSR2 -> release, for source ``signal``."""
 
     #: Needs only ``callFromThread``.
-    _reactor: object
+    _reactor: IReactorFromThreads
     _state: YieldState
     _metrics: Metrics
     start_signal: int = signal.SIGUSR1
     stop_signal: int = signal.SIGUSR2
     _previous: dict = attrs.Factory(dict)
 
-    name = "watcher:signal"
+    name = "watcher:signal"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def startService(self) -> None:
         super().startService()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Any
 
 import attrs
 from twisted.application.service import Service
@@ -25,8 +26,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from ..metrics import Metrics
-from ..periodic import every
 from ..names import FILE_SOURCE
+from ..periodic import every
 from ..state import ALL, MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
@@ -84,11 +85,12 @@ class StateFileWatcher(Service):
     #: (inode, mtime, size) of the file when last read, so unchanged content is not re-read.
     _seen: tuple | None = None
     _loop: LoopingCall | None = None
-    _notifier: object = None
+    #: The inotify watch (twisted.internet.inotify.INotify), when one runs.
+    _notifier: Any = None
     #: Whose GPU the hold takes: one pool member, or all (``*``: the global ``watchers.state_file``).
     scope: str = ALL
 
-    name = "watcher:file"
+    name = "watcher:file"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         if self.scope != ALL:
