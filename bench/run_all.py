@@ -23,6 +23,7 @@ SCRIPTS = {
     "parked_memory": 240,
     "resume_latency": 180,
     "large_body": 180,
+    "pool": 180,
 }
 
 

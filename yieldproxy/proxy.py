@@ -125,7 +125,10 @@ class ProxyApp:
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
-        self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class)
+        # Routes are classed by the servers of the pool's members (config order); a config without
+        # [[upstreams]] keeps Ollama's table, as a single upstream always had.
+        apis = tuple(dict.fromkeys(m.api for m in self._config.upstreams)) or ("ollama",)
+        self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class, apis)
         self._buffers = ClientBuffers(
             self._config.proxy.slow_client_buffer_bytes,
             self._config.proxy.slow_client_buffer_total_bytes,

@@ -328,10 +328,18 @@ def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
             reactor, member.catalogue, member.control, member.name, member.server.models_path,
             member.server.parse_models, interval=config.upstream.models_refresh_seconds,
             timeout=config.upstream.health_timeout_seconds,
+            other_paths=_prefixed_models_paths(member.server),
         )
         for member in pool.members
         if not member.catalogue.static
     ]
+
+
+def _prefixed_models_paths(server) -> tuple[str, ...]:
+    """Its model list under each other API prefix it may be mounted under (Infinity's ``/v1``)."""
+    paths = dict.fromkeys(server.with_prefix(prefix).models_path for prefix in server.url_prefixes)
+    paths.pop(server.models_path, None)
+    return tuple(paths)
 
 
 def _status_sections(watchers, handovers, fallback, pool: Pool) -> dict[str, Callable[[], Any]]:

@@ -112,6 +112,9 @@ class ModelDiscovery(Service):
     parse: Callable[[bytes], tuple[str, ...]]
     interval: float = 60.0
     timeout: float = 10.0
+    #: Where else the list may be, asked in order after a 404: the same list under
+    #: the API prefixes the server may be mounted under (Infinity's ``--url-prefix``).
+    other_paths: tuple[str, ...] = ()
     _loop: LoopingCall | None = None
     _failing: bool = False
 
@@ -131,9 +134,16 @@ class ModelDiscovery(Service):
 
     def refresh(self) -> Deferred:
         """Read the list once; never fails (a failure keeps the last list)."""
-        d = self._control.request("GET", self.path, timeout=self.timeout)
+        d = self._read((self.path, *self.other_paths))
         d.addCallback(self._answered)
         d.addErrback(self._failed)
+        return d
+
+    def _read(self, paths: tuple[str, ...]) -> Deferred:
+        """The answer at the first of ``paths`` that is not a 404 (the last one's, if all are)."""
+        d = self._control.request("GET", paths[0], timeout=self.timeout)
+        if len(paths) > 1:
+            d.addCallback(lambda answer: self._read(paths[1:]) if answer.code == 404 else answer)
         return d
 
     def _answered(self, answer) -> None:

@@ -1,0 +1,234 @@
+"""A pool of a TEI, a llama.cpp and an Ollama member (the sim plays each), through real sockets (issue 12).
+
+Each member's native model routes (TEI's ``/embed`` and ``/rerank``,
+llama.cpp's ``/completion`` and ``/embedding``) are served by that member
+alone; while a member is yielded they park and are replayed on it after its
+resume, while the other members serve theirs and its metadata routes pass.
+A llama.cpp member still loading its model (503 "Loading model") is read as
+not ready, not as an outage.  Also: the model list of a server mounted under
+an API prefix (Infinity's ``--url-prefix /v1``) is found there.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, ensureDeferred, succeed
+
+from helpers import config_with, sleep, start_pool_stack, wait_for
+from yieldproxy.control import Answer
+from yieldproxy.pool.models import ModelCatalogue, ModelDiscovery
+from yieldproxy.servers import server
+from yieldproxy.sim import expected_embedding, expected_relevance, expected_reply
+
+TEI_MODEL = "BAAI/bge-small-en-v1.5"
+LLAMA_MODEL = "qwen2.5-0.5b"
+OLLAMA_MODEL = "all-minilm"
+TIMEOUT = 30.0
+
+MEMBERS = [
+    {"name": "tei", "api": "tei", "sim": {"api": "tei", "models": (TEI_MODEL,)}},
+    {"name": "llama", "api": "llamacpp", "sim": {"api": "llamacpp", "models": (LLAMA_MODEL,)}},
+    {"name": "ollama", "api": "ollama"},
+]
+
+
+def post(stack, path: str, body: dict) -> Deferred:
+    """``(status, JSON body)`` of a POST through the proxy; sent at once."""
+    return ensureDeferred(_post(stack, path, body))
+
+
+async def _post(stack, path: str, body: dict):
+    answer = await treq.post(stack.proxy_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
+    return answer.code, json.loads(await answer.content())
+
+
+async def get(stack, path: str):
+    answer = await treq.get(stack.proxy_url + path, persistent=False).addTimeout(TIMEOUT, reactor)
+    return answer.code, await answer.content()
+
+
+async def admin(stack, path: str, body: dict) -> dict:
+    answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
+    assert answer.code == 200, await answer.text()
+    return await answer.json()
+
+
+def model_requests(sim) -> list[str]:
+    """The paths of the model routes a sim was asked, sorted (its history, without the metadata routes)."""
+    return sorted(h.path for h in sim.history if h.path in MODEL_PATHS)
+
+
+MODEL_PATHS = {"/embed", "/rerank", "/completion", "/embedding", "/api/embed", "/api/chat"}
+
+TEI_TEXTS = ["the desktop games", "the server embeds"]
+RERANK = {"query": "which box serves", "texts": ["the server", "the desktop", "nobody"]}
+
+
+def tei_calls(stack):
+    return post(stack, "/embed", {"inputs": TEI_TEXTS}), post(stack, "/rerank", RERANK)
+
+
+def check_tei(embed, rerank) -> None:
+    assert embed == (200, [expected_embedding(t, TEI_MODEL) for t in TEI_TEXTS])
+    code, ranks = rerank
+    assert code == 200
+    want = {i: expected_relevance(RERANK["query"], t, TEI_MODEL) for i, t in enumerate(RERANK["texts"])}
+    assert {r["index"]: r["score"] for r in ranks} == want
+
+
+def llama_calls(stack):
+    return (
+        post(stack, "/completion", {"prompt": "tell me about pools", "n_predict": 8}),
+        post(stack, "/embedding", {"content": "a llama vector"}),
+    )
+
+
+def check_llama(completion, embedding) -> None:
+    code, body = completion
+    assert code == 200 and body["content"] == "".join(expected_reply("tell me about pools", LLAMA_MODEL))
+    assert embedding == (200, [{"index": 0, "embedding": [expected_embedding("a llama vector", LLAMA_MODEL)]}])
+
+
+async def check_ollama(stack, text: str) -> None:
+    code, body = await post(stack, "/api/embed", {"model": OLLAMA_MODEL, "input": [text]})
+    assert code == 200 and body["embeddings"] == [expected_embedding(text, OLLAMA_MODEL)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_tei_and_llamacpp_members_serve_their_native_routes_and_park_while_yielded():
+    stack = await start_pool_stack(reactor, MEMBERS, latency=0.002)
+    tei, llama, ollama = (stack.sims[n] for n in ("tei", "llama", "ollama"))
+    try:
+        # Each native model route goes to its own server.
+        check_tei(*[await call for call in tei_calls(stack)])
+        check_llama(*[await call for call in llama_calls(stack)])
+        await check_ollama(stack, "before")
+        assert model_requests(tei) == ["/embed", "/rerank"]
+        assert model_requests(llama) == ["/completion", "/embedding"]
+        assert model_requests(ollama) == ["/api/embed"]
+
+        # TEI yielded: its model routes park; llama.cpp and Ollama serve; TEI's metadata passes.
+        await admin(stack, "/yield", {"upstream": "tei", "source": "restart"})
+        parked = [call for call in tei_calls(stack)]
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 2, timeout=TIMEOUT)
+        check_llama(*[await call for call in llama_calls(stack)])
+        await check_ollama(stack, "during the tei yield")
+        code, info = await get(stack, "/info")
+        assert code == 200 and json.loads(info)["model_id"] == TEI_MODEL, info
+        code, tokens = await post(stack, "/tokenize", {"inputs": "a b"})
+        assert code == 200 and len(tokens) == 1
+        await sleep(reactor, 0.2)
+        assert not any(d.called for d in parked) and model_requests(tei) == ["/embed", "/rerank"]
+        assert stack.proxy.lot.waiting_for("tei") == 2 and stack.proxy.lot.waiting_for("llama") == 0
+        await admin(stack, "/resume", {"source": "restart", "upstream": "tei"})
+        check_tei(*[await d for d in parked])
+        assert model_requests(tei) == ["/embed"] * 2 + ["/rerank"] * 2
+
+        # llama.cpp yielded: its model routes park; TEI and Ollama serve; its metadata passes.
+        await admin(stack, "/yield", {"upstream": "llama", "source": "game"})
+        parked = [call for call in llama_calls(stack)]
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 2, timeout=TIMEOUT)
+        check_tei(*[await call for call in tei_calls(stack)])
+        await check_ollama(stack, "during the llama yield")
+        code, _ = await get(stack, "/props")
+        assert code == 200
+        code, models = await get(stack, "/v1/models")
+        assert code == 200 and LLAMA_MODEL in [m["id"] for m in json.loads(models)["data"]]
+        await sleep(reactor, 0.2)
+        assert not any(d.called for d in parked) and model_requests(llama) == ["/completion"] * 2 + ["/embedding"] * 2
+        await admin(stack, "/resume", {"source": "game", "upstream": "llama"})
+        check_llama(*[await d for d in parked])
+        assert model_requests(llama) == ["/completion"] * 3 + ["/embedding"] * 3
+        assert model_requests(ollama) == ["/api/embed"] * 3
+        # Four parked requests, each replayed once and answered, in the class their server gives them:
+        # TEI's /embed and /rerank and llama.cpp's /embedding are batch, its /completion interactive.
+        assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "ok"}) == 3
+        assert stack.sample("yieldproxy_replay_total", **{"class": "interactive", "outcome": "ok"}) == 1
+        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="tei", outcome="ok") == 6
+        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 6
+        assert len(stack.proxy.lot) == 0 and stack.proxy.pool.inflight == 0
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
+    """llama.cpp answers 503 "Loading model" for a while after it starts: no outage hold, the others serve,
+    and a completion sent meanwhile is answered once it has loaded."""
+    config = config_with(upstream={"health_interval_seconds": 0.2})
+    members = [
+        {**MEMBERS[1], "sim": {**MEMBERS[1]["sim"], "load_seconds": 2.5}},
+        MEMBERS[2],
+    ]
+    stack = await start_pool_stack(reactor, members, config=config, watchers=True, latency=0.002)
+    llama = stack.sims["llama"]
+    try:
+        assert llama.loading
+        member = stack.proxy.pool.member("llama")
+        # What the pool reads on the member's health route while it loads.
+        health = await member.control.request("GET", member.spec.health_path, timeout=TIMEOUT)
+        assert health.code == 503 and json.loads(health.body)["error"]["message"] == "Loading model"
+        assert member.server.judge_health(health.code, health.body) == "not_ready"
+        completion = post(stack, "/completion", {"prompt": "tell me about pools"})
+        states = []
+        while llama.loading:
+            states.append(member.state_name())
+            await check_ollama(stack, f"while llama loads {len(states)}")
+            await sleep(reactor, 0.05)
+        assert states, "the load was over before the test looked"
+        code, answer = await completion
+        assert code == 200 and answer["content"] == "".join(expected_reply("tell me about pools", LLAMA_MODEL))
+        states.append(member.state_name())
+        # Never read as an outage: no outage hold was taken on it (nor on anything else).
+        assert "outage" not in states and stack.proxy.state.holds_for("llama") == []
+        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="status_503") >= 1
+        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 1
+        assert llama.requests_total["/completion"] >= 2
+    finally:
+        await stack.stop()
+
+
+class ListAt:
+    """A control client whose server lists ``names`` at ``path`` only (404 elsewhere); records what it was asked."""
+
+    def __init__(self, path: str, names: list[str]):
+        self.path = path
+        self.names = names
+        self.asked: list[str] = []
+
+    def request(self, method, path, body=None, timeout=None):
+        self.asked.append(path)
+        if path != self.path:
+            return succeed(Answer(404, b'{"detail":"Not Found"}'))
+        return succeed(Answer(200, json.dumps({"object": "list", "data": [{"id": n} for n in self.names]}).encode()))
+
+
+def test_a_model_list_under_an_api_prefix_is_found_there():
+    """Infinity started with ``--url-prefix /v1`` lists its models at ``/v1/models``, not ``/models``."""
+    from twisted.internet.task import Clock
+
+    from yieldproxy.service import _prefixed_models_paths
+
+    inf = server("infinity")
+    assert _prefixed_models_paths(inf) == ("/v1/models",)
+    assert _prefixed_models_paths(server("ollama")) == () == _prefixed_models_paths(server("llamacpp"))
+    for where in ("/models", "/v1/models"):
+        catalogue, control = ModelCatalogue(), ListAt(where, ["all-minilm"])
+        discovery = ModelDiscovery(
+            Clock(), catalogue, control, "infinity", inf.models_path, inf.parse_models,
+            other_paths=_prefixed_models_paths(inf),
+        )
+        discovery.refresh()
+        assert catalogue.discovered == ("all-minilm",) and catalogue.serves("all-minilm") is True
+        assert control.asked == (["/models"] if where == "/models" else ["/models", "/v1/models"])
+    # Not there at all: the list stays unknown.
+    catalogue, control = ModelCatalogue(), ListAt("/elsewhere", [])
+    ModelDiscovery(
+        Clock(), catalogue, control, "infinity", inf.models_path, inf.parse_models,
+        other_paths=_prefixed_models_paths(inf),
+    ).refresh()
+    assert catalogue.discovered is None and control.asked == ["/models", "/v1/models"]
