@@ -25,9 +25,11 @@ eligible one first, when one is available.
 
 Embedding requests go only to a model's reference or a verified twin
 (issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
-release since a verification can go stale; the twin verification gives it
-with :meth:`Pool.check_twins_with` once it is made (it needs the members'
-clients, so it comes after the pool).  Until then every eligible member serves.
+release since a verification can go stale; the twin verification
+(:mod:`.twins`) gives it with :meth:`Pool.check_twins_with` once it is made
+(it needs the members' clients, so it comes after the pool, in
+``service.build``).  Without it (a pool of one, clock-only pools) every
+eligible member serves.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def route_kind(path: str | None, cls: str) -> str:
 
 
 def any_member(member: Member, entry: Entry) -> bool:
-    """The twin check until twin verification is built: every eligible member may serve."""
+    """The twin check of a pool without twin verification (a pool of one): every eligible member may serve."""
     return True
 
 
