@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import attrs
+import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -19,7 +20,7 @@ from twisted.python.failure import Failure
 from helpers import Core, advance_through, clock_cooperator, config_with, pool_config
 from yieldproxy.control import Answer, ControlTimeout
 from yieldproxy.metrics import Metrics
-from yieldproxy.parking import Entry
+from yieldproxy.parking import Entry, Refused
 from yieldproxy.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
 from yieldproxy.service import build_core
 from yieldproxy.sim import expected_embedding
@@ -83,7 +84,7 @@ class Rig:
         assert self.core.clock.getDelayedCalls() == []
 
 
-def rig(b_weights: str | None = None, b_hangs: bool = False, models=(MODEL,), start=True) -> Rig:
+def rig(b_weights: str | None = None, b_hangs: bool = False, models=(MODEL,), start=True, classes=None) -> Rig:
     config = pool_config(
         {"name": "a", "models": (MODEL, "llama3.2")},
         {"name": "b", "models": (MODEL, "llama3.2")},
@@ -93,6 +94,7 @@ def rig(b_weights: str | None = None, b_hangs: bool = False, models=(MODEL,), st
                 "timeout_seconds": 5.0, "probe_texts": ("hello", "two words", "東京"),
             },
             upstream={"detect_outages": False},
+            **({"classes": classes} if classes else {}),
         ),
     )
     clock = Clock()
@@ -230,4 +232,28 @@ def test_chat_and_generation_are_never_restricted():
     assert r.may_serve("b", r.entry(path="/api/generate", cls="interactive", model=MODEL))
     assert not r.may_serve("b", r.entry())
     assert r.may_serve("a", r.entry())
+    r.stop()
+
+
+
+def test_an_embedding_only_the_yielded_reference_may_serve_waits_for_the_yield_under_its_class_policy():
+    """The unverified twin is no way out: the hold bound's early refusal and the reject policy apply."""
+    r = rig(b_weights="nomic-embed-text")
+    r.run()
+    r.core.state.hold("api", "long game", expected_seconds=3600, scope="a")
+    with pytest.raises(Refused) as refused:
+        r.core.gate.admit(r.entry())
+    assert refused.value.reason == "over_budget"
+    # A chat for the same model is served by the twin at once.
+    chat = r.entry(path="/api/chat", cls="interactive")
+    assert r.core.gate.admit(chat).called and chat.released_to == "b"
+    r.core.gate.finished(failed=False, seconds=0.01, member="b")
+    r.stop()
+
+    r = rig(b_weights="nomic-embed-text", classes={"batch": {"policy": "reject"}})
+    r.run()
+    r.core.state.hold("api", "game", scope="a")
+    with pytest.raises(Refused) as refused:
+        r.core.gate.admit(r.entry())
+    assert refused.value.reason == "policy"
     r.stop()
