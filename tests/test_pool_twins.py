@@ -13,11 +13,11 @@ import json
 
 import attrs
 import pytest
+from helpers import Core, advance_through, clock_cooperator, config_with, pool_config
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from helpers import Core, advance_through, clock_cooperator, config_with, pool_config
 from yieldproxy.control import Answer, ControlTimeout
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, Refused

@@ -13,9 +13,9 @@ from __future__ import annotations
 import ollama
 import pytest_twisted
 import treq
+from helpers import in_thread, start_pool_stack, wait_for
 from twisted.internet import reactor
 
-from helpers import in_thread, start_pool_stack, wait_for
 from yieldproxy.config import VerificationConfig
 from yieldproxy.probes import PROBE_TEXT
 from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt

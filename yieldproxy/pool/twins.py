@@ -46,7 +46,13 @@ from ..forward import describe_failure
 from ..h1client import H1Error
 from ..names import canonical_model
 from ..parking import Entry
-from ..translate import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
+from ..translate import (
+    BackendError,
+    Embeddings,
+    EmbedRequest,
+    backend_request,
+    parse_response,
+)
 from .member import Member
 
 log = Logger()
@@ -301,7 +307,8 @@ class TwinVerifier(Service):
                     try:
                         expected = await self._embed(reference, model)
                     except BackendError as e:
-                        self._record(twin, key, model, TwinCheck(reference.name, "error", now, reason=f"{reference.name}: {e.detail}"))
+                        failed = TwinCheck(reference.name, "error", now, reason=f"{reference.name}: {e.detail}")
+                        self._record(twin, key, model, failed)
                         continue
                 if not twin.available():  # it was taken while the reference answered
                     self._postponed = True
@@ -309,13 +316,17 @@ class TwinVerifier(Service):
                 try:
                     got = await self._embed(twin, model)
                 except BackendError as e:
-                    self._record(twin, key, model, TwinCheck(reference.name, "error", self._clock.seconds(), reason=f"{twin.name}: {e.detail}"))
+                    at = self._clock.seconds()
+                    failed = TwinCheck(reference.name, "error", at, reason=f"{twin.name}: {e.detail}")
+                    self._record(twin, key, model, failed)
                     continue
                 texts = self._config.probe_texts
                 v = compare(
                     model, model, texts, expected.vectors, got.vectors, self._config.min_cosine, self._clock.seconds()
                 )
-                reason = v.reason.replace("on the fallback", f"on {twin.name}").replace("on the primary", f"on {reference.name}")
+                # compare() words its reason for the fallback: name the two upstreams instead.
+                reason = v.reason.replace("on the fallback", f"on {twin.name}")
+                reason = reason.replace("on the primary", f"on {reference.name}")
                 dimension = len(got.vectors[0]) if got.vectors else None
                 self._record(
                     twin, key, model,
@@ -359,7 +370,9 @@ class TwinVerifier(Service):
         self.checks[pair] = check
         self._counts[(twin.name, check.result)] += 1
         interval = self._config.verify_interval_seconds
-        self._due_at[pair] = check.at + (interval if check.result != "error" else min(interval, RETRY_AFTER_ERROR_SECONDS))
+        if check.result == "error":  # no answer is no verdict: try again sooner
+            interval = min(interval, RETRY_AFTER_ERROR_SECONDS)
+        self._due_at[pair] = check.at + interval
         if check.ok:
             if before is None or not before.ok:
                 log.info(
@@ -435,7 +448,8 @@ class TwinVerifier(Service):
         for key, model in self._models.items():
             reference = self._reference(key, model)
             for twin in self._twins(key, model):
-                verified.add_metric([twin.name, model], 1 if self.state_of(twin.name, key, reference) == "verified" else 0)
+                serves = self.state_of(twin.name, key, reference) == "verified"
+                verified.add_metric([twin.name, model], 1 if serves else 0)
                 check = self.checks.get((twin.name, key))
                 if check is not None and check.worst_cosine is not None:
                     worst.add_metric([twin.name, model], check.worst_cosine)
