@@ -18,7 +18,12 @@ from twisted.internet import reactor
 
 from yieldproxy.config import VerificationConfig
 from yieldproxy.probes import PROBE_TEXT
-from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt
+from yieldproxy.sim import (
+    expected_embedding,
+    expected_embedding_f32,
+    expected_reply,
+    messages_prompt,
+)
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
@@ -98,6 +103,53 @@ async def test_an_unverified_twin_never_serves_an_embedding_but_serves_chat():
         answer = await parked
         assert list(answer.embeddings[0]) == expected_embedding(text, MODEL)
         assert embedded(stack.sims["desktop"]) == {text: 1}
+        assert embedded(stack.sims["server"]) == {}
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_openai_client_gets_no_embedding_from_an_unverified_twin():
+    """The same through ``/v1/``: the real ``openai`` client (base64 floats) waits for the reference."""
+    import asyncio
+
+    import numpy as np
+    from openai import AsyncOpenAI
+
+    other = "all-minilm:q4_0"
+    stack = await start_pool_stack(reactor, [{"name": "desktop"}, {"name": "server", "model_map": {MODEL: other}}])
+    texts = [f"openai twin text {i}" for i in range(8)]
+    try:
+        await admin(stack, "/yield", {"upstream": "desktop", "reason": "game"})
+
+        async def embed():
+            client = AsyncOpenAI(base_url=stack.proxy_url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+            try:
+                answer = await client.embeddings.create(model=MODEL, input=texts)
+            finally:
+                await client.close()
+            return [d.embedding for d in answer.data]
+
+        async def chat():
+            client = AsyncOpenAI(base_url=stack.proxy_url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+            try:
+                answer = await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hello twin"}]
+                )
+            finally:
+                await client.close()
+            return answer.choices[0].message.content
+
+        parked = in_thread(reactor, lambda: asyncio.run(embed()), timeout=TIMEOUT)
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1, timeout=TIMEOUT)
+        reply = await in_thread(reactor, lambda: asyncio.run(chat()), timeout=TIMEOUT)
+        assert reply and stack.sims["server"].requests_total["/v1/chat/completions"] == 1
+        assert not parked.called and embedded(stack.sims["server"]) == {}
+        await admin(stack, "/resume", {"source": "api"})
+        vectors = await parked
+        for text, vector in zip(texts, vectors):
+            assert np.allclose(vector, expected_embedding_f32(text, MODEL), rtol=0, atol=1e-7)
+        assert embedded(stack.sims["desktop"]) == {text: 1 for text in texts}
         assert embedded(stack.sims["server"]) == {}
     finally:
         await stack.stop()
