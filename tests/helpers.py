@@ -296,7 +296,9 @@ async def start_pool_stack(
     """A SimOllama per member (dicts of ``[[upstreams]]`` keys, each with a ``name``) and a proxy pooling them.
 
     A member's own sim options go under its ``sim`` key (merged over ``sim_options``).
-    Without ``watchers`` outage detection is off, as in :func:`start_stack`.
+    Without ``watchers`` outage detection is off, as in :func:`start_stack`.  Unless
+    ``config`` names its own ``verification.models``, ``all-minilm``'s twins are
+    verified from the start, and it returns once that is done (or could not run).
     """
     from yieldproxy.service import build
     from yieldproxy.sim import SimOllama
@@ -311,6 +313,8 @@ async def start_pool_stack(
         sims[member["name"]] = sim
         tables.append({"url": f"http://127.0.0.1:{port}", **member})
     config = pool_config(*tables, config=config).with_overrides(**EPHEMERAL)
+    if not config.verification.models:
+        config = attrs.evolve(config, verification=attrs.evolve(config.verification, models=("all-minilm",)))
     if not watchers:
         config = attrs.evolve(
             config,
@@ -319,4 +323,17 @@ async def start_pool_stack(
         )
     proxy = build(reactor, config, token=token, history_interval=history_interval)
     proxy.service.startService()
+    if proxy.twins is not None:
+        # The model lists are read first (discovery), then the twins verified.
+        try:
+            await wait_for(reactor, lambda: _lists_read(proxy) and proxy.twins.settled, timeout=5)
+        except AssertionError:
+            pass  # a member that never answers (a test of one): the others were verified meanwhile
     return PoolStack(reactor, sims, proxy, listening_url(proxy, "proxy"), listening_url(proxy, "admin"))
+
+
+def _lists_read(proxy) -> bool:
+    """Every member that discovers its models has a list (or is unreachable)."""
+    return all(
+        m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in proxy.pool.members
+    )

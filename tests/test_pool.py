@@ -20,6 +20,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import config_with, in_thread, sleep, start_pool_stack, wait_for
+from yieldproxy.config import VerificationConfig
 from yieldproxy.probes import PROBE_TEXT
 from yieldproxy.sim import expected_embedding, expected_embedding_f32, expected_reply
 
@@ -67,9 +68,13 @@ class Burst:
                 pool.submit(self._worker)
 
 
+#: Texts the proxy embeds by itself: the outage watcher's probe, the twin verification's probe texts.
+OWN_TEXTS = frozenset({PROBE_TEXT, *VerificationConfig().probe_texts})
+
+
 def embedded(sim) -> dict[str, int]:
-    """What a sim embedded and answered, without the outage watcher's own probe text."""
-    return {text: n for text, n in sim.texts_embedded.items() if text != PROBE_TEXT}
+    """What a sim embedded and answered, without the texts the proxy embeds by itself."""
+    return {text: n for text, n in sim.texts_embedded.items() if text not in OWN_TEXTS}
 
 
 def assert_clean(burst: Burst, stack) -> None:

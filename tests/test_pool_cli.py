@@ -26,9 +26,28 @@ def test_status_prints_a_row_per_upstream_of_a_pool():
     assert table[1].split() == ["UPSTREAM", "STATE", "USE", "HELD", "BY", "IN", "FLIGHT", "WAITING", "MODELS"]
     assert table[2].split() == ["desktop", "yielded", "always", "file", "0", "2", "all-minilm:latest,", "llama3.1:8b"]
     assert table[3].split() == ["cpu", "available", "standby", "-", "3", "0", "all-minilm"]
+    assert "twins:" not in format_status(status)
     # A pool of one prints no such table: the lines above say it all.
     status["upstreams"] = status["upstreams"][:1]
     assert "upstreams:" not in format_status(status)
+
+
+def test_status_prints_each_twin_and_whether_it_serves_embeddings():
+    status = {
+        "state": "available", "now": 100.0, "holds": [], "parked": {}, "parked_total": 0, "inflight": 0,
+        "upstreams": [
+            {"name": "desktop", "state": "available", "use": "always", "holds": [], "models": ["all-minilm"],
+             "twins": {"all-minilm": {"state": "reference", "reference": "desktop"}}},
+            {"name": "server", "state": "available", "use": "always", "holds": [], "models": ["all-minilm"],
+             "twins": {"all-minilm": {"state": "mismatch", "reference": "desktop", "worst_cosine": 0.0123,
+                                      "age_seconds": 65.0}}},
+        ],
+    }
+    lines = format_status(status).splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("twins:")):]
+    assert table[1].split() == ["TWIN", "MODEL", "STATE", "REFERENCE", "WORST", "COSINE", "VERIFIED"]
+    assert table[2].split()[:5] == ["server", "all-minilm", "mismatch", "desktop", "0.012300"]
+    assert table[2].endswith("ago") and len(table) == 3
 
 
 @pytest_twisted.ensureDeferred

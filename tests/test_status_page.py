@@ -395,12 +395,16 @@ async def test_a_rebound_name_reads_nothing():
 
 @pytest_twisted.ensureDeferred
 async def test_page_shows_each_upstream_of_a_pool():
-    """Two upstreams, one yielded by name: a row each, with its state, who holds it and its models."""
+    """Two upstreams, one yielded by name: a row each, with its state, who holds it, its models and its twins."""
     from helpers import start_pool_stack
 
     chromium_path()
     stack = await start_pool_stack(
-        reactor, [{"name": "desktop", "models": ["llama3.2"]}, {"name": "server", "models": ["all-minilm"]}],
+        reactor,
+        [
+            {"name": "desktop", "models": ["llama3.2", "nomic-embed-text"]},
+            {"name": "server", "models": ["all-minilm", "nomic-embed-text"], "model_map": {"nomic-embed-text": "other"}},
+        ],
         token=TOKEN,
     )
     try:
@@ -415,7 +419,11 @@ async def test_page_shows_each_upstream_of_a_pool():
         rows = dom.with_class("upstream")
         assert [(r["data-upstream"], r["data-state"]) for r in rows] == [("desktop", "yielded"), ("server", "available")]
         assert [r["text"] for r in dom.with_class("held-by")] == ["game", "—"]
-        assert [r["text"] for r in dom.with_class("models")] == ["llama3.2", "all-minilm"]
+        assert [r["text"] for r in dom.with_class("models")] == [
+            "llama3.2, nomic-embed-text", "all-minilm, nomic-embed-text",
+        ]
+        # server's nomic-embed-text is other weights: its twin verification failed.
+        assert [r["text"] for r in dom.with_class("twins")] == ["—", "nomic-embed-text: mismatch"]
         # The hold names its upstream; the reason stays text.
         assert [h["text"] for h in dom.with_class("hold-upstream")] == ["desktop"]
         assert dom.with_class("reason")[0]["text"] == REASON

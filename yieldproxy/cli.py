@@ -332,6 +332,31 @@ def format_upstreams(upstreams: list) -> list[str]:
     lines = [f"upstreams:  {len(upstreams)}"]
     for row in rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return lines + format_twins(upstreams)
+
+
+def format_twins(upstreams: list) -> list[str]:
+    """A row per twin of a verified embedding model: whether it serves the model's embeddings, and why not."""
+    rows = [("TWIN", "MODEL", "STATE", "REFERENCE", "WORST COSINE", "VERIFIED")]
+    for u in upstreams:
+        for model, t in (u.get("twins") or {}).items():
+            if not isinstance(t, dict) or t.get("state") == "reference":
+                continue
+            cosine = t.get("worst_cosine")
+            rows.append((
+                printable(u.get("name", ""), 24),
+                printable(model, 40),
+                printable(t.get("state", "?"), 16),
+                printable(t.get("reference", ""), 24),
+                "-" if not isinstance(cosine, (int, float)) else f"{cosine:.6f}",
+                "-" if t.get("age_seconds") is None else f"{format_duration(t['age_seconds'])} ago",
+            ))
+    if len(rows) < 2:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["twins:      embeddings go to a model's reference or a verified twin"]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return lines
 
 

@@ -328,6 +328,24 @@ class FallbackConfig:
     timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0.001))
 
 
+@attrs.frozen
+class VerificationConfig:
+    """Twin verification in a pool: which members may serve a model's embeddings (docs/pool.md).
+
+    The keys mean what ``[fallback]``'s do, applied to every member that
+    serves a model and is not its reference (the first member serving it).
+    """
+
+    #: Models verified from the start (besides each member's ``model_map`` names
+    #: and the models embedding requests name, verified after their first one).
+    models: tuple[str, ...] = attrs.field(default=(), validator=_model_names)
+    verify_interval_seconds: float = attrs.field(default=600.0, validator=_at_least(1))
+    max_verification_age_seconds: float = attrs.field(default=1800.0, validator=_at_least(1))
+    min_cosine: float = attrs.field(default=0.99, validator=_cosine)
+    probe_texts: tuple[str, ...] = attrs.field(default=DEFAULT_PROBE_TEXTS, validator=_probe_texts)
+    timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0.001))
+
+
 #: What ``[[upstreams]] api`` takes: the kind of server a member is (docs/servers.md).
 UPSTREAM_APIS = ("ollama", "openai", "tei", "infinity", "llamacpp")
 #: ``[[upstreams]] use``: ``always``, or only while no ``always`` member that may serve a request is available.
@@ -408,6 +426,8 @@ class Config:
     classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
     routes: tuple[RouteRule, ...] = ()
     fallback: FallbackConfig = attrs.Factory(FallbackConfig)
+    #: Twin verification in a pool of several upstreams.
+    verification: VerificationConfig = attrs.Factory(VerificationConfig)
     #: The pool (``[[upstreams]]``); empty: one member, ``default``, from ``proxy.upstream``.
     upstreams: tuple[MemberConfig, ...] = ()
 
@@ -432,6 +452,7 @@ _SECTIONS = {
     "watchers": WatchersConfig,
     "handover": HandoverConfig,
     "fallback": FallbackConfig,
+    "verification": VerificationConfig,
 }
 
 
@@ -602,6 +623,11 @@ def _check_combinations(config: Config) -> None:
             "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
         )
     _check_fallback(config.fallback)
+    if config.verification.max_verification_age_seconds < config.verification.verify_interval_seconds:
+        raise ConfigError(
+            "verification.max_verification_age_seconds: must be >= verification.verify_interval_seconds "
+            f"({config.verification.verify_interval_seconds:g}), or every verification goes stale before the next"
+        )
     _check_upstreams(config)
 
 

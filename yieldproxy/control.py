@@ -62,9 +62,13 @@ class UpstreamControl:
         return self._upstream
 
     def request(
-        self, method: str, path: str, body: Any = None, timeout: float = DEFAULT_TIMEOUT
+        self, method: str, path: str, body: Any = None, timeout: float = DEFAULT_TIMEOUT,
+        max_body: int = MAX_BODY_BYTES,
     ) -> Deferred[Answer]:
         """``method path`` with an optional JSON ``body``; fails with :class:`ControlTimeout` after ``timeout``.
+
+        ``max_body``: the most of the answer read (a twin verification's
+        vectors are larger than a control answer).
 
         Other failures are the client's (:class:`~yieldproxy.h1client.H1Error`).
         """
@@ -73,7 +77,7 @@ class UpstreamControl:
         try:
             d = upstream.client.request(
                 method.encode("ascii"), upstream.target(path.encode("utf-8")),
-                _HEADERS if body is None else _JSON_HEADERS, data, Collector(MAX_BODY_BYTES), replayable=False,
+                _HEADERS if body is None else _JSON_HEADERS, data, Collector(max_body), replayable=False,
             )
         except ValueError:
             return fail()

@@ -190,8 +190,8 @@ class Gate:
         """
         if entry.offers:
             return
-        # The soonest any member it may use is expected back.
-        end = self._state.expected_end(entry.eligible)
+        # The soonest any member it may use is expected back (an embedding: its reference or a verified twin).
+        end = self._state.expected_end(self.pool.may_serve(entry))
         if end is None:
             return
         remaining = end - self._clock.seconds()

@@ -11,7 +11,8 @@ stopped (docs/architecture.md):
 
 1. the admin listener (it answers until the very end);
 2. the upstream clients' connection pools (closed once nothing uses them);
-3. the fallback's verification (when enabled), each upstream's model list (pool/models.py);
+3. the fallback's verification (when enabled), the twin verification of a pool of
+   several (pool/twins.py), each upstream's model list (pool/models.py);
 4. the history sampling;
 5. the drain (drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
@@ -54,6 +55,7 @@ from .parking import ParkingLot
 from .pool.members import MemberSpec, member_specs
 from .pool.models import ModelDiscovery
 from .pool.routing import Pool
+from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
 from .state import ALL, YieldState, transition_logger
@@ -107,6 +109,8 @@ class Proxy:
     service: YieldProxyService
     #: The upstreams (``[[upstreams]]``, or ``proxy.upstream`` as a pool of one), with their drainers.
     pool: Pool
+    #: Which members may serve which embedding models (a pool of several; None: a pool of one).
+    twins: TwinVerifier | None = None
 
 
 Clients = Callable[[MemberSpec], tuple[Any, Any]]
@@ -207,6 +211,13 @@ def build(
         state.observe(fallback.state_changed)
         metrics.watch(fallback.metric_families)
 
+    # Embeddings go to a model's reference or its verified twins (a pool of one has no twins).
+    twins = None
+    if pool.several:
+        twins = TwinVerifier(reactor, pool.members, config.verification, pool.kick)
+        pool.check_twins_with(twins.twin_ok)
+        metrics.watch(twins.metric_families)
+
     # What takes holds by itself, and what acts on them.
     watchers = tuple(_watchers(reactor, config, state, metrics, pool))
     handovers = tuple(_handovers(reactor, config, state, metrics, pool))
@@ -222,7 +233,7 @@ def build(
     proxy_app = ProxyApp(reactor, config, gate, pool, metrics, fallback)
     admin_app = AdminApp(
         reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
-        history=history, sections=_status_sections(watchers, handovers, fallback, pool), fallback=fallback,
+        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins), fallback=fallback,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -236,6 +247,7 @@ def build(
         Listener(reactor, "admin.listen", config.admin.listen, admin_app.site()),
         ClientPools(client_pools),
         *([fallback] if fallback is not None else []),
+        *([twins] if twins is not None else []),
         *discovery,
         history,
         drain,
@@ -245,7 +257,7 @@ def build(
     ])
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
-        watchers, handover, fallback, service, pool,
+        watchers, handover, fallback, service, pool, twins,
     )
 
 
@@ -342,10 +354,10 @@ def _prefixed_models_paths(server) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _status_sections(watchers, handovers, fallback, pool: Pool) -> dict[str, Callable[[], Any]]:
+def _status_sections(watchers, handovers, fallback, pool: Pool, twins=None) -> dict[str, Callable[[], Any]]:
     """The ``/status`` sections of the parts beside the core: each read when ``/status`` is."""
     sections: dict[str, Callable[[], Any]] = {
-        "upstreams": pool.status,
+        "upstreams": pool.status if twins is None else lambda: twins.with_twins(pool.status()),
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
         "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
     }

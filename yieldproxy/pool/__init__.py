@@ -6,5 +6,6 @@
 * :mod:`.models`: which models a member serves, configured or discovered;
 * :mod:`.member`: one member as it runs (available or not, in flight);
 * :mod:`.routing`: the pool: eligibility, the choice at admission, the drain;
+* :mod:`.twins`: which members may serve a model's embeddings (its reference, verified twins);
 * :mod:`.lists`: ``GET /api/tags`` and ``/v1/models`` as the union of the members' lists.
 """

@@ -25,9 +25,11 @@ eligible one first, when one is available.
 
 Embedding requests go only to a model's reference or a verified twin
 (issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
-release since a verification can go stale; the twin verification gives it
-with :meth:`Pool.check_twins_with` once it is made (it needs the members'
-clients, so it comes after the pool).  Until then every eligible member serves.
+release since a verification can go stale; the twin verification
+(:mod:`.twins`) gives it with :meth:`Pool.check_twins_with` once it is made
+(it needs the members' clients, so it comes after the pool, in
+``service.build``).  Without it (a pool of one, clock-only pools) every
+eligible member serves.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def route_kind(path: str | None, cls: str) -> str:
 
 
 def any_member(member: Member, entry: Entry) -> bool:
-    """The twin check until twin verification is built: every eligible member may serve."""
+    """The twin check of a pool without twin verification (a pool of one): every eligible member may serve."""
     return True
 
 
@@ -207,12 +209,25 @@ class Pool:
         return spare if not always_usable else None
 
     def all_held(self, entry: Entry) -> bool:
-        """True when a hold applies to every member ``entry`` is eligible for: it waits for a yield to end.
+        """True when a hold applies to every member that may serve ``entry``: it waits for a yield to end.
 
         (Not merely for its turn, or for a preload: class policies and the
         hold budget apply only then.)
         """
-        return all(self._state.yielded_for(name) for name in entry.eligible)
+        return all(self._state.yielded_for(name) for name in self.may_serve(entry))
+
+    def may_serve(self, entry: Entry) -> tuple[str, ...]:
+        """The eligible members the twin check lets serve ``entry`` (all eligible ones when it lets none).
+
+        An embedding's twin that is not verified is no way out of a yield of
+        its reference (it cannot be verified while the reference is held):
+        the request waits for the reference, under its class's policy and
+        hold bound.
+        """
+        if entry.kind != "embedding" or self.twin_ok is any_member:
+            return entry.eligible
+        names = tuple(name for name in entry.eligible if self.twin_ok(self._by_name[name], entry))
+        return names or entry.eligible
 
     def may_take(self, name: str, entry: Entry) -> bool:
         """Whether ``name``'s drainer may let ``entry`` out of the lot now.

@@ -244,6 +244,14 @@
     renderUpstreams(status.upstreams || []);
   }
 
+  // "model: state" for each embedding model this upstream is a twin for (not the reference).
+  function twinsText(twins) {
+    return Object.entries(twins || {})
+      .filter(([, t]) => t && t.state !== "reference")
+      .map(([model, t]) => model + ": " + t.state)
+      .join(", ");
+  }
+
   // One row per upstream of a pool; a pool of one shows none (the badge says it all).
   function renderUpstreams(upstreams) {
     const body = $("upstreams-body");
@@ -264,6 +272,7 @@
         el("td", "num inflight", String(u.inflight)),
         el("td", "num waiting", String(u.waiting)),
         el("td", "models", (u.models || []).join(", ") || "—"),
+        el("td", "twins", twinsText(u.twins) || "—"),
       );
       body.append(row);
     }
