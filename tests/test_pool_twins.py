@@ -257,3 +257,22 @@ def test_an_embedding_only_the_yielded_reference_may_serve_waits_for_the_yield_u
         r.core.gate.admit(r.entry())
     assert refused.value.reason == "policy"
     r.stop()
+
+
+def test_an_expiry_in_a_pool_says_what_kept_each_upstream_from_taking_it():
+    """Issue 10's honest expiry, per upstream: the pool as a whole was far from yielded."""
+    r = rig(b_weights="nomic-embed-text", classes={"batch": {"hold_seconds": 30}})
+    r.run()
+    r.core.state.hold("api", "game", scope="a")
+    entry = r.entry()
+    d = r.core.gate.admit(entry)
+    r.run(31)
+    failure = d.result
+    d.addErrback(lambda f: None)
+    refusal = r.core.gate.explain(failure.value, entry)
+    assert refusal.reason == "expired"
+    assert refusal.message.endswith(
+        "no upstream that may serve it was free: a yielded (held by api); "
+        f"b not a verified twin for {MODEL}'s embeddings"
+    ), refusal.message
+    r.stop()

@@ -258,9 +258,11 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
             await prometheus.ready()
             await prometheus.until('up{job="yieldproxy"}', 1)
             for i in range(3):
-                answer = await treq.post(
-                    stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"b{i}"}, persistent=False
-                ).addTimeout(TIMEOUT, reactor)
+                # Chat, not embeddings: b is a's unverified twin (a never answered), so it serves none of those.
+                chat = {"model": "all-minilm", "messages": [{"role": "user", "content": f"b{i}"}], "stream": False}
+                answer = await treq.post(stack.proxy_url + "/api/chat", json=chat, persistent=False).addTimeout(
+                    TIMEOUT, reactor
+                )
                 assert answer.code == 200
                 await answer.content()
             await wait_for(reactor, lambda: stack.proxy.pool.members[0].unreachable, timeout=TIMEOUT)
@@ -277,9 +279,10 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
                 stack.admin_url + "/yield", json={"source": "game", "upstream": "b"}, headers=auth, persistent=False
             ).addTimeout(TIMEOUT, reactor)
             assert answer.code == 200
-            parked = treq.post(
-                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "parked"}, persistent=False
-            ).addTimeout(TIMEOUT * 2, reactor)
+            chat = {"model": "all-minilm", "messages": [{"role": "user", "content": "parked"}], "stream": False}
+            parked = treq.post(stack.proxy_url + "/api/chat", json=chat, persistent=False).addTimeout(
+                TIMEOUT * 2, reactor
+            )
             await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
             await prometheus.until('yieldproxy_upstream_waiting_requests{upstream="b"}', 1)
             await until_alert_query(prometheus, "YieldproxyNoUpstreamAvailable", [{}])

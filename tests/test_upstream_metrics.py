@@ -72,6 +72,13 @@ def embed(stack, text: str):
     return treq.post(stack.proxy_url + "/api/embed", json={"model": MODEL, "input": text}, persistent=False)
 
 
+async def chatted(stack, text: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": False}
+    answer = await treq.post(stack.proxy_url + "/api/chat", json=body, persistent=False).addTimeout(TIMEOUT, reactor)
+    assert answer.code == 200, await answer.text()
+    await answer.content()
+
+
 async def embedded(stack, text: str) -> None:
     answer = await embed(stack, text).addTimeout(TIMEOUT, reactor)
     assert answer.code == 200, await answer.text()
@@ -168,12 +175,13 @@ async def test_an_unreachable_upstream_reads_unavailable_without_a_hold_while_th
     closed_socket.bind(("127.0.0.1", 0))
     closed = f"http://127.0.0.1:{closed_socket.getsockname()[1]}"
     # Both name the model, so a is tried first (not passed over once b's model list is read).
+    # Chat, not embeddings: b is a's unverified twin (a never answered), so b serves none of its embeddings.
     stack = await start_pool_stack(
         reactor, [{"name": "a", "url": closed, "models": [MODEL]}, {"name": "b", "models": [MODEL]}]
     )
     try:
         for i in range(3):
-            await embedded(stack, f"around {i}")
+            await chatted(stack, f"around {i}")
         await wait_for(reactor, lambda: stack.proxy.pool.members[0].unreachable, timeout=TIMEOUT)
         m = await scrape(stack)
         assert m.get("yieldproxy_upstream_available", upstream="a") == 0

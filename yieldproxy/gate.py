@@ -122,7 +122,7 @@ class Gate:
             self._metrics.rejected_total.labels(entry.cls, refusal.reason).inc()
             raise
 
-    def explain(self, refusal: Refused) -> Refused:
+    def explain(self, refusal: Refused, entry: Entry | None = None) -> Refused:
         """``refusal`` as the caller reads it: with ``Retry-After``, and for an expiry, what kept it waiting.
 
         The lot refuses without either (it knows neither the yield nor the
@@ -130,7 +130,7 @@ class Gate:
         here, as it happens: an expiry's cause is the state at that moment.
         """
         if refusal.reason == "expired":
-            return refusal.advised(self.retry_after(), self.why_still_waiting())
+            return refusal.advised(self.retry_after(), self.why_still_waiting(entry))
         if refusal.retry_after is None:
             return refusal.advised(self.retry_after())
         return refusal
@@ -146,8 +146,15 @@ class Gate:
         started = None if seconds is None else self._clock.seconds() - seconds
         self.pool.member(member).drainer.finished(failed, started)
 
-    def why_still_waiting(self) -> str:
-        """What keeps the lot waiting right now, for the message of a request that expires in it."""
+    def why_still_waiting(self, entry: Entry | None = None) -> str:
+        """What keeps the lot waiting right now, for the message of a request that expires in it.
+
+        In a pool, what kept each upstream ``entry`` may go to from taking
+        it (held, unreachable, not a verified twin...): the pool as a whole
+        may be far from yielded.
+        """
+        if entry is not None and self.pool.several:
+            return self._why_no_member(entry)
         if self._state.yielded:
             sources = sorted({hold.source for hold in self._state.holds})
             if sources == [OUTAGE_SOURCE]:
@@ -159,6 +166,21 @@ class Gate:
             f"the GPU was back, but the requests ahead of this one still held all "
             f"{self.pool.concurrency} replay slots"
         )
+
+    def _why_no_member(self, entry: Entry) -> str:
+        reasons = []
+        for name in entry.eligible:
+            member = self.pool.member(name)
+            state = member.state_name()
+            if state == "available" and not self.pool.twin_ok(member, entry):
+                state = f"not a verified twin for {entry.model}'s embeddings"
+            elif state == "available":
+                state = "busy with the requests ahead of this one"
+            elif state in ("yielded", "outage"):
+                sources = sorted({hold.source for hold in self._state.holds_for(name)})
+                state = f"{state} (held by {', '.join(sources)})"
+            reasons.append(f"{name} {state}")
+        return "no upstream that may serve it was free: " + "; ".join(reasons)
 
     def retry_after(self) -> int:
         """Seconds a refused caller should wait, from what is known.

@@ -290,7 +290,7 @@ class ProxyApp:
             try:
                 await self._gate.admit(entry)
             except Refused as refused:
-                refusal = self._gate.explain(refused)
+                refusal = self._gate.explain(refused, entry)
                 if entry.was_parked:
                     outcome = refusal.reason if refusal.reason in ("expired", "shutdown") else "rejected"
                     self._metrics.replay_total.labels(entry.cls, outcome).inc()
