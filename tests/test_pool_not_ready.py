@@ -266,3 +266,22 @@ def verdict_of(d: Deferred):
     d.addBoth(results.append)
     assert results, "the verdict is still pending"
     return results[0]
+
+
+
+def test_the_lot_goes_to_the_member_at_once_when_its_health_reads_up_with_no_backoff_from_the_loading_answers():
+    rig, sim = llama_rig(0.3, retry_backoff_seconds=1.0, retry_backoff_max_seconds=8.0, max_attempts=1)
+    member = rig.proxy.pool.members[0]
+    rig.run(1)
+    # A real failure first (a reset: one failure in a row on the member's drainer)...
+    sim.set_mode("reset")
+    assert rig.result(completion(rig)).code == 502
+    # ...then the restarted server loads its model again, and the next attempt reads "Loading model".
+    sim.set_mode("ok")
+    d = completion(rig)
+    assert member.state_name() == "not_ready" and not answered(d)
+    # Its health reads up at the first check (0.5 s): the request goes at once, not after a 1 s backoff.
+    rig.run(0.5)
+    assert member.state_name() == "available"
+    rig.run(0.05)
+    assert answered(d) and rig.result(d).code == 200

@@ -206,6 +206,8 @@ class Member:
                 "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
                 name=self.name, url=self.spec.url, seconds=self._clock.seconds() - since,
             )
+        # Its "Loading model" answers were no failures of a working server: no backoff after them.
+        self.drainer.reset_backoff()
         self.on_reachable()
 
     def _waits_for_health(self) -> bool:
