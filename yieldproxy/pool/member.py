@@ -68,7 +68,7 @@ class Member:
     #: Called when it becomes available again after being unreachable (the pool wakes its drainers).
     on_reachable: Callable[[], None] = lambda: None
     #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
-    not_ready_max_seconds: float = 600.0
+    not_ready_max_seconds: float = 300.0
     #: The scope of the ``outage`` hold it takes when stuck not ready: its outage watcher's (None: its name).
     outage_scope: str | None = None
     #: Attempts were refused before it ever answered (see the module docstring).
