@@ -226,8 +226,8 @@ class Member:
             self._checking.cancel()
 
     def _schedule_recheck(self) -> None:
-        if self._stopped:
-            return
+        if self._stopped or self._checking is not None:
+            return  # a check in flight schedules the next one when it ends
         if self._recheck is None or not self._recheck.active():
             self._recheck = self._clock.callLater(self._recheck_delay, self._check)
             self._recheck_delay = min(self.recheck_max_seconds, self._recheck_delay * 2)
