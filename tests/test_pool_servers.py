@@ -185,10 +185,66 @@ async def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
         states.append(member.state_name())
         # Never read as an outage: no outage hold was taken on it (nor on anything else).
         assert "outage" not in states and stack.proxy.state.holds_for("llama") == []
-        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="status_503") >= 1
+        # Not ready while it loaded (its health read so at start, or the completion's attempt did).
+        assert "not_ready" in states
         assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 1
-        assert llama.requests_total["/completion"] >= 2
+        assert llama.requests_total["/completion"] >= 1
     finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_llamacpp_member_loading_longer_than_its_retries_last_answers_after_the_load_with_no_outage():
+    """The stronger cousin: each load lasts many times what the request's 5 tries would have lasted
+    (its retry backoff is short here), once at start and once after a restart when the member had answered
+    before; the client gets its answer after each load, never a 5xx, and the member is never held."""
+    config = config_with(
+        upstream={
+            "health_interval_seconds": 0.1, "health_max_interval_seconds": 0.2,
+            # 5 tries, 0.05 s then 0.1 s apart: the old limit was about 0.3 s of loading, here each load is 2 s.
+            "retry_backoff_seconds": 0.05, "retry_backoff_max_seconds": 0.1,
+        }
+    )
+    members = [{**MEMBERS[1], "sim": {**MEMBERS[1]["sim"], "load_seconds": 2.0}}, MEMBERS[2]]
+    stack = await start_pool_stack(reactor, members, config=config, watchers=True, latency=0.002)
+    llama = stack.sims["llama"]
+    member = stack.proxy.pool.member("llama")
+    states: list[str] = []
+    looking = True
+
+    async def look():
+        while looking:
+            states.append(member.state_name())
+            await sleep(reactor, 0.02)
+
+    watching = ensureDeferred(look())
+    try:
+        for load in ("at start", "after a restart"):
+            assert llama.loading, load
+            began = reactor.seconds()
+            prompts = [f"{load} {i}" for i in range(3)]
+            asked = [post(stack, "/completion", {"prompt": p}) for p in prompts]
+            await sleep(reactor, 0.5)  # past the old limit, still loading
+            status = json.loads((await get(stack, "/api/version"))[1] or b"{}")  # the others serve meanwhile
+            assert status.get("version"), load
+            for prompt, d in zip(prompts, asked):
+                code, answer = await d
+                assert code == 200, (load, answer)
+                assert answer["content"] == "".join(expected_reply(prompt, LLAMA_MODEL))
+            assert reactor.seconds() - began >= 1.5, load  # answered after the load, not before
+            assert "not_ready" in states and "outage" not in states, (load, sorted(set(states)))
+            assert stack.proxy.state.holds == [], load
+            assert member.health.reachable
+            # A restart: the server loads its model again, after it had answered.
+            llama.set_mode("refuse")
+            llama.set_mode("ok")
+            states.clear()
+        assert stack.sample("yieldproxy_requests_total", **{"class": "interactive", "code": "200"}) == 6
+        for code in ("502", "503", "504"):
+            assert stack.sample("yieldproxy_requests_total", **{"class": "interactive", "code": code}) == 0
+    finally:
+        looking = False
+        await watching
         await stack.stop()
 
 

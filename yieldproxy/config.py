@@ -171,6 +171,8 @@ class UpstreamConfig:
     health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
     #: Bound on an outage probe that is a model call (it may have to load the model first).
     model_probe_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.01))
+    #: How long a member may answer "not ready" (loading its model) before it is treated as down (an outage).
+    not_ready_max_seconds: float = attrs.field(default=300.0, validator=_at_least(0.01))
     #: How often a pool member with no ``models`` is asked for its model list.
     models_refresh_seconds: float = attrs.field(default=60.0, validator=_at_least(1))
 

@@ -160,6 +160,9 @@ class Gate:
             if sources == [OUTAGE_SOURCE]:
                 return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
             return f"the GPU was still yielded (held by {', '.join(sources)})"
+        loading = [m.name for m in self.pool.members if m.not_ready]
+        if loading:
+            return f"the upstream was still loading its model (not ready: {', '.join(loading)})"
         if self.pool.release_held:
             return "the GPU was back, but the models were still being loaded back onto it"
         return (

@@ -9,6 +9,11 @@ Two facts, each with this one owner:
 * **the outage verdict** on a failed attempt: does a recognised outage
   explain it?  The upstream's outage watcher decides while it runs
   (watchers/outage.py); without one, no failure is forgiven.
+* **not ready**: an answer (a request's, or a probe's) that its server reads
+  as "still loading its model" (llama.cpp's 503 ``Loading model``).  It is
+  no outage: whoever reads such an answer says so here
+  (:meth:`UpstreamHealth.not_ready`), and the pool member that listens
+  (pool/member.py) stops taking requests until its health reads up.
 
 The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
 the outage watcher registers as the judge and as a listener while it runs,
@@ -42,10 +47,24 @@ class UpstreamHealth:
     reachable: bool = False
     _judge: Judge | None = None
     _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
+    _not_ready_listeners: list[Callable[[str], None]] = attrs.Factory(list)
 
     def answered(self) -> None:
         """The upstream answered (a request or a probe): it is reachable from now on."""
         self.reachable = True
+
+    def not_ready(self, why: str) -> None:
+        """It answered, and its server says it is not ready yet (loading its model): tell who listens."""
+        self.answered()
+        for listener in list(self._not_ready_listeners):
+            try:
+                listener(why)
+            except Exception:
+                log.failure("upstream not-ready listener failed")
+
+    def when_not_ready(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(why)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
+        self._not_ready_listeners.append(listener)
 
     def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred[bool]:
         """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.

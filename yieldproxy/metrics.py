@@ -197,7 +197,7 @@ class Metrics:
         for watcher in WATCHER_SOURCES:
             self.watcher_errors_total.labels(watcher)
         for probe in ("health", "model"):
-            for result in ("up", "down"):
+            for result in ("up", "down", "not_ready"):
                 self.outage_probes_total.labels(probe, result)
 
     def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:

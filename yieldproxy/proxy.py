@@ -48,7 +48,7 @@ from .pool.member import Member
 from .pool.rename import renamed_body
 from .pool.routing import Pool
 from .requestlog import CLIENT_GONE, log_request
-from .servers import ModelCall
+from .servers import NOT_READY, ModelCall
 from .target import BadTarget, Target, parse_target
 
 if TYPE_CHECKING:
@@ -388,8 +388,26 @@ class ProxyApp:
         request and it parks behind the hold.  A request that fails alone
         while probes pass (its own input is the cause) ends after
         ``upstream.max_attempts``, with the upstream's own answer when it gave one.
+
+        An answer the member's server reads as *not ready* (llama.cpp's 503
+        "Loading model") is neither: the member is not ready (pool/member.py:
+        passed over until its health reads up), no outage is probed, and the
+        request goes back to its place in the lot uncounted, where another
+        eligible member may take it, or it waits up to its class's bound.
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+        answer = failure.answer
+        if answer is not None and member.server.judge(answer.code, answer.body) == NOT_READY:
+            member.health.not_ready(failure.detail)
+            if self._pool.several:
+                entry.failed_on = member.name
+            entry.forgiven += 1
+            self._metrics.retries_total.labels(entry.cls).inc()
+            log.info(
+                "{cls} attempt on upstream {name} found it not ready, not counted: {detail}",
+                cls=entry.cls, name=member.name, detail=failure.detail,
+            )
+            return _RETRY
         try:
             forgiven = await member.health.report(failure.reason, failed_call(target, body))
         except CancelledError:

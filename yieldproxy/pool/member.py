@@ -7,6 +7,17 @@ several only: a member whose attempts are refused before it ever answered
 (a wrong address, a server not started yet) is passed over and checked
 again on a growing interval, while the others serve; a pool of one answers
 such attempts 502 at once, as a single upstream always did.
+
+A member is also not available while it is *not ready*: its server said it
+is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
+or a probe: :meth:`UpstreamHealth.not_ready`).  That is no outage and no
+failed try: its health path is checked on the same growing interval until it
+reads up, then its drainer starts.  One not ready for longer than
+``upstream.not_ready_max_seconds`` is treated as down: it takes the
+``outage`` hold of its scope (and ends it when its health reads up), so a
+server stuck loading holds nobody without bound.  In any pool, a pool of one
+included; Ollama never answers "not ready", so a pool of one in front of
+Ollama is as it always was.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from twisted.logger import Logger
 from ..health import UpstreamHealth
 from ..names import OUTAGE_SOURCE
 from ..replay import Replayer
+from ..servers import UP
 from ..state import YieldState
 from .members import MemberSpec
 from .models import ModelCatalogue
@@ -28,7 +40,7 @@ from .models import ModelCatalogue
 log = Logger()
 
 #: What ``/status`` says of a member (and the ``state`` label of its metrics).
-MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable")
+MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable", "not_ready")
 
 
 @attrs.define(eq=False)
@@ -55,12 +67,24 @@ class Member:
     recheck_max_seconds: float = 10.0
     #: Called when it becomes available again after being unreachable (the pool wakes its drainers).
     on_reachable: Callable[[], None] = lambda: None
+    #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
+    not_ready_max_seconds: float = 300.0
+    #: The scope of the ``outage`` hold it takes when stuck not ready: its outage watcher's (None: its name).
+    outage_scope: str | None = None
     #: Attempts were refused before it ever answered (see the module docstring).
     _refusing: bool = False
+    #: Since when its server says it is not ready (None: it is not known not ready).
+    _not_ready_since: float | None = None
+    _stuck_timer: IDelayedCall | None = None
+    #: It took the ``outage`` hold itself, stuck not ready for too long.
+    _stuck: bool = False
     _recheck: IDelayedCall | None = None
     _recheck_delay: float = 0.0
     _checking: Deferred | None = None
     _stopped: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.health.when_not_ready(self.became_not_ready)
 
     @property
     def name(self) -> str:
@@ -75,13 +99,21 @@ class Member:
         """Attempts were refused and it has not answered since the proxy started."""
         return self._refusing and not self.health.reachable
 
+    @property
+    def not_ready(self) -> bool:
+        """Its server said it is still loading its model, and its health has not read up since."""
+        return self._not_ready_since is not None
+
     def held(self) -> bool:
         """Some hold applies to it (its own, or one of every member)."""
         return self._state.yielded_for(self.spec.name)
 
     def available(self) -> bool:
         """True when it takes requests now."""
-        return not (self._state.yielded_for(self.spec.name) or self.drainer.release_held or self.unreachable)
+        return not (
+            self._state.yielded_for(self.spec.name) or self.drainer.release_held or self.unreachable
+            or self._not_ready_since is not None
+        )
 
     def state_name(self) -> str:
         """One of :data:`MEMBER_STATES`."""
@@ -92,6 +124,8 @@ class Member:
             return "handing_over"
         if self.unreachable:
             return "unreachable"
+        if self._not_ready_since is not None:
+            return "not_ready"
         return "available"
 
     # -- unreachable ------------------------------------------------------------------
@@ -110,9 +144,81 @@ class Member:
         self._recheck_delay = self.recheck_seconds
         self._schedule_recheck()
 
+    # -- not ready ---------------------------------------------------------------------
+
+    def became_not_ready(self, why: str) -> None:
+        """Its server says it is still loading its model: pass it over and check its health until it reads up."""
+        if self._stopped or self._stuck_held():
+            return
+        if self._not_ready_since is None:
+            log.warn(
+                "upstream {name} ({url}) is not ready ({why}): passing it over, its attempts not counted; "
+                "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s)",
+                name=self.name, url=self.spec.url, why=why, bound=self.not_ready_max_seconds,
+            )
+            self._not_ready_since = self._clock.seconds()
+            self._stuck_timer = self._clock.callLater(self.not_ready_max_seconds, self._stuck_for_too_long)
+            self._recheck_delay = self.recheck_seconds
+            if self._recheck is not None and self._recheck.active():
+                self._recheck.cancel()  # a refused member's longer wait: look again soon
+                self._recheck = None
+        self._schedule_recheck()
+
+    def _stuck_held(self) -> bool:
+        """It holds the ``outage`` hold it took when stuck not ready (False once someone else ended it)."""
+        if self._stuck and self._state.hold_of(OUTAGE_SOURCE, self._scope) is None:
+            self._stuck = False
+        return self._stuck
+
+    @property
+    def _scope(self) -> str:
+        return self.outage_scope if self.outage_scope is not None else self.name
+
+    def _stuck_for_too_long(self) -> None:
+        """Not ready for ``not_ready_max_seconds``: treated as down, the outage hold until its health reads up."""
+        self._stuck_timer = None
+        if self._not_ready_since is None or self._stopped:
+            return
+        seconds = self._clock.seconds() - self._not_ready_since
+        log.warn(
+            "upstream {name} ({url}) is still not ready after {seconds:.0f}s (upstream.not_ready_max_seconds): "
+            "treating it as down, an outage hold until its health reads up",
+            name=self.name, url=self.spec.url, seconds=seconds,
+        )
+        self._not_ready_since = None
+        self._stuck = True
+        self._state.hold(OUTAGE_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
+        self._schedule_recheck()
+
+    def _ready(self) -> None:
+        """Its health reads up: available again (an outage hold it took for a stuck load ends), its drainer starts."""
+        since = self._not_ready_since
+        self._not_ready_since = None
+        if self._stuck_timer is not None and self._stuck_timer.active():
+            self._stuck_timer.cancel()
+        self._stuck_timer = None
+        if self._stuck:
+            self._stuck = False
+            log.info("upstream {name} ({url}) reads up: ending its outage hold", name=self.name, url=self.spec.url)
+            self._state.release(OUTAGE_SOURCE, self._scope)
+        elif since is not None:
+            log.info(
+                "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
+                name=self.name, url=self.spec.url, seconds=self._clock.seconds() - since,
+            )
+        # Its "Loading model" answers were no failures of a working server: no backoff after them.
+        self.drainer.reset_backoff()
+        self.on_reachable()
+
+    def _waits_for_health(self) -> bool:
+        return self._not_ready_since is not None or self._stuck_held()
+
     def stop(self) -> None:
         """The proxy stops: no more checks."""
         self._stopped = True
+        if self._stuck_timer is not None and self._stuck_timer.active():
+            self._stuck_timer.cancel()
+        self._stuck_timer = None
         if self._recheck is not None and self._recheck.active():
             self._recheck.cancel()
         self._recheck = None
@@ -120,15 +226,16 @@ class Member:
             self._checking.cancel()
 
     def _schedule_recheck(self) -> None:
-        if self._stopped:
-            return
+        if self._stopped or self._checking is not None:
+            return  # a check in flight schedules the next one when it ends
         if self._recheck is None or not self._recheck.active():
             self._recheck = self._clock.callLater(self._recheck_delay, self._check)
             self._recheck_delay = min(self.recheck_max_seconds, self._recheck_delay * 2)
 
     def _check(self) -> None:
         self._recheck = None
-        if not self.unreachable:
+        waits = self._waits_for_health()
+        if not self.unreachable and not waits:
             self._reachable()
             return
         if self.control is None:
@@ -137,11 +244,17 @@ class Member:
         d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.recheck_max_seconds)
 
         def answered(answer) -> None:
-            self.health.answered()  # any answer: it is there (its health is the outage watcher's business)
+            self.health.answered()  # any answer: it is there (an outage is the outage watcher's business)
+            if self._waits_for_health():
+                # Not ready (or stuck so): only its health reading up ends that.
+                if self.server.judge_health(answer.code, answer.body) == UP:
+                    self._ready()
+                else:
+                    self._schedule_recheck()
             self._reachable()
 
         def failed(failure) -> None:
-            if self._refusing:
+            if self._refusing or self._waits_for_health():
                 self._schedule_recheck()
 
         def done(result):

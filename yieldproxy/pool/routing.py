@@ -48,7 +48,7 @@ from ..metrics import Metrics
 from ..names import PASSTHROUGH
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
-from ..state import YieldState
+from ..state import ALL, YieldState
 from ..servers import native_apis, server
 from .member import Member
 from .members import MemberSpec
@@ -108,10 +108,11 @@ class Pool:
                 rate=replay.rate,
                 backoff_seconds=up.retry_backoff_seconds,
                 backoff_max_seconds=up.retry_backoff_max_seconds,
-                # A pool of one drains as the one upstream always did: every entry, while not yielded.
+                # A pool of one drains as the one upstream always did: every entry, while not yielded
+                # (and, for a server that can say so, ready: see pool/member.py).
                 target=spec.name if several else None,
                 accepts=functools.partial(self.may_take, spec.name) if several else None,
-                is_open=functools.partial(self._drainer_open, spec.name) if several else None,
+                is_open=functools.partial(self._drainer_open, spec.name) if several else self._single_open,
             )
             catalogue = ModelCatalogue(spec.models, spec.model_map)
             catalogue.when_changed(self._cache.clear)
@@ -121,6 +122,9 @@ class Pool:
                     drainer, upstream, control,
                     recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
                     on_reachable=self.kick,
+                    not_ready_max_seconds=up.not_ready_max_seconds,
+                    # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
+                    outage_scope=spec.name if several else ALL,
                 )
             )
         self.members = tuple(members)
@@ -343,6 +347,10 @@ class Pool:
         for member in self.members:
             member.drainer.stop()
             member.stop()
+
+    def _single_open(self) -> bool:
+        """A pool of one's drainer takes work while not yielded and its member is not known not ready."""
+        return not self._state.yielded and not self.members[0].not_ready
 
     def _drainer_open(self, name: str) -> bool:
         """Whether ``name``'s drainer has anything to look for, in O(members) (it walks its line only then)."""

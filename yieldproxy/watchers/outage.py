@@ -34,6 +34,13 @@ the model onto a GPU that was lent away.
 
 The interval is reset when real traffic succeeds, so the next outage is
 probed quickly again.
+
+A probe whose answer the server reads as *not ready* (llama.cpp's 503
+"Loading model") is no outage: the upstream is loading its model.  The probe
+says so to the upstream's health (its pool member stops taking requests
+until its health reads up, pool/member.py), no hold is taken, and the
+failures waiting on it are not counted.  A held outage stays held until a
+probe reads up.
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ class _Pending:
     call: ModelCall | None
     waiters: list[Deferred] = attrs.Factory(list)
     probe: Deferred | None = None
+    #: The verdict once decided (a probe may decide at once, before anyone waits).
+    verdict: bool | None = None
 
 
 @attrs.frozen
@@ -98,22 +107,31 @@ class UpstreamProbe:
         method, path, body = minimal
         return self._control.request(method, path, body, timeout=self.model_timeout).addCallback(self._model_answered)
 
-    def _health_answered(self, answer: Answer) -> bool:
-        if self.server is not None and self.server.judge_health(answer.code, answer.body) != UP:
-            return False
+    def _health_answered(self, answer: Answer) -> bool | str:
+        if self.server is not None:
+            verdict = self.server.judge_health(answer.code, answer.body)
+            if verdict == NOT_READY:
+                self._health.not_ready(f"its health path answered {answer.code} (loading its model)")
+                return NOT_READY
+            if verdict != UP:
+                return False
         if answer.code != 200:
             return False
         self._health.answered()
         return True
 
-    def _model_answered(self, answer: Answer) -> bool:
-        """Down only when it fails the way an outage does; any other answer means the GPU serves."""
+    def _model_answered(self, answer: Answer) -> bool | str:
+        """Down only when it fails the way an outage does; any other answer means the GPU serves
+        (:data:`NOT_READY` when its server says it is still loading its model)."""
         self._health.answered()
+        if self.server is not None and self.server.judge(answer.code, answer.body) == NOT_READY:
+            self._health.not_ready(f"a probe of a model call answered {answer.code} (loading its model)")
+            return NOT_READY
         if answer.code == 503:
             return False
         if self.server is None:
             return not is_gpu_failure(answer.code, answer.body)
-        return self.server.judge(answer.code, answer.body) not in (GPU, NOT_READY)
+        return self.server.judge(answer.code, answer.body) != GPU
 
 
 @attrs.define(eq=False, slots=False)
@@ -244,31 +262,35 @@ class OutageWatcher(Service):
         pending = self._pending.get(call)
         if pending is None:
             pending = self._start_probe(call)
-        if pending is None:
+        if pending.verdict is not None:
             # The probe decided at once (it fired synchronously).
-            return succeed(self._held())
+            return succeed(pending.verdict)
         waiter: Deferred = Deferred(canceller=lambda d: _forget(pending.waiters, d))
         pending.waiters.append(waiter)
         return waiter
 
     # -- the probe that decides a verdict -----------------------------------------------------
 
-    def _start_probe(self, call: ModelCall | None) -> _Pending | None:
-        """Probe ``call`` now; the result decides every verdict waiting on it."""
+    def _start_probe(self, call: ModelCall | None) -> _Pending:
+        """Probe ``call`` now; the result decides every verdict waiting on it (its ``verdict`` once decided)."""
         pending = self._pending[call] = _Pending(call)
         d = self._run_check(call)
         pending.probe = d
         d.addCallback(self._decided, pending)
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
-        return self._pending.get(call)
+        return pending
 
-    def _decided(self, up: bool | None, pending: _Pending) -> None:
+    def _decided(self, up: bool | str | None, pending: _Pending) -> None:
         if self._pending.get(pending.call) is pending:
             del self._pending[pending.call]
         pending.probe = None
         confirmed = False
         if up is None:
             forgiven = False  # the watcher stopped: the attempts count, as without it
+        elif up == NOT_READY:
+            # Loading its model: no outage, and not the requests' fault (its member waits for it to read up).
+            self._answered()
+            forgiven = True
         elif up:
             self._answered()
             forgiven = False  # the upstream serves this kind of call: the request failed alone
@@ -285,6 +307,7 @@ class OutageWatcher(Service):
                 upstream=self.upstream, what=_describe(pending.call),
             )
             self._state.hold(SOURCE, f"upstream failing ({_describe(pending.call)} fails)", scope=self.scope)
+        pending.verdict = forgiven
         for waiter in _take(pending.waiters):
             waiter.callback(forgiven)
         if forgiven:
@@ -309,6 +332,9 @@ class OutageWatcher(Service):
             return succeed(False)
 
         def answered(up):
+            if up == NOT_READY:
+                self._metrics.outage_probes_total.labels(kind, NOT_READY).inc()
+                return NOT_READY
             up = bool(up)
             self._metrics.outage_probes_total.labels(kind, "up" if up else "down").inc()
             return up
@@ -350,11 +376,11 @@ class OutageWatcher(Service):
         d.addCallback(self._probed)
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
 
-    def _probed(self, up: bool | None) -> None:
+    def _probed(self, up: bool | str | None) -> None:
         self._probe = None
         if up is None:
             return
-        if not up:
+        if not up or up == NOT_READY:
             self._schedule_if_held()
             return
         self._answered()
