@@ -179,6 +179,8 @@ class Gate:
                 state = f"not a verified twin for {entry.model}'s embeddings"
             elif state == "available":
                 state = "busy with the requests ahead of this one"
+            elif state == "not_ready":
+                state = "still loading its model (not ready)"
             elif state in ("yielded", "outage"):
                 sources = sorted({hold.source for hold in self._state.holds_for(name)})
                 state = f"{state} (held by {', '.join(sources)})"
