@@ -288,3 +288,24 @@ def test_a_model_list_under_an_api_prefix_is_found_there():
         other_paths=_prefixed_models_paths(inf),
     ).refresh()
     assert catalogue.discovered is None and control.asked == ["/models", "/v1/models"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_each_members_gpu_failures_are_retried_by_its_own_servers_words():
+    """llama.cpp's whole "Compute error." and TEI's own GPU failure answers are GPU failures of that
+    member, read by its own server's judge: retried up to upstream.max_attempts (Ollama's judge, which
+    every attempt used to read, relayed them at once as the caller's)."""
+    config = config_with(upstream={"retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
+    stack = await start_pool_stack(reactor, MEMBERS, config=config, latency=0.002)
+    tries = config.upstream.max_attempts
+    try:
+        for name, calls in (("llama", llama_calls), ("tei", tei_calls)):
+            await stack.sims[name].set_mode("error500")
+            answers = [await d for d in calls(stack)]
+            # After its last try the member's own answer is relayed: llama.cpp's 500, TEI's 424 Backend.
+            assert all(code in (424, 500) and "error" in body for code, body in answers), answers
+            assert stack.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="gpu_error") == tries * 2
+            assert stack.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="ok") == 0
+            await stack.sims[name].set_mode("ok")
+    finally:
+        await stack.stop()

@@ -39,7 +39,8 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from .h1client import H1Error, H1Pool, Response, client_endpoint
-from .servers.ollama import is_gpu_failure
+from .servers import GPU
+from .servers.ollama import SERVER as OLLAMA
 
 log = Logger()
 
@@ -269,7 +270,7 @@ class Attempt:
     the rest; the request must not be finished before.
 
     The attempt is the upstream client's response handler (``response_started``,
-    ``body_received``): an error status (5xx, or 400 when statuses are
+    ``body_received``): an error status (5xx, or 4xx when statuses are
     retried) is read first, up to :data:`_ERROR_BODY_LIMIT` bytes, to judge
     whether it is retryable, and a longer one is then relayed whole, what was
     read first; any other answer is relayed as it comes, the status and
@@ -301,8 +302,11 @@ class Attempt:
         buffers: ClientBuffers | None = None,
         *,
         target: bytes,
+        judge: Callable[[int, bytes], str] = OLLAMA.judge,
     ):
         self._clock = clock
+        #: The upstream's server reads its own error answers (``Server.judge``): a GPU failure is retried.
+        self._judge = judge
         #: The canonical request target forwarded (the one the class was decided on).
         self._target = target
         self._upstream = upstream
@@ -368,7 +372,8 @@ class Attempt:
     def response_started(self, response: Response) -> None:
         self._response = response
         code = response.code
-        if code >= 500 or (code == 400 and self._retry_statuses):
+        # Any error status may be a GPU failure in its server's words (TEI's is a 424).
+        if code >= 500 or (code >= 400 and self._retry_statuses):
             self._inspecting = True
 
     def body_received(self, data: bytes) -> None:
@@ -450,7 +455,7 @@ class Attempt:
             answer = UpstreamAnswer(code, response.phrase, response.headers, body)
             if code in (502, 503):
                 raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(body)}", answer)
-            if is_gpu_failure(code, body):
+            if self._judge(code, body) == GPU:
                 raise RetryableFailure("gpu_error", f"upstream GPU failure: {_snippet(body)}", answer)
         self._commit(response)
         self._request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])

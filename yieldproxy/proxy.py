@@ -316,6 +316,7 @@ class ProxyApp:
             attempt = Attempt(
                 self._clock, member.upstream, request, self._body_for(member, entry, body),
                 self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
+                judge=member.server.judge,
             )
             failure = None
             outcome = "error"
