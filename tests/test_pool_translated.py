@@ -197,3 +197,98 @@ def test_an_unverified_translated_member_never_takes_an_embedding():
     r.run()
     assert entry.released_to == "desktop"
     r.stop()
+
+
+# -- the translated attempt (translated.py) ------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class FakeUpstream:
+    """An :class:`~yieldproxy.forward.Upstream` whose client records each request and lets the test answer it."""
+
+    url: str = "http://cpu:7997"
+    sent: list = attrs.Factory(list)
+
+    @property
+    def client(self):
+        return self
+
+    def target(self, path: bytes) -> bytes:
+        return path
+
+    def request(self, method, target, headers, body, handler, replayable=None):
+        d: Deferred = Deferred()
+        self.sent.append((method, target, json.loads(body), handler, d))
+        return d
+
+    def answer(self, code: int, body: bytes, phrase: bytes = b"X") -> None:
+        _, _, _, handler, d = self.sent[-1]
+        response = attrs.make_class("Response", {"code": attrs.field(), "phrase": attrs.field()})(code, phrase)
+        handler.response_started(response)
+        handler.body_received(body)
+        d.callback(response)
+
+
+def translated_attempt(route="/api/embed", api="openai", **body):
+    from twisted.web.test.requesthelper import DummyRequest
+
+    from yieldproxy.servers import server
+    from yieldproxy.translate import parse_request
+    from yieldproxy.translated import TranslatedAttempt
+
+    clock, upstream, request = Clock(), FakeUpstream(), DummyRequest([b""])
+    wanted = parse_request(route, json.dumps({"model": MODEL, "input": ["a", "b"], "prompt": "a", **body}).encode())
+    attempt = TranslatedAttempt(
+        clock, upstream, server(api), request, wanted, "minilm-cpu", "ollama", 30.0,
+        [(b"x-yield-parked-seconds", b"1.500")], member="cpu",
+    )
+    outcome: list = []
+    attempt.run().addBoth(outcome.append)
+    return clock, upstream, request, outcome
+
+
+def test_a_translated_attempt_sends_the_members_shape_and_name_and_answers_in_the_callers():
+    clock, upstream, request, outcome = translated_attempt(api="infinity")
+    method, target, body, _, _ = upstream.sent[0]
+    assert (method, target) == (b"POST", b"/embeddings")
+    assert body == {"model": "minilm-cpu", "input": ["a", "b"], "encoding_format": "float"}
+    vectors = [[3.0, 4.0], [0.0, 2.0]]
+    upstream.answer(200, json.dumps({"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}).encode())
+    assert outcome == [200]
+    answer = json.loads(b"".join(request.written))
+    assert answer["model"] == MODEL and answer["embeddings"] == [[0.6, 0.8], [0.0, 1.0]]
+    assert request.responseHeaders.getRawHeaders(b"x-yield-parked-seconds") == [b"1.500"]
+    assert request.translated_by == "cpu"
+
+
+def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_shape():
+    from yieldproxy.forward import RetryableFailure
+
+    # A 503: retryable, and the answer kept for the caller is in Ollama's shape.
+    _, upstream, request, outcome = translated_attempt()
+    upstream.answer(503, json.dumps({"error": {"message": "loading", "type": "x", "code": 503}}).encode())
+    failure = outcome[0].value
+    assert isinstance(failure, RetryableFailure) and failure.reason == "status_503"
+    assert json.loads(failure.answer.body) == {"error": "loading"} and request.written == []
+    # An answer that cannot be read: retryable as bad_answer, nothing written.
+    _, upstream, request, outcome = translated_attempt()
+    upstream.answer(200, b'{"data": [{"index": 0, "embedding": [1.0]}]}')
+    assert outcome[0].value.reason == "bad_answer" and request.written == []
+    # No whole answer within the attempt timeout.
+    clock, upstream, request, outcome = translated_attempt()
+    clock.advance(30.0)
+    assert outcome[0].value.reason == "timeout"
+    # Any other error: relayed at once, status kept, in the caller's shape.
+    _, upstream, request, outcome = translated_attempt()
+    upstream.answer(400, json.dumps({"error": {"message": "input too long", "type": "x", "code": 400}}).encode())
+    assert outcome == [400] and request.responseCode == 400
+    assert json.loads(b"".join(request.written)) == {"error": "input too long"}
+
+
+def test_the_legacy_route_goes_to_the_members_route_as_one_input():
+    _, upstream, request, outcome = translated_attempt("/api/embeddings", api="tei")
+    method, target, body, _, _ = upstream.sent[0]
+    assert target == b"/v1/embeddings" and body["input"] == ["a"]
+    upstream.answer(200, json.dumps({"data": [{"index": 0, "embedding": [3.0, 4.0]}]}).encode())
+    # Ollama's legacy route is not normalised: the vector as the member gave it.
+    assert json.loads(b"".join(request.written)) == {"embedding": [3.0, 4.0]}
