@@ -292,3 +292,21 @@ def test_the_legacy_route_goes_to_the_members_route_as_one_input():
     upstream.answer(200, json.dumps({"data": [{"index": 0, "embedding": [3.0, 4.0]}]}).encode())
     # Ollama's legacy route is not normalised: the vector as the member gave it.
     assert json.loads(b"".join(request.written)) == {"embedding": [3.0, 4.0]}
+
+
+def test_a_failed_translated_attempt_is_probed_on_the_members_own_route_and_name():
+    """The outage probe after a failure tests the call that failed: the member's embedding route, its model name."""
+    from twisted.internet.testing import MemoryReactorClock
+
+    from yieldproxy.servers import ModelCall
+    from yieldproxy.service import build
+    from yieldproxy.target import parse_target
+
+    config = pool_config(DESKTOP, {**CPU, "api": "infinity", "model_map": {MODEL: "minilm-cpu"}})
+    proxy = build(MemoryReactorClock(), config)
+    app, pool = proxy.proxy_app, proxy.pool
+    body = json.dumps({"model": MODEL, "input": ["a"]}).encode()
+    entry = Entry(cls="batch", routing=pool.routing("POST", "/api/embed", "batch", MODEL))
+    target = parse_target(b"/api/embed")
+    assert app._failed_call(target, entry, body, pool.member("cpu")) == ModelCall("/embeddings", "minilm-cpu")
+    assert app._failed_call(target, entry, body, pool.member("desktop")) == ModelCall("/api/embed", MODEL)

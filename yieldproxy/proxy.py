@@ -388,6 +388,12 @@ class ProxyApp:
             self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
 
+    def _failed_call(self, target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
+        """What failed on ``member``, for its outage probe: a translated attempt ran its own embedding route."""
+        if entry.routing is not None and member.name in entry.routing.translated and entry.model:
+            return ModelCall(member.server.embed_path, member.catalogue.own_name(entry.model) or entry.model)
+        return failed_call(target, body)
+
     def _translated_attempt(self, request, target: Target, entry: Entry, body: bytes, member: Member, extra):
         """The attempt on a member that serves this embedding route only translated (translated.py).
 
@@ -422,7 +428,7 @@ class ProxyApp:
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         try:
-            forgiven = await member.health.report(failure.reason, failed_call(target, body))
+            forgiven = await member.health.report(failure.reason, self._failed_call(target, entry, body, member))
         except CancelledError:
             if entry.was_parked:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
