@@ -42,8 +42,9 @@ THREE = (
 
 def test_eligible_members_serve_the_route_the_class_and_the_model():
     pool = make_pool_core(*THREE).gate.pool
-    # Ollama's own route: not the OpenAI-compatible member.
-    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a", "b")
+    # Ollama's own route: the OpenAI-compatible member only translated (test_pool_translated.py).
+    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a", "b", "c")
+    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").translated == {"c"}
     # A route all three serve in one dialect.
     assert pool.routing("POST", "/v1/embeddings", "batch", "all-minilm").eligible == ("a", "b", "c")
     # Ollama's names: all-minilm is all-minilm:latest; patterns match.

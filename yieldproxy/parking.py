@@ -59,6 +59,9 @@ class Routing:
     #: Every eligible member is a standby one (``use = "when_others_yielded"``): no
     #: ``always`` member may ever take it (counted as :data:`STANDBY_ONLY` in the lot).
     standby_only: bool = False
+    #: The eligible members that serve it only in another dialect: an embedding request
+    #: translated into their own embedding route and back (pool/routing.py).
+    translated: frozenset[str] = frozenset()
 
 
 @attrs.define(eq=False)

@@ -50,6 +50,8 @@ from .pool.routing import Pool
 from .requestlog import CLIENT_GONE, log_request
 from .servers import NOT_READY, ModelCall
 from .target import BadTarget, Target, parse_target
+from .translate import Untranslatable, parse_request
+from .translated import TranslatedAttempt
 
 if TYPE_CHECKING:
     from .fallback import Fallback
@@ -86,6 +88,15 @@ def _model_of(body: bytes) -> str | None:
     except BadBody:
         return None
     return model if isinstance(model, str) and model else None
+
+
+def _translatable(path: str, body: bytes) -> bool:
+    """Whether an embedding request's body can be served translated with the same meaning."""
+    try:
+        parse_request(path, body)
+    except Untranslatable:
+        return False
+    return True
 
 
 def _peer_host(request) -> str | None:
@@ -229,7 +240,11 @@ class ProxyApp:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
             return await self._passthrough(request, target, body, api, model)
-        routing = self._pool.routing(request.method.decode("latin-1"), target.path, cls, model)
+        method = request.method.decode("latin-1")
+        routing = self._pool.routing(method, target.path, cls, model)
+        if routing.translated and not _translatable(target.path, body):
+            # Members that would get it translated could not serve it with the same meaning.
+            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
         if not routing.eligible:
             return self._reject(
                 request, cls, api, self._gate.reject_status, "no_upstream",
@@ -313,11 +328,15 @@ class ProxyApp:
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
-            attempt = Attempt(
-                self._clock, member.upstream, request, self._body_for(member, entry, body),
-                self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
-                judge=member.server.judge,
-            )
+            attempt: Attempt | TranslatedAttempt
+            if entry.routing is not None and member.name in entry.routing.translated:
+                attempt = self._translated_attempt(request, target, entry, body, member, extra)
+            else:
+                attempt = Attempt(
+                    self._clock, member.upstream, request, self._body_for(member, entry, body),
+                    self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
+                    judge=member.server.judge,
+                )
             failure = None
             outcome = "error"
             # Only the upstream's failures slow the replay down, not a client leaving.
@@ -370,6 +389,24 @@ class ProxyApp:
             self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
             return None
 
+    def _failed_call(self, target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
+        """What failed on ``member``, for its outage probe: a translated attempt ran its own embedding route."""
+        if entry.routing is not None and member.name in entry.routing.translated and entry.model:
+            return ModelCall(member.server.embed_path, member.catalogue.own_name(entry.model) or entry.model)
+        return failed_call(target, body)
+
+    def _translated_attempt(self, request, target: Target, entry: Entry, body: bytes, member: Member, extra):
+        """The attempt on a member that serves this embedding route only translated (translated.py).
+
+        The body was read the same way at admission (:func:`_translatable`), so it reads again.
+        """
+        wanted = parse_request(target.path, body)
+        own = member.catalogue.own_name(wanted.model) or wanted.model
+        return TranslatedAttempt(
+            self._clock, member.upstream, member.server, request, wanted, own, entry.api,
+            self._attempt_timeout(entry.cls), extra, member=member.name,
+        )
+
     def _body_for(self, member: Member, entry: Entry, body: bytes) -> bytes:
         """The body as ``member`` takes it: with its own name for the model when its ``model_map`` renames it."""
         if entry.model is None:
@@ -410,7 +447,7 @@ class ProxyApp:
             )
             return _RETRY
         try:
-            forgiven = await member.health.report(failure.reason, failed_call(target, body))
+            forgiven = await member.health.report(failure.reason, self._failed_call(target, entry, body, member))
         except CancelledError:
             if entry.was_parked:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()

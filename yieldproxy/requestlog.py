@@ -19,6 +19,8 @@ and the text observer (the default) renders the same event as::
 ``shutdown``, ``fallback``, or the reason a request was refused at once
 (``queue_full``, ``over_budget``, ``policy``, ``too_large``, ``bad_request``):
 the labels of ``yieldproxy_replay_total`` and ``yieldproxy_rejected_total``.
+An answer a pool member gave to an embedding route it serves only translated
+(docs/pool.md) adds ``"translated": "<member>"`` (text: ``translated=<member>``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def log_request(
     attempts = int(attempts)
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
+    # An answer a pool member gave in another dialect, translated (translated.py): rare, so only then.
+    translated = getattr(request, "translated_by", None)
     # The event Logger.emit would make, handed to its observer directly: emit
     # checks its level against LogLevel.iterconstants(), which sorts the levels
     # on every call, and builds the event from keyword arguments twice.  The
@@ -115,6 +119,7 @@ def log_request(
         "request_line": (
             f"{method} {path} {cls} {code} {outcome} parked={parked:.3f}s attempts={attempts} "
             f"{duration:.3f}s client={client}"
+            + (f" translated={translated}" if translated else "")
         ),
         "log_logger": logger,
         "log_level": LogLevel.warn if code >= 500 else LogLevel.info,
@@ -123,6 +128,8 @@ def log_request(
         "log_format": _REQUEST_FORMAT,
         "log_time": time.time(),
     }
+    if translated:
+        event["translated"] = translated
     logger.observer(event)
     return event
 

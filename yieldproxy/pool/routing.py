@@ -9,6 +9,22 @@ no member is known to serve the model, every member the route and class
 allow, so a server answers in its own words.  Whether a member is available
 is not part of it: that changes while the request waits.
 
+**Translated embeddings**: an embedding request on one of the routes
+:mod:`yieldproxy.translate` reads (Ollama's ``/api/embed`` and
+``/api/embeddings``, OpenAI's ``/v1/embeddings``) is also eligible for a
+member whose api does not serve that route natively, when the member is
+known to serve the model (its ``models``, ``model_map`` or discovered list:
+never on a guess) and its class, and the body can be translated faithfully
+(:func:`yieldproxy.translate.parse_request`).  Its attempt goes to the
+member's own embedding route (:attr:`~yieldproxy.servers.Server.embed_path`,
+the route its twin verification uses) and the answer comes back in the
+caller's shape (:mod:`yieldproxy.translated`).  Such members are listed in
+:attr:`~yieldproxy.parking.Routing.translated`.  Like any member other than
+the model's reference, it serves only as a verified twin; and it is the
+reference only when no member serving the model speaks every translated
+route natively (:func:`reference_rank`): a CPU copy on Infinity is checked
+against the GPU's Ollama, never the other way round.
+
 **The choice at admission** (:meth:`Pool.choose`): among the eligible
 members that are available and have no eligible request waiting in the lot
 (no overtaking), the least in flight, then the first in config order; a
@@ -50,6 +66,7 @@ from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
 from ..state import ALL, YieldState
 from ..servers import native_apis, server
+from ..translate import EMBED_ROUTES
 from .member import Member
 from .members import MemberSpec
 from .models import ModelCatalogue
@@ -60,6 +77,25 @@ log = Logger()
 _CACHE_LIMIT = 4096
 #: Last path segments of the routes that return embeddings.
 _EMBEDDING_ROUTES = frozenset({"embed", "embeddings", "embedding", "embed_all", "embed_sparse"})
+#: The embedding routes a member may serve translated, with the dialect the caller speaks on each.
+TRANSLATED_ROUTES = {path: ("openai" if name == "v1" else "ollama") for path, name in EMBED_ROUTES.items()}
+
+
+def serves_natively(api: str, path: str) -> bool:
+    """True when ``api`` serves the translated route ``path`` itself, in the caller's dialect."""
+    route = server(api).route("POST", path)
+    return route is not None and route.dialect == TRANSLATED_ROUTES[path]
+
+
+@functools.cache
+def reference_rank(api: str) -> int:
+    """0 for an api that serves every translated route natively (Ollama's), else 1.
+
+    A model's reference is the first member serving it of the lowest rank
+    (:mod:`.twins`): a member that would answer some embedding route only
+    translated is the yardstick only when no member of rank 0 serves the model.
+    """
+    return 0 if all(serves_natively(api, path) for path in TRANSLATED_ROUTES) else 1
 
 
 def route_kind(path: str | None, cls: str) -> str:
@@ -147,35 +183,63 @@ class Pool:
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
 
-    def routing(self, method: str | None, path: str | None, cls: str, model: str | None) -> Routing:
+    def routing(
+        self, method: str | None, path: str | None, cls: str, model: str | None, translatable: bool = True
+    ) -> Routing:
         """Where a request may go: the members eligible for it (see the module docstring), in config order.
 
-        One shared value per route, class and model (cached, dropped when a
-        member's model list changes).
+        ``translatable``: False when the body cannot be translated into
+        another server's embedding request (no member then gets it translated).
+        One shared value per route, class, model and that flag (cached,
+        dropped when a member's model list changes).
         """
-        key = (method, path, cls, model)
+        key = (method, path, cls, model, translatable)
         found = self._cache.get(key)
         if found is None:
-            eligible = self._single if self._single is not None else self._eligible(method, path, cls, model)
+            translated: tuple[str, ...] = ()
+            if self._single is not None:
+                eligible = self._single
+            else:
+                eligible, translated = self._eligible(method, path, cls, model, translatable)
             standby_only = bool(eligible) and all(self._by_name[n].spec.standby for n in eligible)
-            found = Routing(eligible, model, route_kind(path, cls), standby_only)
+            found = Routing(eligible, model, route_kind(path, cls), standby_only, frozenset(translated))
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[key] = found
         return found
 
-    def _eligible(self, method, path, cls, model) -> tuple[str, ...]:
+    def translates(self, method: str | None, path: str | None, cls: str) -> bool:
+        """Whether a request on this route may be served translated (its body then needs checking)."""
+        return (
+            self._single is None and cls != PASSTHROUGH and (method or "POST") == "POST"
+            and path in TRANSLATED_ROUTES
+        )
+
+    def _eligible(self, method, path, cls, model, translatable=True) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The eligible members, and those of them that get the request translated."""
         members: Iterable[Member] = self.members
+        others: list[Member] = []
         if path is not None:
             native = native_apis(self._apis, method or "POST", path)
             if native:
                 members = [m for m in members if m.spec.api in native]
+            if model and translatable and self.translates(method, path, cls):
+                others = [
+                    m for m in self.members
+                    if m.spec.api not in native and not serves_natively(m.spec.api, path)
+                    and cls in m.spec.classes and m.catalogue.serves(model)
+                ]
+                if others and not native:
+                    members = []
         members = [m for m in members if cls in m.spec.classes]
         if model:
             serving = [m for m in members if m.catalogue.serves(model)]
-            if serving:
+            if serving or others:
                 members = serving
-        return tuple(m.name for m in members)
+        if others:
+            chosen = {m.name for m in (*members, *others)}
+            return tuple(m.name for m in self.members if m.name in chosen), tuple(m.name for m in others)
+        return tuple(m.name for m in members), ()
 
     def check_twins_with(self, twin_ok: Callable[[Member, Entry], bool]) -> None:
         """From now on, ``twin_ok(member, entry)`` says whether ``member`` may serve ``entry`` (see above).

@@ -3,14 +3,23 @@
 Two copies of "the same" embedding model do not always give the same
 vectors, and vectors from another model poison a vector store without any
 error.  So in a pool an embedding request for model M goes only to M's
-*reference* (the first member in config order that serves M) or to a
-*twin*: another member serving M whose vectors were verified equal to the
+*reference* (the first member in config order that serves M, among those
+whose api serves every embedding route natively when one of them serves M:
+see below) or to a *twin*: another member serving M whose vectors were verified equal to the
 reference's, the way the CPU fallback is verified (fallback.py): the probe
 texts embedded on both, the same dimension and a cosine of at least
 ``verification.min_cosine`` per text after L2 normalisation.  A twin whose
 last verification failed, that was never verified, or whose verification is
 older than ``verification.max_verification_age_seconds`` serves no
 embedding of M; chat and generation are never restricted.
+
+A member that serves an embedding route only translated (an Infinity, TEI
+or OpenAI-compatible CPU copy taking an Ollama client's ``/api/embed``, see
+:mod:`.routing`) is never the reference while a member that speaks every
+embedding route natively (an Ollama) serves M: the vectors the callers'
+stores hold came from the server they talk to, and a translated copy must
+prove itself against it (:func:`~.routing.reference_rank`).  Only when no
+such member serves M is the first member serving it the reference, as ever.
 
 Which models: ``verification.models`` and each member's ``model_map`` names
 from the start, and any model an embedding request names for a twin (after
@@ -54,6 +63,7 @@ from ..translate import (
     parse_response,
 )
 from .member import Member
+from .routing import reference_rank
 
 log = Logger()
 
@@ -163,10 +173,11 @@ class TwinVerifier(Service):
         return key
 
     def _reference(self, key: str, model: str) -> str | None:
-        """The first member in config order serving ``model``, or None when none is known to."""
+        """The first member serving ``model`` of the lowest :func:`reference_rank` (config order), or None."""
         if key in self._references:
             return self._references[key]
-        found = next((m.name for m in self._members if m.catalogue.serves(model)), None)
+        ranked = sorted(self._members, key=lambda m: reference_rank(m.spec.api))  # stable: config order
+        found = next((m.name for m in ranked if m.catalogue.serves(model)), None)
         if len(self._references) >= 4 * MAX_MODELS:
             self._references.clear()
         self._references[key] = found

@@ -1,0 +1,183 @@
+"""An embedding attempt on a pool member that speaks another dialect: translated there and back.
+
+An Ollama client's ``/api/embed`` may go to a member that has no such route
+(an Infinity, TEI or OpenAI-compatible CPU copy) when the pool made it
+eligible (pool/routing.py: it serves the model, and as a twin only once
+verified).  The request is read into :mod:`yieldproxy.translate`'s neutral
+form, sent to the member's own embedding route
+(:attr:`~yieldproxy.servers.Server.embed_path`, the one its twin
+verification uses) under the member's name for the model, and its answer
+read back and written in the caller's shape, naming the caller's model.
+
+It stands in for :class:`~yieldproxy.forward.Attempt` in the proxy's attempt
+loop and fails the same ways, so retries, outcomes, metrics and timeouts are
+the proxy's as ever: :class:`~yieldproxy.forward.RetryableFailure` for a
+connection failure, a timeout, a 502/503, the member's GPU failure (its
+server's own judge) or an answer that cannot be read (``bad_answer``).  Any
+other error status is relayed at once with the member's message in the
+caller's error shape.  Nothing reaches the client before the member's whole
+answer is in and read (embedding answers are small and never streamed), so
+the attempt timeout covers the whole answer, and a failure is always
+retryable.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from .errors import error_body
+from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason
+from .h1client import H1Error, Response
+from .servers import GPU, Server
+from .translate import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
+
+#: The header lines of the translated request (the caller's belong to the caller's server).
+HEADERS = ((b"Content-Type", b"application/json"), (b"Accept", b"application/json"))
+#: The most of a member's answer read: vectors for a large batch are a few MB.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+_JSON = b"application/json; charset=utf-8"
+
+
+class TranslatedAttempt:
+    """One try of an embedding request on a member of another dialect (see the module docstring).
+
+    The same surface as :class:`~yieldproxy.forward.Attempt` for the proxy:
+    ``run()`` fires with the status written to the client once the answer is
+    complete; the client then has it all (it was written in one piece).
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        upstream: Upstream,
+        server: Server,
+        request,
+        wanted: EmbedRequest,
+        own_model: str,
+        error_shape: str,
+        timeout: float,
+        extra_headers: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        member: str,
+    ):
+        self._clock = clock
+        self._upstream = upstream
+        self._server = server
+        self._request = request
+        self._wanted = wanted
+        self._own_model = own_model
+        #: The caller's error shape (``entry.api``).
+        self._error_shape = error_shape
+        self._timeout = timeout
+        self._extra_headers = extra_headers
+        self._member = member
+        self._timer: IDelayedCall | None = None
+        self._timed_out = False
+        self._pending: Deferred | None = None
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._began = 0.0
+
+    def run(self) -> Deferred:
+        shape = self._server.embed_shape
+        path, body = backend_request(self._wanted, shape, self._own_model)
+        if shape != "ollama":  # an OpenAI base URL's path: the member's own route says where it is mounted
+            path = self._server.embed_path
+        upstream = self._upstream
+        self._began = self._clock.seconds()
+        self._timer = self._clock.callLater(self._timeout, self._expire)
+        try:
+            d = upstream.client.request(
+                b"POST", upstream.target(path.encode("ascii")), HEADERS, body, self,
+                replayable=False,
+            )
+        except BaseException:
+            self._disarm()
+            raise
+        self._pending = d
+        return d.addCallbacks(self._answered, self._failed)
+
+    def client_has_all(self) -> bool:
+        return True
+
+    def client_drained(self) -> Deferred:
+        return succeed(None)
+
+    # -- the member's answer (h1client's ResponseHandler) ----------------------------------
+
+    def response_started(self, response: Response) -> None:
+        pass
+
+    def body_received(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > MAX_ANSWER_BYTES:
+            # Raised into the client, which aborts the connection.
+            raise RetryableFailure(
+                "bad_answer", f"upstream {self._upstream.url}: answer longer than {MAX_ANSWER_BYTES} bytes"
+            )
+        self._parts.append(data)
+
+    def _answered(self, response: Response) -> int:
+        self._disarm()
+        body = b"".join(self._parts)
+        self._parts = []
+        code = response.code
+        url = self._upstream.url
+        if 200 <= code < 300:
+            try:
+                result = parse_response(self._wanted, self._server.embed_shape, code, body)
+            except BackendError as e:
+                raise RetryableFailure("bad_answer", f"upstream {url}: {e.detail}") from None
+            vectors = client_response(self._wanted, result, self._clock.seconds() - self._began)
+            return self._write(200, b"OK", vectors)
+        message = error_message(body)
+        # The member's words in the caller's shape: an Ollama client cannot read OpenAI's error object.
+        answer = UpstreamAnswer(
+            code, response.phrase, [(b"Content-Type", _JSON)],
+            error_body(self._error_shape, code, message, "upstream_error"),
+        )
+        if code in (502, 503):
+            raise RetryableFailure(f"status_{code}", f"upstream {url} answered {code}: {message[:200]}", answer)
+        if self._server.judge(code, body) == GPU:
+            raise RetryableFailure("gpu_error", f"upstream {url} GPU failure: {message[:200]}", answer)
+        return self._write(code, response.phrase, answer.body)
+
+    def _write(self, code: int, phrase: bytes, body: bytes) -> int:
+        request = self._request
+        request.setResponseCode(code, phrase)
+        headers = request.responseHeaders
+        headers.setRawHeaders(b"content-type", [_JSON])
+        headers.setRawHeaders(b"content-length", [b"%d" % len(body)])
+        for name, value in self._extra_headers:
+            headers.setRawHeaders(name, [value])
+        request.write(body)
+        # The request log names the member that answered in another dialect (requestlog.py).
+        request.translated_by = self._member
+        return code
+
+    def _failed(self, failure):
+        self._disarm()
+        self._parts = []
+        error = failure.value
+        if self._timed_out:
+            raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
+        if isinstance(error, H1Error):
+            raise RetryableFailure(failure_reason(error), describe_failure(error, self._upstream.url))
+        # The client left (CancelledError), the answer was too long (RetryableFailure), or a bug: as it is.
+        return failure
+
+    # -- the timeout: until the whole answer is in ---------------------------------------
+
+    def _disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._timed_out = True
+        if self._pending is not None:
+            self._pending.cancel()
