@@ -344,3 +344,19 @@ def test_the_twin_check_decides_at_each_choice_and_release():
     pool.kick()
     core.run()
     assert went(waiting) and embed.released_to == "twin"
+
+
+def test_a_standby_member_takes_no_more_than_its_cap_arrivals_included():
+    """A CPU copy serving through a game is not handed every arrival at once: the rest wait in line for it."""
+    core = make_pool_core({"name": "gpu"}, {"name": "cpu", "use": "when_others_yielded", "replay_concurrency": 2})
+    core.state.hold("api", "game")
+    arrivals = [admit(core) for _ in range(5)]
+    assert [where(e) for e, d in arrivals if went(d)] == ["cpu", "cpu"]
+    assert core.gate.pool.member("cpu").inflight == 2 and len(core.lot) == 3
+    finish(core, arrivals[0][0])
+    core.run()
+    assert [where(e) for e, d in arrivals if went(d)] == ["cpu", "cpu", "cpu"]
+    # An always member's arrivals are not capped (as a single upstream's never were).
+    core.state.release("api")
+    core.run()
+    assert all(went(d) for _, d in arrivals)

@@ -29,7 +29,8 @@ against the GPU's Ollama, never the other way round.
 members that are available and have no eligible request waiting in the lot
 (no overtaking), the least in flight, then the first in config order; a
 standby member (``use = "when_others_yielded"``) only while no eligible
-``always`` member is available.  None: the request parks.
+``always`` member is available, and below its cap (a CPU copy is not handed
+a whole burst).  None: the request parks.
 
 **The drain**: each member has its own drainer (a
 :class:`~yieldproxy.replay.Replayer` with its ``replay_concurrency``) that
@@ -266,7 +267,10 @@ class Pool:
             if not self.usable(member, entry):
                 continue
             if member.spec.standby:
-                if not waiting(name) and (spare is None or member.inflight < spare.inflight):
+                # A standby copy (a CPU) takes no more than its cap, arrivals included: the rest
+                # wait in the lot, in line for it (its drainer lets them out as slots free).
+                full = member.inflight >= member.spec.replay_concurrency
+                if not full and not waiting(name) and (spare is None or member.inflight < spare.inflight):
                     spare = member
                 continue
             always_usable = True
