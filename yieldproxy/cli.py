@@ -3,7 +3,7 @@
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
 says what happened (see :data:`EPILOG`).  ``demo`` lives in demo.py,
-``check-fallback`` in fallback.py, ``sim`` in the sim package.
+``check-fallback`` in fallback/check.py, ``sim`` in the sim package.
 
 Only :func:`main` and the command functions it starts touch the global
 reactor (through :func:`twisted.internet.task.react`); importing this module

@@ -123,7 +123,7 @@ class ProxyApp:
     #: The upstreams: each attempt runs on a member, reported to its health (reachability, outage verdicts).
     _pool: Pool
     _metrics: Metrics
-    #: The verified CPU fallback, when ``fallback.enabled`` (see fallback.py).
+    #: The verified CPU fallback, when ``fallback.enabled`` (see the fallback package).
     _fallback: Fallback | None = None
     _classifier: Classifier = attrs.field(init=False)
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
@@ -320,6 +320,7 @@ class ProxyApp:
                 raise
             if entry.released_to == FALLBACK_TARGET:
                 # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
+                assert self._fallback is not None
                 if await self._at_fallback(request, entry, body, self._fallback.serve_released):
                     return None
                 continue

@@ -14,7 +14,7 @@ A replayer drains the lot into one *target*.  The primary's (the default)
 takes every entry while the GPU is not yielded.  Another target gets its own
 replayer with its own cap, told which entries it may serve (``accepts``) and
 when it takes work (``is_open``): today the CPU fallback's, open while the GPU
-is yielded (fallback.py).  Each release takes the next entry that target may
+is yielded (the fallback package).  Each release takes the next entry that target may
 serve in the lot's one drain order, and marks it with the target's name.
 """
 

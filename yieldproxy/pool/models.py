@@ -14,7 +14,7 @@ Names compare as Ollama's do: ``all-minilm`` is ``all-minilm:latest``.
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 from twisted.application.service import Service
@@ -105,7 +105,8 @@ class ModelDiscovery(Service):
     _clock: IReactorTime
     _catalogue: ModelCatalogue
     #: ``request(method, path, timeout=)`` of the member's control client.
-    _control: object
+    #: The member's control client (``UpstreamControl``: ``request(method, path, timeout=)``).
+    _control: Any
     #: The member's name, for log lines.
     member: str
     path: str
@@ -119,7 +120,7 @@ class ModelDiscovery(Service):
     _failing: bool = False
 
     @property
-    def name(self) -> str:  # the service's name
+    def name(self) -> str:  # type: ignore[override]  # the service's name; Twisted types it None
         return f"models:{self.member}"
 
     def startService(self) -> None:

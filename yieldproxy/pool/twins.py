@@ -6,7 +6,7 @@ error.  So in a pool an embedding request for model M goes only to M's
 *reference* (the first member in config order that serves M, among those
 whose api serves every embedding route natively when one of them serves M:
 see below) or to a *twin*: another member serving M whose vectors were verified equal to the
-reference's, the way the CPU fallback is verified (fallback.py): the probe
+reference's, the way the CPU fallback is verified (yieldproxy/vectors.py): the probe
 texts embedded on both, the same dimension and a cosine of at least
 ``verification.min_cosine`` per text after L2 normalisation.  A twin whose
 last verification failed, that was never verified, or whose verification is
@@ -50,7 +50,7 @@ from twisted.logger import Logger
 
 from ..config import VerificationConfig
 from ..control import ControlTimeout
-from ..fallback import compare
+from ..vectors import compare
 from ..forward import describe_failure
 from ..h1client import H1Error
 from ..names import canonical_model
@@ -125,7 +125,7 @@ class TwinVerifier(Service):
     _full_logged: bool = attrs.field(init=False, default=False)
     _by_name: dict[str, Member] = attrs.field(init=False)
 
-    name = "twins"
+    name = "twins"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         self._by_name = {m.name: m for m in self._members}
@@ -333,11 +333,10 @@ class TwinVerifier(Service):
                     continue
                 texts = self._config.probe_texts
                 v = compare(
-                    model, model, texts, expected.vectors, got.vectors, self._config.min_cosine, self._clock.seconds()
+                    model, model, texts, expected.vectors, got.vectors, self._config.min_cosine, self._clock.seconds(),
+                    sides=(reference.name, twin.name),
                 )
-                # compare() words its reason for the fallback: name the two upstreams instead.
-                reason = v.reason.replace("on the fallback", f"on {twin.name}")
-                reason = reason.replace("on the primary", f"on {reference.name}")
+                reason = v.reason
                 dimension = len(got.vectors[0]) if got.vectors else None
                 self._record(
                     twin, key, model,

@@ -1,35 +1,10 @@
-"""The CPU fallback: serves embeddings while the GPU is yielded, only once it has proved itself.
-
-Vectors from a different model poison a vector store without any error, so
-a silent, unverified fallback is worse than an honest wait.  This one is
-checked against the primary while the primary is there to compare with: at
-start, every ``fallback.verify_interval_seconds``, and on demand (``POST
-/fallback/verify``, ``yieldproxy check-fallback``).  Each mapped model embeds
-the same probe texts on both sides; after L2 normalisation every text must
-give the same dimension and a cosine of at least ``fallback.min_cosine``.
-
-A model whose fallback was never verified, whose last verification failed,
-or whose verification is older than ``fallback.max_verification_age_seconds``
-is not used: its requests park as they would without a fallback, and
-``/status``, the log and the metrics say why.
-
-A verified fallback serves at most ``fallback.concurrency`` requests at once.
-Beyond that a request it may serve parks *in line for it*: the fallback is a
-drain target of the lot (parking.py, replay.py) with its own replayer, open
-while the GPU is yielded, which lets out the next request it may serve, in
-the lot's drain order, each time a slot frees.  When the GPU comes back the
-primary's replayer drains what is left, as ever.  When the fallback fails on
-a request, that request goes back to its place in the lot and waits for the
-primary; it is not offered to the fallback again.  A caller never sees a
-fallback error.
-"""
+"""The fallback as a service: verification on a timer, and serving verified models during a yield."""
 
 from __future__ import annotations
 
 import collections
 import functools
-import unicodedata
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 import attrs
 from twisted.application.service import Service
@@ -38,25 +13,14 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .config import FallbackConfig
-from .forward import Upstream, describe_failure, failure_reason
-from .h1client import H1Error
-from .metrics import Metrics, fallback_families
-from .names import canonical_model
-from .parking import Entry, ParkingLot, Refused
-from .replay import Replayer
-from .translate import (
-    BackendError,
-    EmbedRequest,
-    Embeddings,
-    Untranslatable,
-    backend_request,
-    client_response,
-    cosine,
-    l2_normalise,
-    parse_request,
-    parse_response,
-)
+from ..config import FallbackConfig
+from ..metrics import Metrics, fallback_families
+from ..names import canonical_model
+from ..parking import Entry, ParkingLot, Refused
+from ..replay import Replayer
+from ..translate import BackendError, EmbedRequest, Untranslatable, client_response, parse_request
+from ..vectors import Verification, compare
+from .backend import EmbedBackend
 
 log = Logger()
 
@@ -69,158 +33,6 @@ RETRY_AFTER_ERROR_SECONDS = 60.0
 
 class NotNow(Exception):
     """Verification needs the primary, and the GPU is yielded."""
-
-
-# -- talking to an embedding server ---------------------------------------------------
-
-
-#: The header lines of an embedding call.
-_EMBED_HEADERS = ((b"Content-Type", b"application/json"), (b"Accept", b"application/json"))
-
-
-class EmbedBackend:
-    """An embedding server in one API shape, reached through an :class:`Upstream`'s client.
-
-    The primary is reached through the proxy's own upstream (its pool, not the
-    parking lot); the fallback through an Upstream of its own.
-    """
-
-    def __init__(
-        self,
-        clock: IReactorTime,
-        upstream: Upstream,
-        api: str,
-        timeout: float,
-        openai_prefix: str = "",
-    ):
-        self._clock = clock
-        self._upstream = upstream
-        self.api = api
-        self._timeout = timeout
-        #: The primary is addressed at its root, so its OpenAI routes need ``/v1``;
-        #: the fallback's OpenAI URL is a base URL that already ends in it.
-        self._openai_prefix = openai_prefix
-        self.url = upstream.url
-
-    def describe(self) -> str:
-        return f"{self.url} ({self.api})"
-
-    async def embed(self, request: EmbedRequest, model: str) -> Embeddings:
-        """The vectors for ``request`` under the backend's name ``model``; :class:`BackendError` if none."""
-        path, body = backend_request(request, self.api, model)
-        if self.api == "openai":
-            path = self._openai_prefix + path
-        upstream = self._upstream
-        d = upstream.client.request(
-            b"POST", upstream.target(path.encode("ascii")), _EMBED_HEADERS, body, replayable=False
-        )
-
-        def timed_out(result, seconds):
-            return Failure(BackendError("timeout", f"{self.url}: no answer within {seconds:g}s"))
-
-        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=timed_out)
-        try:
-            response = await d
-        except H1Error as e:
-            raise BackendError(failure_reason(e), describe_failure(e, self.url)) from None
-        except (BackendError, CancelledError):
-            raise
-        except Exception as e:
-            raise BackendError("error", f"{self.url} failed: {type(e).__name__}: {e}") from None
-        return parse_response(request, self.api, response.code, response.body)
-
-    def close(self) -> Deferred:
-        return self._upstream.close()
-
-
-# -- verification -----------------------------------------------------------------------
-
-
-@attrs.frozen
-class ProbeRow:
-    """One probe text compared on both sides."""
-
-    text: str
-    primary_dimension: int
-    fallback_dimension: int
-    #: None when the dimensions differ (no cosine to compute).
-    cosine: float | None
-    ok: bool
-
-
-@attrs.frozen
-class Verification:
-    """The last word on one mapped model: may its fallback be used?"""
-
-    model: str
-    fallback_model: str
-    ok: bool
-    at: float
-    #: The lowest cosine over the probe texts, when both sides answered.
-    worst_cosine: float | None = None
-    #: Why it failed ("" when it passed).
-    reason: str = ""
-    rows: tuple[ProbeRow, ...] = ()
-
-    def as_json(self, now: float) -> dict:
-        return {
-            "ok": self.ok,
-            "at": self.at,
-            "age_seconds": max(0.0, now - self.at),
-            "worst_cosine": self.worst_cosine,
-            "reason": self.reason or None,
-            "dimension": self.rows[0].primary_dimension if self.rows else None,
-            "texts": len(self.rows),
-        }
-
-
-def _width(text: str) -> int:
-    """Terminal columns: wide (CJK, most emoji) characters take two."""
-    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-def _short(text: str, limit: int = 40) -> str:
-    """One line of at most ``limit`` columns."""
-    flat = " ".join(text.split())
-    if _width(flat) <= limit:
-        return flat
-    while _width(flat) > limit - 1:
-        flat = flat[:-1]
-    return flat + "…"
-
-
-def compare(
-    model: str,
-    fallback_model: str,
-    texts: Sequence[str],
-    primary: Sequence[Sequence[float]],
-    fallback: Sequence[Sequence[float]],
-    min_cosine: float,
-    at: float,
-) -> Verification:
-    """Per text, after L2 normalisation: the same dimension and a cosine of at least ``min_cosine``."""
-    rows = []
-    for text, p, f in zip(texts, primary, fallback):
-        if len(p) != len(f):
-            rows.append(ProbeRow(text, len(p), len(f), None, False))
-            continue
-        c = cosine(l2_normalise(p), l2_normalise(f))
-        rows.append(ProbeRow(text, len(p), len(f), c, c >= min_cosine))
-    cosines = [r.cosine for r in rows if r.cosine is not None]
-    worst = min(cosines) if cosines else None
-    bad = [(i, r) for i, r in enumerate(rows) if not r.ok]
-    reason = ""
-    if bad:
-        i, first = bad[0]
-        if first.cosine is None:
-            why = f"dimension {first.fallback_dimension} on the fallback, {first.primary_dimension} on the primary"
-        else:
-            why = f"cosine {first.cosine:.4f} < {min_cosine:g}"
-        reason = f"{len(bad)} of {len(rows)} probe texts differ; first: text {i + 1} {_short(first.text)!r}: {why}"
-    return Verification(model, fallback_model, not bad, at, worst, reason, tuple(rows))
-
-
-# -- the fallback ------------------------------------------------------------------------
 
 
 @attrs.define(eq=False, slots=False)
@@ -262,7 +74,7 @@ class Fallback(Service):
     #: Parked requests in line for the fallback, by mapped model.
     _in_line: collections.Counter = attrs.field(init=False, factory=collections.Counter)
 
-    name = "fallback"
+    name = "fallback"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         self._keys = {canonical_model(name): name for name in self._config.models}
@@ -345,6 +157,7 @@ class Fallback(Service):
         if wanted is None:
             return False
         model = self.mapped(wanted.model)
+        assert model is not None and self._drainer is not None and self._lot is not None  # _may_offer said so
         if self._drainer.draining or not self._drainer.can_start():
             # Busy, pausing after failures, or others are in line: take its place in the line.
             try:
@@ -365,6 +178,7 @@ class Fallback(Service):
         request waits for the primary: it is not offered to the fallback
         again (a request the fallback cannot answer must not keep the line).
         """
+        assert entry.offers is not None  # it was let out as an offer to the fallback
         model = entry.offers.pop(TARGET)
         self._in_line[model] -= 1
         # Read again as at arrival: the offer keeps no copy of the body (parked_bytes holds).
@@ -400,14 +214,16 @@ class Fallback(Service):
         """Send one request to the fallback in a slot already taken; write the answer, or return False."""
         cls = entry.cls
         began = self._clock.seconds()
+        drainer = self._drainer
+        assert drainer is not None  # a fallback that serves has its drainer
         try:
             result = await self._backend.embed(wanted, self._config.models[model])
         except CancelledError:
-            self._drainer.finished(abandoned=True)
+            drainer.finished(abandoned=True)
             self._count(cls, "abandoned")
             raise
         except Exception as e:
-            self._drainer.finished(failed=True, started=began)
+            drainer.finished(failed=True, started=began)
             detail = e.detail if isinstance(e, BackendError) else repr(e)
             log.warn(
                 "fallback failed for a {cls} request ({model}), parking it for the primary: {detail}",
@@ -415,7 +231,7 @@ class Fallback(Service):
             )
             self._count(cls, "failed_parked")
             return False
-        self._drainer.finished(started=began)
+        drainer.finished(started=began)
         answer = client_response(wanted, result, self._clock.seconds() - began)
         request.setResponseCode(200)
         headers = request.responseHeaders
@@ -654,84 +470,3 @@ def fallback_drainer(
 
 
 # -- yieldproxy check-fallback ------------------------------------------------------------------
-
-
-def format_table(verifications: Mapping[str, Verification], min_cosine: float) -> str:
-    """The verification table, one block per model, for people."""
-    lines = []
-    for model, v in verifications.items():
-        verdict = "OK" if v.ok else "FAILED"
-        worst = "n/a" if v.worst_cosine is None else f"{v.worst_cosine:.6f}"
-        lines.append(f"{model} -> {v.fallback_model}: {verdict} (worst cosine {worst}, needs >= {min_cosine:g})")
-        if v.reason:
-            lines.append(f"  {v.reason}")
-        if v.rows:
-            lines.append(f"  {'#':>2}  {'text':<42} {'dim primary':>11} {'dim fallback':>12} {'cosine':>9}")
-            for i, r in enumerate(v.rows, 1):
-                c = "-" if r.cosine is None else f"{r.cosine:.6f}"
-                mark = "" if r.ok else "  <- differs"
-                text = _short(r.text)
-                text += " " * (42 - _width(text))
-                lines.append(f"  {i:>2}  {text} {r.primary_dimension:>11} {r.fallback_dimension:>12} {c:>9}{mark}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-async def check(reactor, config) -> tuple[bool, str]:
-    """Verify ``config``'s fallback once (enabled or not), and the table to print."""
-    fc = config.fallback
-    upstream = Upstream(reactor, config.proxy.upstream, 4)
-    primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
-    backend = EmbedBackend(reactor, Upstream(reactor, fc.url, 4), fc.api, fc.timeout_seconds)
-    fallback = Fallback(reactor, fc, primary, backend, Metrics(), lambda: False, {})
-    try:
-        results = await fallback.verify()
-    finally:
-        await upstream.close()
-        await backend.close()
-    header = (
-        f"primary  {primary.describe()}\nfallback {backend.describe()}\n"
-        f"{len(fc.probe_texts)} probe texts, min cosine {fc.min_cosine:g}\n"
-    )
-    ok = bool(results) and all(v.ok for v in results.values())
-    return ok, header + "\n" + format_table(results, fc.min_cosine)
-
-
-def check_command(config_path: str | None) -> int:
-    """``yieldproxy check-fallback``: 0 when every mapped model passes, 1 when any fails, 2 on a bad config."""
-    import sys
-
-    from twisted.internet import task
-
-    from .config import ConfigError, load
-
-    try:
-        config = load(config_path)
-    except ConfigError as e:
-        print(f"yieldproxy: {e}", file=sys.stderr)
-        return 2
-    fc = config.fallback
-    missing = [key for key, value in (("fallback.url", fc.url), ("fallback.models", fc.models)) if not value]
-    if missing:
-        where = config_path or "the defaults (no --config)"
-        print(f"yieldproxy: {' and '.join(missing)} not set in {where}; nothing to check", file=sys.stderr)
-        return 2
-    outcome: list[int] = []
-
-    async def run(reactor):
-        ok, table = await check(reactor, config)
-        print(table, end="")
-        print("fallback verified: it may be used" if ok else "fallback NOT verified: requests would park instead")
-        outcome.append(0 if ok else 1)
-
-    try:
-        task.react(lambda reactor: Deferred.fromCoroutine(run(reactor)))
-    except SystemExit:  # react always ends with one; an error was printed already
-        pass
-    return outcome[0] if outcome else 1
-
-
-__all__ = [
-    "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
-    "Fallback", "fallback_drainer", "format_table", "check", "check_command",
-]
