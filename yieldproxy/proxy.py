@@ -47,6 +47,7 @@ from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.rename import renamed_body
 from .pool.routing import Pool
+from .proxyresource import ProxyResource
 from .requestlog import CLIENT_GONE, log_request
 from .servers import ModelCall
 from .target import BadTarget, Target, parse_target
@@ -148,10 +149,14 @@ class ProxyApp:
             why = str(e)
         return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
+    def resource(self) -> ProxyResource:
+        """The listener's resource: the handler called directly, Klein's router for odd paths (proxyresource.py)."""
+        return ProxyResource(self._handle, self.app.resource())
+
     def site(self) -> ProxySite:
         proxy = self._config.proxy
         return ProxySite(
-            self.app.resource(),
+            self.resource(),
             proxy.max_body_bytes,
             request_read_timeout=proxy.request_read_timeout_seconds,
             timeout=proxy.keepalive_timeout_seconds,
