@@ -232,6 +232,9 @@ class ProxyRequest(Request):
     too_large = False
     #: Give the requests answered here their line in the request log (requestlog.py).
     request_log = True
+    #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
+    #: what a ``notifyFinish`` errback did, without a Deferred more per request.
+    handler = None
 
     def gotLength(self, length):
         self.content = io.BytesIO()
@@ -256,6 +259,12 @@ class ProxyRequest(Request):
         refuse = getattr(self.channel, "refuse_body", None)
         if refuse is not None:
             refuse(self)
+
+    def connectionLost(self, reason):
+        super().connectionLost(reason)
+        handler, self.handler = self.handler, None
+        if handler is not None:
+            handler.cancel()
 
     def process(self):
         """Hand the request to the app, unless it is answered here (see :meth:`_refusal`).

@@ -51,8 +51,12 @@ class ProxyResource(Resource):
             return self._routed.render(request)
         d = Deferred.fromCoroutine(self._handle(request))
         if not d.called:
-            # One notification, to cancel the handler if the client goes away first.
-            request.notifyFinish().addErrback(_cancel, d)
+            if hasattr(type(request), "handler"):
+                # Cancelled by the request if the client goes away first (ProxyRequest.connectionLost):
+                # a notifyFinish Deferred per request, kept while it is parked, costs more.
+                request.handler = d
+            else:
+                request.notifyFinish().addErrback(lambda _: d.cancel())
         d.addCallbacks(_write, _failed, callbackArgs=(request,), errbackArgs=(request,))
         return NOT_DONE_YET
 
@@ -62,11 +66,13 @@ def _over(request) -> bool:
     return bool(request.finished or request._disconnected)
 
 
-def _cancel(reason, d: Deferred) -> None:
-    d.cancel()
+def _done(request) -> None:
+    if hasattr(type(request), "handler"):
+        request.handler = None
 
 
 def _write(result, request) -> None:
+    _done(request)
     try:
         if isinstance(result, str):
             result = result.encode("utf-8")
@@ -79,6 +85,7 @@ def _write(result, request) -> None:
 
 
 def _failed(failure, request) -> None:
+    _done(request)
     try:
         if _over(request):
             if not failure.check(CancelledError):
