@@ -25,10 +25,12 @@ before.
 
 from __future__ import annotations
 
+from inspect import iscoroutine
 from typing import Any, Callable
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
@@ -36,7 +38,11 @@ from .target import _CANONICAL_PATH
 
 
 class ProxyResource(Resource):
-    """Calls ``handle(request)`` (a coroutine function) for a canonical path; ``routed`` renders the rest."""
+    """Calls ``handle(request)`` for a canonical path; ``routed`` renders the rest.
+
+    ``handle`` returns the answer (bytes or None, the request's status and
+    headers set), or a coroutine that finds it.
+    """
 
     isLeaf = True
 
@@ -49,7 +55,15 @@ class ProxyResource(Resource):
         path = request.path
         if not _CANONICAL_PATH.fullmatch(path):
             return self._routed.render(request)
-        d = Deferred.fromCoroutine(self._handle(request))
+        try:
+            answer = self._handle(request)
+        except Exception:
+            _failed(Failure(), request)
+            return NOT_DONE_YET
+        if not iscoroutine(answer):
+            _write(answer, request)
+            return NOT_DONE_YET
+        d = Deferred.fromCoroutine(answer)
         if not d.called:
             if hasattr(type(request), "handler"):
                 # Cancelled by the request if the client goes away first (ProxyRequest.connectionLost):
