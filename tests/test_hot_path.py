@@ -286,7 +286,7 @@ def test_a_parked_request_holds_under_10_kb_of_the_proxy_and_is_answered_after_t
     Measured with tracemalloc on the in-memory rig (the rig's own transports
     left out), with a 1 KB body.  Klein's per-request router state and a
     channel dict past CPython's 30 shared keys made it 13.2 KB; it is about
-    7.7 KB since (bench/parked_memory.py measures the process's RSS).
+    7.3 KB since (bench/parked_memory.py measures the process's RSS).
     """
     import gc
     import tracemalloc
@@ -336,3 +336,25 @@ def test_a_parked_request_holds_under_10_kb_of_the_proxy_and_is_answered_after_t
         assert peer.data.startswith(b"HTTP/1.1 200 ") and b"x-yield-parked-seconds" in peer.data.lower()
         assert peer.closed
     assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_canonical_path_skips_kleins_router_and_an_odd_one_still_goes_through_it(monkeypatch):
+    """Klein's per-request router state is held while a request is parked: only odd paths pay for it now."""
+    from klein.resource import KleinResource
+
+    from inmemory import Rig as MemoryRig
+
+    routed = []
+    real = KleinResource.render
+    monkeypatch.setattr(KleinResource, "render", lambda self, request: routed.append(request.path) or real(self, request))
+    rig = MemoryRig()
+    body = json.dumps({"model": "all-minilm", "input": "x"}).encode()
+    for path in (b"/api/embed", b"/api/%65mbed", b"//api/embed", b"/api/embed/"):
+        peer = rig.raw()
+        peer.send(
+            b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body)
+        )
+        rig.turn()
+        assert peer.data.startswith(b"HTTP/1.1 200 "), (path, peer.data[:200])
+    assert routed == [b"/api/%65mbed", b"//api/embed", b"/api/embed/"]
