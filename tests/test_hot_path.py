@@ -275,3 +275,86 @@ def test_a_client_that_takes_its_answer_at_once_never_registers_a_producer(monke
     assert len(body.result["embeddings"][0]) == 384
     assert registered == []  # the attempt becomes the producer only once a client's transport is full
     assert rig.clock.getDelayedCalls() == []
+
+
+# -- memory: what a parked request holds (issue 11: a flood of them during a long yield) --------------
+
+
+def test_a_parked_request_holds_under_10_kb_of_the_proxy_and_is_answered_after_the_yield():
+    """Each parked request's whole retained cost: channel, request, headers, body, handler, Entry.
+
+    Measured with tracemalloc on the in-memory rig (the rig's own transports
+    left out), with a 1 KB body.  Klein's per-request router state and a
+    channel dict past CPython's 30 shared keys made it 13.2 KB; it is about
+    7.3 KB since (bench/parked_memory.py measures the process's RSS).
+    """
+    import gc
+    import tracemalloc
+
+    from inmemory import Rig as MemoryRig
+
+    rig = MemoryRig()
+    body = json.dumps({"model": "all-minilm", "input": "x" * 950}).encode()
+    raw = (
+        b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def park(count: int) -> list:
+        peers = []
+        for _ in range(count):
+            peer = rig.raw()
+            peer.send(raw)
+            rig.turn()
+            peers.append(peer)
+        return peers
+
+    for peer in park(5):  # the first requests build what later ones reuse
+        assert peer.data.startswith(b"HTTP/1.1 200 ")
+    rig.proxy.state.hold("test")
+    peers = park(50)  # the lot's lists, heap and dicts grown
+    count = 200
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        peers += park(count)
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert len(rig.proxy.lot) == 250
+    rig_only = [tracemalloc.Filter(False, pattern) for pattern in ("*/iosim.py", "*/inmemory.py", tracemalloc.__file__)]
+    retained = sum(stat.size_diff for stat in after.filter_traces(rig_only).compare_to(
+        before.filter_traces(rig_only), "filename"
+    ))
+    per_request = retained / count
+    assert 3000 < per_request < 10 * 1024, per_request
+    rig.proxy.state.release("test")
+    rig.run(1.0)
+    for peer in peers:
+        assert peer.data.startswith(b"HTTP/1.1 200 ") and b"x-yield-parked-seconds" in peer.data.lower()
+        assert peer.closed
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_canonical_path_skips_kleins_router_and_an_odd_one_still_goes_through_it(monkeypatch):
+    """Klein's per-request router state is held while a request is parked: only odd paths pay for it now."""
+    from klein.resource import KleinResource
+
+    from inmemory import Rig as MemoryRig
+
+    routed = []
+    real = KleinResource.render
+    monkeypatch.setattr(KleinResource, "render", lambda self, request: routed.append(request.path) or real(self, request))
+    rig = MemoryRig()
+    body = json.dumps({"model": "all-minilm", "input": "x"}).encode()
+    for path in (b"/api/embed", b"/api/%65mbed", b"//api/embed", b"/api/embed/"):
+        peer = rig.raw()
+        peer.send(
+            b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body)
+        )
+        rig.turn()
+        assert peer.data.startswith(b"HTTP/1.1 200 "), (path, peer.data[:200])
+    assert routed == [b"/api/%65mbed", b"//api/embed", b"/api/embed/"]

@@ -238,6 +238,9 @@ class ProxyRequest(Request):
     too_large = False
     #: Give the requests answered here their line in the request log (requestlog.py).
     request_log = True
+    #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
+    #: what a ``notifyFinish`` errback did, without a Deferred more per request.
+    handler = None
 
     def gotLength(self, length):
         self.content = io.BytesIO()
@@ -262,6 +265,12 @@ class ProxyRequest(Request):
         refuse = getattr(self.channel, "refuse_body", None)
         if refuse is not None:
             refuse(self)
+
+    def connectionLost(self, reason):
+        super().connectionLost(reason)
+        handler, self.handler = self.handler, None
+        if handler is not None:
+            handler.cancel()
 
     def process(self):
         """Hand the request to the app, unless it is answered here (see :meth:`_refusal`).
@@ -359,28 +368,39 @@ class ProxyChannel(HTTPChannel):
     MAX_LENGTH = MAX_HEADER_BYTES
     linger_seconds = LINGER_SECONDS
 
-    #: Set once this connection is refusing: everything it still reads is dropped.
-    _draining = False
-    #: Set from a request's first byte until it is read in full.
-    _in_request = False
-    _connections = None
-    _read_timer = None
-    #: When the request being read must be in (``clock.seconds()``); None between requests.
-    _read_deadline = None
-    #: The listener's address this connection came in on (it never changes: read once).
-    _local_address = None
-    #: Whether the transport is TLS (it never changes: asked once).
-    _secure = None
-    #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
-    _host_passed: bytes | None = None
-    #: The site's request read timeout, read once (see :meth:`_arm_read_timer`), and its reactor (set by
-    #: :meth:`ProxySite.buildProtocol`), the clock the read timer reads.
-    _read_timeout_seconds = None
-    _clock: Any = None
-    _stall_timer = None
-    _linger_timer = None
-    _idle_timeout = None
-    _bad_reason = None
+    # This channel's own state lives in slots, not in the instance dict: with
+    # Twisted's attributes and these, the dict had over 30 keys, past which
+    # CPython stops sharing keys between instances and gives each channel a
+    # full dict of its own (1.6 KB per connection, held by every parked request).
+    __slots__ = (
+        "_draining", "_in_request", "_connections", "_read_timer", "_read_deadline", "_local_address",
+        "_secure", "_host_passed", "_read_timeout_seconds", "_clock", "_stall_timer", "_linger_timer",
+        "_idle_timeout", "_bad_reason",
+    )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: Set once this connection is refusing: everything it still reads is dropped.
+        self._draining = False
+        #: Set from a request's first byte until it is read in full.
+        self._in_request = False
+        self._connections = None
+        self._read_timer = None
+        #: When the request being read must be in (``clock.seconds()``); None between requests.
+        self._read_deadline = None
+        #: The listener's address this connection came in on (it never changes: read once).
+        self._local_address = None
+        #: Whether the transport is TLS (it never changes: asked once).
+        self._secure = None
+        #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
+        self._host_passed = None
+        #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
+        self._read_timeout_seconds = None
+        self._clock = None
+        self._stall_timer = None
+        self._linger_timer = None
+        self._idle_timeout = None
+        self._bad_reason = None
 
     # -- connection --------------------------------------------------------------
 

@@ -13,6 +13,7 @@ once bytes reach the client it never moves.
 from __future__ import annotations
 
 import math
+from inspect import iscoroutine
 from typing import TYPE_CHECKING
 
 import attrs
@@ -47,6 +48,7 @@ from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.rename import renamed_body
 from .pool.routing import Pool
+from .proxyresource import ProxyResource
 from .requestlog import CLIENT_GONE, log_request
 from .servers import NOT_READY, ModelCall
 from .target import BadTarget, Target, parse_target
@@ -149,7 +151,8 @@ class ProxyApp:
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
-        return Deferred.fromCoroutine(self._handle(request))
+        answer = self._handle(request)
+        return Deferred.fromCoroutine(answer) if iscoroutine(answer) else answer
 
     @app.handle_errors(NotFound)
     def unroutable(self, request, failure):
@@ -162,10 +165,14 @@ class ProxyApp:
             why = str(e)
         return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
+    def resource(self) -> ProxyResource:
+        """The listener's resource: the handler called directly, Klein's router for odd paths (proxyresource.py)."""
+        return ProxyResource(self._handle, self.app.resource())
+
     def site(self) -> ProxySite:
         proxy = self._config.proxy
         return ProxySite(
-            self.app.resource(),
+            self.resource(),
             proxy.max_body_bytes,
             request_read_timeout=proxy.request_read_timeout_seconds,
             timeout=proxy.keepalive_timeout_seconds,
@@ -193,7 +200,12 @@ class ProxyApp:
 
     # -- the request's life -------------------------------------------------
 
-    async def _handle(self, request):
+    def _handle(self, request):
+        """The answer decided at once (the error body, set on ``request``), or the coroutine that finds it.
+
+        Not a coroutine itself: a parked request then holds one coroutine
+        frame (:meth:`_gated`'s), not two.
+        """
         request.started_at = self._clock.seconds()
         # One canonical target, to classify and to forward: the upstream sees
         # exactly the path the class was decided on (target.py).
@@ -239,7 +251,7 @@ class ProxyApp:
         except BadBody as e:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
-            return await self._passthrough(request, target, body, api, model)
+            return self._passthrough(request, target, body, api, model)
         method = request.method.decode("latin-1")
         routing = self._pool.routing(method, target.path, cls, model)
         if routing.translated and not _translatable(target.path, body):
@@ -252,7 +264,7 @@ class ProxyApp:
             )
         # Headers are held while parked too: they count against parking.max_parked_bytes.
         entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
-        return await self._gated(request, target, entry, body)
+        return self._gated(request, target, entry, body)
 
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None, model: str | None = None) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
