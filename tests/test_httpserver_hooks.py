@@ -2,7 +2,8 @@
 
 ``httpserver.ProxyChannel`` overrides or reads parts of
 :class:`twisted.web.http.HTTPChannel` that are not public API (its docstring
-lists them), and ``forward.Attempt`` reads the channel's ``_waitingForTransport``.  If a Twisted release renames one, an override is simply never
+lists them), ``forward.Attempt`` reads the channel's ``_waitingForTransport`` and
+``proxyresource.py`` the request's ``_disconnected``.  If a Twisted release renames one, an override is simply never
 called again and the hardening it carries silently stops; this file fails
 loudly instead, naming the hook.  Each case feeds a channel, in memory, the
 request that must go through the hook, and checks both that the hook ran and
@@ -178,3 +179,15 @@ def test_a_full_client_transport_shows_in_the_channels_waiting_flag():
     assert channel._waitingForTransport is True, "a paused HTTPChannel no longer sets _waitingForTransport"
     channel.resumeProducing()
     assert channel._waitingForTransport is False
+
+
+def test_a_request_still_says_when_its_client_went_away():
+    """proxyresource.py reads ``Request._disconnected`` to tell a handler's end from a client's leaving."""
+    from twisted.internet.error import ConnectionDone
+    from twisted.python.failure import Failure
+    from twisted.web.test.requesthelper import DummyChannel
+
+    request = http.Request(DummyChannel())
+    assert request._disconnected is False, "twisted.web.http.Request._disconnected is gone: see proxyresource.py"
+    request.connectionLost(Failure(ConnectionDone()))
+    assert request._disconnected is True
