@@ -11,8 +11,6 @@ in the reactor.
 from __future__ import annotations
 
 import asyncio
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import ollama
 import pytest_twisted
@@ -20,52 +18,13 @@ import treq
 from twisted.internet import reactor
 
 from helpers import config_with, in_thread, sleep, start_pool_stack, wait_for
+from test_burst import Burst
 from yieldproxy.config import VerificationConfig
-from yieldproxy.probes import PROBE_TEXT
+from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.sim import expected_embedding, expected_embedding_f32, expected_reply
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
-
-
-class Burst:
-    """Embeds ``texts`` through ``url`` with ``concurrency`` blocking ``ollama`` clients; records every outcome."""
-
-    def __init__(self, url: str, texts: list[str], concurrency: int = 8):
-        self.url = url
-        self.texts = texts
-        self.concurrency = concurrency
-        self.done = 0
-        self.failures: list[str] = []
-        self.wrong: list[str] = []
-        self._lock = threading.Lock()
-        self._next = 0
-
-    def _take(self) -> str | None:
-        with self._lock:
-            if self._next >= len(self.texts):
-                return None
-            self._next += 1
-            return self.texts[self._next - 1]
-
-    def _worker(self) -> None:
-        client = ollama.Client(host=self.url, timeout=120)
-        while (text := self._take()) is not None:
-            try:
-                vector = client.embed(model=MODEL, input=text).embeddings[0]
-            except Exception as e:  # every failure the caller would see
-                with self._lock:
-                    self.failures.append(f"{text}: {type(e).__name__}: {e}")
-                continue
-            with self._lock:
-                self.done += 1
-                if list(vector) != expected_embedding(text, MODEL):
-                    self.wrong.append(text)
-
-    def run(self) -> None:
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            for _ in range(self.concurrency):
-                pool.submit(self._worker)
 
 
 #: Texts the proxy embeds by itself: the outage watcher's probe, the twin verification's probe texts.

@@ -24,7 +24,7 @@ from twisted.logger import globalLogPublisher
 
 from helpers import in_thread, start_pool_stack, wait_for
 from yieldproxy.config import VerificationConfig
-from yieldproxy.probes import PROBE_TEXT
+from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.sim import OOM_ERROR, expected_embedding, expected_reply, messages_prompt
 
 MODEL = "all-minilm"

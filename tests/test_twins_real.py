@@ -17,7 +17,7 @@ from twisted.internet import reactor
 
 from helpers import in_thread, start_pool_stack, wait_for
 from yieldproxy.config import VerificationConfig
-from yieldproxy.probes import PROBE_TEXT
+from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.sim import (
     expected_embedding,
     expected_embedding_f32,

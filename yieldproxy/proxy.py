@@ -294,7 +294,8 @@ class ProxyApp:
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
                         model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
-        if self._route_held(method, path, model):
+        # Only model-loading and unload routes change class while their upstream is held.
+        if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._route_held(method, path, model):
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
