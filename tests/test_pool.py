@@ -17,7 +17,7 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_pool_stack, wait_for
+from helpers import config_with, in_thread, start_pool_stack, wait_for
 from test_burst import Burst
 from yieldproxy.config import VerificationConfig
 from yieldproxy.servers import PROBE_TEXT
@@ -116,8 +116,8 @@ async def test_all_yielded_requests_park_and_replay():
         assert status["state"] == "yielded"
         burst = Burst(stack.proxy_url, [f"parked {i}" for i in range(40)], concurrency=8)
         running = in_thread(reactor, burst.run, timeout=60)
+        # All 8 callers are parked, so none can be at a backend.
         await wait_for(reactor, lambda: len(stack.proxy.lot) == 8, timeout=TIMEOUT)
-        await sleep(reactor, 0.2)
         assert burst.done == 0 and all(embedded(sim) == {} for sim in stack.sims.values())
         await admin(stack, "/resume", {})
         await running
