@@ -43,7 +43,6 @@ sys.path.insert(0, str(BENCH.parent))  # the checkout's yieldproxy (for the expe
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH", "")]))
 
 from _common import Children, Conn, HTTPError, admin_call, get, header, post, rss_bytes, start_proxy, start_sim, verdict  # noqa: E402
-
 from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt  # noqa: E402
 
 MB = 1024 * 1024

@@ -173,7 +173,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     )
     state.observe(fallback.state_changed)
     app = ProxyApp(clock, config, gate, gate.pool, metrics, fallback)
-    http = StubTreq(app.app.resource())
+    http = StubTreq(app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire)
     if verify:
         twin.hold = False

@@ -14,7 +14,7 @@ import pytest
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.logger import LogLevel, Logger
+from twisted.logger import LogLevel, Logger, capturedLogs
 from twisted.web.resource import Resource
 
 from helpers import config_with
@@ -219,7 +219,7 @@ class Rig:
         self.wire = MemoryUpstream(self.sim.resource(), self.clock)
         proxy = build(self.clock, config_with(), upstream=self.wire)
         self.metrics = proxy.metrics
-        self.http = StubTreq(proxy.proxy_app.app.resource())
+        self.http = StubTreq(proxy.proxy_app.resource())
 
     def turn(self) -> None:
         for _ in range(6):
@@ -358,3 +358,40 @@ def test_a_canonical_path_skips_kleins_router_and_an_odd_one_still_goes_through_
         rig.turn()
         assert peer.data.startswith(b"HTTP/1.1 200 "), (path, peer.data[:200])
     assert routed == [b"/api/%65mbed", b"//api/embed", b"/api/embed/"]
+
+
+def _pool_rig():
+    from helpers import pool_config
+    from inmemory import Rig as MemoryRig
+
+    config = pool_config(
+        {"name": "a", "models": ("all-minilm",), "model_map": {"all-minilm": "all-minilm:latest"}},
+        {"name": "b", "models": ("other-model",)},
+    )
+    return MemoryRig(config)
+
+
+def test_a_lone_surrogate_in_a_renamed_body_is_sent_as_the_client_escaped_it_and_frees_its_slot():
+    """JSON accepts an escaped lone surrogate; renaming the model must not choke on it (it did: an HTML 500,
+    and the member's slot was never given back)."""
+    rig = _pool_rig()
+    answer = rig.result(rig.post("/api/embed", data=b'{"model":"all-minilm","input":["\\ud800"]}'))
+    assert answer.code == 200, answer.body
+    assert rig.sim.texts_embedded == {"\ud800": 1}
+    assert rig.proxy.pool.member("a").inflight == 0
+
+
+def test_a_bug_while_making_an_attempt_is_a_json_500_logged_once_and_gives_its_slot_back(monkeypatch):
+    rig = _pool_rig()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(type(rig.proxy.proxy_app), "_body_for", broken)
+    with capturedLogs() as events:
+        answer = rig.result(rig.post("/api/embed", json={"model": "all-minilm", "input": ["x"]}))
+    assert answer.code == 500 and answer.header("content-type")[0].startswith("application/json")
+    assert "the proxy failed" in answer.json()["error"]
+    assert rig.proxy.pool.member("a").inflight == 0
+    assert rig.sample("yieldproxy_requests_total", **{"class": "passthrough", "code": "500"}) == 1
+    assert any(event.get("log_failure") or event.get("failure") for event in events)  # its traceback

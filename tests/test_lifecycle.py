@@ -35,7 +35,7 @@ class Rig:
         )
         self.upstream = MemoryUpstream(self.sim.resource(), self.reactor)
         self.proxy = build(self.reactor, config, upstream=self.upstream)
-        self.http = StubTreq(self.proxy.proxy_app.app.resource())
+        self.http = StubTreq(self.proxy.proxy_app.resource())
         self.service = self.proxy.service
 
     def embed(self, text: str) -> list:
@@ -160,3 +160,37 @@ def test_a_child_that_fails_to_stop_is_logged_and_the_others_still_stop():
     assert stopped(done) and stops == ["last", "broken", "first"]
     [failure] = [e for e in events if "log_failure" in e]
     assert failure["name"] == "broken" and failure["log_failure"].check(RuntimeError)
+
+
+def test_in_a_pool_a_request_only_a_held_upstream_may_serve_gets_503_at_once_and_no_lease_outlives_the_stop():
+    """A restart during one upstream's game does not wait out the drain's timeout for requests
+    that upstream alone could serve; the others' requests are not refused; no hold lease is left."""
+    from helpers import pool_config
+
+    reactor = MemoryReactorClock()
+    sim = SimOllama(reactor, latency=2.0)
+    upstream = MemoryUpstream(sim.resource(), reactor)
+    config = pool_config(
+        {"name": "a", "models": (MODEL,)}, {"name": "b", "models": ("other-model",)},
+        config=config_with(
+            proxy={"listen": "tcp:11435"}, admin={"listen": "tcp:11436"}, upstream={"detect_outages": False},
+        ),
+    )
+    proxy = build(reactor, config, upstream=upstream)
+    http = StubTreq(proxy.proxy_app.resource())
+    proxy.service.startService()
+    proxy.state.hold("api", "game", scope="a", for_seconds=3600)
+    codes: list = []
+    d = http.post("http://127.0.0.1/api/embed", data=json.dumps({"model": MODEL, "input": ["x"]}).encode())
+    d.addCallback(lambda response: codes.append(response.code))
+    for _ in range(4):
+        http.flush()
+        reactor.advance(0)
+    assert len(proxy.lot) == 1 and codes == []
+    done = proxy.service.stopService()
+    for _ in range(4):
+        http.flush()
+        upstream.flush()
+        reactor.advance(0)
+    assert codes == [503] and stopped(done)
+    assert reactor.getDelayedCalls() == []

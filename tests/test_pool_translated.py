@@ -285,6 +285,18 @@ def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_sha
     assert json.loads(b"".join(request.written)) == {"error": "input too long"}
 
 
+def test_a_translated_answer_is_judged_in_the_members_own_words():
+    """llama.cpp's 503 "Loading model" reads as not ready from its own body, not the caller's rewrite of it."""
+    from yieldproxy.servers import NOT_READY, server
+
+    loading = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}).encode()
+    _, upstream, request, outcome = translated_attempt(api="llamacpp")
+    upstream.answer(503, loading)
+    answer = outcome[0].value.answer
+    assert json.loads(answer.body) == {"error": "Loading model"}
+    assert server("llamacpp").judge(answer.code, answer.judged_body) == NOT_READY
+
+
 def test_the_legacy_route_goes_to_the_members_route_as_one_input():
     _, upstream, request, outcome = translated_attempt("/api/embeddings", api="tei")
     method, target, body, _, _ = upstream.sent[0]

@@ -276,3 +276,23 @@ def test_an_expiry_in_a_pool_says_what_kept_each_upstream_from_taking_it():
         f"b not a verified twin for {MODEL}'s embeddings"
     ), refusal.message
     r.stop()
+
+
+def test_an_unverified_twin_counts_no_waiting_embedding():
+    """yieldproxy_upstream_waiting_requests (YieldproxyLotStalled reads it): an embedding waiting for its
+    yielded reference is not work the available, unverified twin could take."""
+    r = rig(b_weights="nomic-embed-text")
+    r.run()
+    r.core.state.hold("api", "game", scope="a")
+    entry = r.entry()
+    d = r.core.gate.admit(entry)
+    r.run()
+    assert not d.called
+    rows = {name: waiting for name, _, _, _, waiting in r.pool.metric_rows()}
+    assert rows == {"a": 1, "b": 0}
+    assert {row["name"]: row["waiting"] for row in r.pool.status()} == {"a": 1, "b": 0}
+    r.core.state.release("api", "a")
+    r.run()
+    assert d.called and entry.released_to == "a"
+    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.stop()

@@ -30,7 +30,7 @@ class Rig:
         self.sim = SimOllama(self.clock)
         self.upstream = MemoryUpstream(self.sim.resource(), self.clock)
         self.proxy = build(self.clock, config or config_with(), upstream=self.upstream)
-        self.http = StubTreq(self.proxy.proxy_app.app.resource())
+        self.http = StubTreq(self.proxy.proxy_app.resource())
 
     def post(self, path: str, body, headers=None):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()

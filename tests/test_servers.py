@@ -210,7 +210,8 @@ def test_a_pool_classifies_by_the_apis_of_its_members_and_rules_come_first():
 
 
 def test_a_shared_path_is_served_natively_only_in_the_first_apis_dialect():
-    """POOL_DESIGN: members whose api natively serves the route; with several apis, the dialect decides."""
+    """Members whose api natively serves the route; with several apis, one dialect: the path's owner's
+    (Ollama's for /api/) when a member speaks it, else the first knowing api's."""
     # /rerank: TEI's body ("texts"), Infinity's ("documents", Cohere's answer), llama.cpp's own.
     assert native_apis(("tei", "infinity", "llamacpp"), "POST", "/rerank") == ("tei",)
     assert native_apis(("infinity", "tei"), "POST", "/rerank") == ("infinity",)
@@ -219,9 +220,12 @@ def test_a_shared_path_is_served_natively_only_in_the_first_apis_dialect():
     assert native_apis(("llamacpp", "tei", "infinity"), "POST", "/embeddings") == ("llamacpp",)
     # OpenAI's /v1/embeddings is one dialect everywhere (TEI, llama.cpp, Ollama, Infinity under /v1).
     assert native_apis(APIS, "POST", "/v1/embeddings") == APIS
-    # llama.cpp's /api/chat answers in OpenAI's shape, not Ollama's.
+    # llama.cpp's /api/chat answers in OpenAI's shape, not Ollama's: /api/ is Ollama's whatever the order,
+    # and llama.cpp serves it only in a pool with no Ollama member.
     assert native_apis(("ollama", "llamacpp"), "POST", "/api/chat") == ("ollama",)
-    assert native_apis(("llamacpp", "ollama"), "POST", "/api/chat") == ("llamacpp",)
+    assert native_apis(("llamacpp", "ollama"), "POST", "/api/chat") == ("ollama",)
+    assert native_apis(("llamacpp", "ollama"), "GET", "/api/tags") == ("ollama",)
+    assert native_apis(("llamacpp",), "POST", "/api/chat") == ("llamacpp",)
     assert native_apis(("ollama", "llamacpp"), "POST", "/v1/messages") == ("ollama", "llamacpp")
     assert native_apis(APIS, "GET", "/v1/models") == ("ollama", "openai", "infinity", "llamacpp")
     assert native_apis(("tei", "ollama"), "GET", "/v1/models/x") == ("ollama",)

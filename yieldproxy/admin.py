@@ -214,7 +214,8 @@ class AdminApp:
             "now": now,
             "version": __version__,
             "config": {
-                "upstream": self._config.proxy.upstream,
+                # With [[upstreams]] proxy.upstream is unused: each upstream's URL is in its row.
+                "upstream": None if self._config.upstreams else self._config.proxy.upstream,
                 "replay": attrs.asdict(self._config.replay),
                 "parking": attrs.asdict(self._config.parking),
                 "classes": {k: attrs.asdict(v) for k, v in self._config.classes.items()},

@@ -73,8 +73,9 @@ class Drain(Service):
 
     async def _drain(self) -> None:
         self._gate.stop_admitting()
-        if self._state.yielded:
-            count = self._gate.refuse_all_parked("the proxy is shutting down while the GPU is yielded")
+        # A parked request whose every upstream is held cannot be served before the proxy is gone.
+        count = self._gate.refuse_held_parked("the proxy is shutting down while the GPU is yielded")
+        if count:
             log.info("shutdown: answered {count} parked requests with 503", count=count)
         try:
             await Deferred.fromCoroutine(self._settled()).addTimeout(self.timeout, self._clock)
@@ -85,6 +86,7 @@ class Drain(Service):
                 inflight=sum(target.inflight for target in self._targets), timeout=self.timeout, left=left,
             )
         self._replayer.stop()
+        self._state.stop()
 
     def settled(self) -> bool:
         """Nothing parked, nothing in flight."""

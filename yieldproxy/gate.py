@@ -206,8 +206,15 @@ class Gate:
         return _whole_seconds(ahead * self.service_seconds / self.pool.concurrency)
 
     def refuse_all_parked(self, why: str) -> int:
-        """Answer every parked request with 503 (shutdown while yielded)."""
+        """Answer every parked request with 503 (shutdown, its time is up)."""
         return self._lot.refuse_all(lambda entry: Refused("shutdown", why, 503, self.retry_after()))
+
+    def refuse_held_parked(self, why: str) -> int:
+        """Answer with 503 every parked request whose every upstream that may serve it is held (shutdown):
+        no yield ends for it before the proxy is gone, so it need not wait out the drain's timeout."""
+        return self._lot.refuse_all(
+            lambda entry: Refused("shutdown", why, 503, self.retry_after()), self.pool.all_held,
+        )
 
     def _check_budget(self, entry: Entry, cls: ClassConfig) -> None:
         """Refuse at once when the declared yield outlasts what this request may wait.

@@ -47,7 +47,9 @@ class Metrics:
     def __attrs_post_init__(self) -> None:
         r = self.registry
         self.yield_active = Gauge(
-            "yieldproxy_yield_active", "1 while any source holds the GPU (requests are parked).", registry=r
+            "yieldproxy_yield_active",
+            "1 while the GPU is yielded: any hold on a single upstream; in a pool, every always upstream held.",
+            registry=r,
         )
         self.parked_requests = Gauge(
             "yieldproxy_parked_requests", "Requests parked right now.", ["class"], registry=r
@@ -118,7 +120,7 @@ class Metrics:
         self.outage_probes_total = Counter(
             "yieldproxy_outage_probes",
             "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
-            "kind that failed) and result (up, down).",
+            "kind that failed) and result (up, down, not_ready).",
             ["probe", "result"],
             registry=r,
         )

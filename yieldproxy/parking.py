@@ -251,6 +251,10 @@ class ParkingLot:
         :data:`STANDBY_ONLY`, those only standby members are eligible for."""
         return self._waiting.get(member, 0)
 
+    def takeable(self, member: str, accepts: Callable[[Entry], bool]) -> int:
+        """Entries on ``member``'s line that ``accepts`` allows now (it walks the line: for a scrape)."""
+        return sum(1 for queue in self._lines.get(member, {}).values() for entry in queue if accepts(entry))
+
     def __bool__(self) -> bool:
         return self._count > 0
 
@@ -388,9 +392,11 @@ class ParkingLot:
         share = self.min_shares.get(cls, 0.0)
         return math.inf if share <= 0 else math.ceil(1 / share) - 1
 
-    def refuse_all(self, make_refusal: Callable[[Entry], Refused]) -> int:
-        """Answer every parked entry with a refusal (shutdown); returns how many."""
-        entries = self.entries()
+    def refuse_all(
+        self, make_refusal: Callable[[Entry], Refused], which: Callable[[Entry], bool] | None = None
+    ) -> int:
+        """Answer every parked entry (``which`` allows) with a refusal (shutdown); returns how many."""
+        entries = [entry for entry in self.entries() if which is None or which(entry)]
         for entry in entries:
             self._fail(entry, make_refusal(entry))
         return len(entries)

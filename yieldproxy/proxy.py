@@ -167,7 +167,12 @@ class ProxyApp:
 
     def resource(self) -> ProxyResource:
         """The listener's resource: the handler called directly, Klein's router for odd paths (proxyresource.py)."""
-        return ProxyResource(self._handle, self.app.resource())
+        return ProxyResource(self._handle, self.app.resource(), self._internal_error)
+
+    def _internal_error(self, request) -> bytes:
+        """A bug's answer (its traceback is logged): a 500 in the API's shape, counted and logged once."""
+        api = api_family(request.path)
+        return self._reject(request, PASSTHROUGH, api, 500, "error", "the proxy failed on this request (see its log)")
 
     def site(self) -> ProxySite:
         proxy = self._config.proxy
@@ -342,20 +347,21 @@ class ProxyApp:
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
             began = self._clock.seconds()
-            attempt: Attempt | TranslatedAttempt
-            if entry.routing is not None and member.name in entry.routing.translated:
-                attempt = self._translated_attempt(request, target, entry, body, member, extra)
-            else:
-                attempt = Attempt(
-                    self._clock, member.upstream, request, self._body_for(member, entry, body),
-                    self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
-                    judge=member.server.judge,
-                )
+            attempt: Attempt | TranslatedAttempt | None = None
             failure = None
             outcome = "error"
             # Only the upstream's failures slow the replay down, not a client leaving.
             failed = False
             try:
+                # Built inside the slot's try: whatever fails here still gives the slot back.
+                if entry.routing is not None and member.name in entry.routing.translated:
+                    attempt = self._translated_attempt(request, target, entry, body, member, extra)
+                else:
+                    attempt = Attempt(
+                        self._clock, member.upstream, request, self._body_for(member, entry, body),
+                        self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
+                        judge=member.server.judge,
+                    )
                 status = await attempt.run()
                 outcome = "ok"
             except RetryableFailure as retryable:
@@ -392,6 +398,7 @@ class ProxyApp:
                 continue
             member.health.report(None)
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
+            assert attempt is not None  # it ran: it was made
             try:
                 if not attempt.client_has_all():
                     await attempt.client_drained()
@@ -449,7 +456,7 @@ class ProxyApp:
         """
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         answer = failure.answer
-        if answer is not None and member.server.judge(answer.code, answer.body) == NOT_READY:
+        if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
             member.health.not_ready(failure.detail)
             if self._pool.several:
                 entry.failed_on = member.name

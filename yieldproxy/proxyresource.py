@@ -15,8 +15,10 @@ of the outcome:
   already (or the client went away);
 * a client that goes away cancels the handler (its ``CancelledError`` is
   not logged);
-* any other failure is Twisted's 500 (``request.processingFailed``), or,
-  once the request is over, logged as Klein logs it.
+* any other failure (a bug) is logged with its traceback and answered by
+  ``on_error`` (the proxy's 500 in the API's JSON shape, with its request
+  log line) when nothing was written yet, else Twisted's
+  ``processingFailed``; once the request is over, it is only logged.
 
 Any other path (percent-escapes, repeated slashes, dot segments...) still
 goes through Klein, whose router and ``NotFound`` handler decide it as
@@ -46,10 +48,13 @@ class ProxyResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, handle: Callable[[Any], Any], routed: Resource):
+    def __init__(
+        self, handle: Callable[[Any], Any], routed: Resource, on_error: Callable[[Any], bytes] | None = None
+    ):
         super().__init__()
         self._handle = handle
         self._routed = routed
+        self._on_error = on_error
 
     def render(self, request):
         path = request.path
@@ -58,7 +63,7 @@ class ProxyResource(Resource):
         try:
             answer = self._handle(request)
         except Exception:
-            _failed(Failure(), request)
+            self._failed(Failure(), request)
             return NOT_DONE_YET
         if not iscoroutine(answer):
             _write(answer, request)
@@ -71,8 +76,23 @@ class ProxyResource(Resource):
                 request.handler = d
             else:
                 request.notifyFinish().addErrback(lambda _: d.cancel())
-        d.addCallbacks(_write, _failed, callbackArgs=(request,), errbackArgs=(request,))
+        d.addCallbacks(_write, self._failed, callbackArgs=(request,), errbackArgs=(request,))
         return NOT_DONE_YET
+
+    def _failed(self, failure: Failure, request) -> None:
+        _done(request)
+        try:
+            if _over(request):
+                if not failure.check(CancelledError):
+                    log.err(failure, "Unhandled Error Processing Request.")
+                return
+            if self._on_error is None or request.startedWriting:
+                request.processingFailed(failure)
+                return
+            log.err(failure, "Unhandled Error Processing Request.")
+            _write(self._on_error(request), request)
+        except Exception:
+            log.err(None, "Unhandled Error writing response")
 
 
 def _over(request) -> bool:
@@ -94,17 +114,5 @@ def _write(result, request) -> None:
             request.write(result)
         if not _over(request):
             request.finish()
-    except Exception:
-        log.err(None, "Unhandled Error writing response")
-
-
-def _failed(failure, request) -> None:
-    _done(request)
-    try:
-        if _over(request):
-            if not failure.check(CancelledError):
-                log.err(failure, "Unhandled Error Processing Request.")
-            return
-        request.processingFailed(failure)
     except Exception:
         log.err(None, "Unhandled Error writing response")

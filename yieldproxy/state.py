@@ -375,6 +375,13 @@ class YieldState:
                 except Exception:
                     log.failure("member observer failed")
 
+    def stop(self) -> None:
+        """The proxy has stopped: no lease runs out any more (nothing is left to release)."""
+        for call in self._leases.values():
+            if call.active():
+                call.cancel()
+        self._leases.clear()
+
     def _set_lease(self, key: tuple[str, str], for_seconds: float | None) -> None:
         call = self._leases.pop(key, None)
         if call is not None and call.active():

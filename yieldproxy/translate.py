@@ -214,7 +214,7 @@ def backend_request(request: EmbedRequest, api: str, model: str) -> tuple[str, b
         path = BACKEND_PATHS[("openai", None)]
     else:
         raise ValueError(f"unknown API shape {api!r}")
-    return path, json.dumps(body, ensure_ascii=False).encode("utf-8")
+    return path, json.dumps(body).encode("ascii")  # escapes: a lone surrogate stays as sent
 
 
 def error_message(body: bytes) -> str:

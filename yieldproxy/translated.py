@@ -137,7 +137,7 @@ class TranslatedAttempt:
         # The member's words in the caller's shape: an Ollama client cannot read OpenAI's error object.
         answer = UpstreamAnswer(
             code, response.phrase, [(b"Content-Type", _JSON)],
-            error_body(self._error_shape, code, message, "upstream_error"),
+            error_body(self._error_shape, code, message, "upstream_error"), own_body=body,
         )
         if code in (502, 503):
             raise RetryableFailure(f"status_{code}", f"upstream {url} answered {code}: {message[:200]}", answer)

@@ -65,6 +65,8 @@ class Member:
     #: The first and the longest wait between checks of an unreachable member.
     recheck_seconds: float = 0.5
     recheck_max_seconds: float = 10.0
+    #: Bound on one check of its health path (``upstream.health_timeout_seconds``).
+    check_timeout_seconds: float = 2.0
     #: Called when it becomes available again after being unreachable (the pool wakes its drainers).
     on_reachable: Callable[[], None] = lambda: None
     #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
@@ -241,7 +243,7 @@ class Member:
         if self.control is None:
             self._schedule_recheck()
             return
-        d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.recheck_max_seconds)
+        d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.check_timeout_seconds)
 
         def answered(answer) -> None:
             self.health.answered()  # any answer: it is there (an outage is the outage watcher's business)

@@ -23,4 +23,4 @@ def renamed_body(body: bytes, model: str) -> bytes:
     for key in [key for key in document if key.lower() == "model"]:
         del document[key]
     document["model"] = model
-    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return json.dumps(document, separators=(",", ":")).encode("ascii")  # escapes: a lone surrogate stays as sent

@@ -65,8 +65,8 @@ from ..metrics import Metrics
 from ..names import PASSTHROUGH
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
-from ..state import ALL, YieldState
 from ..servers import native_apis, server
+from ..state import ALL, YieldState
 from ..translate import EMBED_ROUTES
 from .member import Member
 from .members import MemberSpec
@@ -158,6 +158,7 @@ class Pool:
                     spec, index, self._clock, self._state, server(spec.api), UpstreamHealth(spec.url), catalogue,
                     drainer, upstream, control,
                     recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
+                    check_timeout_seconds=up.health_timeout_seconds,
                     on_reachable=self.kick,
                     not_ready_max_seconds=up.not_ready_max_seconds,
                     # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
@@ -261,7 +262,6 @@ class Pool:
         best = None
         spare = None
         always_usable = False
-        waiting = self._lot.waiting_for
         for name in entry.eligible:
             member = self._by_name[name]
             if not self.usable(member, entry):
@@ -270,15 +270,26 @@ class Pool:
                 # A standby copy (a CPU) takes no more than its cap, arrivals included: the rest
                 # wait in the lot, in line for it (its drainer lets them out as slots free).
                 full = member.inflight >= member.spec.replay_concurrency
-                if not full and not waiting(name) and (spare is None or member.inflight < spare.inflight):
+                if not full and not self._someone_waits(name) and (spare is None or member.inflight < spare.inflight):
                     spare = member
                 continue
             always_usable = True
-            if not waiting(name) and (best is None or member.inflight < best.inflight):
+            if not self._someone_waits(name) and (best is None or member.inflight < best.inflight):
                 best = member
         if best is not None:
             return best
         return spare if not always_usable else None
+
+    def _someone_waits(self, name: str) -> bool:
+        """A parked request ``name`` may take now waits (a new one must not overtake it).
+
+        Counted first (O(1)); looked for only when a twin check may refuse some of them.
+        """
+        if not self._lot.waiting_for(name):
+            return False
+        if self.twin_ok is any_member:
+            return True
+        return self._lot.peek(functools.partial(self.may_take, name), name) is not None
 
     def all_held(self, entry: Entry) -> bool:
         """True when a hold applies to every member that may serve ``entry``: it waits for a yield to end.
@@ -369,7 +380,7 @@ class Pool:
         the lot is not empty or a release is held, else ``available`` (a pool of one reads as before)."""
         coming = [
             m for m in self.members
-            if not m.spec.standby and not self._state.yielded_for(m.name) and not m.unreachable
+            if not m.spec.standby and not self._state.yielded_for(m.name) and not m.unreachable and not m.not_ready
         ]
         if not coming:
             return "yielded"
@@ -386,7 +397,7 @@ class Pool:
                 "state": m.state_name(),
                 "holds": [h.as_json() for h in self._state.holds_for(m.name)],
                 "inflight": m.inflight,
-                "waiting": self._lot.waiting_for(m.name) if self.several else len(self._lot),
+                "waiting": self._waiting(m),
                 "replay_concurrency": m.drainer.concurrency,
                 "classes": list(m.spec.classes),
                 "models": m.catalogue.names(),
@@ -400,10 +411,17 @@ class Pool:
         return [
             (
                 m.name, m.available(), m.inflight, len(self._state.holds_for(m.name)),
-                self._lot.waiting_for(m.name) if self.several else len(self._lot),
+                self._waiting(m),
             )
             for m in self.members
         ]
+
+    def _waiting(self, member: Member) -> int:
+        """Parked requests ``member`` may take (for an embedding: as the reference or a verified twin;
+        a standby member only what no always member may take), whether or not it is available now."""
+        if not self.several:
+            return len(self._lot)
+        return self._lot.takeable(member.name, functools.partial(self.may_take, member.name))
 
     def kick(self) -> None:
         """Wake every drainer (one of them may have work now)."""
@@ -425,7 +443,10 @@ class Pool:
         member = self._by_name[name]
         if not (self._lot.waiting_for(name) and member.available()):
             return False
-        if member.spec.standby and all(m.available() for m in self.members if not m.spec.standby):
+        if (
+            member.spec.standby and self.twin_ok is any_member
+            and all(m.available() for m in self.members if not m.spec.standby)
+        ):
             # Every always member takes what it may: a standby one only what none of them may.
             return self._lot.waiting_for(STANDBY_ONLY) > 0
         return True

@@ -50,18 +50,18 @@ from twisted.logger import Logger
 
 from ..config import VerificationConfig
 from ..control import ControlTimeout
-from ..vectors import compare
 from ..forward import describe_failure
 from ..h1client import H1Error
 from ..names import canonical_model
 from ..parking import Entry
 from ..translate import (
     BackendError,
-    Embeddings,
     EmbedRequest,
+    Embeddings,
     backend_request,
     parse_response,
 )
+from ..vectors import compare
 from .member import Member
 from .routing import reference_rank
 

@@ -95,23 +95,34 @@ def route_class(apis: Iterable[str], method: str, path: str) -> str | None:
     return None
 
 
+#: A path prefix whose callers speak one server's API: ``/api/`` is Ollama's
+#: (llama.cpp also answers ``/api/chat``, in OpenAI's shape, which an Ollama
+#: client cannot read).
+_OWNERS = (("/api/", "ollama"),)
+
+
 def native_apis(apis: Iterable[str], method: str, path: str) -> tuple[str, ...]:
     """The apis among ``apis`` (in their order) that serve ``method path`` natively, in one dialect.
 
-    The dialect is the first knowing api's; an api that knows the path in
-    another dialect (a different body) is left out.  Empty when none knows it.
+    The dialect is the path's owner's when an api of ``apis`` speaks it
+    (Ollama's for ``/api/``), else the first knowing api's; an api that
+    knows the path in another dialect (a different body) is left out.
+    Empty when none knows it.
     """
-    dialect = None
-    out = []
+    known = []
     for api in dict.fromkeys(apis):
         s = server(api)
         route = s.route(method, path)
         if route is None and path in s.model_loading_paths:
             route = s.route("POST", path)
-        if route is None:
-            continue
-        if dialect is None:
-            dialect = route.dialect
-        if route.dialect == dialect:
-            out.append(api)
-    return tuple(out)
+        if route is not None:
+            known.append((api, route.dialect))
+    if not known:
+        return ()
+    dialect = known[0][1]
+    for prefix, owner in _OWNERS:
+        if path.startswith(prefix):
+            own = server(owner).route(method, path)
+            if own is not None and any(d == own.dialect for _, d in known):
+                dialect = own.dialect
+    return tuple(api for api, d in known if d == dialect)
