@@ -296,3 +296,25 @@ def test_an_unverified_twin_counts_no_waiting_embedding():
     assert d.called and entry.released_to == "a"
     r.core.gate.finished(failed=False, seconds=0.01, member="a")
     r.stop()
+
+
+def test_an_embedding_waiting_for_its_reference_does_not_hold_back_the_twins_chat():
+    """No overtaking is judged on what a member may take: chat for an idle twin is not parked and paced
+    behind an embedding only the yielded reference may serve."""
+    r = rig(b_weights="nomic-embed-text")
+    r.run()
+    r.core.state.hold("api", "game", scope="a")
+    embedding = r.entry()
+    r.core.gate.admit(embedding)
+    r.run()
+    assert embedding.released_to is None and len(r.core.lot) == 1
+    chats = [r.entry(path="/api/chat", cls="interactive") for _ in range(3)]
+    answered = [r.core.gate.admit(chat).called for chat in chats]
+    assert answered == [True, True, True] and all(chat.released_to == "b" for chat in chats)
+    for _ in chats:
+        r.core.gate.finished(failed=False, seconds=0.01, member="b")
+    r.core.state.release("api", "a")
+    r.run()
+    assert embedding.released_to == "a"
+    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.stop()
