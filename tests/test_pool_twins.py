@@ -84,10 +84,13 @@ class Rig:
         assert self.core.clock.getDelayedCalls() == []
 
 
-def rig(b_weights: str | None = None, b_hangs: bool = False, models=(MODEL,), start=True, classes=None) -> Rig:
+def rig(
+    b_weights: str | None = None, b_hangs: bool = False, models=(MODEL,), start=True, classes=None,
+    serves=(MODEL, "llama3.2"),
+) -> Rig:
     config = pool_config(
-        {"name": "a", "models": (MODEL, "llama3.2")},
-        {"name": "b", "models": (MODEL, "llama3.2")},
+        {"name": "a", "models": serves},
+        {"name": "b", "models": serves},
         config=config_with(
             verification={
                 "models": models, "verify_interval_seconds": INTERVAL, "max_verification_age_seconds": MAX_AGE,
@@ -317,4 +320,24 @@ def test_an_embedding_waiting_for_its_reference_does_not_hold_back_the_twins_cha
     r.run()
     assert embedding.released_to == "a"
     r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.stop()
+
+
+def test_model_names_from_requests_cannot_crowd_out_a_real_model():
+    """With patterns like "*", requests may name any number of models: the oldest named are forgotten
+    to make room (never a configured one), so a real model named later is still verified."""
+    from yieldproxy.pool.twins import MAX_MODELS
+
+    r = rig(serves=("*",))
+    r.run()
+    r.core.state.hold("api", "game", scope="a")  # nothing is verified meanwhile: only the table is watched
+    for i in range(MAX_MODELS + 50):
+        r.may_serve("b", r.entry(model=f"junk-{i}"))
+    assert r.may_serve("b", r.entry(model="nomic-embed-text")) is False
+    tracked = set(r.verifier._models)
+    assert len(tracked) == MAX_MODELS
+    assert {"nomic-embed-text:latest", f"{MODEL}:latest"} <= tracked and "junk-0:latest" not in tracked
+    r.core.state.release("api", "a")
+    r.run(10)
+    assert r.may_serve("b", r.entry(model="nomic-embed-text"))
     r.stop()

@@ -123,6 +123,8 @@ class TwinVerifier(Service):
     _again: bool = attrs.field(init=False, default=False)
     _postponed: bool = attrs.field(init=False, default=False)
     _full_logged: bool = attrs.field(init=False, default=False)
+    #: The models verified because the config names them (``verification.models``, ``model_map``): never dropped.
+    _pinned: set[str] = attrs.field(init=False, factory=set)
     _by_name: dict[str, Member] = attrs.field(init=False)
 
     name = "twins"  # type: ignore[assignment]  # Twisted types Service.name as None
@@ -136,6 +138,7 @@ class TwinVerifier(Service):
         for member in self._members:
             for model in member.catalogue.model_map:
                 self._models.setdefault(self._key(model), model)
+        self._pinned = set(self._models)
 
     # -- the pool's check ----------------------------------------------------------------
 
@@ -197,7 +200,7 @@ class TwinVerifier(Service):
                 self._untwinned.clear()
             self._untwinned.add(key)
             return
-        if len(self._models) >= MAX_MODELS:
+        if len(self._models) >= MAX_MODELS and not self._forget_oldest_named():
             if not self._full_logged:
                 self._full_logged = True
                 log.warn(
@@ -208,6 +211,18 @@ class TwinVerifier(Service):
             return
         self._models[key] = model
         self._soon()
+
+    def _forget_oldest_named(self) -> bool:
+        """Make room: forget the model requests named first (names from requests are anyone's to
+        invent; one still in use is tracked again at its next request). False: all are configured."""
+        oldest = next((key for key in self._models if key not in self._pinned), None)
+        if oldest is None:
+            return False
+        del self._models[oldest]
+        for pair in [pair for pair in self.checks if pair[1] == oldest]:
+            del self.checks[pair]
+            self._due_at.pop(pair, None)
+        return True
 
     def _lists_changed(self) -> None:
         """A member's model list changed: references and twins may have moved."""
