@@ -360,3 +360,24 @@ def test_a_standby_member_takes_no_more_than_its_cap_arrivals_included():
     core.state.release("api")
     core.run()
     assert all(went(d) for _, d in arrivals)
+
+
+def test_a_long_line_a_member_may_not_take_is_asked_about_once_per_kind_of_request():
+    """Parking kicks every drainer, and a drainer looks along its line: a thousand embeddings its twin
+    check refuses cost it one question per kind of request (routing, failed member), not one each."""
+    core = make_pool_core({"name": "ref"}, {"name": "twin"})
+    asked = []
+
+    def only_the_reference_embeds(member, entry):
+        asked.append(member.name)
+        return entry.kind != "embedding" or member.name == "ref"
+
+    core.gate.pool.check_twins_with(only_the_reference_embeds)
+    core.state.hold("api", "game", scope="ref")
+    for _ in range(200):
+        admit(core)
+    core.run()
+    assert len(core.lot) == 200
+    asked.clear()
+    core.gate.pool.member("twin").drainer.kick()
+    assert len(asked) <= 4, len(asked)

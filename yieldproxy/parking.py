@@ -252,8 +252,17 @@ class ParkingLot:
         return self._waiting.get(member, 0)
 
     def takeable(self, member: str, accepts: Callable[[Entry], bool]) -> int:
-        """Entries on ``member``'s line that ``accepts`` allows now (it walks the line: for a scrape)."""
-        return sum(1 for queue in self._lines.get(member, {}).values() for entry in queue if accepts(entry))
+        """Entries on ``member``'s line that ``accepts`` (a pool's, ``by_routing``) allows now: for a scrape."""
+        memo: dict[tuple[int, str | None], bool] = {}
+        count = 0
+        for queue in self._lines.get(member, {}).values():
+            for entry in queue:
+                key = (id(entry.routing), entry.failed_on)
+                ok = memo.get(key)
+                if ok is None:
+                    ok = memo[key] = accepts(entry)
+                count += ok
+        return count
 
     def __bool__(self) -> bool:
         return self._count > 0
@@ -372,9 +381,18 @@ class ParkingLot:
         if accepts is None:
             return {cls: queue[0] for cls, queue in queues.items() if queue}
         heads = {}
+        # A pool's accepts (by_routing) answers alike for entries of one routing and one failed
+        # member: asked once per kind of entry, a line of thousands it refuses costs a few calls.
+        memo: dict[tuple[int, str | None], bool] | None = {} if getattr(accepts, "by_routing", False) else None
         for cls, queue in queues.items():
             for entry in queue:
-                if accepts(entry):
+                if memo is None:
+                    ok = accepts(entry)
+                else:
+                    key = (id(entry.routing), entry.failed_on)
+                    found = memo.get(key)
+                    ok = memo[key] = accepts(entry) if found is None else found
+                if ok:
                     heads[cls] = entry
                     break
         return heads

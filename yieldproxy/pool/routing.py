@@ -106,6 +106,22 @@ def route_kind(path: str | None, cls: str) -> str:
     return "embedding" if path.rsplit("/", 1)[-1] in _EMBEDDING_ROUTES else "generation"
 
 
+class _Taker:
+    """``may_take(name, entry)`` as the lot's ``accepts``: its answer depends only on the entry's
+    routing and the member its last attempt failed on, so the lot asks once per kind of entry
+    (``by_routing``, parking.py) and a long line it refuses costs a few calls, not one each."""
+
+    by_routing = True
+    __slots__ = ("_may_take", "_name")
+
+    def __init__(self, may_take: Callable[[str, Entry], bool], name: str):
+        self._may_take = may_take
+        self._name = name
+
+    def __call__(self, entry: Entry) -> bool:
+        return self._may_take(self._name, entry)
+
+
 def any_member(member: Member, entry: Entry) -> bool:
     """The twin check of a pool without twin verification (a pool of one): every eligible member may serve."""
     return True
@@ -148,7 +164,7 @@ class Pool:
                 # A pool of one drains as the one upstream always did: every entry, while not yielded
                 # (and, for a server that can say so, ready: see pool/member.py).
                 target=spec.name if several else None,
-                accepts=functools.partial(self.may_take, spec.name) if several else None,
+                accepts=_Taker(self.may_take, spec.name) if several else None,
                 is_open=functools.partial(self._drainer_open, spec.name) if several else self._single_open,
             )
             catalogue = ModelCatalogue(spec.models, spec.model_map)
@@ -289,7 +305,7 @@ class Pool:
             return False
         if self.twin_ok is any_member:
             return True
-        return self._lot.peek(functools.partial(self.may_take, name), name) is not None
+        return self._lot.peek(self._by_name[name].drainer.accepts, name) is not None
 
     def all_held(self, entry: Entry) -> bool:
         """True when a hold applies to every member that may serve ``entry``: it waits for a yield to end.
@@ -421,7 +437,7 @@ class Pool:
         a standby member only what no always member may take), whether or not it is available now."""
         if not self.several:
             return len(self._lot)
-        return self._lot.takeable(member.name, functools.partial(self.may_take, member.name))
+        return self._lot.takeable(member.name, _Taker(self.may_take, member.name))
 
     def kick(self) -> None:
         """Wake every drainer (one of them may have work now)."""
