@@ -10,12 +10,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
-from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig
+from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, VerificationConfig
 from yieldproxy.gate import Gate
 from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
+from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.service import build_core, one_step_cooperator
 from yieldproxy.state import YieldState
 
@@ -110,6 +111,30 @@ __all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingC
 
 
 # -- real sockets ---------------------------------------------------------------
+
+
+#: Texts the proxy embeds by itself (the outage watcher's probe, the twin verification's probe texts),
+#: which a sim's ``texts_embedded`` counts beside the callers'.
+OWN_TEXTS = frozenset({PROBE_TEXT, *VerificationConfig().probe_texts})
+
+
+def embedded(sim) -> dict[str, int]:
+    """What a sim embedded for callers (not the proxy's own probe and verification texts)."""
+    return {text: n for text, n in sim.texts_embedded.items() if text not in OWN_TEXTS}
+
+
+async def admin(stack, path: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    """``GET`` (no ``body``) or ``POST`` ``path`` on a running stack's admin API; its JSON, asserted 200."""
+    import treq
+    from twisted.internet import reactor
+
+    if body is None:
+        d = treq.get(stack.admin_url + path, persistent=False)
+    else:
+        d = treq.post(stack.admin_url + path, json=body, persistent=False)
+    answer = await d.addTimeout(timeout, reactor)
+    assert answer.code == 200, await answer.text()
+    return await answer.json()
 
 
 @attrs.define(eq=False)

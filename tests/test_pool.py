@@ -17,23 +17,12 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, start_pool_stack, wait_for
+from helpers import admin, config_with, embedded, in_thread, start_pool_stack, wait_for
 from test_burst import Burst
-from yieldproxy.config import VerificationConfig
-from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.sim import expected_embedding, expected_embedding_f32, expected_reply
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
-
-
-#: Texts the proxy embeds by itself: the outage watcher's probe, the twin verification's probe texts.
-OWN_TEXTS = frozenset({PROBE_TEXT, *VerificationConfig().probe_texts})
-
-
-def embedded(sim) -> dict[str, int]:
-    """What a sim embedded and answered, without the texts the proxy embeds by itself."""
-    return {text: n for text, n in sim.texts_embedded.items() if text not in OWN_TEXTS}
 
 
 def assert_clean(burst: Burst, stack) -> None:
@@ -50,12 +39,6 @@ def assert_clean(burst: Burst, stack) -> None:
     extra = sum(n - 1 for n in counts.values())
     assert extra <= stack.sample("yieldproxy_retries_total", **{"class": "batch"})
     assert len(stack.proxy.lot) == 0 and stack.proxy.pool.inflight == 0
-
-
-async def admin(stack, path: str, body: dict) -> dict:
-    answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
-    assert answer.code == 200, await answer.text()
-    return await answer.json()
 
 
 @pytest_twisted.ensureDeferred

@@ -18,7 +18,7 @@ import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred, succeed
 
-from helpers import config_with, sleep, start_pool_stack, wait_for
+from helpers import admin, config_with, sleep, start_pool_stack, wait_for
 from yieldproxy.control import Answer
 from yieldproxy.pool.models import ModelCatalogue, ModelDiscovery
 from yieldproxy.servers import server
@@ -49,12 +49,6 @@ async def _post(stack, path: str, body: dict):
 async def get(stack, path: str):
     answer = await treq.get(stack.proxy_url + path, persistent=False).addTimeout(TIMEOUT, reactor)
     return answer.code, await answer.content()
-
-
-async def admin(stack, path: str, body: dict) -> dict:
-    answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
-    assert answer.code == 200, await answer.text()
-    return await answer.json()
 
 
 def model_requests(sim) -> list[str]:

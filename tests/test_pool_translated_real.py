@@ -22,14 +22,11 @@ import treq
 from twisted.internet import reactor
 from twisted.logger import globalLogPublisher
 
-from helpers import in_thread, start_pool_stack, wait_for
-from yieldproxy.config import VerificationConfig
-from yieldproxy.servers import PROBE_TEXT
+from helpers import admin, embedded, in_thread, start_pool_stack, wait_for
 from yieldproxy.sim import OOM_ERROR, expected_embedding, expected_reply, messages_prompt
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
-OWN_TEXTS = frozenset({PROBE_TEXT, *VerificationConfig().probe_texts})
 #: ``cpu`` as each kind of server: its ``[[upstreams]]`` keys and its sim's options.
 CPUS = {
     # An OpenAI-compatible server; the model_map renames the model (same weights: the sim's vectors
@@ -38,20 +35,6 @@ CPUS = {
     # Infinity serves one model under any name; its list (/models) names it.
     "infinity": {"api": "infinity", "sim": {"api": "infinity", "models": (MODEL,)}},
 }
-
-
-def embedded(sim) -> dict[str, int]:
-    """What a sim embedded for callers (not the proxy's own probe and verification texts)."""
-    return {text: n for text, n in sim.texts_embedded.items() if text not in OWN_TEXTS}
-
-
-async def admin(stack, path: str, body: dict | None = None) -> dict:
-    if body is None:
-        answer = await treq.get(stack.admin_url + path, persistent=False).addTimeout(TIMEOUT, reactor)
-    else:
-        answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
-    assert answer.code == 200, await answer.text()
-    return await answer.json()
 
 
 def pool(kind: str, **extra) -> list[dict]:

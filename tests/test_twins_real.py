@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import ollama
 import pytest_twisted
-import treq
 from twisted.internet import reactor
 
-from helpers import in_thread, start_pool_stack, wait_for
-from yieldproxy.config import VerificationConfig
-from yieldproxy.servers import PROBE_TEXT
+from helpers import admin, embedded, in_thread, start_pool_stack, wait_for
 from yieldproxy.sim import (
     expected_embedding,
     expected_embedding_f32,
@@ -27,23 +24,6 @@ from yieldproxy.sim import (
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
-OWN_TEXTS = frozenset({PROBE_TEXT, *VerificationConfig().probe_texts})
-
-
-def embedded(sim) -> dict[str, int]:
-    """What a sim embedded for callers (not the proxy's own probe and verification texts)."""
-    return {text: n for text, n in sim.texts_embedded.items() if text not in OWN_TEXTS}
-
-
-async def admin(stack, path: str, body: dict | None = None) -> dict:
-    if body is None:
-        answer = await treq.get(stack.admin_url + path, persistent=False).addTimeout(TIMEOUT, reactor)
-    else:
-        answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
-    assert answer.code == 200, await answer.text()
-    return await answer.json()
-
-
 def twins(status: dict, name: str) -> dict:
     return next(row for row in status["upstreams"] if row["name"] == name)["twins"]
 

@@ -16,7 +16,7 @@ import treq
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import reactor
 
-from helpers import start_pool_stack, start_stack, wait_for
+from helpers import admin, start_pool_stack, start_stack, wait_for
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0
@@ -60,12 +60,6 @@ async def scrape(stack) -> Scrape:
     answer = await treq.get(stack.admin_url + "/metrics", persistent=False).addTimeout(TIMEOUT, reactor)
     assert answer.code == 200
     return Scrape(await answer.text())
-
-
-async def admin(stack, path: str, body: dict) -> dict:
-    answer = await treq.post(stack.admin_url + path, json=body, persistent=False).addTimeout(TIMEOUT, reactor)
-    assert answer.code == 200, await answer.text()
-    return await answer.json()
 
 
 def embed(stack, text: str):
