@@ -26,7 +26,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
+from twisted.python.failure import Failure
 
 from .errors import error_body
 from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason
@@ -74,9 +75,6 @@ class TranslatedAttempt:
         self._timeout = timeout
         self._extra_headers = extra_headers
         self._member = member
-        self._timer: IDelayedCall | None = None
-        self._timed_out = False
-        self._pending: Deferred | None = None
         self._parts: list[bytes] = []
         self._size = 0
         self._began = 0.0
@@ -88,17 +86,15 @@ class TranslatedAttempt:
             path = self._server.embed_path
         upstream = self._upstream
         self._began = self._clock.seconds()
-        self._timer = self._clock.callLater(self._timeout, self._expire)
-        try:
-            d = upstream.client.request(
-                b"POST", upstream.target(path.encode("ascii")), HEADERS, body, self,
-                replayable=False,
-            )
-        except BaseException:
-            self._disarm()
-            raise
-        self._pending = d
+        d = upstream.client.request(
+            b"POST", upstream.target(path.encode("ascii")), HEADERS, body, self, replayable=False,
+        )
+        # Nothing reaches the client before the whole answer is in: the timeout covers all of it.
+        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
         return d.addCallbacks(self._answered, self._failed)
+
+    def _timed_out(self, result, seconds: float) -> Failure:
+        return Failure(RetryableFailure("timeout", f"no answer from the upstream within {seconds:g}s"))
 
     def client_has_all(self) -> bool:
         return True
@@ -121,7 +117,6 @@ class TranslatedAttempt:
         self._parts.append(data)
 
     def _answered(self, response: Response) -> int:
-        self._disarm()
         body = b"".join(self._parts)
         self._parts = []
         code = response.code
@@ -159,25 +154,9 @@ class TranslatedAttempt:
         return code
 
     def _failed(self, failure):
-        self._disarm()
         self._parts = []
         error = failure.value
-        if self._timed_out:
-            raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
         if isinstance(error, H1Error):
             raise RetryableFailure(failure_reason(error), describe_failure(error, self._upstream.url))
-        # The client left (CancelledError), the answer was too long (RetryableFailure), or a bug: as it is.
+        # The client left (CancelledError), no answer in time or too long (RetryableFailure), or a bug: as it is.
         return failure
-
-    # -- the timeout: until the whole answer is in ---------------------------------------
-
-    def _disarm(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
-
-    def _expire(self) -> None:
-        self._timer = None
-        self._timed_out = True
-        if self._pending is not None:
-            self._pending.cancel()
