@@ -143,13 +143,20 @@ def nested_error(body: bytes) -> dict[str, Any] | None:
     return None
 
 
+def listed_names(body: bytes, key: str, field: str, kind: str) -> tuple[str, ...]:
+    """The ``field`` of each entry of a model list ``{key: [{field: ...}, ...]}``; ValueError naming ``kind``."""
+    document = json_object(body, MAX_MODEL_LIST)
+    entries = document.get(key) if document is not None else None
+    if not isinstance(entries, list) or not all(
+        isinstance(m, dict) and isinstance(m.get(field), str) for m in entries
+    ):
+        raise ValueError(f'not {kind} model list: expected {{"{key}": [{{"{field}": ...}}, ...]}}')
+    return unique_names(m[field] for m in entries)
+
+
 def openai_model_ids(body: bytes) -> tuple[str, ...]:
     """The ``id`` of each entry of an OpenAI-shaped model list ``{"data": [{"id": ...}]}``."""
-    document = json_object(body, MAX_MODEL_LIST)
-    data = document.get("data") if document is not None else None
-    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
-        raise ValueError("not an OpenAI model list: expected {\"data\": [{\"id\": ...}, ...]}")
-    return unique_names(m["id"] for m in data)
+    return listed_names(body, "data", "id", "an OpenAI")
 
 
 def unique_names(names: Iterable[str]) -> tuple[str, ...]:

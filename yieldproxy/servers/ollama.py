@@ -81,7 +81,6 @@ from .base import (
     BUSY,
     CALLER,
     GPU,
-    MAX_MODEL_LIST,
     OK,
     PASSTHROUGH,
     PROBE_TEXT,
@@ -90,8 +89,8 @@ from .base import (
     ModelCall,
     Server,
     json_object,
+    listed_names,
     routes,
-    unique_names,
     up_on_200,
 )
 
@@ -236,11 +235,7 @@ def judge(status: int, body: bytes) -> str:
 
 def parse_models(body: bytes) -> tuple[str, ...]:
     """The names in ``/api/tags``'s answer ``{"models": [{"name": ...}, ...]}`` (``api.ListResponse``)."""
-    document = json_object(body, MAX_MODEL_LIST)
-    models = document.get("models") if document is not None else None
-    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("name"), str) for m in models):
-        raise ValueError('not an Ollama model list: expected {"models": [{"name": ...}, ...]}')
-    return unique_names(m["name"] for m in models)
+    return listed_names(body, "models", "name", "an Ollama")
 
 
 # -- probes ------------------------------------------------------------------------
