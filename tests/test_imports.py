@@ -2,9 +2,9 @@
 The package's modules import each other without cycles.
 
 A cycle (cli imports demo, demo imports cli) means neither module can be read,
-tested or changed alone; it also hides behind function-level imports, so
-those count here too.  Imports only a type checker runs (``if TYPE_CHECKING:``)
-do not.
+tested or changed alone; it also hides behind function-level imports and
+behind imports only a type checker runs (``if TYPE_CHECKING:``), so those
+count here too (issue 17).
 """
 
 from __future__ import annotations
@@ -26,19 +26,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` imports at run time, wherever in the module."""
+    """The package's modules that ``name`` imports, wherever in the module, ``if TYPE_CHECKING:`` included."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    type_only = {
-        id(node)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for node in ast.walk(block)
-    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             candidates = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -101,6 +93,13 @@ def test_no_import_cycles() -> None:
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert "yieldproxy.adminclient" in graph["yieldproxy.demo"]
     assert _cycles(graph) == []
+
+
+def test_type_checking_imports_count(tmp_path: Path) -> None:
+    """An import a type checker alone runs is still a dependency: it is in the graph."""
+    path = tmp_path / "a.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n", encoding="utf-8")
+    assert _imports("pkg.a", path, {"pkg.a": path, "pkg.b": tmp_path / "b.py"}) == {"pkg.b"}
 
 
 #: The modules that may use the global reactor: the twistd plugin's service maker.  Every

@@ -5,7 +5,7 @@ The sim's machinery (the parallel cap, model loads, outage modes, the
 listener) is the same whichever server it plays; what differs is the API:
 its routes, how it reads a request, the JSON it answers and the shape of its
 errors.  An :class:`Api` holds exactly that, and :class:`~.server.SimOllama`
-asks it at each step.  Every route is one of three kinds, the same split the
+(through :class:`Sim`) asks it at each step.  Every route is one of three kinds, the same split the
 proxy's classifier follows (docs/servers.md):
 
 * ``batch``: runs the model once over every input (embeddings, rerank,
@@ -23,14 +23,14 @@ proxy's classifier follows (docs/servers.md):
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Protocol
 
 import attrs
 from twisted.web.server import Request
 
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
+from .jobs import Job
+from .models import ModelStore
+from .route import Route
 
 JSON = b"application/json; charset=utf-8"
 NDJSON = b"application/x-ndjson"
@@ -53,14 +53,40 @@ FAILURES = (
 )
 
 
-@attrs.frozen
-class Route:
-    """What a path is: its methods, its kind (:data:`KINDS`), its error shape, its operation."""
+class Sim(Protocol):
+    """What an :class:`Api` reads of the sim playing the server (:class:`~.server.SimOllama` is one).
 
-    methods: tuple[str, ...]
-    kind: str
-    style: str
-    op: str
+    The dialects depend on this, not on the server module that imports them.
+    """
+
+    latency: float
+    parallel: int
+    chunk_delay: float
+    chunks: int
+    dim: int
+    default_keep_alive: float
+    context_length: int
+    max_queue: int
+    store: ModelStore
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def serving(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def served_model(self) -> str: ...
+
+    @property
+    def loading(self) -> bool: ...
+
+    def now(self) -> float: ...
+
+    def next_id(self, prefix: str) -> str: ...
 
 
 class BadRequest(Exception):
@@ -100,7 +126,7 @@ class Api:
     """
     One server's HTTP API; subclasses fill it in.
 
-    Every method takes the :class:`~.server.SimOllama` playing the server,
+    Every method takes the :class:`Sim` playing the server,
     which holds the settings, the models, the clock and the counters: an
     ``Api`` itself keeps no state, so one instance serves any number of sims.
     """
@@ -143,30 +169,30 @@ class Api:
         """The request's JSON body; :class:`BadRequest` in the server's words."""
         raise NotImplementedError
 
-    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+    def parse(self, sim: Sim, job: Job, body: Any) -> None:
         """Check the body of a model route and fill in ``job``; :class:`BadRequest` if wrong."""
         raise NotImplementedError
 
-    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+    def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         """The answer of an ``info`` route."""
         raise NotImplementedError
 
-    def answer(self, sim: SimOllama, job: Job) -> Any:
+    def answer(self, sim: Sim, job: Job) -> Any:
         """The JSON body that answers a ``batch`` job (the model has run)."""
         raise NotImplementedError
 
-    def reply(self, sim: SimOllama, job: Job, text: str) -> Any:
+    def reply(self, sim: Sim, job: Job, text: str) -> Any:
         """The JSON body that answers a ``generate`` job whole (``stream`` off)."""
         raise NotImplementedError
 
-    def start_stream(self, sim: SimOllama, job: Job) -> None:
+    def start_stream(self, sim: Sim, job: Job) -> None:
         """Status and headers of a streamed ``generate`` answer."""
         raise NotImplementedError
 
-    def stream_chunk(self, sim: SimOllama, job: Job, i: int, pieces: list[str]) -> bytes:
+    def stream_chunk(self, sim: Sim, job: Job, i: int, pieces: list[str]) -> bytes:
         """What a stream writes for piece ``i``; ``i == len(pieces)`` closes it."""
         raise NotImplementedError
 
-    def load_answer(self, sim: SimOllama, job: Job, reason: str) -> Any:
+    def load_answer(self, sim: Sim, job: Job, reason: str) -> Any:
         """The answer to a request that only loads (``reason`` "load") or unloads a model."""
         raise NotImplementedError

@@ -18,11 +18,11 @@ model routes and ``/models`` both with and without that prefix
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from twisted.web.server import Request
 
-from .api import Api, BadRequest, Reply, Route, dumps
+from .api import Api, BadRequest, Reply, Route, Sim, dumps
 from .content import (
     count_tokens,
     encode_base64_f32,
@@ -30,10 +30,7 @@ from .content import (
     expected_labels,
     expected_relevance,
 )
-
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
+from .jobs import Job
 
 #: pymodels.py: the name a request without ``model`` carries.
 DEFAULT_MODEL = "default/not-specified"
@@ -144,7 +141,7 @@ class InfinityApi(Api):
                             "msg": "JSON decode error", "input": {},
                             "ctx": {"error": getattr(e, "msg", str(e))}}) from None
 
-    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+    def parse(self, sim: Sim, job: Job, body: Any) -> None:
         if not isinstance(body, dict):
             raise _Invalid({"type": "model_attributes_type", "loc": ["body"], "input": body,
                             "msg": "Input should be a valid dictionary or object to extract fields from"})
@@ -179,7 +176,7 @@ class InfinityApi(Api):
                 raise _missing("input", body)
             job.texts = _strings(body["input"], "input", ("body",), single=False)
 
-    def answer(self, sim: SimOllama, job: Job) -> Any:
+    def answer(self, sim: Sim, job: Job) -> Any:
         op, model = job.route.op, job.model
         tokens = sum(count_tokens(t) for t in job.texts)
         if op == "embeddings":
@@ -210,7 +207,7 @@ class InfinityApi(Api):
             "created": int(sim.now()),
         }
 
-    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+    def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         op = route.op
         if op == "health":
             return Reply(200, dumps({"unix": sim.now()}))

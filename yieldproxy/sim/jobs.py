@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.web.server import Request
 
-from .api import Route
+from .route import Route
 
 _log = Logger()
 

@@ -18,12 +18,12 @@ caller's mistake all the same.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import Request
 
 from . import openai
-from .api import SSE, Api, BadRequest, Reply, Route, dumps, sse
+from .api import SSE, Api, BadRequest, Reply, Route, Sim, dumps, sse
 from .content import (
     count_tokens,
     encode_base64_f32,
@@ -32,10 +32,7 @@ from .content import (
     expected_tokens,
     messages_prompt,
 )
-
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
+from .jobs import Job
 
 #: ``build_info``: what llama.cpp puts in ``system_fingerprint``.
 BUILD_INFO = "b7000-aa6192d3"
@@ -175,7 +172,7 @@ class LlamaCppApi(Api):
             raise BadRequest("[json.exception.type_error.302] type must be object", "server_error")
         return body
 
-    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+    def parse(self, sim: Sim, job: Job, body: Any) -> None:
         # One model; OpenAI answers echo the name asked for (or gpt-3.5-turbo).
         job.key = sim.served_model
         job.model = body.get("model") if isinstance(body.get("model"), str) else DEFAULT_OAICOMPAT_MODEL
@@ -224,7 +221,7 @@ class LlamaCppApi(Api):
             job.prompt = _prompt(body)
             job.stream = body.get("stream") is True
 
-    def answer(self, sim: SimOllama, job: Job) -> Any:
+    def answer(self, sim: Sim, job: Job) -> Any:
         model = job.key
         if job.route.op == "rerank":
             return self._rerank(job)
@@ -260,7 +257,7 @@ class LlamaCppApi(Api):
         return {"model": job.model, "object": "list", "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": ranks}
 
-    def reply(self, sim: SimOllama, job: Job, text: str) -> Any:
+    def reply(self, sim: Sim, job: Job, text: str) -> Any:
         op = job.route.op
         if op in ("completion", "infill"):
             return self._native(sim, job, text, stop=True)
@@ -270,7 +267,7 @@ class LlamaCppApi(Api):
             openai.usage(count_tokens(job.prompt), sim.chunks), BUILD_INFO,
         )
 
-    def _native(self, sim: SimOllama, job: Job, content: str, stop: bool) -> dict[str, Any]:
+    def _native(self, sim: Sim, job: Job, content: str, stop: bool) -> dict[str, Any]:
         """``/completion``'s object (``to_json_non_oaicompat``), whole or one streamed piece."""
         body: dict[str, Any] = {
             "index": 0,
@@ -294,12 +291,12 @@ class LlamaCppApi(Api):
             })
         return body
 
-    def start_stream(self, sim: SimOllama, job: Job) -> None:
+    def start_stream(self, sim: Sim, job: Job) -> None:
         job.request.setResponseCode(200)
         job.request.setHeader(b"content-type", SSE)
         job.stream_id = sim.next_id("chatcmpl" if job.route.op == "v1_chat" else "cmpl")
 
-    def stream_chunk(self, sim: SimOllama, job: Job, i: int, pieces: list[str]) -> bytes:
+    def stream_chunk(self, sim: Sim, job: Job, i: int, pieces: list[str]) -> bytes:
         op = job.route.op
         if op in ("completion", "infill"):
             # Native streams end with the final object, and no [DONE].
@@ -310,7 +307,7 @@ class LlamaCppApi(Api):
             op == "v1_chat", job.stream_id, int(sim.now()), job.model, BUILD_INFO, i, pieces, None
         )
 
-    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+    def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         op = route.op
         if op == "health":
             return Reply(200, dumps({"status": "ok"}))
@@ -345,7 +342,7 @@ class LlamaCppApi(Api):
             return _error("server_error", "'messages' is required")
         return Reply(200, dumps({"prompt": messages_prompt(messages)}))
 
-    def _models(self, sim: SimOllama) -> dict[str, Any]:
+    def _models(self, sim: Sim) -> dict[str, Any]:
         """``/models``, ``/v1/models`` and ``/api/tags``: one body with Ollama's and OpenAI's lists."""
         name = sim.served_model
         meta = None if sim.loading else {"n_ctx_train": sim.context_length, "n_embd": sim.dim}

@@ -11,18 +11,15 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import Request
 
 from . import ollama_requests, openai
-from .api import NDJSON, SSE, Api, Reply, Route, dumps
+from .api import NDJSON, SSE, Api, Reply, Route, Sim, dumps
 from .content import count_tokens, expected_embedding
+from .jobs import Job
 from .models import FOREVER, LoadedModel
-
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
 
 SIM_VERSION = "0.12.0-sim"
 
@@ -116,7 +113,7 @@ def _model_entry(name: str) -> dict[str, Any]:
     }
 
 
-def _ps_entry(sim: SimOllama, model: LoadedModel) -> dict[str, Any]:
+def _ps_entry(sim: Sim, model: LoadedModel) -> dict[str, Any]:
     """A loaded model as ``/api/ps`` lists it."""
     entry = _model_entry(model.name)
     del entry["modified_at"]
@@ -126,7 +123,7 @@ def _ps_entry(sim: SimOllama, model: LoadedModel) -> dict[str, Any]:
     return entry
 
 
-def _durations(sim: SimOllama, job: Job) -> dict[str, Any]:
+def _durations(sim: Sim, job: Job) -> dict[str, Any]:
     """The timing fields of Ollama's final chat/generate object."""
     return {
         "total_duration": ns(sim.now() - job.arrived),
@@ -138,7 +135,7 @@ def _durations(sim: SimOllama, job: Job) -> dict[str, Any]:
     }
 
 
-def _usage(sim: SimOllama, job: Job) -> dict[str, int]:
+def _usage(sim: Sim, job: Job) -> dict[str, int]:
     """OpenAI's usage block for a reply."""
     return openai.usage(count_tokens(job.prompt), sim.chunks)
 
@@ -164,10 +161,10 @@ class OllamaApi(Api):
     def read(self, request: Request) -> Any:
         return ollama_requests.read_json(request)
 
-    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+    def parse(self, sim: Sim, job: Job, body: Any) -> None:
         ollama_requests.parse(sim, job, body)
 
-    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+    def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         op = route.op
         if op == "root":
             return Reply(200, b"Ollama is running", b"text/plain; charset=utf-8")
@@ -187,7 +184,7 @@ class OllamaApi(Api):
             }
         return Reply(200, dumps(body))
 
-    def answer(self, sim: SimOllama, job: Job) -> Any:
+    def answer(self, sim: Sim, job: Job) -> Any:
         """The three embed routes, each in its own shape."""
         vectors = [expected_embedding(t, job.model, job.dimensions or sim.dim) for t in job.texts]
         tokens = sum(count_tokens(t) for t in job.texts)
@@ -204,7 +201,7 @@ class OllamaApi(Api):
             return {"embedding": vectors[0]}
         return openai.embeddings_body(vectors, job.model, tokens, job.encoding_format)
 
-    def reply(self, sim: SimOllama, job: Job, text: str) -> Any:
+    def reply(self, sim: Sim, job: Job, text: str) -> Any:
         op = job.route.op
         if op in ("chat", "generate"):
             body: dict[str, Any] = {"model": job.model, "created_at": iso(sim.now())}
@@ -226,7 +223,7 @@ class OllamaApi(Api):
             _FINGERPRINT,
         )
 
-    def start_stream(self, sim: SimOllama, job: Job) -> None:
+    def start_stream(self, sim: Sim, job: Job) -> None:
         request = job.request
         request.setResponseCode(200)
         if job.route.style == "openai":
@@ -236,7 +233,7 @@ class OllamaApi(Api):
         else:
             request.setHeader(b"content-type", NDJSON)
 
-    def stream_chunk(self, sim: SimOllama, job: Job, i: int, pieces: list[str]) -> bytes:
+    def stream_chunk(self, sim: Sim, job: Job, i: int, pieces: list[str]) -> bytes:
         if job.route.style == "openai":
             return openai.stream_events(
                 job.route.op == "v1_chat",
@@ -261,7 +258,7 @@ class OllamaApi(Api):
             line.update(_durations(sim, job))
         return dumps(line) + b"\n"
 
-    def load_answer(self, sim: SimOllama, job: Job, reason: str) -> Any:
+    def load_answer(self, sim: Sim, job: Job, reason: str) -> Any:
         op = job.route.op
         if op == "embed":
             return {

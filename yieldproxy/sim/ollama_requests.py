@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import Request
 
-from .api import BadRequest
+from .api import BadRequest, Sim
 from .content import canonical_model, count_tokens, messages_prompt
+from .jobs import Job
 from .models import parse_keep_alive
-
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
 
 #: The routes whose inputs are texts to embed.
 EMBED_OPS = ("embed", "embeddings", "v1_embeddings")
@@ -41,7 +38,7 @@ def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def parse(sim: SimOllama, job: Job, body: dict[str, Any]) -> None:
+def parse(sim: Sim, job: Job, body: dict[str, Any]) -> None:
     """Validate a model request the way Ollama does; fill in its job."""
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
@@ -108,7 +105,7 @@ def _parse_v1_stream(job: Job, body: dict[str, Any]) -> None:
     job.include_usage = isinstance(options, dict) and options.get("include_usage") is True
 
 
-def _parse_embed(sim: SimOllama, job: Job, body: dict[str, Any]) -> None:
+def _parse_embed(sim: Sim, job: Job, body: dict[str, Any]) -> None:
     """Inputs of the three embed routes, with their own rules."""
     op = job.route.op
     if op == "embeddings":

@@ -14,12 +14,12 @@ which are plain text.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.web.server import Request
 
 from . import openai
-from .api import Api, BadRequest, Reply, Route, dumps
+from .api import Api, BadRequest, Reply, Route, Sim, dumps
 from .content import (
     cosine,
     count_tokens,
@@ -30,10 +30,7 @@ from .content import (
     expected_tokens,
     raw_embedding,
 )
-
-if TYPE_CHECKING:
-    from .jobs import Job
-    from .server import SimOllama
+from .jobs import Job
 
 TEI_VERSION = "1.9.3"
 
@@ -122,7 +119,7 @@ def _texts(value: Any, what: str = "inputs") -> list[str]:
     return texts
 
 
-def _check_length(sim: SimOllama, texts: list[str], body: dict[str, Any]) -> None:
+def _check_length(sim: Sim, texts: list[str], body: dict[str, Any]) -> None:
     """``truncate`` defaults to true (``--auto-truncate``); off, a long input is a 422."""
     if body.get("truncate") is False:
         for text in texts:
@@ -189,7 +186,7 @@ class TeiApi(Api):
             raise BadRequest("invalid type: expected struct", "json_data")
         return body
 
-    def parse(self, sim: SimOllama, job: Job, body: Any) -> None:
+    def parse(self, sim: Sim, job: Job, body: Any) -> None:
         job.model = job.key = sim.served_model
         op = job.route.op
         if op == "rerank":
@@ -237,7 +234,7 @@ class TeiApi(Api):
             job.dimensions = dimensions
         _check_length(sim, job.texts, body)
 
-    def answer(self, sim: SimOllama, job: Job) -> Any:
+    def answer(self, sim: Sim, job: Job) -> Any:
         op, model, dim = job.route.op, job.model, job.dimensions or sim.dim
         if op in ("embed", "v1_embeddings"):
             make = expected_embedding if job.options.get("normalize", True) else raw_embedding
@@ -268,7 +265,7 @@ class TeiApi(Api):
                        for text in job.texts]
         return predictions if job.options["batch"] else predictions[0]
 
-    def info(self, sim: SimOllama, request: Request, route: Route) -> Reply:
+    def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         op = route.op
         if op == "health":
             if sim.mode == "error500":
