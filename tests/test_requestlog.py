@@ -170,15 +170,13 @@ def test_log_level_drops_debug_events(capsys):
 
     from yieldproxy import requestlog
 
-    twistd_options("yieldproxy", "--log-level", "warn")
-    try:
-        assert requestlog.log_level == LogLevel.warn
-        assert_twistd_usage_error(["yieldproxy", "--log-level", "loud"], "--log-level", capsys)
-    finally:
-        twistd_options("yieldproxy")
-    assert requestlog.log_level == LogLevel.info
+    # The level is in the observer's dotted name twistd imports, not in a module variable.
+    assert twistd_options("yieldproxy", "--log-level", "warn")["logger"] == requestlog.at_warn.text
+    assert twistd_options("yieldproxy", "--log-format", "json", "--log-level", "error")["logger"] == requestlog.at_error.json
+    assert_twistd_usage_error(["yieldproxy", "--log-level", "loud"], "--log-level", capsys)
+    assert twistd_options("yieldproxy")["logger"] is requestlog.text_observer
     out = io.StringIO()
-    observer = requestlog.json_file_observer(out, requestlog.log_level)
+    observer = requestlog.json_file_observer(out, requestlog.at_info.level)
     observer({"log_level": LogLevel.debug, "log_format": "noise", "log_namespace": "x", "log_time": 0})
     observer({"log_level": LogLevel.info, "log_format": "kept", "log_namespace": "x", "log_time": 0})
     assert "noise" not in out.getvalue() and "kept" in out.getvalue()

@@ -6,18 +6,17 @@ abandoned by a client that went away (its Deferred was cancelled), or
 answered at shutdown.  Order is by arrival sequence number, so a request that
 failed mid-flight and comes back keeps its original place.
 
-The lot is drained by one drainer per *target* (see replay.py): the primary's
-takes any entry, another target's (the CPU fallback's) only the entries it
-may serve.  :meth:`ParkingLot.release_next` takes that choice as a predicate
-and keeps the one drain order for every target; the entry it lets out says
-which target it went to (``released_to``).
+The lot is drained by one drainer per pool member (see replay.py and
+pool/routing.py), each taking only the entries its member may serve now.
+:meth:`ParkingLot.release_next` takes that choice as a predicate and keeps
+the one drain order for every member; the entry it lets out says which
+member it went to (``released_to``).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from typing import Any, Callable
 
@@ -29,8 +28,6 @@ from twisted.logger import Logger
 from .metrics import Metrics
 
 log = Logger()
-
-_sequence = itertools.count()
 
 #: What an entry's route does: ``embedding`` routes are the ones whose answers a
 #: vector store keeps (a member serves them only as the model's reference or a
@@ -74,7 +71,9 @@ class Entry:
     api: str = "ollama"
     #: The caller's own budget from X-Yield-Max-Wait (seconds), if any.
     max_wait: float | None = None
-    seq: int = attrs.Factory(lambda: next(_sequence))
+    #: Its place in arrival order, given by the lot it is admitted to (:meth:`ParkingLot.number`):
+    #: kept when it comes back after a failed attempt.
+    seq: int = -1
     #: Failed attempts counted against ``upstream.max_attempts``.
     attempts: int = 0
     #: Failed attempts a recognised outage explained (not counted against the request).
@@ -210,9 +209,18 @@ class ParkingLot:
     #: Per member, per class, the entries it may take, in arrival order (with ``index_members``).
     _lines: dict[str, dict[str, list[Entry]]] = attrs.Factory(dict)
 
+    #: The next arrival's :attr:`Entry.seq`.
+    _next_seq: int = 0
+
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
         self._metrics.parked_bytes_capacity.set(self.max_parked_bytes)
+
+    def number(self, entry: Entry) -> None:
+        """Give ``entry`` its place in arrival order, once (the gate does it at admission)."""
+        if entry.seq < 0:
+            entry.seq = self._next_seq
+            self._next_seq += 1
 
     def when_parked(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after any entry joins (a drainer's wake-up)."""
@@ -309,6 +317,7 @@ class ParkingLot:
         """
         if check_room:
             self.check_room(entry)
+        self.number(entry)
         now = self._clock.seconds()
         if entry.deadline is None:
             entry.first_parked = now

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import IO, Any
 
+import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import (
     ILogObserver,
@@ -263,13 +264,37 @@ def json_file_observer(out: IO[str], level: LogLevel | None = None) -> ILogObser
     return LogLines(out, _as_json_line, level)
 
 
-#: The dotted names twistd's ``--logger`` takes for each format.
+#: The dotted names twistd's ``--logger`` takes for each format, at the default level (info).
 JSON_OBSERVER = "yieldproxy.requestlog.json_observer"
 TEXT_OBSERVER = "yieldproxy.requestlog.text_observer"
 LOG_LEVELS = ("debug", "info", "warn", "error")
 
-#: The least level written; ``--log-level`` sets it before twistd builds its logger.
-log_level = LogLevel.info
+
+@attrs.frozen
+class Observers:
+    """The observer factories twistd's ``--logger`` names, at one least level.
+
+    twistd imports ``--logger`` by its dotted name and calls it with no
+    argument, so the level is part of the name
+    (``yieldproxy.requestlog.at_warn.json``), not a module variable set
+    beforehand: see :func:`observer_name`.
+    """
+
+    level: LogLevel
+
+    def json(self) -> ILogObserver:
+        """The JSON format on stdout (see :func:`json_observer`)."""
+        return json_file_observer(sys.stdout, self.level)
+
+    def text(self) -> ILogObserver:
+        """twistd's usual text lines on stdout, without the events below the level."""
+        return text_file_observer(sys.stdout, self.level)
+
+
+at_debug = Observers(LogLevel.debug)
+at_info = Observers(LogLevel.info)
+at_warn = Observers(LogLevel.warn)
+at_error = Observers(LogLevel.error)
 
 
 def json_observer() -> ILogObserver:
@@ -278,9 +303,16 @@ def json_observer() -> ILogObserver:
     Called by twistd before it redirects ``sys.stdout`` into the log, so this
     is the real stdout (the journal, under systemd).
     """
-    return json_file_observer(sys.stdout, log_level)
+    return at_info.json()
 
 
 def text_observer() -> ILogObserver:
-    """twistd's usual text lines on stdout, without the events below :data:`log_level`."""
-    return text_file_observer(sys.stdout, log_level)
+    """twistd's usual text lines on stdout, without the events below info."""
+    return at_info.text()
+
+
+def observer_name(fmt: str, level: str) -> str:
+    """The dotted name for twistd's ``--logger``: format ``json`` or ``text`` at ``level`` (:data:`LOG_LEVELS`)."""
+    if level == "info":
+        return JSON_OBSERVER if fmt == "json" else TEXT_OBSERVER
+    return f"yieldproxy.requestlog.at_{level}.{fmt}"

@@ -10,12 +10,10 @@ import re
 import sys
 
 from twisted.internet.endpoints import serverFromString
-from twisted.logger import LogLevel
 from twisted.python import usage
 
-from . import requestlog
 from .config import ConfigError, load, read_tokens
-from .requestlog import JSON_OBSERVER, LOG_FORMATS, LOG_LEVELS, TEXT_OBSERVER
+from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
 
@@ -94,7 +92,8 @@ class Options(usage.Options):
         is parsed) when it builds its logger, before it calls
         :func:`makeService`, so this is the one clean place to choose the
         observer: ``twistd -n yieldproxy --log-format json`` is exactly
-        ``twistd -n --logger yieldproxy.requestlog.json_observer yieldproxy``.
+        ``twistd -n --logger yieldproxy.requestlog.json_observer yieldproxy``; the
+        least level is part of that name (:func:`~yieldproxy.requestlog.observer_name`).
         """
         fmt = self["log-format"]
         if fmt not in LOG_FORMATS:
@@ -102,7 +101,6 @@ class Options(usage.Options):
         level = self["log-level"]
         if level not in LOG_LEVELS:
             raise usage.UsageError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
-        requestlog.log_level = LogLevel.levelWithName(level)
         parent = getattr(self, "parent", None)
         if parent is None:
             return
@@ -110,7 +108,7 @@ class Options(usage.Options):
         if fmt == "text":
             # twistd's own --logger/--logfile/--syslog, if given, win (unfiltered).
             if not own_output:
-                parent["logger"] = TEXT_OBSERVER
+                parent["logger"] = observer_name("text", level)
             return
         if parent.get("logger"):
             raise usage.UsageError("--log-format json: twistd's --logger is set too; use one of them")
@@ -118,7 +116,7 @@ class Options(usage.Options):
             raise usage.UsageError("--log-format json: cannot write JSON to syslog; drop --syslog")
         if parent.get("logfile") not in (None, "", "-"):
             raise usage.UsageError("--log-format json: writes to stdout (the journal under systemd); drop --logfile")
-        parent["logger"] = JSON_OBSERVER
+        parent["logger"] = observer_name("json", level)
 
 
 def admin_is_local(endpoint: str) -> bool:
