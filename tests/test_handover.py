@@ -22,6 +22,7 @@ from yieldproxy.control import Answer, ControlTimeout
 from yieldproxy.handover import Handover, loaded_models
 from yieldproxy.names import canonical_model as canonical
 from yieldproxy.parking import Entry
+from yieldproxy.service import subscribe_handover
 
 TIMEOUT = 30
 
@@ -73,6 +74,7 @@ def handover_core(fake_options=None, **config):
     core = make_core()
     fake = FakeOllama(core.clock, **(fake_options or {}))
     handover = Handover(core.clock, core.state, core.replayer, fake, core.metrics, HandoverConfig(**config))
+    subscribe_handover(core.state, handover)
     handover.startService()
     return core, fake, handover
 

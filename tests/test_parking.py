@@ -409,7 +409,7 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
         core.clock, core.lot, core.state, core.metrics, clock_cooperator(core.clock),
         concurrency=2, target="other", accepts=lambda e: e.cls == "batch", is_open=lambda: open_[0],
     )
-    core.lot.when_parked(other.kick)
+    core.lot.when_parked(other.kick)  # as service.build_core wires each drainer
     core.state.hold("api")
     outcomes = [park(core, cls=cls) for cls in ["interactive", "batch", "batch", "batch", "interactive"]]
     core.run(0.01)

@@ -11,7 +11,7 @@ from test_handover import FakeOllama
 from test_pool_routing import admit, finish
 from yieldproxy.config import HandoverConfig
 from yieldproxy.handover import Handover
-from yieldproxy.service import build
+from yieldproxy.service import build, subscribe_handover
 from yieldproxy.state import ALL
 
 
@@ -58,6 +58,7 @@ def test_each_ollama_member_unloads_and_preloads_on_its_own_yields():
             core.clock, core.state, member.drainer, fakes[name], core.metrics,
             HandoverConfig(unload_on_yield=True, preload_models=("llama3",)), member=name,
         )
+        subscribe_handover(core.state, handover)
         handover.startService()
         handovers.append(handover)
     assert [h.name for h in handovers] == ["handover:a", "handover:b"]

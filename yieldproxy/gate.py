@@ -53,9 +53,6 @@ class Gate:
     #: Set when the proxy stops (:meth:`stop_admitting`): every request is refused from then on.
     shutting_down: bool = False
 
-    def __attrs_post_init__(self) -> None:
-        self._state.observe(self._state_changed)
-
     @property
     def yielded(self) -> bool:
         return self._state.yielded
@@ -89,6 +86,7 @@ class Gate:
         if self.shutting_down:
             raise Refused("shutdown", "the proxy is shutting down", 503, self.retry_after())
         pool = self.pool
+        self._lot.number(entry)
         if entry.routing is None:
             entry.routing = pool.routing(None, None, entry.cls, None)
             if not entry.eligible:
@@ -245,6 +243,3 @@ class Gate:
             )
         raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
 
-    def _state_changed(self, yielded: bool) -> None:
-        # The pool wakes its drainers itself, on each member's change (Pool._member_changed).
-        self._metrics.yield_active.set(1 if yielded else 0)

@@ -88,10 +88,9 @@ class Handover(Service):
     def __attrs_post_init__(self) -> None:
         if len(self._state.members) > 1:
             self.name = f"handover:{self.member}"
-        self._state.on_hold_taken(self._hold_taken)
-        self._state.observe_members(self._member_changed)
 
-    def _member_changed(self, member: str, yielded: bool) -> None:
+    def member_changed(self, member: str, yielded: bool) -> None:
+        """A member was taken or given back (``YieldState.observe_members``; ``service.build`` subscribes it)."""
         if member == self.member:
             self._state_changed(yielded)
 
@@ -111,7 +110,7 @@ class Handover(Service):
 
     # -- triggers -------------------------------------------------------------------
 
-    def _hold_taken(self, hold: Hold) -> None:
+    def hold_taken(self, hold: Hold) -> None:
         if not self.running or hold.source == OUTAGE_SOURCE or not self._state.applies(hold, self.member):
             return
         self._handed_over = True

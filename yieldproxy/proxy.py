@@ -1,4 +1,12 @@
-"""The proxy listener: a Klein app that gates, parks and forwards every request.
+"""The proxy listener's request handling: classify, gate, park, and forward to a pool member.
+
+The listener (:class:`~yieldproxy.httpserver.ProxySite`) hands each request
+to :class:`~yieldproxy.proxyresource.ProxyResource`, which calls
+:meth:`ProxyApp._handle` directly for a canonical path; only an odd path
+(one Klein's router must decode) goes through the Klein app here, whose
+error handler answers what it cannot route.  When the client goes away the
+listener's request cancels the handler's Deferred (httpserver.py,
+``connectionLost``).
 
 Each request ends in exactly one outcome: relayed from the upstream, or an
 explicit error in its API's shape (400/413/502/503/504...).  A client that
@@ -117,7 +125,7 @@ def _head_size(request) -> int:
 
 @attrs.define(eq=False)
 class ProxyApp:
-    """The Klein app of the proxy listener."""
+    """What the proxy listener does with a request (its resource: :meth:`resource`)."""
 
     _clock: IReactorTime
     _config: Config
@@ -670,7 +678,7 @@ class ProxyApp:
         # A body of known length cannot be ended honestly: cut the connection so
         # the client sees a truncated answer rather than a complete wrong one.
         request.channel.transport.abortConnection()
-        await Deferred()  # Klein cancels this when the connection is gone.
+        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
 
     async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):
         """Past a buffer bound: cut the client (the upstream is stopped already), count it as gone (499)."""
@@ -680,7 +688,7 @@ class ProxyApp:
         self._log(request, cls, None, "slow_client", entry, attempts)
         if request.channel is not None:
             request.channel.transport.abortConnection()
-        await Deferred()  # Klein cancels this when the connection is gone.
+        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
 
     def _trusts_header(self, request) -> bool:
         mode = self._config.proxy.trust_class_header

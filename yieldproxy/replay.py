@@ -10,12 +10,12 @@ A step that must finish before the lot is let out after a yield (the VRAM
 handover's model preload) passes a Deferred to :meth:`Replayer.hold_release_until`;
 until it fires the lot stays parked and new requests join its tail.
 
-A replayer drains the lot into one *target*.  The primary's (the default)
-takes every entry while the GPU is not yielded.  Another target gets its own
-replayer with its own cap, told which entries it may serve (``accepts``) and
-when it takes work (``is_open``): today the CPU fallback's, open while the GPU
-is yielded (the fallback package).  Each release takes the next entry that target may
-serve in the lot's one drain order, and marks it with the target's name.
+A replayer drains the lot into one *target*, a pool member (pool/routing.py
+builds one per member, with the member's ``replay_concurrency``): it is told
+which entries the member may take (``accepts``) and when it takes work
+(``is_open``: the member is available).  Each release takes the next entry
+that member may serve in the lot's one drain order, and marks it with the
+member's name.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class Replayer:
     accepts: Callable[[Entry], bool] | None = None
     #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
     is_open: Callable[[], bool] | None = None
-    #: Called after every change of :attr:`inflight` (a pool keeps the proxy-wide gauge);
-    #: None: the primary's own count is the gauge.
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: CooperativeTask | None = None
@@ -71,14 +69,6 @@ class Replayer:
     _release_gates: list[Deferred] = attrs.Factory(list)
     #: Waiting for nothing to be in flight (see :meth:`when_idle`).
     _idle_waiters: list[Deferred] = attrs.Factory(list)
-
-    def __attrs_post_init__(self) -> None:
-        # A request that parks may be one this target can take now.
-        self._lot.when_parked(self.kick)
-        # yieldproxy_inflight_requests is the primary's (docs/metrics.md), read when
-        # scraped rather than set twice per request.
-        if self.target is None:
-            self._metrics.inflight_requests.set_function(lambda: self.inflight)
 
     @property
     def draining(self) -> bool:

@@ -61,7 +61,9 @@ from .replay import Replayer
 from .state import ALL, YieldState, transition_logger
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
-__all__ = ["Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator"]
+__all__ = [
+    "Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator", "subscribe_handover",
+]
 
 log = Logger()
 
@@ -147,6 +149,13 @@ def build_core(
     gate = Gate(
         reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status
     )
+    # What each part follows of the others (no constructor subscribes itself).
+    for member in pool.members:
+        # A request that parks may be one this drainer can take now.
+        lot.when_parked(member.drainer.kick)
+    # The whole pool's in flight, read when scraped rather than set twice per request.
+    metrics.inflight_requests.set_function(lambda: pool.inflight)
+    state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
     state.on_transition(transition_logger(gate.describe))
     return state, lot, pool.members[0].drainer, gate
 
@@ -325,10 +334,16 @@ def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Hand
             settings = attrs.evolve(
                 config.handover, unload_on_yield=spec.unload_on_yield, preload_models=spec.preload_models
             )
-            handovers.append(
-                Handover(reactor, state, member.drainer, member.control, metrics, settings, member=member.name)
-            )
+            handover = Handover(reactor, state, member.drainer, member.control, metrics, settings, member=member.name)
+            subscribe_handover(state, handover)
+            handovers.append(handover)
     return handovers
+
+
+def subscribe_handover(state: YieldState, handover: Handover) -> None:
+    """What a VRAM handover follows of the yield state: holds taken, its member taken and given back."""
+    state.on_hold_taken(handover.hold_taken)
+    state.observe_members(handover.member_changed)
 
 
 def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:

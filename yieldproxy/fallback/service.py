@@ -80,6 +80,7 @@ class Fallback(Service):
         self._keys = {canonical_model(name): name for name in self._config.models}
         if self._lot is not None and self._new_drainer is not None:
             self._drainer = self._new_drainer(target=TARGET, accepts=self.may_take, is_open=self._takes_work)
+            self._lot.when_parked(self._drainer.kick)
             self._lot.when_out(self._left_lot)
 
     @property

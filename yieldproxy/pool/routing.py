@@ -182,9 +182,6 @@ class Pool:
                 )
             )
         self.members = tuple(members)
-        if several:
-            # yieldproxy_inflight_requests is the whole pool's, read when scraped.
-            self._metrics.inflight_requests.set_function(lambda: self.inflight)
         self._by_name = {m.name: m for m in self.members}
         self._apis = tuple(m.spec.api for m in self.members)
         if not several:
