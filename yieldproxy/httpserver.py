@@ -82,7 +82,7 @@ OVER_CAPACITY_WAIT = 1.0
 #: Retry-After, in seconds, of the 503 for a connection over the cap.
 OVER_CAPACITY_RETRY_AFTER = 2
 #: Connections being refused at once (each holds a descriptor for a second or two);
-#: past it a new connection is closed at once, unanswered.
+#: at it the listener stops accepting until one is done (see :class:`Connections`).
 MAX_REFUSING = 64
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0
@@ -93,9 +93,18 @@ class Connections:
     """The open connections of one listener, and its cap.
 
     Counted from the channels' own ``connectionMade``/``connectionLost``, so
-    the count cannot drift.  Idle keep-alive connections are kept oldest
-    first: at the cap, the oldest is closed to make room (as nginx reuses
-    them) before a new connection is refused.
+    the count cannot drift.  Idle keep-alive connections (ones that finished
+    a request and wait for the next) are kept oldest first: at the cap, the
+    oldest is closed to make room (as nginx reuses them) before a new
+    connection is refused.  A connection just accepted is not idle: its
+    client is about to send its first request, and closing it would leave
+    that client without an answer.
+
+    A connection past the cap is answered 503 (:class:`OverCapacity`), which
+    holds its descriptor for a second or two.  With :data:`MAX_REFUSING`
+    being refused at once, the listening ports (see :meth:`listening`) stop
+    accepting until one of them is done: further clients wait in the
+    kernel's backlog for their answer instead of getting a bare close.
     """
 
     #: Connections at once; the config key named in the refusal.
@@ -110,9 +119,12 @@ class Connections:
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
+    #: The listening ports of this listener, paused while too many connections are being refused.
+    _ports: list = attrs.Factory(list)
+    _paused: bool = False
 
     def opened(self, channel) -> None:
-        """A channel's connection is made (counted whatever it does next)."""
+        """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
         self.open += 1
 
     def closed(self, channel) -> None:
@@ -142,6 +154,33 @@ class Connections:
             channel.loseConnection()
             return True
         return False
+
+    def listening(self, port) -> None:
+        """``port`` accepts this listener's connections (it is paused under a flood of refusals)."""
+        self._ports.append(port)
+
+    def stopped_listening(self, port) -> None:
+        if port in self._ports:
+            self._ports.remove(port)
+
+    def refusing_started(self) -> None:
+        """A connection is being refused: at :data:`MAX_REFUSING`, stop accepting until one is done."""
+        self.refusing += 1
+        if self.refusing >= MAX_REFUSING and not self._paused:
+            self._paused = True
+            for port in self._ports:
+                port.stopReading()
+                # The accept loop under way goes on to its batch size: keep the batch small.
+                if getattr(port, "numberAccepts", 0) > MAX_REFUSING:
+                    port.numberAccepts = MAX_REFUSING
+
+    def refusing_ended(self) -> None:
+        self.refusing -= 1
+        if self._paused and self.refusing < MAX_REFUSING:
+            self._paused = False
+            for port in self._ports:
+                if port.connected and not port.disconnecting:
+                    port.startReading()
 
     def note_refusal(self, clock) -> None:
         """Count a refused connection; log it, at most once every few seconds."""
@@ -177,7 +216,7 @@ class OverCapacity(Protocol):
         self._answered = False
 
     def connectionMade(self):
-        self._connections.refusing += 1
+        self._connections.refusing_started()
         self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
 
     def dataReceived(self, data):
@@ -219,7 +258,7 @@ class OverCapacity(Protocol):
 
     def connectionLost(self, reason):
         self._stop_timer()
-        self._connections.refusing -= 1
+        self._connections.refusing_ended()
 
 
 class ProxyRequest(Request):
@@ -414,7 +453,6 @@ class ProxyChannel(HTTPChannel):
         self._connections = getattr(site, "connections", None)
         if self._connections is not None:
             self._connections.opened(self)
-            self._connections.set_idle(self, True)
 
     def getHost(self):
         """The local address, read once: Twisted asks for it with every request (a ``getsockname`` call)."""
@@ -707,8 +745,7 @@ class ProxySite(Site):
         connections = self.connections
         if connections is not None and connections.full() and not connections.reclaim_idle():
             connections.note_refusal(self.reactor)
-            if connections.refusing >= MAX_REFUSING:
-                return None  # Twisted closes the socket at once.
+            # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
             return OverCapacity(connections, self.reactor)
         channel = super().buildProtocol(addr)
         if channel is not None:

@@ -53,7 +53,12 @@ class Listener(Service):
     def stopService(self) -> Deferred:
         super().stopService()
         port, self.port = self.port, None
-        return maybeDeferred(port.stopListening) if port is not None else succeed(None)
+        if port is None:
+            return succeed(None)
+        connections = getattr(self._factory, "connections", None)
+        if connections is not None:
+            connections.stopped_listening(port)
+        return maybeDeferred(port.stopListening)
 
     def _listen(self) -> None:
         """Bind now; a TCP or unix endpoint binds (or fails) before ``listen`` returns."""
@@ -65,3 +70,7 @@ class Listener(Service):
             why = why_cannot_listen(outcome[0].value)
             raise CannotListen(f"{self.key} {self.description!r}: cannot listen: {why}") from outcome[0].value
         self.port = outcome[0]
+        # A site with a connection cap pauses its port while too many connections are being refused.
+        connections = getattr(self._factory, "connections", None)
+        if connections is not None:
+            connections.listening(self.port)
