@@ -1130,3 +1130,55 @@ def test_header_bytes_of_parked_requests_count_in_parked_bytes():
     assert parse_response(first.data)[0].status == 200
     assert rig.proxy.lot.parked_bytes == 0
     assert len(backend.heads) == 1
+
+
+# -- malformed framing: the documented 400, never a silent close (issue 16, section 4) ---------------
+
+_HEAD = b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+_CHUNKED = _HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _CHUNKED + b"1" + b"0" * 16 + b"\r\n" + b"x" * 64,  # 17 hex digits: past 64 bits
+        _CHUNKED + b"f" * 40 + b"\r\nabc\r\n0\r\n\r\n",
+        _CHUNKED + b"3\nabc\r\n0\r\n\r\n",  # bare LF after a chunk size
+        _CHUNKED + b"3\r\nabc\r\n0\n\n",  # bare LF in the last chunk
+        _CHUNKED + b"3\r\nabc\r\n0\r\nX-Trailer: 1\n\r\n",  # bare LF ending a trailer line
+        b"POST /api/embed HTTP/1.1\nHost: 127.0.0.1\nContent-Length: 3\n\nabc",  # a head in bare LFs
+        _HEAD + b"Content-Length: 3\r\n\nabc",  # the blank line a bare LF
+        _HEAD + b"Content-Length: 3\nX-Note: a\r\n\r\nabc",  # one header line ends in a bare LF
+    ],
+    ids=[
+        "chunk-size-17-digits", "chunk-size-40-digits", "lf-after-chunk-size", "lf-last-chunk", "lf-trailer",
+        "lf-head", "lf-blank-line", "lf-header-line",
+    ],
+)
+def test_malformed_framing_gets_a_400_at_once_and_reaches_nothing(data):
+    """On a Clock: the 400 comes at once (not the read timeout's 408, not a silent close); nothing goes upstream."""
+    rig, backend = _recording_rig(yielded=False)
+    peer = rig.raw()
+    peer.send(data)
+    rig.turn()
+    answer = parse_response(peer.data)[0]
+    assert answer is not None, peer.data
+    assert_json_error(answer, 400)
+    assert answer.header(b"connection") == b"close"
+    rig.run(10)
+    assert peer.closed and backend.heads == []
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_chunk_larger_than_the_body_limit_gets_413_at_its_size_line():
+    """A chunk size over proxy.max_body_bytes is refused when it is read, not after the limit's worth of bytes."""
+    rig, backend = _recording_rig(config_with(proxy={"max_body_bytes": 1024}), yielded=False)
+    peer = rig.raw()
+    peer.send(_CHUNKED + b"%x\r\n" % (1 << 40) + b"x" * 10)
+    rig.turn()
+    answer = parse_response(peer.data)[0]
+    assert answer is not None, peer.data
+    assert_json_error(answer, 413)
+    rig.run(10)
+    assert peer.closed and backend.heads == []
+    assert rig.clock.getDelayedCalls() == []

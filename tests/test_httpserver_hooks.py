@@ -191,3 +191,44 @@ def test_a_request_still_says_when_its_client_went_away():
     assert request._disconnected is False, "twisted.web.http.Request._disconnected is gone: see proxyresource.py"
     request.connectionLost(Failure(ConnectionDone()))
     assert request._disconnected is True
+
+
+def test_the_strict_chunked_decoder_still_replaces_twisteds_and_reads_its_state():
+    """StrictChunkedDecoder subclasses Twisted's private ``_ChunkedTransferDecoder`` (its states and ``_buffer``).
+
+    If Twisted stops building a ``_ChunkedTransferDecoder`` for a chunked
+    request, or renames its state methods, a bare LF or an endless chunk size
+    would again be waited on until the read timeout.
+    """
+    from yieldproxy.httpserver import StrictChunkedDecoder
+
+    for name in ("_dataReceived_CHUNK_LENGTH", "_dataReceived_TRAILER"):
+        assert callable(getattr(http._ChunkedTransferDecoder, name, None)), f"_ChunkedTransferDecoder.{name} is gone"
+    probe = _Probe()
+    probe.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert type(probe.channel._transferDecoder) is StrictChunkedDecoder
+    probe.send(b"3\r\nabc\r\n0\n\n")
+    status, body = probe.answer()
+    assert status == 400 and "bare LF" in body["error"]
+
+
+def test_a_bare_lf_in_a_head_is_seen_in_the_line_receivers_buffer():
+    """ProxyChannel reads ``LineReceiver._buffer`` (the unfinished line) to refuse a head in bare LFs."""
+    probe = _Probe()
+    probe.send(b"GET /api/tags HTTP/1.1\nHost: localhost\n\n")
+    status, body = probe.answer()
+    assert status == 400 and "bare LF" in body["error"]
+
+
+def test_a_listening_port_can_be_paused_and_its_accept_batch_bounded():
+    """Connections pauses its ports (``stopReading``) and bounds ``tcp.Port.numberAccepts`` while refusing a flood."""
+    from twisted.internet import reactor, tcp
+    from twisted.internet.protocol import Factory
+
+    port = reactor.listenTCP(0, Factory(), interface="127.0.0.1")
+    try:
+        assert isinstance(port, tcp.Port)
+        assert isinstance(port.numberAccepts, int), "twisted.internet.tcp.Port.numberAccepts is gone: see Connections"
+        assert callable(port.stopReading) and callable(port.startReading)
+    finally:
+        port.stopListening()

@@ -56,7 +56,7 @@ import attrs
 from twisted.internet.address import UNIXAddress
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.web.http import RESPONSES, HTTPChannel
+from twisted.web.http import RESPONSES, HTTPChannel, _ChunkedTransferDecoder, _MalformedChunkedDataError
 from twisted.web.server import Request, Site
 
 from .classify import api_family
@@ -86,6 +86,56 @@ OVER_CAPACITY_RETRY_AFTER = 2
 MAX_REFUSING = 64
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0
+
+
+#: Hex digits of a chunk size: 16 make 64 bits, as Go's ``parseHexUint`` takes (net/http/internal/chunked.go).
+MAX_CHUNK_SIZE_DIGITS = 16
+
+
+class StrictChunkedDecoder(_ChunkedTransferDecoder):
+    """Twisted's chunked decoder, refusing what it would wait on forever or read another way.
+
+    Twisted's looks for CRLF only: a chunk-size line, the last chunk or a
+    trailer ended by a bare LF was waited on until the read timeout, and a
+    size of any number of digits was taken.  Here a bare LF and a size over
+    :data:`MAX_CHUNK_SIZE_DIGITS` digits are malformed (the channel's 400),
+    and each size read is shown to ``on_size`` (the request refuses a chunk
+    that cannot fit its body limit as soon as it is announced).
+    """
+
+    #: Why the body was found malformed (the channel's 400 says it).
+    error: str | None = None
+
+    def __init__(self, dataCallback, finishCallback, on_size: Callable[[int], None]):
+        super().__init__(dataCallback, finishCallback)
+        self._on_size = on_size
+
+    def _malformed(self, why: str) -> _MalformedChunkedDataError:
+        self.error = why
+        return _MalformedChunkedDataError(why)
+
+    def _check_line(self) -> None:
+        """The buffer starts with a line: it must end in CRLF (once its LF is in)."""
+        buffer = self._buffer
+        lf = buffer.find(b"\n")
+        if lf == 0 or (lf > 0 and buffer[lf - 1] != 0x0D):
+            raise self._malformed("a chunk line ends in a bare LF (chunk lines end in CRLF)")
+
+    def _dataReceived_CHUNK_LENGTH(self) -> bool:
+        self._check_line()
+        buffer = self._buffer
+        end = buffer.find(b"\r")
+        digits = buffer[: end if end >= 0 else len(buffer)].split(b";", 1)[0]
+        if len(digits) > MAX_CHUNK_SIZE_DIGITS:
+            raise self._malformed(f"a chunk size of more than {MAX_CHUNK_SIZE_DIGITS} hex digits")
+        went_on = super()._dataReceived_CHUNK_LENGTH()
+        if went_on:
+            self._on_size(self.length)
+        return went_on
+
+    def _dataReceived_TRAILER(self) -> bool:
+        self._check_line()
+        return super()._dataReceived_TRAILER()
 
 
 @attrs.define(eq=False)
@@ -295,6 +345,11 @@ class ProxyRequest(Request):
             return
         self.content.write(data)
 
+    def chunk_size(self, length: int) -> None:
+        """A chunk of ``length`` bytes is announced: refused at once if the body cannot hold it."""
+        if not self.too_large and self.content.tell() + length > self.max_body_bytes:
+            self._refuse_body()
+
     def _refuse_body(self) -> None:
         """Drop what was kept and let the channel answer now instead of reading on."""
         self.too_large = True
@@ -500,6 +555,12 @@ class ProxyChannel(HTTPChannel):
                 self._connections.set_idle(self, False)
             self._arm_read_timer()
         super().dataReceived(data)
+        # Reading a head, what is left is the start of a line: a LF in it is bare (a CRLF would
+        # have ended the line), and Twisted would wait for a CRLF that never comes.
+        if self.line_mode and b"\n" in self._buffer and not self._draining and not self.paused:
+            self._bad_reason = "a request line or header line ends in a bare LF (lines end in CRLF)"
+            self._buffer = b""
+            self._respondToBadRequestAndDisconnect()
 
     def _arm_read_timer(self) -> None:
         """Start counting the time this request takes to arrive.
@@ -598,7 +659,14 @@ class ProxyChannel(HTTPChannel):
         if header == b"Transfer-Encoding" and data.lower() != b"chunked":
             self._bad_reason = "Transfer-Encoding must be chunked (no other coding is accepted)"
             return self._failChooseTransferDecoder()
-        return super()._maybeChooseTransferDecoder(header, data)
+        went_on = super()._maybeChooseTransferDecoder(header, data)
+        decoder = self._transferDecoder
+        if went_on and type(decoder) is _ChunkedTransferDecoder:
+            request = self.requests[-1]
+            self._transferDecoder = StrictChunkedDecoder(
+                decoder.dataCallback, decoder.finishCallback, getattr(request, "chunk_size", _no_check)
+            )
+        return went_on
 
     def _failChooseTransferDecoder(self):
         self._bad_reason = self._bad_reason or "invalid or conflicting Content-Length / Transfer-Encoding"
@@ -606,7 +674,8 @@ class ProxyChannel(HTTPChannel):
 
     def _respondToBadRequestAndDisconnect(self):
         """Twisted's parser refused the request: say so in JSON, not a bare 400."""
-        self._refuse(400, self._bad_reason or "malformed HTTP request", "bad_request")
+        why = self._bad_reason or getattr(self._transferDecoder, "error", None)
+        self._refuse(400, why or "malformed HTTP request", "bad_request")
 
     # -- refusing --------------------------------------------------------------------
 
@@ -692,6 +761,10 @@ class ProxyChannel(HTTPChannel):
             seconds=self._idle_timeout, peer=getattr(peer, "host", peer),
         )
         self.transport.abortConnection()
+
+
+def _no_check(length: int) -> None:
+    """A request class without a body limit of its own: a chunk size is not checked."""
 
 
 class ProxySite(Site):
