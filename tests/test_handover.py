@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from helpers import config_with, make_core, start_stack, wait_for
 from yieldproxy.config import HandoverConfig
 from yieldproxy.control import Answer, ControlTimeout
-from yieldproxy.handover import Handover, loaded_models
+from yieldproxy.handover import Handover, listed_models, loaded_models
 from yieldproxy.names import canonical_model as canonical
 from yieldproxy.parking import Entry
 from yieldproxy.service import subscribe_handover
@@ -106,7 +106,9 @@ def test_loaded_models_reads_api_ps():
         "all-minilm:latest",
     }
     assert loaded_models({}) == set() and loaded_models([]) == set()
-    assert canonical("library/llama3.2:3b") == "library/llama3.2:3b"
+    assert canonical("library/llama3.2:3b") == "llama3.2:3b"  # library is Ollama's default namespace
+    # An unload names each model as /api/ps lists it (a case-sensitive disk finds it only so).
+    assert listed_models({"models": [{"name": "hf.co/Me/Model:Q4"}]}) == {"hf.co/me/model:q4": "hf.co/Me/Model:Q4"}
     assert canonical("registry.local:5000/m") == "registry.local:5000/m:latest"
 
 

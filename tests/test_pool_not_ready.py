@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.web.resource import Resource
 
 from helpers import config_with, make_pool_core, pool_config
 from inmemory import Rig, answered
 from yieldproxy.control import Answer, UpstreamControl
-from yieldproxy.names import OUTAGE_SOURCE
+from yieldproxy.names import LOADING_SOURCE, OUTAGE_SOURCE
 from yieldproxy.parking import Entry
 from yieldproxy.servers import NOT_READY, server
 from yieldproxy.sim.llamacpp import LOADING_BODY
@@ -119,7 +120,7 @@ def test_a_member_not_ready_past_the_bound_is_treated_as_down_until_its_health_r
     core.run(1.1)
     # Stuck loading: the outage machinery takes over (an outage hold on it alone), the other serves.
     assert llama.state_name() == "outage"
-    assert [h.source for h in core.state.holds_for("llama")] == [OUTAGE_SOURCE] and core.state.holds_for("b") == []
+    assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE] and core.state.holds_for("b") == []
     assert admit(core)[0].released_to == "b"
     # Its health is still checked; once it reads up, the hold ends.
     for _ in range(3):
@@ -129,6 +130,65 @@ def test_a_member_not_ready_past_the_bound_is_treated_as_down_until_its_health_r
     assert llama.state_name() == "outage"
     health.answer(200, b'{"status":"ok"}')
     assert llama.state_name() == "available" and core.state.holds_for("llama") == []
+    core.gate.pool.stop()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_member_whose_health_reads_up_while_its_model_route_loads_cannot_dodge_the_bound():
+    """Each "loading" answer used to start the bound afresh once the health had read up: it never ended."""
+    from yieldproxy.servers import ModelCall
+
+    core, llama, health = two(config_with(upstream={"not_ready_max_seconds": 5.0, "health_max_interval_seconds": 2.0}))
+    call = ModelCall("/v1/chat/completions", "m")
+    began = core.clock.seconds()
+    for _ in range(40):
+        llama.health.not_ready("upstream answered 503: Loading model", call)
+        if llama.state_name() == "outage":
+            break
+        assert llama.state_name() == "not_ready"
+        core.run(0.5)
+        if health.calls[-1][0] == "/health":
+            health.answer(200, b'{"status":"ok"}')  # its health says up: let back in (until the bound)
+        else:
+            health.answer(503, LOADING)  # its model route does not
+        if llama.state_name() == "outage":
+            break
+        assert llama.state_name() == "available"
+    assert llama.state_name() == "outage"
+    assert 5.0 <= core.clock.seconds() - began < 6.0
+    assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE]
+    assert core.state.hold_of(OUTAGE_SOURCE, "llama") is None  # its own key, not the outage watcher's
+    assert admit(core)[0].released_to == "b"
+    # Its health still reads up, which ends nothing now: a model call of the kind that loaded does.
+    core.run(0.5)
+    path, _ = health.calls[-1]
+    assert path == "/v1/chat/completions"
+    health.answer(503, LOADING)
+    core.run(1.0)
+    assert llama.state_name() == "outage" and health.calls[-1][0] == "/v1/chat/completions"
+    health.answer(200, b'{"choices":[{"message":{"content":"h"}}]}')
+    assert llama.state_name() == "available" and core.state.holds == []
+    # A model call answered: the next "loading" starts a bound of its own.
+    llama.served()
+    llama.health.not_ready("Loading model", call)
+    assert llama.state_name() == "not_ready"
+    core.gate.pool.stop()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_a_served_model_call_ends_the_run_so_a_later_load_gets_the_whole_bound():
+    from yieldproxy.servers import ModelCall
+
+    core, llama, health = two(config_with(upstream={"not_ready_max_seconds": 5.0}))
+    call = ModelCall("/v1/chat/completions", "m")
+    llama.health.not_ready("Loading model", call)
+    core.run(0.5)
+    health.answer(200, b'{"status":"ok"}')
+    llama.health.served()  # a request was answered: it has loaded
+    core.run(4.0)
+    llama.health.not_ready("Loading model", call)
+    core.run(4.0)
+    assert llama.state_name() == "not_ready" and core.state.holds == []
     core.gate.pool.stop()
     assert core.clock.getDelayedCalls() == []
 
@@ -223,10 +283,70 @@ def test_a_member_stuck_loading_gets_an_outage_hold_and_serves_once_it_has_loade
     d = completion(rig)
     rig.run(10.5)
     assert member.state_name() == "outage" and not answered(d)
-    assert [h.source for h in rig.proxy.state.holds] == [OUTAGE_SOURCE]
+    assert [h.source for h in rig.proxy.state.holds] == [LOADING_SOURCE]
     rig.run(22)
     answer = rig.result(d)
     assert answer.code == 200 and rig.proxy.state.holds == [] and member.state_name() == "available"
+
+
+class HealthLies(Resource):
+    """A llama.cpp-like server whose ``/health`` says ok while its model route answers "Loading model"."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.loaded = False
+        self.calls: list[str] = []
+
+    def render(self, request):
+        path = request.path.decode()
+        self.calls.append(path)
+        request.setHeader(b"content-type", b"application/json")
+        if path == "/health":
+            return b'{"status":"ok"}'
+        if self.loaded:
+            return json.dumps(
+                {"object": "chat.completion", "model": MODEL,
+                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+            ).encode()
+        request.setResponseCode(503)
+        return LOADING
+
+
+def test_a_server_whose_health_says_up_while_its_model_route_loads_reads_outage_at_the_bound():
+    from twisted.internet.task import Clock
+
+    backend = HealthLies()
+    config = pool_config(
+        {"name": "llama", "api": "llamacpp", "url": "http://upstream.invalid"},
+        config=config_with(
+            upstream={"health_interval_seconds": 0.5, "health_max_interval_seconds": 2.0, "not_ready_max_seconds": 10.0},
+            classes={"interactive": {"hold_seconds": 120}},
+        ),
+    )
+    clock = Clock()
+    rig = Rig(config, upstream=backend, reactor=clock)
+    member = rig.proxy.pool.members[0]
+    member.control = UpstreamControl(clock, "http://upstream.invalid", endpoint=rig.upstream.wire)
+    d = completion(rig)
+    rig.run(10.5)
+    # Let back in at each health check, told "loading" at each attempt: the bound still ran out.
+    assert backend.calls.count("/v1/chat/completions") > 3 and backend.calls.count("/health") > 3
+    assert member.state_name() == "outage" and not answered(d)
+    assert [h.source for h in rig.proxy.state.holds] == [LOADING_SOURCE]
+    status = rig.call("GET", rig.admin_url + "/status").json()
+    assert status["upstreams"][0]["state"] == "outage"
+    # Held: only the minimal model call asks whether it loaded; its health's "ok" ends nothing.
+    tried = backend.calls.count("/v1/chat/completions")
+    rig.run(20)
+    assert member.state_name() == "outage" and not answered(d)
+    assert backend.calls.count("/v1/chat/completions") > tried
+    backend.loaded = True
+    rig.run(3)
+    answer = rig.result(d)
+    assert answer.code == 200 and rig.proxy.state.holds == [] and member.state_name() == "available"
+    assert rig.sample("yieldproxy_forgiven_attempts_total", **{"class": "interactive"}) == 0
 
 
 # -- the outage watcher's probes ---------------------------------------------------------------------

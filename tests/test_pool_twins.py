@@ -341,3 +341,30 @@ def test_model_names_from_requests_cannot_crowd_out_a_real_model():
     r.run(10)
     assert r.may_serve("b", r.entry(model="nomic-embed-text"))
     r.stop()
+
+
+#: One model to Ollama (its ParseName: case-insensitive, default host, namespace and tag).
+SPELLINGS = ("all-minilm", "ALL-MINILM", "all-minilm:Latest", "registry.ollama.ai/library/all-minilm:latest",
+             "Library/All-MiniLM", "https://registry.ollama.ai/library/all-minilm")
+
+
+def test_every_spelling_of_the_model_ollama_accepts_is_served_by_the_verified_twin_during_the_references_yield():
+    r = rig()
+    r.run()
+    r.core.state.hold("api", "game", scope="a")
+    for spelling in SPELLINGS:
+        entry = r.entry(model=spelling)
+        assert entry.eligible == ("a", "b"), spelling
+        assert r.may_serve("b", entry), spelling
+        d = r.core.gate.admit(entry)
+        r.run()
+        assert d.called and entry.released_to == "b", spelling
+        r.core.gate.finished(failed=False, seconds=0.01, member="b")
+    # Another model is not this one: it waits for the reference.
+    other = r.entry(model="all-minilm:v2")
+    assert not r.core.gate.admit(other).called
+    r.core.state.release("api", "a")
+    r.run()
+    assert other.released_to == "a"
+    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.stop()

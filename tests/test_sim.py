@@ -65,7 +65,8 @@ def test_expected_embedding_is_deterministic_and_normalised() -> None:
 def test_expected_embedding_model_tag_and_dimensions() -> None:
     """``m`` and ``m:latest`` agree; a smaller dim is the truncated vector renormalised."""
     assert canonical_model("all-minilm") == "all-minilm:latest"
-    assert canonical_model("library/all-minilm:v2") == "library/all-minilm:v2"
+    assert canonical_model("library/all-minilm:v2") == "all-minilm:v2"
+    assert canonical_model("me/all-minilm:v2") == "me/all-minilm:v2"
     assert expected_embedding("t", "all-minilm") == expected_embedding("t", "all-minilm:latest")
     full = expected_embedding("t", dim=384)
     small = expected_embedding("t", dim=16)

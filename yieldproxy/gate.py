@@ -20,7 +20,7 @@ from twisted.logger import Logger
 
 from .config import ClassConfig
 from .metrics import Metrics
-from .names import OUTAGE_SOURCE
+from .names import LOADING_SOURCE, OUTAGE_SOURCE
 from .parking import Entry, ParkingLot, Refused
 from .pool.routing import Pool
 from .state import YieldState
@@ -157,6 +157,8 @@ class Gate:
             sources = sorted({hold.source for hold in self._state.holds})
             if sources == [OUTAGE_SOURCE]:
                 return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
+            if sources == [LOADING_SOURCE]:
+                return "the upstream was still loading its model past upstream.not_ready_max_seconds"
             return f"the GPU was still yielded (held by {', '.join(sources)})"
         loading = [m.name for m in self.pool.members if m.not_ready]
         if loading:

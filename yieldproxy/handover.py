@@ -39,21 +39,27 @@ from twisted.python.failure import Failure
 from .config import HandoverConfig
 from .control import ControlTimeout
 from .metrics import Metrics
-from .names import OUTAGE_SOURCE, canonical_model
+from .names import TROUBLE_SOURCES, canonical_model
 from .replay import Replayer
 from .state import DEFAULT_MEMBER, Hold, YieldState
 
 log = Logger()
 
 def loaded_models(body: Any) -> set[str]:
-    """Model names from an ``/api/ps`` answer."""
+    """The models an ``/api/ps`` answer lists, each by its key (:func:`~yieldproxy.names.canonical_model`)."""
+    return set(listed_models(body))
+
+
+def listed_models(body: Any) -> dict[str, str]:
+    """Model key -> the name as ``/api/ps`` lists it (what an unload call names: Ollama finds
+    a model's files by its name, and on a case-sensitive disk only as it was written)."""
     models = body.get("models") if isinstance(body, dict) else None
-    names = set()
+    names: dict[str, str] = {}
     for entry in models or []:
         if isinstance(entry, dict):
             name = entry.get("model") or entry.get("name")
             if isinstance(name, str) and name:
-                names.add(canonical_model(name))
+                names.setdefault(canonical_model(name), name)
     return names
 
 
@@ -111,7 +117,7 @@ class Handover(Service):
     # -- triggers -------------------------------------------------------------------
 
     def hold_taken(self, hold: Hold) -> None:
-        if not self.running or hold.source == OUTAGE_SOURCE or not self._state.applies(hold, self.member):
+        if not self.running or hold.source in TROUBLE_SOURCES or not self._state.applies(hold, self.member):
             return
         self._handed_over = True
         if self._preloading is not None:
@@ -168,10 +174,11 @@ class Handover(Service):
             deadline = began + self.config.unload_timeout_seconds
             models: list[str] = []
             try:
-                models = sorted(await self._ps(deadline))
+                listed = await self._ps_listed(deadline)
+                models = sorted(listed.values())
                 for model in models:
                     await self._load_call(model, deadline, unload=True)
-                await self._wait_ps(lambda loaded: not (loaded & set(models)), deadline)
+                await self._wait_ps(lambda loaded: not (loaded & set(listed)), deadline)
             except CancelledError:
                 self._record("unload", "cancelled", began)
                 raise
@@ -224,11 +231,15 @@ class Handover(Service):
         return remaining
 
     async def _ps(self, deadline: float) -> set[str]:
+        """The keys of the models ``/api/ps`` lists."""
+        return set(await self._ps_listed(deadline))
+
+    async def _ps_listed(self, deadline: float) -> dict[str, str]:
         answer = await self._control.request("GET", "/api/ps", timeout=self._remaining(deadline))
         if answer.code != 200:
             raise HandoverError(f"GET /api/ps answered {answer.code}")
         try:
-            return loaded_models(answer.json())
+            return listed_models(answer.json())
         except ValueError:
             raise HandoverError("GET /api/ps answered something that is not JSON") from None
 

@@ -13,7 +13,9 @@ Two facts, each with this one owner:
   as "still loading its model" (llama.cpp's 503 ``Loading model``).  It is
   no outage: whoever reads such an answer says so here
   (:meth:`UpstreamHealth.not_ready`), and the pool member that listens
-  (pool/member.py) stops taking requests until its health reads up.
+  (pool/member.py) stops taking requests until its health reads up.  A
+  model call answered (:meth:`UpstreamHealth.served`) is what shows it has
+  loaded: the member's bound on "not ready" runs until then.
 
 The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
 the outage watcher registers as the judge and as a listener while it runs,
@@ -47,24 +49,42 @@ class UpstreamHealth:
     reachable: bool = False
     _judge: Judge | None = None
     _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
-    _not_ready_listeners: list[Callable[[str], None]] = attrs.Factory(list)
+    _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
+    _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
 
     def answered(self) -> None:
         """The upstream answered (a request or a probe): it is reachable from now on."""
         self.reachable = True
 
-    def not_ready(self, why: str) -> None:
-        """It answered, and its server says it is not ready yet (loading its model): tell who listens."""
+    def not_ready(self, why: str, call: ModelCall | None = None) -> None:
+        """It answered, and its server says it is not ready yet (loading its model): tell who listens.
+
+        ``call``: the model call that was answered so (None: its health path, or not known).
+        """
         self.answered()
         for listener in list(self._not_ready_listeners):
             try:
-                listener(why)
+                listener(why, call)
             except Exception:
                 log.failure("upstream not-ready listener failed")
 
-    def when_not_ready(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(why)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
+    def when_not_ready(self, listener: Callable[[str, ModelCall | None], None]) -> None:
+        """Call ``listener(why, call)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
         self._not_ready_listeners.append(listener)
+
+    def served(self) -> None:
+        """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
+        whoever waits for its model to have loaded hears it (:meth:`when_served`)."""
+        self.report(None)
+        for listener in list(self._served_listeners):
+            try:
+                listener()
+            except Exception:
+                log.failure("upstream served listener failed")
+
+    def when_served(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` each time a model call is answered (see :meth:`served`)."""
+        self._served_listeners.append(listener)
 
     def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred[bool]:
         """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.

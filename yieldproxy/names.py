@@ -23,19 +23,65 @@ COMMAND_SOURCE = "command"
 #: The outage watcher's: the upstream's own trouble, not a GPU lent away (no VRAM handover).
 OUTAGE_SOURCE = "outage"
 WATCHER_SOURCES = (FILE_SOURCE, SIGNAL_SOURCE, COMMAND_SOURCE, OUTAGE_SOURCE)
+#: A pool member's own hold when it stays not ready past ``upstream.not_ready_max_seconds``
+#: (pool/member.py): a key apart from the outage watcher's, so neither ends the other's hold.
+LOADING_SOURCE = "loading"
+#: Holds the proxy takes for an upstream's own trouble, not a GPU lent away: the upstream
+#: reads ``outage`` under them alone, and no VRAM handover follows them.
+TROUBLE_SOURCES = (OUTAGE_SOURCE, LOADING_SOURCE)
+#: Sources of holds the proxy takes itself: never refused by ``admin.max_holds``.
+OWN_SOURCES = (*WATCHER_SOURCES, LOADING_SOURCE)
 #: The sources yieldproxy itself uses: the watchers, the default of ``POST /yield``
 #: and the demo.  Metrics name them; other sources count as ``other``.
-BUILTIN_SOURCES = ("api", *WATCHER_SOURCES, "demo")
+BUILTIN_SOURCES = ("api", *OWN_SOURCES, "demo")
+
+
+#: Ollama's defaults for the parts a model name leaves out (``types/model/name.go``, ``DefaultName``).
+OLLAMA_HOST = "registry.ollama.ai"
+OLLAMA_NAMESPACE = "library"
+OLLAMA_TAG = "latest"
 
 
 def canonical_model(name: str) -> str:
-    """Ollama's full name for a model: ``all-minilm`` is listed as ``all-minilm:latest``.
+    """One key per model as Ollama tells models apart: ``ALL-MINILM``, ``all-minilm:Latest`` and
+    ``registry.ollama.ai/library/all-minilm:latest`` are all ``all-minilm:latest``.
 
-    A tag is what follows the last ``:`` of the last path part
-    (``registry:5000/library/m`` has none), and surrounding spaces go.
+    Ollama reads a name with ``ParseName`` (ollama/ollama ``types/model/name.go``,
+    read at fb30760): ``ParseNameBare`` cuts the tag at the last ``:`` only
+    when it comes after the last ``/`` (so ``registry:5000/library/m`` has
+    none), then the model, the namespace and the host at each ``/`` from the
+    right (a ``scheme://`` before the host is dropped); ``Merge`` with
+    ``DefaultName`` fills the missing host, namespace and tag.  Two names are
+    one model when their parts compare equal ignoring case (``Name.EqualFold``;
+    ``getExistingName`` in ``server/routes.go`` maps a name onto the stored
+    one that way).  The key is ``DisplayShortest``'s form of the parsed name
+    (host and namespace only when they are not the defaults), lower-cased.
+    Surrounding spaces go.
     """
     name = name.strip()
-    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+    tag = ""
+    if name.rfind(":") > name.rfind("/"):
+        name, _, tag = name.rpartition(":")
+    host = namespace = ""
+    rest, slash, model = name.rpartition("/")
+    if slash:
+        # ``cutPromised``: a part promised by a separator but empty is Ollama's MissingPart.
+        model = model or "!MISSING!"
+        rest = rest or "!MISSING!"
+        host_part, slash, namespace = rest.rpartition("/")
+        if slash:
+            namespace = namespace or "!MISSING!"
+            host = (host_part or "!MISSING!").rpartition("://")[2]
+        else:
+            namespace = rest
+    host = (host or OLLAMA_HOST).lower()
+    namespace = (namespace or OLLAMA_NAMESPACE).lower()
+    key = f"{model}:{tag or OLLAMA_TAG}".lower()
+    if host != OLLAMA_HOST:
+        return f"{host}/{namespace}/{key}"
+    if namespace != OLLAMA_NAMESPACE:
+        return f"{namespace}/{key}"
+    return key
 
 
 def name_tuple(names: Iterable[str]) -> tuple[str, ...]:

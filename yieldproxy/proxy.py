@@ -404,7 +404,7 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            member.health.report(None)
+            member.health.served()
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
             try:
@@ -465,7 +465,7 @@ class ProxyApp:
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         answer = failure.answer
         if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
-            member.health.not_ready(failure.detail)
+            member.health.not_ready(failure.detail, self._failed_call(target, entry, body, member))
             if self._pool.several:
                 entry.failed_on = member.name
             entry.forgiven += 1

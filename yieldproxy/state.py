@@ -28,12 +28,12 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .names import WATCHER_SOURCES, name_set, name_tuple
+from .names import OWN_SOURCES, name_set, name_tuple
 
 log = Logger()
 
-#: Sources of the proxy's own watchers: never refused, whatever ``max_holds`` says.
-_NEVER_REFUSED = frozenset(WATCHER_SOURCES)
+#: Sources of the proxy's own holds (its watchers', a stuck member's): never refused, whatever ``max_holds`` says.
+_NEVER_REFUSED = frozenset(OWN_SOURCES)
 #: The longest a hold's ``expected_seconds`` or ``for_seconds`` may be: a week.
 MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 #: Holds from callers (everything but the watchers) at once (``admin.max_holds``).

@@ -13,11 +13,19 @@ is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
 or a probe: :meth:`UpstreamHealth.not_ready`).  That is no outage and no
 failed try: its health path is checked on the same growing interval until it
 reads up, then its drainer starts.  One not ready for longer than
-``upstream.not_ready_max_seconds`` is treated as down: it takes the
-``outage`` hold of its scope (and ends it when its health reads up), so a
-server stuck loading holds nobody without bound.  In any pool, a pool of one
-included; Ollama never answers "not ready", so a pool of one in front of
-Ollama is as it always was.
+``upstream.not_ready_max_seconds`` is treated as down: it takes a hold of
+its own (source ``loading``, :data:`~yieldproxy.names.LOADING_SOURCE`, of its
+outage watcher's scope; it reads ``outage``), so a server stuck loading holds
+nobody without bound.  In any pool, a pool of one included; Ollama never
+answers "not ready", so a pool of one in front of Ollama is as it always was.
+
+The bound cannot be dodged: it runs from the first "loading" answer until a
+model call is answered (:meth:`UpstreamHealth.served`), not until its health
+reads up.  A server whose health says up while its model route keeps
+answering "loading" is let back in when its health reads up, and is held
+once the run of such answers reaches the bound.  Then only a model call
+ends the hold: the minimal call (the server's ``minimal_call``) of the
+last call that answered "loading", when one is known, else its health path.
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..health import UpstreamHealth
-from ..names import OUTAGE_SOURCE
+from ..names import LOADING_SOURCE, TROUBLE_SOURCES
 from ..replay import Replayer
-from ..servers import UP
+from ..servers import NOT_READY, UP
+from ..servers.base import ModelCall
 from ..state import YieldState
 from .members import MemberSpec
 from .models import ModelCatalogue
@@ -71,14 +80,20 @@ class Member:
     on_reachable: Callable[[], None] = lambda: None
     #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
     not_ready_max_seconds: float = 300.0
-    #: The scope of the ``outage`` hold it takes when stuck not ready: its outage watcher's (None: its name).
+    #: The scope of the ``loading`` hold it takes when stuck not ready: its outage watcher's (None: its name).
     outage_scope: str | None = None
     #: Attempts were refused before it ever answered (see the module docstring).
     _refusing: bool = False
     #: Since when its server says it is not ready (None: it is not known not ready).
     _not_ready_since: float | None = None
+    #: Since the first "loading" answer that no answered model call followed: what the bound measures.
+    _loading_since: float | None = None
+    #: The last "loading" answer: a run of them goes on while they come closer than the bound.
+    _last_loading: float = 0.0
+    #: The last model call that answered "loading" (its minimal call ends a stuck hold).
+    _loading_call: ModelCall | None = None
     _stuck_timer: IDelayedCall | None = None
-    #: It took the ``outage`` hold itself, stuck not ready for too long.
+    #: It took the ``loading`` hold itself, stuck not ready for too long.
     _stuck: bool = False
     _recheck: IDelayedCall | None = None
     _recheck_delay: float = 0.0
@@ -87,6 +102,7 @@ class Member:
 
     def __attrs_post_init__(self) -> None:
         self.health.when_not_ready(self.became_not_ready)
+        self.health.when_served(self.served)
 
     @property
     def name(self) -> str:
@@ -121,7 +137,7 @@ class Member:
         """One of :data:`MEMBER_STATES`."""
         if self._state.yielded_for(self.spec.name):
             holds = self._state.holds_for(self.spec.name)
-            return "outage" if holds and all(h.source == OUTAGE_SOURCE for h in holds) else "yielded"
+            return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
         if self.drainer.release_held:
             return "handing_over"
         if self.unreachable:
@@ -148,27 +164,59 @@ class Member:
 
     # -- not ready ---------------------------------------------------------------------
 
-    def became_not_ready(self, why: str) -> None:
-        """Its server says it is still loading its model: pass it over and check its health until it reads up."""
+    def became_not_ready(self, why: str, call: ModelCall | None = None) -> None:
+        """Its server says it is still loading its model: pass it over and check its health until it reads up.
+
+        ``call``: the model call that said so (None: its health path, or not known).
+        """
         if self._stopped or self._stuck_held():
             return
+        now = self._clock.seconds()
+        if call is not None:
+            self._loading_call = call
+        if self._loading_since is None or now - self._last_loading > self.not_ready_max_seconds:
+            self._loading_since = now
+        self._last_loading = now
         if self._not_ready_since is None:
             log.warn(
                 "upstream {name} ({url}) is not ready ({why}): passing it over, its attempts not counted; "
-                "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s)",
+                "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s "
+                "until a model call is answered)",
                 name=self.name, url=self.spec.url, why=why, bound=self.not_ready_max_seconds,
             )
-            self._not_ready_since = self._clock.seconds()
-            self._stuck_timer = self._clock.callLater(self.not_ready_max_seconds, self._stuck_for_too_long)
+            self._not_ready_since = now
             self._recheck_delay = self.recheck_seconds
             if self._recheck is not None and self._recheck.active():
                 self._recheck.cancel()  # a refused member's longer wait: look again soon
                 self._recheck = None
+        if now - self._loading_since >= self.not_ready_max_seconds:
+            # Its health read up in between, but its model route still loads: the bound ran out.
+            self._stuck_for_too_long()
+            return
+        if self._stuck_timer is None:
+            self._stuck_timer = self._clock.callLater(
+                self._loading_since + self.not_ready_max_seconds - now, self._stuck_for_too_long
+            )
         self._schedule_recheck()
 
+    def served(self) -> None:
+        """A model call was answered: it has loaded; the bound starts afresh at the next "loading" answer."""
+        if self._stopped:
+            return
+        if self._waits_for_health():
+            self._ready()
+        self._loading_since = None
+        self._loading_call = None
+        self._cancel_stuck_timer()
+
+    def _cancel_stuck_timer(self) -> None:
+        if self._stuck_timer is not None and self._stuck_timer.active():
+            self._stuck_timer.cancel()
+        self._stuck_timer = None
+
     def _stuck_held(self) -> bool:
-        """It holds the ``outage`` hold it took when stuck not ready (False once someone else ended it)."""
-        if self._stuck and self._state.hold_of(OUTAGE_SOURCE, self._scope) is None:
+        """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it)."""
+        if self._stuck and self._state.hold_of(LOADING_SOURCE, self._scope) is None:
             self._stuck = False
         return self._stuck
 
@@ -177,32 +225,44 @@ class Member:
         return self.outage_scope if self.outage_scope is not None else self.name
 
     def _stuck_for_too_long(self) -> None:
-        """Not ready for ``not_ready_max_seconds``: treated as down, the outage hold until its health reads up."""
+        """Not ready for ``not_ready_max_seconds``: treated as down, its ``loading`` hold until a model call works."""
         self._stuck_timer = None
-        if self._not_ready_since is None or self._stopped:
+        if self._not_ready_since is None or self._loading_since is None or self._stopped:
+            # Its health reads up meanwhile: the next "loading" answer ends the run (became_not_ready).
             return
-        seconds = self._clock.seconds() - self._not_ready_since
+        seconds = self._clock.seconds() - self._loading_since
         log.warn(
             "upstream {name} ({url}) is still not ready after {seconds:.0f}s (upstream.not_ready_max_seconds): "
-            "treating it as down, an outage hold until its health reads up",
-            name=self.name, url=self.spec.url, seconds=seconds,
+            "treating it as down, a hold (source loading) until {what} works",
+            name=self.name, url=self.spec.url, seconds=seconds, what=self._recovery_what(),
         )
         self._not_ready_since = None
         self._stuck = True
-        self._state.hold(OUTAGE_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
+        self._recheck_delay = self.recheck_seconds
+        self._state.hold(LOADING_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
         self._schedule_recheck()
 
+    def _recovery_call(self):
+        """The minimal call whose answer ends a stuck hold, or None (its health path does)."""
+        if self._loading_call is None:
+            return None
+        return self.server.minimal_call(self._loading_call)
+
+    def _recovery_what(self) -> str:
+        call = self._recovery_call()
+        return "its health path" if call is None else f"a call of {call[1]}"
+
     def _ready(self) -> None:
-        """Its health reads up: available again (an outage hold it took for a stuck load ends), its drainer starts."""
+        """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
+        took for a stuck load ends), its drainer starts."""
         since = self._not_ready_since
         self._not_ready_since = None
-        if self._stuck_timer is not None and self._stuck_timer.active():
-            self._stuck_timer.cancel()
-        self._stuck_timer = None
         if self._stuck:
             self._stuck = False
-            log.info("upstream {name} ({url}) reads up: ending its outage hold", name=self.name, url=self.spec.url)
-            self._state.release(OUTAGE_SOURCE, self._scope)
+            self._loading_since = None
+            self._cancel_stuck_timer()
+            log.info("upstream {name} ({url}) works again: ending its loading hold", name=self.name, url=self.spec.url)
+            self._state.release(LOADING_SOURCE, self._scope)
         elif since is not None:
             log.info(
                 "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
@@ -218,9 +278,7 @@ class Member:
     def stop(self) -> None:
         """The proxy stops: no more checks."""
         self._stopped = True
-        if self._stuck_timer is not None and self._stuck_timer.active():
-            self._stuck_timer.cancel()
-        self._stuck_timer = None
+        self._cancel_stuck_timer()
         if self._recheck is not None and self._recheck.active():
             self._recheck.cancel()
         self._recheck = None
@@ -243,13 +301,25 @@ class Member:
         if self.control is None:
             self._schedule_recheck()
             return
-        d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.check_timeout_seconds)
+        model_call = self._recovery_call() if self._stuck_held() else None
+        if model_call is not None:
+            # Its health said up while its model route loaded: only a model call tells.
+            method, path, body = model_call
+            d = self._checking = self.control.request(method, path, body, timeout=self.check_timeout_seconds)
+        else:
+            d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.check_timeout_seconds)
 
         def answered(answer) -> None:
             self.health.answered()  # any answer: it is there (an outage is the outage watcher's business)
             if self._waits_for_health():
-                # Not ready (or stuck so): only its health reading up ends that.
-                if self.server.judge_health(answer.code, answer.body) == UP:
+                # Not ready (or stuck so): only its health reading up (a model call, when stuck on one) ends that.
+                if model_call is not None:
+                    up = self.server.judge(answer.code, answer.body) != NOT_READY
+                elif self._stuck_held() and self._recovery_call() is not None:
+                    up = False  # a health check sent before it was held stuck: only a model call tells now
+                else:
+                    up = self.server.judge_health(answer.code, answer.body) == UP
+                if up:
                     self._ready()
                 else:
                     self._schedule_recheck()

@@ -8,7 +8,8 @@ that list names.  Until a list has come, what it serves is unknown (None):
 the pool then routes by route alone, as it does for a model nobody lists,
 so the server answers with its own words.
 
-Names compare as Ollama's do: ``all-minilm`` is ``all-minilm:latest``.
+Names compare as Ollama's do (:func:`~yieldproxy.names.canonical_model`): ``all-minilm``,
+``ALL-MINILM:Latest`` and ``registry.ollama.ai/library/all-minilm:latest`` are one model.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ class ModelCatalogue:
         if canonical in self._mapped:
             return True
         for pattern in self.patterns:
-            if fnmatchcase(model, pattern) or fnmatchcase(canonical, canonical_model(pattern)):
+            # As written, as Ollama names it (``all-minilm`` is ``ALL-MINILM:latest``), or a
+            # pattern over the tag too (``all-minilm*`` takes ``All-MiniLM:v2``).
+            if (
+                fnmatchcase(model, pattern) or fnmatchcase(canonical, canonical_model(pattern))
+                or fnmatchcase(canonical, pattern.strip().lower())
+            ):
                 return True
         if self.static:
             return False

@@ -56,7 +56,7 @@ from twisted.logger import Logger
 from ..control import Answer, UpstreamControl
 from ..health import UpstreamHealth
 from ..metrics import Metrics
-from ..names import OUTAGE_SOURCE
+from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES
 from ..servers import GPU, NOT_READY, UP
 from ..servers.base import ModelCall
 from ..servers.ollama import is_gpu_failure, minimal_call
@@ -368,7 +368,7 @@ class OutageWatcher(Service):
         self._timer = None
         if not self._held():
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
-        if self._outage_call is not None and any(h.source != SOURCE for h in self._state.holds_for(self.member)):
+        if self._outage_call is not None and any(h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)):
             # The GPU is lent away: a model call would load the model onto it. Look again later.
             self._schedule()
             return
