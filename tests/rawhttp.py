@@ -454,3 +454,62 @@ def counter_by(stack, family: str, label: str, **match) -> dict[str, float]:
                 key = sample.labels.get(label)
                 out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+# -- a backend that answers what a test scripts ------------------------------------------
+
+
+class _ScriptedProtocol(Protocol):
+    def __init__(self, backend: "ScriptedBackend"):
+        self.backend = backend
+        self.buffer = b""
+
+    def connectionMade(self):
+        self.backend.connections += 1
+
+    def dataReceived(self, data: bytes):
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end]
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value.strip())
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length:]
+            backend = self.backend
+            backend.heads.append(head)
+            answer, then = backend.answers[min(len(backend.heads), len(backend.answers)) - 1]
+            self.transport.write(answer)
+            if then == "close":
+                self.transport.loseConnection()
+            elif then == "abort":
+                self.transport.abortConnection()
+            elif then == "abort_soon":
+                _reactor.callLater(0.05, self.transport.abortConnection)
+            if then != "keep":
+                return  # "stall": nothing more, the connection left open
+
+
+class ScriptedBackend(Factory):
+    """An upstream that answers its n-th request with the n-th of ``answers`` (the last one repeats).
+
+    Each answer is ``(bytes, then)``: the exact bytes written, then ``keep``
+    (the connection stays for the next request), ``close`` (a clean close),
+    ``abort`` (a reset), ``abort_soon`` (a reset 50 ms later, on the global
+    reactor: for real sockets, so that the bytes arrive before it) or ``stall`` (nothing more, the connection left
+    open).  ``heads`` keeps each request's head, ``connections`` counts them.
+    """
+
+    def __init__(self, *answers: tuple[bytes, str]):
+        self.answers = list(answers)
+        self.heads: list[bytes] = []
+        self.connections = 0
+
+    def buildProtocol(self, addr):
+        return _ScriptedProtocol(self)

@@ -21,12 +21,16 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.logger import formatEvent
+from twisted.web.client import ResponseFailed
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
 from helpers import Entry, config_with, in_thread, make_core, start_stack, wait_for
-from rawhttp import LogCapture, counter_by, exchange, port_of, recording_stack, request_bytes
+from inmemory import Rig, answered
+from rawhttp import LogCapture, ScriptedBackend, counter_by, exchange, parse_response, port_of, recording_stack, request_bytes
 from yieldproxy.parking import Refused
+from yieldproxy.sim import expected_embedding
 
 TIMEOUT = 60
 MiB = 1024 * 1024
@@ -283,3 +287,111 @@ async def test_a_long_error_body_reaches_the_client_whole_under_its_true_length(
         assert "503" in json.loads(answer.body)["error"]
     finally:
         await stack.stop()
+
+
+# -- issue 16.3: an answer that stops half-way never holds a slot or a client forever -----------
+
+STALL = 60.0  # upstream.stall_timeout_seconds, by default
+
+
+def _embed(i) -> dict:
+    return {"model": "all-minilm", "input": f"text {i}"}
+
+
+def test_half_answers_that_stall_free_their_replay_slots_after_the_stall_timeout():
+    """Four answers that stop after their first bytes hold the four replay slots for
+    ``stall_timeout_seconds``, not for ever: then they end (their clients get what was sent and a
+    close), and the requests parked behind them, and one sent after the resume, are served."""
+    rig = Rig(config_with(replay={"concurrency": 4}))
+    with LogCapture() as logs:
+        rig.proxy.state.hold("api", "game")
+        stalled = [rig.post("/api/embed", _embed(i)) for i in range(4)]
+        behind = [rig.post("/api/embed", _embed(i)) for i in range(4, 8)]
+        assert len(rig.proxy.lot) == 8
+        rig.sim.set_mode("stall")
+        rig.proxy.state.release("api")
+        rig.turn()
+        assert rig.sim.in_flight == 4 and len(rig.proxy.lot) == 4  # four slots, four half-answers
+        rig.sim.set_mode("ok")
+        resumed_at = rig.clock.seconds()
+        late = rig.post("/api/embed", _embed(8))
+        rig.run(STALL - 1)
+        assert not any(answered(d) for d in stalled + behind + [late])
+        rig.run(1.5)
+        for i, d in enumerate(behind + [late], start=4):
+            answer = rig.result(d)
+            assert answer.code == 200
+            assert answer.json()["embeddings"] == [expected_embedding(f"text {i}", "all-minilm")]
+        assert rig.clock.seconds() - resumed_at <= STALL + 1.5
+        for d in stalled:
+            # The status line and the bytes that came, then a clean close: short of its Content-Length.
+            caught: list = []
+            d.addErrback(caught.append)
+            assert caught and caught[0].check(ResponseFailed), caught
+        assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 4
+        assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "stall"}) == 4
+        assert rig.proxy.replayer.inflight == 0
+        said = [formatEvent(event) for event in logs.events]
+        assert sum("sent nothing for 60s in the middle of an answer" in line for line in said) == 4
+    rig.sim.stop()
+    rig.run(1)
+    assert rig.clock.getDelayedCalls() == []
+
+
+def _raw_post(rig: Rig, path: bytes, body: dict):
+    peer = rig.raw()
+    peer.send(request_bytes(b"POST", path, [(b"Content-Type", b"application/json")], json.dumps(body).encode()))
+    rig.turn()
+    return peer
+
+
+def test_a_stream_that_stalls_ends_with_its_own_error_then_a_terminated_body_and_a_close():
+    """A stream whose upstream goes silent mid-answer: after the stall timeout the client gets the
+    stream's own error (an NDJSON ``{"error"}`` line, an SSE error event), the last chunk, and the
+    connection closes; the slot is free."""
+    rig = Rig(config_with(replay={"concurrency": 1}))
+    rig.sim.set_mode("stall")
+    chat = {"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    ndjson = _raw_post(rig, b"/api/chat", chat)
+    sse = _raw_post(rig, b"/v1/chat/completions", chat)
+    rig.run(STALL - 1)
+    assert not ndjson.closed and not sse.closed
+    assert ndjson.data.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in ndjson.data.lower()
+    rig.run(1.5)
+    assert ndjson.closed and sse.closed
+    answer, rest = parse_response(ndjson.data)
+    assert answer is not None and rest == b""  # a complete chunked body: its last chunk came
+    first, error = answer.body.splitlines()
+    assert json.loads(first)["done"] is False
+    assert json.loads(error)["error"].startswith("upstream failed mid-answer: upstream http://upstream.invalid sent nothing for 60s")
+    answer, rest = parse_response(sse.data)
+    assert answer is not None and rest == b""
+    events = [e for e in answer.body.split(b"\n\n") if e]
+    assert json.loads(events[0][len(b"data: "):])["object"] == "chat.completion.chunk"
+    error = json.loads(events[-1][len(b"data: "):])["error"]
+    assert error["code"] == "upstream_broken" and "sent nothing for 60s" in error["message"]
+    assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 2
+    assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "interactive", "reason": "stall"}) == 2
+    assert rig.proxy.replayer.inflight == 0
+    rig.sim.stop()
+    rig.run(1)
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_stall_before_anything_reached_the_client_is_a_counted_retry():
+    """The head came and then nothing, no byte of the body: nothing reached the client, so the
+    attempt ends after the stall timeout and the request goes back in line, counted, as for a reset."""
+    body = json.dumps({"model": "all-minilm", "embeddings": [[0.5]]}).encode()
+    whole = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    backend = ScriptedBackend((whole, "stall"), (whole + body, "keep"))
+    rig = Rig(upstream=backend)
+    d = rig.post("/api/embed", _embed(0))
+    rig.run(STALL - 1)
+    assert not answered(d) and len(backend.heads) == 1
+    rig.run(1.5)
+    answer = rig.result(d)
+    assert answer.code == 200 and answer.body == body
+    assert len(backend.heads) == 2 and backend.connections == 2
+    assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "stall"}) == 1
+    assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
+    assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 1

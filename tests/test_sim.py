@@ -375,6 +375,40 @@ def test_hang_then_stop_leaves_no_timer() -> None:
     assert clock.getDelayedCalls() == []
 
 
+def test_stall_sends_the_head_and_first_bytes_then_nothing() -> None:
+    """``stall``: a whole answer's head (its full length) and first bytes, a stream's first line; then nothing."""
+    clock = task.Clock()
+    sim = SimOllama(clock, latency=1.0)
+    sim.set_mode("stall")
+    stub = StubTreq(sim.resource())
+    embed = _post(stub, "/api/embed", {"model": "all-minilm", "input": "a"})
+    chat = _post(stub, "/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    stub.flush()
+    whole, streamed = _result(embed), _result(chat)
+    assert whole.code == 200 and streamed.code == 200
+    length = whole.length
+    assert streamed.headers.getRawHeaders(b"content-type") == [b"application/x-ndjson"]
+    parts: list[bytes] = []
+    lines: list[bytes] = []
+    body = treq.collect(whole, parts.append)
+    stream = treq.collect(streamed, lines.append)
+    for _ in range(3):
+        clock.advance(100)
+        stub.flush()
+    assert not _fired(body) and not _fired(stream)
+    assert b"".join(parts) == b'{"model":"all-mi' and length > 100
+    first = json.loads(b"".join(lines))
+    assert first["done"] is False and first["message"]["role"] == "assistant"
+    sim.set_mode("ok")  # what stalled stays stalled
+    clock.advance(100)
+    stub.flush()
+    assert sim.in_flight == 2 and [r.mode for r in sim.history] == ["stall", "stall"]
+    assert sim.texts_embedded == {}
+    assert _fired(sim.stop())
+    assert sim.in_flight == 0 and sim.outcomes["stopped"] == 2
+    assert clock.getDelayedCalls() == []
+
+
 # ---------------------------------------------------------------------------
 # Real sockets.
 
@@ -685,7 +719,7 @@ def test_no_reactor_at_import() -> None:
         "sys.exit('twisted.internet.reactor' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
-    assert set(MODES) == {"ok", "refuse", "error500", "hang", "reset"}
+    assert set(MODES) == {"ok", "refuse", "error500", "hang", "reset", "stall"}
     assert simmod.__all__
 
 

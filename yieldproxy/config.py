@@ -159,6 +159,8 @@ def _url_path(instance, attribute, value):
 @attrs.frozen
 class UpstreamConfig:
     attempt_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.001))
+    #: The longest silence from the upstream in the middle of an answer (between chunks too).
+    stall_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.001))
     max_attempts: int = attrs.field(default=5, validator=_at_least(1))
     retry_backoff_seconds: float = attrs.field(default=0.5, validator=_at_least(0))
     retry_backoff_max_seconds: float = attrs.field(default=10.0, validator=_at_least(0))

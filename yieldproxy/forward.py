@@ -104,7 +104,15 @@ class RetryableFailure(Exception):
 
 
 class RelayBroken(Exception):
-    """The upstream failed after part of the answer reached the client."""
+    """The upstream failed after part of the answer reached the client.
+
+    ``reason`` is a metric label: ``broken`` (the answer was cut, or could
+    not be read on), or ``stall`` (nothing came for ``upstream.stall_timeout_seconds``).
+    """
+
+    def __init__(self, detail: str, reason: str = "broken"):
+        super().__init__(detail)
+        self.reason = reason
 
 
 class ClientTooSlow(Exception):
@@ -271,9 +279,13 @@ class Attempt:
     ``run()`` returns a Deferred firing with the status code relayed once the
     *upstream* has finished its answer, or failing with
     :class:`RetryableFailure`, :class:`RelayBroken`, :class:`ClientTooSlow`
-    or ``CancelledError`` (the client went away).  The attempt timeout covers
-    the wait for the first byte only: a long stream, once flowing, is not cut.
-    After a success, :meth:`client_drained` fires when the client has read
+    or ``CancelledError`` (the client went away).  Two bounds, on one timer:
+    the attempt timeout covers the wait for the first byte that reaches the
+    client (a long stream, once flowing, is not cut for its length), and the
+    stall timeout (``stall_timeout``) the silence of an upstream that has
+    begun its answer: past it the attempt ends, :class:`RetryableFailure`
+    ``stall`` when nothing reached the client yet, else :class:`RelayBroken`
+    ``stall``.  After a success, :meth:`client_drained` fires when the client has read
     the rest; the request must not be finished before.
 
     The attempt is the upstream client's response handler (``response_started``,
@@ -310,6 +322,7 @@ class Attempt:
         *,
         target: bytes,
         judge: Callable[[int, bytes], str] = OLLAMA.judge,
+        stall_timeout: float | None = None,
     ):
         self._clock = clock
         #: The upstream's server reads its own error answers (``Server.judge``): a GPU failure is retried.
@@ -323,8 +336,15 @@ class Attempt:
         self._extra_headers = extra_headers
         self._retry_statuses = retry_statuses
         self._buffers = buffers
+        self._stall = stall_timeout
+        #: The one timer of the attempt (see :meth:`_check`).
         self._timer: IDelayedCall | None = None
-        self._timed_out = False
+        #: When the wait for the first byte ends (``run`` sets it).
+        self._deadline = 0.0
+        #: When the last bytes of the answer came from the upstream (None: none yet).
+        self._last: float | None = None
+        #: Why the timer ended the attempt: ``timeout`` or ``stall`` (None: it did not).
+        self._cut: str | None = None
         self._pending: Deferred | None = None
         self.status: int | None = None
         self._response: Response | None = None
@@ -344,7 +364,11 @@ class Attempt:
         request = self._request
         upstream = self._upstream
         # Armed first: the client may fail the request at once (a closed pool).
-        self._timer = self._clock.callLater(self._timeout, self._expire)
+        clock = self._clock
+        self._deadline = clock.seconds() + self._timeout
+        stall = self._stall
+        first = self._timeout if stall is None or stall > self._timeout else stall
+        self._timer = clock.callLater(first, self._check)
         try:
             d = upstream.client.request(
                 request.method, upstream.target(self._target), upstream_request_headers(request.requestHeaders),
@@ -378,12 +402,15 @@ class Attempt:
 
     def response_started(self, response: Response) -> None:
         self._response = response
+        self._last = self._clock.seconds()
         code = response.code
         # Any error status may be a GPU failure in its server's words (TEI's is a 424).
         if code >= 500 or (code >= 400 and self._retry_statuses):
             self._inspecting = True
 
     def body_received(self, data: bytes) -> None:
+        # The stall timer reads it when it fires: one clock read per piece, no timer touched.
+        self._last = self._clock.seconds()
         if self._inspecting:
             self._parts.append(data)
             self._size += len(data)
@@ -403,9 +430,9 @@ class Attempt:
                 # (A private HTTPChannel flag: tests/test_httpserver_hooks.py fails if Twisted drops it.)
                 self._register()
         if not self._committed:
-            # The answer is about to reach the client: from here on, no retry and no timeout.
+            # The answer is about to reach the client: from here on, no retry and no
+            # attempt timeout (the stall timeout still runs).
             self._committed = True
-            self._disarm()
             assert self._response is not None  # the body comes after the response
             self._commit(self._response)
         if self._paused and self._buffers is not None:
@@ -442,8 +469,13 @@ class Attempt:
         self._abandon()
         error = failure.value
         url = self._upstream.url
-        if self._timed_out:
+        if self._cut == "timeout":
             raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
+        if self._cut == "stall":
+            detail = f"upstream {url} sent nothing for {self._stall:g}s in the middle of its answer (stalled)"
+            if self._committed:
+                raise RelayBroken(detail, "stall")
+            raise RetryableFailure("stall", detail)
         if not isinstance(error, H1Error):
             # The client left (CancelledError), the answer was judged (RetryableFailure,
             # ClientTooSlow), or a bug: as it is.
@@ -482,16 +514,49 @@ class Attempt:
         for name, value in self._extra_headers:
             headers.setRawHeaders(name, [value])
 
-    # -- the timeout: until the first byte reaches the client ------------------------------
+    # -- the timer: the first byte to the client, and the upstream's silences -----------------
 
     def _disarm(self) -> None:
         timer, self._timer = self._timer, None
         if timer is not None and timer.active():
             timer.cancel()
 
-    def _expire(self) -> None:
+    def _check(self) -> None:
+        """The one timer fired: end the attempt past a bound, or wait until the next one could pass.
+
+        The timer is not moved as bytes arrive (a piece costs one clock
+        read, in :meth:`body_received`); it fires at most once a stall
+        timeout, and then looks at when the last bytes came.  It is never
+        late: each time it is set for at most ``stall`` after the last
+        bytes, or after now when none came yet.
+        """
         self._timer = None
-        self._timed_out = True
+        now = self._clock.seconds()
+        committed = self._committed
+        if not committed and now >= self._deadline:
+            self._end("timeout")
+            return
+        stall = self._stall
+        last = self._last
+        if stall is not None and last is not None and now - last >= stall:
+            self._end("stall")
+            return
+        due = None if committed else self._deadline
+        if stall is not None:
+            quiet_end = (now if last is None else last) + stall
+            due = quiet_end if due is None else min(due, quiet_end)
+        if due is None:
+            return  # the answer flows to the client and no stall bound is set: nothing to watch
+        self._timer = self._clock.callLater(max(0.0, due - now), self._check)
+
+    def _end(self, why: str) -> None:
+        """Cut the attempt: its upstream connection is aborted, and :meth:`_failed` says why."""
+        self._cut = why
+        if why == "stall":
+            log.warn(
+                "upstream {url} sent nothing for {seconds:g}s in the middle of an answer: ending the attempt",
+                url=self._upstream.url, seconds=self._stall,
+            )
         if self._pending is not None:
             self._pending.cancel()
 

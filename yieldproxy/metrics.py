@@ -139,7 +139,7 @@ class Metrics:
         self.upstream_attempts_total = Counter(
             "yieldproxy_upstream_attempts",
             "Attempts sent to each pool member, by how they ended: ok, a retryable failure's reason (refused, "
-            "connect, reset, timeout, status_502, status_503, gpu_error), broken (failed mid-answer), "
+            "connect, reset, timeout, stall, status_502, status_503, gpu_error), broken (failed mid-answer), stall, "
             "abandoned, slow_client, error.",
             ["upstream", "outcome"],
             registry=r,

@@ -368,7 +368,7 @@ class ProxyApp:
                     attempt = Attempt(
                         self._clock, member.upstream, request, self._body_for(member, entry, body),
                         self._attempt_timeout(entry.cls), extra, buffers=self._buffers, target=target.raw,
-                        judge=member.server.judge,
+                        judge=member.server.judge, stall_timeout=self._config.upstream.stall_timeout_seconds,
                     )
                 status = await attempt.run()
                 outcome = "ok"
@@ -378,7 +378,9 @@ class ProxyApp:
                 outcome = retryable.reason
             except RelayBroken as broken:
                 failed = True
-                outcome = "broken"
+                outcome = broken.reason
+                if broken.reason == "stall":
+                    self._metrics.upstream_failures_total.labels(entry.cls, "stall").inc()
                 self._outcome(entry, "upstream_error")
                 self._log(request, entry.cls, request.code, "upstream_error", entry, entry.tries + 1)
                 return await self._broken(request, entry.api, str(broken))
@@ -531,16 +533,18 @@ class ProxyApp:
         attempt = Attempt(
             self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
-            target=target.raw,
+            target=target.raw, stall_timeout=self._config.upstream.stall_timeout_seconds,
         )
         try:
             status = await attempt.run()
         except RetryableFailure as failure:
             # Reported for outage detection; nobody waits on the verdict.
             member.health.report(failure.reason)
-            code = 504 if failure.reason == "timeout" else 502
+            code = 504 if failure.reason in ("timeout", "stall") else 502
             return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
+            if broken.reason == "stall":
+                self._metrics.upstream_failures_total.labels(PASSTHROUGH, "stall").inc()
             self._log(request, PASSTHROUGH, request.code, "upstream_error", None, 1)
             return await self._broken(request, api, str(broken))
         except ClientTooSlow as slow:
@@ -622,7 +626,7 @@ class ProxyApp:
             )
             self._log(request, entry.cls, failure.answer.code, "upstream_error", entry, entry.tries)
             return write_answer(request, failure.answer)
-        code = 504 if failure.reason == "timeout" else 502
+        code = 504 if failure.reason in ("timeout", "stall") else 502
         why = why or f"upstream failed {entry.attempts} times, giving up"
         return self._reject(
             request, entry.cls, entry.api, code, "upstream_error", f"{why}: {failure.detail}", count=False,
@@ -669,15 +673,29 @@ class ProxyApp:
         )
 
     async def _broken(self, request, api: str, why: str):
-        """The upstream failed mid-answer: close the stream in its own error form, or cut it."""
-        content_type = (request.responseHeaders.getRawHeaders(b"content-type") or [b""])[0]
+        """The upstream failed mid-answer: end a stream in its own error form, else close what was sent.
+
+        A stream the proxy frames (no ``Content-Length``) gets its error line
+        (NDJSON) or event (SSE), its last chunk, and the connection closes.
+        Any other answer cannot be ended honestly: the connection closes
+        after what was sent (a clean close, never a reset, which would lose
+        the status line still in the buffers), so the client sees a body
+        short of its length or with no last chunk, never a complete wrong one.
+        """
+        log.warn(
+            "{method} {path}: upstream failed mid-answer: {why}",
+            method=request.method.decode("latin-1"), path=request.path.decode("latin-1"), why=why,
+        )
+        headers = request.responseHeaders
+        content_type = (headers.getRawHeaders(b"content-type") or [b""])[0]
         chunk = stream_error_chunk(content_type, api, f"upstream failed mid-answer: {why}")
-        if chunk is not None:
+        if request.channel is None:
+            return None  # the client is gone already
+        if chunk is not None and not headers.hasHeader(b"content-length"):
             request.write(chunk)
+            request.channel.persistent = False  # closed once the request is finished
             return None
-        # A body of known length cannot be ended honestly: cut the connection so
-        # the client sees a truncated answer rather than a complete wrong one.
-        request.channel.transport.abortConnection()
+        request.loseConnection()
         await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
 
     async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):

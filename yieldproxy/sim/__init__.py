@@ -18,7 +18,8 @@ real GPU server fails.  :class:`SimOllama` is that something:
   that no text was embedded twice;
 * it can be switched at run time into an outage (:meth:`SimOllama.set_mode`):
   ``refuse``, ``error500`` (``/api/version`` answers while every model call
-  gets Ollama's runner out-of-memory 500), ``hang`` or ``reset``;
+  gets Ollama's runner out-of-memory 500), ``hang``, ``reset`` or ``stall``
+  (the head of the answer and its first bytes, then nothing);
 * with ``api="tei"``, ``"infinity"`` or ``"llamacpp"`` (``--api``) it plays
   text-embeddings-inference, Infinity or llama.cpp's server instead: their
   native routes, answers and error shapes, each from its own source

@@ -14,11 +14,16 @@ The outage modes: the ways a real GPU server fails as a whole.
     model requests are accepted and never answered (a wedged runner).
 ``reset``
     model requests get a TCP reset (a runner that dies mid-request).
+``stall``
+    model requests get the head of their answer and its first bytes (the
+    first line of a stream, the first bytes of a whole body under its full
+    ``Content-Length``), then nothing, the connection left open (a runner
+    that hangs mid-answer).
 
 Each API words the errors its own way (see :mod:`.ollama` and its siblings).
 """
 
 from __future__ import annotations
 
-MODES = ("ok", "refuse", "error500", "hang", "reset")
+MODES = ("ok", "refuse", "error500", "hang", "reset", "stall")
 """The outage modes :meth:`SimOllama.set_mode` accepts."""

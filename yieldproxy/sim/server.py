@@ -32,6 +32,9 @@ from .tei import TEI
 #: The servers the sim can play (``api``), by the name ``--api`` takes.
 APIS: dict[str, Api] = {api.name: api for api in (OLLAMA, TEI, INFINITY, LLAMACPP)}
 
+#: Bytes of a whole answer's body a ``stall`` sends before it stops.
+STALL_BYTES = 16
+
 #: The outcome a request refused by the sim itself ends with, per failure.
 _OUTCOMES = {
     "not_found": "not_found",
@@ -287,9 +290,9 @@ class SimOllama:
         ``reset`` and ``refuse`` abort every model request in flight;
         ``refuse`` also closes the listening port and every open connection;
         leaving ``refuse`` listens again on the same port.  Requests already
-        queued or served keep going through ``error500`` and ``hang``: those
+        queued or served keep going through ``error500``, ``hang`` and ``stall``: those
         modes apply to requests that arrive afterwards.  A request that hit
-        ``hang`` stays hung after the mode changes back, until its client
+        ``hang`` (or ``stall``) stays so after the mode changes back, until its client
         leaves, ``reset``/``refuse`` aborts it, or :meth:`stop`.  Without a
         port of its own (the resource driven in memory), ``refuse`` aborts
         each request on arrival.  A server that loads its one model at start
@@ -358,14 +361,14 @@ class SimOllama:
             return self._fail(request, record, style, "not_found")
         if method not in route.methods:
             return self._fail(request, record, style, "method")
-        if route.kind == "info" or (route.kind == "probe" and mode not in ("hang", "reset")):
+        if route.kind == "info" or (route.kind == "probe" and mode not in ("hang", "reset", "stall")):
             return self._info(request, record, route)
         if mode == "reset":
             return self._abort_request(request, record, "reset")
 
         job = Job(request, record, route, arrived=now, keep_alive=self.default_keep_alive)
         if route.kind == "probe":
-            # A health check that runs the model hangs with it.
+            # A health check that runs the model hangs with it (and stalls with it: no head).
             self._scheduler.admit(job, hang=True)
             return NOT_DONE_YET
         try:
@@ -387,7 +390,9 @@ class SimOllama:
             return self._unload(request, record, job)
         if self._scheduler.full():
             return self._fail(request, record, style, "busy", job=job)
-        self._scheduler.admit(job, hang=mode == "hang")
+        self._scheduler.admit(job, hang=mode in ("hang", "stall"))
+        if mode == "stall":
+            self._stall_after_head(job)
         return NOT_DONE_YET
 
     def _finish_record(self, record: SimRequest, outcome: str) -> None:
@@ -511,6 +516,32 @@ class SimOllama:
         """A whole reply at once (``stream: false``)."""
         text = "".join(expected_reply(job.prompt, job.key, self.chunks))
         self._send(job, Reply(200, dumps(self._flavour.reply(self, job, text))))
+
+    def _stall_after_head(self, job: Job) -> None:
+        """Mode ``stall``: the head of the answer this job would get and its first bytes, then nothing.
+
+        A stream sends its first piece; a whole answer (an embedding, a
+        reply with ``stream: false``, a load) its first :data:`STALL_BYTES`
+        bytes under the ``Content-Length`` of the whole.  The job stays held
+        (as ``hang``) until its client leaves or the sim is stopped.
+        """
+        request = job.request
+        job.headers_sent = True
+        if job.stream and not job.load_only and job.route.kind != "batch":
+            self._flavour.start_stream(self, job)
+            pieces = expected_reply(job.prompt, job.key, self.chunks)
+            request.write(self._flavour.stream_chunk(self, job, 0, pieces))
+            return
+        if job.load_only:
+            body = dumps(self._flavour.load_answer(self, job, "load"))
+        elif job.route.kind == "batch":
+            body = dumps(self._flavour.answer(self, job))
+        else:
+            body = dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", JSON)
+        request.setHeader(b"content-length", b"%d" % len(body))
+        request.write(body[:STALL_BYTES])
 
     def _stream_step(self, job: Job, i: int) -> None:
         """Write piece ``i`` of a stream; the one after the last piece closes it."""
