@@ -203,11 +203,13 @@ class ParkingLot:
     _empty_waiters: list[Deferred[None]] = attrs.Factory(list)
     #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
     _waiting: dict[str, int] = attrs.Factory(dict)
-    #: Keep a line per pool member (a pool of several): each member's drainer then walks only
-    #: the entries it may take, not those waiting for another member.
+    #: Keep a line per pool member (a pool of several), split by kind of request: a member's
+    #: drainer then looks only at the first entry of each kind it is eligible for, never along
+    #: a line of entries it may not take (parking stays O(1) per request: issue 16).
     index_members: bool = False
-    #: Per member, per class, the entries it may take, in arrival order (with ``index_members``).
-    _lines: dict[str, dict[str, list[Entry]]] = attrs.Factory(dict)
+    #: Per member, per class, per kind of request (:func:`_kind`), the entries it is eligible
+    #: for, in arrival order (with ``index_members``).
+    _lines: dict[str, dict[str, dict[tuple[int, str | None], list[Entry]]]] = attrs.Factory(dict)
 
     #: The next arrival's :attr:`Entry.seq`.
     _next_seq: int = 0
@@ -261,15 +263,14 @@ class ParkingLot:
 
     def takeable(self, member: str, accepts: Callable[[Entry], bool]) -> int:
         """Entries on ``member``'s line that ``accepts`` (a pool's, ``by_routing``) allows now: for a scrape."""
-        memo: dict[tuple[int, str | None], bool] = {}
+        by_routing = getattr(accepts, "by_routing", False)
         count = 0
-        for queue in self._lines.get(member, {}).values():
-            for entry in queue:
-                key = (id(entry.routing), entry.failed_on)
-                ok = memo.get(key)
-                if ok is None:
-                    ok = memo[key] = accepts(entry)
-                count += ok
+        for kinds in self._lines.get(member, {}).values():
+            for line in kinds.values():
+                if by_routing:
+                    count += len(line) if accepts(line[0]) else 0
+                else:
+                    count += sum(1 for entry in line if accepts(entry))
         return count
 
     def __bool__(self) -> bool:
@@ -337,8 +338,9 @@ class ParkingLot:
         self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
         if self.index_members:
+            kind = _kind(entry)
             for member in entry.eligible:
-                bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, []), entry)
+                bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, {}).setdefault(kind, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         for listener in self._parked_listeners:
@@ -384,26 +386,42 @@ class ParkingLot:
 
     def _heads(self, accepts: Callable[[Entry], bool] | None, target: str | None = None) -> dict[str, Entry]:
         """Each waiting class's first entry (that ``accepts`` allows), in class order."""
-        queues = self._queues
         if self.index_members and target in self._lines:
-            queues = self._lines[target]
+            return self._member_heads(self._lines[target], accepts)
+        queues = self._queues
         if accepts is None:
             return {cls: queue[0] for cls, queue in queues.items() if queue}
         heads = {}
-        # A pool's accepts (by_routing) answers alike for entries of one routing and one failed
-        # member: asked once per kind of entry, a line of thousands it refuses costs a few calls.
-        memo: dict[tuple[int, str | None], bool] | None = {} if getattr(accepts, "by_routing", False) else None
         for cls, queue in queues.items():
             for entry in queue:
-                if memo is None:
-                    ok = accepts(entry)
-                else:
-                    key = (id(entry.routing), entry.failed_on)
-                    found = memo.get(key)
-                    ok = memo[key] = accepts(entry) if found is None else found
-                if ok:
+                if accepts(entry):
                     heads[cls] = entry
                     break
+        return heads
+
+    @staticmethod
+    def _member_heads(
+        lines: dict[str, dict[tuple[int, str | None], list[Entry]]], accepts: Callable[[Entry], bool] | None
+    ) -> dict[str, Entry]:
+        """A member's first entry per class that ``accepts`` allows, from its line split by kind.
+
+        A pool's accepts (``by_routing``) answers alike for every entry of one
+        kind, so it is asked about the first of each kind only: the cost is
+        the number of kinds waiting, whatever the number of entries.
+        """
+        by_routing = accepts is None or getattr(accepts, "by_routing", False)
+        heads: dict[str, Entry] = {}
+        for cls, kinds in lines.items():
+            best = None
+            for line in kinds.values():
+                if accepts is None or by_routing:
+                    first = line[0] if accepts is None or accepts(line[0]) else None
+                else:
+                    first = next((entry for entry in line if accepts(entry)), None)
+                if first is not None and (best is None or first.seq < best.seq):
+                    best = first
+            if best is not None:
+                heads[cls] = best
         return heads
 
     def _next_class(self, heads: dict[str, Entry]) -> str | None:
@@ -501,8 +519,13 @@ class ParkingLot:
     def _leave(self, entry: Entry) -> None:
         _remove(self._queues[entry.cls], entry)
         if self.index_members:
+            kind = _kind(entry)
             for member in entry.eligible:
-                _remove(self._lines[member][entry.cls], entry)
+                kinds = self._lines[member][entry.cls]
+                line = kinds[kind]
+                _remove(line, entry)
+                if not line:
+                    del kinds[kind]
         queue = self._queues[entry.cls]
         if not queue:
             self._passed_over.pop(entry.cls, None)
@@ -530,6 +553,15 @@ class ParkingLot:
             waiting[STANDBY_ONLY] = waiting.get(STANDBY_ONLY, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)
+
+
+def _kind(entry: Entry) -> tuple[int, str | None]:
+    """An entry's kind of request for a member's line: its routing (one shared value per route,
+    class and model) and the member its last attempt failed on; neither changes while it is parked.
+
+    The routing by identity: every entry of a kind holds it, so it lives while its line does.
+    """
+    return (id(entry.routing), entry.failed_on)
 
 
 def _remove(line: list[Entry], entry: Entry) -> None:
