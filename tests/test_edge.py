@@ -375,3 +375,39 @@ def test_a_connection_that_has_sent_nothing_yet_is_not_reclaimed():
         peer.transport.loseConnection()
     rig.run(10)
     assert rig.clock.getDelayedCalls() == []
+
+
+# -- the admin API's odd paths (issue 16, section 4) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [b"/static//status", b"/static//healthz", b"/static//status.js", b"/static//", b"/static/a//b", b"/yield//",
+     b"/static/%2e%2e/status", b"/static/status.js/", b"/metrics//", b"///static//index.html"],
+)
+def test_an_odd_admin_path_gets_a_404_not_a_500(path):
+    """``/static//status`` made werkzeug ask for a redirect, which the error handler answered 500, unlogged."""
+    rig = Rig()
+    admin = rig.proxy.admin_app.site()
+    with LogCapture() as logs:
+        for method in (b"GET", b"POST"):
+            answer = _exchange(rig, request_bytes(method, path, [(b"Content-Type", b"application/json")], b"{}"), admin)
+            assert answer.status in (404, 405) or 300 <= answer.status < 400, (method, answer.raw[:300])
+            if answer.status >= 400:
+                assert "error" in answer.json()
+    assert logs.errors() == []
+    assert not rig.proxy.state.holds
+
+
+def test_a_bug_in_an_admin_route_is_a_500_with_its_traceback_logged(monkeypatch):
+    from yieldproxy.admin import AdminApp
+
+    def broken(self):
+        raise RuntimeError("a bug in status()")
+
+    monkeypatch.setattr(AdminApp, "status", broken)
+    rig = Rig()
+    with LogCapture() as logs:
+        answer = _exchange(rig, request_bytes(b"GET", b"/status"), rig.proxy.admin_app.site())
+    assert answer.status == 500 and answer.json() == {"error": "internal error in the admin API"}
+    assert any("a bug in status()" in error for error in logs.errors())

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import attrs
 from klein import Klein
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 from twisted.web.server import Site
 
 from . import __version__
@@ -40,6 +41,8 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
 from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState, check_source
+
+_log = Logger()
 
 #: Admin bodies are a few fields of JSON.
 _ADMIN_BODY_LIMIT = 64 * 1024
@@ -387,10 +390,22 @@ class AdminApp:
 
     @app.handle_errors
     def not_found(self, request, failure):  # type: ignore[misc]  # klein types the handler as a plain function
-        from werkzeug.exceptions import MethodNotAllowed, NotFound
+        """Routing's answers in JSON; anything else is a bug: logged with its traceback, a 500.
 
-        if failure.check(NotFound):
-            return _json(request, {"error": f"no such admin route: {request.path.decode('latin-1')}"}, 404)
+        werkzeug's router raises a redirect for a path it would spell
+        otherwise (``/static//status``: its merged slashes): that path is not
+        a route, so it is a 404 like any other, not a redirect to a path the
+        client did not ask for.
+        """
+        from werkzeug.exceptions import HTTPException, MethodNotAllowed
+        from werkzeug.routing import RequestRedirect
+
+        path = request.path.decode("latin-1")
         if failure.check(MethodNotAllowed):
             return _json(request, {"error": f"method {request.method.decode('latin-1')} not allowed here"}, 405)
+        if failure.check(RequestRedirect) or failure.check(HTTPException) and failure.value.code == 404:
+            return _json(request, {"error": f"no such admin route: {path[:300]}"}, 404)
+        if failure.check(HTTPException) and 400 <= (failure.value.code or 0) < 500:
+            return _json(request, {"error": f"{failure.value.name}: {path[:300]}"}, failure.value.code)
+        _log.failure("admin API: {method} {path} failed", failure, method=request.method, path=path[:300])
         return _json(request, {"error": "internal error in the admin API"}, 500)
