@@ -23,6 +23,7 @@ from rawhttp import (
     RawClient,
     RecordingBackend,
     assert_nothing_forwarded,
+    counter_total,
     exchange,
     parse_response,
     port_of,
@@ -411,3 +412,86 @@ def test_a_bug_in_an_admin_route_is_a_500_with_its_traceback_logged(monkeypatch)
         answer = _exchange(rig, request_bytes(b"GET", b"/status"), rig.proxy.admin_app.site())
     assert answer.status == 500 and answer.json() == {"error": "internal error in the admin API"}
     assert any("a bug in status()" in error for error in logs.errors())
+
+
+# -- bodies being received: one bound for all of them (issue 16, section 4) ---------------------------
+
+
+def _embed_of(size: int) -> bytes:
+    """A valid embed request body of exactly ``size`` bytes."""
+    start, end = b'{"model": "all-minilm", "input": "', b'"}'
+    return start + b"x" * (size - len(start) - len(end)) + end
+
+
+@pytest_twisted.ensureDeferred
+async def test_bodies_being_received_have_one_bound_and_small_requests_still_pass():
+    """Clients that send big bodies and hold back their last byte: past the budget, a 503 at once.
+
+    Each of them held its whole body in memory until it was complete (24 of
+    32 MiB grew the proxy by 769 MB; ``parking.max_parked_bytes`` does not
+    see them).  With ``proxy.max_receiving_bytes`` = 4 MiB, large bodies take
+    at most three quarters of it: three 1 MiB bodies are received, the others
+    get 503 + Retry-After before they send theirs, a small request still
+    passes meanwhile, and the three complete normally.
+    """
+    mib = 1024 * 1024
+    stack = await recording_stack(config_with(proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib}))
+    connections = stack.proxy.proxy_app.connections
+    port = port_of(stack.proxy_url)
+    body = _embed_of(mib)
+    head = request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % mib)], length=False)
+    held = []
+
+    def start(count: int) -> list[int]:
+        """``count`` clients send their head and all but the last byte; the status each got at once (0: none)."""
+        statuses = []
+        for _ in range(count):
+            client = RawClient(port, timeout=10)
+            client.send(head)
+            answer = client.response(0.5)
+            if answer.status == 0:
+                client.send(body[:-1])
+                held.append(client)
+            else:
+                client.close()
+            statuses.append(answer.status)
+        return statuses
+
+    try:
+        with LogCapture() as logs:
+            first = await in_thread(reactor, start, 3, timeout=TIMEOUT)
+            assert first == [0, 0, 0]
+            await wait_for(reactor, lambda: connections.receiving == 3 * mib)
+            over = await in_thread(reactor, exchange, port, head, 10, timeout=TIMEOUT)
+            assert "proxy.max_receiving_bytes" in json_error(over, 503)
+            assert over.header(b"retry-after") is not None
+            openai = await in_thread(
+                reactor, exchange, port, request_bytes(b"POST", b"/v1/embeddings", [(b"Content-Length", b"%d" % mib)], length=False),
+                10, timeout=TIMEOUT,
+            )
+            json_error(openai, 503, "openai")
+            # A large chunked body is refused once it passes the room left, small ones still pass.
+            chunked = request_bytes(b"POST", b"/api/embed", [(b"Transfer-Encoding", b"chunked")], length=False)
+            refused = await in_thread(reactor, exchange, port, chunked + b"%x\r\n%s\r\n" % (mib // 2, b"y" * (mib // 2)), 10, timeout=TIMEOUT)
+            json_error(refused, 503)
+            small = await in_thread(reactor, exchange, port, request_bytes(b"POST", b"/api/embed", body=_embed_of(4096)), 10, timeout=TIMEOUT)
+            assert small.status == 200, small.raw[:300]
+            assert connections.receiving == 3 * mib
+
+            def finish() -> list[int]:
+                for client in held:
+                    client.send(body[-1:])
+                return [client.response(10).status for client in held]
+
+            assert await in_thread(reactor, finish, timeout=TIMEOUT) == [200, 200, 200]
+            await wait_for(reactor, lambda: connections.receiving == 0)
+        assert logs.errors() == []
+        assert counter_total(stack, "yieldproxy_rejected", reason="receiving_full") == 3
+        text = await (await treq.get(stack.admin_url + "/metrics", persistent=False).addTimeout(TIMEOUT, reactor)).text()
+        assert 'yieldproxy_receiving_bytes{listener="proxy"} 0.0' in text
+        assert 'yieldproxy_receiving_limit_bytes{listener="proxy"} 4.194304e+06' in text
+        assert len(stack.echo.heads) == 4
+    finally:
+        for client in held:
+            client.close()
+        await stack.stop()

@@ -108,6 +108,8 @@ class ProxyConfig:
     slow_client_buffer_total_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
     #: Client connections at once (0: parking.max_parked + 1024); past it a 503.
     max_connections: int = attrs.field(default=0, validator=_at_least(0))
+    #: Bytes of request bodies being received at once, all connections together; past it a 503.
+    max_receiving_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
     #: Host header values accepted besides this machine's own names (docs/security.md).
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
 

@@ -86,6 +86,10 @@ OVER_CAPACITY_RETRY_AFTER = 2
 MAX_REFUSING = 64
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0
+#: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
+SMALL_BODY_BYTES = 64 * 1024
+#: Retry-After, in seconds, of the 503 for a body refused because the receiving budget is used up.
+RECEIVING_RETRY_AFTER = 5
 
 
 #: Hex digits of a chunk size: 16 make 64 bits, as Go's ``parseHexUint`` takes (net/http/internal/chunked.go).
@@ -166,6 +170,10 @@ class Connections:
     #: Idle keep-alive connections closed to make room, since start.
     reclaimed: int = 0
     refusing: int = 0
+    #: Bytes of request bodies being received at once (None: not bounded); see :meth:`take_receiving`.
+    max_receiving_bytes: int | None = None
+    #: Bytes of request bodies being received now (a declared length counts whole from its head).
+    receiving: int = 0
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
@@ -204,6 +212,26 @@ class Connections:
             channel.loseConnection()
             return True
         return False
+
+    def take_receiving(self, size: int, large: bool) -> bool:
+        """Count ``size`` more bytes of a body being received, if they fit; False if they do not.
+
+        A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters
+        of ``max_receiving_bytes``; the last quarter is kept for small ones,
+        so that uploads holding back their last byte cannot stop small
+        requests.  With nothing being received, any body fits: the budget
+        never refuses a body the body limit allows when it is alone.
+        """
+        limit = self.max_receiving_bytes
+        if limit is not None and self.receiving:
+            room = limit - limit // 4 if large else limit
+            if self.receiving + size > room:
+                return False
+        self.receiving += size
+        return True
+
+    def give_back_receiving(self, size: int) -> None:
+        self.receiving -= size
 
     def listening(self, port) -> None:
         """``port`` accepts this listener's connections (it is paused under a flood of refusals)."""
@@ -330,29 +358,62 @@ class ProxyRequest(Request):
     #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
     #: what a ``notifyFinish`` errback did, without a Deferred more per request.
     handler = None
+    #: Set once the body was refused because the listener's receiving budget is used up (a 503).
+    receiving_full = False
+    #: Bytes this request counts in its listener's receiving budget while its body arrives.
+    _receiving = 0
 
     def gotLength(self, length):
         self.content = io.BytesIO()
-        if length is not None and length > self.max_body_bytes:
-            self._refuse_body()
+        if length:
+            if length > self.max_body_bytes:
+                self._refuse_body()
+            else:
+                self._take_receiving(length, length > SMALL_BODY_BYTES)
 
     def handleContentChunk(self, data):
-        if self.too_large:
+        if self.too_large or self.receiving_full:
             return
-        if self.content.tell() + len(data) > self.max_body_bytes:
+        size = self.content.tell() + len(data)
+        if size > self.max_body_bytes:
             # Only a chunked body gets here: a declared length is checked in gotLength.
             self._refuse_body()
             return
+        if self._receiving < size and not self._take_receiving(len(data), size > SMALL_BODY_BYTES):
+            return
         self.content.write(data)
+
+    def _take_receiving(self, size: int, large: bool) -> bool:
+        """Count ``size`` body bytes in the listener's receiving budget; refuse the body (503) if they do not fit."""
+        connections = getattr(self.channel, "_connections", None)
+        if connections is None:
+            return True
+        if not connections.take_receiving(size, large):
+            self._refuse_body(receiving_full=True)
+            return False
+        self._receiving += size
+        return True
+
+    def received(self) -> None:
+        """The body is in (or will never be): its bytes leave the receiving budget."""
+        size, self._receiving = self._receiving, 0
+        if size:
+            connections = getattr(self.channel, "_connections", None)
+            if connections is not None:
+                connections.give_back_receiving(size)
 
     def chunk_size(self, length: int) -> None:
         """A chunk of ``length`` bytes is announced: refused at once if the body cannot hold it."""
         if not self.too_large and self.content.tell() + length > self.max_body_bytes:
             self._refuse_body()
 
-    def _refuse_body(self) -> None:
+    def _refuse_body(self, receiving_full: bool = False) -> None:
         """Drop what was kept and let the channel answer now instead of reading on."""
-        self.too_large = True
+        if receiving_full:
+            self.receiving_full = True
+        else:
+            self.too_large = True
+        self.received()
         self.content = io.BytesIO()
         # No "100 Continue" for a body that will be refused: the client need not send it.
         self.requestHeaders.removeHeader(b"expect")
@@ -361,6 +422,7 @@ class ProxyRequest(Request):
             refuse(self)
 
     def connectionLost(self, reason):
+        self.received()
         super().connectionLost(reason)
         handler, self.handler = self.handler, None
         if handler is not None:
@@ -375,11 +437,15 @@ class ProxyRequest(Request):
         """
         refusal = self._refusal()
         if refusal is None:
-            oversized = self.channel.site.oversized if self.too_large else None
-            if oversized is None:
+            site = self.channel.site
+            if self.too_large:
+                answer = site.oversized
+            elif self.receiving_full:
+                answer = site.receiving_full
+            else:
                 super().process()
                 return
-            body = oversized(self)
+            body = answer(self)
             self.setHeader(b"content-length", b"%d" % len(body))
             self.write(body)
             self.finish()
@@ -392,6 +458,8 @@ class ProxyRequest(Request):
         self.setResponseCode(status)
         if status == 405:
             self.setHeader(b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+        if status == 503:
+            self.setHeader(b"retry-after", b"%d" % RECEIVING_RETRY_AFTER)
         self.setHeader(b"content-type", b"application/json; charset=utf-8")
         self.setHeader(b"content-length", b"%d" % len(body))
         self.write(body)
@@ -410,6 +478,8 @@ class ProxyRequest(Request):
             return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
         if self.too_large and self.channel.site.oversized is None:  # type: ignore[attr-defined]  # Site.buildProtocol sets it
             return 413, f"request body larger than {self.max_body_bytes} bytes", "too_large"
+        if self.receiving_full and self.channel.site.receiving_full is None:  # type: ignore[attr-defined]
+            return 503, receiving_full_message(self.channel._connections), "receiving_full"  # type: ignore[attr-defined]
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
         channel = self.channel
         # The Host this connection's last request passed the checks below with:
@@ -635,6 +705,8 @@ class ProxyChannel(HTTPChannel):
 
     def allContentReceived(self):
         self._in_request = False
+        if self.requests and getattr(self.requests[-1], "_receiving", 0):
+            self.requests[-1].received()
         self._read_deadline = None  # its timer stays armed for the next request (see _arm_read_timer)
         super().allContentReceived()
 
@@ -763,6 +835,15 @@ class ProxyChannel(HTTPChannel):
         self.transport.abortConnection()
 
 
+def receiving_full_message(connections: Connections | None) -> str:
+    """What a client whose body was refused for the receiving budget is told."""
+    limit = connections.max_receiving_bytes if connections is not None else None
+    return (
+        f"too many request bodies are being received at once (proxy.max_receiving_bytes = {limit}); "
+        "try again shortly"
+    )
+
+
 def _no_check(length: int) -> None:
     """A request class without a body limit of its own: a chunk size is not checked."""
 
@@ -791,6 +872,7 @@ class ProxySite(Site):
         max_body_bytes: int,
         request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
         oversized: Callable[[Request], bytes] | None = None,
+        receiving_full: Callable[[Request], bytes] | None = None,
         request_log: bool = True,
         stall_timeout: float | None = None,
         connections: Connections | None = None,
@@ -812,6 +894,8 @@ class ProxySite(Site):
         self.host_policy = host_policy
         #: Answers a request whose body passed the limit (None: a plain 413 here).
         self.oversized = oversized
+        #: Answers a request whose body found the receiving budget used up (None: a plain 503 here).
+        self.receiving_full = receiving_full
 
     def buildProtocol(self, addr):
         """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""

@@ -305,12 +305,25 @@ def connection_families(listeners) -> list:
         "Idle keep-alive connections closed to make room for a new one at the cap.",
         labels=["listener"],
     )
+    receiving = GaugeMetricFamily(
+        "yieldproxy_receiving_bytes",
+        "Bytes of request bodies being received now, per listener (a declared length counts whole).",
+        labels=["listener"],
+    )
+    receiving_limit = GaugeMetricFamily(
+        "yieldproxy_receiving_limit_bytes",
+        "The bound on bodies being received at once (proxy.max_receiving_bytes); none for the admin listener.",
+        labels=["listener"],
+    )
     for name, connections in listeners.items():
         current.add_metric([name], connections.open)
         limit.add_metric([name], connections.limit)
         refused.add_metric([name], connections.refused)
         reclaimed.add_metric([name], connections.reclaimed)
-    return [current, limit, refused, reclaimed]
+        receiving.add_metric([name], connections.receiving)
+        if connections.max_receiving_bytes is not None:
+            receiving_limit.add_metric([name], connections.max_receiving_bytes)
+    return [current, limit, refused, reclaimed, receiving, receiving_limit]
 
 
 def oldest_parked_family(ages: dict[str, float]) -> GaugeMetricFamily:

@@ -49,7 +49,7 @@ from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, Retryab
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
-from .httpserver import Connections, ProxySite
+from .httpserver import RECEIVING_RETRY_AFTER, Connections, ProxySite, receiving_full_message
 from .metrics import Metrics
 from .parking import Entry, Refused
 from .pool.lists import UNION_PATHS, union_list
@@ -155,7 +155,10 @@ class ProxyApp:
             self._config.proxy.slow_client_buffer_total_bytes,
             on_change=self._metrics.client_buffered_bytes.set,
         )
-        self.connections = Connections(proxy_max_connections(self._config), "proxy.max_connections")
+        self.connections = Connections(
+            proxy_max_connections(self._config), "proxy.max_connections",
+            max_receiving_bytes=self._config.proxy.max_receiving_bytes,
+        )
 
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
@@ -193,6 +196,7 @@ class ProxyApp:
             connections=self.connections,
             host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
             oversized=self.refuse_oversized,
+            receiving_full=self.refuse_receiving,
             reactor=self._clock,
         )
 
@@ -204,6 +208,14 @@ class ProxyApp:
         except BadTarget as e:
             return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", str(e))
         return self._too_large(request, api_family(target.api_path))
+
+    def refuse_receiving(self, request) -> bytes:
+        """The answer to a body the HTTP layer stopped reading: ``proxy.max_receiving_bytes`` is used up."""
+        request.started_at = self._clock.seconds()
+        return self._reject(
+            request, PASSTHROUGH, api_family(request.path), 503, "receiving_full",
+            receiving_full_message(self.connections), retry_after=RECEIVING_RETRY_AFTER,
+        )
 
     def _too_large(self, request, api: str) -> bytes:
         limit = self._config.proxy.max_body_bytes
@@ -651,7 +663,7 @@ class ProxyApp:
     def _reject(
         self, request, cls, api, status, reason, message, retry_after=None, count=True, entry=None, attempts=0
     ):
-        if count and reason in ("too_large", "bad_request"):
+        if count and reason in ("too_large", "bad_request", "receiving_full"):
             self._metrics.rejected_total.labels(cls, reason).inc()
         if status in (429, 503) and retry_after is None:
             retry_after = self._gate.retry_after()
