@@ -21,6 +21,7 @@ import hmac
 import importlib.resources
 import json
 import math
+import os
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -180,13 +181,18 @@ class AdminApp:
     sections: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict, converter=_read_only)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
+    #: ``POST /reload``: hand over to a new process (succession/); None where the proxy cannot (not run by twistd).
+    reload: Callable[[], Any] | None = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
     connections: Connections = attrs.field(init=False)
+    #: When the running code started (``/status`` ``started_at``: with ``version``, which code answers).
+    started_at: float = attrs.field(init=False)
 
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
         self.connections = Connections(self._config.admin.max_connections, "admin.max_connections")
+        self.started_at = self._clock.seconds()
 
     def site(self) -> Site:
         """The same hardened HTTP layer as the proxy's: small bodies, read timeouts, no tracebacks."""
@@ -216,6 +222,8 @@ class AdminApp:
             "inflight": self._pool.inflight,
             "now": now,
             "version": __version__,
+            "started_at": self.started_at,
+            "pid": os.getpid(),
             "config": {
                 # With [[upstreams]] proxy.upstream is unused: each upstream's URL is in its row.
                 "upstream": None if self._config.upstreams else self._config.proxy.upstream,
@@ -365,6 +373,22 @@ class AdminApp:
         """True when ``source``'s hold of every upstream holds ``scope`` (a resume of ``scope`` alone cannot end it)."""
         hold = self._state.hold_of(source)
         return hold is not None and self._state.applies(hold, scope)
+
+    @app.route("/reload", methods=["POST"])
+    def post_reload(self, request):
+        """Re-read the config and run the installed code, handing everything over (docs/operating.md)."""
+        denied = self._guard_change(request)
+        if denied:
+            return denied
+        if self.reload is None:
+            return _json(request, {"error": "this proxy cannot reload: it was not started by twistd"}, 501)
+        from .succession import ReloadBusy, ReloadRefused
+
+        def failed(failure):
+            code = 400 if failure.check(ReloadRefused) else 409 if failure.check(ReloadBusy) else 500
+            return _json(request, {"error": str(failure.value), "reloaded": False}, code)
+
+        return self.reload().addCallbacks(lambda outcome: _json(request, outcome), failed)
 
     @app.route("/fallback/verify", methods=["POST"])
     def post_fallback_verify(self, request):

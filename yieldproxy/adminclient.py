@@ -162,6 +162,10 @@ class AdminClient:
         body = {k: v for k, v in (("source", source), ("upstream", upstream)) if v is not None}
         return await self.call("POST", "/resume", body)
 
+    async def reload(self) -> dict:
+        """``POST /reload``: the outcome of the handover to a new process (its pid, version, what went over)."""
+        return await self.call("POST", "/reload")
+
     async def call(self, method: str, path: str, body: dict | None = None) -> dict:
         """The JSON answer of one call; :class:`CliError` with the right exit status otherwise."""
         try:
@@ -196,7 +200,7 @@ class AdminClient:
             payload = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             payload = None
-        if code == 200 and isinstance(payload, dict) and "state" in payload:
+        if code == 200 and isinstance(payload, dict) and ("state" in payload or "reloaded" in payload):
             return payload
         where = self.target.describe()
         if isinstance(payload, dict) and isinstance(payload.get("error"), str):

@@ -68,7 +68,7 @@ the token (when the proxy has admin.token_file set), the first of:
   $YIELDPROXY_TOKEN_FILE    a file holding the token
   --config FILE             its admin.token_file; for status, its
                             admin.read_token_file when set (read-only)
-  yield and resume need the admin token; status also works with the
+  yield, resume and reload need the admin token; status also works with the
   read-only token (admin.read_token_file).  The token is sent as
   "Authorization: Bearer ..." and never printed; there is deliberately no
   option that takes the token itself, so it cannot leak through ps.
@@ -413,6 +413,22 @@ async def _resume_command(reactor, args: argparse.Namespace, settings: Settings)
     return EXIT_OK
 
 
+#: Seconds ``yieldproxy reload`` waits by default: a new process starts, and a large lot goes over.
+RELOAD_TIMEOUT = 120.0
+
+
+async def _reload_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
+    timeout = settings.timeout if hasattr(args, "timeout") else max(settings.timeout, RELOAD_TIMEOUT)
+    outcome = await AdminClient(reactor, settings.target, settings.token, timeout).reload()
+    print(
+        f"reloaded: pid {outcome.get('old_pid')} (version {printable(str(outcome.get('old_version')), 40)}) -> "
+        f"pid {outcome.get('pid')} (version {printable(str(outcome.get('version')), 40)}): "
+        f"{outcome.get('parked_handed_over', 0)} parked requests and {outcome.get('connections_handed_over', 0)} "
+        f"idle connections handed over in {outcome.get('seconds', 0)}s"
+    )
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------
 # The command line.
 
@@ -508,6 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--source", metavar="NAME", type=_source, help="whose hold to end (default api)")
     resume.add_argument("--upstream", metavar="NAME", type=_source,
                         help="end the source's hold of this upstream only (default: every hold of the source)")
+
+    command("reload", "re-read the config and run the installed code, losing no request",
+            "Ask the running proxy to re-read its config and hand everything (listeners, parked requests, "
+            "holds) over to a new process running the installed code.  A config it refuses is named in one "
+            "line and the running proxy keeps going (exit 1).")
 
     demo = sub.add_parser(
         "demo", help="a burst through a proxy and a simulated Ollama, with a yield in the middle",
@@ -657,7 +678,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(e.code) from None
     for note in settings.notes:
         print(f"yieldproxy: note: {note}", file=sys.stderr)
-    command = {"status": _status_command, "yield": _yield_command, "resume": _resume_command}[args.command]
+    command = {
+        "status": _status_command, "yield": _yield_command, "resume": _resume_command, "reload": _reload_command,
+    }[args.command]
     task.react(_run_admin, (command, args, settings))
 
 

@@ -120,6 +120,10 @@ class Gate:
             self._metrics.rejected_total.labels(entry.cls, refusal.reason).inc()
             raise
 
+    def number_adopted(self, entry: Entry) -> None:
+        """Place a request adopted from the process this one replaced (succession/) ahead of every arrival here."""
+        self._lot.number_adopted(entry)
+
     def explain(self, refusal: Refused, entry: Entry | None = None) -> Refused:
         """``refusal`` as the caller reads it: with ``Retry-After``, and for an expiry, what kept it waiting.
 

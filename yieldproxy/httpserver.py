@@ -196,6 +196,10 @@ class Connections:
         if idle:
             self._idle[channel] = None
 
+    def idle_channels(self) -> list:
+        """The connections waiting for their next request, oldest first (a reload hands them over)."""
+        return list(self._idle)
+
     def full(self) -> bool:
         """At the cap: a new connection needs room made, or is refused."""
         return self.open >= self.limit

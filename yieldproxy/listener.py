@@ -14,6 +14,8 @@ with the port kept: ``serverFromString(reactor, description).listen(factory)``.
 
 from __future__ import annotations
 
+import os
+
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
@@ -21,6 +23,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.python.failure import Failure
 
 from .listen_errors import why_cannot_listen
+from .succession.sockets import let_go_port
 
 
 class CannotListen(Exception):
@@ -30,14 +33,20 @@ class CannotListen(Exception):
 class Listener(Service):
     """Listens on ``description`` (an endpoint string, on ``reactor``) while running."""
 
-    def __init__(self, reactor, key: str, description: str, factory: IProtocolFactory):
+    def __init__(
+        self, reactor, key: str, description: str, factory: IProtocolFactory, inherited: tuple[int, int] | None = None,
+    ):
         #: ``proxy`` or ``admin``: the service's name.
         self.name = key.split(".")[0]  # type: ignore[assignment]  # Twisted types Service.name as None
         #: The config key the endpoint came from, for the error.
         self.key = key
         self.description = description
+        self._reactor = reactor
         self._endpoint = serverFromString(reactor, description)
         self._factory = factory
+        #: A listening socket of the process this one replaces (succession/): ``(fd, family)``,
+        #: adopted instead of binding, and not accepting until :meth:`resume`.
+        self._inherited = inherited
         #: The listening port while running (its ``getHost()`` says where a port 0 ended up).
         self.port: IListeningPort | None = None
 
@@ -60,8 +69,42 @@ class Listener(Service):
             connections.stopped_listening(port)
         return maybeDeferred(port.stopListening)
 
+    @property
+    def factory(self) -> IProtocolFactory:
+        """What serves its connections (the successor adopts handed-over connections into it)."""
+        return self._factory
+
+    def pause(self) -> None:
+        """Stop accepting; new connections wait in the socket's backlog."""
+        if self.port is not None:
+            self.port.stopReading()  # type: ignore[attr-defined]  # a FileDescriptor port
+
+    def resume(self) -> None:
+        """Accept again (or for the first time, on an inherited socket)."""
+        if self.port is not None:
+            self.port.startReading()  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        """Forget the port without closing the socket for the process that took it over (succession/)."""
+        port, self.port = self.port, None
+        if port is not None:
+            let_go_port(port)
+
     def _listen(self) -> None:
-        """Bind now; a TCP or unix endpoint binds (or fails) before ``listen`` returns."""
+        """Bind now; a TCP or unix endpoint binds (or fails) before ``listen`` returns.
+
+        With an inherited socket: adopt it, paused (the process it came from
+        still owns its backlog until it hands over).
+        """
+        if self._inherited is not None:
+            fd, family = self._inherited
+            self._inherited = None
+            try:
+                self.port = self._reactor.adoptStreamPort(fd, family, self._factory)
+            finally:
+                os.close(fd)
+            self.pause()
+            return
         outcome: list = []
         self._endpoint.listen(self._factory).addBoth(outcome.append)
         if not outcome:

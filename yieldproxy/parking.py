@@ -101,6 +101,9 @@ class Entry:
     routing: Routing | None = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
+    #: The client's request and its body, while the request lives (a handover sends both on: succession/).
+    request: Any = None
+    body: bytes = b""
     _deferred: Deferred[Entry] | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
@@ -158,6 +161,11 @@ class Refused(Exception):
         return Refused(self.reason, message, self.status, retry_after)
 
 
+class HandedOver(Exception):
+    """The entry left the lot with its client for the process that replaced this one (succession/): it
+    ends there, so here it gets no answer at all."""
+
+
 def _take_deferred(entry: Entry) -> Deferred[Entry]:
     """The Deferred a parked entry waits on, taken from it as it leaves the lot."""
     d = entry._deferred
@@ -213,6 +221,9 @@ class ParkingLot:
 
     #: The next arrival's :attr:`Entry.seq`.
     _next_seq: int = 0
+    #: The next place of a request adopted from the process this one replaced (succession/): ahead of
+    #: every arrival here (it arrived before them), after those adopted before it.
+    _next_adopted: int = -(2**62)
 
     def __attrs_post_init__(self) -> None:
         self._metrics.parked_capacity.set(self.max_parked)
@@ -220,9 +231,14 @@ class ParkingLot:
 
     def number(self, entry: Entry) -> None:
         """Give ``entry`` its place in arrival order, once (the gate does it at admission)."""
-        if entry.seq < 0:
+        if entry.seq == -1:
             entry.seq = self._next_seq
             self._next_seq += 1
+
+    def number_adopted(self, entry: Entry) -> None:
+        """Give ``entry``, adopted from the process this one replaced, its place: ahead of this lot's arrivals."""
+        entry.seq = self._next_adopted
+        self._next_adopted += 1
 
     def when_parked(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after any entry joins (a drainer's wake-up)."""
@@ -495,6 +511,17 @@ class ParkingLot:
         d = _take_deferred(entry)
         self._tell_out(entry)
         d.errback(refusal)
+        self._tell_empty()
+
+    def hand_over(self, entry: Entry) -> None:
+        """Take ``entry`` out without an answer (its Deferred fails with :class:`HandedOver`): it went, with
+        its client's connection, to the process that replaced this one."""
+        if entry._deferred is None:
+            return
+        self._leave(entry)
+        d = _take_deferred(entry)
+        self._tell_out(entry)
+        d.errback(HandedOver())
         self._tell_empty()
 
     def _abandon(self, entry: Entry) -> None:

@@ -51,7 +51,7 @@ from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
 from .httpserver import RECEIVING_RETRY_AFTER, Connections, ProxySite, receiving_full_message
 from .metrics import Metrics
-from .parking import Entry, Refused
+from .parking import Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.rename import renamed_body
@@ -142,6 +142,8 @@ class ProxyApp:
     connections: Connections = attrs.field(init=False)
     #: Metric children by (metric, labels): see :meth:`_child`.
     _children: dict = attrs.field(init=False, factory=dict)
+    #: Requests being adopted from the process this one replaced, by channel (see :meth:`adopt`).
+    _carried: dict = attrs.field(init=False, factory=dict)
 
     app = Klein()
 
@@ -248,6 +250,10 @@ class ProxyApp:
         if len(body) > self._config.proxy.max_body_bytes:
             # Only behind a plain Site: ProxySite stops reading such a body and calls refuse_oversized.
             return self._too_large(request, api)
+        if self._carried:
+            carried = self._carried.pop(request.channel, None)
+            if carried is not None:
+                return self._adopted(request, target, body, api, carried)
         wanted = None
         if self._trusts_header(request):
             try:
@@ -288,7 +294,45 @@ class ProxyApp:
                 f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
             )
         # Headers are held while parked too: they count against parking.max_parked_bytes.
-        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
+        entry = Entry(
+            cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing,
+            request=request, body=body,
+        )
+        return self._gated(request, target, entry, body)
+
+    def adopt(self, channel, carried, data: bytes) -> None:
+        """A parked request handed over by the process this one replaced (succession/): ``data`` (the
+        request as its client sent it) is read on ``channel`` (its adopted connection) as any request is,
+        and ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
+        self._carried[channel] = carried
+        try:
+            channel.dataReceived(data)
+        finally:
+            self._carried.pop(channel, None)
+
+    def _adopted(self, request, target: Target, body: bytes, api: str, carried):
+        """An adopted request (:meth:`adopt`) parks again as it was, for the members eligible for it here."""
+        request.started_at = carried.started_at
+        cls = carried.cls
+        method = request.method.decode("latin-1")
+        model = _model_of(body) if self._pool.several else None
+        routing = self._pool.routing(method, target.path, cls, model)
+        if routing.translated and not _translatable(target.path, body):
+            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
+        if not routing.eligible:
+            return self._reject(
+                request, cls, api, self._gate.reject_status, "no_upstream",
+                f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
+            )
+        failed_on = carried.failed_on if carried.failed_on in routing.eligible else None
+        entry = Entry(
+            cls=cls, size=len(body) + _head_size(request), api=api, max_wait=carried.max_wait, routing=routing,
+            request=request, body=body, attempts=carried.attempts,
+            forgiven=carried.forgiven, parked_seconds=carried.parked_seconds, was_parked=True,
+            deadline=carried.deadline, first_parked=carried.first_parked, bound_by_caller=carried.bound_by_caller,
+            failed_on=failed_on,
+        )
+        self._gate.number_adopted(entry)
         return self._gated(request, target, entry, body)
 
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None, model: str | None = None) -> str:
@@ -356,6 +400,9 @@ class ProxyApp:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
+            except HandedOver:
+                # Taken, with its connection, by the process that replaced this one: it ends there.
+                return None
             if entry.released_to == FALLBACK_TARGET:
                 # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
                 assert self._fallback is not None

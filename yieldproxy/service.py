@@ -59,6 +59,7 @@ from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
 from .state import ALL, YieldState, transition_logger
+from .succession import Setup, Succession
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = [
@@ -169,13 +170,16 @@ def build(
     read_token: str | None = None,
     upstream: Upstream | None = None,
     history_interval: float = 1.0,
+    succession: Setup | None = None,
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
     ``upstream`` replaces the first member's client (a pool of one's: the
     client of ``proxy.upstream``; tests on a Clock give one that reaches an
     in-memory resource).  Start ``proxy.service`` to listen and run the
-    watchers; stop it to drain and close.
+    watchers; stop it to drain and close.  ``succession`` (tap.py gives
+    one) lets it reload by handing over to a new process (succession/),
+    and, in a process a reload started, take over its predecessor's.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
@@ -238,11 +242,13 @@ def build(
     )
     state.observe(history.state_changed)
 
-    # The two HTTP apps.
+    # The two HTTP apps (``POST /reload`` reaches the succession, made once the listeners are).
+    reloaders: list[Succession] = []
     proxy_app = ProxyApp(reactor, config, gate, pool, metrics, fallback)
     admin_app = AdminApp(
         reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
         history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins), fallback=fallback,
+        reload=_late(reloaders) if succession is not None else None,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -252,8 +258,24 @@ def build(
         (*(m.drainer for m in pool.members), *([fallback] if fallback is not None else [])),
         timeout=config.proxy.shutdown_timeout_seconds,
     )
+    inherited = succession.inheritance if succession is not None else None
+    listeners = {
+        name: Listener(
+            reactor, key, endpoint, site,
+            inherited=inherited.listening(key, endpoint) if inherited is not None else None,
+        )
+        for name, key, endpoint, site in (
+            ("admin", "admin.listen", config.admin.listen, admin_app.site()),
+            ("proxy", "proxy.listen", config.proxy.listen, proxy_app.site()),
+        )
+    }
+    if succession is not None:
+        reloaders.append(Succession(
+            reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
+            proxy_app, lot, pool, state, twins,
+        ))
     service = YieldProxyService([
-        Listener(reactor, "admin.listen", config.admin.listen, admin_app.site()),
+        listeners["admin"],
         ClientPools(client_pools),
         *([fallback] if fallback is not None else []),
         *([twins] if twins is not None else []),
@@ -262,12 +284,19 @@ def build(
         drain,
         *watchers,
         *handovers,
-        Listener(reactor, "proxy.listen", config.proxy.listen, proxy_app.site()),
+        listeners["proxy"],
+        # Last: it takes over (a process a reload started) once everything else runs.
+        *reloaders,
     ])
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
         watchers, handover, fallback, service, pool, twins,
     )
+
+
+def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
+    """``POST /reload``'s call: the succession is made after the admin app (it needs the listeners)."""
+    return lambda: reloaders[0].reload()
 
 
 def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Service]:

@@ -6,6 +6,7 @@ it as an argument.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -14,6 +15,7 @@ from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
 from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
+from .succession.takeover import refuse
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
 
@@ -49,7 +51,9 @@ class Options(usage.Options):
             if message.startswith("option "):
                 # getopt's own: an unknown option, or one without its value.
                 message += " (twistd yieldproxy --help lists the options)"
-            print(f"twistd yieldproxy: {message}", file=sys.stderr)
+            if not refuse(os.environ, message):
+                print(f"twistd yieldproxy: {message}", file=sys.stderr)
+            # else: started by a reload, whose process logs the line and keeps running.
             raise SystemExit(1) from None
 
     def postOptions(self):
@@ -131,7 +135,16 @@ def makeService(options: Options):
 
     from .limits import fit_fd_limit
     from .service import build
+    from .succession import Inheritance, Setup, own_command
+    from .succession.wire import BadFrame
 
+    # Started by a reload: the running process's listening sockets come first (succession/).
+    try:
+        inheritance = Inheritance.from_environment(os.environ)
+    except (BadFrame, OSError, ValueError) as e:
+        print(f"twistd yieldproxy: reload: nothing usable came from the running process ({e})", file=sys.stderr)
+        raise SystemExit(1) from None
+    setup = Setup(own_command(), dict(os.environ), reactor.stop, inheritance)
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
-    return build(reactor, config, token=options.token, read_token=options.read_token).service
+    return build(reactor, config, token=options.token, read_token=options.read_token, succession=setup).service

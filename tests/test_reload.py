@@ -1,0 +1,387 @@
+"""Reload and upgrade against real processes on 127.0.0.1: nothing lost, nothing sent twice, no connection refused.
+
+Each test starts ``twistd -n yieldproxy`` as a child with ``PYTHONPATH`` at
+a copy of the package (the "installed" code: a test upgrades it by changing
+the copy, as ``pip install -U`` would change site-packages), in front of the
+simulated Ollama running in the test's own reactor (it counts every text it
+embeds, so a request sent twice shows).  A reload starts a new process (the
+old one's child); its pid comes back in the answer to ``POST /reload``, and
+every process a test started is ended by pid when it is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.protocol import ProcessProtocol, Protocol
+
+from helpers import free_port, in_thread, sleep, wait_for
+from rawhttp import RawClient, request_bytes
+from test_twistd import TWISTD
+from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.sim.content import expected_reply, messages_prompt
+
+TIMEOUT = 60
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "all-minilm"
+
+
+class Child(ProcessProtocol):
+    """The first process: its output (the successors write to the same pipes), and its exit."""
+
+    def __init__(self):
+        self.output = b""
+        self.exited: Deferred = Deferred()
+
+    def outReceived(self, data):
+        self.output += data
+
+    errReceived = outReceived
+
+    def processExited(self, reason):
+        self.exited.callback(reason.value.exitCode)
+
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def end(pid: int) -> None:
+    """End a process this test started, by pid."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+
+
+class Proxy:
+    """A twistd yieldproxy and its successors, with the config file and the "installed" package they run."""
+
+    def __init__(self, tmp_path, sim_port: int, config: str = ""):
+        self.site = tmp_path / "site"
+        shutil.copytree(os.path.join(CHECKOUT, "yieldproxy"), self.site / "yieldproxy",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        self.config = tmp_path / "yieldproxy.toml"
+        self.config.write_text(config)
+        self.proxy_port, self.admin_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.proxy_port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        self.sim_port = sim_port
+        self.pids: list[int] = []
+        self.child = Child()
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1"}
+        process = reactor.spawnProcess(
+            self.child, TWISTD,
+            [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(self.config),
+             "--upstream", f"http://127.0.0.1:{self.sim_port}",
+             "--listen", f"tcp:{self.proxy_port}:interface=127.0.0.1",
+             "--admin", f"tcp:{self.admin_port}:interface=127.0.0.1"],
+            env=env,
+        )
+        self.pids.append(process.pid)
+        for _ in range(300):
+            try:
+                response = await treq.get(self.admin + "/healthz", persistent=False).addTimeout(2, reactor)
+                await response.content()
+                if response.code == 200:
+                    return
+            except Exception:
+                pass
+            if self.child.exited.called:
+                break
+            await sleep(reactor, 0.1)
+        raise AssertionError(f"twistd did not start: {self.child.text()}")
+
+    @property
+    def pid(self) -> int:
+        return self.pids[-1]
+
+    async def status(self) -> dict:
+        response = await treq.get(self.admin + "/status", persistent=False).addTimeout(10, reactor)
+        return await response.json()
+
+    async def post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
+        response = await treq.post(self.admin + path, json=body or {}, persistent=False).addTimeout(TIMEOUT, reactor)
+        return response.code, await response.json()
+
+    async def reload(self) -> dict:
+        code, outcome = await self.post("/reload")
+        assert code == 200, (outcome, self.child.text())
+        self.pids.append(outcome["pid"])
+        return outcome
+
+    async def old_gone(self, pid: int) -> None:
+        await wait_for(reactor, lambda: gone(pid), timeout=30, step=0.05)
+
+    def stop(self) -> None:
+        for pid in self.pids:
+            end(pid)
+
+    def upgrade(self, version: str) -> None:
+        """A new version "installed" underneath the running process."""
+        init = self.site / "yieldproxy" / "__init__.py"
+        init.write_text(init.read_text().replace('__version__ = "', f'__version__ = "{version}+was-'))
+
+
+def embed_body(text: str) -> bytes:
+    return json.dumps({"model": MODEL, "input": [text]}).encode()
+
+
+def embed(proxy: Proxy, text: str) -> Deferred:
+    """One embedding on a connection of its own; fires with (text, code, body)."""
+    d = treq.post(proxy.url + "/api/embed", data=embed_body(text), persistent=False)
+
+    async def read(response):
+        return text, response.code, await response.content()
+
+    return d.addCallback(lambda r: Deferred.fromCoroutine(read(r)))
+
+
+def check_answers(results, texts: list[str]) -> None:
+    """Every request answered 200, exactly with its own vector."""
+    seen = []
+    for ok, value in results:
+        assert ok, value
+        text, code, body = value
+        assert code == 200, (text, code, body[:300])
+        vector = json.loads(body)["embeddings"][0]
+        assert vector == pytest.approx(expected_embedding(text, MODEL), abs=1e-9), text
+        seen.append(text)
+    assert sorted(seen) == sorted(texts)
+
+
+class Hammer:
+    """Connects again and again while it runs; counts refusals and connections made."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.made = 0
+        self.refused = 0
+        self.errors: list = []
+        self.running = True
+        self.done = Deferred.fromCoroutine(self._run())
+
+    async def _run(self) -> None:
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port, timeout=10)
+        while self.running:
+            try:
+                protocol = await connectProtocol(endpoint, Protocol())
+            except ConnectionRefusedError:
+                self.refused += 1
+            except Exception as e:
+                self.errors.append(repr(e))
+            else:
+                self.made += 1
+                protocol.transport.loseConnection()
+            await sleep(reactor, 0.002)
+
+
+@pytest_twisted.ensureDeferred
+async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(tmp_path):
+    """200 parked during a yield + 40 arriving during three reloads (a config change, a broken config, a new
+    version installed underneath): every one answered once, with its own vector; no connection refused."""
+    sim = SimOllama(reactor, latency=0.005, parallel=16)
+    proxy = Proxy(tmp_path, await sim.listen())
+    hammer = None
+    try:
+        await proxy.start()
+        first = await proxy.status()
+        code, _ = await proxy.post("/yield", {"reason": "game", "source": "broker", "for_seconds": 600})
+        assert code == 200
+        parked_texts = [f"parked {i}" for i in range(200)]
+        pending = [embed(proxy, text) for text in parked_texts]
+        for _ in range(300):
+            if (await proxy.status())["parked_total"] == 200:
+                break
+            await sleep(reactor, 0.05)
+        assert (await proxy.status())["parked_total"] == 200
+        arriving: list[str] = []
+        hammer = Hammer(proxy.proxy_port)
+
+        def arrive(label: str, count: int) -> None:
+            for i in range(count):
+                text = f"{label} {i}"
+                arriving.append(text)
+                pending.append(embed(proxy, text))
+
+        # 1. A config change: the batch class's hold bound.
+        proxy.config.write_text("[classes.batch]\nhold_seconds = 900\n")
+        arrive("before reload 1", 5)
+        reload_1 = proxy.post("/reload")
+        arrive("during reload 1", 5)
+        code, outcome = await reload_1
+        assert code == 200, outcome
+        proxy.pids.append(outcome["pid"])
+        assert outcome["parked_handed_over"] >= 200
+        status = await proxy.status()
+        assert status["config"]["classes"]["batch"]["hold_seconds"] == 900
+        assert status["parked_total"] == 210 and status["state"] == "yielded"
+        assert [h["source"] for h in status["holds"]] == ["broker"]
+        await proxy.old_gone(proxy.pids[0])
+
+        # 2. A broken config: refused in one line naming the file and the key; nothing dropped.
+        proxy.config.write_text("[replay]\nconcurrency = 0\n")
+        arrive("during reload 2", 10)
+        code, refused = await proxy.post("/reload")
+        assert code == 400, refused
+        assert refused["error"] == f"{proxy.config}: replay.concurrency: must be >= 1, got 0"
+        assert not gone(proxy.pid)
+        lines = [line for line in proxy.child.text().splitlines() if "reload refused" in line]
+        assert len(lines) == 1 and "replay.concurrency" in lines[0] and str(proxy.config) in lines[0], lines
+        assert (await proxy.status())["parked_total"] == 220
+
+        # 3. A new version installed underneath, and SIGHUP.
+        proxy.config.write_text("[classes.batch]\nhold_seconds = 900\n")
+        proxy.upgrade("9.9.9")
+        before = proxy.pid
+        arrive("before reload 3", 5)
+        os.kill(before, signal.SIGHUP)
+        arrive("during reload 3", 5)
+        await wait_for(reactor, lambda: gone(before), timeout=30, step=0.05)
+        status = await proxy.status()
+        assert status["version"].startswith("9.9.9+was-")
+        assert status["started_at"] > first["started_at"]
+        proxy.pids.append(status["pid"])
+        arrive("after reload 3", 10)
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 240:
+                break
+            await sleep(reactor, 0.05)
+        assert (await proxy.status())["parked_total"] == 240
+        # Nothing reached the GPU while it was yielded.
+        assert sum(sim.texts_embedded.values()) == 0
+        hammer.running = False
+        await hammer.done
+
+        code, _ = await proxy.post("/resume", {"source": "broker"})
+        assert code == 200
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        check_answers(results, parked_texts + arriving)
+        assert sim.texts_embedded == collections.Counter({text: 1 for text in parked_texts + arriving})
+        assert hammer.refused == 0 and hammer.errors == [] and hammer.made > 50, (hammer.made, hammer.errors)
+        output = proxy.child.text()
+        assert "Traceback" not in output and "Unhandled" not in output, output
+    finally:
+        if hammer is not None:
+            hammer.running = False
+        proxy.stop()
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_path):
+    """A chat streaming through the old process ends whole there; an idle keep-alive connection goes over and its
+    next request is answered by the new process; the old one exits once its stream is done."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8, chunks=20, chunk_delay=0.15)
+    proxy = Proxy(tmp_path, await sim.listen())
+    client = None
+    try:
+        await proxy.start()
+        client = await in_thread(reactor, RawClient, proxy.proxy_port)
+        first = await in_thread(reactor, lambda: client.send(request_bytes(b"POST", b"/api/embed", body=embed_body("a"))) and client.response())
+        assert first.status == 200 and first.header(b"connection") != b"close"
+
+        messages = [{"role": "user", "content": "tell me a story"}]
+        response = await treq.post(
+            proxy.url + "/api/chat", json={"model": "llama3.2", "messages": messages, "stream": True},
+            persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert response.code == 200
+        chunks: list[bytes] = []
+        streamed = treq.collect(response, chunks.append)
+        await wait_for(reactor, lambda: len(chunks) >= 2, timeout=10)
+
+        old = proxy.pid
+        outcome = await proxy.reload()
+        assert outcome["connections_handed_over"] >= 1, outcome
+        assert not streamed.called and not gone(old)  # the stream goes on where it started
+
+        # The keep-alive connection now belongs to the new process.
+        second = await in_thread(reactor, lambda: client.send(request_bytes(b"POST", b"/api/embed", body=embed_body("b"))) and client.response())
+        assert second.status == 200
+        assert second.json()["embeddings"][0] == pytest.approx(expected_embedding("b", MODEL), abs=1e-9)
+
+        await streamed.addTimeout(TIMEOUT, reactor)
+        lines = [json.loads(line) for line in b"".join(chunks).splitlines() if line.strip()]
+        assert lines[-1]["done"] is True
+        text = "".join(line["message"]["content"] for line in lines if not line["done"])
+        assert text == "".join(expected_reply(messages_prompt(messages), "llama3.2", 20))
+        assert sim.requests_total["/api/chat"] == 1
+        await proxy.old_gone(old)
+        assert (await proxy.status())["pid"] == outcome["pid"]
+    finally:
+        if client is not None:
+            client.close()
+        proxy.stop()
+        await sim.stop()
+
+
+def cli(proxy: Proxy, *args: str) -> subprocess.CompletedProcess:
+    """``yieldproxy ARGS`` of the "installed" copy."""
+    env = {**os.environ, "PYTHONPATH": str(proxy.site)}
+    return subprocess.run(
+        [sys.executable, "-c", "from yieldproxy.cli import main; main()", *args, "--admin", proxy.admin],
+        capture_output=True, text=True, timeout=TIMEOUT, env=env,
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_refused_config_or_a_new_process_that_cannot_start_keeps_the_running_one(tmp_path):
+    """``yieldproxy reload`` exits 1 with the line naming the file and the key; a broken upgrade (the new code does
+    not even start) is a failed reload: the running process keeps its parked requests and serves them."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game"})
+        pending = [embed(proxy, f"kept {i}") for i in range(10)]
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 10:
+                break
+            await sleep(reactor, 0.05)
+
+        proxy.config.write_text("[parking]\nmax_parked = -3\n")
+        result = await in_thread(reactor, cli, proxy, "reload")
+        assert result.returncode == 1, result
+        assert f"{proxy.config}: parking.max_parked" in result.stderr and result.stdout == ""
+
+        proxy.config.write_text("")
+        (proxy.site / "yieldproxy" / "tap.py").write_text("raise ImportError('a broken upgrade')\n")
+        code, failed = await proxy.post("/reload")
+        assert code == 500 and "before it took over" in failed["error"], failed
+        status = await proxy.status()
+        assert status["pid"] == proxy.pid and status["parked_total"] == 10
+        assert [line for line in proxy.child.text().splitlines() if "reload failed" in line]
+
+        await proxy.post("/resume")
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        check_answers(results, [f"kept {i}" for i in range(10)])
+        # Still serving new requests after both failed reloads.
+        check_answers(await DeferredList([embed(proxy, "after")], consumeErrors=True), ["after"])
+    finally:
+        proxy.stop()
+        await sim.stop()

@@ -1,0 +1,201 @@
+"""Reload and upgrade without losing a request: one process hands over to the next.
+
+SIGHUP, ``POST /reload``, ``yieldproxy reload`` and ``systemctl reload``
+all start the same succession (predecessor.py): a new process running the
+*installed* code with the same command line reads and validates the config,
+takes over the listening sockets, the holds, the twins' verifications and
+every parked request with its client's connection (takeover.py), while
+this process finishes what is in flight and exits.  A config the new code
+refuses comes back as one line, and this process keeps running.
+
+:class:`Succession` is the service that ties both sides into one proxy
+(service.py builds it when tap.py gives it a :class:`Setup`): it installs
+the SIGHUP handler, runs the take-over when this process was started by a
+reload, and snapshots and restores the state that crosses over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+import attrs
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from .. import __version__
+from ..names import COMMAND_SOURCE, FILE_SOURCE, OUTAGE_SOURCE
+from ..pool.twins import TwinCheck
+from ..state import ALL, YieldState
+from .predecessor import Predecessor, ReloadBusy, ReloadFailed, ReloadRefused
+from .takeover import ENV, Inheritance, TakeOver, refuse
+from .wire import Carried
+
+__all__ = [
+    "ENV", "Carried", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused", "Setup", "Succession",
+    "own_command", "refuse",
+]
+
+log = Logger()
+
+#: Holds the successor's own watchers find again for themselves (the file, the command, the outage probe).
+NOT_CARRIED = frozenset({FILE_SOURCE, COMMAND_SOURCE, OUTAGE_SOURCE})
+
+
+def own_command(argv: Sequence[str] | None = None, executable: str | None = None) -> tuple[str, ...]:
+    """This process's command line as it was started (``python -m twisted ...`` or ``.../twistd ...``): its
+    successor runs the same, with the code installed now."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    return (executable or sys.executable, *argv[1:])
+
+
+@attrs.frozen
+class Setup:
+    """What tap.py gives a proxy that can reload: how to start a successor, how to stop, what it inherited."""
+
+    command: tuple[str, ...]
+    environ: dict[str, str]
+    #: Ends this process (the reactor's stop).
+    stop: Callable[[], None]
+    #: What a process started by a reload took from its predecessor (None: a plain start).
+    inheritance: Inheritance | None = None
+    #: systemd's notify socket (``notify(*lines)``), or nothing.
+    notify: Callable[..., Any] = lambda *lines: None
+    #: Install the SIGHUP handler (off where the process's signals are not ours).
+    signals: bool = True
+
+
+@attrs.define(eq=False, slots=False)
+class Succession(Service):
+    """The proxy's reload: SIGHUP, the admin API's ``/reload``, and the take-over at start."""
+
+    _reactor: Any
+    setup: Setup
+    #: ``proxy`` and ``admin``: the listeners.
+    _listeners: dict[str, Any]
+    #: ``proxy`` and ``admin``: their open connections.
+    _connections: dict[str, Any]
+    _proxy_app: Any
+    _lot: Any
+    _pool: Any
+    _state: YieldState
+    _twins: Any = None
+    _predecessor: Predecessor = attrs.field(init=False)
+    _takeover: TakeOver | None = attrs.field(init=False, default=None)
+    _previous_handler: Any = None
+
+    name = "succession"  # type: ignore[assignment]  # Twisted types Service.name as None
+
+    def __attrs_post_init__(self) -> None:
+        self._predecessor = Predecessor(
+            self._reactor, self.setup.command, self.setup.environ, self._listeners, self._connections, self._lot,
+            self._pool, self.snapshot, self.setup.stop, self.setup.notify,
+        )
+        if self.setup.inheritance is not None:
+            self._takeover = TakeOver(
+                self._reactor, self.setup.inheritance, self._listeners, self._proxy_app.adopt, self.restore,
+            )
+
+    def startService(self) -> None:
+        super().startService()
+        if self.setup.signals:
+            try:
+                self._previous_handler = signal.signal(signal.SIGHUP, self._on_sighup)
+            except (ValueError, OSError) as e:
+                log.error("reload: cannot install the SIGHUP handler: {error}", error=e)
+        if self._takeover is not None:
+            self._takeover.start()
+
+    def stopService(self) -> None:
+        super().stopService()
+        if self._previous_handler is not None:
+            try:
+                signal.signal(signal.SIGHUP, self._previous_handler)
+            except (ValueError, OSError):
+                pass
+            self._previous_handler = None
+
+    def _on_sighup(self, signum, frame) -> None:
+        """The Python-level handler: the reload runs in the reactor thread."""
+        self._reactor.callFromThread(self.sighup)
+
+    def sighup(self) -> None:
+        log.info("reload: SIGHUP received (pid {pid}, version {version})", pid=os.getpid(), version=__version__)
+        self.reload().addErrback(lambda failure: None)
+
+    def reload(self) -> Deferred[dict[str, Any]]:
+        """Hand over to a new process (see the package docstring); fails with :class:`ReloadRefused`,
+        :class:`ReloadFailed` or :class:`ReloadBusy`, each logged here in one line."""
+        d = Deferred.fromCoroutine(self._predecessor.reload())
+
+        def failed(failure):
+            why = failure.value
+            if failure.check(ReloadRefused):
+                log.error("reload refused: {why}; still running version {version} (pid {pid}), nothing dropped",
+                          why=str(why), version=__version__, pid=os.getpid())
+            elif failure.check(ReloadFailed, ReloadBusy):
+                log.error("reload failed: {why}; still running version {version} (pid {pid}), nothing dropped",
+                          why=str(why), version=__version__, pid=os.getpid())
+            else:
+                log.failure("reload failed", failure)
+            return failure
+
+        return d.addErrback(failed)
+
+    # -- what crosses over besides the lot --------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The holds (but those the successor's own watchers find again) and the twins' last verifications."""
+        holds = [
+            {**h.as_json(), "scope": h.scope} for h in self._state.holds if h.source not in NOT_CARRIED
+        ]
+        twins = []
+        if self._twins is not None:
+            urls = {m.name: m.spec.url for m in self._pool.members}
+            for (member, key), check in self._twins.checks.items():
+                twins.append({
+                    "member": member, "url": urls.get(member), "reference_url": urls.get(check.reference),
+                    "key": key, **attrs.asdict(check),
+                })
+        return {"holds": holds, "twins": twins}
+
+    def restore(self, message: dict[str, Any]) -> None:
+        """Make this process's holds and twins what the predecessor's were (see :meth:`snapshot`)."""
+        now = self._reactor.seconds()
+        wanted = {}
+        for h in message.get("holds", []):
+            scope = h.get("scope", ALL)
+            if scope != ALL and scope not in self._state.members:
+                log.warn("reload: hold of {source} on upstream {scope} dropped: no such upstream any more",
+                         source=h["source"], scope=scope)
+                continue
+            wanted[(h["source"], scope)] = h
+        for hold in self._state.holds:
+            if hold.source not in NOT_CARRIED and (hold.source, hold.scope) not in wanted:
+                self._state.release(hold.source, hold.scope)
+        for (source, scope), h in wanted.items():
+            expires_at, expected_end = h.get("expires_at"), h.get("expected_end")
+            if expires_at is not None and expires_at <= now:
+                continue
+            try:
+                self._state.hold(
+                    source, h.get("reason") or "",
+                    expected_seconds=expected_end - now if expected_end is not None and expected_end > now else None,
+                    for_seconds=expires_at - now if expires_at is not None else None,
+                    scope=scope,
+                )
+            except ValueError as e:
+                log.warn("reload: hold of {source} not carried over: {why}", source=source, why=str(e))
+        if self._twins is not None:
+            urls = {m.name: m.spec.url for m in self._pool.members}
+            for row in message.get("twins", []):
+                member, reference = row.get("member"), row.get("reference")
+                if urls.get(member) != row.get("url") or urls.get(reference) != row.get("reference_url"):
+                    continue  # another server under that name now: verified again here
+                self._twins.checks[(member, row["key"])] = TwinCheck(
+                    reference=reference, result=row["result"], at=row["at"], worst_cosine=row.get("worst_cosine"),
+                    dimension=row.get("dimension"), reason=row.get("reason", ""),
+                )

@@ -1,0 +1,354 @@
+"""The running process's side of a reload: start a successor, hand everything over, finish what is in flight, go.
+
+A reload (SIGHUP, ``POST /reload``, ``yieldproxy reload``) starts a fresh
+process with this one's command line: the *installed* code, so an upgrade
+underneath is what runs next.  That process reads and validates the config
+as any start does; a refusal comes back as one line (:class:`ReloadRefused`)
+and this one keeps running, nothing dropped.  Otherwise, once it says
+``ready``:
+
+1. this process stops accepting (its listening sockets are the successor's
+   already, adopted and paused: arrivals wait in the backlog) and stops
+   letting requests out of its lot;
+2. it sends its holds and its twins' verifications, every parked request
+   with its client's connection (wire.py), and every idle keep-alive
+   connection; then ``done``, on which the successor starts accepting;
+3. it goes on with what is in flight here: those answers complete here,
+   nothing is sent upstream twice.  A connection that becomes idle, and a
+   request that parks again (a failed attempt), go to the successor as
+   they come; once nothing is left, this process stops.
+
+If the successor fails before ``done`` (it exits, or says nothing for
+:attr:`Predecessor.timeout`), this process takes everything back that it
+had not sent yet, accepts and releases again, and logs one line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from .. import __version__
+from .link import Link, adopt_link
+from .sockets import duplicate, family_of, let_go
+from .takeover import ENV
+from .wire import PROTOCOL, Carried, cut, encode, pack, request_bytes
+
+log = Logger()
+
+#: How often the winding-down process looks for connections gone idle and requests parked again.
+WIND_DOWN_STEP = 0.05
+#: The longest the old process stays after a handover, finishing what is in flight (each request
+#: has its own bounds well below this).
+WIND_DOWN_MAX_SECONDS = 3600.0
+
+
+class ReloadRefused(Exception):
+    """The new process refused to start (its config, its options): the one line it gave."""
+
+
+class ReloadFailed(Exception):
+    """The new process did not take over; this one keeps everything and goes on."""
+
+
+class ReloadBusy(Exception):
+    """A reload is under way already, or this process has handed over."""
+
+
+class _Successor(ProcessProtocol):
+    """The successor as a child process: its end fires :attr:`ended` with its exit status."""
+
+    def __init__(self) -> None:
+        self.ended: Deferred[Any] = Deferred()
+
+    def processEnded(self, reason) -> None:
+        status = reason.value
+        self.ended.callback(status.signal and f"signal {status.signal}" or f"status {status.exitCode}")
+
+
+@attrs.define(eq=False)
+class Predecessor:
+    """Hands this process over to a successor (see the module docstring)."""
+
+    _reactor: Any
+    #: The command that starts a successor (this process's own command line).
+    command: Sequence[str]
+    environ: dict[str, str]
+    #: ``proxy`` and ``admin``: the listeners.
+    _listeners: dict[str, Any]
+    #: ``proxy`` and ``admin``: each listener's open connections (their idle ones go over).
+    _connections: dict[str, Any]
+    _lot: Any
+    _pool: Any
+    #: ``snapshot()``: the holds and twins the successor restores (a JSON-able dict).
+    _snapshot: Callable[[], dict[str, Any]]
+    #: Ends this process (the reactor's stop, from tap.py).
+    _stop: Callable[[], None]
+    #: ``notify(*lines)``: systemd's notify socket (sdnotify), or nothing.
+    _notify: Callable[..., Any] = lambda *lines: None
+    #: Seconds the successor has to start and say ``ready``, and then to take everything.
+    timeout: float = 60.0
+    _busy: bool = False
+    _handed_over: bool = False
+    _link: Link | None = None
+    _waiting: dict[str, Deferred] = attrs.Factory(dict)
+    #: Descriptors sent, by frame id, until the successor says it has them.
+    _unacked: dict[int, list[int]] = attrs.Factory(dict)
+    _frames: int = 0
+    _wind_down: LoopingCall | None = None
+    _successor_pid: int | None = None
+    sent_parked: int = 0
+    sent_connections: int = 0
+
+    @property
+    def handed_over(self) -> bool:
+        return self._handed_over
+
+    async def reload(self) -> dict[str, Any]:
+        """Start a successor and hand over to it; the outcome, or :class:`ReloadRefused`/``Failed``/``Busy``."""
+        if self._handed_over:
+            raise ReloadBusy(f"this process (pid {os.getpid()}) has handed over to pid {self._successor_pid} already")
+        if self._busy:
+            raise ReloadBusy("a reload is under way already")
+        self._busy = True
+        began = self._reactor.seconds()
+        self._notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        try:
+            return await self._reload(began)
+        except BaseException:
+            self._notify("READY=1", f"STATUS=serving (version {__version__}; the last reload failed)")
+            raise
+        finally:
+            self._busy = False
+
+    async def _reload(self, began: float) -> dict[str, Any]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child = _Successor()
+        try:
+            self._send_listeners(ours)
+            process = self._reactor.spawnProcess(
+                child, self.command[0], list(self.command), env={**self.environ, ENV: "3"},
+                childFDs={0: 0, 1: 1, 2: 2, 3: theirs.fileno()},
+            )
+        finally:
+            theirs.close()
+        self._successor_pid = process.pid
+        self._waiting = {"ready": Deferred(), "refused": Deferred(), "serving": Deferred()}
+        link = self._link = adopt_link(self._reactor, ours, self._message)
+        try:
+            ready = await self._first(child, link, "ready")
+        except BaseException:
+            self._give_up(process, child, link)
+            raise
+        if ready.get("protocol") != PROTOCOL:
+            self._give_up(process, child, link)
+            raise ReloadFailed(f"the new process speaks handover protocol {ready.get('protocol')!r}, not {PROTOCOL}")
+        # From here on, what is sent is the successor's.
+        frozen: Deferred[None] = Deferred()
+        for member in self._pool.members:
+            member.drainer.hold_release_until(frozen)
+        for listener in self._listeners.values():
+            listener.pause()
+        try:
+            link.send({"type": "state", **self._snapshot()})
+            self._send_parked(link)
+            self._send_idle(link)
+            link.send({"type": "done"})
+            serving = await self._first(child, link, "serving")
+        except BaseException as e:
+            log.error(
+                "reload: the new process (pid {pid}) failed while taking over ({why}); {sent} parked requests and "
+                "{connections} connections already sent went with it; this process keeps the rest and goes on",
+                pid=process.pid, why=str(e), sent=self.sent_parked, connections=self.sent_connections,
+            )
+            self._give_up(process, child, link)
+            for listener in self._listeners.values():
+                listener.resume()
+            frozen.callback(None)
+            raise ReloadFailed(str(e)) from None
+        self._handed_over = True
+        for listener in self._listeners.values():
+            listener.release()
+        self._notify(f"MAINPID={process.pid}", "READY=1", f"STATUS=serving (version {serving.get('version')})")
+        outcome = {
+            "reloaded": True,
+            "old_pid": os.getpid(),
+            "old_version": __version__,
+            "pid": serving.get("pid"),
+            "version": serving.get("version"),
+            "parked_handed_over": self.sent_parked,
+            "connections_handed_over": self.sent_connections,
+            "seconds": round(self._reactor.seconds() - began, 3),
+        }
+        log.info(
+            "reload: handed over to pid {pid} (version {version}): {parked} parked requests, {connections} idle "
+            "connections, in {seconds:.3f}s; finishing {inflight} requests in flight here, then exiting",
+            pid=outcome["pid"], version=outcome["version"], parked=self.sent_parked,
+            connections=self.sent_connections, seconds=outcome["seconds"], inflight=self._pool.inflight,
+        )
+        self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
+        self._wind_down.clock = self._reactor
+        self._wind_down.start(WIND_DOWN_STEP, now=False).addErrback(
+            lambda f: log.failure("reload: winding down failed", f)
+        )
+        return outcome
+
+    # -- the link ---------------------------------------------------------------------------
+
+    def _send_listeners(self, sock: socket.socket) -> None:
+        """The first frame, sent before the successor starts: the listening sockets, by key and endpoint."""
+        items, fds = [], []
+        for listener in self._listeners.values():
+            port = listener.port
+            if port is None:
+                continue
+            items.append({"key": listener.key, "description": listener.description, "family": family_of(port)})
+            fds.append(os.dup(port.fileno()))
+        frame = encode(
+            {"type": "listeners", "protocol": PROTOCOL, "pid": os.getpid(), "version": __version__,
+             "listeners": items, "fds": len(fds)}
+        )
+        try:
+            socket.send_fds(sock, [frame], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _message(self, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        kind = message["type"]
+        if kind == "took":
+            for fd in self._unacked.pop(int(message.get("id") or 0), []):
+                os.close(fd)
+            return
+        waiting = self._waiting.get(kind)
+        if waiting is not None and not waiting.called:
+            waiting.callback(message)
+
+    async def _first(self, child: _Successor, link: Link, kind: str) -> dict[str, Any]:
+        """Wait for the successor's ``kind`` frame; a refusal, its exit or silence fails the wait."""
+        outcome: Deferred[Any] = Deferred()
+
+        def settle(result: tuple[str, Any]) -> Any:
+            """Fire the wait with the first of what may come; pass each result on (later waits read it again)."""
+            if not outcome.called:
+                outcome.callback(result)
+            return result[1]
+
+        self._waiting[kind].addCallback(lambda m: settle(("ok", m)))
+        self._waiting["refused"].addCallback(lambda m: settle(("refused", m)))
+        child.ended.addCallback(lambda status: settle(("ended", status)))
+        link.closed.addCallback(lambda _: settle(("closed", None)))
+        try:
+            what, value = await outcome.addTimeout(self.timeout, self._reactor)
+        except TimeoutError:
+            raise ReloadFailed(f"the new process said nothing for {self.timeout:g}s") from None
+        if what == "ok":
+            return value
+        if what == "refused":
+            raise ReloadRefused(str(value.get("error", "refused")))
+        if what == "ended":
+            raise ReloadFailed(f"the new process exited ({value}) before it took over; its own lines say why")
+        # The link closed first: the exit is on its way (its status says more).
+        status = await child.ended.addTimeout(5, self._reactor, onTimeoutCancel=lambda *_: "still running")
+        refused: Any = self._waiting["refused"]
+        if refused.called:
+            raise ReloadRefused(str(refused.result.get("error", "refused")))
+        raise ReloadFailed(f"the new process closed the handover ({status}) before it took over")
+
+    def _give_up(self, process, child: _Successor, link: Link) -> None:
+        """The successor will not take over: end it (nothing of ours is lost with it) and forget it."""
+        link.close()
+        if not child.ended.called:
+            try:
+                process.signalProcess("KILL")
+            except Exception:
+                pass
+        for fds in self._unacked.values():
+            for fd in fds:
+                os.close(fd)
+        self._unacked.clear()
+
+    def _send(self, link: Link, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        self._frames += 1
+        self._unacked[self._frames] = fds
+        link.send({**message, "id": self._frames}, blob, fds)
+
+    # -- what is handed over -------------------------------------------------------------------
+
+    def _send_parked(self, link: Link) -> None:
+        """Every parked request, in line order, with its connection; each leaves this lot without an answer."""
+        now = self._reactor.seconds()
+        records: list[tuple[Any, bytes]] = []
+        for entry in self._lot.entries():
+            request = entry.request
+            channel = getattr(request, "channel", None)
+            transport = getattr(channel, "transport", None)
+            if transport is None or getattr(transport, "disconnecting", True):
+                continue  # no request to send on (a client going away is answered here)
+            data = request_bytes(
+                request.method, request.uri, request.requestHeaders.getAllRawHeaders(), entry.body
+            )
+            carried = Carried(
+                cls=entry.cls, started_at=request.started_at, max_wait=entry.max_wait, attempts=entry.attempts,
+                forgiven=entry.forgiven,
+                parked_seconds=entry.parked_seconds + (now - entry.parked_at if entry.parked_at is not None else 0.0),
+                first_parked=entry.first_parked, deadline=entry.deadline, bound_by_caller=entry.bound_by_caller,
+                failed_on=entry.failed_on,
+            )
+            fd, family = duplicate(transport)
+            # Gone from here without a word: no cancel, no answer, no shutdown of the socket.
+            request.handler = None
+            let_go(transport)
+            self._lot.hand_over(entry)
+            records.append(({**carried.as_json(), "family": family, "fd": fd}, data))
+        for batch in cut(records):
+            fds = [record.pop("fd") for record, _ in batch]
+            packed, blob = pack(batch)
+            self._send(link, {"type": "parked", "records": packed}, blob, fds)
+            self.sent_parked += len(batch)
+
+    def _send_idle(self, link: Link) -> None:
+        """Every connection waiting for its next request (keep-alive), of both listeners."""
+        records: list[tuple[Any, bytes]] = []
+        for name, connections in self._connections.items():
+            for channel in connections.idle_channels():
+                transport = channel.transport
+                if transport is None or transport.disconnecting:
+                    continue
+                fd, family = duplicate(transport)
+                let_go(transport)
+                records.append(({"listener": name, "family": family, "fd": fd}, b""))
+        for batch in cut(records):
+            fds = [record.pop("fd") for record, _ in batch]
+            self._send(link, {"type": "connections", "records": [record for record, _ in batch]}, b"", fds)
+            self.sent_connections += len(batch)
+
+    def _wind_down_step(self, since: float) -> None:
+        """After the handover: send what parked again or went idle; stop once nothing is left here."""
+        link = self._link
+        if link is not None and not link.closed.called:
+            self._send_parked(link)
+            self._send_idle(link)
+        left = len(self._lot) + self._pool.inflight + sum(c.open for c in self._connections.values())
+        overdue = self._reactor.seconds() - since > WIND_DOWN_MAX_SECONDS
+        if left and not overdue:
+            return
+        if left:
+            log.warn("reload: still {left} requests or connections here after {seconds:g}s; stopping anyway",
+                     left=left, seconds=WIND_DOWN_MAX_SECONDS)
+        assert self._wind_down is not None
+        self._wind_down.stop()
+        if link is not None:
+            link.close()
+        log.info("reload: nothing left in this process (pid {pid}): it stops", pid=os.getpid())
+        self._stop()
