@@ -101,9 +101,6 @@ class Entry:
     routing: Routing | None = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
-    #: The client's request and its body, while the request lives (a handover sends both on: succession/).
-    request: Any = None
-    body: bytes = b""
     _deferred: Deferred[Entry] | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
@@ -163,7 +160,16 @@ class Refused(Exception):
 
 class HandedOver(Exception):
     """The entry left the lot with its client for the process that replaced this one (succession/): it
-    ends there, so here it gets no answer at all."""
+    ends there, so here it gets no answer at all.
+
+    Whoever waits on the entry (the proxy app, which holds its request and
+    body) calls :attr:`take` with them, at once: that sends them on.
+    """
+
+    def __init__(self, take: Callable[..., None]):
+        super().__init__("handed over to the process that replaced this one")
+        #: ``take(request, entry, body)``.
+        self.take = take
 
 
 def _take_deferred(entry: Entry) -> Deferred[Entry]:
@@ -513,15 +519,16 @@ class ParkingLot:
         d.errback(refusal)
         self._tell_empty()
 
-    def hand_over(self, entry: Entry) -> None:
-        """Take ``entry`` out without an answer (its Deferred fails with :class:`HandedOver`): it went, with
-        its client's connection, to the process that replaced this one."""
+    def hand_over(self, entry: Entry, take: Callable[..., None]) -> None:
+        """Take ``entry`` out without an answer: its Deferred fails with :class:`HandedOver`, whose waiter
+        gives ``take`` the request (it goes, with its client's connection, to the process that replaced
+        this one)."""
         if entry._deferred is None:
             return
         self._leave(entry)
         d = _take_deferred(entry)
         self._tell_out(entry)
-        d.errback(HandedOver())
+        d.errback(HandedOver(take))
         self._tell_empty()
 
     def _abandon(self, entry: Entry) -> None:

@@ -294,10 +294,7 @@ class ProxyApp:
                 f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
             )
         # Headers are held while parked too: they count against parking.max_parked_bytes.
-        entry = Entry(
-            cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing,
-            request=request, body=body,
-        )
+        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
         return self._gated(request, target, entry, body)
 
     def adopt(self, channel, carried, data: bytes) -> None:
@@ -327,7 +324,7 @@ class ProxyApp:
         failed_on = carried.failed_on if carried.failed_on in routing.eligible else None
         entry = Entry(
             cls=cls, size=len(body) + _head_size(request), api=api, max_wait=carried.max_wait, routing=routing,
-            request=request, body=body, attempts=carried.attempts,
+            attempts=carried.attempts,
             forgiven=carried.forgiven, parked_seconds=carried.parked_seconds, was_parked=True,
             deadline=carried.deadline, first_parked=carried.first_parked, bound_by_caller=carried.bound_by_caller,
             failed_on=failed_on,
@@ -400,8 +397,9 @@ class ProxyApp:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
-            except HandedOver:
+            except HandedOver as handed:
                 # Taken, with its connection, by the process that replaced this one: it ends there.
+                handed.take(request, entry, body)
                 return None
             if entry.released_to == FALLBACK_TARGET:
                 # Let out by the fallback's drainer; if it fails there, back to its place in the lot.

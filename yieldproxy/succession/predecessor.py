@@ -287,17 +287,16 @@ class Predecessor:
 
     def _send_parked(self, link: Link) -> None:
         """Every parked request, in line order, with its connection; each leaves this lot without an answer."""
-        now = self._reactor.seconds()
         records: list[tuple[Any, bytes]] = []
-        for entry in self._lot.entries():
-            request = entry.request
-            channel = getattr(request, "channel", None)
+
+        def take(request, entry, body: bytes) -> None:
+            """Called by the request's waiter (proxy.py) with what only it holds: the request and its body."""
+            channel = request.channel
             transport = getattr(channel, "transport", None)
-            if transport is None or getattr(transport, "disconnecting", True):
-                continue  # no request to send on (a client going away is answered here)
-            data = request_bytes(
-                request.method, request.uri, request.requestHeaders.getAllRawHeaders(), entry.body
-            )
+            if transport is None:
+                return  # the client went away meanwhile: nothing to send on
+            now = self._reactor.seconds()
+            data = request_bytes(request.method, request.uri, request.requestHeaders.getAllRawHeaders(), body)
             carried = Carried(
                 cls=entry.cls, started_at=request.started_at, max_wait=entry.max_wait, attempts=entry.attempts,
                 forgiven=entry.forgiven,
@@ -309,8 +308,10 @@ class Predecessor:
             # Gone from here without a word: no cancel, no answer, no shutdown of the socket.
             request.handler = None
             let_go(transport)
-            self._lot.hand_over(entry)
             records.append(({**carried.as_json(), "family": family, "fd": fd}, data))
+
+        for entry in self._lot.entries():
+            self._lot.hand_over(entry, take)
         for batch in cut(records):
             fds = [record.pop("fd") for record, _ in batch]
             packed, blob = pack(batch)
