@@ -360,8 +360,13 @@ def test_systemd_unit_verifies(tmp_path):
     assert exec_start.group(1).endswith("/twistd") and "-n --pidfile= yieldproxy" in exec_start.group(2)
     stop = re.search(r"^TimeoutStopSec=(\d+)s?$", text, re.M)
     assert stop and int(stop.group(1)) > 30, "TimeoutStopSec must exceed the 30 s in-flight grace"
+    # systemctl reload hands everything over (docs/operating.md): through the admin API, so a refused config fails it.
+    exec_reload = re.search(r"^ExecReload=(\S+) (.*)$", text, re.M)
+    assert exec_reload and exec_reload.group(1).endswith("/yieldproxy") and exec_reload.group(2).startswith("reload ")
+    assert re.search(r"^NotifyAccess=(main|all)$", text, re.M), "the new process's MAINPID= needs the notify socket"
     # The venv is not installed here: verify everything else.
     unit = tmp_path / UNIT.name
-    unit.write_text(text.replace(exec_start.group(1), "/bin/true", 1), encoding="utf-8")
+    text = text.replace(exec_start.group(1), "/bin/true", 1).replace(exec_reload.group(1), "/bin/true", 1)
+    unit.write_text(text, encoding="utf-8")
     proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -382,10 +382,13 @@ class AdminApp:
             return denied
         if self.reload is None:
             return _json(request, {"error": "this proxy cannot reload: it was not started by twistd"}, 501)
-        from .succession import ReloadBusy, ReloadRefused
+        from .succession import ReloadBusy, ReloadRefused, ReloadUnavailable
 
         def failed(failure):
-            code = 400 if failure.check(ReloadRefused) else 409 if failure.check(ReloadBusy) else 500
+            code = (
+                400 if failure.check(ReloadRefused) else 409 if failure.check(ReloadBusy)
+                else 501 if failure.check(ReloadUnavailable) else 500
+            )
             return _json(request, {"error": str(failure.value), "reloaded": False}, code)
 
         return self.reload().addCallbacks(lambda outcome: _json(request, outcome), failed)

@@ -130,10 +130,28 @@ def admin_is_local(endpoint: str) -> bool:
     return bool(_LOOPBACK_ENDPOINT.search(endpoint))
 
 
+def _cannot_reload(options: Options) -> str | None:
+    """Why a reload cannot start a successor with this process's command line, if it cannot.
+
+    The successor runs the same command: twistd must stay in the foreground
+    (a daemonising one would fork away from the handover), and write no
+    pidfile (the successor's twistd would refuse to start beside this one's).
+    """
+    parent = getattr(options, "parent", None)
+    if parent is None:
+        return None
+    if not parent.get("nodaemon"):
+        return "reload needs twistd in the foreground: start it with twistd -n --pidfile= yieldproxy ..."
+    if parent.get("pidfile"):
+        return "reload needs twistd without a pidfile: start it with twistd -n --pidfile= yieldproxy ..."
+    return None
+
+
 def makeService(options: Options):
     from twisted.internet import reactor
 
     from .limits import fit_fd_limit
+    from .sdnotify import Notifier
     from .service import build
     from .succession import Inheritance, Setup, own_command
     from .succession.wire import BadFrame
@@ -144,7 +162,10 @@ def makeService(options: Options):
     except (BadFrame, OSError, ValueError) as e:
         print(f"twistd yieldproxy: reload: nothing usable came from the running process ({e})", file=sys.stderr)
         raise SystemExit(1) from None
-    setup = Setup(own_command(), dict(os.environ), reactor.stop, inheritance)
+    setup = Setup(
+        own_command(), dict(os.environ), reactor.stop, inheritance,
+        notify=Notifier.from_environment(os.environ).notify, unavailable=_cannot_reload(options),
+    )
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
     return build(reactor, config, token=options.token, read_token=options.read_token, succession=setup).service

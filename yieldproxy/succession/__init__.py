@@ -30,12 +30,13 @@ from .. import __version__
 from ..names import COMMAND_SOURCE, FILE_SOURCE, OUTAGE_SOURCE
 from ..pool.twins import TwinCheck
 from ..state import ALL, YieldState
-from .predecessor import Predecessor, ReloadBusy, ReloadFailed, ReloadRefused
+from .predecessor import Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .takeover import ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
 
 __all__ = [
-    "ENV", "Carried", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused", "Setup", "Succession",
+    "ENV", "Carried", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused", "ReloadUnavailable", "Setup",
+    "Succession",
     "own_command", "refuse",
 ]
 
@@ -66,6 +67,9 @@ class Setup:
     notify: Callable[..., Any] = lambda *lines: None
     #: Install the SIGHUP handler (off where the process's signals are not ours).
     signals: bool = True
+    #: Why this process cannot reload (twistd not in the foreground, a pidfile): SIGHUP and ``POST /reload``
+    #: then only say so.  None: it can.
+    unavailable: str | None = None
 
 
 @attrs.define(eq=False, slots=False)
@@ -92,7 +96,7 @@ class Succession(Service):
     def __attrs_post_init__(self) -> None:
         self._predecessor = Predecessor(
             self._reactor, self.setup.command, self.setup.environ, self._listeners, self._connections, self._lot,
-            self._pool, self.snapshot, self.setup.stop, self.setup.notify,
+            self._pool, self.snapshot, self.setup.stop, self.setup.notify, unavailable=self.setup.unavailable,
         )
         if self.setup.inheritance is not None:
             self._takeover = TakeOver(
@@ -136,7 +140,7 @@ class Succession(Service):
             if failure.check(ReloadRefused):
                 log.error("reload refused: {why}; still running version {version} (pid {pid}), nothing dropped",
                           why=str(why), version=__version__, pid=os.getpid())
-            elif failure.check(ReloadFailed, ReloadBusy):
+            elif failure.check(ReloadFailed, ReloadBusy, ReloadUnavailable):
                 log.error("reload failed: {why}; still running version {version} (pid {pid}), nothing dropped",
                           why=str(why), version=__version__, pid=os.getpid())
             else:

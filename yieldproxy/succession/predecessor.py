@@ -63,6 +63,10 @@ class ReloadBusy(Exception):
     """A reload is under way already, or this process has handed over."""
 
 
+class ReloadUnavailable(Exception):
+    """This process cannot start a successor (how it was started does not allow it): the reason."""
+
+
 class _Successor(ProcessProtocol):
     """The successor as a child process: its end fires :attr:`ended` with its exit status."""
 
@@ -96,6 +100,8 @@ class Predecessor:
     _notify: Callable[..., Any] = lambda *lines: None
     #: Seconds the successor has to start and say ``ready``, and then to take everything.
     timeout: float = 60.0
+    #: Why this process cannot reload at all (None: it can).
+    unavailable: str | None = None
     _busy: bool = False
     _handed_over: bool = False
     _link: Link | None = None
@@ -114,6 +120,8 @@ class Predecessor:
 
     async def reload(self) -> dict[str, Any]:
         """Start a successor and hand over to it; the outcome, or :class:`ReloadRefused`/``Failed``/``Busy``."""
+        if self.unavailable is not None:
+            raise ReloadUnavailable(self.unavailable)
         if self._handed_over:
             raise ReloadBusy(f"this process (pid {os.getpid()}) has handed over to pid {self._successor_pid} already")
         if self._busy:
@@ -132,10 +140,12 @@ class Predecessor:
     async def _reload(self, began: float) -> dict[str, Any]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child = _Successor()
+        # systemd's watchdog is the successor's to feed once it is the main process: not bound to this pid.
+        environ = {k: v for k, v in self.environ.items() if k != "WATCHDOG_PID"}
         try:
             self._send_listeners(ours)
             process = self._reactor.spawnProcess(
-                child, self.command[0], list(self.command), env={**self.environ, ENV: "3"},
+                child, self.command[0], list(self.command), env={**environ, ENV: "3"},
                 childFDs={0: 0, 1: 1, 2: 2, 3: theirs.fileno()},
             )
         finally:
@@ -152,6 +162,7 @@ class Predecessor:
             self._give_up(process, child, link)
             raise ReloadFailed(f"the new process speaks handover protocol {ready.get('protocol')!r}, not {PROTOCOL}")
         # From here on, what is sent is the successor's.
+        handing = self._reactor.seconds()
         frozen: Deferred[None] = Deferred()
         for member in self._pool.members:
             member.drainer.hold_release_until(frozen)
@@ -187,12 +198,16 @@ class Predecessor:
             "parked_handed_over": self.sent_parked,
             "connections_handed_over": self.sent_connections,
             "seconds": round(self._reactor.seconds() - began, 3),
+            # From "ready" to "serving": while this process accepts no connection and the lot goes over.
+            "handover_seconds": round(self._reactor.seconds() - handing, 3),
         }
         log.info(
             "reload: handed over to pid {pid} (version {version}): {parked} parked requests, {connections} idle "
-            "connections, in {seconds:.3f}s; finishing {inflight} requests in flight here, then exiting",
+            "connections, in {seconds:.3f}s (the handover itself {handover:.3f}s); finishing {inflight} requests in "
+            "flight here, then exiting",
             pid=outcome["pid"], version=outcome["version"], parked=self.sent_parked,
-            connections=self.sent_connections, seconds=outcome["seconds"], inflight=self._pool.inflight,
+            connections=self.sent_connections, seconds=outcome["seconds"], handover=outcome["handover_seconds"],
+            inflight=self._pool.inflight,
         )
         self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
         self._wind_down.clock = self._reactor

@@ -1,0 +1,91 @@
+"""The handover's frames and records (succession/wire.py): sans-IO, so they are checked here byte by byte."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import config_with
+from inmemory import Rig
+from yieldproxy.succession.wire import (
+    BATCH_FDS,
+    HEADER,
+    BadFrame,
+    Carried,
+    Decoder,
+    cut,
+    encode,
+    pack,
+    request_bytes,
+    unpack,
+)
+
+
+def test_frames_come_out_whole_however_the_bytes_are_cut():
+    frames = [encode({"type": "a", "n": i}, bytes([i]) * i) for i in range(5)]
+    stream = b"".join(frames)
+    for step in (1, 3, 7, len(stream)):
+        decoder = Decoder()
+        out = []
+        for start in range(0, len(stream), step):
+            out.extend(decoder.feed(stream[start:start + step]))
+        assert out == [({"type": "a", "n": i}, bytes([i]) * i) for i in range(5)]
+
+
+@pytest.mark.parametrize("frame", [
+    HEADER.pack(5, 0) + b"notjs",
+    HEADER.pack(2, 0) + b"[]",
+    HEADER.pack(2, 0) + b"{}",
+    HEADER.pack(1 << 30, 0),
+])
+def test_what_is_not_a_frame_is_refused(frame):
+    with pytest.raises(BadFrame):
+        list(Decoder().feed(frame))
+
+
+def test_a_request_is_sent_again_whole_with_its_length_and_without_its_framing():
+    data = request_bytes(
+        b"POST", b"/api/embed?x=1",
+        [(b"Host", [b"127.0.0.1"]), (b"Transfer-Encoding", [b"chunked"]), (b"Expect", [b"100-continue"]),
+         (b"X-Twice", [b"a", b"b"]), (b"Content-Length", [b"999"])],
+        b'{"input": "x"}',
+    )
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.split(b"\r\n") == [
+        b"POST /api/embed?x=1 HTTP/1.1", b"Host: 127.0.0.1", b"X-Twice: a", b"X-Twice: b", b"Content-Length: 14",
+    ]
+    assert body == b'{"input": "x"}'
+    assert request_bytes(b"GET", b"/api/tags", [], b"") == b"GET /api/tags HTTP/1.1\r\n\r\n"
+
+
+def test_records_point_into_one_blob_and_come_back_as_they_went():
+    records = [({"n": i}, b"x" * i) for i in range(4)]
+    packed, blob = pack(records)
+    assert blob == b"x" * 6
+    assert list(unpack(packed, blob)) == records
+    with pytest.raises(BadFrame):
+        list(unpack([{"bytes": [5, 5]}], blob))
+
+
+def test_batches_are_cut_by_descriptors_and_by_bytes():
+    many = [({}, b"") for _ in range(BATCH_FDS * 2 + 1)]
+    assert [len(batch) for batch in cut(many)] == [BATCH_FDS, BATCH_FDS, 1]
+    big = [({}, b"x" * (5 * 1024 * 1024)) for _ in range(3)]
+    assert [len(batch) for batch in cut(big)] == [2, 1]
+
+
+def test_what_a_parked_request_carries_is_checked():
+    carried = Carried(cls="batch", started_at=1.0, max_wait=5.0, attempts=1, deadline=601.0, failed_on="gpu")
+    assert Carried.from_json(carried.as_json()) == carried
+    with pytest.raises(BadFrame):
+        Carried.from_json({**carried.as_json(), "surprise": 1})
+    with pytest.raises(BadFrame):
+        Carried.from_json({"started_at": 1.0})
+
+
+def test_reload_needs_the_admin_token_and_json_and_a_proxy_started_by_twistd():
+    rig = Rig(config_with(), token="s3cret")
+    assert rig.call("POST", rig.admin_url + "/reload", json={}).code == 401
+    headers = {"Authorization": "Bearer s3cret"}
+    assert rig.call("POST", rig.admin_url + "/reload", data=b"x", headers=headers).code == 415
+    answer = rig.call("POST", rig.admin_url + "/reload", json={}, headers=headers)
+    assert answer.code == 501 and "not started by twistd" in answer.json()["error"]
