@@ -20,7 +20,7 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import config_with, in_thread, sleep, start_stack, wait_for
+from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
 from test_burst import Burst, assert_clean
 from yieldproxy.servers.base import PROBE_TEXT
@@ -46,10 +46,24 @@ def openai_error(message: str) -> bytes:
         (500, ollama_error("llama-server process no longer running: exit status 2 CUDA error"), True),
         (500, ollama_error("model requires more system memory (5.2 GiB) than is available (3.1 GiB)"), True),
         (400, ollama_error("do embedding request: Post \"http://127.0.0.1:41853/embedding\": EOF"), True),
-        # A client's words, quoted back: never a GPU failure, whatever they say.
+        # llama.cpp's own words, passed through by HEAD's llama-server runner.
+        (500, ollama_error("Compute error."), True),
+        (500, ollama_error("Compute error. "), False),
+        # Ollama's out-of-memory substrings anywhere in the message, in any case (llm/status.go).
+        (500, ollama_error("CUDA error: out of memory"), True),
+        (500, ollama_error("x llama runner process has terminated: CUDA error: out of memory"), True),
+        (500, ollama_error("ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 1234"), True),
+        (500, ollama_error("ErrorOutOfDeviceMemory"), False),
+        (500, ollama_error("vk::Device::allocateMemory: ErrorOutOfMemory"), True),
+        (500, ollama_error("out of memory"), True),
+        (500, openai_error("hipMalloc failed: Not Enough Memory"), True),
+        # ...in a 500 only: a 400 is the caller's unless a prefix says otherwise.
+        (400, ollama_error("invalid input: CUDA error: out of memory"), False),
+        (400, ollama_error("Compute error."), True),
+        # A client's words, quoted back: not GPU words (the probe judges such a 500, not the words).
         (500, ollama_error('template: :1: function "gpu" not defined'), False),
         (500, ollama_error('template: :1: function "cuda" not defined'), False),
-        (500, ollama_error("x llama runner process has terminated: CUDA error: out of memory"), False),
+        (500, ollama_error("CUDA error: an illegal memory access was encountered"), False),
         (500, ollama_error(" llama runner process has terminated"), False),
         (500, b"llama runner process has terminated: CUDA error: out of memory", False),
         (500, json.dumps({"detail": OOM_ERROR}).encode(), False),
@@ -58,11 +72,10 @@ def openai_error(message: str) -> bytes:
         (500, ollama_error(OOM_ERROR)[:-2], False),
         (404, ollama_error(OOM_ERROR), False),
         (502, ollama_error(OOM_ERROR), False),
-        (500, ollama_error("out of memory"), False),
         (500, ollama_error("GPU error"), False),
     ],
 )
-def test_only_ollamas_own_failure_prefixes_count_as_a_gpu_failure(status, body, gpu):
+def test_only_ollamas_own_failure_words_count_as_a_gpu_failure(status, body, gpu):
     assert is_gpu_failure(status, body) is gpu
 
 
@@ -130,13 +143,19 @@ async def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is
             assert answer.code == 200
             assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
             await answer.content()
-        # Each bad request reached Ollama once: no retry, no probe, no hold.
-        assert stack.sim.requests_total["/api/generate"] == 5
+        # Each bad request reached Ollama once: no retry, no hold.  A 500 in words no list has is
+        # judged by a probe of the same kind, whose text is the proxy's (a load-only generate): it
+        # passes, so the caller got Ollama's answer.
+        generates = [r for r in stack.sim.history if r.path == "/api/generate"]
+        assert [r.outcome for r in generates].count("template_error") == 5
         assert stack.sim.outcomes["template_error"] == 5
+        assert len(generates) == 10
+        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == 5
+        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") == 0
         assert PROBE_TEXT not in stack.sim.texts_embedded
         assert states == [] and not stack.proxy.state.yielded
         assert outage_sources(stack) == 0
-        assert counter_total(stack, "yieldproxy_upstream_failures") == 0
+        assert counter_total(stack, "yieldproxy_upstream_failures") == 5
         assert counter_total(stack, "yieldproxy_retries") == 0
         assert counter_by(stack, "yieldproxy_requests", "code") == {"500": 5.0, "200": 20.0}
     finally:
@@ -241,6 +260,109 @@ async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nob
         assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "upstream_error"}) == 0
         assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) > 0
         assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") >= 3
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds():
+    """``{{ ErrorOutOfMemory }}``: Ollama quotes a function name that holds one of its own out-of-memory
+    substrings, so the words read as a GPU failure; the probe (the proxy's text) passes, so nothing is
+    held, nobody else parks, and after upstream.max_attempts the sender gets Ollama's own 500."""
+    config = config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
+    stack = await start_stack(reactor, config, watchers=True, latency=0.01)
+    try:
+        await reachable(stack)
+        states = record_states(stack)
+        bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ ErrorOutOfMemory }}", "stream": False}
+        others = [
+            treq.post(
+                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"other {i}"}, persistent=False
+            ).addTimeout(TIMEOUT, reactor)
+            for i in range(10)
+        ]
+        response = await treq.post(stack.proxy_url + "/api/generate", json=bad, persistent=False).addTimeout(
+            TIMEOUT, reactor
+        )
+        assert response.code == 500
+        assert json.loads(await response.content()) == {"error": 'template: :1: function "ErrorOutOfMemory" not defined'}
+        for pending in others:
+            answer = await pending
+            assert answer.code == 200
+            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
+            await answer.content()
+        assert stack.sim.outcomes["template_error"] == 2
+        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == 2
+        assert states == [] and outage_sources(stack) == 0
+    finally:
+        await stack.stop()
+
+
+# -- issue 16: a request caught by a declared yield survives, whatever words the upstream uses ----------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_declared_yield_keeps_in_flight_requests_whatever_words_the_upstream_fails_in():
+    """A burst at concurrency 32; POST /yield and, at the same moment, every model call gets a 500 in words
+    no list has: the requests in flight go back to the lot (not counted, no probe needed), and
+    after the resume every caller has its vector.  (Before: relayed as the callers' own 500s.)"""
+    config = config_with(replay={"concurrency": 4}, upstream={"max_attempts": 1})
+    # No outage watcher: the declared hold alone explains the failures.
+    stack = await start_stack(reactor, config, latency=0.02, parallel=4)
+    try:
+        burst = Burst(stack.proxy_url, [f"yield words {i}" for i in range(240)], concurrency=32)
+        running = in_thread(reactor, burst.run, timeout=120)
+        await wait_for(reactor, lambda: burst.done >= 40, timeout=60)
+        # The yield is declared, and the GPU goes at once: the requests in flight fail after it.
+        await admin(stack, "/yield", {"reason": "game", "source": "broker"})
+        await stack.sim.set_mode("error500_unknown", in_flight=True)
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 32, timeout=10)
+        await sleep(reactor, 0.5)
+        await stack.sim.set_mode("ok")
+        await admin(stack, "/resume", {"source": "broker"})
+        await running
+        assert_clean(burst, stack)
+        assert stack.sim.outcomes["error500"] > 0
+        assert counter_by(stack, "yieldproxy_upstream_failures", "reason") == {
+            "unknown_error": stack.sim.outcomes["error500"]
+        }
+        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == stack.sim.outcomes["error500"]
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
+    finally:
+        await stack.stop()
+
+
+# -- issue 16: an error in words nobody listed is judged by a probe ------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_undeclared_500_in_unknown_words_mid_burst_is_judged_by_a_few_probes_and_fails_nobody():
+    """Mid-burst every model call gets a 500 in words no list has, for 2 s, and nobody yields: a probe of
+    the same call fails too, so the outage hold is taken and the requests park; probes are shared, so
+    the whole burst costs a handful; 0 failures, every vector right.  (Before: relayed at once.)"""
+    config = config_with(
+        replay={"concurrency": 4},
+        upstream={"health_interval_seconds": 0.25, "health_max_interval_seconds": 0.5},
+    )
+    stack = await start_stack(reactor, config, watchers=True, latency=0.004, parallel=4)
+    try:
+        await reachable(stack)
+        burst = Burst(stack.proxy_url, [f"unknown words {i}" for i in range(400)], concurrency=24)
+        running = in_thread(reactor, burst.run, timeout=120)
+        await wait_for(reactor, lambda: burst.done >= 100, timeout=60)
+        await stack.sim.set_mode("error500_unknown")
+        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
+        await sleep(reactor, 2)
+        await stack.sim.set_mode("ok")
+        await running
+        assert_clean(burst, stack)
+        assert stack.sim.outcomes["error500"] > 0
+        assert outage_sources(stack) >= 1
+        probes = counter_total(stack, "yieldproxy_outage_probes", probe="model")
+        assert 1 <= probes <= 10, probes
+        assert stack.sim.requests_total["/api/embed"] <= len(burst.texts) + 2 * 24
         assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
         assert not stack.proxy.state.yielded
     finally:

@@ -264,11 +264,12 @@ def test_a_translated_attempt_sends_the_members_shape_and_name_and_answers_in_th
 def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_shape():
     from yieldproxy.forward import RetryableFailure
 
-    # A 503: retryable, and the answer kept for the caller is in Ollama's shape.
+    # A 503 (busy, in an OpenAI-compatible server's words): retryable, and the answer kept for the
+    # caller is in Ollama's shape.
     _, upstream, request, outcome = translated_attempt()
     upstream.answer(503, json.dumps({"error": {"message": "loading", "type": "x", "code": 503}}).encode())
     failure = outcome[0].value
-    assert isinstance(failure, RetryableFailure) and failure.reason == "status_503"
+    assert isinstance(failure, RetryableFailure) and failure.reason == "busy"
     assert json.loads(failure.answer.body) == {"error": "loading"} and request.written == []
     # An answer that cannot be read: retryable as bad_answer, nothing written.
     _, upstream, request, outcome = translated_attempt()
@@ -278,6 +279,13 @@ def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_sha
     clock, upstream, request, outcome = translated_attempt()
     clock.advance(30.0)
     assert outcome[0].value.reason == "timeout"
+    # A 5xx in words nobody listed: retryable as unknown_error (the proxy relays it unless a hold
+    # or a failing probe explains it), the answer in the caller's shape.
+    _, upstream, request, outcome = translated_attempt()
+    upstream.answer(500, json.dumps({"error": {"message": "odd", "type": "x", "code": 500}}).encode())
+    failure = outcome[0].value
+    assert failure.reason == "unknown_error" and json.loads(failure.answer.body) == {"error": "odd"}
+    assert request.written == []
     # Any other error: relayed at once, status kept, in the caller's shape.
     _, upstream, request, outcome = translated_attempt()
     upstream.answer(400, json.dumps({"error": {"message": "input too long", "type": "x", "code": 400}}).encode())

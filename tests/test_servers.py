@@ -291,7 +291,12 @@ JUDGED = [
     ("ollama", 503, _ollama(BUSY_ERROR + " " + CUDA), UPSTREAM),
     ("ollama", 503, _ollama("account unavailable"), UPSTREAM),
     ("ollama", 500, _ollama('template: :1: function "gpu" not defined'), UPSTREAM),
-    ("ollama", 500, _ollama(f"x llama runner process has terminated: {CUDA}"), UPSTREAM),
+    # Ollama's own out-of-memory substrings anywhere in a 500 (llm/status.go), llama.cpp's "Compute error."
+    ("ollama", 500, _ollama(f"x llama runner process has terminated: {CUDA}"), GPU),
+    ("ollama", 500, _ollama(CUDA), GPU),
+    ("ollama", 500, _ollama("Compute error."), GPU),
+    ("ollama", 500, _openai("Compute error."), GPU),
+    ("ollama", 500, _ollama("CUDA error: an illegal memory access was encountered"), UPSTREAM),
     ("ollama", 502, _ollama(OOM_ERROR), UPSTREAM),
     ("ollama", 404, _ollama('model "cuda" not found, try pulling it first'), CALLER),
     ("ollama", 400, _ollama(f"invalid input: {CUDA} Compute error. Backend"), CALLER),
@@ -389,7 +394,14 @@ def test_each_servers_error_answers_are_judged_from_its_own_structure_and_words(
 
 
 def test_no_judge_reads_a_gpu_failure_from_words_a_caller_can_send():
-    """Each server's GPU words, in every field and shape but the one the server writes them in."""
+    """Each server's GPU words, in every field and shape but the one the server writes them in.
+
+    One exception, Ollama's own: a 500 whose message *contains* one of its out-of-memory
+    substrings is an out-of-memory to Ollama itself (llm/status.go ``IsOutOfMemoryMessage``),
+    wherever the words stand, so a quoted input can read so too.  Such words are evidence,
+    never an outage: the probe, whose text is the proxy's, decides that
+    (tests/test_outage.py::test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds).
+    """
     words = [OOM_ERROR, BACKEND_ERROR, COMPUTE_ERROR, INFINITY_OOM, "unhealthy", "CUDA", "Backend", "gpu"]
     for api in APIS:
         for word in words:
@@ -403,7 +415,11 @@ def test_no_judge_reads_a_gpu_failure_from_words_a_caller_can_send():
                     _j({"error": "bad input: " + word}),
                     _j({"error": {"message": "bad input: " + word, "type": "server_error", "code": status}}),
                 ]
+                ollamas_oom = api == "ollama" and status == 500 and "out of memory" in word.lower()
                 for body in bodies:
+                    if ollamas_oom and body in bodies[-2:]:
+                        assert server(api).judge(status, body) == GPU, (api, status, body)
+                        continue
                     assert server(api).judge(status, body) != GPU, (api, status, body)
     # And a body too long to be an error of theirs is not read at all.
     assert server("llamacpp").judge(500, _llamacpp(COMPUTE_ERROR, "server_error", 500) + b" " * 70000) == UPSTREAM

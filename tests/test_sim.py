@@ -719,7 +719,7 @@ def test_no_reactor_at_import() -> None:
         "sys.exit('twisted.internet.reactor' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
-    assert set(MODES) == {"ok", "refuse", "error500", "hang", "reset", "stall"}
+    assert set(MODES) == {"ok", "refuse", "error500", "error500_unknown", "hang", "reset", "stall", "stall_head"}
     assert simmod.__all__
 
 

@@ -39,7 +39,7 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from .h1client import H1Error, H1Pool, Response, client_endpoint
-from .servers import GPU
+from .servers import BUSY, CALLER, GPU
 from .servers.ollama import SERVER as OLLAMA
 
 log = Logger()
@@ -91,8 +91,9 @@ class UpstreamAnswer:
 class RetryableFailure(Exception):
     """The attempt failed before anything reached the client; it may be retried.
 
-    ``reason`` is a metric label: refused, reset, timeout, status_502,
-    status_503, gpu_error.  ``answer`` is the upstream's own answer when it
+    ``reason`` is a metric label: refused, connect, reset, timeout, status_502,
+    status_503, gpu_error, busy, unknown_error, caller_error (see
+    :func:`raise_judged`).  ``answer`` is the upstream's own answer when it
     gave one (a 5xx), for the caller to relay if it gives up.
     """
 
@@ -101,6 +102,32 @@ class RetryableFailure(Exception):
         self.reason = reason
         self.detail = detail
         self.answer = answer
+
+
+#: Reasons of a 5xx whose words the proxy does not take as a failure of the upstream by themselves:
+#: ``unknown_error`` (words no list has: the outage probe decides, and the caller gets the answer when
+#: the probe passes), ``caller_error`` (the server's words say the caller's input caused it: relayed at
+#: once). Both go back to the lot only while a hold covers the upstream (proxy.py).
+RELAYED_UNLESS_HELD = frozenset({"unknown_error", "caller_error"})
+
+
+def raise_judged(code: int, judged: str, detail: str, answer: UpstreamAnswer) -> None:
+    """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any.
+
+    A busy answer (429 or 503 in the server's busy words) is ``busy``; any
+    other 502/503 ``status_502``/``status_503``; the server's GPU words
+    ``gpu_error``; any other 5xx ``unknown_error`` or ``caller_error``
+    (:data:`RELAYED_UNLESS_HELD`).  A 4xx that is neither busy nor GPU is the
+    caller's: nothing is raised, it is relayed.
+    """
+    if judged == BUSY:
+        raise RetryableFailure("busy", f"upstream busy: {detail}", answer)
+    if code in (502, 503):
+        raise RetryableFailure(f"status_{code}", detail, answer)
+    if judged == GPU:
+        raise RetryableFailure("gpu_error", f"upstream GPU failure: {detail}", answer)
+    if code >= 500:
+        raise RetryableFailure("caller_error" if judged == CALLER else "unknown_error", detail, answer)
 
 
 class RelayBroken(Exception):
@@ -492,10 +519,8 @@ class Attempt:
         code = response.code
         if self._retry_statuses:
             answer = UpstreamAnswer(code, response.phrase, response.headers, body)
-            if code in (502, 503):
-                raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(body)}", answer)
-            if self._judge(code, body) == GPU:
-                raise RetryableFailure("gpu_error", f"upstream GPU failure: {_snippet(body)}", answer)
+            judged = self._judge(code, body)
+            raise_judged(code, judged, f"upstream answered {code}: {_snippet(body)}", answer)
         self._commit(response)
         self._request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
         if body:

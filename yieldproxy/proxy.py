@@ -45,7 +45,16 @@ from .classify import (
 from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
 from .fallback import TARGET as FALLBACK_TARGET
-from .forward import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure, write_answer
+from .forward import (
+    RELAYED_UNLESS_HELD,
+    Attempt,
+    ClientBuffers,
+    ClientTooSlow,
+    RelayBroken,
+    RetryableFailure,
+    UpstreamAnswer,
+    write_answer,
+)
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
@@ -380,6 +389,8 @@ class ProxyApp:
         if self._fallback is not None and await self._at_fallback(request, entry, body, self._fallback.serve):
             return None
         max_attempts = self._config.upstream.max_attempts
+        #: The members that answered this request "busy" (:meth:`_after_failure`).
+        busy_on: set[str] = set()
         while True:
             try:
                 await self._gate.admit(entry)
@@ -430,7 +441,9 @@ class ProxyApp:
                 status = await attempt.run()
                 outcome = "ok"
             except RetryableFailure as retryable:
-                failed = True
+                # An answer that may yet be the caller's (relayed unless a hold or a probe explains it)
+                # does not slow the replay down.
+                failed = retryable.reason not in RELAYED_UNLESS_HELD
                 failure = retryable
                 outcome = retryable.reason
             except RelayBroken as broken:
@@ -459,7 +472,9 @@ class ProxyApp:
                 self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
                 self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
             if failure is not None:
-                answered = await self._after_failure(request, target, entry, body, failure, max_attempts, member)
+                answered = await self._after_failure(
+                    request, target, entry, body, failure, max_attempts, member, busy_on, extra
+                )
                 if answered is not _RETRY:
                     return answered
                 continue
@@ -504,16 +519,34 @@ class ProxyApp:
 
     async def _after_failure(
         self, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int,
-        member: Member,
+        member: Member, busy_on: set[str] | None = None, extra=(),
     ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
 
-        The upstream's health judges the failure (its outage watcher, while it runs): when a
-        recognised outage explains it (the GPU is yielded, or a probe of the
-        same kind of call failed too), the attempt is not counted against the
-        request and it parks behind the hold.  A request that fails alone
-        while probes pass (its own input is the cause) ends after
-        ``upstream.max_attempts``, with the upstream's own answer when it gave one.
+        **While a hold covers the member** (a yield declared by any source,
+        or the ``outage`` hold), any failure of the attempt (a 5xx in any
+        words, a reset, a refused connection, a timeout, an answer cut before
+        it reached the client) goes back to its place in the lot, not counted
+        against ``upstream.max_attempts``: the yield explains it, and only the
+        operator (or a failing probe) can declare one.  A caller's own 4xx
+        never comes here: it is relayed.  The normal judgement below applies
+        again once the hold has ended.
+
+        Otherwise the upstream's health judges the failure (its outage
+        watcher, while it runs): when a recognised outage explains it (a
+        probe of the same kind of call, whose text the proxy chooses, failed
+        too), the attempt is not counted and the request parks behind the
+        hold.  A request that fails alone while probes pass (its own input is
+        the cause) ends after ``upstream.max_attempts``, with the upstream's
+        own answer when it gave one; a 5xx in words no list has
+        (``unknown_error``) gets the upstream's answer at once when the probe
+        passes, and one in words that say the caller caused it
+        (``caller_error``) without a probe.
+
+        A *busy* answer (the server's own busy words, a 429 or 503) is not a
+        failure: another eligible member that has not answered busy takes the
+        request first, uncounted; with none left, a 429 is relayed (with its
+        own ``Retry-After``) and a 503 is judged as any 503.
 
         An answer the member's server reads as *not ready* (llama.cpp's 503
         "Loading model") is neither: the member is not ready (pool/member.py:
@@ -521,9 +554,9 @@ class ProxyApp:
         request goes back to its place in the lot uncounted, where another
         eligible member may take it, or it waits up to its class's bound.
         """
-        self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         answer = failure.answer
         if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
+            self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
             member.health.not_ready(failure.detail, self._failed_call(target, entry, body, member))
             if self._pool.several:
                 entry.failed_on = member.name
@@ -534,6 +567,31 @@ class ProxyApp:
                 cls=entry.cls, name=member.name, detail=failure.detail,
             )
             return _RETRY
+        if member.held():
+            return self._held_back(entry, member, failure)
+        if failure.reason == "busy":
+            assert answer is not None  # a busy failure is an answer
+            if busy_on is not None:
+                busy_on.add(member.name)
+                if self._pool.several and any(
+                    n not in busy_on and not self._pool.member(n).unreachable for n in entry.eligible
+                ):
+                    # Busy is not failure: another member that may serve it takes it first.
+                    entry.failed_on = member.name
+                    entry.forgiven += 1
+                    self._metrics.retries_total.labels(entry.cls).inc()
+                    log.info(
+                        "{cls} attempt on upstream {name} found it busy, trying another: {detail}",
+                        cls=entry.cls, name=member.name, detail=failure.detail,
+                    )
+                    return _RETRY
+            if answer.code != 503:
+                return self._relay(request, entry, member, answer, extra)
+            failure = RetryableFailure("status_503", failure.detail, answer)
+        if failure.reason == "caller_error":
+            assert answer is not None  # a caller_error is an answer
+            return self._relay(request, entry, member, answer, extra)
+        self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
         try:
             forgiven = await member.health.report(failure.reason, self._failed_call(target, entry, body, member))
         except CancelledError:
@@ -541,6 +599,13 @@ class ProxyApp:
                 self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
             self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
             raise
+        if not forgiven and member.held():
+            # A hold came while the verdict was being decided: it explains the failure.
+            return self._held_back(entry, member, failure)
+        if failure.reason == "unknown_error" and not forgiven:
+            # The probe passed: the upstream serves this kind of call, the request failed alone.
+            assert answer is not None  # an unknown_error is an answer
+            return self._relay(request, entry, member, answer, extra)
         if self._pool.several:
             # Another eligible member takes it first, when one is available.
             entry.failed_on = member.name
@@ -573,6 +638,27 @@ class ProxyApp:
                 return self._upstream_gave_up(request, entry, failure)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
+
+    def _held_back(self, entry: Entry, member: Member, failure: RetryableFailure):
+        """A failure while a hold covers ``member``: back to its place in the lot, not counted."""
+        self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+        if self._pool.several:
+            entry.failed_on = member.name
+        entry.forgiven += 1
+        self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
+        self._metrics.retries_total.labels(entry.cls).inc()
+        log.info(
+            "{cls} attempt on upstream {name} failed ({reason}) while it is held, not counted: {detail}",
+            cls=entry.cls, name=member.name, reason=failure.reason, detail=failure.detail,
+        )
+        return _RETRY
+
+    def _relay(self, request, entry: Entry, member: Member, answer: UpstreamAnswer, extra=()) -> bytes:
+        """The upstream's whole error answer is the caller's: relay it as it came (the upstream answered)."""
+        member.health.report(None)
+        self._outcome(entry, "ok")
+        self._log(request, entry.cls, answer.code, "ok", entry, entry.tries + 1)
+        return write_answer(request, answer, extra)
 
     async def _passthrough(self, request, target: Target, body: bytes, api: str, model: str | None = None):
         """Routes that never park: one attempt, failures reported as they are.

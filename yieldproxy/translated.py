@@ -13,9 +13,10 @@ It stands in for :class:`~yieldproxy.forward.Attempt` in the proxy's attempt
 loop and fails the same ways, so retries, outcomes, metrics and timeouts are
 the proxy's as ever: :class:`~yieldproxy.forward.RetryableFailure` for a
 connection failure, a timeout, a 502/503, the member's GPU failure (its
-server's own judge) or an answer that cannot be read (``bad_answer``).  Any
-other error status is relayed at once with the member's message in the
-caller's error shape.  Nothing reaches the client before the member's whole
+server's own judge), a busy answer, any other 5xx (judged by the proxy as
+for an :class:`~yieldproxy.forward.Attempt`: :func:`~yieldproxy.forward.raise_judged`)
+or an answer that cannot be read (``bad_answer``).  Any other error status is
+relayed at once with the member's message in the caller's error shape.  Nothing reaches the client before the member's whole
 answer is in and read (embedding answers are small and never streamed), so
 the attempt timeout covers the whole answer, and a failure is always
 retryable.
@@ -30,9 +31,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
 from .errors import error_body
-from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason
+from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason, raise_judged
 from .h1client import H1Error, Response
-from .servers import GPU, Server
+from .servers import Server
 from .translate import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
 
 #: The header lines of the translated request (the caller's belong to the caller's server).
@@ -134,10 +135,7 @@ class TranslatedAttempt:
             code, response.phrase, [(b"Content-Type", _JSON)],
             error_body(self._error_shape, code, message, "upstream_error"), own_body=body,
         )
-        if code in (502, 503):
-            raise RetryableFailure(f"status_{code}", f"upstream {url} answered {code}: {message[:200]}", answer)
-        if self._server.judge(code, body) == GPU:
-            raise RetryableFailure("gpu_error", f"upstream {url} GPU failure: {message[:200]}", answer)
+        raise_judged(code, self._server.judge(code, body), f"upstream {url} answered {code}: {message[:200]}", answer)
         return self._write(code, response.phrase, answer.body)
 
     def _write(self, code: int, phrase: bytes, body: bytes) -> int:

@@ -38,13 +38,33 @@ fetch or build a model (:data:`MODEL_LOADING_PATHS`).
 GPU failure: Ollama answers a request's own mistakes with 500 too, and
 quotes the request while doing so (a bad ``template`` on ``/api/generate``
 gives ``template: :1: function "gpu" not defined``, HEAD
-``server/routes.go:503-505``).  Searching the body for words such as "gpu"
-or "cuda" would let any caller declare an outage.  So a failure counts only
-when the error *message*, taken from the structure of Ollama's error JSON,
-**starts** with a prefix that Ollama's own code writes for a runner or
-memory failure.  Text after the prefix (the runner's last stderr line, which
-can say ``CUDA error: out of memory``) is never read: only the prefix
-decides, and no request field can be put in front of it.
+``server/routes.go:503-505``).  The error *message* is taken from the
+structure of Ollama's error JSON only, and its words count three ways, each
+Ollama's or its runner's own:
+
+* it **starts** with a prefix that Ollama's own code writes for a runner or
+  memory failure (:data:`GPU_FAILURE_PREFIXES`; no request field can be put
+  in front of it);
+* it is exactly llama.cpp's ``Compute error.`` (:data:`COMPUTE_ERROR`), which
+  HEAD's llama-server runner passes through with its own status
+  (``llm/llama_server.go:2380-2382`` ``normalizeEmbeddingError``, ``2435-2447``;
+  the handler relays an ``api.StatusError`` as it is, ``server/routes.go:1000-1006``);
+* in a 500, it **contains**, in any case, one of Ollama's own out-of-memory substrings
+  (:data:`OUT_OF_MEMORY_SUBSTRINGS`, HEAD ``llm/status.go:85-96``), the very
+  test Ollama applies to a runner's error before it expires every loaded
+  runner as a runtime OOM (``IsOutOfMemoryMessage``, ``llm/status.go:116-124``;
+  ``server/sched.go:1632-1636`` ``expireRunnersForRuntimeOOM``, called by the
+  handlers at ``server/routes.go:736, 1001, 1086``).
+
+A request can make Ollama quote a substring (a ``template`` naming a function
+``ErrorOutOfMemory``), so these words are never enough to hold the upstream:
+a GPU failure is evidence, and the outage probe, a minimal call whose text
+the proxy chooses, decides whether the upstream is down
+(watchers/outage.py).  A request that fails alone in such words is retried
+at most ``upstream.max_attempts`` times and then gets Ollama's own answer.
+
+Any other 5xx says nothing the proxy knows (:data:`~.base.UPSTREAM`): the
+probe decides too, and when it passes the caller gets Ollama's answer at once.
 
 The error JSON is Ollama's ``{"error": "<message>"}`` (``gin.H{"error":
 err.Error()}`` in ``server/routes.go``), or on the ``/v1/`` routes its
@@ -187,6 +207,27 @@ GPU_FAILURE_PREFIXES: tuple[str, ...] = (
     "failed to commit memory for model",  # v0.12.0 llm/server.go:834
 )
 
+#: llama.cpp's own words when ``llama_decode`` fails on the device (``update_slots``, server.cpp), which
+#: HEAD's llama-server runner relays with their status: ``normalizeEmbeddingError`` keeps any message
+#: that is not about the input's length (HEAD llm/llama_server.go:2380-2382, 2435-2447).
+COMPUTE_ERROR = "Compute error."
+
+#: Ollama's ``outOfMemorySubstrings`` (HEAD llm/status.go:85-96): a message containing one, in any case
+#: (``IsOutOfMemoryMessage``, llm/status.go:116-124), is a runtime OOM to Ollama, which then expires its
+#: loaded runners (server/sched.go:1632-1636).
+OUT_OF_MEMORY_SUBSTRINGS: tuple[str, ...] = (
+    "out of memory",
+    "out of device memory",
+    "cudamalloc failed",
+    "hipmalloc failed",
+    "failed to allocate",
+    "allocation failed",
+    "not enough memory",
+    "insufficient memory",
+    "vk_error_out_of_device_memory",
+    "erroroutofmemory",
+)
+
 #: Statuses such an error comes with (500; 400 from HEAD's /api/embed, see above).
 GPU_FAILURE_STATUSES = frozenset({400, 500})
 
@@ -211,11 +252,21 @@ def error_message(body: bytes) -> str | None:
 
 
 def is_gpu_failure(status: int, body: bytes) -> bool:
-    """True when Ollama says its runner or GPU memory failed (prefix at the very start of its message)."""
+    """True when Ollama says its runner or GPU memory failed, in its own words (see the module docstring):
+    a prefix at the very start of its message, llama.cpp's whole ``Compute error.``, or one of
+    Ollama's out-of-memory substrings."""
     if status not in GPU_FAILURE_STATUSES:
         return False
     message = error_message(body)
-    return message is not None and message.startswith(GPU_FAILURE_PREFIXES)
+    if message is None:
+        return False
+    if message.startswith(GPU_FAILURE_PREFIXES) or message == COMPUTE_ERROR:
+        return True
+    if status < 500:
+        # A 400 is the caller's unless a prefix says otherwise: a substring may be its input, quoted.
+        return False
+    lowered = message.lower()
+    return any(needle in lowered for needle in OUT_OF_MEMORY_SUBSTRINGS)
 
 
 def judge(status: int, body: bytes) -> str:

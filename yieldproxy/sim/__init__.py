@@ -18,8 +18,10 @@ real GPU server fails.  :class:`SimOllama` is that something:
   that no text was embedded twice;
 * it can be switched at run time into an outage (:meth:`SimOllama.set_mode`):
   ``refuse``, ``error500`` (``/api/version`` answers while every model call
-  gets Ollama's runner out-of-memory 500), ``hang``, ``reset`` or ``stall``
-  (the head of the answer and its first bytes, then nothing);
+  gets Ollama's runner out-of-memory 500), ``error500_unknown`` (the same in
+  words no list has), ``hang``, ``reset``, ``stall`` (the head of the answer
+  and its first bytes, then nothing) or ``stall_head`` (the head alone, then
+  nothing);
 * with ``api="tei"``, ``"infinity"`` or ``"llamacpp"`` (``--api``) it plays
   text-embeddings-inference, Infinity or llama.cpp's server instead: their
   native routes, answers and error shapes, each from its own source
@@ -68,7 +70,7 @@ from .content import (
 from .jobs import SimRequest
 from .models import parse_keep_alive
 from .modes import MODES
-from .ollama import BUSY_ERROR, LOAD_OOM_ERROR, OOM_ERROR, SIM_VERSION
+from .ollama import BUSY_ERROR, LOAD_OOM_ERROR, OOM_ERROR, SIM_VERSION, UNKNOWN_ERROR
 from .ollama_requests import template_error
 from .server import APIS, SimOllama
 
@@ -83,6 +85,7 @@ __all__ = [
     "SIM_VERSION",
     "SimOllama",
     "SimRequest",
+    "UNKNOWN_ERROR",
     "canonical_model",
     "cosine",
     "count_tokens",

@@ -181,6 +181,10 @@ class Scheduler:
         if transport is not None:
             transport.abortConnection()  # type: ignore[attr-defined]  # a TCP transport
 
+    def unanswered(self) -> list[Job]:
+        """The jobs queued or being served whose answer has not begun (not hung ones)."""
+        return [job for job in self._jobs if job.state in ("queued", "serving") and not job.headers_sent]
+
     def abort_all(self, outcome: str) -> None:
         """Reset every job's connection (``reset``, ``refuse``, ``stop``)."""
         for job in list(self._jobs):

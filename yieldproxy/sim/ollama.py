@@ -26,6 +26,10 @@ SIM_VERSION = "0.12.0-sim"
 OOM_ERROR = "llama runner process has terminated: CUDA error: out of memory"
 """The error a model request gets in ``error500`` mode, in Ollama's wording."""
 
+UNKNOWN_ERROR = "CUDA error: an illegal memory access was encountered"
+"""The error a model request gets in ``error500_unknown`` mode: a GPU fault in words no list has
+(neither a prefix of Ollama's nor one of its out-of-memory substrings)."""
+
 LOAD_OOM_ERROR = "llama runner process has terminated: cudaMalloc failed: out of memory"
 """What a request whose ``num_ctx`` passes ``max_num_ctx`` gets: its own load does not fit."""
 
@@ -56,6 +60,7 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "method": (405, "405 method not allowed"),
     "busy": (503, BUSY_ERROR),
     "outage": (500, OOM_ERROR),
+    "outage_unknown": (500, UNKNOWN_ERROR),
     "load_oom": (500, LOAD_OOM_ERROR),
     "internal": (500, "sim internal error"),
 }

@@ -41,6 +41,7 @@ _OUTCOMES = {
     "method": "bad_request",
     "busy": "busy",
     "outage": "error500",
+    "outage_unknown": "error500",
     "load_oom": "error500",
     "template": "template_error",
     "internal": "error500",
@@ -283,7 +284,7 @@ class SimOllama:
         """
         return self._listener.listen(self.resource, port, interface, lambda: self._mode == "refuse")
 
-    def set_mode(self, mode: str) -> defer.Deferred[None]:
+    def set_mode(self, mode: str, in_flight: bool = False) -> defer.Deferred[None]:
         """
         Switch the outage mode.
 
@@ -299,12 +300,20 @@ class SimOllama:
         (``api="llamacpp"``) loads it again when it leaves ``refuse`` or
         ``reset``: it was restarted.
 
+        With ``in_flight``, ``error500`` and ``error500_unknown`` also answer
+        every request queued or being served whose answer has not begun, as a
+        GPU that fails fails every call in progress.
+
         :returns: a Deferred that fires once the port is closed or open again
             (at once when the port is not involved).
         """
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         old, self._mode = self._mode, mode
+        if in_flight and mode in ("error500", "error500_unknown"):
+            failure = "outage" if mode == "error500" else "outage_unknown" if self._flavour.name == "ollama" else "internal"
+            for job in self._scheduler.unanswered():
+                self._send(job, self._flavour.error(job.route.style, failure, "", job), "error500")
         if mode in ("reset", "refuse"):
             self._scheduler.abort_all("reset" if mode == "reset" else "refused")
         elif old in ("reset", "refuse"):
@@ -361,7 +370,7 @@ class SimOllama:
             return self._fail(request, record, style, "not_found")
         if method not in route.methods:
             return self._fail(request, record, style, "method")
-        if route.kind == "info" or (route.kind == "probe" and mode not in ("hang", "reset", "stall")):
+        if route.kind == "info" or (route.kind == "probe" and mode not in ("hang", "reset", "stall", "stall_head")):
             return self._info(request, record, route)
         if mode == "reset":
             return self._abort_request(request, record, "reset")
@@ -380,6 +389,15 @@ class SimOllama:
 
         if mode == "error500":
             return self._fail(request, record, style, "outage", job=job)
+        if mode == "error500_unknown":
+            # Words no list has: Ollama's own table has them, the other servers answer their internal 500.
+            return self._fail(request, record, style, "outage_unknown" if api.name == "ollama" else "internal", job=job)
+        if mode == "stall_head":
+            # The head of an answer, then nothing, until the client leaves (or reset/refuse/stop).
+            request.setHeader(b"content-type", JSON)
+            request.write(b"")
+            self._scheduler.admit(job, hang=True)
+            return NOT_DONE_YET
         if self.max_num_ctx and job.num_ctx > self.max_num_ctx:
             # This request's own context does not fit: its load fails, the GPU is fine.
             return self._fail(request, record, style, "load_oom", job=job)

@@ -1,7 +1,8 @@
 """Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
 The upstream's health (health.py) hands every failed attempt of the outage
-kinds (refused, connect, reset, gpu_error, status_503) to
+kinds (:data:`OUTAGE_REASONS`: refused, connect, reset, timeout, stall,
+gpu_error, status_503, and a 5xx in words no list has) to
 :meth:`OutageWatcher.judge` while the watcher runs, which answers with a
 verdict: does a recognised outage explain the failure?
 
@@ -65,8 +66,13 @@ from ..state import ALL, DEFAULT_MEMBER, YieldState
 log = Logger()
 
 SOURCE = OUTAGE_SOURCE
-#: Failures that may mean "the upstream (or its GPU) is down", not "this request was slow".
-OUTAGE_REASONS = frozenset({"refused", "connect", "reset", "gpu_error", "status_503"})
+#: Failures that may mean "the upstream (or its GPU) is down": a probe decides.  A ``timeout`` or a
+#: ``stall`` (no first byte, or silence mid-answer) is probed too: a wedged runner fails every call
+#: that way, while a request that is merely slow sees the probe pass and counts its attempt.  An
+#: ``unknown_error`` is a 5xx in words no list has (forward.raise_judged).
+OUTAGE_REASONS = frozenset(
+    {"refused", "connect", "reset", "timeout", "stall", "gpu_error", "status_503", "unknown_error"}
+)
 
 
 @attrs.define(eq=False)
@@ -121,13 +127,15 @@ class UpstreamProbe:
         return True
 
     def _model_answered(self, answer: Answer) -> bool | str:
-        """Down only when it fails the way an outage does; any other answer means the GPU serves
-        (:data:`NOT_READY` when its server says it is still loading its model)."""
+        """Down when it fails: any 5xx (the probe's text is the proxy's, so whatever its words say,
+        the upstream cannot serve this kind of call), or its server's GPU words at another status;
+        any other answer means the GPU serves (:data:`NOT_READY` when its server says it is still
+        loading its model)."""
         self._health.answered()
         if self.server is not None and self.server.judge(answer.code, answer.body) == NOT_READY:
             self._health.not_ready(f"a probe of a model call answered {answer.code} (loading its model)")
             return NOT_READY
-        if answer.code == 503:
+        if answer.code >= 500:
             return False
         if self.server is None:
             return not is_gpu_failure(answer.code, answer.body)

@@ -1,0 +1,160 @@
+"""The regression matrix: whatever the upstream says or does, a real-client burst loses nothing (issue 16).
+
+{declared yield, undeclared} x {refuse, reset, hang, 500 with known words,
+500 with unknown words, stall after head} x {embed, chat stream}: in each cell a
+burst of the official ``ollama`` client's calls runs through the proxy; mid-burst
+the simulated backend fails that way for a short window (and, in the declared
+row, the operator yields through ``POST /yield`` at the same moment and resumes
+after it).  Every cell ends with 0 caller failures, every vector and every
+streamed reply right, and the backend saw at most ``sent + 2 x concurrency``
+model requests (the requests caught in flight, retried once, and the proxy's
+own probes).
+
+The cells are kept to a second or two each: small bursts, short windows, and
+short timeouts and probe intervals (all upstream.* keys).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+import ollama
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
+from rawhttp import counter_by, counter_total
+from yieldproxy.config import UpstreamConfig
+from yieldproxy.sim import DEFAULT_CHAT_MODEL, expected_embedding, expected_reply, messages_prompt
+
+EMBED_MODEL = "all-minilm"
+#: The ways a backend fails, as the sim's modes (yieldproxy/sim/modes.py) play them.
+KINDS = {
+    "refuse": "refuse",
+    "reset": "reset",
+    "hang": "hang",
+    "500_known_words": "error500",
+    "500_unknown_words": "error500_unknown",
+    "stall_after_head": "stall_head",
+}
+SENT = 40
+CONCURRENCY = 8
+#: How long the backend fails in each cell.
+WINDOW = 0.6
+TIMEOUT = 60
+PATHS = {"embed": "/api/embed", "chat": "/api/chat"}
+
+#: ``upstream.stall_timeout_seconds`` (the silence after an answer's head), when this version has it.
+HAS_STALL_TIMEOUT = "stall_timeout_seconds" in attrs.fields_dict(UpstreamConfig)
+
+
+class Callers:
+    """``CONCURRENCY`` blocking ``ollama`` clients sending ``SENT`` calls of one kind; every outcome recorded."""
+
+    def __init__(self, url: str, route: str, tag: str):
+        self.url = url
+        self.route = route
+        self.texts = [f"{tag} {i}" for i in range(SENT)]
+        self.done = 0
+        self.failures: list[str] = []
+        self.wrong: list[str] = []
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def _take(self) -> str | None:
+        with self._lock:
+            if self._next >= len(self.texts):
+                return None
+            self._next += 1
+            return self.texts[self._next - 1]
+
+    def _call(self, client: ollama.Client, text: str) -> bool:
+        """One call; True when its answer is exactly what the backend computes for it."""
+        if self.route == "embed":
+            vector = client.embed(model=EMBED_MODEL, input=text).embeddings[0]
+            return list(vector) == expected_embedding(text, EMBED_MODEL)
+        messages = [{"role": "user", "content": text}]
+        reply = "".join(
+            part.message.content or "" for part in client.chat(model=DEFAULT_CHAT_MODEL, messages=messages, stream=True)
+        )
+        return reply == "".join(expected_reply(messages_prompt(messages), DEFAULT_CHAT_MODEL))
+
+    def _worker(self) -> None:
+        client = ollama.Client(host=self.url, timeout=TIMEOUT)
+        while (text := self._take()) is not None:
+            try:
+                right = self._call(client, text)
+            except Exception as e:  # every failure the caller would see
+                with self._lock:
+                    self.failures.append(f"{text}: {type(e).__name__}: {e}")
+                continue
+            with self._lock:
+                self.done += 1
+                if not right:
+                    self.wrong.append(text)
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            for _ in range(CONCURRENCY):
+                pool.submit(self._worker)
+
+
+def matrix_config():
+    upstream = {
+        "attempt_timeout_seconds": 0.5,
+        "model_probe_timeout_seconds": 0.5,
+        "health_interval_seconds": 0.1,
+        "health_max_interval_seconds": 0.2,
+        "retry_backoff_seconds": 0.02,
+        "retry_backoff_max_seconds": 0.05,
+        # Fewer tries than the window holds timeouts: an attempt the failure explains must not count.
+        "max_attempts": 2,
+    }
+    if HAS_STALL_TIMEOUT:
+        upstream["stall_timeout_seconds"] = 0.5
+    return config_with(replay={"concurrency": 4}, upstream=upstream)
+
+
+@pytest.mark.parametrize("route", ["embed", "chat"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+@pytest_twisted.ensureDeferred
+async def test_a_real_client_burst_loses_nothing_whatever_the_upstream_does(declared, kind, route):
+    stack = await start_stack(reactor, matrix_config(), watchers=True, latency=0.02, parallel=4)
+    try:
+        outage = next(s for s in stack.proxy.watchers if s.name == "watcher:outage")
+        await wait_for(reactor, lambda: outage.reachable, timeout=10)
+        callers = Callers(stack.proxy_url, route, f"{kind} {route}")
+        running = in_thread(reactor, callers.run, timeout=TIMEOUT)
+        await wait_for(reactor, lambda: callers.done >= CONCURRENCY, timeout=30)
+        # The backend fails; in the declared row the operator yields at the same moment.
+        failing = stack.sim.set_mode(KINDS[kind])
+        if declared:
+            await admin(stack, "/yield", {"reason": "matrix", "source": "broker"})
+        await failing
+        await sleep(reactor, WINDOW)
+        await stack.sim.set_mode("ok")
+        if declared:
+            await admin(stack, "/resume", {"source": "broker"})
+        await running
+        backend = stack.sim.requests_total[PATHS[route]]
+        print(
+            f"matrix cell {'declared' if declared else 'undeclared'}/{kind}/{route}: "
+            f"{len(callers.failures)} caller failures, {len(callers.wrong)} wrong, "
+            f"{backend} backend requests (bound {SENT + 2 * CONCURRENCY})"
+        )
+        assert callers.failures == [], callers.failures[:3]
+        assert callers.wrong == []
+        assert callers.done == SENT
+        # Nothing left behind, every request answered 200 once.
+        assert len(stack.proxy.lot) == 0 and stack.proxy.replayer.inflight == 0
+        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(SENT)}
+        # The backend saw each call, the calls caught by the failure once more, and the probes.
+        assert backend <= SENT + 2 * CONCURRENCY, (backend, dict(stack.sim.requests_total))
+        # The window did catch calls (the matrix tests what it says).
+        assert counter_total(stack, "yieldproxy_upstream_failures") > 0
+    finally:
+        await stack.stop()
