@@ -107,7 +107,7 @@ def matrix_config():
         "attempt_timeout_seconds": 0.5,
         "model_probe_timeout_seconds": 0.5,
         "health_interval_seconds": 0.1,
-        "health_max_interval_seconds": 0.2,
+        "health_max_interval_seconds": 0.4,
         "retry_backoff_seconds": 0.02,
         "retry_backoff_max_seconds": 0.05,
         # Fewer tries than the window holds timeouts: an attempt the failure explains must not count.
