@@ -175,6 +175,18 @@ def exchange(port: int, data: bytes, timeout: float = 10.0) -> Response:
         client.close()
 
 
+def connect_then_send(port: int, count: int, data: bytes, timeout: float = 15.0) -> list[Response]:
+    """``count`` clients that all connect first, then each send ``data``: the answer each got (status 0: closed)."""
+    clients = [RawClient(port, timeout=timeout) for _ in range(count)]
+    try:
+        for client in clients:
+            client.send(data)
+        return [client.response(timeout) for client in clients]
+    finally:
+        for client in clients:
+            client.close()
+
+
 def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]] = (), body: bytes = b"",
                   length: bool = True) -> bytes:
     """A request as bytes, headers exactly as given (plus Host and Content-Length unless given)."""

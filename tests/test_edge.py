@@ -23,6 +23,7 @@ from rawhttp import (
     RawClient,
     RecordingBackend,
     assert_nothing_forwarded,
+    connect_then_send,
     counter_total,
     exchange,
     parse_response,
@@ -240,13 +241,16 @@ async def test_a_connection_flood_gets_503s_and_the_admin_api_keeps_answering():
 
 @pytest_twisted.ensureDeferred
 async def test_the_admin_listener_has_its_own_cap():
+    """Past admin.max_connections a slow request gets 503; one that comes whole at once is served in the room kept."""
     stack = await start_stack(reactor, config_with(admin={"max_connections": 3}))
     busy = []
     try:
         busy = [_busy(port_of(stack.admin_url)) for _ in range(3)]
         await wait_for(reactor, lambda: stack.proxy.admin_app.connections.open == 3)
-        over = await raw(stack.admin_url, request_bytes(b"GET", b"/status"))
+        over = await raw(stack.admin_url, b"GET /status HTTP/1.1\r\n")
         assert "admin.max_connections" in json_error(over, 503)
+        whole = await raw(stack.admin_url, request_bytes(b"GET", b"/status"))
+        assert whole.status == 200 and whole.json()["state"] == "available"
         # The proxy listener is not affected.
         ok = await treq.get(stack.proxy_url + "/api/version", persistent=False).addTimeout(TIMEOUT, reactor)
         assert ok.code == 200
@@ -311,21 +315,9 @@ def test_an_idle_keepalive_connection_is_closed_after_the_keepalive_timeout():
 # -- at the cap: an answer, never a bare close (issue 16, section 4) ------------------------------
 
 
-def _connect_then_send(port: int, count: int, data: bytes, timeout: float = 15.0) -> list:
-    """``count`` clients that all connect first, then each send ``data``: the answer each got (status 0: closed)."""
-    clients = [RawClient(port, timeout=timeout) for _ in range(count)]
-    try:
-        for client in clients:
-            client.send(data)
-        return [client.response(timeout) for client in clients]
-    finally:
-        for client in clients:
-            client.close()
-
-
 @pytest_twisted.ensureDeferred
 async def test_at_the_cap_every_client_that_connects_then_sends_gets_an_answer():
-    """16 connections allowed, 40 connect before any sends: 16 answered 200, 24 a 503 with Retry-After, none closed bare.
+    """16 connections allowed, 40 connect before any sends: each is answered, 200 or a 503 with Retry-After, none closed bare.
 
     A connection just accepted was counted as idle, so the next one closed it
     to make room: 24 clients got a closed socket and no answer.
@@ -333,16 +325,17 @@ async def test_at_the_cap_every_client_that_connects_then_sends_gets_an_answer()
     stack = await recording_stack(config_with(proxy={"max_connections": 16}))
     try:
         answers = await in_thread(
-            reactor, _connect_then_send, port_of(stack.proxy_url), 40, request_bytes(b"GET", b"/api/tags"),
+            reactor, connect_then_send, port_of(stack.proxy_url), 40, request_bytes(b"GET", b"/api/tags"),
             timeout=TIMEOUT,
         )
         statuses = [answer.status for answer in answers]
-        assert statuses.count(200) == 16 and statuses.count(503) == 24, statuses
+        # (A client served before the last ones were accepted leaves an idle kept-alive
+        # connection, which one of them may take: more than 16 may be served.)
+        assert set(statuses) <= {200, 503} and statuses.count(200) >= 16, statuses
         for answer in answers:
             if answer.status == 503:
                 assert "proxy.max_connections" in json_error(answer, 503)
                 assert answer.header(b"retry-after") == b"2"
-        assert stack.proxy.proxy_app.connections.reclaimed == 0
     finally:
         await stack.stop()
 
@@ -495,3 +488,93 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
         for client in held:
             client.close()
         await stack.stop()
+
+
+# -- the admin plane stays reachable under a flood (issue 16, section 4) ---------------------------
+
+
+def _flood(port: int, count: int, stop, source: str = "127.0.0.1") -> int:
+    """``count`` connections to ``port`` that each send one byte and reconnect when closed, until ``stop`` is set.
+
+    One thread, non-blocking sockets; returns how many connections it made.
+    """
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    made = 0
+
+    def connect():
+        nonlocal made
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.bind((source, 0))
+        sock.connect_ex(("127.0.0.1", port))
+        selector.register(sock, selectors.EVENT_WRITE, "connecting")
+        made += 1
+
+    try:
+        for _ in range(count):
+            connect()
+        while not stop.is_set():
+            for key, events in selector.select(0.05):
+                sock = key.fileobj
+                if key.data == "connecting":
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        try:
+                            sock.send(b"G")
+                            selector.modify(sock, selectors.EVENT_READ, "holding")
+                            continue
+                        except OSError:
+                            pass
+                else:
+                    try:
+                        if sock.recv(65536):
+                            continue  # an answer: read on until the close
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pass
+                selector.unregister(sock)
+                sock.close()
+                connect()
+    finally:
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()
+        selector.close()
+    return made
+
+
+@pytest.mark.parametrize("source", ["127.0.0.1", "127.0.0.2"], ids=["same-address", "other-address"])
+@pytest_twisted.ensureDeferred
+async def test_the_operator_gets_through_an_admin_flood(source):
+    """200 connections that each send one byte to the admin port and reconnect: POST /resume still answers, 10/10.
+
+    Before, the flood held every admin connection for the 30 s read timeout
+    and the operator's calls got 503s.  Now a request that arrives complete
+    at once is served in room kept for such requests, however many slow
+    connections one address holds; and an address past its own cap cannot
+    hold more of the listener.
+    """
+    import threading
+
+    stack = await start_stack(reactor, config_with(admin={"max_connections": 64}))
+    port = port_of(stack.admin_url)
+    stop = threading.Event()
+    flooding = in_thread(reactor, _flood, port, 200, stop, source, timeout=TIMEOUT + 30)
+    try:
+        await wait_for(reactor, lambda: stack.proxy.admin_app.connections.refused > 100, timeout=20)
+        statuses = []
+        for _ in range(10):
+            started = reactor.seconds()
+            answer = await treq.post(
+                stack.admin_url + "/resume", json={"source": "api"}, persistent=False
+            ).addTimeout(10, reactor)
+            await answer.content()
+            statuses.append((answer.code, round(reactor.seconds() - started, 2)))
+        assert [code for code, _ in statuses] == [200] * 10, statuses
+        assert max(seconds for _, seconds in statuses) < 5, statuses
+    finally:
+        stop.set()
+        made = await flooding
+        await stack.stop()
+    assert made > 200  # the flood went on: its connections were closed and made again

@@ -6,6 +6,7 @@ import re
 import resource
 from pathlib import Path
 
+import pytest_twisted
 from twisted.logger import formatEvent, globalLogPublisher
 
 from helpers import config_with
@@ -104,3 +105,54 @@ def test_the_systemd_unit_gives_the_default_config_enough_descriptors():
     assert limit, "no LimitNOFILE= in the unit"
     budget = fd_budget(Config(), lambda which: (1024, 1024), lambda which, limits: None)
     assert int(limit.group(1)) >= budget.need
+
+
+@pytest_twisted.ensureDeferred
+async def test_at_the_cap_fitted_to_the_open_file_limit_every_client_gets_an_answer():
+    """A proxy whose hard open-file limit fits 24 client connections; 224 clients connect, then send.
+
+    The cap is the one ``fit_fd_limit`` derives, in a process that really
+    has only those descriptors: each client is served or gets a 503 with
+    Retry-After (the listener pauses accepting while 64 are being
+    refused), none a bare close (with 30,000 clients and a hard limit of
+    20,000, 20,109 got one).
+    """
+    import os
+    import subprocess
+    import sys
+
+    from twisted.internet import reactor
+
+    from helpers import in_thread
+    from rawhttp import RecordingBackend, connect_then_send, request_bytes
+
+    backend = RecordingBackend()
+    port = await backend.listen(reactor)
+    others = 64 + 64 + RESERVE
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    child = subprocess.Popen(
+        [sys.executable, str(here / "fdlimit_proxy.py"), str(others + 2 * 24), f"http://127.0.0.1:{port}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+    )
+    try:
+        line = await in_thread(reactor, child.stdout.readline, timeout=60)
+        ready = re.match(rb"ready proxy=(\d+) cap=(\d+)", line)
+        assert ready, line
+        assert int(ready.group(2)) == 24
+        answers = await in_thread(
+            reactor, connect_then_send, int(ready.group(1)), 224, request_bytes(b"GET", b"/api/tags"), 30, timeout=90
+        )
+        statuses = [answer.status for answer in answers]
+        # A client served early leaves an idle kept-alive connection, which a later one may take.
+        assert set(statuses) <= {200, 503} and statuses.count(200) >= 24, sorted(statuses)
+        assert statuses.count(503) >= 100, sorted(statuses)
+        assert all(answer.header(b"retry-after") == b"2" for answer in answers if answer.status == 503)
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(10)
+        await backend.stop()

@@ -37,7 +37,7 @@ from .fallback import NotNow
 from .gate import Gate
 from .history import History
 from .hosts import HostPolicy, cross_site
-from .httpserver import Connections, ProxySite
+from .httpserver import QUICK_ROOM, Connections, ProxySite
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
@@ -49,6 +49,11 @@ _log = Logger()
 _ADMIN_BODY_LIMIT = 64 * 1024
 #: Brokers and scrapers reconnect; an idle admin connection need not live long.
 _ADMIN_IDLE_SECONDS = 60
+#: Seconds an admin client has to send a whole request, counted from the accept (a few fields of JSON).
+ADMIN_READ_SECONDS = 5.0
+#: Seconds within which a request must come whole to be served past ``admin.max_connections``
+#: (in the room kept for such requests, ``httpserver.QUICK_ROOM``): the operator's calls are one packet.
+ADMIN_QUICK_SECONDS = 0.5
 
 #: The status page's files in ``yieldproxy/static/``, with their content types.
 #: Only these are served: nothing else in the package is reachable.
@@ -191,7 +196,11 @@ class AdminApp:
     app = Klein()
 
     def __attrs_post_init__(self) -> None:
-        self.connections = Connections(self._config.admin.max_connections, "admin.max_connections")
+        admin = self._config.admin
+        self.connections = Connections(
+            admin.max_connections, "admin.max_connections", per_peer=admin.max_connections_per_peer,
+            reserved=QUICK_ROOM, quick_seconds=ADMIN_QUICK_SECONDS,
+        )
         self.started_at = self._clock.seconds()
 
     def site(self) -> Site:
@@ -199,6 +208,8 @@ class AdminApp:
         return ProxySite(
             self.app.resource(),
             _ADMIN_BODY_LIMIT,
+            request_read_timeout=ADMIN_READ_SECONDS,
+            read_from_accept=True,
             request_log=False,
             timeout=_ADMIN_IDLE_SECONDS,
             connections=self.connections,

@@ -132,6 +132,8 @@ class AdminConfig:
     read_token_file: str = ""
     #: Connections at once on the admin listener, kept apart from the proxy's.
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
+    #: Admin connections one client address may hold (its requests that come whole at once still pass).
+    max_connections_per_peer: int = attrs.field(default=16, validator=_at_least(1))
     #: Host header values accepted besides this machine's own names (docs/security.md).
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
     #: Holds at once from callers of POST /yield (the watchers' own are not counted).

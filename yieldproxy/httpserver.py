@@ -49,6 +49,7 @@ stops calling one.
 from __future__ import annotations
 
 import io
+import re
 from typing import Any, Callable
 from urllib.parse import unquote_to_bytes
 
@@ -84,8 +85,13 @@ OVER_CAPACITY_RETRY_AFTER = 2
 #: Connections being refused at once (each holds a descriptor for a second or two);
 #: at it the listener stops accepting until one is done (see :class:`Connections`).
 MAX_REFUSING = 64
+#: Connections a listener keeps past its cap for requests that come whole at once (the admin
+#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (limits.py).
+QUICK_ROOM = 8
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0
+#: The Content-Length of a head, for :func:`_complete` (a malformed one is the channel's 400 to give).
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
 #: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
 SMALL_BODY_BYTES = 64 * 1024
 #: Retry-After, in seconds, of the 503 for a body refused because the receiving budget is used up.
@@ -142,6 +148,11 @@ class StrictChunkedDecoder(_ChunkedTransferDecoder):
         return super()._dataReceived_TRAILER()
 
 
+def _peer_host(address) -> str | None:
+    """The host of a peer address (None for a unix socket's: no cap per address there)."""
+    return getattr(address, "host", None)
+
+
 @attrs.define(eq=False)
 class Connections:
     """The open connections of one listener, and its cap.
@@ -174,6 +185,14 @@ class Connections:
     max_receiving_bytes: int | None = None
     #: Bytes of request bodies being received now (a declared length counts whole from its head).
     receiving: int = 0
+    #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
+    per_peer: int | None = None
+    #: Connections past ``limit`` kept for requests that come whole within ``quick_seconds`` (see
+    #: :class:`OverCapacity`); 0 with ``quick_seconds`` None: no such room (the proxy listener).
+    reserved: int = 0
+    quick_seconds: float | None = None
+    _peers: dict = attrs.Factory(dict)
+    _peer_of: dict = attrs.Factory(dict)
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
@@ -184,11 +203,35 @@ class Connections:
     def opened(self, channel) -> None:
         """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
         self.open += 1
+        if self.per_peer is not None:
+            host = _peer_host(channel.transport.getPeer())
+            if host is not None:
+                self._peer_of[channel] = host
+                self._peers[host] = self._peers.get(host, 0) + 1
 
     def closed(self, channel) -> None:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
         self._idle.pop(channel, None)
+        if self._peer_of:
+            host = self._peer_of.pop(channel, None)
+            if host is not None:
+                left = self._peers[host] - 1
+                if left:
+                    self._peers[host] = left
+                else:
+                    del self._peers[host]
+
+    def peer_full(self, address) -> bool:
+        """``address`` holds its share of the listener already (``per_peer``)."""
+        if self.per_peer is None:
+            return False
+        host = _peer_host(address)
+        return host is not None and self._peers.get(host, 0) >= self.per_peer
+
+    def make_room(self) -> bool:
+        """Room for a request that came whole at once: the room kept for such requests, or an idle connection's."""
+        return self.open < self.limit + self.reserved or self.reclaim_idle()
 
     def set_idle(self, channel, idle: bool) -> None:
         """Mark ``channel`` as waiting for a request (reclaimable) or busy with one."""
@@ -278,6 +321,15 @@ class Connections:
             self._refused_since_log = 0
 
 
+def _complete(data: bytes) -> bool:
+    """Whether ``data`` holds a whole request: its head, and as many body bytes as its Content-Length says."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    length = _CONTENT_LENGTH.search(data, 0, end + 2)
+    return length is None or len(data) - end - 4 >= int(length.group(1))
+
+
 class OverCapacity(Protocol):
     """A connection past the cap: a 503 with Retry-After in its API's shape, then closed.
 
@@ -285,34 +337,65 @@ class OverCapacity(Protocol):
     an OpenAI client in the OpenAI shape; then it writes the answer, shuts
     its side, and drops what still comes for a moment (so the client reads
     the answer rather than a reset).
+
+    With ``promote`` (the admin listener, whose :class:`Connections` keeps
+    room for quick requests), a connection whose whole request comes within
+    ``quick_seconds`` is not refused if there is room kept for it: it is
+    handed to a channel built by ``promote(address)``, which reads the
+    request as if it had come to it.  A flood of connections that send a
+    byte and wait never fills that room, so the operator's own calls, whole
+    in their first packet, get through.
     """
 
     #: Set by ``makeConnection``: a TCP (or unix) transport.
     transport: Any
 
-    def __init__(self, connections: Connections, clock):
+    def __init__(self, connections: Connections, clock, promote: Callable[[Any], Any] | None = None):
         self._connections = connections
         self._clock = clock
+        self._promote = promote
         self._head = b""
         self._timer = None
         self._answered = False
 
     def connectionMade(self):
         self._connections.refusing_started()
-        self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
+        wait = OVER_CAPACITY_WAIT
+        if self._promote is not None:
+            wait = self._connections.quick_seconds or wait
+        self._timer = self._clock.callLater(wait, self._answer)
 
     def dataReceived(self, data):
         if self._answered:
             return
         self._head += data
-        if b"\n" in self._head or len(self._head) > MAX_HEADER_BYTES:
+        if self._promote is not None and _complete(self._head):
+            if self._connections.make_room() and self._hand_over():
+                return
             self._answer()
+        elif (self._promote is None and b"\n" in self._head) or len(self._head) > MAX_HEADER_BYTES:
+            self._answer()
+
+    def _hand_over(self) -> bool:
+        """Give the connection, and what it sent, to a channel of the site; False if its transport cannot switch."""
+        transport = self.transport
+        if getattr(transport, "protocol", None) is not self:
+            return False  # a wrapping transport (TLS) delivers to another attribute: refused as usual
+        self._answered = True
+        self._stop_timer()
+        self._connections.refusing_ended()
+        channel = self._promote(transport.getPeer())
+        transport.protocol = channel
+        channel.makeConnection(transport)
+        channel.dataReceived(self._head)
+        return True
 
     def _answer(self) -> None:
         if self._answered:
             return
         self._answered = True
         self._stop_timer()
+        self._connections.note_refusal(self._clock)
         parts = self._head.split(b"\n", 1)[0].split(b" ")
         path = parts[1] if len(parts) > 2 else b""
         message = (
@@ -582,6 +665,10 @@ class ProxyChannel(HTTPChannel):
         self._connections = getattr(site, "connections", None)
         if self._connections is not None:
             self._connections.opened(self)
+        if getattr(site, "read_from_accept", False):
+            # The first request's time counts from the accept (the admin listener): a connection
+            # that sends nothing, or a byte, holds its place no longer than a slow request may.
+            self._arm_read_timer()
 
     def getHost(self):
         """The local address, read once: Twisted asks for it with every request (a ``getsockname`` call)."""
@@ -627,7 +714,8 @@ class ProxyChannel(HTTPChannel):
             self._in_request = True
             if self._connections is not None:
                 self._connections.set_idle(self, False)
-            self._arm_read_timer()
+            if self._read_deadline is None:  # else armed at the accept (``read_from_accept``)
+                self._arm_read_timer()
         super().dataReceived(data)
         # Reading a head, what is left is the start of a line: a LF in it is bare (a CRLF would
         # have ended the line), and Twisted would wait for a CRLF that never comes.
@@ -881,6 +969,7 @@ class ProxySite(Site):
         stall_timeout: float | None = None,
         connections: Connections | None = None,
         host_policy: HostPolicy | None = None,
+        read_from_accept: bool = False,
         **kwargs,
     ):
         request_class = type(
@@ -896,6 +985,8 @@ class ProxySite(Site):
         self.stall_timeout = stall_timeout
         self.connections = connections
         self.host_policy = host_policy
+        #: The first request's read timeout counts from the accept, not from its first byte.
+        self.read_from_accept = read_from_accept
         #: Answers a request whose body passed the limit (None: a plain 413 here).
         self.oversized = oversized
         #: Answers a request whose body found the receiving budget used up (None: a plain 503 here).
@@ -904,10 +995,16 @@ class ProxySite(Site):
     def buildProtocol(self, addr):
         """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""
         connections = self.connections
-        if connections is not None and connections.full() and not connections.reclaim_idle():
-            connections.note_refusal(self.reactor)
+        if connections is not None and (
+            (connections.full() and not connections.reclaim_idle()) or connections.peer_full(addr)
+        ):
             # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
-            return OverCapacity(connections, self.reactor)
+            promote = self._channel if connections.quick_seconds else None
+            return OverCapacity(connections, self.reactor, promote)
+        return self._channel(addr)
+
+    def _channel(self, addr):
+        """A channel for a connection from ``addr`` (the cap decided already)."""
         channel = super().buildProtocol(addr)
         if channel is not None:
             # HTTPFactory gives the channel the reactor's callLater; the read timer reads the same clock.
