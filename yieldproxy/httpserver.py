@@ -29,9 +29,18 @@ bound, or forward anything it did not parse itself, so this layer:
   :class:`~yieldproxy.hosts.HostPolicy` gets 403), so a web page cannot reach
   it through DNS rebinding;
 * keeps at most ``max_connections`` connections open (:class:`Connections`):
-  past it, an idle keep-alive connection is closed to make room, or the new
-  one is answered 503 with ``Retry-After`` and closed, so a flood cannot use
-  up the process's file descriptors;
+  past it, an idle keep-alive connection (one that finished a request) is
+  closed to make room, or the new one is answered 503 with ``Retry-After``
+  and closed, never closed unanswered (under a flood the port pauses
+  accepting), so a flood cannot use up the process's file descriptors; the
+  admin listener also caps each peer address and keeps room for requests
+  that come whole at once (:class:`OverCapacity`), so the operator gets in;
+* bounds the bytes of bodies being received at once, all connections
+  together (``proxy.max_receiving_bytes``): past it a body is answered 503
+  before it is read, a quarter being kept for small bodies;
+* refuses a head or a chunk line ending in a bare LF and a chunk size of more
+  than 16 hex digits with its 400 at once (:class:`StrictChunkedDecoder`),
+  where Twisted would wait for a CRLF that never comes;
 * closes a connection that waits for its next request longer than the
   keep-alive timeout (the Site's ``timeout``), much shorter than the time a
   slow reader is given (``stall_timeout``).
@@ -41,7 +50,8 @@ client still sends, so the client reads our answer instead of a TCP reset.
 
 The channel hooks into :class:`twisted.web.http.HTTPChannel` internals
 (``_receivedHeaderSize``, ``_handlingRequest``, ``_respondToBadRequestAndDisconnect``,
-``_failChooseTransferDecoder``, ``_finishRequestBody``...), as they are in
+``_failChooseTransferDecoder``, ``_finishRequestBody``, ``LineReceiver._buffer``,
+``_ChunkedTransferDecoder`` and ``tcp.Port.numberAccepts``...), as they are in
 Twisted 26.10; ``tests/test_httpserver_hooks.py`` fails, naming the hook, if a Twisted release
 stops calling one.
 """
