@@ -177,7 +177,7 @@ class Connections:
 
     A connection past the cap is answered 503 (:class:`OverCapacity`), which
     holds its descriptor for a second or two.  With :data:`MAX_REFUSING`
-    being refused at once, the listening ports (see :meth:`listening`) stop
+    being refused at once, the listeners (see :meth:`listening`) stop
     accepting until one of them is done: further clients wait in the
     kernel's backlog for their answer instead of getting a bare close.
     """
@@ -206,13 +206,16 @@ class Connections:
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
-    #: The listening ports of this listener, paused while too many connections are being refused.
-    _ports: list = attrs.Factory(list)
-    _paused: bool = False
+    #: The listeners serving these connections (listener.py), held back while too many are being refused.
+    _listeners: list = attrs.Factory(list)
+    _held_back: bool = False
+    #: Connections accepted that have not sent a byte yet (not reclaimable, but a reload hands them over).
+    _fresh: dict = attrs.Factory(dict)
 
     def opened(self, channel) -> None:
         """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
         self.open += 1
+        self._fresh[channel] = None
         if self.per_peer is not None:
             host = _peer_host(channel.transport.getPeer())
             if host is not None:
@@ -223,6 +226,7 @@ class Connections:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
         self._idle.pop(channel, None)
+        self._fresh.pop(channel, None)
         if self._peer_of:
             host = self._peer_of.pop(channel, None)
             if host is not None:
@@ -244,14 +248,16 @@ class Connections:
         return self.open < self.limit + self.reserved or self.reclaim_idle()
 
     def set_idle(self, channel, idle: bool) -> None:
-        """Mark ``channel`` as waiting for a request (reclaimable) or busy with one."""
+        """Mark ``channel`` as waiting for its next request (reclaimable) or busy with one."""
         self._idle.pop(channel, None)
         if idle:
             self._idle[channel] = None
+        else:
+            self._fresh.pop(channel, None)
 
     def idle_channels(self) -> list:
-        """The connections waiting for their next request, oldest first (a reload hands them over)."""
-        return list(self._idle)
+        """The connections waiting for a request, the first or the next (a reload hands them over)."""
+        return [*self._fresh, *self._idle]
 
     def full(self) -> bool:
         """At the cap: a new connection needs room made, or is refused."""
@@ -290,32 +296,31 @@ class Connections:
     def give_back_receiving(self, size: int) -> None:
         self.receiving -= size
 
-    def listening(self, port) -> None:
-        """``port`` accepts this listener's connections (it is paused under a flood of refusals)."""
-        self._ports.append(port)
+    def listening(self, listener) -> None:
+        """``listener`` accepts these connections: it is held back (``hold_back``/``let_in``) under a flood."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+            if self._held_back:
+                listener.hold_back()
 
-    def stopped_listening(self, port) -> None:
-        if port in self._ports:
-            self._ports.remove(port)
+    def stopped_listening(self, listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def refusing_started(self) -> None:
         """A connection is being refused: at :data:`MAX_REFUSING`, stop accepting until one is done."""
         self.refusing += 1
-        if self.refusing >= MAX_REFUSING and not self._paused:
-            self._paused = True
-            for port in self._ports:
-                port.stopReading()
-                # The accept loop under way goes on to its batch size: keep the batch small.
-                if getattr(port, "numberAccepts", 0) > MAX_REFUSING:
-                    port.numberAccepts = MAX_REFUSING
+        if self.refusing >= MAX_REFUSING and not self._held_back:
+            self._held_back = True
+            for listener in self._listeners:
+                listener.hold_back()
 
     def refusing_ended(self) -> None:
         self.refusing -= 1
-        if self._paused and self.refusing < MAX_REFUSING:
-            self._paused = False
-            for port in self._ports:
-                if port.connected and not port.disconnecting:
-                    port.startReading()
+        if self._held_back and self.refusing < MAX_REFUSING:
+            self._held_back = False
+            for listener in self._listeners:
+                listener.let_in()
 
     def note_refusal(self, clock) -> None:
         """Count a refused connection; log it, at most once every few seconds."""

@@ -22,6 +22,7 @@ from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.python.failure import Failure
 
+from .httpserver import MAX_REFUSING
 from .listen_errors import why_cannot_listen
 from .succession.sockets import let_go_port
 
@@ -49,6 +50,9 @@ class Listener(Service):
         self._inherited = inherited
         #: The listening port while running (its ``getHost()`` says where a port 0 ended up).
         self.port: IListeningPort | None = None
+        #: Not accepting: paused (:meth:`pause`, a reload) and/or held back (:meth:`hold_back`, a flood).
+        self._paused = False
+        self._held_back = False
 
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
@@ -62,12 +66,8 @@ class Listener(Service):
     def stopService(self) -> Deferred:
         super().stopService()
         port, self.port = self.port, None
-        if port is None:
-            return succeed(None)
-        connections = getattr(self._factory, "connections", None)
-        if connections is not None:
-            connections.stopped_listening(port)
-        return maybeDeferred(port.stopListening)
+        self._unregister()
+        return maybeDeferred(port.stopListening) if port is not None else succeed(None)
 
     @property
     def factory(self) -> IProtocolFactory:
@@ -76,19 +76,53 @@ class Listener(Service):
 
     def pause(self) -> None:
         """Stop accepting; new connections wait in the socket's backlog."""
+        self._paused = True
         if self.port is not None:
             self.port.stopReading()  # type: ignore[attr-defined]  # a FileDescriptor port
 
     def resume(self) -> None:
-        """Accept again (or for the first time, on an inherited socket)."""
-        if self.port is not None:
+        """Accept again (or for the first time, on an inherited socket), unless held back by a flood."""
+        self._paused = False
+        if self.port is not None and not self._held_back:
             self.port.startReading()  # type: ignore[attr-defined]
+
+    def hold_back(self) -> None:
+        """Too many connections are being refused at once (httpserver.Connections): accept none for now.
+
+        The accept loop under way goes on to its batch size (``tcp.Port.numberAccepts``,
+        which grows under load): it is brought down to the refusals a listener may hold.
+        """
+        self._held_back = True
+        port = self.port
+        if port is not None:
+            port.stopReading()  # type: ignore[attr-defined]
+            if getattr(port, "numberAccepts", 0) > MAX_REFUSING:
+                port.numberAccepts = MAX_REFUSING  # type: ignore[attr-defined]
+
+    def let_in(self) -> None:
+        """The flood's refusals are down again: accept, unless paused."""
+        self._held_back = False
+        port = self.port
+        if port is not None and not self._paused and not getattr(port, "disconnecting", False):
+            port.startReading()  # type: ignore[attr-defined]
 
     def release(self) -> None:
         """Forget the port without closing the socket for the process that took it over (succession/)."""
         port, self.port = self.port, None
+        self._unregister()
         if port is not None:
             let_go_port(port)
+
+    def _register(self) -> None:
+        """A site with a connection cap holds its listener back while too many connections are being refused."""
+        connections = getattr(self._factory, "connections", None)
+        if connections is not None:
+            connections.listening(self)
+
+    def _unregister(self) -> None:
+        connections = getattr(self._factory, "connections", None)
+        if connections is not None:
+            connections.stopped_listening(self)
 
     def _listen(self) -> None:
         """Bind now; a TCP or unix endpoint binds (or fails) before ``listen`` returns.
@@ -104,6 +138,7 @@ class Listener(Service):
             finally:
                 os.close(fd)
             self.pause()
+            self._register()
             return
         outcome: list = []
         self._endpoint.listen(self._factory).addBoth(outcome.append)
@@ -113,7 +148,4 @@ class Listener(Service):
             why = why_cannot_listen(outcome[0].value)
             raise CannotListen(f"{self.key} {self.description!r}: cannot listen: {why}") from outcome[0].value
         self.port = outcome[0]
-        # A site with a connection cap pauses its port while too many connections are being refused.
-        connections = getattr(self._factory, "connections", None)
-        if connections is not None:
-            connections.listening(self.port)
+        self._register()
