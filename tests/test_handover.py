@@ -97,7 +97,7 @@ def finish_all(core, released, count):
 
 
 def steps(core, step, outcome):
-    return core.sample("yieldproxy_handover_total", step=step, outcome=outcome)
+    return core.sample("yieldproxy_handover_total", upstream="default", step=step, outcome=outcome)
 
 
 def test_loaded_models_reads_api_ps():
@@ -135,7 +135,7 @@ def test_unload_waits_for_requests_in_flight_then_unloads_every_model():
     ]
     assert fake.loaded == set() and handover.step is None
     assert steps(core, "wait_inflight", "ok") == 1 and steps(core, "unload", "ok") == 1
-    assert core.sample("yieldproxy_handover_seconds_sum", step="wait_inflight") == pytest.approx(1.0)
+    assert core.sample("yieldproxy_handover_seconds_sum", upstream="default", step="wait_inflight") == pytest.approx(1.0)
     core.state.release("api")
     handover.stopService()
     assert core.clock.getDelayedCalls() == []
@@ -209,7 +209,7 @@ def test_preload_holds_the_release_until_the_models_are_listed():
         ("GET", "/api/ps", None),
     ]
     assert steps(core, "preload", "ok") == 1
-    assert core.sample("yieldproxy_handover_seconds_sum", step="preload") >= 2
+    assert core.sample("yieldproxy_handover_seconds_sum", upstream="default", step="preload") >= 2
     finish_all(core, released, 4)
     assert core.gate.state_name == "available"
     assert core.clock.getDelayedCalls() == []
@@ -316,7 +316,7 @@ async def test_unload_on_yield_empties_the_sims_memory():
         assert chat.code == 200
         assert stack.sim.loaded_models() == ["all-minilm:latest", "llama3.2:latest"]
         stack.proxy.state.hold("api", "game")
-        await wait_for(reactor, lambda: stack.sample("yieldproxy_handover_total", step="unload", outcome="ok") == 1)
+        await wait_for(reactor, lambda: stack.sample("yieldproxy_handover_total", upstream="default", step="unload", outcome="ok") == 1)
         assert stack.sim.loaded_models() == []
         unloads = [r for r in stack.sim.history if r.path == "/api/generate" and r.received_at and r.outcome == "ok"]
         assert {r.model for r in unloads} >= {"all-minilm:latest", "llama3.2:latest"}
@@ -349,7 +349,7 @@ async def test_preload_finishes_before_the_first_replay_reaches_the_sim():
         assert len(preload) == 1 and preload[0].outcome == "ok" and len(replays) == 8
         assert preload[0].finished_at - preload[0].received_at >= 0.5  # it paid the load
         assert min(r.received_at for r in replays) >= preload[0].finished_at
-        assert stack.sample("yieldproxy_handover_total", step="preload", outcome="ok") == 1
+        assert stack.sample("yieldproxy_handover_total", upstream="default", step="preload", outcome="ok") == 1
         assert stack.proxy.gate.state_name == "available"
     finally:
         await stack.stop()

@@ -91,7 +91,7 @@ def fresh_metrics() -> Metrics:
     hold = types.SimpleNamespace(source="api", reason="test", since=100.0, expected_end=700.0, expires_at=None)
     # The live families service.build registers: holds, the oldest parked, the pool's members.
     m.watch(lambda: [
-        *hold_families([hold], 160.0), oldest_parked_family({}), *pool_families([("default", True, 0, 0, 0)]),
+        *hold_families([hold], 160.0), oldest_parked_family({}), *pool_families([("default", True, 0, 1, 0, "yielded", ("api",))]),
     ])
     return m
 

@@ -192,7 +192,7 @@ async def test_a_request_whose_own_input_breaks_the_gpu_call_fails_alone_with_ol
         assert stack.sim.outcomes["error500"] == max_attempts
         assert stack.sim.texts_embedded[PROBE_TEXT] == max_attempts  # one passing probe per failure
         assert states == [] and outage_sources(stack) == 0
-        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == max_attempts
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == max_attempts
         assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == 0
     finally:
         await stack.stop()
@@ -214,9 +214,9 @@ async def test_attempts_lost_to_a_recognised_outage_do_not_count():
         ).addTimeout(TIMEOUT, reactor)
         await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
         # The GPU stays down through two more probes (no sleep: the watcher's own re-checks)...
-        down = stack.sample("yieldproxy_outage_probes_total", probe="model", result="down")
+        down = stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down")
         await wait_for(
-            reactor, lambda: stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") >= down + 2,
+            reactor, lambda: stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") >= down + 2,
             timeout=10,
         )
         # ...and the request with its one attempt is parked behind the hold, not failed.
@@ -259,7 +259,7 @@ async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nob
         assert outage_sources(stack) >= 1
         assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "upstream_error"}) == 0
         assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) > 0
-        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") >= 3
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") >= 3
         assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
         assert not stack.proxy.state.yielded
     finally:

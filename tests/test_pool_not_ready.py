@@ -376,7 +376,7 @@ def test_a_probe_answered_not_ready_takes_no_outage_hold_and_makes_the_member_no
     # A failure whose probe is a model call that answers "Loading model": forgiven, still no hold.
     d = llama.health.report("status_503", ModelCall("/v1/chat/completions", "m"))
     assert verdict_of(d) is True and core.state.holds == [] and llama.state_name() == "not_ready"
-    assert core.sample("yieldproxy_outage_probes_total", probe="health", result="not_ready") == 1
+    assert core.sample("yieldproxy_outage_probes_total", upstream="llama", probe="health", result="not_ready") == 1
     watcher.stopService()
     core.gate.pool.stop()
 

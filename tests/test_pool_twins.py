@@ -291,7 +291,7 @@ def test_an_unverified_twin_counts_no_waiting_embedding():
     d = r.core.gate.admit(entry)
     r.run()
     assert not d.called
-    rows = {name: waiting for name, _, _, _, waiting in r.pool.metric_rows()}
+    rows = {row[0]: row[4] for row in r.pool.metric_rows()}
     assert rows == {"a": 1, "b": 0}
     assert {row["name"]: row["waiting"] for row in r.pool.status()} == {"a": 1, "b": 0}
     r.core.state.release("api", "a")

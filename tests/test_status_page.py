@@ -25,7 +25,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
-from helpers import required_tool, start_stack, wait_for
+from helpers import free_port, required_tool, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "page-test-token-0123456789"
@@ -429,5 +429,21 @@ async def test_page_shows_each_upstream_of_a_pool():
         assert dom.with_class("reason")[0]["text"] == REASON
         assert dom.by_id("state")["data-state"] == "available"
         assert dom.by_id("state-detail")["text"].endswith("(desktop yielded)")
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_page_says_unreachable_for_an_upstream_that_never_answered():
+    """A single upstream nothing listens on: the page said "available" while every request got 502."""
+    chromium_path()
+    stack = await start_stack(reactor, upstream=f"http://127.0.0.1:{free_port()}", watchers=True)
+    try:
+        await wait_for(reactor, lambda: stack.proxy.pool.members[0].state_name() == "unreachable")
+        dom = Dom((await chromium(stack.admin_url + "/", "--dump-dom")).decode("utf-8"))
+        state = dom.by_id("state")
+        assert state["data-state"] == "unreachable" and state["text"] == "unreachable"
+        assert "not answered" in dom.by_id("state-detail")["text"]
+        assert "state-unreachable" in state["class"]
     finally:
         await stack.stop()

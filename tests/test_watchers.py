@@ -581,8 +581,8 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
     assert check.calls[-1].called  # the probe in flight was cancelled
     # Stopped: nothing judges the failures any more, and nothing is probed.
     assert verdict(core.health.report("refused")) is False and len(check.calls) == 8
-    assert core.sample("yieldproxy_outage_probes_total", probe="health", result="down") == 5
-    assert core.sample("yieldproxy_outage_probes_total", probe="health", result="up") == 3
+    assert core.sample("yieldproxy_outage_probes_total", upstream="default", probe="health", result="down") == 5
+    assert core.sample("yieldproxy_outage_probes_total", upstream="default", probe="health", result="up") == 3
 
 
 def test_a_request_that_fails_alone_is_counted_and_takes_no_hold():
@@ -621,7 +621,7 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
     check.calls[-1].callback(True)
     assert not core.state.yielded
     assert watcher.status()["outage_probe"] is None
-    assert core.sample("yieldproxy_outage_probes_total", probe="model", result="down") == 6
+    assert core.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 6
     assert core.clock.getDelayedCalls() == []
     watcher.stopService()
 

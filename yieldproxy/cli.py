@@ -282,6 +282,8 @@ def format_status(status: dict) -> str:
         head += f" (expected back in {format_duration(remaining)})"
     elif state == "draining":
         head += " (the GPU is back; parked requests are being replayed)"
+    elif state == "unreachable":
+        head += " (no upstream has answered since the proxy started: check its url and that it runs)"
     lines = [f"state:      {head}"]
     if holds:
         rows = [("SOURCE", "REASON", "HELD FOR", "LEASE ENDS", "EXPECTED END")]

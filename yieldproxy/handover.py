@@ -20,8 +20,8 @@ minutes by default).  A game that needs that memory now can ask for it:
 Only yields that handed the GPU to someone (a hold from any source but
 ``outage``) do this: an outage is the upstream's own trouble, and its models
 are whatever it has after a restart.  Each step is logged with its duration
-and counted (``yieldproxy_handover_seconds{step}``,
-``yieldproxy_handover_total{step,outcome}``).
+and counted (``yieldproxy_handover_seconds{upstream,step}``,
+``yieldproxy_handover_total{upstream,step,outcome}``).
 """
 
 from __future__ import annotations
@@ -276,8 +276,8 @@ class Handover(Service):
     def _record(self, step: str, outcome: str, began: float, detail: str = "") -> None:
         """Log and count one finished step."""
         seconds = self._clock.seconds() - began
-        self._metrics.handover_seconds.labels(step).observe(seconds)
-        self._metrics.handover_total.labels(step, outcome).inc()
+        self._metrics.handover_seconds.labels(self.member, step).observe(seconds)
+        self._metrics.handover_total.labels(self.member, step, outcome).inc()
         emit = log.info if outcome in ("ok", "cancelled") else log.warn
         emit(
             "handover: {step} {outcome} in {seconds:.2f}s{detail}",

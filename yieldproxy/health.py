@@ -51,6 +51,7 @@ class UpstreamHealth:
     _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
     _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
     _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
+    _unanswered_listeners: list[Callable[[str], None]] = attrs.Factory(list)
 
     def answered(self) -> None:
         """The upstream answered (a request or a probe): it is reachable from now on."""
@@ -81,6 +82,21 @@ class UpstreamHealth:
                 listener()
             except Exception:
                 log.failure("upstream served listener failed")
+
+    def unanswered(self, why: str) -> None:
+        """A probe could not reach it (refused, no answer in time): while it has never answered,
+        whoever listens hears it (its pool member then reads ``unreachable``)."""
+        if self.reachable:
+            return
+        for listener in list(self._unanswered_listeners):
+            try:
+                listener(why)
+            except Exception:
+                log.failure("upstream unanswered listener failed")
+
+    def when_unanswered(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(why)`` when a probe could not reach it before it ever answered (see :meth:`unanswered`)."""
+        self._unanswered_listeners.append(listener)
 
     def when_served(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` each time a model call is answered (see :meth:`served`)."""

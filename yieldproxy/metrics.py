@@ -120,8 +120,8 @@ class Metrics:
         self.outage_probes_total = Counter(
             "yieldproxy_outage_probes",
             "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
-            "kind that failed) and result (up, down, not_ready).",
-            ["probe", "result"],
+            "kind that failed) and result (up, down, not_ready), per upstream.",
+            ["upstream", "probe", "result"],
             registry=r,
         )
         self.client_buffered_bytes = Gauge(
@@ -183,24 +183,27 @@ class Metrics:
         )
         self.handover_seconds = Histogram(
             "yieldproxy_handover_seconds",
-            "Time each VRAM handover step took: wait_inflight, unload, preload.",
-            ["step"],
+            "Time each VRAM handover step took, per upstream: wait_inflight, unload, preload.",
+            ["upstream", "step"],
             buckets=HANDOVER_BUCKETS,
             registry=r,
         )
         self.handover_total = Counter(
             "yieldproxy_handover",
-            "VRAM handover steps by outcome: ok, timeout, error, cancelled.",
-            ["step", "outcome"],
+            "VRAM handover steps by upstream and outcome: ok, timeout, error, cancelled.",
+            ["upstream", "step", "outcome"],
             registry=r,
         )
         for cls in CLASS_NAMES:
             self.parked_requests.labels(cls)
         for watcher in WATCHER_SOURCES:
             self.watcher_errors_total.labels(watcher)
+
+    def outage_probes_of(self, upstream: str) -> None:
+        """Show ``upstream``'s outage probe counters at 0 before its first probe (its watcher is made)."""
         for probe in ("health", "model"):
             for result in ("up", "down", "not_ready"):
-                self.outage_probes_total.labels(probe, result)
+                self.outage_probes_total.labels(upstream, probe, result)
 
     def watch(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register gauges computed at scrape time from live state."""
@@ -251,15 +254,27 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
     return [active, age, expected]
 
 
-def pool_families(rows) -> list[GaugeMetricFamily]:
-    """Per pool member: available now, in flight, holds on it, parked requests it could take.
+#: The ``state`` label values of ``yieldproxy_upstream_state`` (pool/member.py's ``MEMBER_STATES``).
+UPSTREAM_STATES = ("available", "yielded", "outage", "unreachable", "not_ready", "handing_over")
 
-    ``rows`` holds ``(upstream, available, inflight, holds, waiting)``.
+
+def pool_families(rows) -> list[GaugeMetricFamily]:
+    """Per pool member: available now, its state, in flight, holds on it (and whose), parked requests it could take.
+
+    ``rows`` holds ``(upstream, available, inflight, holds, waiting, state, hold sources)``.
     """
     available = GaugeMetricFamily(
         "yieldproxy_upstream_available",
-        "1 while the pool member takes requests (no hold on it, not handing over, reachable), else 0.",
+        "1 while the pool member takes requests (no hold on it, not handing over, not loading, and it has "
+        "answered since the start), else 0.",
         labels=["upstream"],
+    )
+    states = GaugeMetricFamily(
+        "yieldproxy_upstream_state",
+        "1 for each pool member's current state, 0 for the others: available, yielded (a yield holds it), "
+        "outage (only the proxy's own outage or loading holds), unreachable (not answered since the start), "
+        "not_ready (loading its model), handing_over (models loaded back after its yield).",
+        labels=["upstream", "state"],
     )
     inflight = GaugeMetricFamily(
         "yieldproxy_upstream_inflight_requests", "Requests at each pool member now.", labels=["upstream"]
@@ -269,17 +284,26 @@ def pool_families(rows) -> list[GaugeMetricFamily]:
         "Holds on each pool member now (its own, and those of every member).",
         labels=["upstream"],
     )
+    sources = GaugeMetricFamily(
+        "yieldproxy_upstream_hold_active",
+        "1 for each source holding each pool member (its own holds and those of every member): who yielded it.",
+        labels=["upstream", "source"],
+    )
     waiting = GaugeMetricFamily(
         "yieldproxy_upstream_waiting_requests",
         "Parked requests each pool member may serve (it drains them when available).",
         labels=["upstream"],
     )
-    for name, is_available, in_flight, held, parked in rows:
+    for name, is_available, in_flight, held, parked, state, holders in rows:
         available.add_metric([name], 1 if is_available else 0)
+        for value in UPSTREAM_STATES:
+            states.add_metric([name, value], 1 if value == state else 0)
         inflight.add_metric([name], in_flight)
         holds.add_metric([name], held)
+        for source in holders:
+            sources.add_metric([name, source], 1)
         waiting.add_metric([name], parked)
-    return [available, inflight, holds, waiting]
+    return [available, states, inflight, holds, sources, waiting]
 
 
 def connection_families(listeners) -> list:

@@ -2,11 +2,20 @@
 
 A member is *available* when no hold applies to it (its own, or one of all
 members), it is not handing over (a model preload after its yield holds its
-drainer), and it is not known unreachable.  Unreachable is for pools of
+drainer), and it is not known unreachable.  Passing over is for pools of
 several only: a member whose attempts are refused before it ever answered
 (a wrong address, a server not started yet) is passed over and checked
 again on a growing interval, while the others serve; a pool of one answers
 such attempts 502 at once, as a single upstream always did.
+
+Whatever the pool, a member that has not answered since the proxy started
+and could not be reached (its outage watcher's probe at start, another
+probe, or an attempt: :meth:`UpstreamHealth.unanswered`) *reads*
+``unreachable`` (:attr:`Member.never_answered`: ``/status``, the metrics,
+the status page, ``yieldproxy status``), one line says so, and it is
+checked again on the same growing interval until it answers.  A pool of one
+still sends it its requests (each gets its 502 at once): only its state
+tells the truth sooner.
 
 A member is also not available while it is *not ready*: its server said it
 is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
@@ -84,6 +93,8 @@ class Member:
     outage_scope: str | None = None
     #: Attempts were refused before it ever answered (see the module docstring).
     _refusing: bool = False
+    #: It could not be reached (at start, or an attempt) and has not answered since the start.
+    _unanswered: bool = False
     #: Since when its server says it is not ready (None: it is not known not ready).
     _not_ready_since: float | None = None
     #: Since the first "loading" answer that no answered model call followed: what the bound measures.
@@ -103,6 +114,8 @@ class Member:
     def __attrs_post_init__(self) -> None:
         self.health.when_not_ready(self.became_not_ready)
         self.health.when_served(self.served)
+        self.health.listen(self._attempt_result)
+        self.health.when_unanswered(self._not_there)
 
     @property
     def name(self) -> str:
@@ -114,8 +127,13 @@ class Member:
 
     @property
     def unreachable(self) -> bool:
-        """Attempts were refused and it has not answered since the proxy started."""
+        """Passed over: attempts were refused and it has not answered since the proxy started."""
         return self._refusing and not self.health.reachable
+
+    @property
+    def never_answered(self) -> bool:
+        """It reads ``unreachable``: it could not be reached, and has not answered since the proxy started."""
+        return (self._refusing or self._unanswered) and not self.health.reachable
 
     @property
     def not_ready(self) -> bool:
@@ -140,7 +158,7 @@ class Member:
             return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
         if self.drainer.release_held:
             return "handing_over"
-        if self.unreachable:
+        if self.never_answered:
             return "unreachable"
         if self._not_ready_since is not None:
             return "not_ready"
@@ -148,11 +166,31 @@ class Member:
 
     # -- unreachable ------------------------------------------------------------------
 
+    def _attempt_result(self, reason: str | None) -> None:
+        """Every attempt's result (a listener of its health): one that could not connect before it
+        ever answered makes it read unreachable."""
+        if reason in ("refused", "connect") and not self.health.reachable:
+            self._not_there(reason)
+
+    def _not_there(self, why: str) -> None:
+        """It could not be reached and never answered: it reads unreachable until it answers; say so once."""
+        if self._unanswered or self._stopped:
+            return
+        self._unanswered = True
+        if not self._refusing:
+            log.warn(
+                "upstream {name} ({url}) does not answer ({why}): it reads unreachable until it answers "
+                "(checked again every few seconds); requests sent to it fail until then",
+                name=self.name, url=self.spec.url, why=why,
+            )
+            self._recheck_delay = self.recheck_seconds
+        self._schedule_recheck()
+
     def refused(self) -> None:
         """An attempt could not connect, and it never answered: pass it over until a check gets an answer."""
         if self._refusing and self._recheck is not None:
             return
-        if not self._refusing:
+        if not self._refusing and not self._unanswered:
             log.warn(
                 "upstream {name} ({url}) refuses connections and has not answered since the start: "
                 "passing it over, the other upstreams serve; checking it again every few seconds",
@@ -295,7 +333,7 @@ class Member:
     def _check(self) -> None:
         self._recheck = None
         waits = self._waits_for_health()
-        if not self.unreachable and not waits:
+        if not self.never_answered and not waits:
             self._reachable()
             return
         if self.control is None:
@@ -326,7 +364,7 @@ class Member:
             self._reachable()
 
         def failed(failure) -> None:
-            if self._refusing or self._waits_for_health():
+            if self._refusing or self._unanswered or self._waits_for_health():
                 self._schedule_recheck()
 
         def done(result):
@@ -336,7 +374,7 @@ class Member:
         d.addBoth(done).addCallbacks(answered, failed)
 
     def _reachable(self) -> None:
-        if self._refusing:
-            self._refusing = False
+        if self._refusing or self._unanswered:
+            self._refusing = self._unanswered = False
             log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
             self.on_reachable()

@@ -389,13 +389,17 @@ class Pool:
         return sum(caps) or sum(m.drainer.concurrency for m in self.members)
 
     def state_name(self, lot_empty: bool) -> str:
-        """``yielded`` when no ``always`` member is available or handing over, ``draining`` when
-        the lot is not empty or a release is held, else ``available`` (a pool of one reads as before)."""
+        """``yielded`` when no ``always`` member is available or handing over, ``unreachable`` when
+        that is so because none of them has answered since the start (none held), ``draining``
+        when the lot is not empty or a release is held, else ``available``."""
+        always = [m for m in self.members if not m.spec.standby]
         coming = [
-            m for m in self.members
-            if not m.spec.standby and not self._state.yielded_for(m.name) and not m.unreachable and not m.not_ready
+            m for m in always
+            if not self._state.yielded_for(m.name) and not m.never_answered and not m.not_ready
         ]
         if not coming:
+            if all(m.never_answered and not self._state.yielded_for(m.name) for m in always):
+                return "unreachable"
             return "yielded"
         return "available" if lot_empty and not self.release_held else "draining"
 
@@ -419,15 +423,18 @@ class Pool:
             for m in self.members
         ]
 
-    def metric_rows(self) -> list[tuple[str, bool, int, int, int]]:
-        """``(upstream, available, inflight, holds, waiting)`` per member, for :func:`~yieldproxy.metrics.pool_families`."""
-        return [
-            (
-                m.name, m.available(), m.inflight, len(self._state.holds_for(m.name)),
-                self._waiting(m),
-            )
-            for m in self.members
-        ]
+    def metric_rows(self) -> list[tuple[str, bool, int, int, int, str, tuple[str, ...]]]:
+        """``(upstream, available, inflight, holds, waiting, state, hold sources)`` per member, for
+        :func:`~yieldproxy.metrics.pool_families` (one that never answered is not available there, though
+        a pool of one still sends it requests to fail at once)."""
+        rows = []
+        for m in self.members:
+            holds = self._state.holds_for(m.name)
+            rows.append((
+                m.name, m.available() and not m.never_answered, m.inflight, len(holds),
+                self._waiting(m), m.state_name(), tuple(sorted({h.source for h in holds})),
+            ))
+        return rows
 
     def _waiting(self, member: Member) -> int:
         """Parked requests ``member`` may take (for an embedding: as the reference or a verified twin;

@@ -193,6 +193,8 @@
       detail = "held by " + sources;
     } else if (status.state === "draining") {
       detail = "replaying parked requests";
+    } else if (status.state === "unreachable") {
+      detail = "the upstream has not answered since the proxy started";
     } else {
       detail = "requests go straight to the upstream";
     }

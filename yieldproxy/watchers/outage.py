@@ -109,9 +109,16 @@ class UpstreamProbe:
         minimal = minimal_of(call) if call is not None else None
         if minimal is None:
             d = self._control.request("GET", self.health_path, timeout=self.health_timeout)
-            return d.addCallback(self._health_answered)
+            return d.addCallbacks(self._health_answered, self._no_answer)
         method, path, body = minimal
-        return self._control.request(method, path, body, timeout=self.model_timeout).addCallback(self._model_answered)
+        d = self._control.request(method, path, body, timeout=self.model_timeout)
+        return d.addCallbacks(self._model_answered, self._no_answer)
+
+    def _no_answer(self, failure):
+        """No answer at all: the upstream's health hears it (one never answered reads unreachable)."""
+        if not failure.check(CancelledError):
+            self._health.unanswered(failure.getErrorMessage())
+        return failure
 
     def _health_answered(self, answer: Answer) -> bool | str:
         if self.server is not None:
@@ -176,6 +183,7 @@ class OutageWatcher(Service):
 
     def __attrs_post_init__(self) -> None:
         self._next_interval = self.interval
+        self._metrics.outage_probes_of(self.member)
         if self.scope != ALL:
             self.name = f"watcher:outage:{self.scope}"
 
@@ -341,16 +349,16 @@ class OutageWatcher(Service):
 
         def answered(up):
             if up == NOT_READY:
-                self._metrics.outage_probes_total.labels(kind, NOT_READY).inc()
+                self._metrics.outage_probes_total.labels(self.member, kind, NOT_READY).inc()
                 return NOT_READY
             up = bool(up)
-            self._metrics.outage_probes_total.labels(kind, "up" if up else "down").inc()
+            self._metrics.outage_probes_total.labels(self.member, kind, "up" if up else "down").inc()
             return up
 
         def failed(failure):
             if failure.check(CancelledError) and not self.running:
                 return None
-            self._metrics.outage_probes_total.labels(kind, "down").inc()
+            self._metrics.outage_probes_total.labels(self.member, kind, "down").inc()
             log.debug("outage probe of {what} failed: {error}", what=_describe(call), error=failure.getErrorMessage())
             return False
 
