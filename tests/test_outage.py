@@ -150,8 +150,8 @@ async def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is
         assert [r.outcome for r in generates].count("template_error") == 5
         assert stack.sim.outcomes["template_error"] == 5
         assert len(generates) == 10
-        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == 5
-        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="down") == 0
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 5
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 0
         assert PROBE_TEXT not in stack.sim.texts_embedded
         assert states == [] and not stack.proxy.state.yielded
         assert outage_sources(stack) == 0
@@ -294,7 +294,7 @@ async def test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_ho
             assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
             await answer.content()
         assert stack.sim.outcomes["template_error"] == 2
-        assert stack.sample("yieldproxy_outage_probes_total", probe="model", result="up") == 2
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 2
         assert states == [] and outage_sources(stack) == 0
     finally:
         await stack.stop()
