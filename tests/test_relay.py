@@ -395,3 +395,24 @@ def test_a_stall_before_anything_reached_the_client_is_a_counted_retry():
     assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "stall"}) == 1
     assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
     assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 1
+
+
+# -- issue 16.3: an unreadable answer is not a GPU failure -------------------------------------------
+
+
+def test_an_unreadable_answer_is_retried_once_not_max_attempts_times():
+    """A head with a bare LF, or a chunk size that is not hex: no GPU failure, and each try runs the
+    model again, so the request is sent twice at most (not ``upstream.max_attempts`` = 5 times),
+    then the caller gets a 502 that says why."""
+    bare_lf = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\nx-odd: 1\r\ncontent-length: 2\r\n\r\n{}"
+    bad_chunk = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    for answer in (bare_lf, bad_chunk):
+        backend = ScriptedBackend((answer, "keep"))
+        rig = Rig(upstream=backend)
+        reply = rig.result(rig.post("/api/embed", _embed(0)))
+        assert reply.code == 502, reply.body
+        assert "upstream failed 2 times, giving up" in reply.json()["error"]
+        assert len(backend.heads) == 2
+        assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "bad_answer"}) == 2
+        assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
+        assert rig.clock.getDelayedCalls() == []

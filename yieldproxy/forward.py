@@ -38,7 +38,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
-from .h1client import H1Error, H1Pool, Response, client_endpoint
+from .h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from .servers import BUSY, CALLER, GPU
 from .servers.ollama import SERVER as OLLAMA
 
@@ -286,8 +286,12 @@ class Upstream:
 
 
 def failure_reason(error: H1Error) -> str:
-    """The metric reason of a request that got no complete answer: refused, connect, timeout or reset."""
-    return error.reason if error.reason in _FAILURE_REASONS else "reset"
+    """The metric reason of a request that got no complete answer: refused, connect, timeout,
+    bad_answer (it could not be read: bad framing, a bare LF in a header) or reset."""
+    if error.reason in _FAILURE_REASONS:
+        return error.reason
+    # Named as a translated attempt's unreadable answer is.
+    return "bad_answer" if isinstance(error, BadResponse) else "reset"
 
 
 def describe_failure(error: H1Error, url: str) -> str:

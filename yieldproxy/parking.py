@@ -78,6 +78,8 @@ class Entry:
     attempts: int = 0
     #: Failed attempts a recognised outage explained (not counted against the request).
     forgiven: int = 0
+    #: Counted attempts whose answer could not be read (``bad_answer``): retried once at most.
+    unreadable: int = 0
     #: Total seconds spent parked so far (over every stay in the lot).
     parked_seconds: float = 0.0
     #: True once it has been in the lot; its outcome then counts as a replay.

@@ -634,7 +634,11 @@ class ProxyApp:
                 "{cls} attempt {n} failed ({reason}): {detail}",
                 cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
             )
-            if entry.attempts >= max_attempts:
+            if failure.reason == "bad_answer":
+                # An answer that cannot be read (bad framing, a bare LF in a header) is no GPU
+                # failure that waiting explains, and each try runs the model again: one retry at most.
+                entry.unreadable += 1
+            if entry.attempts >= max_attempts or entry.unreadable > 1:
                 return self._upstream_gave_up(request, entry, failure)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
