@@ -146,6 +146,41 @@ def test_chunked_response_with_extensions_and_trailers_split_anywhere():
         assert events.ends == [True] and not parser.extra
 
 
+@pytest.mark.parametrize(
+    "coding, codings",
+    [
+        (b"gzip, chunked", b"gzip"),
+        (b"GZip ,  Chunked", b"GZip"),
+        (b"deflate, gzip, chunked", b"deflate, gzip"),
+        (b"gzip,, chunked", b"gzip"),
+        (b"chunked", None),
+    ],
+)
+def test_other_transfer_codings_stay_on_the_body_only_the_chunks_are_removed(coding, codings):
+    data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\n\r\n3\r\n\x1f\x8b\x08\r\n0\r\n\r\n"
+    for cuts in [[]] + every_split(data):
+        events, parser = parse(data, cuts=cuts)
+        assert events.body == b"\x1f\x8b\x08" and events.ends == [True]
+        assert parser.codings == codings
+
+
+def test_a_transfer_coding_after_chunked_is_read_until_close_and_kept():
+    data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n\x1f\x8b\x08"
+    events, parser = parse(data)
+    assert parser.codings == b"gzip" and events.heads[0][4] is None
+    assert parser.feed_eof(clean=True) and events.body == b"\x1f\x8b\x08" and events.ends == [False]
+
+
+@pytest.mark.parametrize(
+    "coding",
+    [b"chunked, gzip", b"chunked, chunked", b"gzip, chunked, chunked", b"chunked\r\nTransfer-Encoding: chunked",
+     b"gz/ip, chunked", b",", b"\"gzip\", chunked"],
+)
+def test_chunked_twice_or_not_last_or_a_bad_coding_is_refused(coding):
+    with pytest.raises(ParseError):
+        parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\n\r\n0\r\n\r\n")
+
+
 def test_read_until_close_ends_with_a_clean_close_only():
     data = b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nsome body"
     events, parser = parse(data)
@@ -194,7 +229,8 @@ def test_repeated_headers_kept_in_order_and_obs_fold_joined():
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", False),
         (b"HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\nContent-Length: 0\r\n\r\n", False),
         (b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", False),
-        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n", True),
+        # HTTP/1.0 is never kept alive, whatever it says (issue 16.5).
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n", False),
         # Transfer-Encoding and Content-Length both: chunked wins, the connection is not reused.
         (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", False),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello", True),
@@ -357,6 +393,8 @@ def test_keep_alive_reuses_the_most_recent_idle_connection():
         ok(b"x", extra=b"Connection: close\r\n"),
         b"HTTP/1.0 200 OK\r\n\r\nuntil close",
         ok(b"x") + b"garbage",
+        # An HTTP/1.0 answer, even one that says keep-alive (issue 16.5).
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nx",
     ],
 )
 def test_no_reuse_after_close_until_close_or_extra_bytes(answer):
@@ -741,6 +779,60 @@ def test_close_refuses_new_requests_and_closes_busy_connections_when_done():
     protocol, transport = endpoint.made[0]
     protocol.dataReceived(ok())
     assert result(d1).code == 200 and transport.disconnecting
+    assert clock.getDelayedCalls() == []
+
+
+def test_the_response_names_the_transfer_codings_its_body_still_carries():
+    pool, endpoint, clock = make_pool()
+    d = pool.request(b"GET", b"/")
+    protocol, transport = endpoint.made[0]
+    protocol.dataReceived(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n\x1f\x8b\r\n0\r\n\r\n")
+    response = result(d)
+    assert response.codings == b"gzip" and response.body == b"\x1f\x8b" and response.length is None
+    assert pool.stats()["idle"] == 1  # framed by its chunks: reusable
+    d = pool.request(b"GET", b"/")
+    protocol.dataReceived(ok())
+    assert result(d).codings is None
+    pool.close()
+    assert clock.getDelayedCalls() == []
+
+
+def test_connections_and_exchanges_go_through_named_states():
+    """IDLE -> BUSY -> IDLE | CLOSING -> LOST for a connection; NEW -> WAITING | CONNECTING -> SENT
+    -> DONE (or STOPPING first) for an exchange (the module docstring's machine)."""
+    pool, endpoint, clock = make_pool(max_connections=1, endpoint=Endpoint(auto=False))
+    d1 = pool.request(b"GET", b"/1")
+    d2 = pool.request(b"GET", b"/2")
+    assert len(endpoint.attempts) == 1 and pool.stats()["waiting"] == 1  # /1 CONNECTING, /2 WAITING
+    waiting = pool._waiting[0]
+    assert waiting.state == "WAITING"
+    protocol, transport = endpoint.accept()
+    assert protocol.state == "BUSY" and protocol.exchange.state == "SENT"
+    exchange = protocol.exchange
+    protocol.dataReceived(ok())
+    result(d1)
+    assert exchange.state == "DONE"
+    # The freed connection went straight to the one waiting.
+    assert protocol.state == "BUSY" and protocol.exchange is waiting and waiting.state == "SENT"
+    protocol.dataReceived(ok(extra=b"Connection: close\r\n"))
+    result(d2)
+    assert protocol.state == "CLOSING" and transport.disconnecting
+    protocol.dataReceived(b"late")  # dropped, nothing raised
+    lose(protocol)
+    assert protocol.state == "LOST"
+    # A request whose consumer stops it: STOPPING until its connection is gone.
+    d3 = pool.request(b"GET", b"/3")
+    assert pool.stats()["open"] == 1 and len(endpoint.attempts) == 1
+    protocol, transport = endpoint.accept()
+    protocol.dataReceived(ok(b"0123456789")[:-3])
+    stopping = protocol.exchange
+    stopping.response.stopProducing()
+    assert stopping.state == "STOPPING" and protocol.state == "CLOSING" and transport.disconnected
+    no_result(d3)
+    lose(protocol, clean=False)
+    failure(d3, CancelledError)
+    assert stopping.state == "DONE" and protocol.state == "LOST"
+    assert pool.stats() == {"open": 0, "idle": 0, "waiting": 0}
     assert clock.getDelayedCalls() == []
 
 
@@ -1167,8 +1259,7 @@ def responses(draw):
     if close:
         lines.append(b"Connection: close")
     elif version == b"HTTP/1.0" and draw(st.booleans()):
-        lines.append(b"Connection: keep-alive")
-        keep = True
+        lines.append(b"Connection: keep-alive")  # never kept alive all the same
     if framing == "length":
         lines.append(b"Content-Length: %d" % len(body))
         payload = body

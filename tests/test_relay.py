@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -112,9 +113,10 @@ async def test_slow_readers_do_not_hold_the_replay_slots():
             answer = await pending
             # Served, not refused at their X-Yield-Max-Wait of 10 s: the slow readers did not keep the slots...
             assert answer.status == 200, answer.body
-        # ...which are still reading (that takes minutes).
+        # ...which are still reading (that takes minutes), while their upstream answers are done
+        # (under load the last may still be coming in from the upstream: waited for, bounded).
+        await wait_for(reactor, lambda: stack.proxy.replayer.inflight == 0, timeout=20)
         assert all(r.received < BIG for r in readers)
-        assert stack.proxy.replayer.inflight == 0
         # Their answers wait in the proxy for them, and are counted there.
         assert buffered(stack) > 4 * 1024 * 1024
         assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "expired"}) == 0
@@ -416,3 +418,60 @@ def test_an_unreadable_answer_is_retried_once_not_max_attempts_times():
         assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "bad_answer"}) == 2
         assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
         assert rig.clock.getDelayedCalls() == []
+
+
+# -- issue 16.5: upstream framing ---------------------------------------------------------------------
+
+
+def _dechunk(data: bytes) -> tuple[bytes, bytes]:
+    """A chunked body and what follows it."""
+    body = b""
+    while True:
+        line, _, data = data.partition(b"\r\n")
+        size = int(line, 16)
+        if size == 0:
+            assert data.startswith(b"\r\n")
+            return body, data[2:]
+        body, data = body + data[:size], data[size + 2:]
+
+
+def test_a_body_in_a_transfer_coding_is_relayed_with_it_not_dechunked_and_relabelled():
+    """``Transfer-Encoding: gzip, chunked`` from the upstream reaches the client as ``gzip, chunked``
+    (its gzip bytes, re-chunked), on a passthrough route and a parked one; an HTTP/1.0 client gets
+    ``gzip`` and the body until the close. Never the gzip bytes under no coding at all."""
+    payload = json.dumps({"models": [{"name": "all-minilm:latest"}]}).encode()
+    coded = gzip.compress(payload)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (coded[:10], coded[10:])) + b"0\r\n\r\n"
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: gzip, chunked\r\n\r\n" + chunks
+    backend = ScriptedBackend((answer, "keep"))
+    rig = Rig(upstream=backend)
+    for request in (request_bytes(b"GET", b"/api/tags"), request_bytes(b"POST", b"/api/embed", [], json.dumps(_embed(0)).encode())):
+        peer = rig.raw()
+        peer.send(request)
+        rig.turn()
+        head, _, rest = peer.data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"HTTP/1.1 200 OK"
+        assert [line for line in lines if line.lower().startswith(b"transfer-encoding:")] == [
+            b"Transfer-Encoding: gzip, chunked"
+        ]
+        assert not [line for line in lines if line.lower().startswith((b"content-length:", b"content-encoding:"))]
+        body, after = _dechunk(rest)
+        assert after == b"" and gzip.decompress(body) == payload
+        assert not peer.closed  # a complete answer: the connection stays
+    peer = rig.raw()
+    peer.send(b"GET /api/tags HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+    rig.turn()
+    head, _, rest = peer.data.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: gzip" in head.split(b"\r\n") and peer.closed
+    assert gzip.decompress(rest) == payload
+
+
+def test_an_http_1_0_answer_is_never_kept_alive():
+    """An HTTP/1.0 answer that says ``Connection: keep-alive``: its connection is not reused."""
+    backend = ScriptedBackend((b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}", "keep"))
+    rig = Rig(upstream=backend)
+    for _ in range(3):
+        assert rig.call("GET", rig.proxy_url + "/api/tags").body == b"{}"
+    assert len(backend.heads) == 3 and backend.connections == 3
+    assert rig.upstream.client.stats()["idle"] == 0

@@ -35,6 +35,26 @@ does the same hop with one object per request and one Deferred:
   cancelled request (the client went away, the caller's timeout) or a timed
   out one aborts its connection, which is never reused.
 
+States.  As ``twisted.web._newclient``'s ``HTTP11ClientProtocol._state``, each
+connection and each exchange is in one named state, changed in one place
+per transition, and what an event does depends on it (never on a set of
+flags that could disagree):
+
+* a connection (:attr:`H1Connection.state`): ``IDLE`` (free, reusable: in
+  the pool's idle list, or just made) -> ``BUSY`` (carrying one exchange)
+  -> ``IDLE`` again after a complete response that allows reuse, else
+  ``CLOSING`` (never reused: being closed or aborted) -> ``LOST``.  Bytes
+  that arrive ``IDLE`` (nobody asked) close it; bytes that arrive
+  ``CLOSING`` or ``LOST`` are dropped.
+* an exchange (:attr:`_Exchange.state`): ``NEW`` -> ``WAITING`` (for a free
+  connection, in order) or ``CONNECTING`` (a connection is being made for
+  it) -> ``SENT`` (written on a connection; its answer arrives there) ->
+  ``DONE`` (answered, failed or cancelled: every later event is ignored).
+  ``STOPPING``: its consumer stopped it (``Response.stopProducing``) and
+  its connection is being aborted; it fails with ``CancelledError`` once
+  the connection is gone.  A stale connection (below) sends it from
+  ``SENT`` back to ``CONNECTING``.
+
 Failures (each an :class:`H1Error` with a ``reason`` that is a metric label of
 ``forward.classify_failure``): :class:`ConnectFailed` (``refused`` or
 ``connect``), :class:`ResponseNeverReceived` (``reset``: the connection ended
@@ -146,6 +166,23 @@ class PoolClosed(H1Error):
     reason = "closed"
 
 
+# -- states -----------------------------------------------------------------------------------------
+
+# A connection's (H1Connection.state); see the module docstring.
+IDLE = "IDLE"
+BUSY = "BUSY"
+CLOSING = "CLOSING"
+LOST = "LOST"
+
+# An exchange's (_Exchange.state).
+NEW = "NEW"
+WAITING = "WAITING"
+CONNECTING = "CONNECTING"
+SENT = "SENT"
+STOPPING = "STOPPING"
+DONE = "DONE"
+
+
 # -- the response and the exchange ----------------------------------------------------------------
 
 
@@ -198,15 +235,18 @@ class Response:
     All three do nothing once the exchange is over.
     """
 
-    __slots__ = ("version", "code", "phrase", "headers", "length", "body", "retried", "_exchange")
+    __slots__ = ("version", "code", "phrase", "headers", "length", "codings", "body", "retried", "_exchange")
 
     def __init__(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None,
-                 exchange: "_Exchange"):
+                 exchange: "_Exchange", codings: bytes | None = None):
         self.version = version
         self.code = code
         self.phrase = phrase
         self.headers = headers
         self.length = length
+        #: The transfer codings the body still carries (``b"gzip"`` of ``gzip, chunked``: the
+        #: chunks are removed, not the rest), for a relay to send on; None when none.
+        self.codings = codings
         #: The body, when the handler was a :class:`Collector` (the default).
         self.body: bytes | None = None
         #: The request was sent a second time after a stale connection.
@@ -233,24 +273,28 @@ class Response:
 
     def stopProducing(self) -> None:
         ex = self._exchange
-        if ex is None or ex.finished:
+        if ex is None or ex.state is not SENT:
             return
-        if ex.conn is None:
-            ex.deferred.cancel()
-            return
+        conn = ex.conn
+        assert conn is not None  # SENT: on a connection
         # The consumer is gone (its connection was lost): drop the upstream
         # connection; the request fails with CancelledError once it is gone,
         # not from within the consumer's own connectionLost (as with a
         # transport registered as producer, which closes on a later turn).
-        ex.stopped = True
-        ex.conn.abort()
+        ex.state = STOPPING
+        conn.abort()
 
 
 class _Exchange:
-    """One request and its way to a response: the only per-request object besides the Response."""
+    """One request and its way to a response: the only per-request object besides the Response.
+
+    ``state`` is one of ``NEW``, ``WAITING``, ``CONNECTING``, ``SENT``,
+    ``STOPPING``, ``DONE`` (module docstring); ``conn`` is its connection while ``SENT``
+    or ``STOPPING``.
+    """
 
     __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
-                 "reused", "retried", "response", "connecting", "finished", "stopped")
+                 "reused", "retried", "response", "state")
 
     def __init__(self, method: bytes, data: bytes, body: bytes, handler: ResponseHandler, replayable: bool,
                  canceller: Callable[["_Exchange"], None]):
@@ -266,18 +310,19 @@ class _Exchange:
         self.reused = False
         self.retried = False
         self.response: Response | None = None
-        #: The connection attempt this exchange waits on, if any.
-        self.connecting: Deferred | None = None
-        self.finished = False
-        #: The response's consumer stopped it (see :meth:`Response.stopProducing`).
-        self.stopped = False
+        self.state = NEW
 
 
 # -- one connection ------------------------------------------------------------------------------
 
 
 class H1Connection(Protocol):
-    """One persistent connection: runs one exchange at a time, then goes back to its pool."""
+    """One persistent connection: runs one exchange at a time, then goes back to its pool.
+
+    ``state`` is one of ``IDLE``, ``BUSY``, ``CLOSING``, ``LOST`` (module
+    docstring); ``exchange`` is the one it carries while ``BUSY``, and the
+    one being stopped while ``CLOSING`` after ``Response.stopProducing``.
+    """
 
     #: Set by ``makeConnection``: a TCP (or TLS) transport, its own push producer too.
     transport: Any
@@ -288,9 +333,8 @@ class H1Connection(Protocol):
         self.exchange: _Exchange | None = None
         #: When it last went back to the pool (``reactor.seconds()``).
         self.idle_since = 0.0
-        self.lost = False
-        #: Set once the connection must not be reused (aborted, or closing).
-        self.dead = False
+        self.state = IDLE
+        #: The upstream socket is paused for a slow consumer (a producer's flag, not a state).
         self._paused = False
         #: Requests this connection has carried.
         self.served = 0
@@ -305,8 +349,10 @@ class H1Connection(Protocol):
     # -- the exchange -----------------------------------------------------------
 
     def start(self, ex: _Exchange) -> None:
-        """Send ``ex``'s request on this connection."""
+        """Send ``ex``'s request on this (``IDLE``) connection."""
+        self.state = BUSY
         self.exchange = ex
+        ex.state = SENT
         ex.conn = self
         ex.reused = self.served > 0
         self.served += 1
@@ -338,28 +384,34 @@ class H1Connection(Protocol):
         return not poller.poll(0)
 
     def pause(self) -> None:
-        if not self._paused and not self.lost:
+        if not self._paused and self.state is not LOST:
             self._paused = True
             self.transport.pauseProducing()
 
     def resume(self) -> None:
-        if self._paused and not self.lost:
+        if self._paused and self.state is not LOST:
             self._paused = False
             self.transport.resumeProducing()
 
+    def close(self) -> None:
+        """Close the connection once what was written is sent (``IDLE`` or ``BUSY`` -> ``CLOSING``)."""
+        if self.state is IDLE or self.state is BUSY:
+            self.state = CLOSING
+            self.transport.loseConnection()
+
     def abort(self) -> None:
-        """Drop the connection now; it is never reused."""
-        self.dead = True
+        """Drop the connection now; it is never reused (-> ``CLOSING``, unless ``LOST`` already)."""
         self._parser.halt()
-        if not self.lost:
+        if self.state is not LOST:
+            self.state = CLOSING
             self.transport.abortConnection()
 
     def dataReceived(self, data: bytes) -> None:
-        if self.exchange is None:
-            # Nothing was asked: a confused upstream, or bytes after an abort.
-            if not self.dead:
-                self.dead = True
-                self.transport.loseConnection()
+        state = self.state
+        if state is not BUSY:
+            if state is IDLE:
+                # Nothing was asked: a confused upstream. CLOSING or LOST: bytes after the end, dropped.
+                self.close()
             return
         try:
             self._parser.feed(data)
@@ -379,7 +431,7 @@ class H1Connection(Protocol):
             if ex.timer.active():
                 ex.timer.cancel()
             ex.timer = None
-        ex.response = response = Response(version, code, phrase, headers, length, ex)
+        ex.response = response = Response(version, code, phrase, headers, length, ex, self._parser.codings)
         try:
             ex.handler.response_started(response)
         except BaseException:
@@ -398,15 +450,15 @@ class H1Connection(Protocol):
         assert ex is not None  # the parser runs only during an exchange
         self.exchange = None
         ex.conn = None
-        if self._paused and not self.lost:
+        if self._paused and self.state is not LOST:
             self._paused = False
             self.transport.resumeProducing()
-        if keep_alive and not self._parser.extra and not self.dead and not self.lost:
-            self._pool._release(self)
-        else:
-            self.dead = True
-            if not self.lost:
-                self.transport.loseConnection()
+        if self.state is BUSY:
+            if keep_alive and not self._parser.extra:
+                self.state = IDLE
+                self._pool._release(self)
+            else:
+                self.close()
         self._pool._succeed(ex)
 
     def _handler_failed(self, ex: _Exchange, failure: Failure) -> None:
@@ -420,8 +472,7 @@ class H1Connection(Protocol):
     # -- the end ---------------------------------------------------------------------
 
     def connectionLost(self, reason: Failure | None = None) -> None:
-        self.lost = True
-        self.dead = True
+        self.state = LOST
         # Leave the count first, so a retry can have a fresh connection in its place.
         self._pool._connection_lost(self)
         ex = self.exchange
@@ -628,8 +679,7 @@ class H1Pool:
             done: Deferred = Deferred()
             conn.when_lost.append(done)
             waits.append(done)
-            conn.dead = True
-            conn.transport.loseConnection()
+            conn.close()
         return gatherResults(waits).addCallback(lambda _: None) if waits else succeed(None)
 
     def stats(self) -> dict[str, int]:
@@ -647,12 +697,11 @@ class H1Pool:
             idle = self._idle
             while idle:
                 conn = idle.pop()
-                if conn.dead:
+                if conn.state is not IDLE:
                     continue
                 if not conn.still_open():
                     # Closed by the upstream (or written to) while idle: nothing was sent on it.
-                    conn.dead = True
-                    conn.transport.loseConnection()
+                    conn.close()
                     continue
                 conn.start(ex)
                 return
@@ -661,53 +710,48 @@ class H1Pool:
             # A retry wants a fresh connection: make room by closing the oldest idle one.
             oldest = self._idle[0]
             self._drop_idle(oldest)
-            oldest.dead = True
-            oldest.transport.loseConnection()
+            oldest.close()
         if bound is None or self._count < bound:
             self._connect(ex)
         else:
+            ex.state = WAITING
             self._waiting.append(ex)
 
     def _connect(self, ex: _Exchange | None) -> None:
         self._count += 1
-        d = self._endpoint.connect(self._factory)
         if ex is not None:
-            ex.connecting = d
+            ex.state = CONNECTING
+        d = self._endpoint.connect(self._factory)
 
         def connected(conn: H1Connection) -> None:
-            if ex is not None:
-                ex.connecting = None
-            if ex is not None and not ex.finished:
+            if ex is not None and ex.state is CONNECTING:
                 conn.start(ex)
             else:
-                self._release(conn)
+                self._release(conn)  # made for a request that left (DONE)
 
         def failed(f: Failure) -> None:
             self._count -= 1
-            if ex is not None:
-                ex.connecting = None
-                if not ex.finished:
-                    self._fail(ex, _connect_error(f.value))
+            if ex is not None and ex.state is CONNECTING:
+                self._fail(ex, _connect_error(f.value))
             self._kick()
 
         d.addCallbacks(connected, failed)
 
     def _release(self, conn: H1Connection) -> None:
-        """A connection is free (after a complete response, or made for a request that left)."""
-        if self._closed or conn.dead or conn.lost:
-            conn.dead = True
-            if not conn.lost:
-                conn.transport.loseConnection()
+        """A connection is free (``IDLE``: after a complete response, or made for a request that left)."""
+        if conn.state is not IDLE:
+            return
+        if self._closed:
+            conn.close()
             return
         while self._waiting:
             ex = self._waiting.pop(0)
-            if ex.finished:
+            if ex.state is DONE:
                 continue
             if ex.retried:
                 # It wants a fresh connection: trade this one for a new one.
                 # (The closing one is counted until it is gone: one over the bound, briefly.)
-                conn.dead = True
-                conn.transport.loseConnection()
+                conn.close()
                 self._connect(ex)
                 return
             conn.start(ex)
@@ -716,13 +760,11 @@ class H1Pool:
         if self.max_idle is not None and len(idle) >= self.max_idle:
             # Room for this one (the warmest): the oldest idle one goes, as the Agent's pool does.
             if not idle:
-                conn.dead = True
-                conn.transport.loseConnection()
+                conn.close()
                 return
             oldest = idle[0]
             self._drop_idle(oldest)
-            oldest.dead = True
-            oldest.transport.loseConnection()
+            oldest.close()
         idle.append(conn)
         if self.idle_timeout is not None:
             conn.idle_since = self._reactor.seconds()
@@ -742,9 +784,7 @@ class H1Pool:
         timeout = self.idle_timeout
         assert timeout is not None  # no sweeper without a timeout
         while idle and idle[0].idle_since + timeout <= now:
-            conn = idle.pop(0)
-            conn.dead = True
-            conn.transport.loseConnection()
+            idle.pop(0).close()
         if idle:
             self._sweeper = self._reactor.callLater(idle[0].idle_since + timeout - now, self._sweep)
 
@@ -771,15 +811,15 @@ class H1Pool:
             self.max_connections is None or self._count < self.max_connections
         ):
             ex = self._waiting.pop(0)
-            if not ex.finished:
+            if ex.state is not DONE:
                 self._connect(ex)
 
     # -- ends of an exchange ------------------------------------------------------------------------
 
     def _succeed(self, ex: _Exchange) -> None:
-        if ex.finished:
+        if ex.state is DONE:
             return
-        ex.finished = True
+        ex.state = DONE
         if ex.timer is not None:
             if ex.timer.active():
                 ex.timer.cancel()
@@ -790,14 +830,15 @@ class H1Pool:
         ex.deferred.callback(response)
 
     def _fail(self, ex: _Exchange, error: BaseException | Failure) -> None:
-        if ex.finished:
+        if ex.state is DONE:
             return
-        ex.finished = True
+        waiting = ex.state is WAITING
+        ex.state = DONE
         if ex.timer is not None:
             if ex.timer.active():
                 ex.timer.cancel()
             ex.timer = None
-        if ex in self._waiting:
+        if waiting:
             self._waiting.remove(ex)
         if ex.response is not None:
             ex.response._exchange = None
@@ -805,9 +846,9 @@ class H1Pool:
 
     def _lost(self, ex: _Exchange, received: bool, reason: Failure | None) -> None:
         """The connection of ``ex`` ended before its response did."""
-        if ex.finished:
+        if ex.state is DONE:
             return
-        if ex.stopped:
+        if ex.state is STOPPING:
             self._fail(ex, CancelledError("the response's consumer stopped it"))
             return
         what = type(reason.value).__name__ if reason is not None else "closed"
@@ -830,14 +871,15 @@ class H1Pool:
 
     def _cancel(self, ex: _Exchange) -> None:
         """Canceller: the caller gave up; abort its connection (the Deferred fails with CancelledError)."""
-        if ex.finished:
+        if ex.state is DONE:
             return
-        ex.finished = True
+        waiting = ex.state is WAITING
+        ex.state = DONE
         if ex.timer is not None:
             if ex.timer.active():
                 ex.timer.cancel()
             ex.timer = None
-        if ex in self._waiting:
+        if waiting:
             self._waiting.remove(ex)
         if ex.response is not None:
             ex.response._exchange = None
@@ -850,7 +892,7 @@ class H1Pool:
 
     def _timed_out(self, ex: _Exchange, seconds: float) -> None:
         ex.timer = None
-        if ex.finished:
+        if ex.state is DONE:
             return
         conn = ex.conn
         if conn is not None:

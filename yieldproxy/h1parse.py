@@ -5,7 +5,15 @@ headers (repeats and order kept, obs-fold joined), the body framed by
 ``Content-Length``, by chunks (extensions and trailers skipped) or by the
 end of the connection (HTTP/1.0, or no length), interim 1xx responses
 skipped, no body for ``HEAD``, 204 and 304 (RFC 9112 6.3).  It says whether
-the connection may carry another request.  Whatever the input, it raises
+the connection may carry another request: never after an HTTP/1.0 answer
+(whatever its ``Connection`` header says: a 1.0 server's keep-alive is an
+extension the proxy does not rely on).
+
+``Transfer-Encoding`` is read strictly (as h11 does, but keeping what a
+relay must pass on): ``chunked`` at most once and only last, or the answer
+is refused; the chunks are removed, and any other coding (``gzip, chunked``)
+stays on the body, named in :attr:`ResponseParser.codings` for the relay to
+send on (never de-chunked and relabelled as a plain body).  Whatever the input, it raises
 nothing but :class:`ParseError` and never loops without consuming input
 (``tests/test_h1client.py`` fuzzes it).
 """
@@ -59,7 +67,7 @@ class ResponseParser:
     """
 
     __slots__ = ("_events", "_state", "_buf", "_remaining", "_head_request", "_keep_alive",
-                 "_interim", "_trailer_bytes", "extra", "received")
+                 "_interim", "_trailer_bytes", "extra", "received", "codings")
 
     def __init__(self, events: ParserEvents):
         self._events = events
@@ -74,6 +82,9 @@ class ResponseParser:
         self.extra = False
         #: Any byte of this response arrived.
         self.received = False
+        #: The transfer codings the body still carries, as sent (``b"gzip"``), once its head is
+        #: read; None when there are none (``chunked`` alone, or none at all).
+        self.codings: bytes | None = None
 
     def start(self, head_request: bool = False) -> None:
         """Expect a new response (to a HEAD request: no body, whatever its headers say)."""
@@ -84,6 +95,7 @@ class ResponseParser:
         self._trailer_bytes = 0
         self.extra = False
         self.received = False
+        self.codings = None
 
     def halt(self) -> None:
         """Stop parsing (the exchange was abandoned from within an event)."""
@@ -283,11 +295,10 @@ class ResponseParser:
             if self._interim > MAX_INTERIM:
                 raise ParseError(f"more than {MAX_INTERIM} interim responses")
             return False  # an interim response: the final one follows
-        tokens = {t.strip(b" \t").lower() for v in connection for t in v.split(b",")}
-        if version == b"HTTP/1.1":
-            keep_alive = b"close" not in tokens
-        else:
-            keep_alive = b"keep-alive" in tokens and b"close" not in tokens
+        # HTTP/1.0 is never kept alive (module docstring).
+        keep_alive = version == b"HTTP/1.1" and b"close" not in {
+            t.strip(b" \t").lower() for v in connection for t in v.split(b",")
+        }
         length: int | None = None
         if self._head_request or code in (204, 304):
             state = None
@@ -296,12 +307,21 @@ class ResponseParser:
             # Transfer-Encoding wins over Content-Length (RFC 9112 6.3); both: do not reuse.
             if lengths:
                 keep_alive = False
-            last = [t.strip(b" \t").lower() for v in codings for t in v.split(b",")][-1]
-            if last == b"chunked":
+            items = [t.strip(b" \t") for v in codings for t in v.split(b",")]
+            items = [t for t in items if t]  # empty list elements are allowed (RFC 9110 5.6.1)
+            names = [t.split(b";", 1)[0].rstrip(b" \t").lower() for t in items]
+            if not names or not all(_TOKEN.fullmatch(n) for n in names):
+                raise ParseError(f"bad Transfer-Encoding {b', '.join(codings)[:60]!r}")
+            if b"chunked" in names[:-1]:
+                raise ParseError("Transfer-Encoding applies chunked twice, or not last")
+            if names[-1] == b"chunked":
                 state = _CHUNK_SIZE
+                items = items[:-1]
             else:
+                # Framed by the end of the connection (RFC 9112 6.3), the codings stay on.
                 state = _UNTIL_CLOSE
                 keep_alive = False
+            self.codings = b", ".join(items) or None
         elif lengths:
             values = {t.strip(b" \t") for v in lengths for t in v.split(b",")}
             if len(values) != 1:
