@@ -467,6 +467,28 @@ def test_a_body_in_a_transfer_coding_is_relayed_with_it_not_dechunked_and_relabe
     assert gzip.decompress(rest) == payload
 
 
+def test_an_error_answer_in_a_transfer_coding_is_relayed_with_it():
+    """A 500 whose body is ``gzip, chunked``, read whole to be judged and then relayed as the
+    caller's: it goes out with its coding, chunked, never under a plain ``Content-Length``."""
+    payload = json.dumps({"error": "something nobody listed"}).encode()
+    coded = gzip.compress(payload)
+    answer = (
+        b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(coded), coded)
+    )
+    rig = Rig(upstream=ScriptedBackend((answer, "keep")))
+    peer = rig.raw()
+    peer.send(request_bytes(b"POST", b"/api/embed", [], json.dumps(_embed(0)).encode()))
+    rig.turn()
+    head, _, rest = peer.data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0].startswith(b"HTTP/1.1 500 ")
+    assert b"Transfer-Encoding: gzip, chunked" in lines
+    assert not [line for line in lines if line.lower().startswith(b"content-length:")]
+    body, after = _dechunk(rest)
+    assert after == b"" and gzip.decompress(body) == payload
+
+
 def test_an_http_1_0_answer_is_never_kept_alive():
     """An HTTP/1.0 answer that says ``Connection: keep-alive``: its connection is not reused."""
     backend = ScriptedBackend((b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\n{}", "keep"))
