@@ -37,14 +37,15 @@ from twisted.test import iosim
 from twisted.web.client import Agent
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
-from twisted.web.resource import IResource
-from twisted.web.server import Site
+from twisted.web.resource import IResource, Resource
+from twisted.web.server import NOT_DONE_YET, Site
 from zope.interface import implementer
 
 from yieldproxy.config import Config
 from yieldproxy.forward import Upstream
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
+from yieldproxy.translate import BackendError, client_response, parse_request
 
 #: A bound on the rounds of one :meth:`Rig.turn`: more means something loops without end.
 _MAX_ROUNDS = 10_000
@@ -164,6 +165,44 @@ class MemoryUpstream(Upstream):
 
     def flush(self) -> bool:
         return self.wire.flush()
+
+
+class EmbedResource(Resource):
+    """An embedding server in memory whose vectors come from a test's fake, ``backend.embed(request, model)``.
+
+    It answers Ollama's ``/api/embed`` and ``/api/embeddings`` and OpenAI's
+    ``/v1/embeddings`` (or ``/embeddings``, under an OpenAI base URL) in each
+    route's shape; the fake's :class:`~yieldproxy.translate.BackendError` is
+    a 500, and an answer the fake holds back is held back on the wire too.
+    """
+
+    isLeaf = True
+
+    def __init__(self, backend):
+        super().__init__()
+        self._backend = backend
+
+    def render_POST(self, request):
+        path = request.path.decode("latin-1")
+        if not path.startswith(("/api/", "/v1/")):
+            path = "/v1" + path  # an OpenAI base URL's route
+        wanted = parse_request(path, request.content.read())
+        d = Deferred.fromCoroutine(self._backend.embed(wanted, wanted.model))
+
+        def answer(code: int, body: bytes) -> None:
+            if request._disconnected:
+                return
+            request.setResponseCode(code)
+            request.setHeader(b"content-type", b"application/json")
+            request.write(body)
+            request.finish()
+
+        def failed(failure: Failure) -> None:
+            failure.trap(BackendError)
+            answer(500, jsonlib.dumps({"error": failure.value.detail}).encode())
+
+        d.addCallback(lambda result: answer(200, client_response(wanted, result))).addErrback(failed)
+        return NOT_DONE_YET
 
 
 @implementer(IBodyProducer)

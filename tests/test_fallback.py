@@ -22,6 +22,7 @@ import openai
 import pytest
 import pytest_twisted
 import treq
+from treq.testing import StubTreq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
@@ -31,23 +32,23 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
 from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, start_stack, wait_for
-from yieldproxy.config import DEFAULT_PROBE_TEXTS, Config, ConfigError, FallbackConfig, from_dict
+from inmemory import EmbedResource, MemoryUpstream
+from yieldproxy.config import DEFAULT_PROBE_TEXTS, ConfigError, FallbackConfig, from_dict
 from yieldproxy.fallback import (
     RETRY_AFTER_ERROR_SECONDS,
-    TARGET,
     EmbedBackend,
     Fallback,
     NotNow,
     compare,
-    fallback_drainer,
     format_table,
 )
 from yieldproxy.forward import Upstream
 from yieldproxy.gate import Gate
 from yieldproxy.metrics import Metrics
-from yieldproxy.parking import Entry, ParkingLot
+from yieldproxy.parking import ParkingLot
+from yieldproxy.proxy import ProxyApp
 from yieldproxy.replay import Replayer
-from yieldproxy.service import build_core
+from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
 from yieldproxy.state import YieldState
 from yieldproxy.translate import BackendError, EmbedRequest, Embeddings
@@ -166,25 +167,19 @@ class FakeBackend:
         return succeed(None)
 
 
-class FakeRequest:
-    """What :meth:`Fallback.serve` touches of a twisted.web request."""
+class Answer:
+    """What a caller got: status, headers and body (nothing while its request is parked)."""
 
-    def __init__(self, path=b"/api/embed"):
-        self.path = path
+    def __init__(self):
         self.responseHeaders = Headers()
         self.code = None
         self.written: list[bytes] = []
 
-    def setResponseCode(self, code):
-        self.code = code
-
-    def write(self, data):
-        self.written.append(data)
-
 
 @attrs.define
 class Core:
-    """A Fallback with fake backends on the clock-driven core (yield state, lot, gate), wired as ``build`` does."""
+    """The proxy on a Clock with fake backends behind its two members (the primary and the
+    fallback, in memory), wired as ``build`` does."""
 
     clock: Clock
     fallback: Fallback
@@ -195,17 +190,46 @@ class Core:
     lot: ParkingLot
     gate: Gate
     replayer: Replayer
+    http: StubTreq
+    wires: tuple
 
     def sample(self, name, **labels):
         value = self.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
-    def serve(self, path=b"/api/embed", cls="batch", entry=None, **body):
+    def turn(self):
+        for _ in range(4):
+            self.http.flush()
+            for wire in self.wires:
+                wire.flush()
+            self.clock.advance(0)
+
+    def serve(self, path=b"/api/embed", cls="batch", **body):
+        """Send one request; its Deferred fires True once the fallback answered it, False when it
+        parked (or the primary answered it)."""
         body = {"model": MODEL, "input": ["x"], **body}
-        request = FakeRequest(path)
-        entry = entry or Entry(cls=cls)
-        d = Deferred.fromCoroutine(self.fallback.serve(request, entry, json.dumps(body).encode()))
-        return request, d
+        answer = Answer()
+        parked = len(self.lot)
+        sent = self.http.post(
+            "http://proxy.invalid" + path.decode(), data=json.dumps(body).encode(),
+            headers={b"x-yield-class": [cls.encode()]},
+        )
+
+        def got(response):
+            answer.code = response.code
+            answer.responseHeaders = response.headers
+            return self.http.content(response).addCallback(read, response)
+
+        def read(content, response):
+            answer.written.append(content)
+            return response.headers.getRawHeaders(b"x-yield-served-by") == [b"fallback"]
+
+        sent.addCallback(got)
+        self.turn()
+        if len(self.lot) > parked and answer.code is None:
+            sent.addErrback(lambda failure: None)
+            return answer, succeed(False)
+        return answer, sent
 
     def yield_(self):
         self.state.hold("api", "test")
@@ -217,17 +241,19 @@ class Core:
 def make_core(policy="fallback", **fallback) -> Core:
     clock = Clock()
     fc = attrs.evolve(FallbackConfig(), **{**ENABLED, "probe_texts": ("one", "two", "three"), **fallback})
-    config = attrs.evolve(Config(), fallback=fc)
+    config = attrs.evolve(config_with(classes={"batch": {"policy": policy}}), fallback=fc)
     primary, backend = FakeBackend("ollama"), FakeBackend("openai")
     metrics = Metrics()
-    cooperator = clock_cooperator(clock)
-    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator)
-    policies = {"interactive": "park", "batch": policy, "long": "park"}
-    new_drainer = fallback_drainer(clock, config, metrics, state, lot, cooperator)
-    fb = Fallback(clock, fc, primary, backend, metrics, lambda: state.yielded, policies, lot, new_drainer)
-    state.observe(fb.state_changed)
-    metrics.watch(fb.metric_families)
-    return Core(clock, fb, primary, backend, metrics, state, lot, gate, replayer)
+    wires = {"default": MemoryUpstream(EmbedResource(primary), clock), "fallback": MemoryUpstream(EmbedResource(backend), clock)}
+    heart = build_heart(
+        clock, config, metrics, clock_cooperator(clock), lambda spec: (wires[spec.name], None), (primary, backend),
+    )
+    fb = heart.fallback
+    app = ProxyApp(clock, config, heart.gate, heart.pool, metrics, on_attempt=fb.attempt_ended)
+    return Core(
+        clock, fb, primary, backend, metrics, heart.state, heart.lot, heart.gate, heart.pool.members[0].drainer,
+        StubTreq(app.resource()), tuple(wires.values()),
+    )
 
 
 def verified(core: Core) -> Core:
@@ -411,18 +437,18 @@ def test_requests_it_cannot_serve_park(path, body):
 def test_at_most_concurrency_at_once_the_rest_wait_in_line():
     core = verified(make_core(concurrency=2))
     core.backend.hold = True
-    entries = [Entry(cls="batch") for _ in range(3)]
-    served = [core.serve(input=[f"t{i}"], entry=entry) for i, entry in enumerate(entries)]
+    served = [core.serve(input=[f"t{i}"]) for i in range(3)]
     # The third is admitted as usual (it parks), in line for the fallback: its
     # drainer serves it when a slot frees (tests/test_fallback_drain.py).
     assert served[2][1].result is False
-    assert TARGET in entries[2].offers and not entries[0].offers
+    assert core.fallback.waiting == 1 and len(core.lot) == 1  # the third alone is in line for it
     assert core.fallback.inflight == 2 and len(core.backend.calls) == 1 + 2  # verification's, then two
     # Waiting in line is not a skip: skipped_busy counts one that leaves the lot without its turn.
     assert core.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "skipped_busy"}) == 0
     core.backend.hold = False
     for d in list(core.backend.held):
         d.callback(None)
+    core.turn()
     assert [s[1].result for s in served[:2]] == [True, True]
     assert core.fallback.inflight == 0
 
@@ -444,6 +470,7 @@ def test_a_caller_that_leaves_is_counted_abandoned():
     d.cancel()
     failure = d.result
     d.addErrback(lambda f: None)
+    core.turn()
     assert "CancelledError" in repr(failure)
     assert core.fallback.inflight == 0
     assert core.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "abandoned"}) == 1
@@ -767,3 +794,21 @@ async def test_a_refusing_backend_is_a_backend_error():
         assert caught.value.reason == "refused"
     finally:
         await backend.close()
+
+
+def test_status_lists_the_fallback_as_a_standby_member():
+    """Issue 17: ``[fallback]`` is a pool member like any other, a standby one: ``/status`` lists it."""
+    from yieldproxy.service import build
+
+    config = attrs.evolve(
+        config_with(classes={"batch": {"policy": "fallback"}}), fallback=attrs.evolve(FallbackConfig(), **ENABLED),
+    )
+    proxy = build(Clock(), config)
+    rows = {row["name"]: row for row in proxy.admin_app.status()["upstreams"]}
+    assert list(rows) == ["default", "fallback"]
+    fallback = rows["fallback"]
+    assert (fallback["use"], fallback["url"], fallback["api"]) == ("when_others_yielded", ENABLED["url"], "openai")
+    assert fallback["models"] == [MODEL] and fallback["classes"] == ["batch"] and fallback["replay_concurrency"] == 2
+    assert fallback["state"] == "available" and proxy.pool.member("fallback").spec.standby
+    # The one drain model: it drains the one lot like any member; no engine of its own.
+    assert [m.name for m in proxy.pool.members] == ["default", "fallback"]

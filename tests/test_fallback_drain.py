@@ -21,15 +21,15 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from helpers import clock_cooperator, config_with
-from inmemory import MemoryUpstream
+from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
-from yieldproxy.fallback import Fallback, fallback_drainer
+from yieldproxy.fallback import Fallback
 from yieldproxy.gate import Gate
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
 from yieldproxy.replay import Replayer
-from yieldproxy.service import build_core
+from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, expected_embedding
 from yieldproxy.state import YieldState
 from yieldproxy.translate import BackendError, Embeddings
@@ -87,6 +87,8 @@ class Rig:
     http: StubTreq
     #: The proxy's connections to the primary (the sim), in memory.
     wire: MemoryUpstream
+    #: Its connections to the fallback (the twin), in memory.
+    twin_wire: MemoryUpstream
     #: The fallback's in-flight count after every step, to check the cap.
     seen_inflight: list[int] = attrs.field(factory=list, repr=False)
 
@@ -106,6 +108,7 @@ class Rig:
         for _ in range(4):
             self.http.flush()
             self.wire.flush()
+            self.twin_wire.flush()
             self.clock.advance(0)
             self.seen_inflight.append(self.fallback.inflight)
         if seconds:
@@ -153,28 +156,29 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     clock = Clock()
     fc = attrs.evolve(
         FallbackConfig(),
+        # The twin's answers are held for as long as a test likes: no attempt timeout in the way.
         **{"enabled": True, "url": Twin.url, "api": "openai", "models": {MODEL: MODEL}, "probe_texts": ("probe",),
-           "concurrency": 2, **fallback},
+           "concurrency": 2, "timeout_seconds": 3600.0, **fallback},
     )
     config = attrs.evolve(config or config_with(classes={"batch": {"policy": "fallback"}}), fallback=fc)
     metrics = Metrics()
     cooperator = clock_cooperator(clock)
     sim = SimOllama(clock)
     upstream = wire = MemoryUpstream(sim.resource(), clock)
-    state, lot, replayer, gate = build_core(clock, config, metrics, cooperator, lambda spec: (upstream, None))
     twin = Twin()
+    twin_wire = MemoryUpstream(EmbedResource(twin), clock)
     # Verification embeds the probe on both sides: the primary is another twin, answering at once.
     primary = Twin()
     primary.hold = False
-    new_drainer = fallback_drainer(clock, config, metrics, state, lot, cooperator)
-    fallback = Fallback(
-        clock, fc, primary, twin, metrics, lambda: state.yielded,
-        {k: v.policy for k, v in config.classes.items()}, lot, new_drainer,
+    heart = build_heart(
+        clock, config, metrics, cooperator, lambda spec: (twin_wire if spec.fallback else upstream, None),
+        (primary, twin),
     )
-    state.observe(fallback.state_changed)
-    app = ProxyApp(clock, config, gate, gate.pool, metrics, fallback)
+    state, lot, gate, fallback = heart.state, heart.lot, heart.gate, heart.fallback
+    replayer = heart.pool.members[0].drainer
+    app = ProxyApp(clock, config, gate, heart.pool, metrics, on_attempt=fallback.attempt_ended)
     http = StubTreq(app.resource())
-    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire)
+    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire, twin_wire)
     if verify:
         twin.hold = False
         fallback.verify()

@@ -11,7 +11,7 @@ come back and, for a request that expired in the lot, what kept it waiting.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
@@ -52,6 +52,9 @@ class Gate:
     service_seconds: float = 0.5
     #: Set when the proxy stops (:meth:`stop_admitting`): every request is refused from then on.
     shutting_down: bool = False
+    #: Told of each new request's admission: ``(entry, member it went to at once or None,
+    #: the reason it was refused or None)`` (the legacy fallback counts why it did not serve one).
+    on_arrival: Callable[[Entry, str | None, str | None], None] = lambda entry, member, refused: None
 
     @property
     def yielded(self) -> bool:
@@ -85,6 +88,18 @@ class Gate:
         """
         if self.shutting_down:
             raise Refused("shutdown", "the proxy is shutting down", 503, self.retry_after())
+        returning = entry.tries > 0 or entry.was_parked
+        try:
+            admitted = self._admit(entry, returning)
+        except Refused as refusal:
+            if not returning:
+                self.on_arrival(entry, None, refusal.reason)
+            raise
+        if not returning:
+            self.on_arrival(entry, entry.released_to if admitted.called else None, None)
+        return admitted
+
+    def _admit(self, entry: Entry, returning: bool) -> Deferred[Entry]:
         pool = self.pool
         self._lot.number(entry)
         if entry.routing is None:
@@ -95,7 +110,6 @@ class Gate:
                     "no_upstream", f"no upstream of the pool may serve {entry.cls} requests (upstreams.*.classes)",
                     self.reject_status, self.retry_after(),
                 )
-        returning = entry.tries > 0 or entry.was_parked
         if not returning:
             member = pool.choose(entry)
             if member is not None:
@@ -217,17 +231,15 @@ class Gate:
         """Answer with 503 every parked request whose every upstream that may serve it is held (shutdown):
         no yield ends for it before the proxy is gone, so it need not wait out the drain's timeout."""
         return self._lot.refuse_all(
-            lambda entry: Refused("shutdown", why, 503, self.retry_after()), self.pool.all_held,
+            lambda entry: Refused("shutdown", why, 503, self.retry_after()), self.pool.none_coming_back,
         )
 
     def _check_budget(self, entry: Entry, cls: ClassConfig) -> None:
         """Refuse at once when the declared yield outlasts what this request may wait.
 
-        Not when another target (the fallback) may serve it before the GPU is
-        back: it waits for that one, up to its hold bound as ever.
+        Not when a member it may use is not held (a verified standby copy): it
+        waits for that one, up to its hold bound as ever.
         """
-        if entry.offers:
-            return
         # The soonest any member it may use is expected back (an embedding: its reference or a verified twin).
         end = self._state.expected_end(self.pool.may_serve(entry))
         if end is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -91,12 +91,8 @@ class Entry:
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
     parked_at: float | None = None
-    #: Targets other than the primary that may serve it, each with what it needs
-    #: to (the fallback: the mapped model), set at admission by the target
-    #: (None until one does: most entries never get an offer).
-    offers: dict[str, Any] | None = None
-    #: The target whose drainer let it out of the lot last, or the pool member the gate
-    #: sent it to; None: the primary (a pool of one's member).
+    #: The pool member whose drainer let it out of the lot last, or the member the gate
+    #: sent it to; None: a pool of one's member.
     released_to: str | None = None
     #: Its model, route kind and eligible pool members, decided once at admission
     #: (one shared value for every request alike: see :class:`Routing`).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from inspect import iscoroutine
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import attrs
 from klein import Klein
@@ -44,7 +44,6 @@ from .classify import (
 )
 from .config import Config, proxy_max_connections
 from .errors import stream_error_chunk, write_error
-from .fallback import TARGET as FALLBACK_TARGET
 from .forward import (
     RELAYED_UNLESS_HELD,
     Attempt,
@@ -63,6 +62,7 @@ from .metrics import Metrics
 from .parking import Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
+from .pool.members import answer_headers, served_outcome
 from .pool.rename import renamed_body
 from .pool.routing import Pool
 from .proxyresource import ProxyResource
@@ -71,9 +71,6 @@ from .servers import NOT_READY, ModelCall
 from .target import BadTarget, Target, parse_target
 from .translate import Untranslatable, parse_request
 from .translated import TranslatedAttempt
-
-if TYPE_CHECKING:
-    from .fallback import Fallback
 
 log = Logger()
 
@@ -142,8 +139,8 @@ class ProxyApp:
     #: The upstreams: each attempt runs on a member, reported to its health (reachability, outage verdicts).
     _pool: Pool
     _metrics: Metrics
-    #: The verified CPU fallback, when ``fallback.enabled`` (see the fallback package).
-    _fallback: Fallback | None = None
+    #: Told of every attempt as it ends: ``(member, entry, outcome)`` (the legacy fallback counts its own).
+    _on_attempt: Callable[[Member, Entry, str], None] = lambda member, entry, outcome: None
     _classifier: Classifier = attrs.field(init=False)
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
     _buffers: ClientBuffers = attrs.field(init=False)
@@ -384,10 +381,6 @@ class ProxyApp:
         return cls
 
     async def _gated(self, request, target: Target, entry: Entry, body: bytes):
-        # During a yield, a verified fallback may answer at once, or later from the lot
-        # (in line for it); if it does not, the request parks as usual.
-        if self._fallback is not None and await self._at_fallback(request, entry, body, self._fallback.serve):
-            return None
         max_attempts = self._config.upstream.max_attempts
         #: The members that answered this request "busy" (:meth:`_after_failure`).
         busy_on: set[str] = set()
@@ -412,12 +405,6 @@ class ProxyApp:
                 # Taken, with its connection, by the process that replaced this one: it ends there.
                 handed.take(request, entry, body)
                 return None
-            if entry.released_to == FALLBACK_TARGET:
-                # Let out by the fallback's drainer; if it fails there, back to its place in the lot.
-                assert self._fallback is not None
-                if await self._at_fallback(request, entry, body, self._fallback.serve_released):
-                    return None
-                continue
             member = self._pool.member(entry.released_to)
             extra = []
             if entry.was_parked:
@@ -471,6 +458,13 @@ class ProxyApp:
                 self._gate.finished(failed=failed, seconds=elapsed, member=entry.released_to)
                 self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
                 self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
+                self._on_attempt(member, entry, outcome)
+            if failure is not None and member.spec.fallback:
+                # The fallback's errors are never shown: back to its place in the lot, not counted
+                # against the request, and not given to the fallback again (pool/routing.py).
+                entry.failed_on = member.name
+                entry.forgiven += 1
+                continue
             if failure is not None:
                 answered = await self._after_failure(
                     request, target, entry, body, failure, max_attempts, member, busy_on, extra
@@ -488,8 +482,9 @@ class ProxyApp:
                 self._outcome(entry, "abandoned")
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries + 1)
                 raise
-            self._outcome(entry, "ok")
-            self._log(request, entry.cls, status, "ok", entry, entry.tries + 1)
+            served = served_outcome(member.spec)
+            self._outcome(entry, served)
+            self._log(request, entry.cls, status, served, entry, entry.tries + 1)
             return None
 
     def _failed_call(self, target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
@@ -505,9 +500,11 @@ class ProxyApp:
         """
         wanted = parse_request(target.path, body)
         own = member.catalogue.own_name(wanted.model) or wanted.model
+        spec = member.spec
         return TranslatedAttempt(
             self._clock, member.upstream, member.server, request, wanted, own, entry.api,
-            self._attempt_timeout(entry.cls), extra, member=member.name,
+            spec.attempt_timeout_seconds or self._attempt_timeout(entry.cls), [*extra, *answer_headers(spec, own)],
+            member=member.name, relay_errors=not spec.fallback,
         )
 
     def _body_for(self, member: Member, entry: Entry, body: bytes) -> bytes:
@@ -740,22 +737,6 @@ class ProxyApp:
         if not self._pool.several:
             return self._gate.yielded
         return self._pool.passthrough_member(method, path, model).held()
-
-    async def _at_fallback(self, request, entry: Entry, body: bytes, serve) -> bool:
-        """One turn at the fallback (``serve`` or ``serve_released``): True when it answered.
-
-        A parked request it answers ends as replay outcome ``fallback``.
-        """
-        try:
-            served = await serve(request, entry, body)
-        except CancelledError:
-            self._outcome(entry, "abandoned")
-            self._log(request, entry.cls, None, "abandoned", entry, entry.attempts)
-            raise
-        if served:
-            self._outcome(entry, "fallback")
-            self._log(request, entry.cls, request.code, "fallback", entry, entry.attempts)
-        return served
 
     # -- outcomes -------------------------------------------------------------
 

@@ -55,6 +55,8 @@ class Replayer:
     accepts: Callable[[Entry], bool] | None = None
     #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
     is_open: Callable[[], bool] | None = None
+    #: After a failure, one request at a time until an answer comes back (the legacy fallback's rule).
+    cautious: bool = False
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0
     _task: CooperativeTask | None = None
@@ -83,7 +85,12 @@ class Replayer:
     def can_start(self) -> bool:
         """True when a request may go to the target this instant: a free slot, no pause or pacing."""
         now = self._clock.seconds()
-        return self.inflight < self.concurrency and now >= max(self._next_start, self._backoff_until)
+        return self.inflight < self._cap() and now >= max(self._next_start, self._backoff_until)
+
+    def _cap(self) -> int:
+        """The slots open now: a :attr:`cautious` target's, after a failure, one until an answer
+        comes back (a failing CPU copy is tried by one request at a time, not by a wave)."""
+        return 1 if self.cautious and self._failures_in_a_row else self.concurrency
 
     @property
     def release_held(self) -> bool:
@@ -208,7 +215,7 @@ class Replayer:
 
     def _release(self):
         while self.draining and not self._stopped:
-            if self.inflight >= self.concurrency:
+            if self.inflight >= self._cap():
                 yield self._sleep(0)
                 continue
             now = self._clock.seconds()

@@ -35,7 +35,7 @@ from .admin import AdminApp
 from .config import Config
 from .control import UpstreamControl
 from .drain import Drain
-from .fallback import EmbedBackend, Fallback, fallback_drainer
+from .fallback import EmbedBackend, Fallback
 from .forward import Upstream
 from .gate import Gate
 from .handover import Handover
@@ -52,9 +52,9 @@ from .metrics import (
 )
 from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
-from .pool.members import MemberSpec, member_specs
+from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
 from .pool.models import ModelDiscovery
-from .pool.routing import Pool
+from .pool.routing import Pool, any_member
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
@@ -119,14 +119,36 @@ class Proxy:
 Clients = Callable[[MemberSpec], tuple[Any, Any]]
 
 
+@attrs.frozen
+class Heart:
+    """The clock-driven heart :func:`build_heart` makes."""
+
+    state: YieldState
+    lot: ParkingLot
+    pool: Pool
+    gate: Gate
+    #: The legacy ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
+    fallback: Fallback | None = None
+
+
 def build_core(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
 ) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
-    """The yield state, the lot, the pool and the gate: the clock-driven heart.
+    """The yield state, the lot, the first member's drainer and the gate (:func:`build_heart`)."""
+    heart = build_heart(reactor, config, metrics, cooperator, clients)
+    return heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate
 
-    Returns the first member's drainer as the replayer (a pool of one's only
-    one); the pool is ``gate.pool``.  ``clients(spec)`` gives each member its
-    request and control clients (None: clock-only, none).
+
+def build_heart(
+    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
+    fallback_backends: tuple[Any, Any] | None = None,
+) -> Heart:
+    """The yield state, the lot, the pool and the gate: the clock-driven heart, made and wired.
+
+    ``clients(spec)`` gives each member its request and control clients
+    (None: clock-only, none).  With an enabled ``[fallback]``,
+    ``fallback_backends`` are its verification's two sides (the primary's
+    and the fallback's :class:`~yieldproxy.fallback.EmbedBackend`).
     """
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
@@ -146,10 +168,26 @@ def build_core(
         min_shares={k: v.min_share for k, v in config.classes.items()},
         index_members=len(specs) > 1,
     )
-    pool = Pool(reactor, state, lot, metrics, cooperator, config, specs, clients=clients)
-    gate = Gate(
-        reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status
+    fallback = None
+    if fallback_backends is not None:
+        # Made before the pool, whose twin check it is; what it reads of the pool it reads when asked.
+        fallback = Fallback(
+            reactor, config.fallback, *fallback_backends, metrics, lambda: state.yielded,
+            {k: v.policy for k, v in config.classes.items()},
+            inflight=lambda: pool.member(FALLBACK_MEMBER).inflight, on_verified=lambda: pool.kick(),
+        )
+    pool = Pool(
+        reactor, state, lot, metrics, cooperator, config, specs, clients=clients,
+        twin_ok=fallback.twin_ok if fallback is not None else any_member,
     )
+    gate = Gate(
+        reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
+        on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
+    )
+    if fallback is not None:
+        state.observe(fallback.state_changed)
+        lot.when_out(fallback.left_lot)
+        metrics.watch(fallback.metric_families)
     # What each part follows of the others (no constructor subscribes itself).
     for member in pool.members:
         # A request that parks may be one this drainer can take now.
@@ -158,7 +196,7 @@ def build_core(
     metrics.inflight_requests.set_function(lambda: pool.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
     state.on_transition(transition_logger(gate.describe))
-    return state, lot, pool.members[0].drainer, gate
+    return Heart(state, lot, pool, gate, fallback)
 
 
 def build(
@@ -183,18 +221,30 @@ def build(
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
-    first = member_specs(config)[0].name
+    specs = member_specs(config)
+    first = specs[0].name
+    fc = config.fallback
 
-    def clients(spec: MemberSpec) -> tuple[Any, Any]:
-        """Each member's client for requests (its connection pool) and its control-plane client."""
-        client = upstream if upstream is not None and spec.name == first else Upstream(
-            reactor, spec.url, config.upstream.max_connections
+    def client(spec: MemberSpec) -> Any:
+        """Each member's client for requests (its connection pool)."""
+        if upstream is not None and spec.name == first:
+            return upstream
+        # The fallback's cap is its concurrency, and one connection more for its verification.
+        return Upstream(reactor, spec.url, fc.concurrency + 1 if spec.fallback else config.upstream.max_connections)
+
+    made = {spec.name: (client(spec), UpstreamControl(reactor, spec.url)) for spec in specs}
+    fallback_backends = None
+    if fc.enabled:
+        # Its verification embeds the probe texts on both sides, through the members' own clients.
+        fallback_backends = (
+            EmbedBackend(reactor, made[first][0], fc.primary_api, fc.timeout_seconds, openai_prefix="/v1"),
+            EmbedBackend(reactor, made[FALLBACK_MEMBER][0], fc.api, fc.timeout_seconds),
         )
-        return client, UpstreamControl(reactor, spec.url)
 
     # The clock-driven heart, and what it reports.
-    state, lot, replayer, gate = build_core(reactor, config, metrics, cooperator, clients)
-    pool = gate.pool
+    heart = build_heart(reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends)
+    state, lot, pool, gate, fallback = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback
+    replayer = pool.members[0].drainer
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
@@ -209,24 +259,9 @@ def build(
     upstream, health = pool.members[0].upstream, pool.members[0].health
     client_pools: list[Any] = [m.upstream for m in pool.members]
 
-    fallback = None
-    if config.fallback.enabled:
-        fc = config.fallback
-        backend = Upstream(reactor, fc.url, fc.concurrency + 1)
-        client_pools.append(backend)
-        fallback = Fallback(
-            reactor, fc,
-            EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1"),
-            EmbedBackend(reactor, backend, fc.api, fc.timeout_seconds),
-            metrics, lambda: state.yielded, {k: v.policy for k, v in config.classes.items()},
-            lot, fallback_drainer(reactor, config, metrics, state, lot, cooperator),
-        )
-        state.observe(fallback.state_changed)
-        metrics.watch(fallback.metric_families)
-
     # Embeddings go to a model's reference or its verified twins (a pool of one has no twins).
     twins = None
-    if pool.several:
+    if not _alone(pool):
         twins = TwinVerifier(reactor, pool.members, config.verification, pool.kick)
         pool.check_twins_with(twins.twin_ok)
         metrics.watch(twins.metric_families)
@@ -234,7 +269,7 @@ def build(
     # What takes holds by itself, and what acts on them.
     watchers = tuple(_watchers(reactor, config, state, metrics, pool))
     handovers = tuple(_handovers(reactor, config, state, metrics, pool))
-    handover = handovers[0] if len(handovers) == 1 and not pool.several else None
+    handover = handovers[0] if len(handovers) == 1 and _alone(pool) else None
     discovery = tuple(_discovery(reactor, config, pool))
     history = History(
         reactor, snapshot_reader(gate, lot, pool, config.classes), tuple(config.classes),
@@ -244,7 +279,10 @@ def build(
 
     # The two HTTP apps (``POST /reload`` reaches the succession, made once the listeners are).
     reloaders: list[Succession] = []
-    proxy_app = ProxyApp(reactor, config, gate, pool, metrics, fallback)
+    proxy_app = ProxyApp(
+        reactor, config, gate, pool, metrics,
+        on_attempt=fallback.attempt_ended if fallback is not None else lambda member, entry, outcome: None,
+    )
     admin_app = AdminApp(
         reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
         history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins), fallback=fallback,
@@ -254,8 +292,7 @@ def build(
 
     # What runs, in start order (it stops in the reverse order).
     drain = Drain(
-        reactor, state, gate, lot, pool,
-        (*(m.drainer for m in pool.members), *([fallback] if fallback is not None else [])),
+        reactor, state, gate, lot, pool, tuple(m.drainer for m in pool.members),
         timeout=config.proxy.shutdown_timeout_seconds,
     )
     inherited = succession.inheritance if succession is not None else None
@@ -299,6 +336,12 @@ def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
     return lambda: reloaders[0].reload()
 
 
+def _alone(pool: Pool) -> bool:
+    """One upstream, beside at most the legacy fallback: it has no model lists to read and no twins,
+    and its holds and handover read as a single upstream's always did."""
+    return sum(not m.spec.fallback for m in pool.members) == 1
+
+
 def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Service]:
     """The watchers ``config.watchers``, each member's keys and outage detection enable, not started.
 
@@ -323,7 +366,7 @@ def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Servi
             )
         )
     for member in pool.members:
-        spec, scope = member.spec, (member.name if pool.several else ALL)
+        spec, scope = member.spec, (ALL if _alone(pool) else member.name)
         if spec.state_file:
             watchers.append(
                 StateFileWatcher(
@@ -377,7 +420,7 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
 
 def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
     """A model-list reader for each member without ``models``, in pools of several (a pool of one has no choice to make)."""
-    if not pool.several:
+    if _alone(pool):
         return []
     return [
         ModelDiscovery(
@@ -405,7 +448,7 @@ def _status_sections(watchers, handovers, fallback, pool: Pool, twins=None) -> d
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
         "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
     }
-    if handovers and not pool.several:
+    if handovers and _alone(pool):
         sections["handover"] = handovers[0].status
     elif handovers:
         sections["handover"] = lambda: {h.member: h.status() for h in handovers}

@@ -64,6 +64,7 @@ class TranslatedAttempt:
         extra_headers: Sequence[tuple[bytes, bytes]] = (),
         *,
         member: str,
+        relay_errors: bool = True,
     ):
         self._clock = clock
         self._upstream = upstream
@@ -76,6 +77,9 @@ class TranslatedAttempt:
         self._timeout = timeout
         self._extra_headers = extra_headers
         self._member = member
+        #: False: no error answer of the member is ever relayed (the legacy fallback's rule): each is a
+        #: retryable failure, so the request goes back to its place in the lot.
+        self._relay_errors = relay_errors
         self._parts: list[bytes] = []
         self._size = 0
         self._began = 0.0
@@ -135,6 +139,8 @@ class TranslatedAttempt:
             code, response.phrase, [(b"Content-Type", _JSON)],
             error_body(self._error_shape, code, message, "upstream_error"), own_body=body,
         )
+        if not self._relay_errors:
+            raise RetryableFailure(f"status_{code}", f"upstream {url} answered {code}: {message[:200]}", answer)
         raise_judged(code, self._server.judge(code, body), f"upstream {url} answered {code}: {message[:200]}", answer)
         return self._write(code, response.phrase, answer.body)
 

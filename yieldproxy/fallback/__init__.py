@@ -13,18 +13,18 @@ or whose verification is older than ``fallback.max_verification_age_seconds``
 is not used: its requests park as they would without a fallback, and
 ``/status``, the log and the metrics say why.
 
-A verified fallback serves at most ``fallback.concurrency`` requests at once.
-Beyond that a request it may serve parks *in line for it*: the fallback is a
-drain target of the lot (parking.py, replay.py) with its own replayer, open
-while the GPU is yielded, which lets out the next request it may serve, in
-the lot's drain order, each time a slot frees.  When the GPU comes back the
-primary's replayer drains what is left, as ever.  When the fallback fails on
-a request, that request goes back to its place in the lot and waits for the
-primary; it is not offered to the fallback again.  A caller never sees a
-fallback error.
+The fallback is a pool member (pool/members.py ``fallback_member``): a
+standby one, used while the primary is yielded, that serves the mapped
+embedding models translated, at most ``fallback.concurrency`` at once.
+Beyond that a request it may serve parks *in line for it*: its drainer lets
+out the next request it may serve, in the lot's one drain order, each time a
+slot frees.  When the GPU comes back the primary's drainer takes what is
+left, as ever.  When the fallback fails on a request, that request goes back
+to its place in the lot and waits for the primary; it is not given to the
+fallback again.  A caller never sees a fallback error.
 
-The package: :mod:`.backend` (the embedding client), :mod:`.service` (the
-fallback itself: verification on a timer, serving, its drainer),
+The package: :mod:`.backend` (the embedding client), :mod:`.service` (its
+verification on a timer, its twin check and its counts),
 :mod:`.check` (``yieldproxy check-fallback``); the comparison of vectors is
 :mod:`yieldproxy.vectors`, shared with the pool's twin verification.
 """
@@ -34,9 +34,9 @@ from __future__ import annotations
 from ..vectors import ProbeRow, Verification, compare
 from .backend import EmbedBackend
 from .check import check, check_command, format_table
-from .service import RETRY_AFTER_ERROR_SECONDS, TARGET, Fallback, NotNow, fallback_drainer
+from .service import RETRY_AFTER_ERROR_SECONDS, Fallback, NotNow
 
 __all__ = [
-    "RETRY_AFTER_ERROR_SECONDS", "TARGET", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
-    "Fallback", "fallback_drainer", "format_table", "check", "check_command",
+    "RETRY_AFTER_ERROR_SECONDS", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
+    "Fallback", "format_table", "check", "check_command",
 ]

@@ -1,14 +1,22 @@
-"""The fallback as a service: verification on a timer, and serving verified models during a yield."""
+"""The legacy ``[fallback]``'s own part: its verification on a timer, and its contract's counts.
+
+The fallback is served as a pool member (pool/members.py ``fallback_member``:
+a standby member that answers mapped embeddings translated, at most
+``fallback.concurrency`` at once, drained from the one lot like any member).
+What stays here is what only ``[fallback]`` promises (docs/fallback.md):
+its verification against the primary (the pool's twin check for that member,
+:meth:`Fallback.twin_ok`), ``POST /fallback/verify`` and ``/status``
+``fallback``, and ``yieldproxy_fallback_total`` by what became of each
+request of a ``fallback`` class arriving during a yield.
+"""
 
 from __future__ import annotations
 
-import collections
-import functools
 from typing import Callable, Mapping
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -16,16 +24,14 @@ from twisted.python.failure import Failure
 from ..config import FallbackConfig
 from ..metrics import Metrics, fallback_families
 from ..names import canonical_model
-from ..parking import Entry, ParkingLot, Refused
-from ..replay import Replayer
-from ..translate import BackendError, EmbedRequest, Untranslatable, client_response, parse_request
+from ..parking import Entry
+from ..pool.members import FALLBACK_MEMBER
+from ..translate import BackendError, EmbedRequest
 from ..vectors import Verification, compare
 from .backend import EmbedBackend
 
 log = Logger()
 
-#: The fallback's name as a drain target (``Entry.offers``, ``Entry.released_to``).
-TARGET = "fallback"
 #: After a verification that could not run (a side unreachable, an error
 #: answer), try again this soon rather than a whole interval later.
 RETRY_AFTER_ERROR_SECONDS = 60.0
@@ -37,12 +43,12 @@ class NotNow(Exception):
 
 @attrs.define(eq=False, slots=False)
 class Fallback(Service):
-    """Verification on a timer while the service runs, and the use of a verified fallback during a yield.
+    """Verification on a timer while the service runs; the twin check and the counts of the ``fallback`` member.
 
-    It serves a request at its arrival when a slot is free and nobody is in
-    line, else from the lot through its own drainer as slots free; the lot's
-    entries it may serve carry its offer (``entry.offers[TARGET]``: the
-    mapped model).
+    ``service.build`` wires it: :meth:`twin_ok` is the pool's twin check,
+    :meth:`arrived` the gate's ``on_arrival``, :meth:`attempt_ended` the
+    proxy's ``on_attempt``, :meth:`left_lot` a listener of the lot, and
+    :meth:`state_changed` an observer of the yield state.
     """
 
     _clock: IReactorTime
@@ -52,14 +58,12 @@ class Fallback(Service):
     _metrics: Metrics
     #: True while the GPU is yielded (the gate's view).
     _yielded: Callable[[], bool]
-    #: Each class's policy; only ``fallback`` classes are served here.
+    #: Each class's policy; only ``fallback`` classes are served by it.
     _policies: Mapping[str, str]
-    #: The lot it serves parked requests from, and what builds its drainer
-    #: there: a :class:`Replayer` capped at ``fallback.concurrency``, given
-    #: ``target``, ``accepts`` and ``is_open`` (:func:`fallback_drainer`).
-    #: Without them it only verifies (``check``).
-    _lot: ParkingLot | None = None
-    _new_drainer: Callable[..., Replayer] | None = None
+    #: Requests at the fallback member now.
+    _inflight: Callable[[], int] = lambda: 0
+    #: Called when a verification ends (the pool's drainers look again at what is parked).
+    _on_verified: Callable[[], None] = lambda: None
     #: The last verification of each mapped model, by its primary name.
     verifications: dict[str, Verification] = attrs.Factory(dict)
     _verifying: Deferred | None = None
@@ -70,45 +74,23 @@ class Fallback(Service):
     #: The last "not used because ..." logged per model, so a yield logs it once.
     _skip_logged: dict[str, str] = attrs.Factory(dict)
     _keys: dict[str, str] = attrs.field(init=False)
-    _drainer: Replayer | None = attrs.field(init=False, default=None)
-    #: Parked requests in line for the fallback, by mapped model.
-    _in_line: collections.Counter = attrs.field(init=False, factory=collections.Counter)
+    #: Parked requests in line for the fallback: it may serve them, and has not taken them yet.
+    _in_line: set[Entry] = attrs.field(init=False, factory=set)
 
     name = "fallback"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
         self._keys = {canonical_model(name): name for name in self._config.models}
-        if self._lot is not None and self._new_drainer is not None:
-            self._drainer = self._new_drainer(target=TARGET, accepts=self.may_take, is_open=self._takes_work)
-            self._lot.when_parked(self._drainer.kick)
-            self._lot.when_out(self._left_lot)
 
     @property
     def inflight(self) -> int:
         """Requests at the fallback now (taken at arrival or from the lot)."""
-        return self._drainer.inflight if self._drainer is not None else 0
-
-    def when_idle(self) -> Deferred:
-        """A Deferred that fires once no request is at the fallback (at once if none is)."""
-        return self._drainer.when_idle() if self._drainer is not None else succeed(None)
+        return self._inflight()
 
     @property
     def waiting(self) -> int:
-        """Parked requests in line for the fallback (offered to it, not yet taken)."""
-        return sum(self._in_line.values())
-
-    def may_take(self, entry: Entry) -> bool:
-        """The drainer's choice: a parked request in line for the fallback whose model is still verified."""
-        model = (entry.offers or {}).get(TARGET)
-        return model is not None and self.usable(model)
-
-    def _takes_work(self) -> bool:
-        """Open while the GPU is yielded and some request in line has a usable model.
-
-        The second half is cheap and spares the drainer a walk through the
-        lot when nothing there is for it (every arrival wakes it).
-        """
-        return self._yielded() and any(n and self.usable(model) for model, n in self._in_line.items())
+        """Parked requests in line for the fallback (it may serve them, it has not taken them yet)."""
+        return len(self._in_line)
 
     # -- may it be used? ------------------------------------------------------
 
@@ -119,7 +101,7 @@ class Fallback(Service):
         return self._keys.get(canonical_model(model))
 
     def usable(self, model: str) -> bool:
-        """:meth:`why_not` is None, without building the sentence (the drainer asks per parked entry)."""
+        """:meth:`why_not` is None, without building the sentence (the drainer asks per kind of entry)."""
         v = self.verifications.get(model)
         return v is not None and v.ok and self._clock.seconds() - v.at <= self._config.max_verification_age_seconds
 
@@ -138,127 +120,75 @@ class Fallback(Service):
             )
         return None
 
-    # -- serving ----------------------------------------------------------------------
+    def twin_ok(self, member, entry: Entry) -> bool:
+        """The pool's twin check: the ``fallback`` member serves a request only for a mapped model
+        whose verification holds now; every other member serves what it is eligible for."""
+        if member.name != FALLBACK_MEMBER:
+            return True
+        model = self.mapped(entry.model) if entry.model else None
+        return model is not None and self.usable(model)
 
-    async def serve(self, request, entry: Entry, body: bytes) -> bool:
-        """At arrival: answer ``request`` from the fallback, if it may; False means "admit it as usual".
+    # -- what became of each request it might have served ----------------------------
 
-        Only during a yield, for a class whose policy is ``fallback``, an
-        embedding request for a mapped and verified model.  With a slot free
-        and nobody in line for the fallback it is served at once.  Otherwise
-        it is offered to the fallback (``entry.offers``) and parks in line:
-        the fallback's drainer lets it out when its turn comes, and the
-        request comes to :meth:`serve_released`.  A failure here returns
-        False before anything is written; the request then parks for the
-        primary, which answers it when the GPU is back.
-        """
-        if self._drainer is None:
-            return False
-        wanted = self._may_offer(request, entry, body)
-        if wanted is None:
-            return False
-        model = self.mapped(wanted.model)
-        assert model is not None and self._drainer is not None and self._lot is not None  # _may_offer said so
-        if self._drainer.draining or not self._drainer.can_start():
-            # Busy, pausing after failures, or others are in line: take its place in the line.
-            try:
-                self._lot.check_room(entry)
-            except Refused:
-                self._count(entry.cls, "skipped_busy")  # the gate refuses it at once
-                return False
-            entry.offers = {**(entry.offers or {}), TARGET: model}
-            self._in_line[model] += 1
-            return False
-        self._drainer.started()
-        return await self._answer(request, entry, model, wanted)
-
-    async def serve_released(self, request, entry: Entry, body: bytes) -> bool:
-        """A parked request the fallback's drainer let out: answer it; False puts it back in its place.
-
-        The drainer took its slot as it let it out.  After a failure the
-        request waits for the primary: it is not offered to the fallback
-        again (a request the fallback cannot answer must not keep the line).
-        """
-        assert entry.offers is not None  # it was let out as an offer to the fallback
-        model = entry.offers.pop(TARGET)
-        self._in_line[model] -= 1
-        # Read again as at arrival: the offer keeps no copy of the body (parked_bytes holds).
-        wanted = parse_request(request.path.decode("latin-1"), body)
-        return await self._answer(request, entry, model, wanted)
-
-    def _may_offer(self, request, entry: Entry, body: bytes) -> EmbedRequest | None:
-        """The request, read, if the fallback may serve it in this yield; else count why not."""
+    def _applies(self, entry: Entry) -> bool:
+        """A request of a class the fallback serves, arriving during a yield."""
         cls = entry.cls
-        if (
-            not self._yielded()
-            or self._policies.get(cls) != "fallback"
-            or cls not in self._config.classes
-        ):
-            return None
-        path = request.path.decode("latin-1")
-        try:
-            wanted = parse_request(path, body)
-        except Untranslatable as e:
-            self._skip(cls, "skipped_unsupported", None, str(e))
-            return None
-        model = self.mapped(wanted.model)
-        if model is None:
-            self._skip(cls, "skipped_unsupported", None, f"model {wanted.model!r} is not in fallback.models")
-            return None
+        return self._yielded() and self._policies.get(cls) == "fallback" and cls in self._config.classes
+
+    def arrived(self, entry: Entry, went_to: str | None, refused: str | None) -> None:
+        """The gate admitted a new request (to ``went_to`` at once, or it parked) or refused it.
+
+        One the fallback did not take at once is counted by why: it cannot
+        serve it (``skipped_unsupported``), its model is not verified
+        (``skipped_unverified``), or the lot refused it (``skipped_busy``);
+        else it waits in line for the fallback (counted when it leaves).
+        """
+        if went_to == FALLBACK_MEMBER or not self._applies(entry):
+            return
+        cls = entry.cls
+        if FALLBACK_MEMBER not in entry.eligible:
+            self._skip(
+                cls, "skipped_unsupported", None,
+                f"model {entry.model!r} is not in fallback.models, or the request is not an embedding "
+                "the fallback can serve with the same meaning",
+            )
+            return
+        model = self.mapped(entry.model or "")
+        assert model is not None  # eligible: its model is mapped
         why = self.why_not(model)
         if why is not None:
             self._skip(cls, "skipped_unverified", model, why)
-            return None
-        return wanted
+        elif refused is not None:
+            self._count(cls, "skipped_busy")  # the gate refused it at once
+        elif went_to is None:
+            self._in_line.add(entry)
 
-    async def _answer(self, request, entry: Entry, model: str, wanted: EmbedRequest) -> bool:
-        """Send one request to the fallback in a slot already taken; write the answer, or return False."""
-        cls = entry.cls
-        began = self._clock.seconds()
-        drainer = self._drainer
-        assert drainer is not None  # a fallback that serves has its drainer
-        try:
-            result = await self._backend.embed(wanted, self._config.models[model])
-        except CancelledError:
-            drainer.finished(abandoned=True)
-            self._count(cls, "abandoned")
-            raise
-        except Exception as e:
-            drainer.finished(failed=True, started=began)
-            detail = e.detail if isinstance(e, BackendError) else repr(e)
-            log.warn(
-                "fallback failed for a {cls} request ({model}), parking it for the primary: {detail}",
-                cls=cls, model=model, detail=detail,
-            )
-            self._count(cls, "failed_parked")
-            return False
-        drainer.finished(started=began)
-        answer = client_response(wanted, result, self._clock.seconds() - began)
-        request.setResponseCode(200)
-        headers = request.responseHeaders
-        headers.setRawHeaders(b"content-type", [b"application/json; charset=utf-8"])
-        headers.setRawHeaders(b"content-length", [b"%d" % len(answer)])
-        headers.setRawHeaders(b"x-yield-served-by", [b"fallback"])
-        headers.setRawHeaders(b"x-yield-fallback-model", [self._config.models[model].encode("utf-8")])
-        if entry.was_parked:
-            headers.setRawHeaders(b"x-yield-parked-seconds", [b"%.3f" % entry.parked_seconds])
-        request.write(answer)
-        self._count(cls, "ok")
-        return True
-
-    def _left_lot(self, entry: Entry) -> None:
-        """A request in line for the fallback left the lot another way: it was not served for a reason.
-
-        (The GPU came back and the primary took it, it expired, its client
-        left, the proxy stopped.)  Counted as why: the model's verification
-        had gone stale, or no slot came in time.
-        """
-        if entry.released_to == TARGET:
+    def left_lot(self, entry: Entry) -> None:
+        """A parked request left the lot: one in line for the fallback that another member took
+        (the GPU came back), that expired, whose client left or that the stop answered was not
+        served for a reason: its model's verification had gone stale, or no slot came in time."""
+        if entry not in self._in_line:
             return
-        model = (entry.offers or {}).pop(TARGET, None)
-        if model is not None:
-            self._in_line[model] -= 1
-            self._count(entry.cls, "skipped_busy" if self.usable(model) else "skipped_unverified")
+        self._in_line.discard(entry)
+        if entry.released_to == FALLBACK_MEMBER:
+            return  # its attempt counts it
+        model = self.mapped(entry.model or "")
+        self._count(entry.cls, "skipped_busy" if model is not None and self.usable(model) else "skipped_unverified")
+
+    def attempt_ended(self, member, entry: Entry, outcome: str) -> None:
+        """An attempt on a member ended (``ProxyApp``'s ``on_attempt``): the fallback's are counted."""
+        if member.name != FALLBACK_MEMBER:
+            return
+        if outcome == "ok":
+            self._count(entry.cls, "ok")
+        elif outcome in ("abandoned", "slow_client"):
+            self._count(entry.cls, "abandoned")
+        else:
+            log.warn(
+                "fallback failed for a {cls} request ({model}), parking it for the primary: {outcome}",
+                cls=entry.cls, model=entry.model, outcome=outcome,
+            )
+            self._count(entry.cls, "failed_parked")
 
     def _count(self, cls: str, outcome: str) -> None:
         self._metrics.fallback_total.labels(cls, outcome).inc()
@@ -297,8 +227,7 @@ class Fallback(Service):
     def _verified(self, result):
         """Hand the one verification's result to everyone who asked for it."""
         self._verifying = None
-        if self._drainer is not None:
-            self._drainer.kick()  # a model may have become usable for requests in line
+        self._on_verified()  # a model may have become usable for requests in line
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if waiter.called:  # its caller gave up (cancelled)
@@ -364,10 +293,8 @@ class Fallback(Service):
         self._schedule(0)
 
     def stopService(self) -> None:
-        """Stop verifying and taking requests from the lot (the proxy's drain is over by then)."""
+        """Stop verifying."""
         super().stopService()
-        if self._drainer is not None:
-            self._drainer.stop()
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -375,10 +302,8 @@ class Fallback(Service):
             self._verifying.cancel()
 
     def state_changed(self, yielded: bool) -> None:
-        """The yield state moved: the drainer opens or closes; a due verification runs once the GPU is back."""
+        """The yield state moved: a due verification runs once the GPU is back."""
         self._skip_logged.clear()
-        if self._drainer is not None:
-            self._drainer.kick()
         if not yielded and self._due and self.running:
             self._schedule(0)
 
@@ -451,23 +376,6 @@ class Fallback(Service):
             v = self.verifications.get(model)
             rows.append((model, self.why_not(model) is None, None if v is None else v.worst_cosine))
         return fallback_families(rows)
-
-
-def fallback_drainer(
-    reactor, config, metrics: Metrics, state, lot: ParkingLot, cooperator
-) -> Callable[..., Replayer]:
-    """What builds the fallback's drainer on ``lot``: the requests in line for it, as its slots free.
-
-    Capped at ``fallback.concurrency``, it pauses after failures as the
-    primary's replayer does; the :class:`Fallback` gives it its ``target``,
-    its choice of entries (``accepts``) and when it is open (``is_open``).
-    """
-    return functools.partial(
-        Replayer, reactor, lot, state, metrics, cooperator,
-        concurrency=config.fallback.concurrency,
-        backoff_seconds=config.upstream.retry_backoff_seconds,
-        backoff_max_seconds=config.upstream.retry_backoff_max_seconds,
-    )
 
 
 # -- yieldproxy check-fallback ------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 A config without ``[[upstreams]]`` is a pool of one, named ``default``, made
 of ``proxy.upstream`` and the global sections, so every legacy config keeps
-its meaning.  Keys a ``[[upstreams]]`` table leaves out take the global
+its meaning.  An enabled ``[fallback]`` is a second member of that pool,
+named ``fallback``: a standby one (``use = "when_others_yielded"``) that
+serves the mapped embedding models of the ``fallback``-policy classes, only
+translated and only while its verification holds (:func:`fallback_member`,
+docs/fallback.md).  Keys a ``[[upstreams]]`` table leaves out take the global
 sections' values (``[replay]``, ``[upstream]``, ``[handover]``); the global
 ``[watchers]`` hold every member (their holds name no member).
 """
@@ -13,10 +17,11 @@ import attrs
 
 from ..config import Config
 from ..names import CLASS_NAMES
-from ..servers import server
+from ..servers import Server, server
 from ..state import DEFAULT_MEMBER
 
-#: Each api's health route, when a member does not name one: a route that runs no model.
+#: The member an enabled ``[fallback]`` becomes.
+FALLBACK_MEMBER = "fallback"
 
 
 @attrs.frozen
@@ -40,6 +45,14 @@ class MemberSpec:
     health_path: str = "/api/version"
     unload_on_yield: bool = False
     preload_models: tuple[str, ...] = ()
+    #: Its starts per second while the lot drains into it (None: ``replay.rate``).
+    rate: float | None = None
+    #: Its own bound on an attempt (0: the class's or ``upstream.attempt_timeout_seconds``).
+    attempt_timeout_seconds: float = 0.0
+    #: The legacy ``[fallback]`` (:func:`fallback_member`): it serves embeddings only translated,
+    #: its url is an API base URL, its errors are never shown (a request it fails goes back to its
+    #: place and is not given to it again), and its answers say so (:func:`answer_headers`).
+    fallback: bool = False
 
     @property
     def standby(self) -> bool:
@@ -55,7 +68,7 @@ class MemberSpec:
 def member_specs(config: Config) -> tuple[MemberSpec, ...]:
     """The members of ``config``'s pool, in config order."""
     if not config.upstreams:
-        return (legacy_member(config),)
+        return (legacy_member(config), *fallback_member(config))
     handover = config.handover
     specs = []
     for m in config.upstreams:
@@ -89,9 +102,63 @@ def legacy_member(config: Config) -> MemberSpec:
         name=DEFAULT_MEMBER,
         url=config.proxy.upstream,
         api=config.fallback.primary_api if config.fallback.enabled else "ollama",
+        # Beside a fallback it is asked for every model (it reads no model list).
+        models=("*",) if config.fallback.enabled else (),
         replay_concurrency=config.replay.concurrency,
         detect_outages=config.upstream.detect_outages,
         health_path=config.upstream.health_path,
         unload_on_yield=config.handover.unload_on_yield,
         preload_models=config.handover.preload_models,
     )
+
+
+def fallback_member(config: Config) -> tuple[MemberSpec, ...]:
+    """An enabled ``[fallback]`` as a standby member (none when disabled).
+
+    It serves the classes whose policy is ``fallback`` (of ``fallback.classes``),
+    the models ``fallback.models`` maps (each under its mapped name), at most
+    ``fallback.concurrency`` at once, each attempt bounded by
+    ``fallback.timeout_seconds``.  Its verification is the fallback's own
+    (:class:`~yieldproxy.fallback.Fallback`: the pool's twin check for it).
+    """
+    fc = config.fallback
+    if not fc.enabled:
+        return ()
+    return (
+        MemberSpec(
+            name=FALLBACK_MEMBER,
+            url=fc.url,
+            api=fc.api,
+            models=tuple(fc.models),
+            model_map=dict(fc.models),
+            replay_concurrency=fc.concurrency,
+            use="when_others_yielded",
+            classes=tuple(c for c in fc.classes if c in config.classes and config.classes[c].policy == "fallback"),
+            detect_outages=False,
+            health_path=member_server(fc.api, base_url=True).health_path,
+            rate=0.0,
+            attempt_timeout_seconds=fc.timeout_seconds,
+            fallback=True,
+        ),
+    )
+
+
+def member_server(api: str, base_url: bool = False) -> Server:
+    """What the pool knows of a member's server; with ``base_url``, an OpenAI API base URL
+    (``fallback.url`` ends in ``/v1``: its routes are relative to it)."""
+    described = server(api)
+    if base_url and api == "openai":
+        return attrs.evolve(described, embed_path="/embeddings", models_path="/models", health_path="/models")
+    return described
+
+
+def answer_headers(spec: MemberSpec, own_model: str) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers of an answer that say who gave it: the legacy fallback's (docs/fallback.md)."""
+    if not spec.fallback:
+        return ()
+    return ((b"x-yield-served-by", b"fallback"), (b"x-yield-fallback-model", own_model.encode("utf-8")))
+
+
+def served_outcome(spec: MemberSpec) -> str:
+    """The replay outcome (and log outcome) of a request this member answered: ``fallback`` or ``ok``."""
+    return "fallback" if spec.fallback else "ok"

@@ -69,7 +69,7 @@ from ..servers import native_apis, server
 from ..state import ALL, YieldState
 from ..translate import EMBED_ROUTES
 from .member import Member
-from .members import MemberSpec
+from .members import MemberSpec, member_server
 from .models import ModelCatalogue
 
 log = Logger()
@@ -151,6 +151,8 @@ class Pool:
 
     def __attrs_post_init__(self) -> None:
         several = len(self.specs) > 1
+        # One upstream beside at most the legacy fallback: its holds are every member's, as they always were.
+        alone = sum(not spec.fallback for spec in self.specs) == 1
         up, replay = self._config.upstream, self._config.replay
         members = []
         for index, spec in enumerate(self.specs):
@@ -158,9 +160,10 @@ class Pool:
             drainer = Replayer(
                 self._clock, self._lot, self._state, self._metrics, self._cooperator,
                 concurrency=spec.replay_concurrency,
-                rate=replay.rate,
+                rate=replay.rate if spec.rate is None else spec.rate,
                 backoff_seconds=up.retry_backoff_seconds,
                 backoff_max_seconds=up.retry_backoff_max_seconds,
+                cautious=spec.fallback,
                 # A pool of one drains as the one upstream always did: every entry, while not yielded
                 # (and, for a server that can say so, ready: see pool/member.py).
                 target=spec.name if several else None,
@@ -171,19 +174,20 @@ class Pool:
             catalogue.when_changed(self._cache.clear)
             members.append(
                 Member(
-                    spec, index, self._clock, self._state, server(spec.api), UpstreamHealth(spec.url), catalogue,
+                    spec, index, self._clock, self._state, member_server(spec.api, base_url=spec.fallback),
+                    UpstreamHealth(spec.url), catalogue,
                     drainer, upstream, control,
                     recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
                     check_timeout_seconds=up.health_timeout_seconds,
                     on_reachable=self.kick,
                     not_ready_max_seconds=up.not_ready_max_seconds,
                     # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
-                    outage_scope=spec.name if several else ALL,
+                    outage_scope=ALL if alone else spec.name,
                 )
             )
         self.members = tuple(members)
         self._by_name = {m.name: m for m in self.members}
-        self._apis = tuple(m.spec.api for m in self.members)
+        self._apis = tuple(m.spec.api for m in self.members if not m.spec.fallback)
         if not several:
             self._single = (self.members[0].name,)
         self._state.observe_members(self._member_changed)
@@ -232,7 +236,8 @@ class Pool:
 
     def _eligible(self, method, path, cls, model, translatable=True) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The eligible members, and those of them that get the request translated."""
-        members: Iterable[Member] = self.members
+        # The legacy fallback serves nothing natively: translated embeddings only (members.py).
+        members: Iterable[Member] = [m for m in self.members if not m.spec.fallback]
         others: list[Member] = []
         if path is not None:
             native = native_apis(self._apis, method or "POST", path)
@@ -241,7 +246,7 @@ class Pool:
             if model and translatable and self.translates(method, path, cls):
                 others = [
                     m for m in self.members
-                    if m.spec.api not in native and not serves_natively(m.spec.api, path)
+                    if (m.spec.fallback or (m.spec.api not in native and not serves_natively(m.spec.api, path)))
                     and cls in m.spec.classes and m.catalogue.serves(model)
                 ]
                 if others and not native:
@@ -280,9 +285,10 @@ class Pool:
             if not self.usable(member, entry):
                 continue
             if member.spec.standby:
-                # A standby copy (a CPU) takes no more than its cap, arrivals included: the rest
-                # wait in the lot, in line for it (its drainer lets them out as slots free).
-                full = member.inflight >= member.spec.replay_concurrency
+                # A standby copy (a CPU) takes no more than its cap, arrivals included, and none
+                # while its drainer pauses after failures: the rest wait in the lot, in line for it
+                # (its drainer lets them out as slots free).
+                full = not member.drainer.can_start()
                 if not full and not self._someone_waits(name) and (spare is None or member.inflight < spare.inflight):
                     spare = member
                 continue
@@ -312,6 +318,11 @@ class Pool:
         """
         return all(self._state.yielded_for(name) for name in self.may_serve(entry))
 
+    def none_coming_back(self, entry: Entry) -> bool:
+        """At shutdown: every member that may serve ``entry`` is held or standby (a standby member
+        takes no parked work once the proxy stops: what waits for it is answered at once)."""
+        return all(self._state.yielded_for(name) or self._by_name[name].spec.standby for name in self.may_serve(entry))
+
     def may_serve(self, entry: Entry) -> tuple[str, ...]:
         """The eligible members the twin check lets serve ``entry`` (all eligible ones when it lets none).
 
@@ -335,6 +346,8 @@ class Pool:
         if name not in entry.eligible:
             return False
         member = self._by_name[name]
+        if entry.failed_on == name and member.spec.fallback:
+            return False  # a request the fallback failed waits for the others (its errors are never shown)
         if not self.twin_ok(member, entry):
             return False
         standby = member.spec.standby
@@ -353,7 +366,8 @@ class Pool:
         if self._single is not None:
             return self.members[0]
         native = native_apis(self._apis, method, path)
-        candidates = [m for m in self.members if m.spec.api in native] or list(self.members)
+        serving = [m for m in self.members if not m.spec.fallback]
+        candidates = [m for m in serving if m.spec.api in native] or serving
         if model:
             serving = [m for m in candidates if m.catalogue.serves(model)]
             candidates = serving or candidates
@@ -365,7 +379,7 @@ class Pool:
     def members_serving(self, method: str, path: str) -> list[Member]:
         """Every member whose api serves ``method path`` natively, in config order."""
         native = native_apis(self._apis, method, path)
-        return [m for m in self.members if m.spec.api in native]
+        return [m for m in self.members if m.spec.api in native and not m.spec.fallback]
 
     # -- the state of the pool --------------------------------------------------------------
 
