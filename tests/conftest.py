@@ -1,9 +1,19 @@
 """Test-wide setup: import the code under test from this checkout, and tests/helpers."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The checkout first: a stale installed copy must not shadow the code being tested.
 # (Tests that spawn twistd use the installed copy; `make test` installs it first.)
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+# Real processes (twistd, the CLI) keep their holds under $XDG_STATE_HOME (yieldproxy/holdstore.py):
+# this run's own directory, not the user's, and no systemd StateDirectory= inherited.
+_STATE_HOME = tempfile.mkdtemp(prefix="yieldproxy-tests-state-")
+atexit.register(shutil.rmtree, _STATE_HOME, True)
+os.environ["XDG_STATE_HOME"] = _STATE_HOME
+os.environ.pop("STATE_DIRECTORY", None)

@@ -259,6 +259,7 @@ class Rig:
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);
         a new Clock by default.
+    :param holds: a :class:`~yieldproxy.holdstore.HoldStore` that keeps the holds across rigs (a restart).
     :param sim_options: the SimOllama's options (``latency``, ``chunk_delay``...).
     """
 
@@ -267,7 +268,7 @@ class Rig:
 
     def __init__(
         self, config: Config | None = None, upstream=None, token=None, read_token=None, watchers: bool = False,
-        reactor: Clock | None = None, **sim_options,
+        reactor: Clock | None = None, holds=None, **sim_options,
     ):
         self.clock = reactor if reactor is not None else Clock()
         self.sim = SimOllama(self.clock, **sim_options) if upstream is None else None
@@ -275,7 +276,9 @@ class Rig:
         config = config or Config()
         if not watchers:
             config = config.with_overrides(**{"upstream.detect_outages": False})
-        self.proxy = build(self.clock, config, token=token, read_token=read_token, upstream=self.upstream)
+        self.proxy = build(
+            self.clock, config, token=token, read_token=read_token, upstream=self.upstream, holds=holds
+        )
         self.proxy_agent = SiteAgent(self.proxy.proxy_app.site(), self.clock)
         self.admin_agent = SiteAgent(self.proxy.admin_app.site(), self.clock)
 

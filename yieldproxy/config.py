@@ -198,6 +198,22 @@ class WatchersConfig:
     command_timeout_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
 
 
+def _absolute_path(instance, attribute, value):
+    if value and not Path(value).expanduser().is_absolute():
+        raise ValueError(f"must be an absolute path (or start with '~/'), got {value!r}")
+
+
+@attrs.frozen
+class StateConfig:
+    """What the proxy keeps across restarts: its holds (docs/operating.md, "Restart, reload, upgrade")."""
+
+    #: Where the holds are written ("" = a file named after the listeners, under $STATE_DIRECTORY,
+    #: $XDG_STATE_HOME/yieldproxy or ~/.local/state/yieldproxy).
+    holds_file: str = attrs.field(default="", validator=_absolute_path)
+    #: The bound of the ``restart`` hold taken when the holds file of the last run is refused.
+    restart_hold_seconds: float = attrs.field(default=600.0, validator=[_at_least(1), attrs.validators.le(7 * 24 * 3600.0)])
+
+
 def _model_names(instance, attribute, value):
     for name in value:
         if not name.strip() or name != name.strip():
@@ -438,6 +454,8 @@ class Config:
     verification: VerificationConfig = attrs.Factory(VerificationConfig)
     #: The pool (``[[upstreams]]``); empty: one member, ``default``, from ``proxy.upstream``.
     upstreams: tuple[MemberConfig, ...] = ()
+    #: What is kept across restarts (the holds file).
+    state: StateConfig = attrs.Factory(StateConfig)
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
@@ -461,6 +479,7 @@ _SECTIONS = {
     "handover": HandoverConfig,
     "fallback": FallbackConfig,
     "verification": VerificationConfig,
+    "state": StateConfig,
 }
 
 

@@ -29,10 +29,13 @@ LOADING_SOURCE = "loading"
 #: Holds the proxy takes for an upstream's own trouble, not a GPU lent away: the upstream
 #: reads ``outage`` under them alone, and no VRAM handover follows them.
 TROUBLE_SOURCES = (OUTAGE_SOURCE, LOADING_SOURCE)
+#: The hold a start takes when the holds file of the last run was refused (holdstore.py):
+#: when in doubt, no work goes to a GPU that may be taken.
+RESTART_SOURCE = "restart"
 #: Sources of holds the proxy takes itself: never refused by ``admin.max_holds``.
-OWN_SOURCES = (*WATCHER_SOURCES, LOADING_SOURCE)
-#: The sources yieldproxy itself uses: the watchers, the default of ``POST /yield``
-#: and the demo.  Metrics name them; other sources count as ``other``.
+OWN_SOURCES = (*WATCHER_SOURCES, LOADING_SOURCE, RESTART_SOURCE)
+#: The sources yieldproxy itself uses: the watchers, the default of ``POST /yield``,
+#: the restart hold and the demo.  Metrics name them; other sources count as ``other``.
 BUILTIN_SOURCES = ("api", *OWN_SOURCES, "demo")
 
 

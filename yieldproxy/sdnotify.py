@@ -148,7 +148,7 @@ class Watchdog(Service):
     name = "watchdog"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
         loop = LoopingCall(self._feed)
         loop.clock = self._clock
         self._loop = loop
@@ -157,7 +157,7 @@ class Watchdog(Service):
                  every=self.interval / 2, interval=self.interval)
 
     def stopService(self) -> None:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
         loop, self._loop = self._loop, None
         if loop is not None and loop.running:
             loop.stop()
@@ -186,9 +186,9 @@ class Ready(Service):
     name = "ready"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
         self._notifier.notify("READY=1", f"STATUS={self.status}")
 
     def stopService(self) -> None:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
         self._notifier.notify("STOPPING=1", "STATUS=stopping: answering parked requests, letting in-flight ones finish")

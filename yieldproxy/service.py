@@ -41,6 +41,7 @@ from .gate import Gate
 from .handover import Handover
 from .health import UpstreamHealth
 from .history import History, snapshot_reader
+from .holdstore import HoldStore, keep_holds
 from .listener import CannotListen, Listener
 from .metrics import (
     Metrics,
@@ -209,6 +210,7 @@ def build(
     upstream: Upstream | None = None,
     history_interval: float = 1.0,
     succession: Setup | None = None,
+    holds: HoldStore | None = None,
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
@@ -218,6 +220,8 @@ def build(
     watchers; stop it to drain and close.  ``succession`` (tap.py gives
     one) lets it reload by handing over to a new process (succession/),
     and, in a process a reload started, take over its predecessor's.
+    ``holds`` (tap.py gives one) keeps the holds across restarts and
+    crashes (holdstore.py); without it, a hold lasts as long as the process.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
@@ -325,6 +329,9 @@ def build(
         # Last: it takes over (a process a reload started) once everything else runs.
         *reloaders,
     ])
+    if holds is not None:
+        # Last: a restored hold sets off everything a new one does.
+        keep_holds(state, holds, config.state.restart_hold_seconds)
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
         watchers, handover, fallback, service, pool, twins,

@@ -32,7 +32,7 @@ from .names import OWN_SOURCES, name_set, name_tuple
 
 log = Logger()
 
-#: Sources of the proxy's own holds (its watchers', a stuck member's): never refused, whatever ``max_holds`` says.
+#: Sources of the proxy's own holds (its watchers', a stuck member's, the restart hold): never refused, whatever ``max_holds`` says.
 _NEVER_REFUSED = frozenset(OWN_SOURCES)
 #: The longest a hold's ``expected_seconds`` or ``for_seconds`` may be: a week.
 MAX_HOLD_SECONDS = 7 * 24 * 3600.0
@@ -123,6 +123,7 @@ class YieldState:
     _on_yield_ended: list[Callable[[str, float], None]] = attrs.Factory(list)
     _on_hold_taken: list[Callable[[Hold], None]] = attrs.Factory(list)
     _on_transition: list[Callable[[Transition], None]] = attrs.Factory(list)
+    _on_holds_changed: list[Callable[[list[Hold]], object]] = attrs.Factory(list)
     #: At most this many holds from callers at once (watcher holds are not counted).
     max_holds: int = DEFAULT_MAX_HOLDS
     #: The pool's members, in config order (a hold's scope is one of them, or :data:`ALL`).
@@ -203,6 +204,24 @@ class YieldState:
         """
         self._on_transition.append(callback)
 
+    def on_holds_changed(self, callback: Callable[[list[Hold]], object]) -> None:
+        """Call ``callback(holds)`` after any hold is taken, renewed, restored or ends, with every hold then.
+
+        For the holds file (holdstore.py): called after the observers of the
+        same change, so what they set off is not held up by a write.
+        """
+        self._on_holds_changed.append(callback)
+
+    def _holds_changed(self) -> None:
+        if not self._on_holds_changed:
+            return
+        holds = self.holds
+        for callback in list(self._on_holds_changed):
+            try:
+                callback(holds)
+            except Exception:
+                log.failure("holds-changed callback failed")
+
     def on_hold_taken(self, callback: Callable[[Hold], None]) -> None:
         self._on_hold_taken.append(callback)
 
@@ -251,12 +270,54 @@ class YieldState:
             expires_at=expires_at,
             scope=scope,
         )
+        self._put(hold, previous, for_seconds)
+        return hold
+
+    def restore(self, holds: Iterable[Hold]) -> list[Hold]:
+        """Put back holds of an earlier run (holdstore.py), each as it was: its start, its ends, its lease.
+
+        A hold whose lease ran out meanwhile is gone; a hold of an upstream
+        the pool no longer has is dropped (both logged).  Neither the source
+        nor ``max_holds`` is checked again: they were accepted when taken.
+        Returns the holds put back.
+        """
+        now = self._clock.seconds()
+        restored = []
+        for hold in sorted(holds, key=lambda h: h.since):
+            where = f"source={hold.source}{_upstream(hold.scope)}"
+            if hold.expires_at is not None and hold.expires_at <= now:
+                log.info(
+                    "hold of the last run not restored: {where} reason={reason!r}: its lease ran out {ago:.0f}s ago",
+                    where=where, reason=hold.reason, ago=now - hold.expires_at,
+                )
+                continue
+            if hold.scope != ALL and hold.scope not in self.members:
+                log.warn(
+                    "hold of the last run not restored: {where} reason={reason!r}: no upstream {scope!r} any more",
+                    where=where, reason=hold.reason, scope=hold.scope,
+                )
+                continue
+            key = (hold.source, hold.scope)
+            lease = hold.expires_at - now if hold.expires_at is not None else None
+            log.info(
+                "hold of the last run restored: {where} reason={reason!r}{lease}",
+                where=where, reason=hold.reason,
+                lease="" if lease is None else f", lease ends in {lease:.0f}s unless renewed",
+            )
+            self._put(hold, self._holds.get(key), lease)
+            restored.append(hold)
+        return restored
+
+    def _put(self, hold: Hold, previous: Hold | None, lease: float | None) -> None:
+        """Set ``hold`` (a new one, or ``previous`` renewed), its lease timer, and tell everyone who asked."""
+        key = (hold.source, hold.scope)
+        source, scope = key
         was_yielded = self.yielded
         before = self._member_states(scope)
         self._holds[key] = hold
         if previous is None:
             self._count(scope, +1)
-        self._set_lease(key, for_seconds)
+        self._set_lease(key, lease)
         if previous is None:
             for callback in list(self._on_hold_taken):
                 try:
@@ -264,7 +325,8 @@ class YieldState:
                 except Exception:
                     log.failure("hold-taken callback failed")
         if not was_yielded and self.yielded:
-            self.yielded_since = now
+            # A new hold's start is now; a restored one's is when it began in the last run.
+            self.yielded_since = hold.since
             self._changed(True, hold)
         elif previous is None:
             log.info(
@@ -275,7 +337,7 @@ class YieldState:
                 others=_others(len(self._holds) - 1),
             )
         self._members_changed(before, hold)
-        return hold
+        self._holds_changed()
 
     def caller_holds(self) -> int:
         """Holds from callers (not the watchers): what ``max_holds`` bounds."""
@@ -310,6 +372,7 @@ class YieldState:
                 still=f"still held by {_others(len(self._holds))}" if self._holds else "no hold left",
             )
         self._members_changed(before, hold)
+        self._holds_changed()
         return True
 
     def release_source(self, source: str) -> int:
