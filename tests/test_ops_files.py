@@ -370,3 +370,18 @@ def test_systemd_unit_verifies(tmp_path):
     unit.write_text(text, encoding="utf-8")
     proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_systemd_unit_is_notify_with_a_watchdog_and_keeps_holds_in_its_state_directory():
+    """Type=notify (READY=1 from sdnotify.py), a watchdog the reactor feeds, restarts on failure, holds in StateDirectory=."""
+    settings = dict(
+        line.split("=", 1) for line in UNIT.read_text(encoding="utf-8").splitlines()
+        if "=" in line and not line.startswith("#")
+    )
+    assert settings["Type"] == "notify"
+    # A reload hands over to a successor process: the old (main) one sends MAINPID= and READY=1 for it.
+    assert settings["NotifyAccess"] == "main"
+    assert settings["Restart"] == "on-failure"
+    assert settings["StateDirectory"] == "yieldproxy"
+    watchdog = re.fullmatch(r"(\d+)s", settings["WatchdogSec"])
+    assert watchdog and int(watchdog.group(1)) >= 10

@@ -151,3 +151,25 @@ def test_ready_on_start_and_stopping_on_stop(notify_socket):
     ready.stopService()
     [stopping] = notify_socket.received()
     assert stopping.startswith("STOPPING=1\nSTATUS=stopping")
+
+
+def test_after_naming_another_main_process_nothing_more_is_sent(notify_socket):
+    """A reload's predecessor sends MAINPID= for its successor; its own watchdog and STOPPING=1 are then not its to send."""
+    notifier = Notifier(notify_socket.name, pid=100)
+    assert notifier.notify("MAINPID=100", "READY=1")  # its own pid: still the main process
+    assert notifier.notify("MAINPID=200", "READY=1", "STATUS=serving (version 2)")
+    assert notifier.superseded
+    assert notifier.notify("WATCHDOG=1") is False
+    ready = Ready(notifier)
+    ready.startService()
+    ready.stopService()
+    assert notify_socket.received() == ["MAINPID=100\nREADY=1", "MAINPID=200\nREADY=1\nSTATUS=serving (version 2)"]
+
+
+def test_a_process_a_reload_started_leaves_ready_to_its_predecessor(notify_socket):
+    ready = Ready(Notifier(notify_socket.name), ready=False)
+    ready.startService()
+    assert notify_socket.received() == []
+    ready.stopService()
+    [stopping] = notify_socket.received()
+    assert stopping.startswith("STOPPING=1")

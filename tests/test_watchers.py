@@ -22,9 +22,11 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError, ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
+from twisted.logger import formatEvent
 from twisted.python.failure import Failure
 
 from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
+from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
@@ -32,7 +34,7 @@ from yieldproxy.servers.base import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import OutageWatcher
-from yieldproxy.watchers.signals import SignalWatcher
+from yieldproxy.watchers.signals import SignalWatcher, StopSignals
 from yieldproxy.watchers.state_file import StateFileWatcher, parse_content
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,15 +213,28 @@ def test_sigusr1_holds_and_sigusr2_releases():
     assert sources(state) == ["api"]
 
 
-def test_signal_handlers_are_installed_and_put_back():
+def test_signal_handlers_stay_through_the_stop_and_uninstall_puts_back_the_previous_ones():
+    """The default action of SIGUSR1/SIGUSR2 ends the process: a stopped watcher (a graceful stop
+    still draining) keeps handling them, and still takes and ends the hold."""
     before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
-    watcher = SignalWatcher(ImmediateReactor(), YieldState(Clock()), Metrics())
+    state = YieldState(Clock())
+    watcher = SignalWatcher(ImmediateReactor(), state, Metrics())
     watcher.startService()
     try:
         assert signal.getsignal(signal.SIGUSR1) == watcher._on_signal
         assert signal.getsignal(signal.SIGUSR2) == watcher._on_signal
-    finally:
         watcher.stopService()
+        assert signal.getsignal(signal.SIGUSR1) == watcher._on_signal
+        assert signal.getsignal(signal.SIGUSR2) == watcher._on_signal
+        watcher._on_signal(signal.SIGUSR1, None)
+        assert sources(state) == ["signal"]
+        # Started again (an application restarting the service): the previous handler is still the first one.
+        watcher.startService()
+        watcher.stopService()
+        watcher._on_signal(signal.SIGUSR2, None)
+        assert sources(state) == []
+    finally:
+        watcher.uninstall()
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)) == before
 
 
@@ -814,3 +829,31 @@ async def test_real_command_probe_that_leaves_a_child_behind(tmp_path):
     await watcher.probe_once().addTimeout(TIMEOUT, reactor)
     assert state.yielded and errors(metrics, "command") == 0
     await wait_for(reactor, lambda: not _alive(int(pid_file.read_text())), timeout=5)
+
+
+def test_stop_signals_catch_a_second_sigterm_and_unhandled_sigusr_during_the_stop():
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    before = {signum: signal.getsignal(signum) for signum in watched}
+
+    def own_handler(signum, frame):
+        """An application's (or twistd --logfile's) SIGUSR2 handler: left alone."""
+
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, own_handler)
+        stopper = StopSignals(ImmediateReactor(), 30.0)
+        stopper.startService()
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]  # nothing changes until the stop
+        stopper.stopService()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            assert signal.getsignal(signum) == stopper._on_signal
+        assert signal.getsignal(signal.SIGUSR2) is own_handler
+        with LogCapture() as logs:
+            stopper._on_signal(signal.SIGTERM, None)
+            stopper._on_signal(signal.SIGUSR1, None)
+        lines = [formatEvent(e) for e in logs.events]
+        assert lines[0].startswith("SIGTERM received while already stopping: ignored") and "30s" in lines[0]
+        assert lines[1] == "SIGUSR1 received while stopping: ignored (watchers.signals is off)"
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

@@ -20,6 +20,7 @@ Nothing here reads ``os.environ`` or the global reactor by itself:
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Mapping
@@ -63,6 +64,11 @@ class Notifier:
     #: ``$NOTIFY_SOCKET``, or None: every :meth:`notify` is then a no-op.
     socket_name: str | None = None
     _failing: bool = False
+    #: This process's pid, to tell a ``MAINPID=`` naming another process.
+    pid: int = attrs.Factory(os.getpid)
+    #: True once this process named another one the main process (``MAINPID=``, a reload's
+    #: successor): systemd takes no more from this one, so nothing more is sent.
+    superseded: bool = False
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> "Notifier":
@@ -79,7 +85,7 @@ class Notifier:
 
         False without a notify socket, or when the send failed (logged).
         """
-        if self.socket_name is None:
+        if self.socket_name is None or self.superseded:
             return False
         if any("\n" in line for line in lines):
             raise ValueError(f"a notify line holds a newline: {lines!r}")
@@ -97,6 +103,9 @@ class Notifier:
         if self._failing:
             self._failing = False
             log.info("systemd notify socket {name!r} reachable again", name=self.socket_name)
+        if any(line.startswith("MAINPID=") and line != f"MAINPID={self.pid}" for line in lines):
+            # Its watchdog and STOPPING=1 would be refused (NotifyAccess=main), or worse, believed.
+            self.superseded = True
         return True
 
     def _failed(self, message: str) -> None:
@@ -182,12 +191,16 @@ class Ready(Service):
     _notifier: Notifier
     #: The ``STATUS=`` line shown by ``systemctl status`` while running.
     status: str = "serving"
+    #: False in a process a reload started: its predecessor, still the main process, sends
+    #: ``MAINPID=`` and ``READY=1`` for it once it serves.
+    ready: bool = True
 
     name = "ready"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
-        self._notifier.notify("READY=1", f"STATUS={self.status}")
+        if self.ready:
+            self._notifier.notify("READY=1", f"STATUS={self.status}")
 
     def stopService(self) -> None:
         super().stopService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import cast
 
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
@@ -150,11 +152,13 @@ def _cannot_reload(options: Options) -> str | None:
 def makeService(options: Options):
     from twisted.internet import reactor
 
+    from .holdstore import HoldStore, holds_path
     from .limits import fit_fd_limit
-    from .sdnotify import Notifier
-    from .service import build
+    from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
+    from .service import YieldProxyService, build
     from .succession import Inheritance, Setup, own_command
     from .succession.wire import BadFrame
+    from .watchers.signals import StopSignals
 
     # Started by a reload: the running process's listening sockets come first (succession/).
     try:
@@ -162,10 +166,27 @@ def makeService(options: Options):
     except (BadFrame, OSError, ValueError) as e:
         print(f"twistd yieldproxy: reload: nothing usable came from the running process ({e})", file=sys.stderr)
         raise SystemExit(1) from None
+    notifier = Notifier.from_environment(os.environ)
     setup = Setup(
         own_command(), dict(os.environ), reactor.stop, inheritance,
-        notify=Notifier.from_environment(os.environ).notify, unavailable=_cannot_reload(options),
+        notify=notifier.notify, unavailable=_cannot_reload(options),
     )
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
-    return build(reactor, config, token=options.token, read_token=options.read_token, succession=setup).service
+    holds = HoldStore(reactor, holds_path(config, os.environ))
+    proxy = build(reactor, config, token=options.token, read_token=options.read_token, succession=setup, holds=holds)
+    # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long
+    # drain included); READY=1 once everything runs, the listeners bound (a process a reload
+    # started leaves it to its predecessor, which sends MAINPID= with it); STOPPING=1 as the
+    # stop begins.  Started in this order, stopped in the reverse one.
+    interval = watchdog_seconds(os.environ, os.getpid())
+    return YieldProxyService([
+        *([Watchdog(reactor, notifier, interval)] if interval is not None and notifier.enabled else []),
+        proxy.service,
+        Ready(
+            notifier, status=f"serving on {config.proxy.listen}, admin on {config.admin.listen}",
+            ready=inheritance is None,
+        ),
+        # The first to stop: a second SIGTERM during the stop is logged, not a second stop.
+        StopSignals(cast(IReactorFromThreads, reactor), config.proxy.shutdown_timeout_seconds),
+    ])

@@ -6,8 +6,20 @@ handler only hands the work to the reactor (``callFromThread`` is the one
 reactor call that is safe from a signal handler, and it wakes the reactor).
 
 twistd uses SIGUSR1 to reopen its log file when it logs to a file
-(``--logfile``); with this watcher on, that job is ours, and the previous
-handler comes back when the watcher stops.
+(``--logfile``); with this watcher on, that job is ours.
+
+The handlers stay installed when the watcher stops, until the process
+ends: a graceful stop lasts up to ``proxy.shutdown_timeout_seconds``, and
+the default action of SIGUSR1 and SIGUSR2 is to end the process (exit 138,
+every in-flight client losing its answer).  A signal during the stop still
+takes or ends the hold, which the holds file keeps for the next start
+(holdstore.py): a game that starts while the proxy restarts is not
+forgotten.  :meth:`SignalWatcher.uninstall` puts the previous handlers back,
+for an application that hosts the proxy and goes on without it.
+
+:class:`StopSignals` is the other half of a graceful stop: a second SIGTERM
+(or SIGINT) while it runs is logged and ignored, so the clients in flight
+keep their answers; SIGKILL stops at once (and the holds survive that too).
 """
 
 from __future__ import annotations
@@ -47,7 +59,9 @@ class SignalWatcher(Service):
         super().startService()
         for signum in (self.start_signal, self.stop_signal):
             try:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+                previous = signal.signal(signum, self._on_signal)
+                # Started again after a stop: the handler in place is still ours.
+                self._previous.setdefault(signum, previous)
             except (ValueError, OSError) as e:
                 # ValueError: not the main thread (an embedding application).
                 self._metrics.watcher_errors_total.labels(SOURCE).inc()
@@ -59,8 +73,11 @@ class SignalWatcher(Service):
         log.info("signal watcher: SIGUSR1 yields the GPU, SIGUSR2 gives it back (pid {pid})", pid=os.getpid())
 
     def stopService(self) -> None:
-        """Put the previous handlers back; a hold taken by signal stays."""
+        """Stop, keeping the handlers (see the module's docstring); a hold taken by signal stays."""
         super().stopService()
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back (an application that hosts the proxy and goes on without it)."""
         for signum, previous in self._previous.items():
             try:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
@@ -78,6 +95,11 @@ class SignalWatcher(Service):
     def handle(self, signum: int) -> None:
         """Take or end the hold for ``signum``, in the reactor thread.  Never raises."""
         try:
+            if not self.running:
+                log.info(
+                    "{name} received while the proxy stops: the signal hold is {what} and kept for the next start",
+                    name=signal.Signals(signum).name, what="taken" if signum == self.start_signal else "ended",
+                )
             if signum == self.start_signal:
                 self._state.hold(SOURCE, f"{signal.Signals(signum).name} received")
             elif signum == self.stop_signal:
@@ -86,3 +108,55 @@ class SignalWatcher(Service):
         except Exception:
             self._metrics.watcher_errors_total.labels(SOURCE).inc()
             log.failure("signal watcher step failed")
+
+
+@attrs.define(eq=False, slots=False)
+class StopSignals(Service):
+    """Signals during the graceful stop: one log line each, and the stop goes on.
+
+    * A second SIGTERM or SIGINT: twistd's own handler would call
+      ``reactor.stop()`` again, which raises and logs a traceback, and
+      cutting the stop short would cut in-flight answers.
+    * SIGUSR1 or SIGUSR2 when nothing handles them (no signal watcher, no
+      ``--logfile``): their default action ends the process, exit 138 or 140,
+      and every in-flight client loses its answer.  With the signal watcher
+      on, its own handlers stay and take or end the hold.
+
+    The last child of the process's service (``tap.py``), so it is the first
+    to stop: its handlers are in place before anything else stops.
+    """
+
+    _reactor: IReactorFromThreads
+    #: ``proxy.shutdown_timeout_seconds``, for the log line.
+    timeout: float
+    #: Caught during the stop whatever handles them before.
+    stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    #: Caught during the stop only when their default action (the end of the process) would apply.
+    default_signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)
+
+    name = "stop-signals"  # type: ignore[assignment]  # Twisted types Service.name as None
+
+    def stopService(self) -> None:
+        super().stopService()
+        caught = [*self.stop_signals, *(s for s in self.default_signals if signal.getsignal(s) == signal.SIG_DFL)]
+        for signum in caught:
+            try:
+                signal.signal(signum, self._on_signal)
+            except (ValueError, OSError) as e:
+                log.warn("cannot catch {name} during the stop: {error}", name=signal.Signals(signum).name, error=e)
+
+    def _on_signal(self, signum, frame) -> None:
+        """The Python-level handler: leave the logging to the reactor."""
+        self._reactor.callFromThread(self.handle, signum)
+
+    def handle(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if signum in self.stop_signals:
+            log.warn(
+                "{name} received while already stopping: ignored; parked requests are answered and in-flight ones "
+                "finish within {timeout:g}s (proxy.shutdown_timeout_seconds); SIGKILL stops at once "
+                "(the holds are kept)",
+                name=name, timeout=self.timeout,
+            )
+        else:
+            log.info("{name} received while stopping: ignored (watchers.signals is off)", name=name)
