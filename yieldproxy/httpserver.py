@@ -640,7 +640,7 @@ class ProxyChannel(HTTPChannel):
     # full dict of its own (1.6 KB per connection, held by every parked request).
     __slots__ = (
         "_draining", "_in_request", "_connections", "_read_timer", "_read_deadline", "_local_address",
-        "_secure", "_host_passed", "_read_timeout_seconds", "_clock", "_stall_timer", "_linger_timer",
+        "_secure", "_host_passed", "_read_timeout_seconds", "_stall_timer", "_linger_timer",
         "_idle_timeout", "_bad_reason",
     )
 
@@ -660,9 +660,8 @@ class ProxyChannel(HTTPChannel):
         self._secure = None
         #: The ``Host`` value a request on this connection was last allowed with (see ``ProxyRequest._refusal``).
         self._host_passed = None
-        #: The site's request read timeout and clock, read once (see :meth:`_arm_read_timer`).
+        #: The site's request read timeout, read once (see :meth:`_arm_read_timer`).
         self._read_timeout_seconds = None
-        self._clock = None
         self._stall_timer = None
         self._linger_timer = None
         self._idle_timeout = None
@@ -757,8 +756,9 @@ class ProxyChannel(HTTPChannel):
             self._read_timer = self.callLater(timeout, self._read_timer_fired)
 
     def _now(self) -> float:
-        """The time on the clock of ``callLater``: the site's reactor (:meth:`ProxySite.buildProtocol` sets both)."""
-        return self._clock.seconds()
+        """The time on the clock of ``callLater``: the site's reactor (``HTTPFactory.buildProtocol`` gives
+        the channel that reactor's ``callLater`` and itself as ``factory``)."""
+        return self.factory.reactor.seconds()
 
     def _read_timer_fired(self) -> None:
         self._read_timer = None
@@ -1020,11 +1020,7 @@ class ProxySite(Site):
 
     def _channel(self, addr):
         """A channel for a connection from ``addr`` (the cap decided already)."""
-        channel = super().buildProtocol(addr)
-        if channel is not None:
-            # HTTPFactory gives the channel the reactor's callLater; the read timer reads the same clock.
-            channel._clock = self.reactor
-        return channel
+        return super().buildProtocol(addr)
 
     def log(self, request):
         """The request log is ours (one line with class and outcome), not Twisted's."""

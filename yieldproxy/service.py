@@ -413,7 +413,10 @@ def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Hand
             settings = attrs.evolve(
                 config.handover, unload_on_yield=spec.unload_on_yield, preload_models=spec.preload_models
             )
-            handover = Handover(reactor, state, member.drainer, member.control, metrics, settings, member=member.name)
+            handover = Handover(
+                reactor, state, member.drainer, member.control, metrics, settings, member=member.name,
+                per_member=not _alone(pool),
+            )
             subscribe_handover(state, handover)
             handovers.append(handover)
     return handovers
