@@ -541,9 +541,9 @@ class ProxyApp:
         (``caller_error``) without a probe.
 
         A *busy* answer (the server's own busy words, a 429 or 503) is not a
-        failure: another eligible member that has not answered busy takes the
-        request first, uncounted; with none left, a 429 is relayed (with its
-        own ``Retry-After``) and a 503 is judged as any 503.
+        failure: when another eligible member that has not answered this
+        request busy may take it now, it does, uncounted; with none, a 429 is
+        relayed (with its own ``Retry-After``) and a 503 is judged as any 503.
 
         An answer the member's server reads as *not ready* (llama.cpp's 503
         "Loading model") is neither: the member is not ready (pool/member.py:
@@ -571,7 +571,7 @@ class ProxyApp:
             if busy_on is not None:
                 busy_on.add(member.name)
                 if self._pool.several and any(
-                    n not in busy_on and not self._pool.member(n).unreachable for n in entry.eligible
+                    n not in busy_on and self._pool.usable(self._pool.member(n), entry) for n in entry.eligible
                 ):
                     # Busy is not failure: another member that may serve it takes it first.
                     entry.failed_on = member.name
