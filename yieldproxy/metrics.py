@@ -100,7 +100,8 @@ class Metrics:
         )
         self.upstream_failures_total = Counter(
             "yieldproxy_upstream_failures",
-            "Failed upstream attempts: refused, connect, reset, timeout, status_502, status_503, gpu_error.",
+            "Failed upstream attempts: refused, connect, reset, timeout, stall, status_502, status_503, gpu_error, "
+            "unknown_error, caller_error, bad_answer.",
             ["class", "reason"],
             registry=r,
         )
