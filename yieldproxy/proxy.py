@@ -656,7 +656,7 @@ class ProxyApp:
 
     def _relay(self, request, entry: Entry, member: Member, answer: UpstreamAnswer, extra=()) -> bytes:
         """The upstream's whole error answer is the caller's: relay it as it came (the upstream answered)."""
-        member.health.report(None)
+        member.health.served()
         self._outcome(entry, "ok")
         self._log(request, entry.cls, answer.code, "ok", entry, entry.tries + 1)
         return write_answer(request, answer, extra)
