@@ -49,3 +49,40 @@ def test_interface_at_fault():
     assert interface_at_fault(CannotListenError("192.0.2.1", 1, _os_error(errno.EADDRNOTAVAIL)))
     assert not interface_at_fault(CannotListenError("127.0.0.1", 1, _os_error(errno.EADDRINUSE)))
     assert not interface_at_fault(OverflowError("bind(): port must be 0-65535."))
+
+
+def test_a_listener_says_which_it_is_and_where_it_listens():
+    """Both sites are ProxySites: Twisted's own "ProxySite starting on N" line does not say which is which."""
+    from twisted.internet import reactor
+    from twisted.logger import capturedLogs, formatEvent
+    from twisted.web.resource import Resource
+    from twisted.web.server import Site
+
+    from yieldproxy.listener import Listener
+
+    listener = Listener(reactor, "admin.listen", "tcp:0:interface=127.0.0.1", Site(Resource()))
+    with capturedLogs() as events:
+        listener.startService()
+    try:
+        port = listener.port.getHost().port
+        lines = [formatEvent(e) for e in events if "listening on" in formatEvent(e)]
+        assert lines == [f"admin listening on 127.0.0.1:{port} (admin.listen = 'tcp:0:interface=127.0.0.1')"]
+    finally:
+        listener.stopService()
+
+
+@pytest.mark.parametrize(
+    "typed, meant",
+    [
+        ("22450", "tcp:22450"),
+        ("127.0.0.1:22450", "tcp:22450:interface=127.0.0.1"),
+        ("localhost:22450", "tcp:22450:interface=127.0.0.1"),
+        ("http://127.0.0.1:22450/", "tcp:22450:interface=127.0.0.1"),
+        ("[::1]:22450", "tcp:22450:interface=\\:\\:1"),
+        ("bogus:x", None),
+    ],
+)
+def test_an_endpoint_typed_as_a_port_or_an_address_gets_the_endpoint_meant(typed, meant):
+    from yieldproxy.tap import endpoint_hint
+
+    assert endpoint_hint(typed) == meant

@@ -6,8 +6,9 @@ import tomllib
 
 import pytest
 
-from yieldproxy.config import ConfigError, from_dict
-from yieldproxy.pool.members import legacy_member, member_specs
+from helpers import pool_config
+from yieldproxy.config import Config, ConfigError, from_dict
+from yieldproxy.pool.members import legacy_member, member_specs, url_warnings
 
 
 def parse(text: str):
@@ -118,3 +119,29 @@ def test_twistd_upstream_option_is_refused_beside_upstreams(tmp_path):
     path.write_text(TWO)
     with pytest.raises(UsageError, match=r"--upstream: the config file has \[\[upstreams\]\]"):
         Options().parseOptions(["--config", str(path), "--upstream", "http://other:1"])
+
+
+@pytest.mark.parametrize(
+    "url, api, meant",
+    [
+        ("http://127.0.0.1:11434/api", "ollama", "http://127.0.0.1:11434"),
+        ("http://127.0.0.1:11434/api/", "ollama", "http://127.0.0.1:11434"),
+        ("http://gpu:11434/api/embed", "ollama", "http://gpu:11434"),
+        ("http://gpu:11434/v1", "ollama", "http://gpu:11434"),
+        ("http://cpu:7997/v1", "infinity", "http://cpu:7997"),
+        ("http://gpu/ollama/api", "ollama", "http://gpu/ollama"),  # a server under a prefix keeps it
+    ],
+)
+def test_an_upstream_url_that_ends_in_an_api_path_is_named_with_what_was_meant(url, api, meant):
+    config = pool_config({"name": "gpu", "url": url, "api": api})
+    [warning] = url_warnings(config)
+    assert warning.startswith(f"upstreams[0].url = {url!r} ends in ") and warning.endswith(f"probably {meant!r}")
+    if api == "ollama" and url.rstrip("/").endswith("/v1"):
+        assert 'its api is "ollama"' in warning
+    single = url_warnings(Config().with_overrides(**{"proxy.upstream": url}))
+    assert single[0].startswith(f"proxy.upstream = {url!r} ends in ")
+
+
+def test_a_root_url_or_a_prefix_that_is_no_api_path_gives_no_warning():
+    for url in ("http://127.0.0.1:11434", "http://gpu:11434/", "http://gpu/apiary", "http://gpu/ollama"):
+        assert url_warnings(Config().with_overrides(**{"proxy.upstream": url})) == []

@@ -55,6 +55,10 @@ def test_bad_config_stops_twistd_with_the_key_named(tmp_path):
     "args, line",
     [
         (["--listen", "bogus:1"], "proxy.listen: not a valid endpoint (Unknown endpoint type: 'bogus'): 'bogus:1'"),
+        (["--listen", "22450"], "proxy.listen: not a valid endpoint (Unknown endpoint type: '22450'): '22450'; "
+         "did you mean 'tcp:22450'? (add ':interface=127.0.0.1' to listen on this machine only)"),
+        (["--admin", "127.0.0.1:22451"], "admin.listen: not a valid endpoint (Unknown endpoint type: '127.0.0.1'): "
+         "'127.0.0.1:22451'; did you mean 'tcp:22451:interface=127.0.0.1'?"),
         (["--log-format", "xml"], "--log-format: must be text or json, got 'xml'"),
         (["--bogus"], "option --bogus not recognized (twistd yieldproxy --help lists the options)"),
         (["--listen"], "option --listen requires argument (twistd yieldproxy --help lists the options)"),
@@ -100,11 +104,12 @@ def test_a_listener_that_cannot_start_is_one_line(case, taken_port, tmp_path):
     assert "Traceback" not in output and "stderr#" not in output, output
     [error] = [text for text in output.splitlines() if "#critical]" in text]
     assert error.split("#critical] ", 1)[1].startswith(line), output
-    # twistd's two start lines, the admin listener's two when the proxy one fails (and the proxy
-    # site's own "starting on" line, for a unix socket), and the error (and, where the machine's
-    # hard limit is below what the defaults need, the open-file warnings).
+    # twistd's two start lines, the admin listener's three when the proxy one fails (Twisted's two and
+    # its own "admin listening on"; and the proxy site's own "starting on" line, for a unix socket),
+    # and the error (and, where the machine's hard limit is below what the defaults need, the
+    # open-file warnings).
     lines = [text for text in output.splitlines() if "[yieldproxy.limits#warn]" not in text]
-    assert len(lines) <= 6, output
+    assert len(lines) <= 7, output
 
 
 async def start_service(sim_port: int, *extra):
@@ -222,4 +227,31 @@ async def test_quickstart_log_sample_is_what_twistd_logs():
     finally:
         if not protocol.ended.called:
             process.signalProcess("KILL")
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_start_says_which_listener_is_which_and_catches_an_upstream_url_with_an_api_path():
+    """Both sites log "ProxySite starting on N"; an upstream URL ending in /api made every request a 404, silently."""
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol = run_twistd(
+        "--upstream", f"http://127.0.0.1:{sim_port}/api",
+        "--listen", f"tcp:{(proxy_port := free_port())}:interface=127.0.0.1",
+        "--admin", f"tcp:{(admin_port := free_port())}:interface=127.0.0.1",
+    )
+    try:
+        await wait_for(reactor, lambda: b"admin listening on" in protocol.output and b"proxy listening on" in protocol.output,
+                       timeout=TIMEOUT)
+        lines = protocol.output.decode(errors="replace").splitlines()
+        [proxy] = [line for line in lines if "proxy listening on" in line]
+        [admin] = [line for line in lines if "admin listening on" in line]
+        assert f"proxy listening on 127.0.0.1:{proxy_port} (proxy.listen = " in proxy
+        assert f"admin listening on 127.0.0.1:{admin_port} (admin.listen = " in admin
+        [warning] = [line for line in lines if "ends in" in line]
+        assert "#warn]" in warning and f"proxy.upstream = 'http://127.0.0.1:{sim_port}/api'" in warning
+        assert f"probably 'http://127.0.0.1:{sim_port}'" in warning
+    finally:
+        process.signalProcess("TERM")
+        await protocol.ended.addTimeout(TIMEOUT, reactor)
         await sim.stop()

@@ -17,14 +17,30 @@ from __future__ import annotations
 import os
 
 from twisted.application.service import Service
+from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .httpserver import MAX_REFUSING
 from .listen_errors import why_cannot_listen
 from .succession.sockets import let_go_port
+
+log = Logger()
+
+
+def where(address) -> str:
+    """A listening address as a person types it: ``127.0.0.1:11435``, ``[::1]:11435``, ``unix:/run/x.sock``."""
+    if isinstance(address, IPv6Address):
+        return f"[{address.host}]:{address.port}"
+    if isinstance(address, IPv4Address):
+        return f"{address.host}:{address.port}"
+    if isinstance(address, UNIXAddress):
+        name = address.name.decode("utf-8", "replace") if isinstance(address.name, bytes) else address.name
+        return f"unix:{name}"
+    return str(address)
 
 
 class CannotListen(Exception):
@@ -139,6 +155,7 @@ class Listener(Service):
                 os.close(fd)
             self.pause()
             self._register()
+            self._say_where("taken over from the process before")
             return
         outcome: list = []
         self._endpoint.listen(self._factory).addBoth(outcome.append)
@@ -149,3 +166,13 @@ class Listener(Service):
             raise CannotListen(f"{self.key} {self.description!r}: cannot listen: {why}") from outcome[0].value
         self.port = outcome[0]
         self._register()
+        self._say_where()
+
+    def _say_where(self, how: str = "") -> None:
+        """One line naming the listener and where it listens: the two sites alone are both "ProxySite"."""
+        assert self.port is not None
+        log.info(
+            "{name} listening on {address} ({key} = {description!r}{how})",
+            name=self.name, address=where(self.port.getHost()), key=self.key, description=self.description,
+            how=f"; {how}" if how else "",
+        )

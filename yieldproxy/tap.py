@@ -13,11 +13,14 @@ from typing import cast
 
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IReactorFromThreads
+from twisted.logger import Logger
 from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
 from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 from .succession.takeover import refuse
+
+log = Logger()
 
 _LOOPBACK_ENDPOINT = re.compile(r"interface=(127\.\d+\.\d+\.\d+|::1|\\:\\:1|localhost)(:|$)")
 
@@ -80,7 +83,12 @@ class Options(usage.Options):
                 # Parsing builds the endpoint object only; nothing listens yet.
                 serverFromString(None, endpoint)
             except (ValueError, KeyError, TypeError) as e:
-                raise usage.UsageError(f"{key}: not a valid endpoint ({e}): {endpoint!r}") from None
+                hint = endpoint_hint(endpoint)
+                if hint is not None:
+                    hint = f"; did you mean {hint!r}?" + (
+                        " (add ':interface=127.0.0.1' to listen on this machine only)" if ":interface=" not in hint else ""
+                    )
+                raise usage.UsageError(f"{key}: not a valid endpoint ({e}): {endpoint!r}{hint or ''}") from None
         if token is None and not admin_is_local(config.admin.listen):
             raise usage.UsageError(
                 f"admin.listen: {config.admin.listen!r} is reachable from other hosts; "
@@ -125,6 +133,32 @@ class Options(usage.Options):
         parent["logger"] = observer_name("json", level)
 
 
+#: ``[host]:port`` as typed for a listener: an IP address or localhost (any host name after ``http://``).
+_HOST_PORT = re.compile(
+    r"(?:(?:https?://([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]))|(\[[0-9A-Fa-f:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|localhost))?"
+    r":(\d{1,5})/?"
+)
+
+
+def endpoint_hint(text: str) -> str | None:
+    """The endpoint string someone who typed ``text`` probably meant: ``22450`` is ``tcp:22450``,
+    ``127.0.0.1:22450`` (or ``http://127.0.0.1:22450``) is ``tcp:22450:interface=127.0.0.1``; else None."""
+    text = text.strip()
+    if text.isdigit():
+        return f"tcp:{text}"
+    match = _HOST_PORT.fullmatch(text)
+    if match is None:
+        return None
+    named, address, port = match.groups()
+    host = named or address
+    if not host:
+        return f"tcp:{port}"
+    host = host.strip("[]")
+    if host == "localhost":
+        host = "127.0.0.1"
+    return f"tcp:{port}:interface={host.replace(':', chr(92) + ':')}"
+
+
 def admin_is_local(endpoint: str) -> bool:
     """True for unix sockets and TCP endpoints bound to a loopback interface."""
     if endpoint.startswith("unix:"):
@@ -154,6 +188,7 @@ def makeService(options: Options):
 
     from .holdstore import HoldStore, holds_path
     from .limits import fit_fd_limit
+    from .pool.members import url_warnings
     from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
     from .service import YieldProxyService, build
     from .succession import Inheritance, Setup, own_command
@@ -173,6 +208,8 @@ def makeService(options: Options):
     )
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
+    for warning in url_warnings(config):
+        log.warn("{warning}", warning=warning)
     holds = HoldStore(reactor, holds_path(config, os.environ))
     proxy = build(reactor, config, token=options.token, read_token=options.read_token, succession=setup, holds=holds)
     # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long

@@ -13,6 +13,8 @@ sections' values (``[replay]``, ``[upstream]``, ``[handover]``); the global
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import attrs
 
 from ..config import Config
@@ -162,3 +164,45 @@ def answer_headers(spec: MemberSpec, own_model: str) -> tuple[tuple[bytes, bytes
 def served_outcome(spec: MemberSpec) -> str:
     """The replay outcome (and log outcome) of a request this member answered: ``fallback`` or ``ok``."""
     return "fallback" if spec.fallback else "ok"
+
+
+def url_warnings(config: Config) -> list[str]:
+    """A warning for each upstream URL that ends in an API path, naming it and what was probably meant.
+
+    The proxy adds each request's own path (``/api/embed``, ``/v1/embeddings``)
+    to the upstream URL, so a URL that already ends in ``/api`` or in an
+    OpenAI-style ``/v1`` base (an OpenAI client's ``base_url``) sends every
+    request to ``/api/api/embed`` or ``/v1/v1/embeddings``: each gets a 404,
+    and nothing fails at start.  A path before the API part (a server mounted
+    under a prefix) is kept in the suggestion.
+    """
+    if config.upstreams:
+        urls = [(f"upstreams[{i}].url", m.url, m.api) for i, m in enumerate(config.upstreams)]
+    else:
+        urls = [("proxy.upstream", config.proxy.upstream, legacy_member(config).api)]
+    warnings = []
+    for key, url, api in urls:
+        parts = urlsplit(url)
+        segments = parts.path.split("/")
+        found = next((i for i, segment in enumerate(segments) if segment.lower() in ("api", "v1")), None)
+        if found is None:
+            continue
+        meant = urlunsplit((parts.scheme, parts.netloc, "/".join(segments[:found]), "", ""))
+        tail = "/" + "/".join(s for s in segments[found:] if s)
+        if segments[found].lower() == "api":
+            what = f"Ollama's API path {tail}: requests would go to {tail}/api/... and get 404"
+        elif api == "ollama":
+            what = (
+                f"an OpenAI-style base ({tail}), but its api is \"ollama\": Ollama serves /api/ and /v1/ at its "
+                f"root, so requests would go to {tail}/api/... and {tail}/v1/... and get 404"
+            )
+        else:
+            what = (
+                f"an OpenAI-style base ({tail}, an OpenAI client's base_url): the proxy adds each request's own "
+                f"path, so requests would go to {tail}/v1/... and get 404"
+            )
+        warnings.append(
+            f"{key} = {url!r} ends in {what}; the upstream URL is the server's root, "
+            f"probably {meant!r}"
+        )
+    return warnings
