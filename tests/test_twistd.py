@@ -205,7 +205,8 @@ async def test_quickstart_log_sample_is_what_twistd_logs():
     sample = re.search(r"It logs where it listens.*?\n```\n(.*?)```", page, re.S)
     assert sample, "docs/quickstart.md: no log sample after 'It logs where it listens'"
     lines = [line.removeprefix("... ") for line in sample.group(1).splitlines()]
-    assert len(lines) == 2 and "11436" in lines[0] and "11435" in lines[1], lines
+    assert len(lines) == 4 and "11436" in lines[0] + lines[1] and "11435" in lines[2] + lines[3], lines
+    assert "admin listening on" in lines[1] and "proxy listening on" in lines[3], lines
     sim = SimOllama(reactor)
     sim_port = await sim.listen()
     process, protocol, proxy, admin = await start_service(sim_port)
