@@ -30,6 +30,7 @@ says how many parked.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import statistics
@@ -73,7 +74,7 @@ class Pinger(threading.Thread):
                 if status != 200:
                     self.failures.append(f"status {status}")
             except OSError as e:
-                self.failures.append(repr(e))
+                self.failures.append(type(e).__name__)
             self.samples.append((began, time.monotonic() - began))
             time.sleep(0.005)
 
@@ -134,14 +135,18 @@ def one_round(parked: int) -> dict:
                 pass
             time.sleep(0.005)
         serving = time.monotonic() - began
-        line = proxy.wait_line(r"handed over to pid \d+ .*?: (\d+) parked requests.*the handover itself ([\d.]+)s",
-                               timeout=60)
+        line = proxy.wait_line(
+            r"handed over to pid \d+ .*?: (\d+) parked requests.*the handover itself ([\d.]+)s, "
+            r"accepting paused ([\d.]+)s", timeout=60,
+        )
         wait_parked(admin_port, held, timeout=30)
         time.sleep(1.0)
         pinger.running = False
         pinger.join(35)
         before = [seconds for start, seconds in pinger.samples if start < began]
-        during = [seconds for start, seconds in pinger.samples if began <= start <= began + serving + 1]
+        # From SIGHUP until the whole lot is over (the new process accepts before it has all of it).
+        handed_at = began + serving + float(line.group(2))
+        during = [seconds for start, seconds in pinger.samples if began <= start <= handed_at + 1]
         admin_call(admin_port, "POST", "/resume", {"source": "bench"})
         statuses = read_all(sel, socks, timeout=120)
         deadline = time.monotonic() + 30
@@ -154,7 +159,7 @@ def one_round(parked: int) -> dict:
             time.sleep(0.05)
         return {
             "asked": parked, "parked": held, "handed": int(line.group(1)), "serving": serving,
-            "handover": float(line.group(2)), "median_before": statistics.median(before) if before else float("nan"),
+            "handover": float(line.group(2)), "paused": float(line.group(3)), "median_before": statistics.median(before) if before else float("nan"),
             "pause": max(during) if during else float("nan"), "pings": len(during),
             "failures": pinger.failures, "statuses": statuses, "old_gone": gone(first),
         }
@@ -173,9 +178,10 @@ def main(argv=None) -> int:
         ok &= not r["failures"] and answered == r["parked"] and r["old_gone"]
         print(
             f"parked {r['parked']:>6} (asked {r['asked']}, handed over {r['handed']}): "
-            f"SIGHUP -> serving {r['serving']:.2f}s, handover {r['handover'] * 1000:.0f} ms, "
+            f"SIGHUP -> serving {r['serving']:.2f}s, handover {r['handover'] * 1000:.0f} ms "
+            f"(accepting paused {r['paused'] * 1000:.0f} ms), "
             f"client pause {r['pause'] * 1000:.0f} ms (median before {r['median_before'] * 1000:.1f} ms, "
-            f"{r['pings']} pings during), refused/failed pings {len(r['failures'])}, "
+            f"{r['pings']} pings during), failed pings {dict(collections.Counter(r['failures']))}, "
             f"answers after resume {dict(sorted(r['statuses'].items()))}, old process gone {r['old_gone']}"
         )
     return 0 if ok else 1

@@ -296,7 +296,8 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
 async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_path):
     """A chat streaming through the old process ends whole there; an idle keep-alive connection goes over and its
     next request is answered by the new process; the old one exits once its stream is done."""
-    sim = SimOllama(reactor, latency=0.0, parallel=8, chunks=20, chunk_delay=0.15)
+    # A 20 s stream: the reload (a new Python process starting on a busy machine) ends well inside it.
+    sim = SimOllama(reactor, latency=0.0, parallel=8, chunks=40, chunk_delay=0.5)
     proxy = Proxy(tmp_path, await sim.listen())
     client = None
     try:
@@ -329,7 +330,7 @@ async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_
         lines = [json.loads(line) for line in b"".join(chunks).splitlines() if line.strip()]
         assert lines[-1]["done"] is True
         text = "".join(line["message"]["content"] for line in lines if not line["done"])
-        assert text == "".join(expected_reply(messages_prompt(messages), "llama3.2", 20))
+        assert text == "".join(expected_reply(messages_prompt(messages), "llama3.2", 40))
         assert sim.requests_total["/api/chat"] == 1
         await proxy.old_gone(old)
         assert (await proxy.status())["pid"] == outcome["pid"]

@@ -1018,6 +1018,10 @@ class ProxySite(Site):
             return OverCapacity(connections, self.reactor, promote)
         return self._channel(addr)
 
+    def channel_for(self, addr):
+        """A channel, whatever the cap: for a connection accepted already (a reload hands it over, succession/)."""
+        return self._channel(addr)
+
     def _channel(self, addr):
         """A channel for a connection from ``addr`` (the cap decided already)."""
         return super().buildProtocol(addr)

@@ -133,7 +133,11 @@ class Succession(Service):
     def reload(self) -> Deferred[dict[str, Any]]:
         """Hand over to a new process (see the package docstring); fails with :class:`ReloadRefused`,
         :class:`ReloadFailed` or :class:`ReloadBusy`, each logged here in one line."""
-        d = Deferred.fromCoroutine(self._predecessor.reload())
+        if self._takeover is not None and not self._takeover.done:
+            d: Deferred[dict[str, Any]] = Deferred()
+            d.errback(ReloadBusy("this process is still taking over from the one before it"))
+        else:
+            d = Deferred.fromCoroutine(self._predecessor.reload())
 
         def failed(failure):
             why = failure.value

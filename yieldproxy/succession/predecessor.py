@@ -10,40 +10,46 @@ and this one keeps running, nothing dropped.  Otherwise, once it says
 1. this process stops accepting (its listening sockets are the successor's
    already, adopted and paused: arrivals wait in the backlog) and stops
    letting requests out of its lot;
-2. it sends its holds and its twins' verifications, every parked request
-   with its client's connection (wire.py), and every idle keep-alive
-   connection; then ``done``, on which the successor starts accepting;
+2. it sends its holds and its twins' verifications, then ``accept`` (the
+   successor accepts from then on: the pause clients see is this round
+   trip, not the lot's transfer), then every parked request with its
+   client's connection (wire.py; each is placed there ahead of whatever
+   the successor accepted meanwhile), every idle keep-alive connection,
+   and ``done``, answered ``serving``;
 3. it goes on with what is in flight here: those answers complete here,
    nothing is sent upstream twice.  A connection that becomes idle, and a
    request that parks again (a failed attempt), go to the successor as
    they come; once nothing is left, this process stops.
 
-If the successor fails before ``done`` (it exits, or says nothing for
-:attr:`Predecessor.timeout`), this process takes everything back that it
-had not sent yet, accepts and releases again, and logs one line.
+If the successor fails before ``serving`` (it exits, or says nothing for
+:attr:`Predecessor.timeout`), this process keeps everything it had not sent
+yet, accepts and releases again, and logs one line; what it had sent (and
+what the successor had accepted) is lost with the successor.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from typing import Any, Callable, Sequence
 
 import attrs
 from twisted.internet.defer import Deferred, TimeoutError
-from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import LoopingCall
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from .. import __version__
 from .link import Link, adopt_link
 from .sockets import duplicate, family_of, let_go
 from .takeover import ENV
-from .wire import PROTOCOL, Carried, cut, encode, pack, request_bytes
+from .wire import BATCH_FDS, PROTOCOL, Carried, cut, encode, pack, request_bytes
 
 log = Logger()
 
+#: How often the exit of a successor not yet serving is looked for.
+CHILD_POLL_SECONDS = 0.05
 #: How often the winding-down process looks for connections gone idle and requests parked again.
 WIND_DOWN_STEP = 0.05
 #: The longest the old process stays after a handover, finishing what is in flight (each request
@@ -67,15 +73,41 @@ class ReloadUnavailable(Exception):
     """This process cannot start a successor (how it was started does not allow it): the reason."""
 
 
-class _Successor(ProcessProtocol):
-    """The successor as a child process: its end fires :attr:`ended` with its exit status."""
+class _Successor:
+    """The successor as a child process: :attr:`ended` fires with how it exited, while it is watched.
 
-    def __init__(self) -> None:
+    Started with :class:`subprocess.Popen` (vfork, descriptors closed by
+    ``close_range``), not ``spawnProcess``, whose fork and descriptor walk
+    held this process's reactor for seconds with thousands of connections
+    open (bench/handover.py).  Its exit is polled while the handover waits
+    on it (Twisted reaps only the processes it started itself).
+    """
+
+    def __init__(self, reactor, command: Sequence[str], env: dict[str, str], fd: int):
+        self.popen = subprocess.Popen(list(command), env=env, pass_fds=(fd,), close_fds=True)
+        self.pid = self.popen.pid
         self.ended: Deferred[Any] = Deferred()
+        self._watch = LoopingCall(self._poll)
+        self._watch.clock = reactor
+        self._watch.start(CHILD_POLL_SECONDS, now=False)
 
-    def processEnded(self, reason) -> None:
-        status = reason.value
-        self.ended.callback(status.signal and f"signal {status.signal}" or f"status {status.exitCode}")
+    def _poll(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            self.forget()
+            self.ended.callback(f"status {code}" if code >= 0 else f"signal {-code}")
+
+    def forget(self) -> None:
+        """Stop watching (it took over: its exit is its own business now)."""
+        if self._watch.running:
+            self._watch.stop()
+
+    def kill(self) -> None:
+        if not self.ended.called:
+            try:
+                self.popen.kill()
+            except OSError:
+                pass
 
 
 @attrs.define(eq=False)
@@ -139,19 +171,19 @@ class Predecessor:
 
     async def _reload(self, began: float) -> dict[str, Any]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        child = _Successor()
         # systemd's watchdog is the successor's to feed once it is the main process: not bound to this pid.
         environ = {k: v for k, v in self.environ.items() if k != "WATCHDOG_PID"}
         try:
             self._send_listeners(ours)
-            process = self._reactor.spawnProcess(
-                child, self.command[0], list(self.command), env={**environ, ENV: "3"},
-                childFDs={0: 0, 1: 1, 2: 2, 3: theirs.fileno()},
-            )
+            child = _Successor(self._reactor, self.command, {**environ, ENV: str(theirs.fileno())}, theirs.fileno())
+        except OSError as e:
+            ours.close()
+            raise ReloadFailed(f"cannot start the new process ({self.command[0]}): {e}") from None
         finally:
             theirs.close()
+        process = child
         self._successor_pid = process.pid
-        self._waiting = {"ready": Deferred(), "refused": Deferred(), "serving": Deferred()}
+        self._waiting = {kind: Deferred() for kind in ("ready", "refused", "accepting", "serving")}
         link = self._link = adopt_link(self._reactor, ours, self._message)
         try:
             ready = await self._first(child, link, "ready")
@@ -170,7 +202,13 @@ class Predecessor:
             listener.pause()
         try:
             link.send({"type": "state", **self._snapshot()})
-            self._send_parked(link)
+            # The successor accepts from now on: its holds are right, and every parked request that comes
+            # next is placed ahead of what it accepts (parking.number_adopted).
+            link.send({"type": "accept"})
+            # Its answer first: the lot's descriptors must not hold up those two small frames.
+            await self._first(child, link, "accepting")
+            paused = self._reactor.seconds() - handing
+            await self._send_lot(link)
             self._send_idle(link)
             link.send({"type": "done"})
             serving = await self._first(child, link, "serving")
@@ -186,6 +224,7 @@ class Predecessor:
             frozen.callback(None)
             raise ReloadFailed(str(e)) from None
         self._handed_over = True
+        child.forget()
         for listener in self._listeners.values():
             listener.release()
         self._notify(f"MAINPID={process.pid}", "READY=1", f"STATUS=serving (version {serving.get('version')})")
@@ -200,13 +239,16 @@ class Predecessor:
             "seconds": round(self._reactor.seconds() - began, 3),
             # From "ready" to "serving": while this process accepts no connection and the lot goes over.
             "handover_seconds": round(self._reactor.seconds() - handing, 3),
+            # From "ready" to "accepting": while neither process accepted a connection.
+            "paused_seconds": round(paused, 3),
         }
         log.info(
             "reload: handed over to pid {pid} (version {version}): {parked} parked requests, {connections} idle "
-            "connections, in {seconds:.3f}s (the handover itself {handover:.3f}s); finishing {inflight} requests in "
-            "flight here, then exiting",
+            "connections, in {seconds:.3f}s (the handover itself {handover:.3f}s, accepting paused {paused:.3f}s); "
+            "finishing {inflight} requests in flight here, then exiting",
             pid=outcome["pid"], version=outcome["version"], parked=self.sent_parked,
             connections=self.sent_connections, seconds=outcome["seconds"], handover=outcome["handover_seconds"],
+            paused=outcome["paused_seconds"],
             inflight=self._pool.inflight,
         )
         self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
@@ -283,11 +325,8 @@ class Predecessor:
     def _give_up(self, process, child: _Successor, link: Link) -> None:
         """The successor will not take over: end it (nothing of ours is lost with it) and forget it."""
         link.close()
-        if not child.ended.called:
-            try:
-                process.signalProcess("KILL")
-            except Exception:
-                pass
+        child.kill()
+        child.forget()
         for fds in self._unacked.values():
             for fd in fds:
                 os.close(fd)
@@ -300,8 +339,20 @@ class Predecessor:
 
     # -- what is handed over -------------------------------------------------------------------
 
-    def _send_parked(self, link: Link) -> None:
-        """Every parked request, in line order, with its connection; each leaves this lot without an answer."""
+    async def _send_lot(self, link: Link) -> None:
+        """The lot, a batch at a time, in line order, the reactor turning between batches (whatever is in
+        flight here goes on meanwhile)."""
+        entries = self._lot.entries()
+        for start in range(0, len(entries), BATCH_FDS):
+            # One that left meanwhile (its client went, its time ran out) is passed over by hand_over.
+            self._send_parked(link, entries[start:start + BATCH_FDS])
+            await deferLater(self._reactor, 0, lambda: None)
+        # What parked meanwhile (an attempt that failed here) goes too.
+        self._send_parked(link)
+
+    def _send_parked(self, link: Link, entries: list | None = None) -> None:
+        """Parked requests (``entries``, default every one), with their connections; each leaves this lot
+        without an answer."""
         records: list[tuple[Any, bytes]] = []
 
         def take(request, entry, body: bytes) -> None:
@@ -325,8 +376,12 @@ class Predecessor:
             let_go(transport)
             records.append(({**carried.as_json(), "family": family, "fd": fd}, data))
 
-        for entry in self._lot.entries():
+        began = time.monotonic()
+        for entry in self._lot.entries() if entries is None else entries:
             self._lot.hand_over(entry, take)
+        if records:
+            log.debug("reload: took {count} parked requests out in {ms:.1f} ms", count=len(records),
+                      ms=(time.monotonic() - began) * 1000)
         for batch in cut(records):
             fds = [record.pop("fd") for record, _ in batch]
             packed, blob = pack(batch)

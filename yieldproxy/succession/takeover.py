@@ -113,6 +113,18 @@ def refuse(environ: MutableMapping[str, str], why: str) -> bool:
     return True
 
 
+class _Adopting:
+    """The factory of an adopted connection: its listener's channel, never refused for the connection cap
+    (the connection was accepted, and counted, already; the cap counts it again from now on)."""
+
+    def __init__(self, site):
+        self._site = site
+
+    def buildProtocol(self, addr):
+        channel_for = getattr(self._site, "channel_for", None)
+        return channel_for(addr) if channel_for is not None else self._site.buildProtocol(addr)
+
+
 @attrs.define(eq=False)
 class TakeOver:
     """Adopts what the predecessor hands over, as it comes (see the module docstring)."""
@@ -129,7 +141,13 @@ class TakeOver:
     adopted: int = 0
     connections: int = 0
     _link: Link | None = None
+    _accepting: bool = False
     _serving: bool = False
+
+    @property
+    def done(self) -> bool:
+        """The predecessor has handed everything over (or is gone)."""
+        return self._serving
 
     def start(self) -> None:
         """Say ``ready`` to the predecessor (this process is up, its listeners adopted and paused)."""
@@ -146,6 +164,10 @@ class TakeOver:
             self._take_parked(message, blob, fds)
         elif kind == "connections":
             self._take_connections(message, fds)
+        elif kind == "accept":
+            self._accept()
+            assert self._link is not None
+            self._link.send({"type": "accepting"})
         elif kind == "done":
             self._serve()
             assert self._link is not None
@@ -161,7 +183,8 @@ class TakeOver:
             for fd in fds:
                 os.close(fd)
             raise BadFrame(f"{len(records)} parked requests with {len(fds)} connections")
-        factory = self._listeners["proxy"].factory
+        factory = _Adopting(self._listeners["proxy"].factory)
+        began = time.monotonic()
         for (record, data), fd in zip(records, fds):
             family = int(record.pop("family"))
             carried = Carried.from_json(record)
@@ -172,6 +195,8 @@ class TakeOver:
             self._adopt(transport.protocol, carried, data)
             self.adopted += 1
         self._ack(message)
+        log.debug("reload: adopted {count} parked requests in {ms:.1f} ms ({total} so far)",
+                  count=len(records), ms=(time.monotonic() - began) * 1000, total=self.adopted)
 
     def _take_connections(self, message: dict[str, Any], fds: list[int]) -> None:
         records = message.get("records", [])
@@ -182,7 +207,7 @@ class TakeOver:
         for record, fd in zip(records, fds):
             listener = self._listeners[str(record["listener"])]
             try:
-                self._reactor.adoptStreamConnection(fd, int(record["family"]), listener.factory)
+                self._reactor.adoptStreamConnection(fd, int(record["family"]), _Adopting(listener.factory))
             finally:
                 os.close(fd)
             self.connections += 1
@@ -193,12 +218,19 @@ class TakeOver:
         assert self._link is not None
         self._link.send({"type": "took", "id": message.get("id")})
 
+    def _accept(self) -> None:
+        """Accept new connections: the predecessor has stopped, and this process has its holds."""
+        if self._accepting:
+            return
+        self._accepting = True
+        for listener in self._listeners.values():
+            listener.resume()
+
     def _serve(self) -> None:
         if self._serving:
             return
         self._serving = True
-        for listener in self._listeners.values():
-            listener.resume()
+        self._accept()
         log.info(
             "reload: took over from pid {pid} (version {old}): {parked} parked requests, {connections} connections; "
             "now serving as pid {me} (version {version})",

@@ -32,8 +32,9 @@ MAX_JSON = 64 * 1024 * 1024
 MAX_BLOB = 1024 * 1024 * 1024
 #: A batch of parked requests is cut after this many bytes of requests...
 BATCH_BYTES = 8 * 1024 * 1024
-#: ...or this many connections (one file descriptor each; the kernel's own bound per sendmsg is 253).
-BATCH_FDS = 200
+#: ...or this many connections (one file descriptor each): the successor adopts a batch in one reactor
+#: turn, so a small batch keeps the connections it accepts meanwhile moving.
+BATCH_FDS = 50
 #: What the handover speaks: a successor that does not speak it refuses the handover.
 PROTOCOL = 1
 #: Request headers not sent again: the body is whole now (Content-Length says its size), and a
