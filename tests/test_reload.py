@@ -210,8 +210,9 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
     try:
         await proxy.start()
         first = await proxy.status()
-        code, _ = await proxy.post("/yield", {"reason": "game", "source": "broker", "for_seconds": 600})
+        code, yielded = await proxy.post("/yield", {"reason": "game", "source": "broker", "for_seconds": 600})
         assert code == 200
+        held = [(h["source"], h["since"], h["expires_at"]) for h in yielded["holds"]]
         parked_texts = [f"parked {i}" for i in range(200)]
         pending = [embed(proxy, text) for text in parked_texts]
         for _ in range(300):
@@ -240,7 +241,8 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
         status = await proxy.status()
         assert status["config"]["classes"]["batch"]["hold_seconds"] == 900
         assert status["parked_total"] == 210 and status["state"] == "yielded"
-        assert [h["source"] for h in status["holds"]] == ["broker"]
+        # The broker's hold as it was: its start and its lease end.
+        assert [(h["source"], h["since"], h["expires_at"]) for h in status["holds"]] == held
         await proxy.old_gone(proxy.pids[0])
 
         # 2. A broken config: refused in one line naming the file and the key; nothing dropped.

@@ -27,9 +27,9 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from .. import __version__
-from ..names import COMMAND_SOURCE, FILE_SOURCE, OUTAGE_SOURCE
+from ..holdstore import NOT_KEPT
 from ..pool.twins import TwinCheck
-from ..state import ALL, YieldState
+from ..state import ALL, Hold, YieldState
 from .predecessor import Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .takeover import ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
@@ -42,8 +42,9 @@ __all__ = [
 
 log = Logger()
 
-#: Holds the successor's own watchers find again for themselves (the file, the command, the outage probe).
-NOT_CARRIED = frozenset({FILE_SOURCE, COMMAND_SOURCE, OUTAGE_SOURCE})
+#: Holds the successor's own watchers find again for themselves (the file, the command, the outage and
+#: loading probes): the same that a restart does not keep (holdstore.py).
+NOT_CARRIED = NOT_KEPT
 
 
 def own_command(argv: Sequence[str] | None = None, executable: str | None = None) -> tuple[str, ...]:
@@ -172,31 +173,25 @@ class Succession(Service):
 
     def restore(self, message: dict[str, Any]) -> None:
         """Make this process's holds and twins what the predecessor's were (see :meth:`snapshot`)."""
-        now = self._reactor.seconds()
-        wanted = {}
+        wanted: dict[tuple[str, str], Hold] = {}
         for h in message.get("holds", []):
-            scope = h.get("scope", ALL)
-            if scope != ALL and scope not in self._state.members:
-                log.warn("reload: hold of {source} on upstream {scope} dropped: no such upstream any more",
-                         source=h["source"], scope=scope)
+            try:
+                hold = Hold(
+                    source=h["source"], reason=h.get("reason") or "", since=float(h["since"]),
+                    expected_end=h.get("expected_end"), expires_at=h.get("expires_at"), scope=h.get("scope", ALL),
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                log.warn("reload: a hold that came over is not one ({why}): {hold!r}", why=str(e), hold=h)
                 continue
-            wanted[(h["source"], scope)] = h
+            wanted[(hold.source, hold.scope)] = hold
         for hold in self._state.holds:
             if hold.source not in NOT_CARRIED and (hold.source, hold.scope) not in wanted:
+                # Ended in the old process after this one read the holds file.
                 self._state.release(hold.source, hold.scope)
-        for (source, scope), h in wanted.items():
-            expires_at, expected_end = h.get("expires_at"), h.get("expected_end")
-            if expires_at is not None and expires_at <= now:
-                continue
-            try:
-                self._state.hold(
-                    source, h.get("reason") or "",
-                    expected_seconds=expected_end - now if expected_end is not None and expected_end > now else None,
-                    for_seconds=expires_at - now if expires_at is not None else None,
-                    scope=scope,
-                )
-            except ValueError as e:
-                log.warn("reload: hold of {source} not carried over: {why}", source=source, why=str(e))
+        # Each as it was (its start, its lease end); one of an upstream gone from the config is dropped, logged.
+        self._state.restore(
+            h for key, h in wanted.items() if self._state.hold_of(h.source, h.scope) != h
+        )
         if self._twins is not None:
             urls = {m.name: m.spec.url for m in self._pool.members}
             for row in message.get("twins", []):
