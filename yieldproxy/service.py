@@ -55,7 +55,7 @@ from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
 from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
 from .pool.models import ModelDiscovery
-from .pool.routing import Pool, any_member
+from .pool.routing import Pool, any_member, make_members
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
@@ -177,10 +177,10 @@ def build_heart(
             {k: v.policy for k, v in config.classes.items()},
             inflight=lambda: pool.member(FALLBACK_MEMBER).inflight, on_verified=lambda: pool.kick(),
         )
-    pool = Pool(
-        reactor, state, lot, metrics, cooperator, config, specs, clients=clients,
-        twin_ok=fallback.twin_ok if fallback is not None else any_member,
-    )
+    # The members and their drainers, then the pool they form (its routing decides, when asked,
+    # what each drainer takes).
+    members = make_members(reactor, state, lot, metrics, cooperator, config, specs, clients, lambda: pool)
+    pool = Pool(reactor, state, lot, members, twin_ok=fallback.twin_ok if fallback is not None else any_member)
     gate = Gate(
         reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
         on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
@@ -193,6 +193,11 @@ def build_heart(
     for member in pool.members:
         # A request that parks may be one this drainer can take now.
         lot.when_parked(member.drainer.kick)
+        for subscribe, listener in member.follow():
+            subscribe(listener)
+        member.catalogue.when_changed(pool.forget_routings)
+    # A member taken or given back: its backoff starts afresh, and every drainer looks again.
+    state.observe_members(pool.member_changed)
     # The whole pool's in flight, read when scraped rather than set twice per request.
     metrics.inflight_requests.set_function(lambda: pool.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))

@@ -111,11 +111,15 @@ class Member:
     _checking: Deferred | None = None
     _stopped: bool = False
 
-    def __attrs_post_init__(self) -> None:
-        self.health.when_not_ready(self.became_not_ready)
-        self.health.when_served(self.served)
-        self.health.listen(self._attempt_result)
-        self.health.when_unanswered(self._not_there)
+    def follow(self) -> tuple[tuple[Callable[[Callable[..., None]], None], Callable[..., None]], ...]:
+        """What it follows of its health, as (subscribe, listener) pairs: the composition root
+        (``service.build_heart``) subscribes them; the constructor subscribes nothing."""
+        return (
+            (self.health.when_not_ready, self.became_not_ready),
+            (self.health.when_served, self.served),
+            (self.health.listen, self._attempt_result),
+            (self.health.when_unanswered, self._not_there),
+        )
 
     @property
     def name(self) -> str:

@@ -52,7 +52,7 @@ eligible member serves.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -134,63 +134,25 @@ class Pool:
     _clock: IReactorTime
     _state: YieldState
     _lot: ParkingLot
-    _metrics: Metrics
-    _cooperator: Cooperator
-    _config: Config
-    specs: tuple[MemberSpec, ...]
-    #: ``clients(spec)``: the member's request client and control client; None: neither (clock-only tests).
-    clients: Callable[[MemberSpec], tuple[Any, Any]] | None = None
+    #: The members, in config order, each with its drainer (:func:`make_members`; ``service.build_heart``).
+    members: tuple[Member, ...]
     #: ``twin_ok(member, entry)``: may ``member`` serve ``entry`` now (an embedding: the
     #: model's reference or a verified twin).  See the module docstring.
     twin_ok: Callable[[Member, Entry], bool] = any_member
-    members: tuple[Member, ...] = attrs.field(init=False)
     _by_name: dict[str, Member] = attrs.field(init=False)
     _apis: tuple[str, ...] = attrs.field(init=False)
     _single: tuple[str, ...] | None = attrs.field(init=False, default=None)
     _cache: dict = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
-        several = len(self.specs) > 1
-        # One upstream beside at most the legacy fallback: its holds are every member's, as they always were.
-        alone = sum(not spec.fallback for spec in self.specs) == 1
-        up, replay = self._config.upstream, self._config.replay
-        members = []
-        for index, spec in enumerate(self.specs):
-            upstream, control = self.clients(spec) if self.clients is not None else (None, None)
-            drainer = Replayer(
-                self._clock, self._lot, self._state, self._metrics, self._cooperator,
-                concurrency=spec.replay_concurrency,
-                rate=replay.rate if spec.rate is None else spec.rate,
-                backoff_seconds=up.retry_backoff_seconds,
-                backoff_max_seconds=up.retry_backoff_max_seconds,
-                cautious=spec.fallback,
-                # A pool of one drains as the one upstream always did: every entry, while not yielded
-                # (and, for a server that can say so, ready: see pool/member.py).
-                target=spec.name if several else None,
-                accepts=_Taker(self.may_take, spec.name) if several else None,
-                is_open=functools.partial(self._drainer_open, spec.name) if several else self._single_open,
-            )
-            catalogue = ModelCatalogue(spec.models, spec.model_map)
-            catalogue.when_changed(self._cache.clear)
-            members.append(
-                Member(
-                    spec, index, self._clock, self._state, member_server(spec.api, base_url=spec.fallback),
-                    UpstreamHealth(spec.url), catalogue,
-                    drainer, upstream, control,
-                    recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
-                    check_timeout_seconds=up.health_timeout_seconds,
-                    on_reachable=self.kick,
-                    not_ready_max_seconds=up.not_ready_max_seconds,
-                    # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
-                    outage_scope=ALL if alone else spec.name,
-                )
-            )
-        self.members = tuple(members)
         self._by_name = {m.name: m for m in self.members}
         self._apis = tuple(m.spec.api for m in self.members if not m.spec.fallback)
-        if not several:
+        if len(self.members) == 1:
             self._single = (self.members[0].name,)
-        self._state.observe_members(self._member_changed)
+
+    def forget_routings(self) -> None:
+        """A member's model list changed: the cached eligibility decisions are dropped."""
+        self._cache.clear()
 
     # -- what a request may use -----------------------------------------------------------
 
@@ -468,11 +430,11 @@ class Pool:
             member.drainer.stop()
             member.stop()
 
-    def _single_open(self) -> bool:
+    def single_open(self) -> bool:
         """A pool of one's drainer takes work while not yielded and its member is not known not ready."""
         return not self._state.yielded and not self.members[0].not_ready
 
-    def _drainer_open(self, name: str) -> bool:
+    def drainer_open(self, name: str) -> bool:
         """Whether ``name``'s drainer has anything to look for, in O(members) (it walks its line only then)."""
         member = self._by_name[name]
         if not (self._lot.waiting_for(name) and member.available()):
@@ -485,9 +447,64 @@ class Pool:
             return self._lot.waiting_for(STANDBY_ONLY) > 0
         return True
 
-    def _member_changed(self, name: str, yielded: bool) -> None:
+    def member_changed(self, name: str, yielded: bool) -> None:
         """A member was taken or given back: its backoff starts afresh, and every drainer looks again
         (a standby member's turn depends on the others)."""
         if not yielded:
             self._by_name[name].drainer.reset_backoff()
         self.kick()
+
+
+def _drainer_open(pool: Callable[[], Pool], name: str) -> bool:
+    return pool().drainer_open(name)
+
+
+def _single_open(pool: Callable[[], Pool]) -> bool:
+    return pool().single_open()
+
+
+def make_members(
+    clock: IReactorTime, state: YieldState, lot: ParkingLot, metrics: Metrics, cooperator: Cooperator,
+    config: Config, specs: Sequence[MemberSpec], clients: Callable[[MemberSpec], tuple[Any, Any]] | None,
+    pool: Callable[[], Pool],
+) -> tuple[Member, ...]:
+    """Each member of ``specs`` with its drainer, health and catalogue (for ``service.build_heart``).
+
+    ``pool()`` is the pool they will form (made after them): its routing
+    decides what each drainer takes and when it is open, read when asked.
+    ``clients(spec)`` gives each its request and control clients (None: neither).
+    """
+    several = len(specs) > 1
+    # One upstream beside at most the legacy fallback: its holds are every member's, as they always were.
+    alone = sum(not spec.fallback for spec in specs) == 1
+    up, replay = config.upstream, config.replay
+    members = []
+    for index, spec in enumerate(specs):
+        upstream, control = clients(spec) if clients is not None else (None, None)
+        drainer = Replayer(
+            clock, lot, state, metrics, cooperator,
+            concurrency=spec.replay_concurrency,
+            rate=replay.rate if spec.rate is None else spec.rate,
+            backoff_seconds=up.retry_backoff_seconds,
+            backoff_max_seconds=up.retry_backoff_max_seconds,
+            cautious=spec.fallback,
+            # A pool of one drains as the one upstream always did: every entry, while not yielded
+            # (and, for a server that can say so, ready: see pool/member.py).
+            target=spec.name if several else None,
+            accepts=_Taker(lambda name, entry: pool().may_take(name, entry), spec.name) if several else None,
+            is_open=functools.partial(_drainer_open, pool, spec.name) if several else functools.partial(_single_open, pool),
+        )
+        members.append(
+            Member(
+                spec, index, clock, state, member_server(spec.api, base_url=spec.fallback),
+                UpstreamHealth(spec.url), ModelCatalogue(spec.models, spec.model_map),
+                drainer, upstream, control,
+                recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
+                check_timeout_seconds=up.health_timeout_seconds,
+                on_reachable=lambda: pool().kick(),
+                not_ready_max_seconds=up.not_ready_max_seconds,
+                # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
+                outage_scope=ALL if alone else spec.name,
+            )
+        )
+    return tuple(members)
