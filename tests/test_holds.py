@@ -344,3 +344,52 @@ def test_hold_is_a_frozen_value_the_store_reads_back_whole(tmp_path):
     assert store.load().holds == (hold,)
     assert set(written(path)[0]) == {"source", "reason", "since", "upstream", "expires_at", "expected_end"}
     assert len(Hold.__attrs_attrs__) == 6
+
+
+def test_a_process_that_another_claimed_the_file_after_writes_it_no_more(tmp_path):
+    """A reload's old process lives on with its own copy of the holds; what runs out there must not be written."""
+    path = tmp_path / "holds.json"
+    old_clock, old_state, old_store = started(path, at=0)
+    old_store.pid = 100
+    old_state.hold("broker", "game", for_seconds=8)
+    # The new process starts (the old one is still running), claims the file, and the broker renews there.
+    new_clock = clock_at(2)
+    new_state, new_store = YieldState(new_clock), HoldStore(new_clock, path, pid=200)
+    keep_holds(new_state, new_store, restart_hold_seconds=600)
+    assert json.loads(path.read_text())["pid"] == 200
+    new_state.hold("broker", for_seconds=600)
+    with LogCapture() as logs:
+        old_clock.advance(8)  # the old copy's lease runs out
+    assert old_state.holds == [] and old_store.superseded
+    assert [(h["source"], h["expires_at"]) for h in written(path)] == [("broker", 602)]
+    assert [formatEvent(e) for e in logs.events if "writes it no more" in formatEvent(e)] == [
+        f"holds file {path}: written by pid 200 now (a reload's new process, or another proxy given the same file); "
+        "this process writes it no more"
+    ]
+    # The new process goes on writing.
+    new_state.release("broker")
+    assert written(path) == []
+    new_state.stop()
+    assert old_clock.getDelayedCalls() == [] and new_clock.getDelayedCalls() == []
+
+
+def test_an_older_claim_written_last_does_not_take_the_file_back(tmp_path):
+    """Both processes may write at the same moment: the one that claimed the file later keeps writing it."""
+    path = tmp_path / "holds.json"
+    _, old_state, old_store = started(path, at=0)
+    old_store.pid = 100
+    new_clock = clock_at(5)
+    new_state, new_store = YieldState(new_clock), HoldStore(new_clock, path, pid=200)
+    keep_holds(new_state, new_store, restart_hold_seconds=600)
+    # The old process's write lands just after the new one's claim (it checked just before).
+    path.write_text(json.dumps({
+        "format": PERSISTED_FORMAT, "version": VERSION, "pid": 100, "claimed_at": 0, "holds": [
+            {"source": "stale", "reason": "", "since": 0, "upstream": None},
+        ],
+    }))
+    new_state.hold("broker", "game")
+    assert [h["source"] for h in written(path)] == ["broker"]
+    assert json.loads(path.read_text())["pid"] == 200 and not new_store.superseded
+    # And the old process, at its next change, sees the newer claim.
+    old_state.hold("other", "x")
+    assert old_store.superseded and [h["source"] for h in written(path)] == ["broker"]

@@ -355,3 +355,51 @@ async def test_without_the_signal_watcher_sigusr1_during_the_stop_is_ignored_too
     finally:
         proxy.kill()
         await sim.stop()
+
+
+# -- a reload, then a crash ------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_after_a_reload_the_old_process_no_longer_writes_the_holds_file(tmp_path):
+    """The old process lives on after a reload while its requests in flight finish, with its own copy of
+    the holds.  Its copy of a lease that the broker renewed at the new process runs out there: had it
+    written the file then, a crash of the new process would have forgotten the renewed hold."""
+    from test_reload import Proxy as Reloadable, embed, end, gone
+
+    sim = SimOllama(reactor, latency=15.0)
+    sim_port = await sim.listen()
+    proxy = Reloadable(tmp_path, sim_port)
+    try:
+        await proxy.start()
+        in_flight = embed(proxy, "in flight at the old process")
+        await wait_for(reactor, lambda: sim.in_flight == 1, timeout=TIMEOUT)
+        code, _ = await proxy.post("/yield", {"source": "broker", "reason": "game", "for_seconds": 8})
+        assert code == 200
+        old = proxy.pid
+        await proxy.reload()
+        code, status = await proxy.post("/yield", {"source": "broker", "for_seconds": 600})
+        assert code == 200 and status["pid"] == proxy.pid != old
+        [renewed] = status["holds"]
+        # The old process's copy of the 8 s lease runs out while its request is still in flight.
+        await wait_for(reactor, lambda: "hold lease ran out without renewal: source=broker" in proxy.child.text(),
+                       timeout=TIMEOUT)
+        assert not gone(old)
+        _, code, _ = await in_flight.addTimeout(TIMEOUT, reactor)
+        assert code == 200
+        await proxy.old_gone(old)
+        # The new process crashes; the next start finds the renewed hold.
+        os.kill(proxy.pid, signal.SIGKILL)
+        await wait_for(reactor, lambda: gone(proxy.pid), timeout=TIMEOUT)
+        proxy.child = type(proxy.child)()
+        await proxy.start()
+        status = await proxy.status()
+        assert [(h["source"], h["expires_at"]) for h in status["holds"]] == [("broker", renewed["expires_at"])], (
+            status, proxy.child.text()
+        )
+    finally:
+        proxy.stop()
+        for pid in proxy.pids:
+            if not gone(pid):
+                end(pid)
+        await sim.stop()

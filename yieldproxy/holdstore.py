@@ -26,6 +26,13 @@ error line naming it, moved aside to ``NAME.refused``, and the proxy starts
 ``state.restart_hold_seconds``: when in doubt, send no work to a GPU that
 may be taken.  ``yieldproxy resume --source restart`` ends it sooner.
 
+One process writes the file at a time: each start writes it at once,
+claiming it (its pid and the time), and a process that finds the file
+claimed later by another stops writing it.  After a reload the old process
+lives on while its requests in flight finish, with its own copy of the
+holds: a lease the broker renewed at the new process runs out in that copy,
+and writing that would erase the renewal.
+
 Where: ``state.holds_file``, or by default a file named after the two
 listen endpoints (:func:`holds_path`), so a restart with the same command
 line finds its holds and two proxies on one machine never see each other's.
@@ -106,6 +113,13 @@ class HoldStore:
 
     _clock: IReactorTime
     path: Path = attrs.field(converter=Path)
+    #: This process: written in the file with :attr:`claimed_at`, to tell who writes it now.
+    pid: int = attrs.Factory(os.getpid)
+    #: When this process first wrote the file (it writes at start): a later claim by another
+    #: process (a reload's new process) means this one writes it no more.
+    claimed_at: float | None = None
+    #: True once another process claimed the file after this one.
+    superseded: bool = False
     #: The holds last written, as written: an unchanged set is not written again.
     _last: list[dict[str, Any]] | None = None
     #: True after a failed write, until one succeeds (one log line per run of failures).
@@ -125,20 +139,31 @@ class HoldStore:
             holds = _parse(data)
         except Refused as e:
             return Loaded(refused=str(e))
-        kept = tuple(h for h in holds if h.source not in NOT_KEPT)
-        self._last = [_as_json(h) for h in kept]
-        return Loaded(kept)
+        return Loaded(tuple(h for h in holds if h.source not in NOT_KEPT))
 
     def save(self, holds: Iterable[Hold]) -> bool:
         """Write ``holds`` (those worth keeping) if they differ from the last written; True if the file is current.
 
+        The first write always happens (it claims the file for this process).
+        After another process claimed it later (a reload's new process, which
+        has the holds now), nothing more is written: a lease that runs out in
+        this process's old copy must not erase the new process's renewal.
         Never raises: a failure is logged (once until a write succeeds again),
         the proxy goes on, and the next change tries again.
         """
+        if self.superseded:
+            return False
         kept = [_as_json(h) for h in holds if h.source not in NOT_KEPT]
-        if kept == self._last:
-            return True
-        document = {"format": PERSISTED_FORMAT, "version": VERSION, "written_at": self._clock.seconds(), "holds": kept}
+        if self.claimed_at is not None:
+            if self._claimed_later():
+                return False
+            if kept == self._last:
+                return True
+        claimed_at = self.claimed_at if self.claimed_at is not None else self._clock.seconds()
+        document = {
+            "format": PERSISTED_FORMAT, "version": VERSION, "written_at": self._clock.seconds(),
+            "pid": self.pid, "claimed_at": claimed_at, "holds": kept,
+        }
         try:
             _write_atomically(self.path, json.dumps(document, indent=1).encode() + b"\n")
         except OSError as e:
@@ -152,7 +177,28 @@ class HoldStore:
         if self._failing:
             self._failing = False
             log.info("holds file {path}: written again", path=str(self.path))
+        self.claimed_at = claimed_at
         self._last = kept
+        return True
+
+    def _claimed_later(self) -> bool:
+        """True (and logged, once) when another process claimed the file after this one did."""
+        try:
+            with open(self.path, "rb") as f:
+                document = json.loads(f.read(MAX_BYTES))
+            pid, claimed_at = document.get("pid"), document.get("claimed_at")
+        except (OSError, ValueError, AttributeError):
+            return False  # gone or unreadable: this process writes it again
+        if pid == self.pid or not isinstance(claimed_at, (int, float)) or self.claimed_at is None:
+            return False
+        if claimed_at <= self.claimed_at:
+            return False
+        self.superseded = True
+        log.info(
+            "holds file {path}: written by pid {pid} now (a reload's new process, or another proxy given the same "
+            "file); this process writes it no more",
+            path=str(self.path), pid=pid,
+        )
         return True
 
     def set_aside(self) -> Path | None:
@@ -178,7 +224,8 @@ def keep_holds(state: YieldState, store: HoldStore, restart_hold_seconds: float)
         restored = state.restore(loaded.holds)
         if restored:
             log.info("holds file {path}: {count} hold(s) restored", path=str(store.path), count=len(restored))
-        # The file now says what is held (leases run out meanwhile, outage holds of an older file are gone).
+        # The file now says what is held (leases run out meanwhile, outage holds of an older file are gone),
+        # and that this process writes it.
         store.save(state.holds)
         return
     aside = store.set_aside()
