@@ -162,3 +162,12 @@ def test_read_only_token_needs_an_admin_token_of_its_own(tmp_path):
 def test_edge_keys_are_checked(table, fragment):
     with pytest.raises(ConfigError, match=fragment):
         from_dict(table)
+
+
+def test_the_config_knows_which_keys_were_set_and_compares_by_values_only():
+    config = from_dict({"parking": {"max_parked": 10000}, "proxy": {"listen": "tcp:1"}})
+    assert config.explicit == {"parking.max_parked", "proxy.listen"}
+    overridden = config.with_overrides(**{"proxy.upstream": "http://127.0.0.1:9"})
+    assert overridden.explicit == {"parking.max_parked", "proxy.listen", "proxy.upstream"}
+    assert from_dict({"parking": {"max_parked": 10000}}) == Config()  # the same values: the same config
+    assert Config().sized(**{"parking.max_parked": 5}).explicit == frozenset()

@@ -67,6 +67,8 @@ def config_keys() -> list[tuple[str, type, str]]:
     defaults = Config()
     keys = []
     for field in attrs.fields(Config):
+        if field.metadata.get("section", True) is False:
+            continue  # bookkeeping (Config.explicit), no key of the file
         cls = _element_type(hints[field.name])
         assert cls is not None, f"Config.{field.name}: no attrs class found in {hints[field.name]!r}"
         value = getattr(defaults, field.name)

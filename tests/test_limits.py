@@ -7,10 +7,10 @@ import resource
 from pathlib import Path
 
 import pytest_twisted
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 
 from helpers import config_with
-from yieldproxy.config import Config, proxy_max_connections
+from yieldproxy.config import Config, from_dict, proxy_max_connections
 from yieldproxy.limits import RESERVE, fd_budget, fit_fd_limit
 
 NOFILE = resource.RLIMIT_NOFILE
@@ -62,18 +62,43 @@ def test_the_soft_limit_is_raised_as_far_as_needed_and_the_cap_kept():
     assert fd_budget(Config(), roomy.getrlimit, roomy.setrlimit).warnings == () and roomy.calls == []
 
 
-def test_a_hard_limit_too_low_lowers_the_cap_and_says_so():
-    limits = Limits(1024, 4096)
+def test_a_hard_limit_too_low_for_the_defaults_sizes_them_to_it_without_a_warning():
+    """Every default start on a machine whose hard limit is 20,000 logged two warnings."""
+    limits = Limits(1024, 20000)
     budget = fd_budget(Config(), limits.getrlimit, limits.setrlimit)
-    assert limits.soft == 4096
+    assert limits.soft == 20000 and budget.warnings == ()
     others = 64 + 64 + RESERVE
-    assert budget.max_connections == (4096 - others) // 2
+    assert budget.max_connections == (20000 - others) // 2
     # What fits: every client connection with its upstream connection, and the rest.
-    assert 2 * budget.max_connections + others <= 4096
+    assert 2 * budget.max_connections + others <= 20000
+    # The parked queue can fill: room is kept for requests in flight and passthrough calls.
+    assert budget.max_parked == budget.max_connections - 1024
+    assert f"at most {budget.max_connections} client connections" in budget.sized
+    assert f"{budget.max_parked} parked requests (not 10000)" in budget.sized
+    # A tiny limit keeps half of what fits for parked requests.
+    tiny = Limits(1024, 1024)
+    small = fd_budget(Config(), tiny.getrlimit, tiny.setrlimit)
+    assert small.warnings == () and small.max_parked == small.max_connections - small.max_connections // 2 >= 1
+
+
+def test_explicit_settings_the_hard_limit_cannot_meet_are_warned_about():
+    limits = Limits(1024, 4096)
+    budget = fd_budget(from_dict({"parking": {"max_parked": 10000}}), limits.getrlimit, limits.setrlimit)
+    others = 64 + 64 + RESERVE
+    assert budget.max_connections == (4096 - others) // 2 and budget.max_parked == 10000
     first, second = budget.warnings
-    assert "open-file limit is 4096" in first and "LimitNOFILE=" in first
+    assert "open-file limit is 4096" in first and "LimitNOFILE=" in first and "lower parking.max_parked" in first
     assert f"taking at most {budget.max_connections} client connections" in first
-    assert "parking.max_parked (10000)" in second
+    assert "parking.max_parked (10000)" in second and "can never fill" in second
+    # An explicit connection cap: its own warning; the default parked ceiling follows it quietly.
+    limits = Limits(1024, 4096)
+    budget = fd_budget(from_dict({"proxy": {"max_connections": 5000}}), limits.getrlimit, limits.setrlimit)
+    [warning] = budget.warnings
+    assert "lower proxy.max_connections" in warning and budget.max_parked < budget.max_connections
+    # A cap the operator set below the default parked ceiling: the ceiling follows it, no warning.
+    roomy = Limits(1024, 10**6)
+    budget = fd_budget(from_dict({"proxy": {"max_connections": 2000}}), roomy.getrlimit, roomy.setrlimit)
+    assert budget.warnings == () and budget.max_connections == 2000 and budget.max_parked == 1000
 
 
 def test_a_refused_setrlimit_is_a_warning_not_a_crash():
@@ -98,6 +123,21 @@ def test_fit_fd_limit_logs_and_returns_the_cap_that_fits():
     assert unchanged == Config()
     assert any(line.startswith("open-file limit raised from 1024 to 2048") for line in lines)
     assert any("below the" in line and "proxy.max_connections" in line for line in lines)
+
+
+def test_a_default_start_on_a_machine_with_a_hard_limit_of_20000_logs_no_warning():
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        limits = Limits(1024, 20000)
+        config = fit_fd_limit(Config(), limits.getrlimit, limits.setrlimit)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn] == []
+    [sized] = [formatEvent(e) for e in events if "sized to it" in formatEvent(e)]
+    assert "open-file limit is 20000" in sized and "LimitNOFILE=" in sized
+    assert config.parking.max_parked < config.proxy.max_connections <= (20000 - 64 - 64 - RESERVE) // 2
+    assert config.explicit == frozenset()  # still the defaults: a reload sizes them again
 
 
 def test_the_systemd_unit_gives_the_default_config_enough_descriptors():

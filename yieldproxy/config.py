@@ -456,6 +456,10 @@ class Config:
     upstreams: tuple[MemberConfig, ...] = ()
     #: What is kept across restarts (the holds file).
     state: StateConfig = attrs.Factory(StateConfig)
+    #: The ``section.key`` names the file or the command line set (not compared: the same values are
+    #: the same config).  Defaults sized to the machine (limits.py) give way only where the operator
+    #: set nothing; a setting given that cannot be met is warned about.
+    explicit: frozenset[str] = attrs.field(default=frozenset(), eq=False, repr=False, metadata={"section": False})
 
     def with_overrides(self, **dotted: Any) -> "Config":
         """A copy with ``section.key`` values replaced (command-line options)."""
@@ -466,7 +470,12 @@ class Config:
             section, key = dotted_key.split(".")
             sections.setdefault(section, {})[key] = value
         changes = {name: attrs.evolve(getattr(self, name), **keys) for name, keys in sections.items()}
-        return attrs.evolve(self, **changes)
+        given = {f"{name}.{key}" for name, keys in sections.items() for key in keys}
+        return attrs.evolve(self, **changes, explicit=self.explicit | given)
+
+    def sized(self, **dotted: Any) -> "Config":
+        """A copy with ``section.key`` defaults replaced by values sized to the machine (not made explicit)."""
+        return attrs.evolve(self.with_overrides(**dotted), explicit=self.explicit)
 
 
 _SECTIONS = {
@@ -546,7 +555,11 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>") -> Config:
                 "proxy.upstream and [[upstreams]] are both set: proxy.upstream is the one-upstream form; "
                 "with [[upstreams]], give each upstream its url there and remove proxy.upstream"
             )
-        config = Config(**sections)
+        explicit = frozenset(
+            f"{name}.{key}" for name, table in data.items() if name in _SECTIONS and isinstance(table, dict)
+            for key in table
+        )
+        config = Config(**sections, explicit=explicit)
         _check_combinations(config)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

@@ -7,7 +7,14 @@ once it is used up, ``accept`` fails, Twisted resets new clients, and the
 admin API cannot be reached either.  So at start :func:`fit_fd_limit` raises
 the soft limit as far as the config needs (never past the hard limit), and
 when even the hard limit is too low it lowers the proxy's connection cap to
-what fits and says so, instead of failing later under load.
+what fits, instead of failing later under load.
+
+The defaults fit the machine: where the operator set neither
+``proxy.max_connections`` nor ``parking.max_parked``, a limit too low for
+10,000 parked requests sizes both to it, in one info line (a machine whose
+hard limit is 20,000 is no mistake).  A warning is for what the operator
+asked for and cannot have: an explicit ``proxy.max_connections`` or
+``parking.max_parked`` (or a class's ``max_parked``) the limit cannot meet.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Callable
 import attrs
 from twisted.logger import Logger
 
-from .config import Config, proxy_max_connections
+from .config import CONNECTION_HEADROOM, Config, proxy_max_connections
 from .httpserver import MAX_REFUSING
 
 log = Logger()
@@ -42,6 +49,10 @@ class FdBudget:
     #: The proxy listener's connection cap that fits (the configured one when it does).
     max_connections: int
     warnings: tuple[str, ...] = ()
+    #: ``parking.max_parked``: the configured one, or the default sized to the connections that fit.
+    max_parked: int = 0
+    #: What was sized to the limit, where the operator had set nothing (an info line, no warning).
+    sized: str = ""
 
     @property
     def lowered(self) -> bool:
@@ -80,22 +91,41 @@ def fd_budget(
                 soft = target
             except (ValueError, OSError) as e:
                 warnings.append(f"could not raise the open-file limit from {soft} to {target}: {e}")
+    explicit = config.explicit
+    # The connection cap is the operator's when proxy.max_connections is set, or follows from
+    # parking.max_parked when that is; with neither set, both are defaults sized here.
+    asked = bool(config.proxy.max_connections) or "parking.max_parked" in explicit
+    parked_asked = "parking.max_parked" in explicit
+    parked = config.parking.max_parked
+    sized = ""
     if soft != infinite and soft < need:
         fitted = max(MIN_CONNECTIONS, (soft - others) // 2)
-        warnings.append(
-            f"the open-file limit is {soft} (hard limit {_text(hard)}), below the {need} this config needs "
-            f"({cap} client connections, each with its upstream connection, + {others} for the admin "
-            f"listener, the upstream pool and the process); taking at most {fitted} client connections "
-            f"instead of {cap}. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n) or lower "
-            "proxy.max_connections"
-        )
+        if asked:
+            key = "proxy.max_connections" if config.proxy.max_connections else "parking.max_parked"
+            warnings.append(
+                f"the open-file limit is {soft} (hard limit {_text(hard)}), below the {need} this config needs "
+                f"({cap} client connections, each with its upstream connection, + {others} for the admin "
+                f"listener, the upstream pool and the process); taking at most {fitted} client connections "
+                f"instead of {cap}. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n) or lower "
+                f"{key}"
+            )
+        else:
+            sized = f"at most {fitted} client connections (not {cap})"
         cap = min(cap, fitted)
-    if cap < config.parking.max_parked:
+    if cap < parked and not parked_asked:
+        # The default parked ceiling, within the connections the limit allows (room kept for
+        # requests in flight and passthrough calls); never below a class's own explicit ceiling.
+        fitted_parked = max(1, cap - min(CONNECTION_HEADROOM, cap // 2))
+        floor = max((c.max_parked for c in config.classes.values()), default=0)
+        parked = max(fitted_parked, floor)
+        sized += f"{', ' if sized else ''}{parked} parked requests (not {config.parking.max_parked})"
+    if cap < parked:
+        key = "parking.max_parked" if parked_asked else "classes.*.max_parked"
         warnings.append(
-            f"at most {cap} client connections at once, fewer than parking.max_parked "
-            f"({config.parking.max_parked}): the parked queue can never fill"
+            f"at most {cap} client connections at once, fewer than {key} "
+            f"({parked}): the parked queue can never fill"
         )
-    return FdBudget(need, soft_before, soft, hard, cap, tuple(warnings))
+    return FdBudget(need, soft_before, soft, hard, cap, tuple(warnings), parked, sized)
 
 
 def fit_fd_limit(
@@ -110,8 +140,16 @@ def fit_fd_limit(
             "open-file limit raised from {before} to {after} (hard limit {hard})",
             before=budget.soft_before, after=budget.soft, hard=_text(budget.hard),
         )
+    if budget.sized:
+        log.info(
+            "the open-file limit is {soft} (hard limit {hard}): the defaults are sized to it, {sized}; "
+            "raise LimitNOFILE= (ulimit -n) for more, or set proxy.max_connections and parking.max_parked",
+            soft=_text(budget.soft), hard=_text(budget.hard), sized=budget.sized,
+        )
     for warning in budget.warnings:
         log.warn("{warning}", warning=warning)
     if budget.max_connections != proxy_max_connections(config):
-        config = config.with_overrides(**{"proxy.max_connections": budget.max_connections})
+        config = config.sized(**{"proxy.max_connections": budget.max_connections})
+    if budget.max_parked != config.parking.max_parked:
+        config = config.sized(**{"parking.max_parked": budget.max_parked})
     return config
