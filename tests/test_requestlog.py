@@ -330,3 +330,57 @@ def test_text_lines_are_twisteds_classic_lines_request_lines_included():
     text_file_observer(out)(events[0])
     assert out.getvalue() == formatEventAsClassicLogText(events[0])
     assert " [yieldproxy.requestlog#info] POST /api/embed batch 200 ok parked=1.500s" in out.getvalue()
+
+
+def test_in_a_pool_each_request_line_names_the_upstream_that_served_it():
+    """It named one only for a translated answer: which GPU served a request was not in the log."""
+    from treq.testing import StubTreq
+    from twisted.internet.task import Clock
+
+    from helpers import clock_cooperator, config_with, pool_config
+    from inmemory import MemoryUpstream
+    from yieldproxy.metrics import Metrics
+    from yieldproxy.proxy import ProxyApp
+    from yieldproxy.service import build_heart
+    from yieldproxy.sim import SimOllama
+
+    clock = Clock()
+    config = pool_config(
+        {"name": "desktop", "models": ("all-minilm",)}, {"name": "server", "models": ("all-minilm",)},
+        config=config_with(upstream={"detect_outages": False}),
+    )
+    wires = {name: MemoryUpstream(SimOllama(clock).resource(), clock) for name in ("desktop", "server")}
+    metrics = Metrics()
+    heart = build_heart(clock, config, metrics, clock_cooperator(clock), lambda spec: (wires[spec.name], None))
+    client = StubTreq(ProxyApp(clock, config, heart.gate, heart.pool, metrics).resource())
+
+    def call(method, path, **kwargs):
+        d = client.request(method, "http://127.0.0.1:11435" + path, **kwargs)
+        for _ in range(200):
+            client.flush()
+            moved = [wire.flush() for wire in wires.values()]
+            clock.advance(0)
+            if d.called and not any(moved):
+                break
+        return d
+
+    def lines():
+        return [e for e in events if e.get("log_namespace") == "yieldproxy.requestlog"]
+
+    embed = {"json": {"model": "all-minilm", "input": ["hello"]}}
+    with capturedLogs() as events:
+        assert call("POST", "/api/embed", **embed).result.code == 200
+        heart.state.hold("api", "game", scope="desktop")
+        assert call("POST", "/api/embed", **embed).result.code == 200
+        assert call("GET", "/api/version").result.code == 200
+        heart.state.hold("api", "game", scope="server")
+        parked = call("POST", "/api/embed", headers={"X-Yield-Max-Wait": "1"}, **embed)
+        clock.advance(1.5)
+        call("GET", "/api/tags")
+        refused = parked.result
+    first, second, version, waited, _tags = lines()
+    assert (first["upstream"], second["upstream"], version["upstream"]) == ("desktop", "server", "server")
+    assert formatEvent(second).endswith(" upstream=server") and "translated" not in second
+    # Refused before any attempt: no upstream served it.
+    assert refused.code == 503 and waited["outcome"] == "expired"
+    assert "upstream" not in waited and "upstream=" not in formatEvent(waited)

@@ -406,6 +406,8 @@ class ProxyApp:
                 handed.take(request, entry, body)
                 return None
             member = self._pool.member(entry.released_to)
+            if self._pool.several:
+                request.served_by = member.name  # the request log names it (requestlog.py)
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
@@ -674,6 +676,8 @@ class ProxyApp:
             if len(members) > 1:
                 return await self._union(request, target, api, members)
         member = self._pool.passthrough_member(method, target.path, model)
+        if self._pool.several:
+            request.served_by = member.name  # the request log names it (requestlog.py)
         attempt = Attempt(
             self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,

@@ -19,8 +19,12 @@ and the text observer (the default) renders the same event as::
 ``shutdown``, ``fallback``, or the reason a request was refused at once
 (``queue_full``, ``over_budget``, ``policy``, ``too_large``, ``bad_request``):
 the labels of ``yieldproxy_replay_total`` and ``yieldproxy_rejected_total``.
-An answer a pool member gave to an embedding route it serves only translated
-(docs/pool.md) adds ``"translated": "<member>"`` (text: ``translated=<member>``).
+In a pool of several upstreams, a request sent to one names it:
+``"upstream": "<member>"`` (text: ``upstream=<member>``), the member its last
+attempt went to (passthrough routes included; not a model list merged from
+several, nor a request refused before any attempt).  An answer a pool member
+gave to an embedding route it serves only translated (docs/pool.md) adds
+``"translated": "<member>"`` too (text: ``translated=<member>``).
 """
 
 from __future__ import annotations
@@ -98,7 +102,9 @@ def log_request(
     attempts = int(attempts)
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
-    # An answer a pool member gave in another dialect, translated (translated.py): rare, so only then.
+    # The pool member its last attempt went to (a pool of several), and whether it answered in another
+    # dialect, translated (translated.py): each only when it is so.
+    upstream = getattr(request, "served_by", None)
     translated = getattr(request, "translated_by", None)
     # The event Logger.emit would make, handed to its observer directly: emit
     # checks its level against LogLevel.iterconstants(), which sorts the levels
@@ -120,6 +126,7 @@ def log_request(
         "request_line": (
             f"{method} {path} {cls} {code} {outcome} parked={parked:.3f}s attempts={attempts} "
             f"{duration:.3f}s client={client}"
+            + (f" upstream={upstream}" if upstream else "")
             + (f" translated={translated}" if translated else "")
         ),
         "log_logger": logger,
@@ -129,6 +136,8 @@ def log_request(
         "log_format": _REQUEST_FORMAT,
         "log_time": time.time(),
     }
+    if upstream:
+        event["upstream"] = upstream
     if translated:
         event["translated"] = translated
     logger.observer(event)
