@@ -329,12 +329,12 @@ def test_a_standby_member_does_not_look_through_the_lot_while_the_always_ones_dr
 
 def test_the_twin_check_decides_at_each_choice_and_release():
     """The hook the twin verification plugs into: an embedding goes only where it says, re-asked each time."""
-    core = make_pool_core({"name": "ref"}, {"name": "twin"})
-    pool = core.gate.pool
     verified = {"twin": False}
-    pool.check_twins_with(
-        lambda member, entry: entry.kind != "embedding" or member.name == entry.eligible[0] or verified[member.name]
+    core = make_pool_core(
+        {"name": "ref"}, {"name": "twin"},
+        twin_ok=lambda member, entry: entry.kind != "embedding" or member.name == entry.eligible[0] or verified[member.name],
     )
+    pool = core.gate.pool
     core.state.hold("api", "game", scope="ref")
     chat, now = admit(core, "interactive", "/api/chat", "all-minilm")
     embed, waiting = admit(core)
@@ -365,14 +365,13 @@ def test_a_standby_member_takes_no_more_than_its_cap_arrivals_included():
 def test_a_long_line_a_member_may_not_take_is_asked_about_once_per_kind_of_request():
     """Parking kicks every drainer, and a drainer looks along its line: a thousand embeddings its twin
     check refuses cost it one question per kind of request (routing, failed member), not one each."""
-    core = make_pool_core({"name": "ref"}, {"name": "twin"})
     asked = []
 
     def only_the_reference_embeds(member, entry):
         asked.append(member.name)
         return entry.kind != "embedding" or member.name == "ref"
 
-    core.gate.pool.check_twins_with(only_the_reference_embeds)
+    core = make_pool_core({"name": "ref"}, {"name": "twin"}, twin_ok=only_the_reference_embeds)
     core.state.hold("api", "game", scope="ref")
     for _ in range(200):
         admit(core)
@@ -399,8 +398,10 @@ def test_parking_costs_the_same_with_a_long_line_a_member_may_not_take():
     """Issue 16 §5: parking stays O(1) per request in every case.  While the reference games, an
     unverified twin's line fills with embeddings it may not take; every park wakes its drainer,
     which must not look along that whole line (an index per kind of request says it at once)."""
-    core = make_pool_core({"name": "ref"}, {"name": "twin"}, config=config_with(parking={"max_parked": 30_000}))
-    core.gate.pool.check_twins_with(lambda member, entry: entry.kind != "embedding" or member.name == "ref")
+    core = make_pool_core(
+        {"name": "ref"}, {"name": "twin"}, config=config_with(parking={"max_parked": 30_000}),
+        twin_ok=lambda member, entry: entry.kind != "embedding" or member.name == "ref",
+    )
     core.state.hold("api", "game", scope="ref")
     for _ in range(500):
         admit(core)

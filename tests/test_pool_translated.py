@@ -21,7 +21,7 @@ from yieldproxy.control import Answer
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
 from yieldproxy.pool.twins import TwinVerifier
-from yieldproxy.service import build_core
+from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
 
 MODEL = "all-minilm"
@@ -138,12 +138,11 @@ def rig(*members, weights: dict | None = None) -> Rig:
         for m in members
     }
     metrics = Metrics()
-    state, lot, replayer, gate = build_core(
-        clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name])
+    heart = build_heart(
+        clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, state, lot, replayer, gate)
-    verifier = TwinVerifier(clock, gate.pool.members, config.verification, gate.pool.kick)
-    gate.pool.check_twins_with(verifier.twin_ok)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate)
+    verifier = heart.twins
     verifier.startService()
     r = Rig(core, verifier, controls)
     r.run()

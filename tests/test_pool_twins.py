@@ -22,7 +22,7 @@ from yieldproxy.control import Answer, ControlTimeout
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry, Refused
 from yieldproxy.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
-from yieldproxy.service import build_core
+from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
 
 MODEL = "all-minilm"
@@ -106,13 +106,11 @@ def rig(
         "b": FakeControl(clock, "b", weights=b_weights, hang=b_hangs),
     }
     metrics = Metrics()
-    state, lot, replayer, gate = build_core(
-        clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name])
+    heart = build_heart(
+        clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, state, lot, replayer, gate)
-    verifier = TwinVerifier(clock, gate.pool.members, config.verification, gate.pool.kick)
-    gate.pool.check_twins_with(verifier.twin_ok)
-    metrics.watch(verifier.metric_families)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate)
+    verifier = heart.twins
     if start:
         verifier.startService()
     return Rig(core, verifier, controls)

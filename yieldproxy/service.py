@@ -130,26 +130,32 @@ class Heart:
     gate: Gate
     #: The legacy ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
     fallback: Fallback | None = None
+    #: The twin verification of a pool of several upstreams (with ``twins``).
+    twins: TwinVerifier | None = None
 
 
 def build_core(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
+    twin_ok: Callable[[Any, Any], bool] | None = None,
 ) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
     """The yield state, the lot, the first member's drainer and the gate (:func:`build_heart`)."""
-    heart = build_heart(reactor, config, metrics, cooperator, clients)
+    heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok)
     return heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate
 
 
 def build_heart(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
-    fallback_backends: tuple[Any, Any] | None = None,
+    fallback_backends: tuple[Any, Any] | None = None, twins: bool = False,
+    twin_ok: Callable[[Any, Any], bool] | None = None,
 ) -> Heart:
     """The yield state, the lot, the pool and the gate: the clock-driven heart, made and wired.
 
     ``clients(spec)`` gives each member its request and control clients
     (None: clock-only, none).  With an enabled ``[fallback]``,
     ``fallback_backends`` are its verification's two sides (the primary's
-    and the fallback's :class:`~yieldproxy.fallback.EmbedBackend`).
+    and the fallback's :class:`~yieldproxy.fallback.EmbedBackend`).  With
+    ``twins``, a pool of several upstreams gets its twin verification (not
+    started); ``twin_ok`` replaces the twin check (tests).
     """
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
@@ -180,7 +186,16 @@ def build_heart(
     # The members and their drainers, then the pool they form (its routing decides, when asked,
     # what each drainer takes).
     members = make_members(reactor, state, lot, metrics, cooperator, config, specs, clients, lambda: pool)
-    pool = Pool(reactor, state, lot, members, twin_ok=fallback.twin_ok if fallback is not None else any_member)
+    verifier = None
+    if twins and sum(not m.spec.fallback for m in members) > 1:
+        # Embeddings go to a model's reference or its verified twins.
+        verifier = TwinVerifier(reactor, members, config.verification, lambda: pool.kick())
+        for member in members:
+            member.catalogue.when_changed(verifier.lists_changed)
+        metrics.watch(verifier.metric_families)
+    if twin_ok is None:
+        twin_ok = fallback.twin_ok if fallback is not None else verifier.twin_ok if verifier is not None else any_member
+    pool = Pool(reactor, state, lot, members, twin_ok=twin_ok)
     gate = Gate(
         reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
         on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
@@ -202,7 +217,7 @@ def build_heart(
     metrics.inflight_requests.set_function(lambda: pool.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
     state.on_transition(transition_logger(gate.describe))
-    return Heart(state, lot, pool, gate, fallback)
+    return Heart(state, lot, pool, gate, fallback, verifier)
 
 
 def build(
@@ -251,8 +266,8 @@ def build(
         )
 
     # The clock-driven heart, and what it reports.
-    heart = build_heart(reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends)
-    state, lot, pool, gate, fallback = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback
+    heart = build_heart(reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends, twins=True)
+    state, lot, pool, gate, fallback, twins = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback, heart.twins
     replayer = pool.members[0].drainer
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
@@ -267,13 +282,6 @@ def build(
     # The upstreams: each member's client for requests, its control calls, what is known of its health.
     upstream, health = pool.members[0].upstream, pool.members[0].health
     client_pools: list[Any] = [m.upstream for m in pool.members]
-
-    # Embeddings go to a model's reference or its verified twins (a pool of one has no twins).
-    twins = None
-    if not _alone(pool):
-        twins = TwinVerifier(reactor, pool.members, config.verification, pool.kick)
-        pool.check_twins_with(twins.twin_ok)
-        metrics.watch(twins.metric_families)
 
     # What takes holds by itself, and what acts on them.
     watchers = tuple(_watchers(reactor, config, state, metrics, pool))

@@ -43,10 +43,10 @@ eligible one first, when one is available.
 Embedding requests go only to a model's reference or a verified twin
 (issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
 release since a verification can go stale; the twin verification
-(:mod:`.twins`) gives it with :meth:`Pool.check_twins_with` once it is made
-(it needs the members' clients, so it comes after the pool, in
-``service.build``).  Without it (a pool of one, clock-only pools) every
-eligible member serves.
+(:mod:`.twins`, made from the members before the pool, in
+``service.build_heart``) gives it.  Without it (a pool of one, clock-only
+pools) every eligible member serves; the legacy fallback's verification is
+the check for its member.
 """
 
 from __future__ import annotations
@@ -222,16 +222,6 @@ class Pool:
             chosen = {m.name for m in (*members, *others)}
             return tuple(m.name for m in self.members if m.name in chosen), tuple(m.name for m in others)
         return tuple(m.name for m in members), ()
-
-    def check_twins_with(self, twin_ok: Callable[[Member, Entry], bool]) -> None:
-        """From now on, ``twin_ok(member, entry)`` says whether ``member`` may serve ``entry`` (see above).
-
-        ``entry.kind``, ``entry.model`` and ``entry.eligible`` (in config
-        order: its first member serving the model is the reference) are
-        what it needs; the drainers look again at once.
-        """
-        self.twin_ok = twin_ok
-        self.kick()
 
     def usable(self, member: Member, entry: Entry) -> bool:
         """Available now, and (for an embedding) the model's reference or a verified twin."""

@@ -131,8 +131,6 @@ class TwinVerifier(Service):
 
     def __attrs_post_init__(self) -> None:
         self._by_name = {m.name: m for m in self._members}
-        for member in self._members:
-            member.catalogue.when_changed(self._lists_changed)
         for model in self._config.models:
             self._models.setdefault(self._key(model), model)
         for member in self._members:
@@ -224,7 +222,7 @@ class TwinVerifier(Service):
             self._due_at.pop(pair, None)
         return True
 
-    def _lists_changed(self) -> None:
+    def lists_changed(self) -> None:
         """A member's model list changed: references and twins may have moved."""
         self._references.clear()
         self._untwinned.clear()
