@@ -157,6 +157,8 @@ async def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is
         assert outage_sources(stack) == 0
         assert counter_total(stack, "yieldproxy_upstream_failures") == 5
         assert counter_total(stack, "yieldproxy_retries") == 0
+        # Relayed to its sender, the attempt is an answer like any other (no failing-upstream alert).
+        assert counter_by(stack, "yieldproxy_upstream_attempts", "outcome") == {"ok": 25.0}
         assert counter_by(stack, "yieldproxy_requests", "code") == {"500": 5.0, "200": 20.0}
     finally:
         await stack.stop()

@@ -458,9 +458,11 @@ class ProxyApp:
                 # whether or not the client has read the whole answer yet.
                 elapsed = self._clock.seconds() - began
                 self._gate.finished(failed=failed, seconds=elapsed, member=entry.released_to)
-                self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
                 self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
-                self._on_attempt(member, entry, outcome)
+                # A 5xx that may yet be the caller's is counted once judged (below): ``ok`` when relayed.
+                judged_later = failure is not None and failure.reason in RELAYED_UNLESS_HELD and not member.spec.fallback
+                if not judged_later:
+                    self._attempt_ended(member, entry, outcome)
             if failure is not None and member.spec.fallback:
                 # The fallback's errors are never shown: back to its place in the lot, not counted
                 # against the request, and not given to the fallback again (pool/routing.py).
@@ -468,9 +470,15 @@ class ProxyApp:
                 entry.forgiven += 1
                 continue
             if failure is not None:
-                answered = await self._after_failure(
-                    request, target, entry, body, failure, max_attempts, member, busy_on, extra
-                )
+                ended = "abandoned"
+                try:
+                    answered = await self._after_failure(
+                        request, target, entry, body, failure, max_attempts, member, busy_on, extra
+                    )
+                    ended = failure.reason if answered is _RETRY else "ok"
+                finally:
+                    if judged_later:
+                        self._attempt_ended(member, entry, ended)
                 if answered is not _RETRY:
                     return answered
                 continue
@@ -488,6 +496,11 @@ class ProxyApp:
             self._outcome(entry, served)
             self._log(request, entry.cls, status, served, entry, entry.tries + 1)
             return None
+
+    def _attempt_ended(self, member: Member, entry: Entry, outcome: str) -> None:
+        """Count an attempt by how it ended (``yieldproxy_upstream_attempts_total``) and tell who listens."""
+        self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
+        self._on_attempt(member, entry, outcome)
 
     def _failed_call(self, target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
         """What failed on ``member``, for its outage probe: a translated attempt ran its own embedding route."""
