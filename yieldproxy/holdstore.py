@@ -155,10 +155,10 @@ class HoldStore:
             return False
         kept = [_as_json(h) for h in holds if h.source not in NOT_KEPT]
         if self.claimed_at is not None:
-            if self._claimed_later():
-                return False
             if kept == self._last:
                 return True
+            if self._claimed_later():
+                return False
         claimed_at = self.claimed_at if self.claimed_at is not None else self._clock.seconds()
         document = {
             "format": PERSISTED_FORMAT, "version": VERSION, "written_at": self._clock.seconds(),
