@@ -1011,7 +1011,7 @@ class ProxySite(Site):
         """A channel, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""
         connections = self.connections
         if connections is not None and (
-            (connections.full() and not connections.reclaim_idle()) or connections.peer_full(addr)
+            connections.peer_full(addr) or (connections.full() and not connections.reclaim_idle())
         ):
             # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
             promote = self._channel if connections.quick_seconds else None
