@@ -107,7 +107,7 @@ def one_round(parked: int) -> dict:
             "--listen", f"tcp:{proxy_port}:interface=127.0.0.1:backlog=1024",
             "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
         ])
-        proxy.wait_line(r"ProxySite starting on %d" % proxy_port, timeout=60)
+        proxy.wait_line(r"proxy listening on 127\.0\.0\.1:%d" % proxy_port, timeout=60)
         first = pid_of(admin_port)
         admin_call(admin_port, "POST", "/yield", {"reason": "bench", "source": "bench"})
         body = b'{"model":"all-minilm","input":"hello world"}'

@@ -38,9 +38,14 @@ def let_go(transport) -> None:
     """
     transport.stopReading()
     transport.stopWriting()
-    sock = transport.socket
-    os.close(sock.detach())
-    transport.connectionLost(Failure(GoneToSuccessor("handed over to the new process")))
+    fd = transport.socket.detach()
+    # Still open, so its number is no other socket's: the reactor, asked again by connectionLost, finds
+    # it registered nowhere at once (with -1, epoll looks through every descriptor it watches).
+    transport.fileno = lambda: fd
+    try:
+        transport.connectionLost(Failure(GoneToSuccessor("handed over to the new process")))
+    finally:
+        os.close(fd)
 
 
 def let_go_port(port) -> None:
