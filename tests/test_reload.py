@@ -79,7 +79,7 @@ def end(pid: int) -> None:
 class Proxy:
     """A twistd yieldproxy and its successors, with the config file and the "installed" package they run."""
 
-    def __init__(self, tmp_path, sim_port: int, config: str = ""):
+    def __init__(self, tmp_path, sim_port: int | None, config: str = ""):
         self.site = tmp_path / "site"
         shutil.copytree(os.path.join(CHECKOUT, "yieldproxy"), self.site / "yieldproxy",
                         ignore=shutil.ignore_patterns("__pycache__"))
@@ -97,7 +97,7 @@ class Proxy:
         process = reactor.spawnProcess(
             self.child, TWISTD,
             [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(self.config),
-             "--upstream", f"http://127.0.0.1:{self.sim_port}",
+             *(["--upstream", f"http://127.0.0.1:{self.sim_port}"] if self.sim_port is not None else []),
              "--listen", f"tcp:{self.proxy_port}:interface=127.0.0.1",
              "--admin", f"tcp:{self.admin_port}:interface=127.0.0.1"],
             env=env,
@@ -388,3 +388,53 @@ async def test_a_refused_config_or_a_new_process_that_cannot_start_keeps_the_run
     finally:
         proxy.stop()
         await sim.stop()
+
+
+def chat(proxy: Proxy, text: str) -> Deferred:
+    """One non-streaming chat on a connection of its own; fires with (text, code, body)."""
+    body = {"model": "llama3.2", "messages": [{"role": "user", "content": text}], "stream": False}
+    d = treq.post(proxy.url + "/api/chat", json=body, persistent=False)
+
+    async def read(response):
+        return text, response.code, await response.content()
+
+    return d.addCallback(lambda r: Deferred.fromCoroutine(read(r)))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_parked_for_an_upstream_the_reload_removes_goes_to_another(tmp_path):
+    """Chats parked while their only upstream (a) is yielded; the new config removes a and lets b take chat:
+    after the reload b answers every one (a hold of an upstream that is gone goes with it)."""
+    a = SimOllama(reactor, latency=0.0, parallel=4)
+    b = SimOllama(reactor, latency=0.0, parallel=4)
+    port_a, port_b = await a.listen(), await b.listen()
+    upstream_a = f'[[upstreams]]\nname = "a"\nurl = "http://127.0.0.1:{port_a}"\n\n'
+    upstream_b = f'[[upstreams]]\nname = "b"\nurl = "http://127.0.0.1:{port_b}"\n'
+    proxy = Proxy(tmp_path, None, upstream_a + upstream_b + 'classes = ["batch"]\n')
+    try:
+        await proxy.start()
+        code, _ = await proxy.post("/yield", {"source": "game", "upstream": "a"})
+        assert code == 200
+        texts = [f"question {i}" for i in range(5)]
+        pending = [chat(proxy, text) for text in texts]
+        for _ in range(200):
+            if (await proxy.status())["parked_total"] == 5:
+                break
+            await sleep(reactor, 0.05)
+        assert (await proxy.status())["parked_total"] == 5
+
+        proxy.config.write_text(upstream_b)
+        outcome = await proxy.reload()
+        assert outcome["parked_handed_over"] == 5
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        for ok, (text, code, body) in results:
+            assert ok and code == 200, (text, code, body[:300])
+            prompt = messages_prompt([{"role": "user", "content": text}])
+            assert json.loads(body)["message"]["content"] == "".join(expected_reply(prompt, "llama3.2"))
+        assert a.requests_total["/api/chat"] == 0 and b.requests_total["/api/chat"] == 5
+        status = await proxy.status()
+        assert status["holds"] == [] and [u["name"] for u in status["upstreams"]] == ["b"]
+    finally:
+        proxy.stop()
+        await a.stop()
+        await b.stop()

@@ -89,3 +89,29 @@ def test_reload_needs_the_admin_token_and_json_and_a_proxy_started_by_twistd():
     assert rig.call("POST", rig.admin_url + "/reload", data=b"x", headers=headers).code == 415
     answer = rig.call("POST", rig.admin_url + "/reload", json={}, headers=headers)
     assert answer.code == 501 and "not started by twistd" in answer.json()["error"]
+
+
+def test_the_new_process_takes_the_holds_as_they_were_and_drops_those_the_old_one_ended():
+    """``restore`` (the ``state`` frame): a carried hold keeps its start and lease end; a caller's hold the
+    holds file still had but the old process ended meanwhile ends; a watcher's own hold is left to its watcher."""
+    from yieldproxy.succession import Setup, Succession
+
+    rig = Rig(config_with())
+    clock, state = rig.clock, rig.proxy.state
+    clock.advance(1000)
+    state.hold("ended-meanwhile", "read from the holds file")
+    state.hold("file", "the state file says so")
+    succession = Succession(
+        clock, Setup(("twistd",), {}, lambda: None), {}, {}, rig.proxy.proxy_app, rig.proxy.lot, rig.proxy.pool,
+        state,
+    )
+    succession.restore({"holds": [
+        {"source": "broker", "reason": "game", "since": 900.0, "expires_at": 1100.0, "expected_end": None,
+         "scope": "*"},
+        {"source": "gone", "reason": "", "since": 950.0, "expires_at": None, "expected_end": None, "scope": "x"},
+    ], "twins": []})
+    holds = {h.source: h for h in state.holds}
+    assert set(holds) == {"broker", "file"}
+    assert (holds["broker"].since, holds["broker"].expires_at) == (900.0, 1100.0)
+    clock.advance(100)  # its lease runs out when it would have in the old process
+    assert {h.source for h in state.holds} == {"file"}
