@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 
@@ -91,9 +93,11 @@ class Proxy:
         self.sim_port = sim_port
         self.pids: list[int] = []
         self.child = Child()
+        #: More environment for the first process (its successors inherit it).
+        self.env: dict[str, str] = {}
 
     async def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1", **self.env}
         process = reactor.spawnProcess(
             self.child, TWISTD,
             [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(self.config),
@@ -438,3 +442,60 @@ async def test_a_request_parked_for_an_upstream_the_reload_removes_goes_to_anoth
         proxy.stop()
         await a.stop()
         await b.stop()
+
+
+class NotifySocket:
+    """A fake systemd notify socket: every datagram with the pid that sent it (SCM_CREDENTIALS)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.setblocking(False)
+        self.received: list[tuple[int, list[str]]] = []
+
+    def read(self) -> list[tuple[int, list[str]]]:
+        while True:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except BlockingIOError:
+                return self.received
+            pid = next(
+                (struct.unpack("iII", d[:12])[0] for level, kind, d in ancillary
+                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), -1,
+            )
+            self.received.append((pid, data.decode().split("\n")))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_under_systemd_the_reload_says_reloading_then_names_the_new_main_process(tmp_path):
+    """``RELOADING=1`` with ``MONOTONIC_USEC=`` as it starts, then ``MAINPID=<new>`` with ``READY=1`` from the old
+    process once the new one serves; the new one says no ``READY=1`` of its own, the old one nothing after."""
+    sim = SimOllama(reactor, latency=0.0)
+    notify = NotifySocket(tmp_path / "notify")
+    proxy = Proxy(tmp_path, await sim.listen())
+    proxy.env = {"NOTIFY_SOCKET": notify.path}
+    try:
+        await proxy.start()
+        old = proxy.pid
+        await wait_for(reactor, lambda: any("READY=1" in lines for _, lines in notify.read()), timeout=10)
+        outcome = await proxy.reload()
+        await proxy.old_gone(old)
+        await sleep(reactor, 0.5)
+        said = notify.read()
+        from_old = [lines for pid, lines in said if pid == old]
+        from_new = [lines for pid, lines in said if pid == outcome["pid"]]
+        assert from_old[0][0] == "READY=1"
+        reloading = from_old[1]
+        assert reloading[0] == "RELOADING=1" and reloading[1].startswith("MONOTONIC_USEC=")
+        assert from_old[2][:2] == [f"MAINPID={outcome['pid']}", "READY=1"]
+        assert len(from_old) == 3, from_old  # nothing after: no STOPPING=1, no watchdog of the old pid
+        assert not any("READY=1" in lines for lines in from_new), from_new
+    finally:
+        proxy.stop()
+        notify.close()
+        await sim.stop()
