@@ -9,7 +9,6 @@ into a :class:`CliError` that says why, with the exit status that goes with it.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
@@ -20,8 +19,8 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, Respon
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
+from .client import AdminError, read_answer
 from .tcp import set_no_delay
-from .text import printable
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -196,24 +195,13 @@ class AdminClient:
         return response.code, await response.content()
 
     def _decode(self, code: int, raw: bytes) -> dict:
+        """The answer as :func:`yieldproxy.client.read_answer` reads it (the broker library's), with the CLI's hints."""
         try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            payload = None
-        if code == 200 and isinstance(payload, dict) and ("state" in payload or "reloaded" in payload):
-            return payload
-        where = self.target.describe()
-        if isinstance(payload, dict) and isinstance(payload.get("error"), str):
-            message = f"the admin API at {where} answered {code}: {printable(payload['error'])}"
-            if code == 401:
-                message += (
-                    "\n(the token given was refused)" if self._token is not None
-                    else "\n(no token was given: use --token-file FILE, YIELDPROXY_TOKEN or YIELDPROXY_TOKEN_FILE)"
-                )
-            raise CliError(message, EXIT_ERROR)
-        snippet = printable(raw[:200].decode("utf-8", "replace").strip()) or "(empty)"
-        raise CliError(
-            f"{where} answered {code} with something that is not the admin API: {snippet}\n"
-            "Is --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?",
-            EXIT_ERROR,
-        )
+            return read_answer(code, raw, self.target.describe(), self._token is not None, keys=("state", "reloaded"))
+        except AdminError as e:
+            message = e.message
+            if e.server_message is None:
+                message += "\nIs --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?"
+            elif e.status == 401 and self._token is None:
+                message += "\n(use --token-file FILE, YIELDPROXY_TOKEN or YIELDPROXY_TOKEN_FILE)"
+            raise CliError(message, EXIT_ERROR) from None

@@ -1,0 +1,212 @@
+"""The broker library (yieldproxy/client.py) against real proxies on 127.0.0.1.
+
+The clients are blocking (urllib) or run their own asyncio loop, so each runs
+in a worker thread while the reactor serves: a proxy of this checkout built
+in-process by ``service.build`` (helpers.start_stack), and, for the lease,
+a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 2 s
+lease held for 5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from helpers import free_port, in_thread, start_stack
+from yieldproxy.client import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
+
+TOKEN = "broker-test-token-0123456789"
+LEASE = 2.0
+HELD = 5.0
+
+
+def holds_of(admin: Admin) -> list[tuple[str, str | None]]:
+    return [(h["source"], h.get("upstream")) for h in admin.status()["holds"]]
+
+
+def hold_for_a_while(admin: Admin) -> dict:
+    """Hold with a 2 s lease for 5 s; what the proxy said during and after."""
+    seen: dict = {}
+    with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
+        seen["taken"] = holds_of(admin)
+        time.sleep(HELD)
+        status = admin.status()
+        seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
+        seen["state"] = status["state"]
+        seen["renewals"], seen["error"], seen["lost"] = hold.renewals, hold.error, hold.lost
+    seen["after"] = holds_of(admin)
+    seen["state_after"] = admin.status()["state"]
+    return seen
+
+
+def check_held(seen: dict) -> None:
+    assert seen["taken"] == [("broker", None)]
+    # 5 s into a 2 s lease, still held, its lease renewed within the last third or so.
+    [(source, left)] = seen["late"]
+    assert source == "broker" and 0 < left <= LEASE, seen
+    assert seen["state"] == "yielded"
+    assert seen["renewals"] >= 6 and seen["error"] is None and not seen["lost"], seen
+    assert seen["after"] == [] and seen["state_after"] != "yielded", seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_short_lease_held_longer_stays_held_and_ends_on_exit():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        seen = await in_thread(reactor, hold_for_a_while, Admin(stack.admin_url, token=TOKEN), timeout=30)
+        check_held(seen)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_twistd_process_keeps_the_hold_and_the_exception_resumes():
+    from test_twistd import start_service
+    from yieldproxy.sim import SimOllama
+
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, _, admin_url = await start_service(sim_port)
+    try:
+        admin = Admin(admin_url)
+        check_held(await in_thread(reactor, hold_for_a_while, admin, timeout=30))
+
+        def fail_inside() -> list:
+            with pytest.raises(RuntimeError, match="the game crashed"):
+                with admin.hold("broker", "a game", lease_seconds=LEASE, upstream=None):
+                    assert holds_of(admin) == [("broker", None)]
+                    raise RuntimeError("the game crashed")
+            return holds_of(admin)
+
+        assert await in_thread(reactor, fail_inside, timeout=30) == []
+    finally:
+        process.signalProcess("TERM")
+        await protocol.ended.addTimeout(30, reactor)
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_hold_ends_on_an_exception():
+    stack = await start_stack(reactor)
+    try:
+        admin = Admin(stack.admin_url)
+
+        def fail_inside() -> list:
+            with pytest.raises(ValueError):
+                with admin.hold("broker", "transcode", lease_seconds=600) as hold:
+                    assert stack.proxy.state.yielded and hold.renewals == 0
+                    raise ValueError("boom")
+            return holds_of(admin)
+
+        assert await in_thread(reactor, fail_inside, timeout=30) == []
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+def run_async(coroutine_function, *args):
+    """Run an asyncio program of its own (as a broker would), in the calling thread."""
+    return asyncio.run(asyncio.wait_for(coroutine_function(*args), 30))
+
+
+async def async_hold(url: str) -> dict:
+    admin = AsyncAdmin(url, token=TOKEN)
+    seen: dict = {}
+    async with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
+        seen["taken"] = [(h["source"], h.get("upstream")) for h in (await admin.status())["holds"]]
+        await asyncio.sleep(HELD)
+        status = await admin.status()
+        seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
+        seen["state"] = status["state"]
+        seen["renewals"], seen["error"], seen["lost"] = hold.renewals, hold.error, hold.lost
+    status = await admin.status()
+    seen["after"] = [(h["source"], h.get("upstream")) for h in status["holds"]]
+    seen["state_after"] = status["state"]
+    try:
+        async with admin.hold("broker", "again", lease_seconds=LEASE):
+            raise KeyError("crash")
+    except KeyError:
+        pass
+    seen["after_exception"] = (await admin.status())["holds"]
+    return seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_asyncio_hold_renews_and_ends_on_exit_and_on_an_exception():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        seen = await in_thread(reactor, run_async, async_hold, stack.admin_url, timeout=40)
+        check_held(seen)
+        assert seen["after_exception"] == []
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_renewal_is_reported_and_resuming_is_still_tried():
+    """The admin listener goes away mid-hold: errors reported, lost after a lease, the exit says it could not resume."""
+    stack = await start_stack(reactor)
+    listener = stack.proxy.service.getServiceNamed("admin")
+    errors: list = []
+    stopped = []
+
+    def hold_while_it_goes() -> dict:
+        admin = Admin(stack.admin_url, timeout=1)
+        hold = admin.hold("broker", "a game", lease_seconds=1.5, on_error=lambda h, e: errors.append(e))
+        with pytest.raises(AdminUnreachable, match="connection refused"):
+            with hold:
+                reactor.callFromThread(lambda: stopped.append(listener.stopService()))
+                time.sleep(2.5)
+        return {"error": hold.error, "lost": hold.lost}
+
+    try:
+        seen = await in_thread(reactor, hold_while_it_goes, timeout=30)
+        assert isinstance(seen["error"], AdminUnreachable) and seen["lost"], seen
+        assert errors and all(isinstance(e, AdminUnreachable) for e in errors)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_clear_errors():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        def calls() -> list[AdminError]:
+            out = []
+            for call in (
+                lambda: Admin(stack.admin_url).status(),
+                lambda: Admin(stack.admin_url, token="wrong").yield_gpu("broker"),
+                lambda: Admin(stack.admin_url, token=TOKEN).yield_gpu("broker", upstream="nowhere"),
+                lambda: Admin(stack.admin_url, token=TOKEN).yield_gpu("bad source!"),
+                lambda: Admin(f"http://127.0.0.1:{free_port()}").status(),
+                lambda: Admin(stack.proxy_url).status(),
+            ):
+                with pytest.raises(AdminError) as caught:
+                    call()
+                out.append(caught.value)
+            return out
+
+        missing, wrong, upstream, source, nobody, proxy = await in_thread(reactor, calls, timeout=30)
+        assert missing.status == 401 and "(no token was given)" in missing.message
+        assert wrong.status == 401 and "(the token given was refused)" in wrong.message
+        assert upstream.status == 400 and upstream.server_message.startswith("unknown upstream 'nowhere'")
+        assert source.status == 400 and "source may hold only" in source.message
+        assert isinstance(nobody, AdminUnreachable) and nobody.status is None
+        assert "connection refused" in nobody.message
+        # The proxy listener passes /status on to Ollama (here the sim), which has no such route.
+        assert proxy.status == 404 and proxy.message.endswith("answered 404: 404 page not found")
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+def test_read_answer_needs_the_admin_apis_shape():
+    assert read_answer(200, b'{"state": "available"}', "x", False) == {"state": "available"}
+    with pytest.raises(AdminError, match="not the admin API: <html>"):
+        read_answer(200, b"<html>", "x", False)
+    with pytest.raises(AdminError, match=r"answered 409: too many holds\\x1b"):
+        read_answer(409, b'{"error": "too many holds\\u001b"}', "x", False)
