@@ -20,8 +20,9 @@ The pool asks a member's description, by its ``api``:
   (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`).
 
 Every judge reads only the server's own error structure and its own words,
-never text a request can put there: a server that quotes the caller's input
-in an error must not let that input declare an outage.
+and no judgement declares an outage by itself: a server that quotes the
+caller's input in an error must not let that input hold the upstream, so the
+outage probe, whose text is the proxy's, decides (watchers/outage.py).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ BUSY = "busy"
 #: is not available; no evidence of an outage.
 NOT_READY = "not_ready"
 #: The request itself is wrong (its body, its route, a model this server lacks):
-#: relay the answer as it is, never retry.
+#: relay the answer as it is, never retry (a 5xx goes back to the lot only while
+#: a hold covers the upstream).
 CALLER = "caller"
 #: Any other failure the server reports, which says neither of the above (an
-#: unexpected 500, a feature it was started without): relay it as it is.
+#: unexpected 500, a feature it was started without): a 4xx is relayed as it
+#: is; a 5xx is judged by the outage probe (the proxy's own minimal call): if
+#: that fails too it is an outage, else the answer is relayed as it is.
 UPSTREAM = "upstream"
 #: Not an error at all (a status below 400).
 OK = "ok"
