@@ -115,3 +115,72 @@ def test_the_new_process_takes_the_holds_as_they_were_and_drops_those_the_old_on
     assert (holds["broker"].since, holds["broker"].expires_at) == (900.0, 1100.0)
     clock.advance(100)  # its lease runs out when it would have in the old process
     assert {h.source for h in state.holds} == {"file"}
+
+
+def test_an_adopted_request_parks_ahead_of_arrivals_with_its_arrival_and_deadline():
+    """``ProxyApp.adopt``: the request is read again on its (adopted) connection, and parks with what it
+    carried: its class, its first park and deadline (not the reload's time), its place ahead of what
+    arrived here; it expires when it would have in the old process."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.testing import StringTransport
+
+    rig = Rig(config_with())
+    clock = rig.clock
+    clock.advance(10_000)
+    rig.proxy.state.hold("game")
+    arrived = rig.post("/api/embed", {"model": "all-minilm", "input": "arrived here"})
+    rig.turn()
+    assert len(rig.proxy.lot) == 1
+    channel = rig.proxy.proxy_app.site().buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    now = clock.seconds()
+    carried = Carried(
+        cls="interactive", started_at=now - 100, parked_seconds=99.0, first_parked=now - 99, deadline=now + 20,
+    )
+    body = b'{"model": "all-minilm", "input": "from the old process"}'
+    rig.proxy.proxy_app.adopt(
+        channel, carried, request_bytes(b"POST", b"/api/embed", [(b"Host", [b"127.0.0.1:11435"])], body),
+    )
+    first, second = rig.proxy.lot.entries()
+    assert first.cls == "interactive" and (first.first_parked, first.deadline) == (now - 99, now + 20)
+    assert second.cls == "batch"
+    clock.advance(20)
+    rig.turn()
+    answer = transport.value()
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"parked past the hold bound (119s" in answer
+    assert [e.cls for e in rig.proxy.lot.entries()] == ["batch"]  # the arrival waits on
+    rig.proxy.state.release("game")
+    rig.turn()
+    assert rig.result(arrived).code == 200
+
+
+def test_the_twins_verifications_go_over_for_the_same_upstreams_only():
+    """A verified twin stays verified in the new process when its name and URL (and its reference's) are the
+    same; one whose URL changed is verified again there."""
+    from helpers import pool_config
+    from yieldproxy.pool.twins import TwinCheck
+    from yieldproxy.succession import Setup, Succession
+
+    def succession(config):
+        rig = Rig(config)
+        p = rig.proxy
+        return rig, Succession(
+            rig.clock, Setup(("twistd",), {}, lambda: None), {}, {}, p.proxy_app, p.lot, p.pool, p.state, p.twins,
+        )
+
+    members = ({"name": "gpu", "models": ("all-minilm",)}, {"name": "cpu", "models": ("all-minilm",)})
+    old_rig, old = succession(pool_config(*members))
+    check = TwinCheck(reference="gpu", result="ok", at=5.0, worst_cosine=0.9999, dimension=384)
+    old_rig.proxy.twins.checks[("cpu", "all-minilm:latest")] = check
+    snapshot = old.snapshot()
+
+    same_rig, same = succession(pool_config(*members))
+    same.restore(snapshot)
+    assert same_rig.proxy.twins.checks == {("cpu", "all-minilm:latest"): check}
+
+    moved = ({"name": "gpu", "models": ("all-minilm",)}, {"name": "cpu", "url": "http://127.0.0.1:29999",
+                                                          "models": ("all-minilm",)})
+    moved_rig, changed = succession(pool_config(*moved))
+    changed.restore(snapshot)
+    assert moved_rig.proxy.twins.checks == {}
