@@ -210,3 +210,24 @@ def test_read_answer_needs_the_admin_apis_shape():
         read_answer(200, b"<html>", "x", False)
     with pytest.raises(AdminError, match=r"answered 409: too many holds\\x1b"):
         read_answer(409, b'{"error": "too many holds\\u001b"}', "x", False)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "yieldproxy.client" in block]
+    assert len([line for line in code.splitlines() if line.strip()]) == 3, code
+    stack = await start_stack(reactor)
+    seen = []
+    try:
+        program = code.replace("http://127.0.0.1:11436", stack.admin_url)
+        assert program != code
+        play = lambda: seen.append([(h.source, h.reason) for h in stack.proxy.state.holds])  # noqa: E731
+        await in_thread(reactor, exec, program, {"play": play}, timeout=30)
+        assert seen == [[("game", "steam: Cyberpunk 2077")]]
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()

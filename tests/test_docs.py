@@ -397,3 +397,17 @@ def test_docs_use_the_paths_everyone_else_uses():
         problems += [f"{name}: {m} (the config is /etc/yieldproxy/yieldproxy.toml)"
                      for m in re.findall(r"(?<![\w./-])/etc/yieldproxy\.toml", text)]
     assert problems == []
+
+
+def test_linked_pages_and_cited_tests_exist():
+    """Relative links between the pages, and the test files they cite, point at files that exist."""
+    problems = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s:]+)(?:#[^)]*)?\)", text):
+            if not (page.parent / target).exists():
+                problems.append(f"{page.relative_to(ROOT)}: link to {target}, which does not exist")
+        for path in re.findall(r"(?<![\w/.])(tests/test_\w+\.py)", text):
+            if not (ROOT / path).exists():
+                problems.append(f"{page.relative_to(ROOT)}: {path} does not exist")
+    assert problems == []
