@@ -116,6 +116,7 @@ class Succession(Service):
 
     def stopService(self) -> None:
         super().stopService()
+        self._predecessor.stop()
         if self._previous_handler is not None:
             try:
                 signal.signal(signal.SIGHUP, self._previous_handler)
@@ -140,6 +141,11 @@ class Succession(Service):
         else:
             d = Deferred.fromCoroutine(self._predecessor.reload())
 
+        def handed_over(outcome: dict[str, Any]) -> dict[str, Any]:
+            # The holds are the new process's now: no lease here runs out and rewrites the holds file.
+            self._state.stop()
+            return outcome
+
         def failed(failure):
             why = failure.value
             if failure.check(ReloadRefused):
@@ -152,7 +158,7 @@ class Succession(Service):
                 log.failure("reload failed", failure)
             return failure
 
-        return d.addErrback(failed)
+        return d.addCallbacks(handed_over, failed)
 
     # -- what crosses over besides the lot --------------------------------------------------------
 

@@ -417,9 +417,16 @@ class Predecessor:
         if left:
             log.warn("reload: still {left} requests or connections here after {seconds:g}s; stopping anyway",
                      left=left, seconds=WIND_DOWN_MAX_SECONDS)
-        assert self._wind_down is not None
-        self._wind_down.stop()
-        if link is not None:
-            link.close()
+        self.stop()
         log.info("reload: nothing left in this process (pid {pid}): it stops", pid=os.getpid())
-        self._stop()
+        try:
+            self._stop()
+        except Exception:
+            log.failure("reload: stopping this process failed")
+
+    def stop(self) -> None:
+        """This process stops (its winding down is over, or it was told to): no more looking, no link."""
+        if self._wind_down is not None and self._wind_down.running:
+            self._wind_down.stop()
+        if self._link is not None:
+            self._link.close()
