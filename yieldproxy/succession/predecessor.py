@@ -110,6 +110,19 @@ class _Successor:
                 pass
 
 
+def _within(d: Deferred, seconds: float, clock) -> Deferred:
+    """``d``'s result, or :class:`TimeoutError` after ``seconds``; ``d`` itself is left running (waited on again)."""
+    waiter: Deferred = Deferred()
+
+    def settle(result: Any) -> Any:
+        if not waiter.called:
+            waiter.callback(result)
+        return result
+
+    d.addCallback(settle)
+    return waiter.addTimeout(seconds, clock)
+
+
 @attrs.define(eq=False)
 class Predecessor:
     """Hands this process over to a successor (see the module docstring)."""
@@ -143,6 +156,8 @@ class Predecessor:
     _frames: int = 0
     _wind_down: LoopingCall | None = None
     _successor_pid: int | None = None
+    #: When the successor last said it took a batch (a large lot is waited for while it keeps taking).
+    _last_took: float = 0.0
     sent_parked: int = 0
     sent_connections: int = 0
 
@@ -170,6 +185,7 @@ class Predecessor:
             self._busy = False
 
     async def _reload(self, began: float) -> dict[str, Any]:
+        self.sent_parked = self.sent_connections = 0
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # systemd's watchdog is the successor's to feed once it is the main process: not bound to this pid.
         environ = {k: v for k, v in self.environ.items() if k != "WATCHDOG_PID"}
@@ -284,6 +300,7 @@ class Predecessor:
             os.close(fd)
         kind = message["type"]
         if kind == "took":
+            self._last_took = self._reactor.seconds()
             for fd in self._unacked.pop(int(message.get("id") or 0), []):
                 os.close(fd)
             return
@@ -305,10 +322,14 @@ class Predecessor:
         self._waiting["refused"].addCallback(lambda m: settle(("refused", m)))
         child.ended.addCallback(lambda status: settle(("ended", status)))
         link.closed.addCallback(lambda _: settle(("closed", None)))
-        try:
-            what, value = await outcome.addTimeout(self.timeout, self._reactor)
-        except TimeoutError:
-            raise ReloadFailed(f"the new process said nothing for {self.timeout:g}s") from None
+        while True:
+            try:
+                what, value = await _within(outcome, self.timeout, self._reactor)
+                break
+            except TimeoutError:
+                # A large lot on a busy machine may take longer: wait on while the successor keeps taking it.
+                if kind != "serving" or self._reactor.seconds() - self._last_took >= self.timeout:
+                    raise ReloadFailed(f"the new process said nothing for {self.timeout:g}s") from None
         if what == "ok":
             return value
         if what == "refused":
