@@ -103,7 +103,7 @@ class _Successor:
             self._watch.stop()
 
     def kill(self) -> None:
-        if not self.ended.called:
+        if self.popen.poll() is None:
             try:
                 self.popen.kill()
             except OSError:
@@ -337,7 +337,10 @@ class Predecessor:
         if what == "ended":
             raise ReloadFailed(f"the new process exited ({value}) before it took over; its own lines say why")
         # The link closed first: the exit is on its way (its status says more).
-        status = await child.ended.addTimeout(5, self._reactor, onTimeoutCancel=lambda *_: "still running")
+        try:
+            status = await _within(child.ended, 5, self._reactor)
+        except TimeoutError:
+            status = "still running"
         refused: Any = self._waiting["refused"]
         if refused.called:
             raise ReloadRefused(str(refused.result.get("error", "refused")))
