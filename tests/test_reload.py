@@ -510,3 +510,36 @@ async def test_under_systemd_the_reload_says_reloading_then_names_the_new_main_p
         proxy.stop()
         notify.close()
         await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_new_process_that_dies_as_the_handover_starts_leaves_everything_with_the_old_one(tmp_path):
+    """The new code starts, says ready, and dies on the first frame of the handover: the old process takes
+    its listeners and its lot back, answers 500 with why, and serves every parked request and new ones."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game"})
+        pending = [embed(proxy, f"kept {i}") for i in range(10)]
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 10:
+                break
+            await sleep(reactor, 0.05)
+        succession = proxy.site / "yieldproxy" / "succession" / "__init__.py"
+        head = "    def restore(self, message: dict[str, Any]) -> None:\n"
+        succession.write_text(succession.read_text().replace(head, head + "        os._exit(3)\n"))
+        assert "os._exit(3)" in succession.read_text()
+        code, failed = await proxy.post("/reload")
+        assert code == 500 and failed["reloaded"] is False, failed
+        status = await proxy.status()
+        assert status["pid"] == proxy.pid and status["parked_total"] == 10
+        pending.append(embed(proxy, "after the failed reload"))
+        await proxy.post("/resume")
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        check_answers(results, [f"kept {i}" for i in range(10)] + ["after the failed reload"])
+        assert sim.texts_embedded == collections.Counter({text: 1 for text in [f"kept {i}" for i in range(10)]
+                                                          + ["after the failed reload"]})
+    finally:
+        proxy.stop()
+        await sim.stop()
