@@ -2,15 +2,21 @@
 
 They run for real here, on a copy of the project, against a stand-in venv
 whose ``pip``, ``twistd`` and ``pytest`` only record how they were called
-(a real install needs the network and a minute).
+(a real install needs the network and a minute), and whose Python has no
+site-packages: every install needs the package index.  The reinstall after an
+edit with no index reachable runs real pip, in a real venv that sees this test
+run's packages (tests/test_scripts.py::test_offline_after_an_edit_and_after_reverting_it).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,19 +36,18 @@ def project(tmp_path):
     """A copy of what the scripts read, and a stand-in venv in ``tmp/venv``."""
     copy = tmp_path / "project"
     copy.mkdir()
-    for name in ("setup.cfg", "pyproject.toml"):
+    for name in ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, copy / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "dropin.cache")
-    for name in ("scripts", "yieldproxy", "twisted_plugins"):
+    for name in ("scripts", "yieldproxy", "twisted_plugins", "etc"):
         shutil.copytree(ROOT / name, copy / name, ignore=ignore)
-    (copy / "etc").mkdir()
-    shutil.copy2(ROOT / "etc" / "yieldproxy.toml", copy / "etc" / "yieldproxy.toml")
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     log = tmp_path / "calls.log"
-    # The venv's python runs the scripts' own Python code; the plugin-cache one-liner is only recorded.
+    # The venv's python runs the scripts' own Python code, without site-packages (nothing is installed
+    # in the stand-in venv); the plugin-cache one-liner is only recorded.
     _executable(bin_dir / "python", f'#!/bin/sh\nif [ "$1" = -c ]; then echo "python -c" >> {log}; exit 0; fi\n'
-                                    f'exec {sys.executable} "$@"\n')
+                                    f'exec {sys.executable} -S "$@"\n')
     for tool in ("pip", "twistd", "pytest", "ruff", "mypy"):
         # A stand-in exits with $FAIL_<TOOL> (0 when unset), to show what a failed check does.
         _executable(bin_dir / tool, f'#!/bin/sh\necho "{tool} $*" >> {log}\necho "{tool} $*"\n'
@@ -69,11 +74,17 @@ def _run(
     return result, calls
 
 
+#: pip, when it needs the package index: one try, a short timeout (the machine may set PIP_DEFAULT_TIMEOUT=180).
+PIP_INDEX = "pip install --quiet --retries 0 --timeout 10"
+#: The build requirements (pyproject.toml) go into the venv with the project.
+BUILD = "setuptools>=70.1"
+
+
 def test_second_start_installs_nothing(project):
     first, calls = _run(project, "run", "--upstream", "http://127.0.0.1:11434")
     assert calls == [
-        "pip install --quiet --upgrade pip",
-        "pip install --quiet .",
+        f"{PIP_INDEX} --upgrade pip",
+        f"{PIP_INDEX} {BUILD} .",
         "python -c",
         "twistd -n --pidfile= yieldproxy --upstream http://127.0.0.1:11434",
     ]
@@ -89,7 +100,7 @@ def test_an_extra_or_a_changed_project_installs_again(project):
     _run(project, "run")
     # scripts/test wants the test extra: installed once, then not again.
     _, calls = _run(project, "test", "-q")
-    assert calls[:2] == ["pip install --quiet --upgrade pip", "pip install --quiet .[test]"]
+    assert calls[:2] == [f"{PIP_INDEX} --upgrade pip", f"{PIP_INDEX} {BUILD} .[test]"]
     assert calls[-1] == "pytest -q"
     _, calls = _run(project, "test", "-q", offline=True)
     assert calls == [*STATIC_CHECKS, "pytest -q"]
@@ -100,12 +111,12 @@ def test_an_extra_or_a_changed_project_installs_again(project):
     with (copy / "yieldproxy" / "tap.py").open("a") as f:
         f.write("\n# changed\n")
     _, calls = _run(project, "run")
-    assert "pip install --quiet .[test]" in calls
+    assert f"{PIP_INDEX} {BUILD} .[test]" in calls
     # So does a changed setup.cfg.
     with (copy / "setup.cfg").open("a") as f:
         f.write("\n")
     _, calls = _run(project, "test")
-    assert "pip install --quiet .[test]" in calls
+    assert f"{PIP_INDEX} {BUILD} .[test]" in calls
     _, calls = _run(project, "test", offline=True)
     assert calls == [*STATIC_CHECKS, "pytest "]
 
@@ -121,3 +132,84 @@ def test_a_failed_static_check_stops_the_tests(project, check):
     result, calls = _run(project, "test", "-q", offline=True, fail=check)
     assert calls == STATIC_CHECKS[: [c.split()[0] for c in STATIC_CHECKS].index(check) + 1]
     assert not any(call.startswith("pytest") for call in calls)
+
+
+# -- a real reinstall, with no package index ---------------------------------------------------
+
+
+def _real_venv(path: Path) -> Path:
+    """A real venv with nothing installed in it, that sees this test run's packages (a .pth file).
+
+    So its requirements and build requirements are met, as after a first
+    ``scripts/run``, with no download; pip and twistd are this run's.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    [site_dir] = (path / "lib").glob("python3*/site-packages")
+    (site_dir / "zz-outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    python = path / "bin" / "python"
+    _executable(path / "bin" / "pip", f"#!{python}\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n")
+    _executable(path / "bin" / "twistd", f"#!{python}\nfrom twisted.scripts.twistd import run\nrun()\n")
+    return site_dir
+
+
+def _ensure(copy: Path, venv: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHONPATH"))}
+    # No pip configuration of this machine (its extra indexes, its find-links): only what the test sets.
+    full.update(PIP_CONFIG_FILE=os.devnull, PIP_DEFAULT_TIMEOUT="180", VENV=str(venv), **env)
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(copy / "scripts" / "ensure-venv")], capture_output=True, text=True, env=full, timeout=240,
+    )
+    return result, time.monotonic() - started
+
+
+def test_offline_after_an_edit_and_after_reverting_it(project, tmp_path):
+    """Issue 19: after an edit, with no index, the install failed and the marker was gone, even once reverted."""
+    copy = project[0]
+    venv = tmp_path / "real-venv"
+    site_dir = _real_venv(venv)
+    # The first run, with what it needs at hand (no index and no build isolation stand in for the network).
+    first, _ = _ensure(copy, venv, PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0")
+    assert first.returncode == 0, first.stderr
+    assert (site_dir / "yieldproxy" / "tap.py").read_text() == (copy / "yieldproxy" / "tap.py").read_text()
+    installed = (venv / ".yieldproxy-installed").read_text()
+
+    # An edit, and the index unreachable: the project alone is reinstalled, with no index.
+    unreachable = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
+    with (copy / "yieldproxy" / "tap.py").open("a") as f:
+        f.write("\n# edited offline\n")
+    edited, _ = _ensure(copy, venv, **unreachable)
+    assert edited.returncode == 0, edited.stderr
+    assert "no package index needed" in edited.stderr
+    assert (site_dir / "yieldproxy" / "tap.py").read_text().endswith("# edited offline\n")
+    after_edit = (venv / ".yieldproxy-installed").read_text()
+    assert after_edit != installed
+
+    # A pull that needs a new dependency, and an index that accepts connections but never answers:
+    # one try with a short timeout, then the install it has, said in one line.
+    setup_cfg = (copy / "setup.cfg").read_text()
+    (copy / "setup.cfg").write_text(setup_cfg.replace("install_requires =\n", "install_requires =\n    yieldproxy-absent-dependency>=1\n"))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        index = f"http://127.0.0.1:{silent.getsockname()[1]}/simple"
+        kept, elapsed = _ensure(copy, venv, PIP_INDEX_URL=index, YIELDPROXY_INDEX_TIMEOUT="2")
+    assert kept.returncode == 0, kept.stderr
+    lines = kept.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Installing yieldproxy"), kept.stderr
+    assert lines[1].startswith("ensure-venv: could not reinstall yieldproxy (") and "starting the install already in" in lines[1]
+    assert elapsed < 60, f"{elapsed:.0f} s with an index that never answers"
+    assert (venv / ".yieldproxy-installed").read_text() == after_edit
+    assert (site_dir / "yieldproxy" / "tap.py").read_text().endswith("# edited offline\n")
+
+    # Reverted: the venv is what the source is, so nothing to do and nothing said.
+    (copy / "setup.cfg").write_text(setup_cfg)
+    reverted, _ = _ensure(copy, venv, **unreachable)
+    assert (reverted.returncode, reverted.stderr) == (0, "")
+    # And scripts/run starts on it: twistd finds the installed plugin.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHONPATH"))}
+    env.update(PIP_CONFIG_FILE=os.devnull, VENV=str(venv), **unreachable)
+    started = subprocess.run(
+        [str(copy / "scripts" / "run"), "--help"], capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert started.returncode == 0 and "example-config" in started.stdout, started.stdout + started.stderr
