@@ -385,3 +385,78 @@ def test_systemd_unit_is_notify_with_a_watchdog_and_keeps_holds_in_its_state_dir
     assert settings["StateDirectory"] == "yieldproxy"
     watchdog = re.fullmatch(r"(\d+)s", settings["WatchdogSec"])
     assert watchdog and int(watchdog.group(1)) >= 10
+
+
+# --- (e) yieldproxy ops-files: the same files for a pip user ---------------------
+
+
+def _ops_files(capsys, *args: str) -> tuple[int, str, str]:
+    """``yieldproxy ops-files ARGS`` in this process: exit status, stdout, stderr."""
+    from yieldproxy import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["ops-files", *args])
+    out, err = capsys.readouterr()
+    return exit.value.code, out, err
+
+
+def _etc_files() -> dict[str, bytes]:
+    etc = ROOT / "etc"
+    return {p.relative_to(etc).as_posix(): p.read_bytes() for p in sorted(etc.rglob("*")) if p.is_file()}
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_ops_files_lists_every_file_of_etc():
+    """A new file in etc/ must be written out too (and shipped: tests/test_packaging.py checks the wheel)."""
+    from yieldproxy.opsfiles import OPS_FILES
+
+    assert sorted(OPS_FILES) == sorted(_etc_files())
+
+
+def test_ops_files_writes_etc_and_promtool_accepts_the_copy(tmp_path, capsys):
+    out_dir = tmp_path / "etc"
+    code, out, err = _ops_files(capsys, str(out_dir))
+    assert (code, err) == (0, "")
+    assert _tree(out_dir) == _etc_files()
+    assert sorted(out.splitlines()) == sorted(f"wrote {out_dir / name}" for name in _etc_files())
+    probe = out_dir / "probes" / "nvidia-game-probe.sh"
+    assert probe.stat().st_mode & 0o777 == 0o755
+    assert (out_dir / "systemd" / "yieldproxy.service").stat().st_mode & 0o777 == 0o644
+    # Where they were written, they work: the rules' unit tests and the example config load.
+    proc = run(promtool(), "test", "rules", "prometheus/yieldproxy-rules.test.yml", cwd=out_dir)
+    assert "SUCCESS" in proc.stdout + proc.stderr
+    run(promtool(), "check", "config", "prometheus/prometheus.yml", cwd=out_dir)
+    # Again: nothing differs, nothing to force.
+    code, out, err = _ops_files(capsys, str(out_dir))
+    assert (code, err) == (0, "")
+    assert sorted(out.splitlines()) == sorted(f"unchanged {out_dir / name}" for name in _etc_files())
+
+
+def test_ops_files_does_not_overwrite_an_edited_file_without_force(tmp_path, capsys):
+    out_dir = tmp_path / "ops"
+    assert _ops_files(capsys, str(out_dir))[0] == 0
+    unit = out_dir / "systemd" / "yieldproxy.service"
+    unit.write_text("# the operator's own unit\n", encoding="utf-8")
+    (out_dir / "grafana" / "yieldproxy-dashboard.json").unlink()
+    code, out, err = _ops_files(capsys, str(out_dir))
+    assert code == 1 and out == ""
+    assert f"not overwriting {unit}: it differs" in err and "--force" in err and "nothing was written" in err
+    # Nothing was written: the edit stays, the missing file is still missing.
+    assert unit.read_text(encoding="utf-8") == "# the operator's own unit\n"
+    assert not (out_dir / "grafana" / "yieldproxy-dashboard.json").exists()
+    code, out, err = _ops_files(capsys, "--force", str(out_dir))
+    assert (code, err) == (0, "")
+    assert f"wrote {unit}" in out.splitlines()
+    assert f"wrote {out_dir / 'grafana' / 'yieldproxy-dashboard.json'}" in out.splitlines()
+    assert _tree(out_dir) == _etc_files()
+
+
+def test_ops_files_into_a_place_it_cannot_write_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("", encoding="utf-8")
+    code, out, err = _ops_files(capsys, str(blocker / "etc"))
+    assert code == 1 and out == ""
+    assert err.startswith(f"yieldproxy: cannot write the ops files into {blocker / 'etc'}: ") and err.count("\n") == 1

@@ -25,15 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Files a tester or packager needs from the sdist, whatever else changes.
 SDIST_MUST_HAVE = [
     "LICENSE", "README.md", "setup.cfg", "pyproject.toml", "MANIFEST.in", "Makefile",
-    "scripts/run", "scripts/test", "scripts/ensure-venv",
+    "scripts/run", "scripts/test", "scripts/ensure-venv", ".ci/run", ".ci/floors", ".ci/smoke-wheel",
     "docs/configuration.md", "docs/quickstart.md", "docs/operating.md",
     "etc/yieldproxy.toml", "etc/systemd/yieldproxy.service", "etc/prometheus/yieldproxy-rules.yml",
     "bench/README.md", "bench/soak.py",
     "tests/conftest.py", "tests/helpers.py", "tests/rawhttp.py", "tests/test_docs.py",
     "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/static/index.html",
 ]
-#: Tracked files that are the repository's, not the release's.
-NOT_RELEASED = re.compile(r"^(\.ci/|\.gitignore$)")
+#: Tracked files that are the repository's, not the release's (CI's scripts are released:
+#: the docs name them, and tests/test_docs.py checks that what they name exists).
+NOT_RELEASED = re.compile(r"^\.gitignore$")
 #: Left out of the copy the artefacts are built from.
 IGNORED = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis",
@@ -104,18 +105,36 @@ def test_sdist_has_what_the_tests_and_docs_need(artefacts):
     assert [n for n in names if "__pycache__" in n or n.endswith((".pyc", "dropin.cache"))] == []
 
 
-def test_sdist_tests_collect(artefacts, tmp_path):
-    """The sdist's tests import their helpers and the sdist's own code: collecting them all proves it."""
+@pytest.fixture(scope="module")
+def unpacked_sdist(artefacts, tmp_path_factory) -> Path:
+    """The sdist, unpacked as a packager or a tester has it."""
+    tmp = tmp_path_factory.mktemp("unpacked")
     with tarfile.open(artefacts["sdist"][0]) as tar:
-        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    [unpacked] = tmp_path.iterdir()
+        tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    [unpacked] = tmp.iterdir()
+    return unpacked
+
+
+def _pytest_in(directory: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=unpacked, env=env, capture_output=True, text=True, timeout=180,
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=directory, env=env, capture_output=True, text=True, timeout=180,
     )
+
+
+def test_sdist_tests_collect(unpacked_sdist):
+    """The sdist's tests import their helpers and the sdist's own code: collecting them all proves it."""
+    result = _pytest_in(unpacked_sdist, "--collect-only", "tests")
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"^\d+ tests collected", result.stdout, re.M), result.stdout
+
+
+def test_sdist_docs_tests_pass(unpacked_sdist):
+    """Issue 19: the docs name .ci/ scripts, which the sdist lacked, so its own test_docs.py failed."""
+    result = _pytest_in(unpacked_sdist, "tests/test_docs.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^\d+ passed", result.stdout, re.M), result.stdout
 
 
 def test_wheel_carries_the_package_data_and_the_license(artefacts):
@@ -134,6 +153,31 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
     assert "yieldproxy/watchers/outage.py" in source
     assert sorted(n for n in source if n not in names) == []
     assert [n for n in names if re.fullmatch(r"yieldproxy-[^/]+\.dist-info/(licenses/)?LICENSE", n)]
-    # Only the example from etc/; the ops files stay in the sdist, the tests out of the wheel.
-    assert sorted(n for n in names if n.startswith("yieldproxy/etc/")) == ["yieldproxy/etc/yieldproxy.toml"]
-    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))]
+    # All of etc/, the ops files too (yieldproxy ops-files writes them out), as they are in the source;
+    # the tests stay out of the wheel.
+    etc = {p.relative_to(ROOT / "etc").as_posix(): p for p in (ROOT / "etc").rglob("*") if p.is_file()}
+    assert sorted(n for n in names if n.startswith("yieldproxy/etc/")) == sorted(f"yieldproxy/etc/{n}" for n in etc)
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        assert [n for n, p in etc.items() if wheel.read(f"yieldproxy/etc/{n}") != p.read_bytes()] == []
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/", ".ci/"))]
+
+
+def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path):
+    """yieldproxy ops-files run from the wheel alone (no source tree near it) writes etc/ of the source."""
+    unpacked = tmp_path / "wheel"
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        wheel.extractall(unpacked)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(unpacked)
+    code = "import sys, yieldproxy.cli as c; print(c.__file__, file=sys.stderr); c.main(sys.argv[1:])"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "ops-files", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.strip() == str(unpacked / "yieldproxy" / "cli.py")
+    written = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    etc = {p.relative_to(ROOT / "etc").as_posix(): p.read_bytes() for p in (ROOT / "etc").rglob("*") if p.is_file()}
+    assert written == etc
+    assert (out / "probes" / "nvidia-game-probe.sh").stat().st_mode & 0o111

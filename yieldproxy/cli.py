@@ -81,6 +81,7 @@ examples:
   yieldproxy demo                # no Ollama needed
   yieldproxy sim --port 11434    # a fake Ollama to put the proxy in front of
   yieldproxy example-config > yieldproxy.toml   # every key, commented
+  yieldproxy ops-files ./etc     # the systemd unit, Prometheus rules, dashboard
 """
 
 #: ``demo --help``: the demo runs its own proxy, so the admin API notes do not apply.
@@ -570,6 +571,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
 
+    ops = sub.add_parser(
+        "ops-files", help="write the systemd unit, the Prometheus rules and the Grafana dashboard into DIR",
+        description=(
+            "Write etc/ of the source tree, as this installation carries it, into DIR: "
+            "yieldproxy.toml, systemd/yieldproxy.service, prometheus/ (the alert rules, their "
+            "promtool tests, an example prometheus.yml), grafana/yieldproxy-dashboard.json and "
+            "probes/nvidia-game-probe.sh.  docs/operating.md and docs/metrics.md use them from "
+            "there.  A file that differs from this version's copy is not overwritten without "
+            "--force (then nothing is written, exit 1)."
+        ),
+    )
+    ops.add_argument("dir", metavar="DIR", help="where to write them (made if missing)")
+    ops.add_argument("--force", action="store_true", help="overwrite files that differ")
+
     check = sub.add_parser(
         "check-fallback", help="verify the CPU fallback against the primary (exit 1 if it fails)",
         description=(
@@ -655,6 +670,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"yieldproxy: {e.message}", file=sys.stderr)
             raise SystemExit(e.code) from None
         return
+
+    if args.command == "ops-files":
+        from .opsfiles import ops_files_command
+
+        raise SystemExit(ops_files_command(args.dir, args.force))
 
     if args.command == "check-fallback":
         from .fallback import check_command
