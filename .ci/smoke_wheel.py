@@ -1,7 +1,9 @@
 """CI's smoke test of an installed wheel (run by .ci/smoke-wheel, from outside the checkout).
 
 With only what the wheel installed into VENV: the plugin is found, the example
-config prints and loads, and ``twistd -n yieldproxy`` in front of
+config prints and loads, ``yieldproxy ops-files`` writes etc/ of the source
+(the unit, the rules, the dashboard, the probe) and will not overwrite an
+edited file without --force, and ``twistd -n yieldproxy`` in front of
 ``yieldproxy sim`` answers ``/healthz``, serves the status page, embeds through
 the proxy, parks a request across a yield and replays it on resume, then stops
 cleanly on SIGTERM.  Standard library only; every wait is bounded.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +64,35 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 10.0)
         return response.status, dict(response.headers), response.read()
 
 
+def ops_files() -> None:
+    """``yieldproxy ops-files DIR`` writes etc/ of the source, as the docs use it."""
+    step("yieldproxy ops-files writes the unit, the rules, the dashboard and the probe")
+    source = SOURCE_EXAMPLE.parent
+    expected = {p.relative_to(source).as_posix(): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    for name in ("systemd/yieldproxy.service", "prometheus/yieldproxy-rules.yml", "grafana/yieldproxy-dashboard.json"):
+        if name not in expected:
+            raise SystemExit(f"smoke-wheel: FAILED: etc/{name} is not in the source")
+    out = Path("ops") / "etc"
+    run(BIN / "yieldproxy", "ops-files", out)
+    written = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    if written != expected:
+        differ = sorted(n for n in expected.keys() | written.keys() if expected.get(n) != written.get(n))
+        raise SystemExit(f"smoke-wheel: FAILED: ops-files wrote a tree that differs from etc/ in {differ}")
+    if not os.access(out / "probes" / "nvidia-game-probe.sh", os.X_OK):
+        raise SystemExit("smoke-wheel: FAILED: the probe ops-files wrote is not executable")
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        run(promtool, "test", "rules", out / "prometheus" / "yieldproxy-rules.test.yml")
+    unit = out / "systemd" / "yieldproxy.service"
+    unit.write_text("# edited\n", encoding="utf-8")
+    refused = subprocess.run([BIN / "yieldproxy", "ops-files", out], capture_output=True, text=True, timeout=60)
+    if refused.returncode != 1 or "--force" not in refused.stderr or unit.read_text(encoding="utf-8") != "# edited\n":
+        raise SystemExit(f"smoke-wheel: FAILED: ops-files overwrote an edited unit without --force: {refused}")
+    run(BIN / "yieldproxy", "ops-files", "--force", out)
+    if unit.read_bytes() != expected["systemd/yieldproxy.service"]:
+        raise SystemExit("smoke-wheel: FAILED: ops-files --force did not restore the unit")
+
+
 def main() -> None:
     step("the package is the installed one")
     where = run(BIN / "python", "-c", "import yieldproxy, sys; print(yieldproxy.__file__)").strip()
@@ -77,6 +109,7 @@ def main() -> None:
         raise SystemExit("smoke-wheel: FAILED: example-config differs from etc/yieldproxy.toml")
     config = Path("yieldproxy.toml")
     config.write_text(example, encoding="utf-8")
+    ops_files()
 
     sim_port, proxy_port, admin_port = free_port(), free_port(), free_port()
     proxy, admin = f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{admin_port}"
