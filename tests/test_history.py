@@ -137,6 +137,51 @@ class BuiltProxyTests(SynchronousTestCase):
         self.failureResultOf(d)
         release_every_hold(proxy.state)
 
+    def test_lost_counts_expired_and_refused_per_class_and_each_upstreams_state(self):
+        clock = Clock()
+        proxy = build(clock, Config())
+        proxy.history.startService()
+        start = clock.seconds()
+        metrics = proxy.metrics
+        metrics.replay_total.labels("batch", "expired").inc(2)
+        metrics.replay_total.labels("batch", "ok").inc(5)
+        metrics.rejected_total.labels("interactive", "queue_full").inc()
+        metrics.rejected_total.labels("interactive", "over_budget").inc(2)
+        proxy.state.hold("game", reason="boss fight")
+        clock.advance(1)
+        data = proxy.history.as_json()
+        self.assertEqual(data["lost"], {
+            "since": start,
+            "expired": {"interactive": 0, "batch": 2, "long": 0},
+            "rejected": {"interactive": 3, "batch": 0, "long": 0},
+        })
+        self.assertEqual(data["upstreams"], ["default"])
+        self.assertEqual([s["upstreams"] for s in data["samples"]],
+                         [{"default": "available"}, {"default": "yielded"}, {"default": "yielded"}])
+        proxy.history.stopService()
+        release_every_hold(proxy.state)
+
+    def test_lost_once_full_counts_only_what_the_buffer_covers(self):
+        totals = {"batch": 0}
+
+        def read():
+            return Snapshot("available", {}, 0, expired=dict(totals), rejected={"long": 7})
+
+        clock = Clock()
+        history = History(clock, read, CLASSES, interval=1.0, capacity=3)
+        history.startService()
+        totals["batch"] = 4  # before the oldest sample the buffer will keep
+        clock.advance(1)
+        totals["batch"] = 5
+        clock.advance(1)
+        self.assertEqual(history.lost()["expired"]["batch"], 5)  # not full: counted from the start
+        totals["batch"] = 9
+        clock.advance(1)
+        lost = history.lost()
+        self.assertEqual((lost["since"], lost["expired"]["batch"], lost["rejected"]["long"]), (1.0, 5, 0))
+        history.stopService()
+        self.assertEqual(clock.getDelayedCalls(), [])
+
     def test_snapshot_reader_lists_every_class(self):
         class Lot:
             def count_by_class(self):
@@ -221,6 +266,29 @@ class AdminPageTests(SynchronousTestCase):
         for path in ("/static/admin.py", "/static/..%2fadmin.py", "/static/", "/static/nope.js"):
             response, _ = self.get(path)
             self.assertEqual(response.code, 404, path)
+
+    def test_the_page_with_a_token_holds_no_state_and_says_why(self):
+        self.proxy.state.hold("game", reason="boss fight")
+        _, page = self.get("/")
+        self.assertIn(b'data-state="locked">token needed<', page)
+        self.assertNotIn(b"game", page)
+        self.assertNotIn(b"yielded", page)
+        self.assertIn(b"<noscript>", page)
+        release_every_hold(self.proxy.state)
+
+    def test_the_page_without_a_token_is_served_with_the_state(self):
+        proxy = build(self.clock, Config())
+        self.proxy.state.hold("x", reason="x")  # another proxy's hold: not this page's
+        proxy.state.hold("game", reason='<img src=x onerror="alert(1)">')
+        response = self.successResultOf(StubTreq(proxy.admin_app.app.resource()).get("http://admin/"))
+        page = self.successResultOf(response.content()).decode()
+        self.assertIn('data-state="yielded">yielded</span>', page)
+        self.assertIn('<span id="state-detail">held by game</span>', page)
+        self.assertIn("game holds all: &lt;img src=x onerror=&quot;alert(1)&quot;&gt;", page)
+        self.assertNotIn("<img", page)
+        self.assertNotIn("connecting", page)
+        release_every_hold(proxy.state)
+        release_every_hold(self.proxy.state)
 
     def test_the_page_has_no_inline_script_or_style(self):
         """The CSP forbids inline code, so none may creep in."""

@@ -25,7 +25,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
-from helpers import free_port, required_tool, start_stack, wait_for
+from helpers import free_port, release_every_hold, required_tool, sleep, start_stack, wait_for
 
 TIMEOUT = 30
 TOKEN = "page-test-token-0123456789"
@@ -313,6 +313,7 @@ async def test_page_without_the_token_asks_for_it_and_shows_nothing():
 ATTACK_PAGE = """<!doctype html>
 <html><head><title>cat pictures</title></head><body>
 <iframe name="one"></iframe><iframe name="two"></iframe>
+<iframe id="page" src="{admin}/"></iframe>
 <form id="resume" method="POST" action="{admin}/resume" target="one"></form>
 <form id="yield" method="POST" action="{admin}/yield" enctype="text/plain" target="two">
 <input name='{{"source": "form", "x": "' value='"}}'></form>
@@ -322,6 +323,9 @@ fetch("{admin}/yield", {{method: "POST", mode: "no-cors", headers: {{"Content-Ty
                          body: '{{"source": "page", "reason": "pwned"}}'}});
 fetch("{admin}/resume", {{method: "POST", mode: "no-cors"}});
 navigator.sendBeacon("{admin}/resume", new Blob(['{{"source": "api"}}'], {{type: "text/plain"}}));
+// JSON, as the status page's own buttons send it: another origin needs a CORS preflight, which the API never grants.
+fetch("{admin}/yield", {{method: "POST", headers: {{"Content-Type": "application/json"}},
+                         body: '{{"source": "cors", "reason": "pwned", "for_seconds": 60}}'}}).catch(() => {{}});
 document.getElementById("resume").submit();
 document.getElementById("yield").submit();
 </script></body></html>
@@ -371,6 +375,9 @@ async def test_a_page_of_another_origin_cannot_yield_or_resume(monkeypatch):
         assert [(h.source, h.reason) for h in stack.proxy.state.holds] == [("api", "the operator's game")]
         # The browser did send them (two pages, five requests each), and every one was refused.
         await wait_for(reactor, lambda: len(answered) == 10)
+        await sleep(reactor, 0.5)
+        # The JSON fetch (what the status page's buttons send) never got past its preflight.
+        assert len(answered) == 10, answered
         assert all(code in (403, 415) for _, code in answered), answered
         assert {path for path, _ in answered} == {"/yield", "/resume"}
     finally:
@@ -451,4 +458,242 @@ async def test_page_says_unreachable_for_an_upstream_that_never_answered():
         assert "not answered" in dom.by_id("state-detail")["text"]
         assert "state-unreachable" in state["class"]
     finally:
+        await stack.stop()
+
+
+# -- the page's own buttons, driven through the DevTools protocol (issue 19) -------------------
+
+
+class DevTools:
+    """Headless Chromium driven over ``--remote-debugging-pipe`` (fds 3 and 4, NUL-ended JSON), blocking.
+
+    Run it in a thread (``in_thread``): the reactor keeps serving the page meanwhile.
+    """
+
+    def __init__(self, timeout: float = 60):
+        import subprocess
+
+        self.timeout = timeout
+        self._profile = tempfile.TemporaryDirectory(prefix="yp-chromium-", ignore_cleanup_errors=True)
+        to_chrome_r, self._to_chrome = os.pipe()
+        self._from_chrome, from_chrome_w = os.pipe()
+        args = [
+            chromium_path(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-extensions", f"--user-data-dir={self._profile.name}", f"--window-size={WIDTH},{HEIGHT}",
+            "--remote-debugging-pipe", "about:blank",
+        ]
+        self._process = subprocess.Popen(
+            ["bash", "-c", f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-', "sh", *args],
+            pass_fds=(to_chrome_r, from_chrome_w), stdout=subprocess.DEVNULL,
+            stderr=open(os.environ["YP_CHROME_LOG"], "wb") if os.environ.get("YP_CHROME_LOG") else subprocess.DEVNULL,
+        )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._buffer = b""
+        self._next = 0
+        self.session = None
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
+        import json
+        import select
+        import time
+
+        self._next += 1
+        message = {"id": self._next, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        os.write(self._to_chrome, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                answer = json.loads(raw)
+                if answer.get("id") == self._next:
+                    assert "error" not in answer, answer
+                    return answer["result"]
+            left = deadline - time.monotonic()
+            assert left > 0, f"no answer to {method} within {self.timeout} s"
+            ready, _, _ = select.select([self._from_chrome], [], [], left)
+            if ready:
+                chunk = os.read(self._from_chrome, 65536)
+                assert chunk, "chromium closed its pipe"
+                self._buffer += chunk
+
+    def open(self, url: str) -> None:
+        target = self.send("Target.createTarget", {"url": url})["targetId"]
+        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+    def run(self, expression: str):
+        """The value of a JavaScript expression in the page (a Promise is awaited)."""
+        result = self.send(
+            "Runtime.evaluate", {"expression": expression, "awaitPromise": True, "returnByValue": True}, self.session,
+        )
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def until(self, condition: str, timeout: float = 15) -> None:
+        """Wait until a JavaScript condition is true in the page (a page still loading is waited for)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.run(f"(() => {{ try {{ return !!({condition}); }} catch (e) {{ return false; }} }})()"):
+                    return
+            except AssertionError as e:
+                if "context" not in str(e):
+                    raise  # not a page between two documents
+            assert time.monotonic() < deadline, f"not true within {timeout} s: {condition}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        try:
+            self._process.kill()
+            self._process.wait(10)
+        finally:
+            os.close(self._to_chrome)
+            os.close(self._from_chrome)
+            self._profile.cleanup()
+
+
+READ_TOKEN = "page-test-read-token-0123456789"
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_pages_buttons_yield_and_resume_with_a_reason_and_a_lease():
+    """Yield from the page (source, reason, a 2-minute lease), see the hold, Resume it; a read-only token is refused."""
+    from helpers import in_thread
+
+    chromium_path()
+    stack = await start_stack(reactor, token=TOKEN, read_token=READ_TOKEN, history_interval=0.2)
+    holds = lambda: [(h.source, h.reason, h.scope, h.expires_at) for h in stack.proxy.state.holds]  # noqa: E731
+
+    def drive() -> dict:
+        seen: dict = {}
+        browser = DevTools()
+        try:
+            browser.open(f"{stack.admin_url}/#token={TOKEN}")
+            browser.until("document.getElementById('state').dataset.state === 'available'")
+            browser.run(
+                "document.getElementById('hold-source').value = 'operator';"
+                "document.getElementById('hold-reason').value = 'driver update <b>now</b>';"
+                "document.getElementById('hold-lease').value = '2';"
+                "document.getElementById('yield-button').click()"
+            )
+            browser.until("document.querySelector('tr.hold[data-source=operator]')")
+            seen["after_yield"] = holds()
+            seen["badge"] = browser.run("document.getElementById('state').dataset.state")
+            seen["result"] = browser.run("document.getElementById('control-result').textContent")
+            seen["reason_shown"] = browser.run("document.querySelector('tr.hold .reason').textContent")
+            browser.run("document.querySelector('tr.hold[data-source=operator] button.resume').click()")
+            browser.until("!document.getElementById('no-holds').hidden")
+            seen["after_resume"] = holds()
+            seen["badge_after"] = browser.run("document.getElementById('state').dataset.state")
+
+            # The read-only token shows the state but cannot change it: the API's 403, shown.
+            browser.open(f"{stack.admin_url}/#token={READ_TOKEN}")
+            browser.until("document.getElementById('state').dataset.state === 'available'")
+            browser.run("document.getElementById('yield-button').click()")
+            browser.until("document.getElementById('control-result').className === 'failed'")
+            seen["read_only"] = browser.run("document.getElementById('control-result').textContent")
+            seen["after_read_only"] = holds()
+        finally:
+            browser.close()
+        return seen
+
+    try:
+        start = reactor.seconds()
+        seen = await in_thread(reactor, drive, timeout=120)
+        [(source, reason, scope, expires_at)] = seen["after_yield"]
+        assert (source, reason, scope) == ("operator", "driver update <b>now</b>", "*")
+        assert start + 100 < expires_at < reactor.seconds() + 121  # a lease of 2 minutes
+        assert seen["badge"] == "yielded" and seen["reason_shown"] == "driver update <b>now</b>"
+        assert seen["result"].startswith("Yielded: operator holds the GPU for 2 min")
+        assert seen["after_resume"] == [] and seen["badge_after"] == "available"
+        assert "may only read" in seen["read_only"] and seen["after_read_only"] == []
+    finally:
+        release_every_hold(stack.proxy.state)
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_page_shows_what_expired_or_was_refused_and_each_upstreams_history():
+    """Lost or refused in the last hour, per class; each upstream's states as strips under the chart."""
+    from helpers import config_with
+
+    chromium_path()
+    config = config_with(classes={"interactive": {"hold_seconds": 0.3}, "long": {"policy": "reject"}})
+    stack = await start_stack(reactor, config=config, history_interval=0.2)
+    try:
+        stack.proxy.state.hold("game", "boss fight")
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+        expired = [
+            await treq.post(stack.proxy_url + "/api/chat", json=chat, persistent=False).addTimeout(TIMEOUT, reactor)
+            for _ in range(2)
+        ]
+        refused = await treq.post(
+            stack.proxy_url + "/api/generate", json={"model": "m", "prompt": "p"}, headers={"X-Yield-Class": "long"},
+            persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert [r.code for r in expired] == [503, 503] and refused.code == 503
+        at = len(stack.proxy.history)
+        await wait_for(reactor, lambda: len(stack.proxy.history) >= at + 3)
+        stack.proxy.state.release("game")
+        at = len(stack.proxy.history)
+        await wait_for(reactor, lambda: len(stack.proxy.history) >= at + 3)
+        dom = Dom((await chromium(stack.admin_url + "/", "--dump-dom")).decode("utf-8"))
+        rows = {r["data-class"]: (r["data-expired"], r["data-rejected"]) for r in dom.with_class("lost")}
+        assert rows == {"interactive": ("2", "0"), "batch": ("0", "0"), "long": ("0", "1")}, rows
+        [strip] = dom.with_class("upstream-strip")
+        assert strip["data-upstream"] == "default"
+        bands = [e["data-state"] for e in dom.with_class("upstream-band")]
+        assert bands == ["available", "yielded", "available"], bands
+    finally:
+        release_every_hold(stack.proxy.state)
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_simplest_screenshot_shows_the_state_not_connecting():
+    """``chromium --headless --screenshot URL``, no flags that wait for scripts: the served page already says the state."""
+    chromium_path()
+    stack = await start_stack(reactor)
+    try:
+        stack.proxy.state.hold("game", "boss fight <i>")
+        page = await treq.get(stack.admin_url + "/", persistent=False).addTimeout(TIMEOUT, reactor)
+        served = Dom((await page.content()).decode("utf-8"))
+        # Without running a script, the page says the state, who holds it and why (escaped), and that it needs JS.
+        assert served.by_id("state")["data-state"] == "yielded" and served.by_id("state")["text"] == "yielded"
+        assert served.by_id("state-detail")["text"] == "held by game"
+        assert "game holds all: boss fight <i>" in served.by_id("summary")["text"]
+        assert not [e for e in served.elements if e["tag"] == "i"]
+        assert "connecting" not in str(served.elements)
+        assert [e for e in served.elements if e["tag"] == "noscript"]
+
+        with tempfile.TemporaryDirectory(prefix="yp-shot-") as tmp:
+            shot = os.path.join(tmp, "simplest.png")
+            binary = chromium_path()
+            protocol = _Collect()
+            process = reactor.spawnProcess(
+                protocol, binary,
+                [binary, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp}/profile",
+                 f"--screenshot={shot}", "--window-size=1200,800", stack.admin_url + "/"],
+                env={**os.environ, "LANG": "C.UTF-8"},
+            )
+            killer = reactor.callLater(60, process.signalProcess, "KILL")
+            try:
+                assert await protocol.ended == 0, protocol.err[-2000:]
+            finally:
+                if killer.active():
+                    killer.cancel()
+            if os.environ.get("YIELDPROXY_KEEP_SCREENSHOT"):
+                shutil.copy(shot, os.environ["YIELDPROXY_KEEP_SCREENSHOT"] + ".simplest.png")
+            with open(shot, "rb") as f:
+                width, height, rows = read_png(f.read())
+        # The red "yielded" badge is in the header, whether or not the script had its answer yet.
+        red = count_pixels(rows, 0, 70, near((0xCF, 0x22, 0x2E), 10))
+        assert red > 300, f"no yielded badge in the header: {red} pixels"
+    finally:
+        release_every_hold(stack.proxy.state)
         await stack.stop()

@@ -18,10 +18,12 @@ visits can yield or resume the GPU, token or not.
 from __future__ import annotations
 
 import hmac
+import html
 import importlib.resources
 import json
 import math
 import os
+import time
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -81,6 +83,53 @@ _PAGE_SECURITY_HEADERS = [
 def _static_file(name: str) -> bytes:
     """One file of the status page, read from the installed package."""
     return importlib.resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+#: What the page shows before its script has run (index.html), replaced by :func:`first_view`.
+_BADGE = b'<span id="state" class="state state-unknown" data-state="unknown">connecting\xe2\x80\xa6</span>'
+_DETAIL = b'<span id="state-detail"></span>'
+_SUMMARY = b'<p id="summary" class="summary"></p>'
+
+
+def _state_detail(status: dict) -> str:
+    """The words beside the state badge (status.js says the same once it runs)."""
+    if status["state"] == "yielded":
+        return "held by " + ", ".join(h["source"] for h in status["holds"])
+    if status["state"] == "draining":
+        return "replaying parked requests"
+    if status["state"] == "unreachable":
+        return "the upstream has not answered since the proxy started"
+    return "requests go straight to the upstream"
+
+
+def first_view(page: bytes, status: dict | None, now: float) -> bytes:
+    """The status page with the state at the time it was served, for a reader without JavaScript (or before it runs).
+
+    ``status`` is None when the admin API has a token: the page is public and
+    holds no data then; it says what to do instead.  Every value is escaped:
+    hold reasons and sources are caller-written text.
+    """
+    if status is None:
+        badge = '<span id="state" class="state state-locked" data-state="locked">token needed</span>'
+        summary = ("This proxy has an admin token: the page asks for it to show the state (it needs JavaScript). "
+                   "Without it, run yieldproxy status --token-file FILE.")
+        detail = ""
+    else:
+        state = html.escape(status["state"])
+        badge = f'<span id="state" class="state state-{state}" data-state="{state}">{state}</span>'
+        detail = _state_detail(status)
+        parked = ", ".join(f"{cls} {n}" for cls, n in status["parked"].items() if n)
+        summary = (
+            f"{status['parked_total']} parked{f' ({parked})' if parked else ''}, {status['inflight']} in flight"
+            + "".join(f"; {h['source']} holds {h.get('upstream') or 'all'}: {h['reason'] or 'no reason given'}"
+                      for h in status["holds"])
+            + time.strftime(" (as of %H:%M:%S UTC)", time.gmtime(now))
+        )
+    return (
+        page.replace(_BADGE, badge.encode("utf-8"))
+        .replace(_DETAIL, f'<span id="state-detail">{html.escape(detail)}</span>'.encode("utf-8"))
+        .replace(_SUMMARY, f'<p id="summary" class="summary">{html.escape(summary)}</p>'.encode("utf-8"))
+    )
 
 
 class BadRequest(ValueError):
@@ -321,7 +370,8 @@ class AdminApp:
 
     @app.route("/", methods=["GET", "HEAD"])
     def page(self, request):
-        return self._static(request, "index.html")
+        body = self._static(request, "index.html")
+        return first_view(body, None if self.token is not None else self.status(), self._clock.seconds())
 
     @app.route("/static/<name>", methods=["GET", "HEAD"])
     def static(self, request, name):

@@ -6,9 +6,13 @@ few minutes" without a Prometheus at hand.  It holds at most ``capacity``
 samples (3600 at one a second: an hour, about a megabyte) and forgets the
 oldest first.
 
-Each sample is ``{t, state, parked: {class: count}, inflight}``, taken on the
-injected clock while the service runs (:func:`~yieldproxy.periodic.every`:
-one bad read is logged and the sampling goes on).
+Each sample is ``{t, state, parked: {class: count}, inflight, upstreams:
+{name: state}}``, taken on the injected clock while the service runs
+(:func:`~yieldproxy.periodic.every`: one bad read is logged and the sampling
+goes on).  Each also keeps the running totals of expired and refused requests
+per class (``yieldproxy_replay_total{outcome="expired"}`` and
+``yieldproxy_rejected_total``), so ``GET /history`` can say what was lost or
+refused over the samples it holds (``lost``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ class Snapshot:
     state: str
     parked: dict[str, int]
     inflight: int
+    #: Running totals per class: parked requests that expired, requests refused at once.
+    expired: dict[str, int] = attrs.field(factory=dict)
+    rejected: dict[str, int] = attrs.field(factory=dict)
+    #: Each upstream's state (``/status`` ``upstreams[*].state``), by name.
+    upstreams: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -50,6 +59,11 @@ class Sample:
     #: Counts per class, in the order of :attr:`History.classes`.
     parked: tuple[int, ...]
     inflight: int
+    #: Running totals per class, in the order of :attr:`History.classes`.
+    expired: tuple[int, ...] = ()
+    rejected: tuple[int, ...] = ()
+    #: States in the order of :attr:`History.upstreams`.
+    upstreams: tuple[str, ...] = ()
 
 
 @attrs.define(eq=False, slots=False)
@@ -62,6 +76,8 @@ class History(Service):
     classes: tuple[str, ...]
     interval: float = DEFAULT_INTERVAL
     capacity: int = DEFAULT_CAPACITY
+    #: The upstreams whose state each sample records, in ``/status`` order.
+    upstreams: tuple[str, ...] = ()
     _samples: collections.deque = attrs.field(init=False)
     _loop: LoopingCall | None = attrs.field(init=False, default=None)
 
@@ -96,7 +112,12 @@ class History(Service):
             t = round(self._clock.seconds(), 3)
             if self._samples and t <= self._samples[-1].t:
                 t = round(self._samples[-1].t + 0.001, 3)
-            self._samples.append(Sample(t, snap.state, parked, int(snap.inflight)))
+            self._samples.append(Sample(
+                t, snap.state, parked, int(snap.inflight),
+                tuple(int(snap.expired.get(cls, 0)) for cls in self.classes),
+                tuple(int(snap.rejected.get(cls, 0)) for cls in self.classes),
+                tuple(str(snap.upstreams.get(name, "unknown")) for name in self.upstreams),
+            ))
         except Exception:
             log.failure("history: taking a sample failed (sampling goes on)")
 
@@ -129,25 +150,75 @@ class History(Service):
             "interval": self.interval,
             "capacity": self.capacity,
             "classes": list(self.classes),
+            "upstreams": list(self.upstreams),
+            "lost": self.lost(),
             "samples": [self._sample_json(s) for s in self.samples(since)],
         }
 
-    def _sample_json(self, sample: Sample) -> dict[str, Any]:
+    def lost(self) -> dict[str, Any]:
+        """Expired and refused requests per class over the samples held (the last hour, once full).
+
+        The difference between the newest sample's running totals and the
+        oldest's; while the buffer is not yet full it holds every sample since
+        the start, when the totals were zero, so the oldest counts from zero.
+        """
+        zero = {"since": None, "expired": dict.fromkeys(self.classes, 0), "rejected": dict.fromkeys(self.classes, 0)}
+        if not self._samples:
+            return zero
+        first, last = self._samples[0], self._samples[-1]
+        full = len(self._samples) == self.capacity
+
+        def between(newest: tuple[int, ...], oldest: tuple[int, ...]) -> dict[str, int]:
+            base = oldest if full and len(oldest) == len(newest) else (0,) * len(newest)
+            return {cls: max(0, n - b) for cls, n, b in zip(self.classes, newest, base)}
+
         return {
+            "since": first.t,
+            "expired": between(last.expired, first.expired) if last.expired else zero["expired"],
+            "rejected": between(last.rejected, first.rejected) if last.rejected else zero["rejected"],
+        }
+
+    def _sample_json(self, sample: Sample) -> dict[str, Any]:
+        out = {
             "t": sample.t,
             "state": sample.state,
             "parked": dict(zip(self.classes, sample.parked)),
             "inflight": sample.inflight,
         }
+        if self.upstreams:
+            out["upstreams"] = dict(zip(self.upstreams, sample.upstreams))
+        return out
 
 
-def snapshot_reader(gate, lot, replayer, classes: Iterable[str]) -> Callable[[], Snapshot]:
-    """The reader :func:`~yieldproxy.service.build` gives :class:`History`: the same numbers as ``/status``."""
+def snapshot_reader(gate, lot, replayer, classes: Iterable[str], metrics=None) -> Callable[[], Snapshot]:
+    """The reader :func:`~yieldproxy.service.build` gives :class:`History`: the same numbers as ``/status``.
+
+    ``replayer`` is what has ``inflight`` (the pool); when it has ``members``,
+    each one's state is read too.  With ``metrics``, the running totals of
+    expired and refused requests are read from its counters.
+    """
     names = tuple(classes)
 
     def read() -> Snapshot:
         parked = dict.fromkeys(names, 0)
         parked.update(lot.count_by_class())
-        return Snapshot(gate.state_name, parked, replayer.inflight)
+        upstreams = {m.name: m.state_name() for m in getattr(replayer, "members", ())}
+        expired: dict[str, int] = {}
+        rejected: dict[str, int] = {}
+        if metrics is not None:
+            expired = _totals(metrics.replay_total, lambda labels: labels.get("outcome") == "expired")
+            rejected = _totals(metrics.rejected_total, lambda labels: True)
+        return Snapshot(gate.state_name, parked, replayer.inflight, expired, rejected, upstreams)
 
     return read
+
+
+def _totals(counter, wanted: Callable[[dict[str, str]], bool]) -> dict[str, int]:
+    """A counter's ``_total`` samples summed by their ``class`` label, those ``wanted`` only."""
+    totals: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and wanted(sample.labels):
+                cls = sample.labels.get("class", "")
+                totals[cls] = totals.get(cls, 0) + int(sample.value)
+    return totals

@@ -289,8 +289,8 @@ def build(
     handover = handovers[0] if len(handovers) == 1 and _alone(pool) else None
     discovery = tuple(_discovery(reactor, config, pool))
     history = History(
-        reactor, snapshot_reader(gate, lot, pool, config.classes), tuple(config.classes),
-        interval=history_interval,
+        reactor, snapshot_reader(gate, lot, pool, config.classes, metrics), tuple(config.classes),
+        interval=history_interval, upstreams=pool.names,
     )
     state.observe(history.state_changed)
 

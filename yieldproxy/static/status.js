@@ -21,6 +21,7 @@
     interval: 1,
     capacity: 3600,
     classes: CLASS_ORDER.slice(),
+    upstreams: [], // names, in /status order: each sample has each one's state
     serverNow: null,
     status: null,
     timer: null,
@@ -95,6 +96,69 @@
     return response.json();
   }
 
+  // Changes go to this listener only, as JSON, with the token the page holds: the API's own
+  // rules apply (the admin token, not the read-only one; a JSON body; same origin).
+  async function postJSON(path, body) {
+    const headers = { Accept: "application/json", "Content-Type": "application/json" };
+    const t = token() || page.token;
+    if (t) headers.Authorization = "Bearer " + t;
+    const response = await fetch(path, {
+      method: "POST", headers, body: JSON.stringify(body), cache: "no-store", credentials: "omit",
+    });
+    let answer = null;
+    try { answer = await response.json(); } catch (e) { answer = null; }
+    if (response.status === 401) throw new Unauthorized(t ? "refused" : "missing");
+    if (!response.ok) {
+      const why = answer && typeof answer.error === "string" ? answer.error : "answered " + response.status;
+      throw new Error(why);
+    }
+    return answer;
+  }
+
+  function showResult(message, failed) {
+    const result = $("control-result");
+    result.textContent = message;
+    result.className = failed ? "failed" : "done";
+  }
+
+  async function change(path, body, done) {
+    try {
+      const status = await postJSON(path, body);
+      showResult(done, false);
+      page.status = status;
+      renderStatus(status);
+      poll();
+    } catch (e) {
+      if (e instanceof Unauthorized) {
+        askForToken(e.message === "refused");
+        return;
+      }
+      showResult(path + " refused: " + e.message, true);
+    }
+  }
+
+  $("yield-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const source = $("hold-source").value.trim();
+    const minutes = Number($("hold-lease").value);
+    const body = { source, reason: $("hold-reason").value, for_seconds: Math.round(minutes * 60) };
+    const upstream = $("hold-upstream").value;
+    if (upstream) body.upstream = upstream;
+    change("yield", body, "Yielded: " + source + " holds " + (upstream || "the GPU") + " for " + duration(minutes * 60) + ".");
+  });
+
+  function resumeButton(hold) {
+    const button = el("button", "resume", "Resume");
+    button.type = "button";
+    button.dataset.source = hold.source;
+    button.addEventListener("click", () => {
+      const body = { source: hold.source };
+      if (hold.upstream != null) body.upstream = hold.upstream;
+      change("resume", body, "Resumed: " + hold.source + " holds " + (hold.upstream == null ? "nothing" : "no longer " + hold.upstream) + ".");
+    });
+    return button;
+  }
+
   async function poll() {
     clearTimeout(page.timer);
     if (page.waitingForToken) return;
@@ -103,6 +167,7 @@
       const [status, hist] = await Promise.all([getJSON("status"), getJSON("history" + since)]);
       showError("");
       addHistory(hist);
+      renderLost(hist.lost);
       renderLegend();
       page.status = status;
       renderStatus(status);
@@ -122,6 +187,7 @@
     page.interval = hist.interval || 1;
     page.capacity = hist.capacity || 3600;
     page.classes = hist.classes && hist.classes.length ? hist.classes : CLASS_ORDER.slice();
+    page.upstreams = hist.upstreams || [];
     page.serverNow = hist.now;
     if (page.lastT !== null && hist.now < page.lastT - 5) {
       // The server's clock went back (or another proxy answers here): start over.
@@ -204,6 +270,7 @@
       detail += " (" + away.join(", ") + ")";
     }
     setState(status.state, detail);
+    $("summary").hidden = true; // the static first view (admin.py first_view): the cards say it all now
     $("updated").textContent = "updated " + clock(now) + " · version " + status.version;
 
     const parked = $("parked");
@@ -239,6 +306,9 @@
         el("td", "num expiry", hold.expires_at == null ? "no lease" : "in " + duration(hold.expires_at - now)),
         el("td", "num expected", hold.expected_end == null ? "—" : "in " + duration(hold.expected_end - now)),
       );
+      const action = el("td", "action");
+      action.append(resumeButton(hold));
+      row.append(action);
       body.append(row);
     }
     $("holds").hidden = holds.length === 0;
@@ -255,7 +325,51 @@
   }
 
   // One row per upstream of a pool; a pool of one shows none (the badge says it all).
+  function renderUpstreamChoice(upstreams) {
+    const select = $("hold-upstream");
+    const names = upstreams.map((u) => u.name);
+    const have = [...select.options].slice(1).map((o) => o.value);
+    $("hold-upstream-label").hidden = names.length < 2;
+    if (have.join("\n") === names.join("\n")) return;
+    const chosen = select.value;
+    select.replaceChildren(el("option", "", "all"));
+    select.options[0].value = "";
+    for (const name of names) {
+      const option = el("option", "", name);
+      option.value = name;
+      select.append(option);
+    }
+    select.value = names.includes(chosen) ? chosen : "";
+  }
+
+  // Expired and refused requests per class over the history the proxy keeps (the last hour).
+  function renderLost(lost) {
+    const body = $("lost-body");
+    body.replaceChildren();
+    if (!lost) return;
+    $("lost-window").textContent = lost.since == null ? "" : "expired · refused since " + clock(lost.since);
+    const names = Object.keys(lost.expired || {});
+    names.sort((a, b) => CLASS_ORDER.indexOf(a) - CLASS_ORDER.indexOf(b));
+    for (const cls of names) {
+      const row = el("tr", "lost");
+      row.dataset.class = cls;
+      const expired = (lost.expired || {})[cls] || 0;
+      const refused = (lost.rejected || {})[cls] || 0;
+      row.dataset.expired = String(expired);
+      row.dataset.rejected = String(refused);
+      const name = el("td", "name");
+      name.append(el("span", "swatch swatch-" + cls), document.createTextNode(" " + cls));
+      const expiredCell = el("td", "num expired" + (expired ? " nonzero" : ""), String(expired));
+      expiredCell.title = "expired while parked";
+      const refusedCell = el("td", "num rejected" + (refused ? " nonzero" : ""), String(refused));
+      refusedCell.title = "refused at once";
+      row.append(name, expiredCell, refusedCell);
+      body.append(row);
+    }
+  }
+
   function renderUpstreams(upstreams) {
+    renderUpstreamChoice(upstreams);
     const body = $("upstreams-body");
     body.replaceChildren();
     $("upstreams-section").hidden = upstreams.length < 2;
@@ -329,6 +443,29 @@
     return out;
   }
 
+  // Runs of equal values of read(sample): [value, start, end), broken at gaps as runs() does.
+  function stateRuns(samples, read, now, gap) {
+    const out = [];
+    let current = null;
+    let prev = null;
+    for (const s of samples) {
+      const value = read(s);
+      const broken = prev !== null && s.t - prev.t > gap;
+      if (current !== null && (value !== current[0] || broken)) {
+        current[2] = broken ? prev.t + page.interval : s.t;
+        out.push(current);
+        current = null;
+      }
+      if (current === null) current = [value, s.t, null];
+      prev = s;
+    }
+    if (current !== null) {
+      current[2] = now;
+      out.push(current);
+    }
+    return out;
+  }
+
   function renderLegend() {
     const legend = $("legend");
     legend.replaceChildren();
@@ -346,12 +483,15 @@
   function renderChart() {
     const chart = $("chart");
     const width = Math.max(320, Math.round(chart.getBoundingClientRect().width || 900));
-    const height = 300;
-    const m = { left: 44, right: 14, top: 12, bottom: 26 };
+    const STRIP = 16;
+    const strips = page.upstreams.length ? 8 + STRIP * page.upstreams.length : 0;
+    const height = 300 + strips;
+    const m = { left: 44, right: 14, top: 12, bottom: 26 + strips };
     const w = width - m.left - m.right;
     const h = height - m.top - m.bottom;
     chart.setAttribute("viewBox", "0 0 " + width + " " + height);
     chart.setAttribute("width", width);
+    chart.setAttribute("height", height);
     chart.replaceChildren();
 
     const now = page.serverNow;
@@ -401,7 +541,7 @@
     const { ticks } = timeTicks(t0, now);
     for (const t of ticks) {
       grid.append(svg("line", { class: "grid", x1: x(t), x2: x(t), y1: m.top, y2: m.top + h }));
-      grid.append(svg("text", { class: "tick", x: x(t), y: height - 8, "text-anchor": "middle" }, clock(t).slice(0, span > 900 ? 5 : 8)));
+      grid.append(svg("text", { class: "tick", x: x(t), y: m.top + h + 18, "text-anchor": "middle" }, clock(t).slice(0, span > 900 ? 5 : 8)));
     }
     grid.append(svg("line", { class: "now-line", x1: x(now), x2: x(now), y1: m.top, y2: m.top + h }));
     chart.append(grid);
@@ -435,6 +575,25 @@
       }));
     }
     chart.append(lines);
+
+    // Each upstream's state over time: one strip each, under the time axis.
+    const states = svg("g", { id: "upstream-strips" });
+    page.upstreams.forEach((name, i) => {
+      const top = m.top + h + 26 + i * STRIP;
+      const row = svg("g", { class: "upstream-strip", "data-upstream": name });
+      row.append(svg("text", { class: "tick strip-name", x: m.left - 6, y: top + 10, "text-anchor": "end" }, name.slice(0, 7)));
+      for (const [state, a, b] of stateRuns(visible, (s) => (s.upstreams || {})[name], now, gap)) {
+        if (b < t0 || state === undefined) continue;
+        const rect = svg("rect", {
+          class: "upstream-band band-" + state, "data-state": state, "data-start": a, "data-end": b,
+          x: x(a).toFixed(1), y: top, width: Math.max(1, x(b) - x(a)).toFixed(1), height: STRIP - 4,
+        });
+        rect.append(svg("title", {}, name + " " + state + " " + clock(a) + " – " + clock(b) + " (" + duration(b - a) + ")"));
+        row.append(rect);
+      }
+      states.append(row);
+    });
+    chart.append(states);
 
     if (!visible.length) {
       chart.append(svg("text", { class: "empty", x: m.left + w / 2, y: m.top + h / 2, "text-anchor": "middle" },
