@@ -42,8 +42,12 @@ KINDS = {
 }
 SENT = 40
 CONCURRENCY = 8
-#: How long the backend fails in each cell.
-WINDOW = 0.6
+#: upstream.attempt_timeout_seconds, model_probe_timeout_seconds and stall_timeout_seconds in the cells:
+#: short, yet long enough that a loaded machine does not time out a healthy call.
+TIMEOUTS = 0.8
+#: How long the backend keeps failing once every caller waits in the lot (so that the window is
+#: decided by events, not by the speed of a loaded machine).
+WINDOW = 0.3
 TIMEOUT = 60
 PATHS = {"embed": "/api/embed", "chat": "/api/chat"}
 
@@ -104,17 +108,17 @@ class Callers:
 
 def matrix_config():
     upstream = {
-        "attempt_timeout_seconds": 0.5,
-        "model_probe_timeout_seconds": 0.5,
+        "attempt_timeout_seconds": TIMEOUTS,
+        "model_probe_timeout_seconds": TIMEOUTS,
         "health_interval_seconds": 0.1,
         "health_max_interval_seconds": 0.4,
         "retry_backoff_seconds": 0.02,
         "retry_backoff_max_seconds": 0.05,
-        # Fewer tries than the window holds timeouts: an attempt the failure explains must not count.
+        # Fewer tries than a hang's window holds timeouts: an attempt the failure explains must not count.
         "max_attempts": 2,
     }
     if HAS_STALL_TIMEOUT:
-        upstream["stall_timeout_seconds"] = 0.5
+        upstream["stall_timeout_seconds"] = TIMEOUTS
     return config_with(replay={"concurrency": 4}, upstream=upstream)
 
 
@@ -131,10 +135,17 @@ async def test_a_real_client_burst_loses_nothing_whatever_the_upstream_does(decl
         running = in_thread(reactor, callers.run, timeout=TIMEOUT)
         await wait_for(reactor, lambda: callers.done >= CONCURRENCY, timeout=30)
         # The backend fails; in the declared row the operator yields at the same moment.
-        failing = stack.sim.set_mode(KINDS[kind])
+        # A GPU that fails fails the calls in progress too.
+        failing = stack.sim.set_mode(KINDS[kind], in_flight=True)
         if declared:
             await admin(stack, "/yield", {"reason": "matrix", "source": "broker"})
         await failing
+        if declared:
+            # Every caller's request is back in the lot (the ones in flight failed and went back).
+            await wait_for(reactor, lambda: len(stack.proxy.lot) == CONCURRENCY, timeout=30)
+        else:
+            # The proxy judged the failures an outage by itself (a probe of the same call failed too).
+            await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=30)
         await sleep(reactor, WINDOW)
         await stack.sim.set_mode("ok")
         if declared:
@@ -145,6 +156,7 @@ async def test_a_real_client_burst_loses_nothing_whatever_the_upstream_does(decl
             f"matrix cell {'declared' if declared else 'undeclared'}/{kind}/{route}: "
             f"{len(callers.failures)} caller failures, {len(callers.wrong)} wrong, "
             f"{backend} backend requests (bound {SENT + 2 * CONCURRENCY})"
+            + (f"; first failure: {callers.failures[0]}" if callers.failures else "")
         )
         assert callers.failures == [], callers.failures[:3]
         assert callers.wrong == []
@@ -154,7 +166,10 @@ async def test_a_real_client_burst_loses_nothing_whatever_the_upstream_does(decl
         assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(SENT)}
         # The backend saw each call, the calls caught by the failure once more, and the probes.
         assert backend <= SENT + 2 * CONCURRENCY, (backend, dict(stack.sim.requests_total))
-        # The window did catch calls (the matrix tests what it says).
+        # The window did catch calls (the matrix tests what it says): in the undeclared row, the
+        # proxy judged them an outage by itself.
         assert counter_total(stack, "yieldproxy_upstream_failures") > 0
+        if not declared:
+            assert stack.sample("yieldproxy_yields_total", source="outage") >= 1
     finally:
         await stack.stop()

@@ -185,6 +185,25 @@ class Scheduler:
         """The jobs queued or being served whose answer has not begun (not hung ones)."""
         return [job for job in self._jobs if job.state in ("queued", "serving") and not job.headers_sent]
 
+    def hang(self, job: Job) -> bool:
+        """Hold a queued or served job unanswered from now on (a runner wedged mid-call), its slot
+        freed; True when it held one (its model is the caller's to let go)."""
+        if job.state not in ("queued", "serving"):
+            return False
+        if job.timer is not None and job.timer.active():
+            job.timer.cancel()
+        job.timer = None
+        previous, job.state = job.state, "hung"
+        if previous == "queued":
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                pass
+            return False
+        self._serving.discard(job)
+        self._pump()
+        return True
+
     def abort_all(self, outcome: str) -> None:
         """Reset every job's connection (``reset``, ``refuse``, ``stop``)."""
         for job in list(self._jobs):

@@ -302,7 +302,8 @@ class SimOllama:
 
         With ``in_flight``, ``error500`` and ``error500_unknown`` also answer
         every request queued or being served whose answer has not begun, as a
-        GPU that fails fails every call in progress.
+        GPU that fails fails every call in progress; ``hang`` and
+        ``stall_head`` hold them unanswered (``stall_head`` after their head).
 
         :returns: a Deferred that fires once the port is closed or open again
             (at once when the port is not involved).
@@ -314,6 +315,17 @@ class SimOllama:
             failure = "outage" if mode == "error500" else "outage_unknown" if self._flavour.name == "ollama" else "internal"
             for job in self._scheduler.unanswered():
                 self._send(job, self._flavour.error(job.route.style, failure, "", job), "error500")
+        elif in_flight and mode in ("hang", "stall_head"):
+            for job in self._scheduler.unanswered():
+                if self._scheduler.hang(job):
+                    self.store.cancel(job.key, job)
+                    if job.holds_model:
+                        job.holds_model = False
+                        self.store.release(job.key, job.keep_alive)
+                if mode == "stall_head":
+                    job.request.setHeader(b"content-type", JSON)
+                    job.request.write(b"")
+                    job.headers_sent = True
         if mode in ("reset", "refuse"):
             self._scheduler.abort_all("reset" if mode == "reset" else "refused")
         elif old in ("reset", "refuse"):
