@@ -231,3 +231,23 @@ async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
         assert not stack.proxy.state.yielded
     finally:
         await stack.stop()
+
+
+def test_a_renewal_a_whole_lease_late_marks_the_hold_lost(monkeypatch):
+    """The renewing thread did not run for a lease (a suspended process): the hold lapsed, even if it is back."""
+    import yieldproxy.client as client
+
+    class Answering:
+        timeout = 10.0
+
+        def yield_gpu(self, *args, **kwargs):
+            return {"state": "yielded"}
+
+    times = iter([100.0, 101.5, 104.0])
+    monkeypatch.setattr(client.time, "monotonic", lambda: next(times))
+    hold = client.Hold(Answering(), "broker", "a game", lease_seconds=2)
+    hold._take()
+    hold._renew_once()
+    assert (hold.lost, hold.renewals) == (False, 1)
+    hold._renew_once()
+    assert (hold.lost, hold.renewals, hold.error) == (True, 2, None)

@@ -441,6 +441,12 @@ async def test_page_shows_each_upstream_of_a_pool():
         assert dom.with_class("reason")[0]["text"] == REASON
         assert dom.by_id("state")["data-state"] == "available"
         assert dom.by_id("state-detail")["text"].endswith("(desktop yielded)")
+        # The yield form offers each upstream by name (or all of them).
+        assert dom.by_id("hold-upstream-label").get("hidden") is None
+        options = [e for e in dom.elements if e["tag"] == "option" and e.get("value") is not None and e["text"] in ("all", "desktop", "server")]
+        assert [(o["value"], o["text"]) for o in options] == [("", "all"), ("desktop", "desktop"), ("server", "server")]
+        # Each upstream's state over time, one strip each.
+        assert [e["data-upstream"] for e in dom.with_class("upstream-strip")] == ["desktop", "server"]
     finally:
         await stack.stop()
 

@@ -207,12 +207,19 @@ class Hold:
         return f"Hold({self.source!r}, lease={self.lease_seconds:g}, lost={self.lost})"
 
     def _take(self) -> dict:
-        """``POST /yield`` with the lease; a renewal is the same call again."""
+        """``POST /yield`` with the lease; a renewal is the same call again.
+
+        A renewal sent a whole lease after the last one (this process was
+        stopped, or the renewals kept failing) took the hold again: it had
+        lapsed in between, so :attr:`lost` is set.
+        """
         sent = time.monotonic()
         answer = self.admin.yield_gpu(
             self.source, self.reason, for_seconds=self.lease_seconds, expected_seconds=self.expected_seconds,
             upstream=self.upstream, timeout=self._call_timeout(),
         )
+        if self.renewed_at is not None and sent - self.renewed_at >= self.lease_seconds:
+            self.lost = True
         self.renewed_at = sent
         return answer
 
@@ -253,6 +260,7 @@ class Hold:
             self._renew_once()
 
     def __enter__(self) -> Hold:
+        self._stop = threading.Event()
         self._take()
         self._thread = threading.Thread(target=self._renew_loop, name=f"yieldproxy-hold-{self.source}", daemon=True)
         self._thread.start()

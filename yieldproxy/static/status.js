@@ -347,7 +347,7 @@
     const body = $("lost-body");
     body.replaceChildren();
     if (!lost) return;
-    $("lost-window").textContent = lost.since == null ? "" : "expired · refused since " + clock(lost.since);
+    $("lost-window").textContent = lost.since == null ? "" : "since " + clock(lost.since);
     const names = Object.keys(lost.expired || {});
     names.sort((a, b) => CLASS_ORDER.indexOf(a) - CLASS_ORDER.indexOf(b));
     for (const cls of names) {
