@@ -82,13 +82,13 @@ def release_every_hold(state: YieldState) -> None:
         state.release(hold.source, hold.scope)
 
 
-def make_core(config: Config | None = None, twin_ok=None, **replay) -> Core:
+def make_core(config: Config | None = None, twin_ok=None, judges=None, **replay) -> Core:
     config = config or Config()
     if replay:
         config = attrs.evolve(config, replay=attrs.evolve(config.replay, **replay))
     clock = Clock()
     metrics = Metrics()
-    state, lot, replayer, gate = build_core(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok)
+    state, lot, replayer, gate = build_core(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok, judges=judges)
     return Core(clock, metrics, state, lot, replayer, gate)
 
 
@@ -287,12 +287,12 @@ def pool_config(*members, config: Config | None = None) -> Config:
     return attrs.evolve(config or Config(), upstreams=tables)
 
 
-def make_pool_core(*members, config: Config | None = None, twin_ok=None, **replay) -> Core:
+def make_pool_core(*members, config: Config | None = None, twin_ok=None, judges=None, **replay) -> Core:
     """A :class:`Core` whose gate routes over a pool of ``members`` (see :func:`pool_config`); ``core.gate.pool``.
 
     ``twin_ok(member, entry)``: the pool's twin check (default: every eligible member serves).
     """
-    return make_core(pool_config(*members, config=config), twin_ok=twin_ok, **replay)
+    return make_core(pool_config(*members, config=config), twin_ok=twin_ok, judges=judges, **replay)
 
 
 @attrs.define(eq=False)

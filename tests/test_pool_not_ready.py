@@ -53,10 +53,10 @@ def went(d: Deferred) -> bool:
     return bool(results)
 
 
-def two(config=None):
+def two(config=None, judges=None):
     core = make_pool_core(
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
-        config=config,
+        config=config, judges=judges,
     )
     llama = core.gate.pool.member("llama")
     health = llama.control = Health()
@@ -365,10 +365,14 @@ def test_a_probe_answered_not_ready_takes_no_outage_hold_and_makes_the_member_no
             self.asked.append(path)
             return succeed(Answer(503, LOADING))
 
-    core, llama, _ = two()
+    # Each member's health judges with its outage watcher, as service.build wires them.
+    watchers: dict[str, OutageWatcher] = {}
+    core, llama, _ = two(judges=lambda name: lambda reason, call=None: watchers[name].judge(reason, call))
     control = Control()
     probe = UpstreamProbe(control, llama.health, "/health", server=llama.server)
-    watcher = OutageWatcher(core.clock, core.state, llama.health, probe, core.metrics, scope="llama", member="llama")
+    watcher = watchers["llama"] = OutageWatcher(
+        core.clock, core.state, llama.health, probe, core.metrics, scope="llama", member="llama",
+    )
     llama.health.answered()  # it answered before (a model list, a request)
     watcher.startService()
     # The probe at start reads its health: not ready, no hold.

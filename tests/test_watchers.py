@@ -15,6 +15,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+import attrs
 import pytest
 import pytest_twisted
 import treq
@@ -28,6 +29,7 @@ from twisted.python.failure import Failure
 from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
 from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
+from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
 from yieldproxy.servers.base import ModelCall
@@ -515,8 +517,11 @@ class FakeCheck:
 
 
 def outage_watcher(**options):
-    core = make_core()
     check = FakeCheck()
+    # The health judges with its watcher, as service.build wires them.
+    core = attrs.evolve(
+        make_core(), health=UpstreamHealth("http://upstream.invalid", judge=lambda reason, call=None: watcher.judge(reason, call)),
+    )
     watcher = OutageWatcher(core.clock, core.state, core.health, check, core.metrics, **options)
     return watcher, check, core
 

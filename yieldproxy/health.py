@@ -47,6 +47,8 @@ class UpstreamHealth:
     url: str
     #: True once the upstream has answered since the proxy started.
     reachable: bool = False
+    #: Decides the verdicts (its outage watcher's ``judge``, given by the composition root;
+    #: None: no failure is forgiven).
     _judge: Judge | None = None
     _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
     _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
@@ -136,6 +138,3 @@ class UpstreamHealth:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def judge_outages_with(self, judge: Judge | None) -> None:
-        """Let ``judge`` decide the verdicts from now on (None: no failure is forgiven)."""
-        self._judge = judge

@@ -39,7 +39,7 @@ from .fallback import EmbedBackend, Fallback
 from .forward import Upstream
 from .gate import Gate
 from .handover import Handover
-from .health import UpstreamHealth
+from .health import Judge, UpstreamHealth
 from .history import History, snapshot_reader
 from .holdstore import HoldStore, keep_holds
 from .listener import CannotListen, Listener
@@ -59,6 +59,7 @@ from .pool.routing import Pool, any_member, make_members
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
+from .servers import ModelCall
 from .state import ALL, YieldState, transition_logger
 from .succession import Setup, Succession
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
@@ -136,17 +137,17 @@ class Heart:
 
 def build_core(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
-    twin_ok: Callable[[Any, Any], bool] | None = None,
+    twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
 ) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
     """The yield state, the lot, the first member's drainer and the gate (:func:`build_heart`)."""
-    heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok)
+    heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok, judges=judges)
     return heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate
 
 
 def build_heart(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
     fallback_backends: tuple[Any, Any] | None = None, twins: bool = False,
-    twin_ok: Callable[[Any, Any], bool] | None = None,
+    twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
 ) -> Heart:
     """The yield state, the lot, the pool and the gate: the clock-driven heart, made and wired.
 
@@ -185,7 +186,7 @@ def build_heart(
         )
     # The members and their drainers, then the pool they form (its routing decides, when asked,
     # what each drainer takes).
-    members = make_members(reactor, state, lot, metrics, cooperator, config, specs, clients, lambda: pool)
+    members = make_members(reactor, state, lot, metrics, cooperator, config, specs, clients, lambda: pool, judges)
     verifier = None
     if twins and sum(not m.spec.fallback for m in members) > 1:
         # Embeddings go to a model's reference or its verified twins.
@@ -265,8 +266,24 @@ def build(
             EmbedBackend(reactor, made[FALLBACK_MEMBER][0], fc.api, fc.timeout_seconds),
         )
 
+    # Each member's outage watcher (made below, from the member's health) judges its failures:
+    # the health is made with a judge that asks it.
+    outage_watchers: dict[str, OutageWatcher] = {}
+
+    def judges(name: str) -> Judge | None:
+        """A member's judge: its outage watcher's, or None for a member that detects no outages."""
+        if not next(spec for spec in specs if spec.name == name).detect_outages:
+            return None
+
+        def judge(reason: str, call: ModelCall | None = None) -> Deferred[bool]:
+            return outage_watchers[name].judge(reason, call)
+
+        return judge
+
     # The clock-driven heart, and what it reports.
-    heart = build_heart(reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends, twins=True)
+    heart = build_heart(
+        reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends, twins=True, judges=judges,
+    )
     state, lot, pool, gate, fallback, twins = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback, heart.twins
     replayer = pool.members[0].drainer
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
@@ -285,6 +302,7 @@ def build(
 
     # What takes holds by itself, and what acts on them.
     watchers = tuple(_watchers(reactor, config, state, metrics, pool))
+    outage_watchers.update((w.member, w) for w in watchers if isinstance(w, OutageWatcher))
     handovers = tuple(_handovers(reactor, config, state, metrics, pool))
     handover = handovers[0] if len(handovers) == 1 and _alone(pool) else None
     discovery = tuple(_discovery(reactor, config, pool))

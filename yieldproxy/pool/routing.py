@@ -60,7 +60,7 @@ from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
 from ..config import Config
-from ..health import UpstreamHealth
+from ..health import Judge, UpstreamHealth
 from ..metrics import Metrics
 from ..names import PASSTHROUGH
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
@@ -456,13 +456,15 @@ def _single_open(pool: Callable[[], Pool]) -> bool:
 def make_members(
     clock: IReactorTime, state: YieldState, lot: ParkingLot, metrics: Metrics, cooperator: Cooperator,
     config: Config, specs: Sequence[MemberSpec], clients: Callable[[MemberSpec], tuple[Any, Any]] | None,
-    pool: Callable[[], Pool],
+    pool: Callable[[], Pool], judges: Callable[[str], Judge | None] | None = None,
 ) -> tuple[Member, ...]:
     """Each member of ``specs`` with its drainer, health and catalogue (for ``service.build_heart``).
 
     ``pool()`` is the pool they will form (made after them): its routing
     decides what each drainer takes and when it is open, read when asked.
     ``clients(spec)`` gives each its request and control clients (None: neither).
+    ``judges(name)`` gives a member's health the judge of its failures (its
+    outage watcher's; None, or no ``judges``: no failure is forgiven).
     """
     several = len(specs) > 1
     # One upstream beside at most the legacy fallback: its holds are every member's, as they always were.
@@ -487,7 +489,7 @@ def make_members(
         members.append(
             Member(
                 spec, index, clock, state, member_server(spec.api, base_url=spec.fallback),
-                UpstreamHealth(spec.url), ModelCatalogue(spec.models, spec.model_map),
+                UpstreamHealth(spec.url, judge=judges(spec.name) if judges is not None else None), ModelCatalogue(spec.models, spec.model_map),
                 drainer, upstream, control,
                 recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
                 check_timeout_seconds=up.health_timeout_seconds,

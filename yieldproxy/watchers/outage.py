@@ -3,8 +3,10 @@
 The upstream's health (health.py) hands every failed attempt of the outage
 kinds (:data:`OUTAGE_REASONS`: refused, connect, reset, timeout, stall,
 gpu_error, status_503, and a 5xx in words no list has) to
-:meth:`OutageWatcher.judge` while the watcher runs, which answers with a
-verdict: does a recognised outage explain the failure?
+:meth:`OutageWatcher.judge` (the composition root gives the health its
+watcher's judge when it makes it), which answers with a verdict while the
+watcher runs (stopped, it forgives nothing): does a recognised outage explain
+the failure?
 
 * The GPU is yielded already (another source holds it), or the ``outage``
   hold is in place: yes, at once.  Nothing is probed then: nothing reaches a
@@ -207,7 +209,6 @@ class OutageWatcher(Service):
     def startService(self) -> None:
         super().startService()
         self._health.listen(self.upstream_result)
-        self._health.judge_outages_with(self.judge)
         # One probe at start, so an outage before the first request is an outage too.
         self._start_probe(None)
 
@@ -215,7 +216,6 @@ class OutageWatcher(Service):
         """Stop listening, judging and probing; an outage hold stays (the upstream is still down)."""
         super().stopService()
         self._health.forget(self.upstream_result)
-        self._health.judge_outages_with(None)
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
