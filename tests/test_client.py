@@ -251,3 +251,77 @@ def test_a_renewal_a_whole_lease_late_marks_the_hold_lost(monkeypatch):
     assert (hold.lost, hold.renewals) == (False, 1)
     hold._renew_once()
     assert (hold.lost, hold.renewals, hold.error) == (True, 2, None)
+
+
+class _ScriptedAdmin:
+    """A stdlib admin 'API' on 127.0.0.1 that answers each connection with the next scripted bytes (then a good one)."""
+
+    GOOD = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 20\r\nconnection: close\r\n\r\n{"state": "yielded"}'
+
+    def __init__(self, script: list[bytes]):
+        import socket
+        import threading
+
+        self.script = list(script)
+        self.paths: list[bytes] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data:
+                        got = conn.recv(65536)
+                        if not got:
+                            break
+                        data += got
+                    self.paths.append(data.split(b" ", 2)[1] if data.count(b" ") >= 2 else b"")
+                    conn.sendall(self.script.pop(0) if self.script else self.GOOD)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_a_renewal_cut_mid_answer_or_answered_in_garbage_is_an_error_and_the_renewals_go_on():
+    """http.client's own errors (a body cut short, a status line that is not HTTP) are no OSError: they
+    killed the renewing thread, so the hold was never renewed again and nothing said so."""
+    admin_api = _ScriptedAdmin([
+        _ScriptedAdmin.GOOD,  # the take
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"state\"",  # cut short: IncompleteRead
+        b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP: BadStatusLine
+    ])
+    errors: list = []
+    try:
+        hold = Admin(admin_api.url, timeout=2).hold(
+            "broker", "a game", lease_seconds=0.6, on_error=lambda h, e: errors.append(e),
+        )
+        with hold:
+            deadline = time.monotonic() + 10
+            while hold.renewals < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            alive = hold._thread is not None and hold._thread.is_alive()
+        assert alive and hold.renewals >= 3, (hold.renewals, errors)
+        assert len(errors) == 2 and all(isinstance(e, AdminUnreachable) for e in errors), errors
+        assert hold.error is None and not hold.lost
+        assert admin_api.paths[-1] == b"/resume"
+    finally:
+        admin_api.close()

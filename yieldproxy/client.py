@@ -22,6 +22,7 @@ proxy may have given the GPU back meanwhile).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import socket
@@ -162,6 +163,11 @@ class Admin:
             code, raw = e.code, e.read()
         except (urllib.error.URLError, OSError) as e:
             raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
+        except http.client.HTTPException as e:
+            # No OSError: a body cut short (IncompleteRead), a status line that is not HTTP (BadStatusLine).
+            raise AdminUnreachable(
+                f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
+            ) from None
         return read_answer(code, raw, self.url, self._token is not None)
 
 
