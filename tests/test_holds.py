@@ -351,6 +351,7 @@ def test_a_process_that_another_claimed_the_file_after_writes_it_no_more(tmp_pat
     path = tmp_path / "holds.json"
     old_clock, old_state, old_store = started(path, at=0)
     old_store.pid = 100
+    old_store.running = lambda pid: pid == 200  # the new process runs (its pid is made up, as the old one's)
     old_state.hold("broker", "game", for_seconds=8)
     # The new process starts (the old one is still running), claims the file, and the broker renews there.
     new_clock = clock_at(2)
@@ -378,6 +379,7 @@ def test_an_older_claim_written_last_does_not_take_the_file_back(tmp_path):
     path = tmp_path / "holds.json"
     _, old_state, old_store = started(path, at=0)
     old_store.pid = 100
+    old_store.running = lambda pid: pid == 200  # the new process runs (its pid is made up, as the old one's)
     new_clock = clock_at(5)
     new_state, new_store = YieldState(new_clock), HoldStore(new_clock, path, pid=200)
     keep_holds(new_state, new_store, restart_hold_seconds=600)
@@ -393,3 +395,28 @@ def test_an_older_claim_written_last_does_not_take_the_file_back(tmp_path):
     # And the old process, at its next change, sees the newer claim.
     old_state.hold("other", "x")
     assert old_store.superseded and [h["source"] for h in written(path)] == ["broker"]
+
+
+def test_a_claim_by_a_process_that_is_gone_takes_nothing_away(tmp_path):
+    """A second proxy started by mistake with the same holds file claims it while it builds, then dies (its port is
+    taken): the running proxy must go on writing its holds, or a resume it takes later is lost at the next restart."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    dead_pid = int(gone.stdout)
+    path = tmp_path / "holds.json"
+    _, running_state, running_store = started(path, at=0)
+    running_state.hold("api", "a game")
+    # The mistaken second start: it claims the file at build time, then exits (address in use).
+    second_clock = clock_at(5)
+    keep_holds(YieldState(second_clock), HoldStore(second_clock, path, pid=dead_pid), restart_hold_seconds=600)
+    assert json.loads(path.read_text())["pid"] == dead_pid
+    with LogCapture() as logs:
+        running_state.release("api")
+    assert not running_store.superseded
+    assert written(path) == [] and json.loads(path.read_text())["pid"] == os.getpid()
+    assert any(f"pid {dead_pid}" in formatEvent(e) and "gone" in formatEvent(e) for e in logs.events)
+    # The file is this process's again: a later claim by a running process still takes it.
+    running_state.hold("api", "again")
+    assert [h["source"] for h in written(path)] == ["api"]

@@ -31,7 +31,10 @@ claiming it (its pid and the time), and a process that finds the file
 claimed later by another stops writing it.  After a reload the old process
 lives on while its requests in flight finish, with its own copy of the
 holds: a lease the broker renewed at the new process runs out in that copy,
-and writing that would erase the renewal.
+and writing that would erase the renewal.  A claim by a process that is no
+longer running takes nothing away: a second proxy started by mistake with the
+same file claims it while it builds, then exits (its port is taken), and the
+running proxy writes the file again at its next change.
 
 Where: ``state.holds_file``, or by default a file named after the two
 listen endpoints (:func:`holds_path`), so a restart with the same command
@@ -46,7 +49,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -124,6 +127,8 @@ class HoldStore:
     _last: list[dict[str, Any]] | None = None
     #: True after a failed write, until one succeeds (one log line per run of failures).
     _failing: bool = False
+    #: Whether process ``pid`` runs: a later claim by one that does not is void (see the module's docstring).
+    running: Callable[[int], bool] = attrs.field(default=attrs.Factory(lambda: _running))
 
     def load(self) -> Loaded:
         """The holds in the file; none if there is no file; :attr:`Loaded.refused` if it is not one we can read."""
@@ -151,12 +156,10 @@ class HoldStore:
         Never raises: a failure is logged (once until a write succeeds again),
         the proxy goes on, and the next change tries again.
         """
-        if self.superseded:
-            return False
         kept = [_as_json(h) for h in holds if h.source not in NOT_KEPT]
         if self.claimed_at is not None:
             if kept == self._last:
-                return True
+                return not self.superseded
             if self._claimed_later():
                 return False
         claimed_at = self.claimed_at if self.claimed_at is not None else self._clock.seconds()
@@ -182,7 +185,11 @@ class HoldStore:
         return True
 
     def _claimed_later(self) -> bool:
-        """True (and logged, once) when another process claimed the file after this one did."""
+        """True (and logged, once) when another process, still running, claimed the file after this one did.
+
+        A claim by a process that is gone is void: this process claims the file
+        again with its next write (logged).
+        """
         try:
             with open(self.path, "rb") as f:
                 document = json.loads(f.read(MAX_BYTES))
@@ -193,6 +200,17 @@ class HoldStore:
             return False
         if claimed_at <= self.claimed_at:
             return False
+        if not isinstance(pid, int) or not self.running(pid):
+            self.superseded = False
+            self.claimed_at = None  # the next write claims it anew, later than the void claim
+            log.warn(
+                "holds file {path}: claimed by pid {pid}, which is gone (a second start that failed?); "
+                "this process writes it again",
+                path=str(self.path), pid=pid,
+            )
+            return False
+        if self.superseded:
+            return True
         self.superseded = True
         log.info(
             "holds file {path}: written by pid {pid} now (a reload's new process, or another proxy given the same "
@@ -209,6 +227,17 @@ class HoldStore:
         except OSError:
             return None
         return aside
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user
+    return pid > 0
 
 
 def keep_holds(state: YieldState, store: HoldStore, restart_hold_seconds: float) -> None:
