@@ -280,10 +280,58 @@ class RouteRule:
 
 API_SHAPES = ("ollama", "openai")
 
+#: Two probe texts longer than the usual truncation limits: sentence-transformers
+#: and Infinity cut all-MiniLM-L6-v2 at 256 word pieces, llama.cpp's
+#: llama-server reads up to its context (512).  A copy that cuts a long text
+#: at another place gives another vector (measured with that model: cosine
+#: 0.965 on the first, 0.870 on the second; docs/pool.md), and a document
+#: ingest sends exactly such chunks.  303 and 451 word pieces for MiniLM's
+#: tokenizer (305 and 453 with its two markers): both within llama-server's
+#: default batch of 512, so the reference itself never refuses them (a text
+#: over it gets a 500 "input (N tokens) is too large to process").
+LONG_PROBE_TEXTS = (
+    "A batch ingest of a large document collection can run for hours, and most of that time goes into "
+    "embedding: every chunk of every document is sent to the embedding server, one request after another, "
+    "and the vectors that come back are written into a vector store next to the text they describe. When "
+    "the same machine is also used for other work, such as a game, a render or a training run that needs "
+    "the whole graphics card for a while, the embedding server has to step aside. Without anything in "
+    "between, the ingest sees connection errors and timeouts, gives up on a few hundred chunks and leaves "
+    "holes in the store that nobody notices until a search fails to find what it should. A proxy in front "
+    "of the server can instead hold each request while the card is away, keep the connection open, and "
+    "send the requests on in their original order once the server is back, at a pace the server can take. "
+    "The caller sees a slow answer rather than an error, and the store ends up complete. The same proxy "
+    "can also send some of the work to a copy of the model that runs on the processor, but only when that "
+    "copy is known to give the same vectors, because a vector from another model sits in the store "
+    "without any error and quietly ruins every search that touches it. That is why the copy is compared "
+    "with the original on a fixed set of texts before it is ever used, and again every few minutes while "
+    "the original is there to compare with.",
+    "Checking that two servers give the same vectors sounds simple, yet the details matter. The same "
+    "weights can be served by programs that read their input differently: one cuts every text after a "
+    "fixed number of word pieces, another reads as far as its context allows, a third adds a prefix or "
+    "forgets to normalise. On short texts all of them agree to many decimal places, so a check that only "
+    "ever embeds a greeting, a sentence or two and a line of code will call them twins. The difference "
+    "shows only on long texts, and long texts are exactly what a document ingest sends: chunks of several "
+    "hundred tokens, cut to fill the model's window. A text longer than one server's limit but shorter "
+    "than the other's is embedded in full on one side and in part on the other, and the two vectors point "
+    "in visibly different directions. So the texts used for the check must include some that are longer "
+    "than the usual limits, while staying short enough that every honest server still accepts them in one "
+    "batch, or the reference itself would refuse the check. Measured on the small sentence model used in "
+    "the tests, a text of a little more than three hundred word pieces already separates a server that "
+    "truncates at two hundred and fifty six from one that reads up to five hundred and twelve, and a text "
+    "of about four hundred and fifty separates them further, while neither text is refused. When the "
+    "check fails on these texts alone, the likely cause is truncation at a different length, and the "
+    "reason given says so, so that the operator can either align the servers or limit the probe texts to "
+    "what both read in full, knowing that long inputs would then be embedded differently by the two. "
+    "Either way the choice is made in the open: the status page shows the worst cosine found, the texts "
+    "that differ and when the check last ran, and until a copy passes again it receives none of the "
+    "embeddings, which wait for the original instead. Chat and generation are never held back by this "
+    "check, since a reply that differs a little does no lasting harm, whereas a stored vector from the "
+    "wrong function stays wrong for as long as the store is kept, and nothing downstream can tell.",
+)
+
 #: What verification embeds on both sides: short and long, several scripts,
-#: code, numbers, emoji, odd spacing.  Each stays well inside a small model's
-#: context (MiniLM reads 256 word pieces), so a twin is not failed for
-#: truncating a long text at a different place.
+#: code, numbers, emoji, odd spacing, and two texts longer than the usual
+#: truncation limits (:data:`LONG_PROBE_TEXTS`).
 DEFAULT_PROBE_TEXTS = (
     "hello",
     "The quick brown fox jumps over the lazy dog.",
@@ -299,6 +347,7 @@ DEFAULT_PROBE_TEXTS = (
     "Great job 🎉🚀 see you at the café ☕",
     "SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY id;",
     "  leading and trailing   spaces,\ttabs and\nnew lines  ",
+    *LONG_PROBE_TEXTS,
 )
 
 

@@ -16,6 +16,10 @@ import attrs
 
 from .translate import cosine, l2_normalise
 
+#: A probe text longer than this (in characters: about 250 word pieces of English)
+#: may pass a server's truncation limit: when only such texts differ, the reason says so.
+LONG_TEXT_CHARS = 1000
+
 
 @attrs.frozen
 class ProbeRow:
@@ -104,4 +108,10 @@ def compare(
         else:
             why = f"cosine {first.cosine:.4f} < {min_cosine:g}"
         reason = f"{len(bad)} of {len(rows)} probe texts differ; first: text {i + 1} {_short(first.text)!r}: {why}"
+        if all(len(r.text) > LONG_TEXT_CHARS for _, r in bad) and len(bad) < len(rows):
+            reason = (
+                f"the long probe texts differ (over {LONG_TEXT_CHARS} characters), the short ones agree: "
+                f"probably truncation at another length (sentence-transformers and Infinity cut MiniLM at 256 "
+                f"tokens, llama-server reads up to its context); {reason}"
+            )
     return Verification(model, fallback_model, not bad, at, worst, reason, tuple(rows))
