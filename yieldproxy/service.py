@@ -460,19 +460,42 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
 
 
 def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
-    """A model-list reader for each member without ``models``, in pools of several (a pool of one has no choice to make)."""
-    if _alone(pool):
-        return []
-    return [
-        ModelDiscovery(
-            reactor, member.catalogue, member.control, member.name, member.server.models_path,
-            member.server.parse_models, interval=config.upstream.models_refresh_seconds,
-            timeout=config.upstream.health_timeout_seconds,
-            other_paths=_prefixed_models_paths(member.server),
+    """A model-list reader for each member without ``models``, in pools of several (a pool of one has no
+    choice to make); and for every member whose server may be mounted under an API prefix (Infinity's
+    ``--url-prefix``), one that finds the prefix where its list answers, even where its models are given
+    in config or it is alone: every call the proxy makes to it (verification, translated embeddings)
+    goes under that prefix."""
+    alone = _alone(pool)
+    readers = []
+    for member in pool.members:
+        reads_models = not alone and not member.catalogue.static
+        prefixed = len(member.server.url_prefixes) > 1
+        if not (reads_models or prefixed):
+            continue
+        readers.append(
+            ModelDiscovery(
+                reactor, member.catalogue, member.control, member.name, member.server.models_path,
+                member.server.parse_models, interval=config.upstream.models_refresh_seconds,
+                timeout=config.upstream.health_timeout_seconds,
+                other_paths=_prefixed_models_paths(member.server),
+                on_found=_prefix_finder(member) if prefixed else lambda path: None,
+                read_models=reads_models,
+            )
         )
-        for member in pool.members
-        if not member.catalogue.static
-    ]
+    return readers
+
+
+def _prefix_finder(member) -> Callable[[str], None]:
+    """Sets ``member.server`` to its description under the API prefix whose model list answered."""
+    by_path = {member.server.with_prefix(prefix).models_path: prefix for prefix in member.server.url_prefixes}
+
+    def found(path: str) -> None:
+        prefix = by_path.get(path)
+        if prefix is not None and member.server.models_path != path:
+            log.info("upstream {member} serves its API under {prefix}", member=member.name, prefix=prefix or "/")
+            member.server = member.server.with_prefix(prefix)
+
+    return found
 
 
 def _prefixed_models_paths(server) -> tuple[str, ...]:

@@ -122,6 +122,10 @@ class ModelDiscovery(Service):
     #: Where else the list may be, asked in order after a 404: the same list under
     #: the API prefixes the server may be mounted under (Infinity's ``--url-prefix``).
     other_paths: tuple[str, ...] = ()
+    #: Called with the path that gave the list (a member under an API prefix learns its prefix).
+    on_found: Callable[[str], None] = lambda path: None
+    #: False: only find where the list is (``on_found``): the member's models are given in config.
+    read_models: bool = True
     _loop: LoopingCall | None = None
     _failing: bool = False
 
@@ -147,15 +151,22 @@ class ModelDiscovery(Service):
         return d
 
     def _read(self, paths: tuple[str, ...]) -> Deferred:
-        """The answer at the first of ``paths`` that is not a 404 (the last one's, if all are)."""
+        """``(path, answer)`` at the first of ``paths`` that is not a 404 (the last one's, if all are)."""
         d = self._control.request("GET", paths[0], timeout=self.timeout)
         if len(paths) > 1:
-            d.addCallback(lambda answer: self._read(paths[1:]) if answer.code == 404 else answer)
+            d.addCallback(lambda answer: self._read(paths[1:]) if answer.code == 404 else (paths[0], answer))
+        else:
+            d.addCallback(lambda answer: (paths[0], answer))
         return d
 
-    def _answered(self, answer) -> None:
+    def _answered(self, found) -> None:
+        path, answer = found
         if answer.code != 200:
             raise ValueError(f"GET {self.path} answered {answer.code}")
+        self.on_found(path)
+        if not self.read_models:
+            self._failing = False
+            return
         names = self.parse(answer.body)
         if self._failing or self._catalogue.discovered is None:
             log.info(

@@ -368,10 +368,9 @@ class TwinVerifier(Service):
 
     async def _call(self, member: Member, probe: EmbedRequest, shape: str, body: dict) -> Embeddings:
         try:
-            answer = await member.control.request(
-                "POST", member.server.embed_path, body, timeout=self._config.timeout_seconds,
-                max_body=MAX_ANSWER_BYTES,
-            )
+            answer = await self._post(member, member.server.embed_path, body)
+            if answer.code == 404:
+                answer = await self._under_another_prefix(member, body) or answer
         except ControlTimeout as e:
             raise BackendError("timeout", str(e)) from None
         except H1Error as e:
@@ -386,6 +385,27 @@ class TwinVerifier(Service):
                 "bad_answer", f"{len(embeddings.vectors)} vectors for {len(probe.inputs)} probe texts"
             )
         return embeddings
+
+    def _post(self, member: Member, path: str, body: dict) -> Deferred:
+        return member.control.request(
+            "POST", path, body, timeout=self._config.timeout_seconds, max_body=MAX_ANSWER_BYTES,
+        )
+
+    async def _under_another_prefix(self, member: Member, body: dict):
+        """After a 404: the answer under another API prefix its server may be mounted under (Infinity's
+        ``--url-prefix``), which the member then keeps for every call; None if none answers."""
+        server = member.server
+        for prefix in server.url_prefixes:
+            other = server.with_prefix(prefix)
+            if other.embed_path == server.embed_path:
+                continue
+            answer = await self._post(member, other.embed_path, body)
+            if answer.code != 404:
+                if member.server is server:
+                    log.info("upstream {member} serves its API under {prefix}", member=member.name, prefix=prefix or "/")
+                    member.server = other
+                return answer
+        return None
 
     def _record(self, twin: Member, key: str, model: str, check: TwinCheck) -> None:
         pair = (twin.name, key)
