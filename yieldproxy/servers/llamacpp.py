@@ -37,8 +37,16 @@ is ``/v1/completions``.
   batch.`` (``llama_decode`` returning 1 at a batch of one, or -1): the
   shared context is full or the batch was refused; every processing slot
   gets it.  Not the device, not this caller alone: relayed.
+* 500 ``server_error`` ``input (N tokens) is too large to process. increase
+  the physical batch size (current batch size: B)`` (newer builds: ``... too
+  large to process with the current encoder/runtime limits. ...``): an input
+  that cannot be split (an embedding, a rerank) over ``n_ubatch``
+  (``update_slots``, ``!slot.can_split()``, tools/server/server-context.cpp
+  in the llama.cpp that llama-cpp-python 0.3.36 vendors; seen on the real
+  server, tests/test_llamacpp_real.py).  Only that slot is released: the
+  caller's input, named as such (:data:`TOO_LARGE`), never an outage.
 * Any other 500 ``server_error``: the caller (a malformed JSON body, a chat
-  body it cannot parse, an input larger than the physical batch).
+  body it cannot parse).
 * 501 ``not_supported_error``: the server was started without the feature
   (``--embeddings``, ``--reranking``, ``--slots``): relayed.
 * 400, 401, 403, 404 (also for a known path with another method: no 405 in
@@ -52,6 +60,8 @@ path) and answers during the load too.
 """
 
 from __future__ import annotations
+
+import re
 
 from .base import (
     BUSY,
@@ -99,6 +109,8 @@ COMPUTE_ERROR = "Compute error."
 LOADING = "Loading model"
 #: ``get_slots`` with ``fail_on_no_slot`` (server.cpp): every slot is busy.
 NO_SLOT = "no slot available"
+#: ``update_slots`` (server-context.cpp): an input that cannot be split, over the physical batch: the caller's.
+TOO_LARGE = re.compile(r"input \(\d+ tokens\) is too large to process\b")
 #: ``update_slots``'s other decode failures: the shared context, not the device nor one caller.
 SHARED_FAILURES = frozenset({"Context size has been exceeded.", "Invalid input batch."})
 
@@ -145,6 +157,8 @@ def judge(status: int, body: bytes) -> str:
     if kind == "server_error":
         if message == COMPUTE_ERROR:
             return GPU
+        if TOO_LARGE.match(message):
+            return CALLER
         return UPSTREAM if message in SHARED_FAILURES else CALLER
     if kind == "unavailable_error":
         if message == LOADING:
