@@ -1,0 +1,182 @@
+"""A real llama.cpp ``llama-server`` for the tests: where it is, and one running on a free port.
+
+``.ci/llama-server`` builds it once per machine (from the llama.cpp that the
+llama-cpp-python sdist vendors) with a GGUF of all-MiniLM-L6-v2, into a
+cache directory outside the clone: ``$YIELDPROXY_LLAMA_DIR``, else
+``$YIELDPROXY_CACHE/llamacpp-<version>`` (``/var/cache/yieldproxy`` by
+default), the version read from that script.  The tests never build it
+(about 13 minutes); where it is absent they are skipped with the reason, and
+with ``CI`` set they fail (``.ci/run`` always builds it and exports
+``YIELDPROXY_LLAMA_DIR``).
+
+It serves one model (its ``--alias``), is ready in well under a second, and
+until then answers every route 503 ``Loading model`` (docs/servers.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Sequence
+
+import attrs
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_SCRIPT = os.path.join(REPO, ".ci", "llama-server")
+MODEL_FILE = "minilm-f16.gguf"
+#: The name it serves its model under (``--alias``): the one the Infinity tests use for the same model.
+ALIAS = "all-minilm"
+#: Bound on a start: ready in 0.1-0.5 s here; generous for a busy machine.
+START_TIMEOUT = 60.0
+
+
+def llama_dir() -> str:
+    """Where ``llama-server`` and the GGUF are (or would be)."""
+    given = os.environ.get("YIELDPROXY_LLAMA_DIR")
+    if given:
+        return given
+    version = "0.3.36"
+    try:
+        with open(BUILD_SCRIPT, encoding="utf-8") as f:
+            found = re.search(r"^SDIST_VERSION=(\S+)$", f.read(), re.M)
+        if found:
+            version = found.group(1)
+    except OSError:
+        pass
+    return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"llamacpp-{version}")
+
+
+def missing() -> str | None:
+    """Why a real llama-server cannot run here, or None."""
+    where = llama_dir()
+    if not os.access(os.path.join(where, "llama-server"), os.X_OK):
+        return f"no llama-server in {where}: run .ci/llama-server (builds it once, about 13 minutes) or set YIELDPROXY_LLAMA_DIR"
+    if not os.path.isfile(os.path.join(where, MODEL_FILE)):
+        return f"no {MODEL_FILE} in {where}: run .ci/llama-server"
+    return None
+
+
+def require_llama() -> None:
+    """Skip the test when no real llama-server is here; under CI, fail it instead."""
+    why = missing()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{why}; CI must run the real llama-server tests")
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@attrs.define(eq=False)
+class LlamaServer:
+    """One llama-server process on ``port`` (started again on the same port by :meth:`restart`)."""
+
+    port: int
+    extra: tuple[str, ...] = ()
+    workdir: str = attrs.field(factory=lambda: tempfile.mkdtemp(prefix="yieldproxy-llama-"))
+    process: subprocess.Popen | None = None
+    starts: int = 0
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, f"llama-server.{self.starts}.log")
+
+    def start(self) -> "LlamaServer":
+        """Start it (not waiting: see :meth:`wait_ready`)."""
+        where = llama_dir()
+        command = [
+            os.path.join(where, "llama-server"), "-m", os.path.join(where, MODEL_FILE), "--alias", ALIAS,
+            "--embedding", "--pooling", "mean", "--host", "127.0.0.1", "--port", str(self.port),
+            "--threads", "1", "--no-webui", *self.extra,
+        ]
+        self.starts += 1
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        return self
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return "(no log)"
+
+    def health(self) -> int | None:
+        """Its ``/health`` status, or None when nothing answers."""
+        try:
+            with urllib.request.urlopen(self.root + "/health", timeout=2) as answer:
+                return answer.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def wait_until(self, statuses: Sequence[int], timeout: float = START_TIMEOUT) -> float:
+        """Until ``/health`` answers one of ``statuses`` (the seconds it took); fails the test if it exits."""
+        began = time.monotonic()
+        while self.health() not in statuses:
+            if self.process is not None and self.process.poll() is not None:
+                pytest.fail(f"llama-server exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() - began > timeout:
+                pytest.fail(f"llama-server not at {statuses} within {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.002)
+        return time.monotonic() - began
+
+    def wait_ready(self) -> float:
+        return self.wait_until((200,))
+
+    def kill9(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def post(self, path: str, body: dict) -> tuple[int, object]:
+        """A direct call (not through the proxy): its status and JSON."""
+        request = urllib.request.Request(
+            self.root + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Its own vectors for ``texts`` (``/v1/embeddings``)."""
+        status, answer = self.post("/v1/embeddings", {"model": ALIAS, "input": texts})
+        assert status == 200, answer
+        return [d["embedding"] for d in sorted(answer["data"], key=lambda d: d["index"])]
+
+
+def started(extra: Sequence[str] = ()) -> LlamaServer:
+    """A llama-server on a free port, ready."""
+    require_llama()
+    server = LlamaServer(free_port(), tuple(extra)).start()
+    server.wait_ready()
+    return server
