@@ -35,7 +35,7 @@ from yieldproxy.parking import Entry
 from yieldproxy.servers.base import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
-from yieldproxy.watchers.outage import OutageWatcher
+from yieldproxy.watchers.outage import MAX_PROBES, OutageWatcher
 from yieldproxy.watchers.signals import SignalWatcher, StopSignals
 from yieldproxy.watchers.state_file import StateFileWatcher, parse_content
 
@@ -619,6 +619,45 @@ def test_a_request_that_fails_alone_is_counted_and_takes_no_hold():
     assert core.sample("yieldproxy_yields_total", source="outage") == 0
     assert core.clock.getDelayedCalls() == []
     watcher.stopService()
+
+
+def test_a_burst_of_distinct_model_names_cannot_start_a_probe_storm():
+    """Failures of many distinct calls at once (a client naming 50 models, or one model in 50 spellings)
+    start at most MAX_PROBES probes; the rest wait on one of those (its verdict, or the hold it takes,
+    answers them too), so a burst never sends the GPU a model call per name."""
+    watcher, check, core = outage_watcher()
+    watcher.startService()
+    check.calls[0].callback(True)
+    judged = [core.health.report("gpu_error", ModelCall("/api/embed", f"model-{i}")) for i in range(50)]
+    probes = len(check.calls) - 1
+    assert 1 <= probes <= MAX_PROBES, probes
+    assert not any(d.called for d in judged)
+    # The first probe fails: the upstream is down, the hold explains every failure waiting.
+    check.calls[1].callback(False)
+    assert sources(core.state) == ["outage"]
+    assert [verdict(d) for d in judged] == [True] * 50
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_failures_joining_another_calls_probe_count_when_it_passes():
+    """A failure past MAX_PROBES that waits on another call's probe: a pass says the upstream serves,
+    so the attempt counts (as a request failing alone), and nothing is held."""
+    watcher, check, core = outage_watcher()
+    watcher.startService()
+    check.calls[0].callback(True)
+    judged = [core.health.report("gpu_error", ModelCall("/api/embed", f"model-{i}")) for i in range(3 * MAX_PROBES)]
+    assert len(check.calls) - 1 == MAX_PROBES
+    for probe in check.calls[1:]:
+        probe.callback(True)
+    assert [verdict(d) for d in judged] == [False] * len(judged)
+    assert not core.state.yielded
+    # The probes are done: the next failure gets a probe of its own call again.
+    core.health.report("gpu_error", ModelCall("/api/embed", "model-x"))
+    assert check.targets[-1] == ModelCall("/api/embed", "model-x")
+    check.calls[-1].callback(True)
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
 
 
 def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_again():

@@ -15,7 +15,8 @@ the failure?
   configuration error (wrong URL or port), not an outage; its callers keep
   getting a fast 502.
 * Otherwise a **probe** decides, one per kind of failed call, shared by every
-  failure waiting on it: for a model call (a :class:`~yieldproxy.servers.base.ModelCall`)
+  failure waiting on it (at most :data:`MAX_PROBES` at once; past that a
+  failure waits on the first probe in flight): for a model call (a :class:`~yieldproxy.servers.base.ModelCall`)
   the minimal call of the same kind (same route, same model; see the server's ``minimal_call``),
   else ``upstream.health_path``.  If the probe fails too, the upstream is
   down: the watcher takes the ``outage`` hold and every failure waiting is
@@ -75,6 +76,10 @@ SOURCE = OUTAGE_SOURCE
 OUTAGE_REASONS = frozenset(
     {"refused", "connect", "reset", "timeout", "stall", "gpu_error", "status_503", "unknown_error"}
 )
+#: Probes deciding verdicts at once, at most: past it, a failure of yet another call waits on the
+#: first probe in flight (its verdict, or the hold it takes), so a burst of distinct model names (or
+#: one model in many spellings) never sends the upstream a model call per name.
+MAX_PROBES = 4
 
 
 @attrs.define(eq=False)
@@ -276,6 +281,10 @@ class OutageWatcher(Service):
                 )
             return succeed(False)
         pending = self._pending.get(call)
+        if pending is None and len(self._pending) >= MAX_PROBES:
+            # Enough probes decide already: this failure takes the verdict of the first one.  Its pass
+            # counts the attempt (the upstream serves), its failure holds (which explains this one too).
+            pending = next(iter(self._pending.values()))
         if pending is None:
             pending = self._start_probe(call)
         if pending.verdict is not None:
