@@ -493,8 +493,9 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
 # -- the admin plane stays reachable under a flood (issue 16, section 4) ---------------------------
 
 
-def _flood(port: int, count: int, stop, source: str = "127.0.0.1") -> int:
-    """``count`` connections to ``port`` that each send one byte and reconnect when closed, until ``stop`` is set.
+def _flood(port: int, count: int, stop, source: str = "127.0.0.1", payload: bytes = b"G") -> int:
+    """``count`` connections to ``port`` that each send ``payload`` (one byte) and reconnect when closed, until
+    ``stop`` is set.
 
     One thread, non-blocking sockets; returns how many connections it made.
     """
@@ -521,7 +522,7 @@ def _flood(port: int, count: int, stop, source: str = "127.0.0.1") -> int:
                 if key.data == "connecting":
                     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
                         try:
-                            sock.send(b"G")
+                            sock.send(payload)
                             selector.modify(sock, selectors.EVENT_READ, "holding")
                             continue
                         except OSError:
@@ -578,3 +579,98 @@ async def test_the_operator_gets_through_an_admin_flood(source):
         made = await flooding
         await stack.stop()
     assert made > 200  # the flood went on: its connections were closed and made again
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_operator_gets_through_a_flood_that_sends_whole_requests_too():
+    """The room kept for quick requests serves one request per connection, then closes it.
+
+    Before, a connection let in there was kept alive like any other: a
+    client that sent a whole ``GET /healthz`` and, in the same packet, the
+    first byte of its next request held its place for the 5 s read timeout,
+    and two dozen of them, reconnecting, kept all 8 places taken behind a
+    flood of slow connections: the operator's ``POST /resume`` got 503s.
+    """
+    import threading
+
+    stack = await start_stack(reactor, config_with(admin={"max_connections": 64}))
+    port = port_of(stack.admin_url)
+    stop = threading.Event()
+    # Slow connections from five addresses (16 each, the cap per address) fill the listener's 64.
+    slow = [in_thread(reactor, _flood, port, 40, stop, f"127.0.0.{i}", timeout=TIMEOUT + 30) for i in range(2, 7)]
+    place_takers = [
+        in_thread(reactor, _flood, port, 12, stop, f"127.0.0.{i}", request_bytes(b"GET", b"/healthz") + b"G",
+                  timeout=TIMEOUT + 30)
+        for i in (7, 8)
+    ]
+    try:
+        await wait_for(reactor, lambda: stack.proxy.admin_app.connections.refused > 100, timeout=20)
+        statuses = []
+        for _ in range(10):
+            answer = await treq.post(
+                stack.admin_url + "/resume", json={"source": "api"}, persistent=False
+            ).addTimeout(10, reactor)
+            await answer.content()
+            statuses.append(answer.code)
+        assert statuses == [200] * 10, statuses
+    finally:
+        stop.set()
+        made = [await flood for flood in slow + place_takers]
+        await stack.stop()
+    assert all(n > 12 for n in made), made
+
+
+def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_most():
+    """On a Clock: past the kept room, whole requests wait in line for it, first come first served; a late
+    arrival does not jump the line when a place frees, and one that waits a second gets its 503."""
+    from twisted.internet.protocol import Protocol
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import StringTransport
+
+    from yieldproxy.httpserver import OVER_CAPACITY_WAIT, Connections, OverCapacity
+
+    clock = Clock()
+    connections = Connections(1, "admin.max_connections", reserved=1, quick_seconds=0.5)
+    served: list[bytes] = []
+
+    class Channel(Protocol):
+        """What the room takes: counted open until its connection is lost."""
+
+        def connectionMade(self):
+            connections.opened(self)
+
+        def dataReceived(self, data):
+            served.append(data)
+
+        def connectionLost(self, reason=None):
+            connections.closed(self)
+
+    def connect(protocol) -> StringTransport:
+        transport = StringTransport()
+        transport.protocol = protocol
+        protocol.makeConnection(transport)
+        return transport
+
+    holders = [Channel(), Channel()]
+    for holder in holders:
+        connect(holder)  # the cap and the room kept are taken
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    waiting = [OverCapacity(connections, clock, lambda address: Channel()) for _ in range(3)]
+    transports = [connect(w) for w in waiting]
+    waiting[0].dataReceived(request.replace(b"healthz", b"first"))
+    waiting[1].dataReceived(request.replace(b"healthz", b"second"))
+    assert served == [] and transports[0].value() == b"" and transports[1].value() == b""
+    # A place frees; before the waiter first in line takes it, a third whole request comes: it waits behind.
+    holders[0].connectionLost()
+    waiting[2].dataReceived(request.replace(b"healthz", b"third"))
+    clock.advance(0)
+    assert served == [request.replace(b"healthz", b"first")]
+    # The next place goes to the second; the third waits a second in all, then gets its 503.
+    holders[1].connectionLost()
+    clock.advance(0)
+    assert [s.split(b" ")[1] for s in served] == [b"/first", b"/second"]
+    clock.advance(OVER_CAPACITY_WAIT)
+    assert transports[2].value().startswith(b"HTTP/1.1 503 ") and b"retry-after: " in transports[2].value()
+    waiting[2].connectionLost(None)
+    assert connections.refusing == 0 and connections._waiting == {}
+    assert clock.getDelayedCalls() == []

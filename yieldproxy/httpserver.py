@@ -211,6 +211,9 @@ class Connections:
     _held_back: bool = False
     #: Connections accepted that have not sent a byte yet (not reclaimable, but a reload hands them over).
     _fresh: dict = attrs.Factory(dict)
+    #: Connections past the cap whose whole request came in time, waiting (first come, first served) for
+    #: room in :attr:`reserved` (see :class:`OverCapacity`).
+    _waiting: dict = attrs.Factory(dict)
 
     def opened(self, channel) -> None:
         """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
@@ -225,6 +228,8 @@ class Connections:
     def closed(self, channel) -> None:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
+        if self._waiting:
+            next(iter(self._waiting)).room_freed()
         self._idle.pop(channel, None)
         self._fresh.pop(channel, None)
         if self._peer_of:
@@ -246,6 +251,20 @@ class Connections:
     def make_room(self) -> bool:
         """Room for a request that came whole at once: the room kept for such requests, or an idle connection's."""
         return self.open < self.limit + self.reserved or self.reclaim_idle()
+
+    def wait_for_room(self, waiter) -> None:
+        """``waiter`` (an :class:`OverCapacity`) has a whole request and no room: its ``room_freed`` is called,
+        first come first served, when a connection closes."""
+        self._waiting[waiter] = None
+
+    def stop_waiting(self, waiter) -> None:
+        self._waiting.pop(waiter, None)
+        if self._waiting and self.open < self.limit + self.reserved:
+            next(iter(self._waiting)).room_freed()
+
+    def first_in_line(self, waiter) -> bool:
+        """No request that came whole before ``waiter``'s is still waiting for room."""
+        return not self._waiting or next(iter(self._waiting)) is waiter
 
     def set_idle(self, channel, idle: bool) -> None:
         """Mark ``channel`` as waiting for its next request (reclaimable) or busy with one."""
@@ -357,9 +376,15 @@ class OverCapacity(Protocol):
     room for quick requests), a connection whose whole request comes within
     ``quick_seconds`` is not refused if there is room kept for it: it is
     handed to a channel built by ``promote(address)``, which reads the
-    request as if it had come to it.  A flood of connections that send a
-    byte and wait never fills that room, so the operator's own calls, whole
-    in their first packet, get through.
+    request as if it had come to it, answers it with ``Connection: close``
+    and closes.  A flood of connections that send a byte and wait never
+    fills that room, and one that sends a whole request holds its place only
+    while it is answered (kept alive, a next request begun in the same
+    packet held it for the read timeout), so the operator's own calls, whole
+    in their first packet, get through.  When that room is full, a whole
+    request waits for it in line, first come first served, up to
+    :data:`OVER_CAPACITY_WAIT`: a flood of whole requests cannot crowd the
+    operator's out, since each of them is answered in turn.
     """
 
     #: Set by ``makeConnection``: a TCP (or unix) transport.
@@ -372,6 +397,10 @@ class OverCapacity(Protocol):
         self._head = b""
         self._timer = None
         self._answered = False
+        #: The next try for room, after a connection closed (:meth:`room_freed`).
+        self._retry = None
+        #: Its whole request waits for room kept (:meth:`Connections.wait_for_room`).
+        self._in_line = False
 
     def connectionMade(self):
         self._connections.refusing_started()
@@ -384,12 +413,33 @@ class OverCapacity(Protocol):
         if self._answered:
             return
         self._head += data
+        if self._in_line:
+            if len(self._head) > MAX_HEADER_BYTES:
+                self._answer()
+            return
         if self._promote is not None and _complete(self._head):
-            if self._connections.make_room() and self._hand_over():
+            if self._connections.first_in_line(self) and self._connections.make_room() and self._hand_over():
                 return
-            self._answer()
+            if getattr(self.transport, "protocol", None) is not self:
+                self._answer()  # a wrapping transport (TLS) cannot be handed over: refused as usual
+                return
+            # In line for the room kept, for a while: every request before it is answered in turn.
+            self._in_line = True
+            self._connections.wait_for_room(self)
+            self._stop_timer()
+            self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
         elif (self._promote is None and b"\n" in self._head) or len(self._head) > MAX_HEADER_BYTES:
             self._answer()
+
+    def room_freed(self) -> None:
+        """A connection closed: try for room once the reactor is through with that close."""
+        if self._retry is None and not self._answered:
+            self._retry = self._clock.callLater(0, self._try_room)
+
+    def _try_room(self) -> None:
+        self._retry = None
+        if not self._answered and self._connections.make_room():
+            self._hand_over()
 
     def _hand_over(self) -> bool:
         """Give the connection, and what it sent, to a channel of the site; False if its transport cannot switch."""
@@ -398,8 +448,10 @@ class OverCapacity(Protocol):
             return False  # a wrapping transport (TLS) delivers to another attribute: refused as usual
         self._answered = True
         self._stop_timer()
+        self._connections.stop_waiting(self)
         self._connections.refusing_ended()
         channel = self._promote(transport.getPeer())
+        channel.one_request = True
         transport.protocol = channel
         channel.makeConnection(transport)
         channel.dataReceived(self._head)
@@ -410,6 +462,7 @@ class OverCapacity(Protocol):
             return
         self._answered = True
         self._stop_timer()
+        self._connections.stop_waiting(self)
         self._connections.note_refusal(self._clock)
         parts = self._head.split(b"\n", 1)[0].split(b" ")
         path = parts[1] if len(parts) > 2 else b""
@@ -432,12 +485,15 @@ class OverCapacity(Protocol):
         self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, transport.abortConnection)
 
     def _stop_timer(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
+        for name in ("_timer", "_retry"):
+            timer = getattr(self, name)
+            setattr(self, name, None)
+            if timer is not None and timer.active():
+                timer.cancel()
 
     def connectionLost(self, reason):
         self._stop_timer()
+        self._connections.stop_waiting(self)
         self._connections.refusing_ended()
 
 
@@ -641,7 +697,7 @@ class ProxyChannel(HTTPChannel):
     __slots__ = (
         "_draining", "_in_request", "_connections", "_read_timer", "_read_deadline", "_local_address",
         "_secure", "_host_passed", "_read_timeout_seconds", "_stall_timer", "_linger_timer",
-        "_idle_timeout", "_bad_reason",
+        "_idle_timeout", "_bad_reason", "one_request",
     )
 
     def __init__(self, *args, **kwargs):
@@ -666,6 +722,8 @@ class ProxyChannel(HTTPChannel):
         self._linger_timer = None
         self._idle_timeout = None
         self._bad_reason = None
+        #: Serve one request, then close (a connection let in past the cap: see :class:`OverCapacity`).
+        self.one_request = False
 
     # -- connection --------------------------------------------------------------
 
@@ -816,6 +874,12 @@ class ProxyChannel(HTTPChannel):
             self.requests[-1].received()
         self._read_deadline = None  # its timer stays armed for the next request (see _arm_read_timer)
         super().allContentReceived()
+
+    def checkPersistence(self, request, version):
+        if self.one_request:
+            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+            return False
+        return super().checkPersistence(request, version)
 
     def requestDone(self, request):
         super().requestDone(request)
