@@ -325,3 +325,45 @@ def test_a_renewal_cut_mid_answer_or_answered_in_garbage_is_an_error_and_the_ren
         assert admin_api.paths[-1] == b"/resume"
     finally:
         admin_api.close()
+
+
+def test_a_hold_entered_again_starts_afresh(monkeypatch):
+    """A Hold used for a second block, more than a lease after the first ended, is not lost: it was taken anew
+    (the first block's last renewal and its failed renewal belong to that block)."""
+    import yieldproxy.client as client
+
+    calls = []
+    failing = []
+
+    class Answering:
+        timeout = 10.0
+
+        def yield_gpu(self, *args, **kwargs):
+            calls.append("yield")
+            if failing:
+                raise client.AdminUnreachable("cannot reach the admin API: connection refused")
+            return {"state": "yielded"}
+
+        def resume(self, *args, **kwargs):
+            calls.append("resume")
+            return {"state": "available"}
+
+    now = [100.0]
+    monkeypatch.setattr(client.time, "monotonic", lambda: now[0])
+    hold = client.Hold(Answering(), "broker", "a game", lease_seconds=2)
+    with hold:
+        failing.append(True)
+        hold._renew_once()  # what the renewing thread does: this renewal fails
+        failing.clear()
+    assert isinstance(hold.error, client.AdminUnreachable) and not hold.lost
+    now[0] = 110.0  # the next game, ten seconds (five leases) later
+    with hold:
+        assert (hold.lost, hold.error, hold.renewed_at) == (False, None, 110.0)
+    assert calls == ["yield", "yield", "resume", "yield", "resume"]
+
+    async def under_asyncio() -> tuple:
+        async with client.AsyncHold(hold) as again:
+            return again.lost, again.renewed_at
+
+    now[0] = 120.0
+    assert asyncio.run(under_asyncio()) == (False, 120.0)

@@ -265,9 +265,14 @@ class Hold:
         while not self._stop.wait(self._next_wait()):
             self._renew_once()
 
+    def _begin(self) -> dict:
+        """Take the hold for a new block: entered again, its last block's renewals are no measure of this one."""
+        self.renewed_at, self.error, self.lost, self.renewals = None, None, False, 0
+        return self._take()
+
     def __enter__(self) -> Hold:
         self._stop = threading.Event()
-        self._take()
+        self._begin()
         self._thread = threading.Thread(target=self._renew_loop, name=f"yieldproxy-hold-{self.source}", daemon=True)
         self._thread.start()
         return self
@@ -334,7 +339,7 @@ class AsyncHold:
             await asyncio.shield(self._renewing)
 
     async def __aenter__(self) -> AsyncHold:
-        await asyncio.to_thread(self.hold._take)
+        await asyncio.to_thread(self.hold._begin)
         self._task = asyncio.get_running_loop().create_task(self._renew_loop())
         return self
 
