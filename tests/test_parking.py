@@ -368,7 +368,7 @@ def test_a_target_takes_the_next_entry_it_may_serve_in_the_lots_drain_order():
     assert core.lot.peek(accepts) is None
     core.state.release("api")
     core.run(0.01)
-    assert [entries.index(o["entry"]) for o in released(outcomes) if o["entry"].released_to is None] == [1, 3, 6, 7]
+    assert [entries.index(o["entry"]) for o in released(outcomes) if o["entry"].released_to == "default"] == [1, 3, 6, 7]
 
 
 def test_min_share_counts_only_the_classes_a_target_could_serve():
@@ -398,8 +398,8 @@ def test_every_way_out_of_the_lot_is_told_once_with_its_target():
     core.run(16)  # c (interactive) expires
     core.state.release("api")
     core.run(0.01)
-    assert told == [(a["entry"].seq, "other"), (b["entry"].seq, None), (c["entry"].seq, None), (d["entry"].seq, None)]
-    assert d["entry"].released_to is None and "released_at" in d
+    assert told == [(a["entry"].seq, "other"), (b["entry"].seq, None), (c["entry"].seq, None), (d["entry"].seq, "default")]
+    assert d["entry"].released_to == "default" and "released_at" in d
 
 
 def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
@@ -431,7 +431,7 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
     core.state.release("api")
     core.run(0.01)
     assert len(released(outcomes)) == 5
-    assert [o["entry"].released_to for o in outcomes] == [None, "other", "other", "other", None]
+    assert [o["entry"].released_to for o in outcomes] == ["default", "other", "other", "other", "default"]
     assert core.replayer.inflight == 2 and other.inflight == 0
     other.stop()
     for _ in range(2):

@@ -268,10 +268,10 @@ def test_a_pool_of_one_reads_as_the_one_upstream_did():
 
     core = make_core()
     pool = core.gate.pool
-    assert pool.names == ("default",) and not pool.several
+    assert pool.names == ("default",)
     entry = Entry(cls="batch")
     core.gate.admit(entry)
-    assert entry.released_to is None and entry.eligible == ("default",)
+    assert entry.released_to == "default" and entry.eligible == ("default",)
     core.state.hold("api")
     assert core.gate.state_name == "yielded"
     assert pool.status()[0]["state"] == "yielded"

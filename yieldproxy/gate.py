@@ -113,8 +113,7 @@ class Gate:
         if not returning:
             member = pool.choose(entry)
             if member is not None:
-                if pool.several:
-                    entry.released_to = member.name
+                entry.released_to = member.name
                 member.drainer.started()
                 return succeed(entry)
         cls = self._classes[entry.cls]
@@ -169,7 +168,9 @@ class Gate:
         it (held, unreachable, not a verified twin...): the pool as a whole
         may be far from yielded.
         """
-        if entry is not None and self.pool.several:
+        # The one place the member count decides this message: a pool of one's speaks of the GPU
+        # and the upstream, as a single upstream's always did.
+        if entry is not None and len(self.pool.members) > 1:
             return self._why_no_member(entry)
         if self._state.yielded:
             sources = sorted({hold.source for hold in self._state.holds})

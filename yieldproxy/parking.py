@@ -215,12 +215,10 @@ class ParkingLot:
     _empty_waiters: list[Deferred[None]] = attrs.Factory(list)
     #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
     _waiting: dict[str, int] = attrs.Factory(dict)
-    #: Keep a line per pool member (a pool of several), split by kind of request: a member's
-    #: drainer then looks only at the first entry of each kind it is eligible for, never along
-    #: a line of entries it may not take (parking stays O(1) per request: issue 16).
-    index_members: bool = False
     #: Per member, per class, per kind of request (:func:`_kind`), the entries it is eligible
-    #: for, in arrival order (with ``index_members``).
+    #: for, in arrival order: a line per pool member (a pool of one has one), split by kind of
+    #: request, so a member's drainer looks only at the first entry of each kind it is eligible
+    #: for, never along a line of entries it may not take (parking stays O(1) per request: issue 16).
     _lines: dict[str, dict[str, dict[tuple[int, str | None], list[Entry]]]] = attrs.Factory(dict)
 
     #: The next arrival's :attr:`Entry.seq`.
@@ -357,10 +355,9 @@ class ParkingLot:
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
-        if self.index_members:
-            kind = _kind(entry)
-            for member in entry.eligible:
-                bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, {}).setdefault(kind, []), entry)
+        kind = _kind(entry)
+        for member in entry.eligible:
+            bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, {}).setdefault(kind, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         for listener in self._parked_listeners:
@@ -383,8 +380,7 @@ class ParkingLot:
         its first allowed entry, and the drain order between the classes is
         kept as it is for the primary.  ``target`` is written on the entry
         (``released_to``) before its Deferred fires, so the request knows
-        where it goes.  A pool member's target walks only its own line
-        (``index_members``).
+        where it goes.  A pool member's target walks only its own line.
         """
         heads = self._heads(accepts, target)
         cls = self._next_class(heads)
@@ -406,7 +402,7 @@ class ParkingLot:
 
     def _heads(self, accepts: Callable[[Entry], bool] | None, target: str | None = None) -> dict[str, Entry]:
         """Each waiting class's first entry (that ``accepts`` allows), in class order."""
-        if self.index_members and target in self._lines:
+        if target in self._lines:
             return self._member_heads(self._lines[target], accepts)
         queues = self._queues
         if accepts is None:
@@ -550,14 +546,13 @@ class ParkingLot:
 
     def _leave(self, entry: Entry) -> None:
         _remove(self._queues[entry.cls], entry)
-        if self.index_members:
-            kind = _kind(entry)
-            for member in entry.eligible:
-                kinds = self._lines[member][entry.cls]
-                line = kinds[kind]
-                _remove(line, entry)
-                if not line:
-                    del kinds[kind]
+        kind = _kind(entry)
+        for member in entry.eligible:
+            kinds = self._lines[member][entry.cls]
+            line = kinds[kind]
+            _remove(line, entry)
+            if not line:
+                del kinds[kind]
         queue = self._queues[entry.cls]
         if not queue:
             self._passed_over.pop(entry.cls, None)

@@ -406,8 +406,7 @@ class ProxyApp:
                 handed.take(request, entry, body)
                 return None
             member = self._pool.member(entry.released_to)
-            if self._pool.several:
-                request.served_by = member.name  # the request log names it (requestlog.py)
+            request.served_by = member.log_name  # the request log names it (requestlog.py)
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
@@ -570,8 +569,7 @@ class ProxyApp:
         if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
             self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
             member.health.not_ready(failure.detail, self._failed_call(target, entry, body, member))
-            if self._pool.several:
-                entry.failed_on = member.name
+            entry.failed_on = member.name
             entry.forgiven += 1
             self._metrics.retries_total.labels(entry.cls).inc()
             log.info(
@@ -585,7 +583,7 @@ class ProxyApp:
             assert answer is not None  # a busy failure is an answer
             if busy_on is not None:
                 busy_on.add(member.name)
-                if self._pool.several and any(
+                if any(
                     n not in busy_on and self._pool.usable(self._pool.member(n), entry) for n in entry.eligible
                 ):
                     # Busy is not failure: another member that may serve it takes it first.
@@ -618,9 +616,8 @@ class ProxyApp:
             # The probe passed: the upstream serves this kind of call, the request failed alone.
             assert answer is not None  # an unknown_error is an answer
             return self._relay(request, entry, member, answer, extra)
-        if self._pool.several:
-            # Another eligible member takes it first, when one is available.
-            entry.failed_on = member.name
+        # Another eligible member takes it first, when one is available.
+        entry.failed_on = member.name
         if failure.reason in ("refused", "connect") and not member.health.reachable:
             if any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name):
                 # Never reached since start, but the pool has others that may serve it: pass
@@ -658,8 +655,7 @@ class ProxyApp:
     def _held_back(self, entry: Entry, member: Member, failure: RetryableFailure):
         """A failure while a hold covers ``member``: back to its place in the lot, not counted."""
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
-        if self._pool.several:
-            entry.failed_on = member.name
+        entry.failed_on = member.name
         entry.forgiven += 1
         self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
         self._metrics.retries_total.labels(entry.cls).inc()
@@ -684,13 +680,12 @@ class ProxyApp:
         every member's that serves the route.
         """
         method = request.method.decode("latin-1")
-        if self._pool.several and method == "GET" and target.path in UNION_PATHS:
+        if method == "GET" and target.path in UNION_PATHS:
             members = self._pool.members_serving(method, target.path)
             if len(members) > 1:
                 return await self._union(request, target, api, members)
         member = self._pool.passthrough_member(method, target.path, model)
-        if self._pool.several:
-            request.served_by = member.name  # the request log names it (requestlog.py)
+        request.served_by = member.log_name  # the request log names it (requestlog.py)
         attempt = Attempt(
             self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
@@ -751,8 +746,6 @@ class ProxyApp:
 
     def _route_held(self, method: str, path: str, model: str | None) -> bool:
         """Whether the member a request that runs no model would go to is yielded (the GPU, for a pool of one)."""
-        if not self._pool.several:
-            return self._gate.yielded
         return self._pool.passthrough_member(method, path, model).held()
 
     # -- outcomes -------------------------------------------------------------

@@ -49,12 +49,15 @@ class Replayer:
     rate: float = 0.0
     backoff_seconds: float = 0.5
     backoff_max_seconds: float = 10.0
-    #: The target it releases to, written on each entry it lets out; None: the primary.
-    target: str | None = None
-    #: Which parked entries the target may serve; None: every one.
-    accepts: Callable[[Entry], bool] | None = None
-    #: Whether the target takes work now; None: the primary's rule (the GPU is not yielded).
-    is_open: Callable[[], bool] | None = None
+    #: The target it releases to (its member's name), written on each entry it lets out.
+    target: str = attrs.field(kw_only=True)
+    #: Which parked entries the target may serve (its pool's ``may_take``).
+    accepts: Callable[[Entry], bool] = attrs.field(kw_only=True)
+    #: Whether the target takes work now (its member is available and some entry waits for it).
+    is_open: Callable[[], bool] = attrs.field(kw_only=True)
+    #: Log the end of a drain ("lot drained: now available"): the proxy-wide state of a pool of one,
+    #: which its one drainer's end is (service.build_heart decides, by the member count).
+    says_drained: bool = attrs.field(kw_only=True, default=False)
     #: After a failure, one request at a time until an answer comes back (the legacy fallback's rule).
     cautious: bool = False
     #: Requests sent to the target and not yet done (direct and replayed alike).
@@ -77,10 +80,10 @@ class Replayer:
         """True while parked requests are being let out (the target is open, it has work in the lot)."""
         if self._release_gates or not self._open():
             return False
-        return bool(self._lot) if self.accepts is None else self._lot.peek(self.accepts, self.target) is not None
+        return self._lot.peek(self.accepts, self.target) is not None
 
     def _open(self) -> bool:
-        return not self._state.yielded if self.is_open is None else self.is_open()
+        return self.is_open()
 
     def can_start(self) -> bool:
         """True when a request may go to the target this instant: a free slot, no pause or pacing."""
@@ -233,7 +236,7 @@ class Replayer:
     def _task_ended(self, result) -> None:
         self._task = None
         self._forget_wait()
-        if self.target is None and not self._lot and not self._state.yielded and not self._stopped:
+        if self.says_drained and not self._lot and not self._state.yielded and not self._stopped:
             # The task only runs while draining, so this is the end of a drain:
             # the last of the three state changes gets its log line too.
             log.info(

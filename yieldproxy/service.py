@@ -174,7 +174,6 @@ def build_heart(
         reject_status=config.parking.reject_status,
         priorities={k: v.priority for k, v in config.classes.items()},
         min_shares={k: v.min_share for k, v in config.classes.items()},
-        index_members=len(specs) > 1,
     )
     fallback = None
     if fallback_backends is not None:

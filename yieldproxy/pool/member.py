@@ -91,6 +91,9 @@ class Member:
     not_ready_max_seconds: float = 300.0
     #: The scope of the ``loading`` hold it takes when stuck not ready: its outage watcher's (None: its name).
     outage_scope: str | None = None
+    #: How the request log names it on the requests it served (None: a pool of one's lines name no
+    #: upstream, as a single upstream's never did).
+    log_name: str | None = None
     #: Attempts were refused before it ever answered (see the module docstring).
     _refusing: bool = False
     #: It could not be reached (at start, or an attempt) and has not answered since the start.

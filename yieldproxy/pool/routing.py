@@ -405,8 +405,6 @@ class Pool:
     def _waiting(self, member: Member) -> int:
         """Parked requests ``member`` may take (for an embedding: as the reference or a verified twin;
         a standby member only what no always member may take), whether or not it is available now."""
-        if not self.several:
-            return len(self._lot)
         return self._lot.takeable(member.name, _Taker(self.may_take, member.name))
 
     def kick(self) -> None:
@@ -419,10 +417,6 @@ class Pool:
         for member in self.members:
             member.drainer.stop()
             member.stop()
-
-    def single_open(self) -> bool:
-        """A pool of one's drainer takes work while not yielded and its member is not known not ready."""
-        return not self._state.yielded and not self.members[0].not_ready
 
     def drainer_open(self, name: str) -> bool:
         """Whether ``name``'s drainer has anything to look for, in O(members) (it walks its line only then)."""
@@ -447,10 +441,6 @@ class Pool:
 
 def _drainer_open(pool: Callable[[], Pool], name: str) -> bool:
     return pool().drainer_open(name)
-
-
-def _single_open(pool: Callable[[], Pool]) -> bool:
-    return pool().single_open()
 
 
 def make_members(
@@ -480,11 +470,12 @@ def make_members(
             backoff_seconds=up.retry_backoff_seconds,
             backoff_max_seconds=up.retry_backoff_max_seconds,
             cautious=spec.fallback,
-            # A pool of one drains as the one upstream always did: every entry, while not yielded
-            # (and, for a server that can say so, ready: see pool/member.py).
-            target=spec.name if several else None,
-            accepts=_Taker(lambda name, entry: pool().may_take(name, entry), spec.name) if several else None,
-            is_open=functools.partial(_drainer_open, pool, spec.name) if several else functools.partial(_single_open, pool),
+            # A pool of one drains as a pool of three: what its member may take, while it is available.
+            target=spec.name,
+            accepts=_Taker(lambda name, entry: pool().may_take(name, entry), spec.name),
+            is_open=functools.partial(_drainer_open, pool, spec.name),
+            # A pool of one's drainer ending its drain is the proxy's "now available" (its log line).
+            says_drained=not several,
         )
         members.append(
             Member(
@@ -497,6 +488,7 @@ def make_members(
                 not_ready_max_seconds=up.not_ready_max_seconds,
                 # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
                 outage_scope=ALL if alone else spec.name,
+                log_name=spec.name if several else None,
             )
         )
     return tuple(members)
