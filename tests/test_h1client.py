@@ -999,8 +999,8 @@ async def test_real_an_idle_connection_the_upstream_closed_is_never_written_to()
     socket finds the end, and the POST goes once, on a new connection, with
     no failure and no retry (nothing had been written to the dead one).
     """
+    import select
     import socket
-    import time
 
     reactor = _reactor()
     factory, port = await scripted_server(lambda n, head: ok(b"answer"))
@@ -1016,9 +1016,12 @@ async def test_real_an_idle_connection_the_upstream_closed_is_never_written_to()
     try:
         first = await within(pool.request(b"GET", b"/1", timeout=TIMEOUT))
         assert first.body == b"answer" and pool.stats()["idle"] == 1
-        # Close the server's side under the reactor's feet, and give the FIN time to arrive.
+        # Close the server's side under the reactor's feet, and wait (without turning the reactor,
+        # so the pool has not seen it) until the FIN has reached the idle connection's socket.
         servers[0].transport.getHandle().shutdown(socket.SHUT_RDWR)
-        time.sleep(0.1)
+        [idle] = pool._idle
+        readable, _, _ = select.select([idle.transport.getHandle()], [], [], TIMEOUT)
+        assert readable, "the FIN never arrived"
         d = pool.request(b"POST", b"/2", body=b"{}", timeout=TIMEOUT, replayable=False)
         second = await within(d)
         assert second.body == b"answer" and not second.retried

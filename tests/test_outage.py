@@ -236,7 +236,7 @@ async def test_attempts_lost_to_a_recognised_outage_do_not_count():
 @pytest_twisted.ensureDeferred
 async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nobody():
     """1,200 embeddings from 24 real ollama clients; mid-burst every model call fails with Ollama's
-    "CUDA error: out of memory" for 12 s while /api/version answers, and nobody declares a yield:
+    "CUDA error: out of memory" through three failed model probes while /api/version answers, and nobody declares a yield:
     0 failures, every vector right."""
     config = config_with(replay={"concurrency": 4}, upstream={"health_max_interval_seconds": 2.0})
     stack = await start_stack(reactor, config, watchers=True, latency=0.004, parallel=4)
@@ -247,11 +247,19 @@ async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nob
         await wait_for(reactor, lambda: burst.done >= 300, timeout=60)
         await stack.sim.set_mode("error500")
         await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
-        for _ in range(12):
-            version = await treq.get(stack.sim.url + "/api/version", persistent=False).addTimeout(5, reactor)
-            assert version.code == 200
-            await version.content()
-            await sleep(reactor, 1)
+        # The outage lasts until the watcher's model probe has failed three times (its own re-checks,
+        # no sleep), while /api/version answers throughout.
+        version = await treq.get(stack.sim.url + "/api/version", persistent=False).addTimeout(5, reactor)
+        assert version.code == 200
+        await version.content()
+        await wait_for(
+            reactor,
+            lambda: stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") >= 3,
+            timeout=30,
+        )
+        version = await treq.get(stack.sim.url + "/api/version", persistent=False).addTimeout(5, reactor)
+        assert version.code == 200
+        await version.content()
         done_in_outage = burst.done
         await stack.sim.set_mode("ok")
         await running
