@@ -33,3 +33,13 @@ def test_names_ollama_tells_apart_stay_apart():
     assert canonical_model("all-minilm:v2") != canonical_model("all-minilm")
     assert canonical_model("me/all-minilm") != canonical_model("all-minilm")
     assert canonical_model("other.host/library/all-minilm") != canonical_model("all-minilm")
+
+
+def test_a_name_ollama_reads_as_invalid_keys_apart_from_the_valid_one():
+    """ParseNameBare's cutPromised: a ':' promises a tag, so ``all-minilm:`` has a missing tag (Ollama
+    refuses the name), not the default one; it must not be the twin of ``all-minilm:latest``.  The
+    scheme is cut at the first ``://`` (strings.Cut), as Ollama does."""
+    assert canonical_model("all-minilm:") != canonical_model("all-minilm")
+    assert canonical_model("me/all-minilm:") != canonical_model("me/all-minilm")
+    assert canonical_model(":latest") != canonical_model("latest")
+    assert canonical_model("a://b://c/ns/m") == "b://c/ns/m:latest"

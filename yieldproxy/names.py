@@ -65,6 +65,8 @@ def canonical_model(name: str) -> str:
     tag = ""
     if name.rfind(":") > name.rfind("/"):
         name, _, tag = name.rpartition(":")
+        # ``cutPromised``: a part promised by the tag's ':' but empty is missing (an invalid name), not the default.
+        name, tag = name or "!MISSING!", tag or "!MISSING!"
     host = namespace = ""
     rest, slash, model = name.rpartition("/")
     if slash:
@@ -74,7 +76,9 @@ def canonical_model(name: str) -> str:
         host_part, slash, namespace = rest.rpartition("/")
         if slash:
             namespace = namespace or "!MISSING!"
-            host = (host_part or "!MISSING!").rpartition("://")[2]
+            host = host_part or "!MISSING!"
+            # ``strings.Cut(s, "://")``: the scheme ends at the first ``://``.
+            host = host.partition("://")[2] if "://" in host else host
         else:
             namespace = rest
     host = (host or OLLAMA_HOST).lower()
