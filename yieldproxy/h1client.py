@@ -30,8 +30,8 @@ does the same hop with one object per request and one Deferred:
   until close (HTTP/1.0, or no length), interim 1xx skipped, no body for
   ``HEAD``, 204 and 304; anything else malformed is :class:`BadResponse`.
 * A connection goes back to the pool only after a complete response that
-  allows it (HTTP/1.1 without ``Connection: close``, or 1.0 with
-  ``keep-alive``, framed by length or chunks, nothing sent beyond it).  A
+  allows it (HTTP/1.1 without ``Connection: close``, never HTTP/1.0 whatever
+  its ``Connection`` says; framed by length or chunks, nothing sent beyond it).  A
   cancelled request (the client went away, the caller's timeout) or a timed
   out one aborts its connection, which is never reused.
 
