@@ -19,6 +19,8 @@ import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
+from twisted.web.resource import Resource
+from twisted.web.server import Site
 
 from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
@@ -377,3 +379,60 @@ async def test_an_undeclared_500_in_unknown_words_mid_burst_is_judged_by_a_few_p
         assert not stack.proxy.state.yielded
     finally:
         await stack.stop()
+
+
+# -- a model the GPU cannot hold is that model's trouble, not an outage --------------------------------------
+
+
+class _TooBigForTheGpu(Resource):
+    """An Ollama whose GPU serves ``all-minilm`` and cannot load ``huge``: every call of it, the proxy's
+    probe included, gets Ollama's own 500 (``model requires more system memory``, a GPU prefix)."""
+
+    isLeaf = True
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"version": "0.12.0"}).encode()
+
+    def render_POST(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        body = json.loads(request.content.read())
+        if body.get("model") == "huge":
+            request.setResponseCode(500)
+            return ollama_error("model requires more system memory (48.0 GiB) than is available (23.4 GiB)")
+        return json.dumps({"model": body["model"], "embeddings": [[0.5, 0.5]]}).encode()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_model_too_big_for_the_gpu_fails_alone_and_holds_nobody():
+    """One caller names an installed model the GPU cannot load, after others were served: the probe of
+    that very call fails too, but only that model fails (the upstream served other model calls and never
+    this one), so no outage hold is taken: that caller gets Ollama's 500 after upstream.max_attempts and
+    the others are never parked.  (Before: the hold was taken and lasted until a call of the model that
+    never fits passed, i.e. for ever, parking every caller.)"""
+    upstream = reactor.listenTCP(0, Site(_TooBigForTheGpu()), interface="127.0.0.1")
+    config = config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
+    stack = await start_stack(
+        reactor, config, upstream=f"http://127.0.0.1:{upstream.getHost().port}", watchers=True
+    )
+    try:
+        await reachable(stack)
+        states = record_states(stack)
+        small = {"model": "all-minilm", "input": "served"}
+        served = await treq.post(stack.proxy_url + "/api/embed", json=small, persistent=False).addTimeout(10, reactor)
+        assert served.code == 200
+        await served.content()
+        answer = await treq.post(
+            stack.proxy_url + "/api/embed", json={"model": "huge", "input": "x"}, persistent=False
+        ).addTimeout(10, reactor)
+        assert answer.code == 500
+        assert b"requires more system memory" in await answer.content()
+        assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
+        after = await treq.post(stack.proxy_url + "/api/embed", json=small, persistent=False).addTimeout(10, reactor)
+        assert after.code == 200 and after.headers.getRawHeaders(b"x-yield-parked-seconds") is None
+        await after.content()
+        assert states == [] and outage_sources(stack) == 0
+        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 2
+    finally:
+        await stack.stop()
+        await upstream.stopListening()

@@ -35,6 +35,10 @@ from .servers.base import ModelCall
 
 log = Logger()
 
+#: Model calls kept as served, at most (a deployment names a handful of models): past it, nothing
+#: more is kept and no failure is taken as one model's own (:meth:`UpstreamHealth.never_served_alone`).
+MAX_SERVED_CALLS = 1024
+
 #: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
 Judge = Callable[[str, ModelCall | None], "Deferred[bool]"]
 
@@ -54,6 +58,8 @@ class UpstreamHealth:
     _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
     _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
     _unanswered_listeners: list[Callable[[str], None]] = attrs.Factory(list)
+    #: The model calls (route and model) it answered since start (:meth:`served`).
+    _served_calls: set[ModelCall] = attrs.Factory(set)
 
     def answered(self) -> None:
         """The upstream answered (a request or a probe): it is reachable from now on."""
@@ -75,15 +81,28 @@ class UpstreamHealth:
         """Call ``listener(why, call)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
         self._not_ready_listeners.append(listener)
 
-    def served(self) -> None:
+    def served(self, call: ModelCall | None = None) -> None:
         """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
-        whoever waits for its model to have loaded hears it (:meth:`when_served`)."""
+        whoever waits for its model to have loaded hears it (:meth:`when_served`).
+
+        ``call``: the call it served, kept (see :meth:`never_served_alone`); None for an error answer
+        relayed to its sender, which shows the upstream answers, not that the call works.
+        """
         self.report(None)
+        if call is not None and len(self._served_calls) < MAX_SERVED_CALLS:
+            self._served_calls.add(call)
         for listener in list(self._served_listeners):
             try:
                 listener()
             except Exception:
                 log.failure("upstream served listener failed")
+
+    def never_served_alone(self, call: ModelCall | None) -> bool:
+        """True when ``call`` is a model call it never served since start while it served others: a
+        failure of that call alone (a model the GPU cannot hold, a broken model file) says nothing about
+        the upstream.  False when nothing was served yet (a GPU failing from the start is an outage)."""
+        calls = self._served_calls
+        return call is not None and 0 < len(calls) < MAX_SERVED_CALLS and call not in calls
 
     def unanswered(self, why: str) -> None:
         """A probe could not reach it (refused, no answer in time): while it has never answered,

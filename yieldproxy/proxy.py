@@ -481,7 +481,7 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            member.health.served()
+            member.health.served(self._failed_call(target, entry, body, member))
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
             try:
@@ -502,7 +502,8 @@ class ProxyApp:
         self._on_attempt(member, entry, outcome)
 
     def _failed_call(self, target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
-        """What failed on ``member``, for its outage probe: a translated attempt ran its own embedding route."""
+        """What failed (or was served) on ``member``, for its outage probe: a translated attempt ran its own
+        embedding route."""
         if entry.routing is not None and member.name in entry.routing.translated and entry.model:
             return ModelCall(member.server.embed_path, member.catalogue.own_name(entry.model) or entry.model)
         return failed_call(target, body)

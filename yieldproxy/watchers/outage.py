@@ -25,7 +25,12 @@ the failure?
   no hold is taken.
 
 So one request failing again and again can never hold the proxy: a probe
-decides whether the upstream is down, not the request.
+decides whether the upstream is down, not the request.  Nor can one model:
+when the probe of a model call is answered with a failure too, but the
+upstream never served that call since start while it served others (a model
+the GPU cannot hold, a broken model file), the call fails alone and nothing
+is held (:meth:`~yieldproxy.health.UpstreamHealth.never_served_alone`); held,
+every caller would wait until that call passes, which it never does.
 
 While the hold lasts, the watcher probes the call that confirmed it with a
 growing interval (``health_interval_seconds`` doubling up to
@@ -80,6 +85,8 @@ OUTAGE_REASONS = frozenset(
 #: first probe in flight (its verdict, or the hold it takes), so a burst of distinct model names (or
 #: one model in many spellings) never sends the upstream a model call per name.
 MAX_PROBES = 4
+#: A probe of a model call answered with a failure (the upstream is there; that call fails).
+FAILED_ANSWER = "failed_answer"
 
 
 @attrs.define(eq=False)
@@ -150,10 +157,12 @@ class UpstreamProbe:
             self._health.not_ready(f"a probe of a model call answered {answer.code} (loading its model)")
             return NOT_READY
         if answer.code >= 500:
-            return False
+            return FAILED_ANSWER
         if self.server is None:
-            return not is_gpu_failure(answer.code, answer.body)
-        return self.server.judge(answer.code, answer.body) != GPU
+            failing = is_gpu_failure(answer.code, answer.body)
+        else:
+            failing = self.server.judge(answer.code, answer.body) == GPU
+        return FAILED_ANSWER if failing else True
 
 
 @attrs.define(eq=False, slots=False)
@@ -165,8 +174,8 @@ class OutageWatcher(Service):
     #: The upstream's health: the watcher judges its failures while running, and marks it reachable.
     _health: UpstreamHealth
     #: ``check(call)``: probes once; a Deferred firing True when the upstream serves ``call``
-    #: (None: the health path), False or an error when it fails the way an outage does
-    #: (an :class:`UpstreamProbe`).
+    #: (None: the health path), False, :data:`FAILED_ANSWER` or an error when it fails the way an
+    #: outage does (an :class:`UpstreamProbe`).
     _check: Callable[[ModelCall | None], Deferred]
     _metrics: Metrics
     interval: float = 0.5
@@ -316,7 +325,17 @@ class OutageWatcher(Service):
             # Loading its model: no outage, and not the requests' fault (its member waits for it to read up).
             self._answered()
             forgiven = True
-        elif up:
+        elif up == FAILED_ANSWER and self._health.never_served_alone(pending.call):
+            # The upstream answers and served other model calls, never this one: the call fails alone
+            # (a model the GPU cannot hold), no outage; held for it, every caller would wait for ever.
+            self._answered()
+            forgiven = False
+            log.info(
+                "{upstream}: a probe of {what} failed as well, but it never served that call and serves "
+                "others: no outage, the call fails alone",
+                upstream=self.upstream, what=_describe(pending.call),
+            )
+        elif up and up != FAILED_ANSWER:
             self._answered()
             forgiven = False  # the upstream serves this kind of call: the request failed alone
         elif self._yielded() or not self.reachable:
@@ -347,7 +366,8 @@ class OutageWatcher(Service):
                 waiter.callback(forgiven)
 
     def _run_check(self, call: ModelCall | None) -> Deferred:
-        """One probe: a Deferred firing True (up), False (down), or None (cancelled); it never fails."""
+        """One probe: a Deferred firing True (up), False (down), :data:`FAILED_ANSWER` (down: the call
+        was answered with a failure), :data:`NOT_READY`, or None (cancelled); it never fails."""
         kind = "health" if call is None else "model"
         try:
             d = self._check(call)
@@ -360,6 +380,9 @@ class OutageWatcher(Service):
             if up == NOT_READY:
                 self._metrics.outage_probes_total.labels(self.member, kind, NOT_READY).inc()
                 return NOT_READY
+            if up == FAILED_ANSWER:
+                self._metrics.outage_probes_total.labels(self.member, kind, "down").inc()
+                return FAILED_ANSWER
             up = bool(up)
             self._metrics.outage_probes_total.labels(self.member, kind, "up" if up else "down").inc()
             return up
@@ -405,7 +428,7 @@ class OutageWatcher(Service):
         self._probe = None
         if up is None:
             return
-        if not up or up == NOT_READY:
+        if not up or up in (NOT_READY, FAILED_ANSWER):
             self._schedule_if_held()
             return
         self._answered()
