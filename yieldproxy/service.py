@@ -460,14 +460,15 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
 
 def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
     """A model-list reader for each member without ``models``, in pools of several (a pool of one has no
-    choice to make); and for every member whose server may be mounted under an API prefix (Infinity's
-    ``--url-prefix``), one that finds the prefix where its list answers, even where its models are given
-    in config or it is alone: every call the proxy makes to it (verification, translated embeddings)
-    goes under that prefix."""
-    alone = _alone(pool)
+    choice to make, verifies no twin and translates nothing: it only relays); and for every member whose
+    server may be mounted under an API prefix (Infinity's ``--url-prefix``), one that finds the prefix
+    where its list answers, even where its models are given in config: every call the proxy makes to it
+    (verification, translated embeddings) goes under that prefix."""
+    if _alone(pool):
+        return []
     readers = []
     for member in pool.members:
-        reads_models = not alone and not member.catalogue.static
+        reads_models = not member.catalogue.static
         prefixed = len(member.server.url_prefixes) > 1
         if not (reads_models or prefixed):
             continue

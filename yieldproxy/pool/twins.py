@@ -368,9 +368,10 @@ class TwinVerifier(Service):
 
     async def _call(self, member: Member, probe: EmbedRequest, shape: str, body: dict) -> Embeddings:
         try:
-            answer = await self._post(member, member.server.embed_path, body)
+            path = member.server.embed_path
+            answer = await self._post(member, path, body)
             if answer.code == 404:
-                answer = await self._under_another_prefix(member, body) or answer
+                answer = await self._under_another_prefix(member, path, body) or answer
         except ControlTimeout as e:
             raise BackendError("timeout", str(e)) from None
         except H1Error as e:
@@ -391,19 +392,21 @@ class TwinVerifier(Service):
             "POST", path, body, timeout=self._config.timeout_seconds, max_body=MAX_ANSWER_BYTES,
         )
 
-    async def _under_another_prefix(self, member: Member, body: dict):
-        """After a 404: the answer under another API prefix its server may be mounted under (Infinity's
-        ``--url-prefix``), which the member then keeps for every call; None if none answers."""
+    async def _under_another_prefix(self, member: Member, tried: str, body: dict):
+        """After a 404 at ``tried``: the answer under another API prefix its server may be mounted under
+        (Infinity's ``--url-prefix``), which the member then keeps for every call; None if none answers.
+        (Its model-list reader may have found the prefix meanwhile: that one is asked first.)"""
         server = member.server
-        for prefix in server.url_prefixes:
+        prefixes = sorted(server.url_prefixes, key=lambda p: server.with_prefix(p).embed_path != server.embed_path)
+        for prefix in prefixes:
             other = server.with_prefix(prefix)
-            if other.embed_path == server.embed_path:
+            if other.embed_path == tried:
                 continue
             answer = await self._post(member, other.embed_path, body)
             if answer.code != 404:
-                if member.server is server:
+                if member.server.embed_path != other.embed_path:
                     log.info("upstream {member} serves its API under {prefix}", member=member.name, prefix=prefix or "/")
-                    member.server = other
+                    member.server = member.server.with_prefix(prefix)
                 return answer
         return None
 
