@@ -241,6 +241,25 @@ async def test_admin_names_the_upstreams_and_scopes_resumes():
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_pool_of_one_gets_its_own_name_for_a_mapped_model_too():
+    """A single ``[[upstreams]]`` entry's ``model_map`` renames as a pool of three's does (a pool of one read no
+    model, so its upstream was asked for all-minilm, which it does not serve)."""
+    stack = await start_pool_stack(
+        reactor, [{"name": "b", "model_map": {MODEL: "minilm-l6"}, "sim": {"models": ("minilm-l6",)}}],
+    )
+    try:
+        r = await treq.post(
+            stack.proxy_url + "/api/embed", json={"model": MODEL, "input": ["mapped"]}
+        ).addTimeout(TIMEOUT, reactor)
+        body = await r.json()
+        assert r.code == 200, body
+        assert body["embeddings"][0] == expected_embedding("mapped", "minilm-l6")
+        assert [(h.path, h.model) for h in stack.sims["b"].history if h.path != "/api/tags"] == [("/api/embed", "minilm-l6")]
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_an_upstream_gets_its_own_name_for_a_mapped_model():
     """``model_map``: the request names all-minilm; the server that calls it minilm-l6 is asked for minilm-l6."""
     stack = await start_pool_stack(

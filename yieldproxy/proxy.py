@@ -281,8 +281,8 @@ class ProxyApp:
                     request, PASSTHROUGH, api, 400, "bad_request",
                     "X-Yield-Max-Wait must be a number of seconds >= 0",
                 )
-        # Which model it is for decides which members may serve it (a pool of one has no choice to make).
-        model = _model_of(body) if self._pool.several else None
+        # Which model it is for decides which members may serve it, and the name each is asked for.
+        model = _model_of(body)
         try:
             cls = self._class_of(request, target, body, wanted, model)
         except BadBody as e:
@@ -318,7 +318,7 @@ class ProxyApp:
         request.started_at = carried.started_at
         cls = carried.cls
         method = request.method.decode("latin-1")
-        model = _model_of(body) if self._pool.several else None
+        model = _model_of(body)
         routing = self._pool.routing(method, target.path, cls, model)
         if routing.translated and not _translatable(target.path, body):
             routing = self._pool.routing(method, target.path, cls, model, translatable=False)

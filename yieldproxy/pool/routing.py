@@ -336,10 +336,6 @@ class Pool:
     # -- the state of the pool --------------------------------------------------------------
 
     @property
-    def several(self) -> bool:
-        return self._single is None
-
-    @property
     def inflight(self) -> int:
         return sum(m.inflight for m in self.members)
 
