@@ -141,11 +141,6 @@ class Succession(Service):
         else:
             d = Deferred.fromCoroutine(self._predecessor.reload())
 
-        def handed_over(outcome: dict[str, Any]) -> dict[str, Any]:
-            # The holds are the new process's now: no lease here runs out and rewrites the holds file.
-            self._state.stop()
-            return outcome
-
         def failed(failure):
             why = failure.value
             if failure.check(ReloadRefused):
@@ -158,7 +153,9 @@ class Succession(Service):
                 log.failure("reload failed", failure)
             return failure
 
-        return d.addCallbacks(handed_over, failed)
+        # The holds are the new process's now; the holds file knows it (holdstore.py: a later claim
+        # supersedes this process, which writes it no more).
+        return d.addErrback(failed)
 
     # -- what crosses over besides the lot --------------------------------------------------------
 
