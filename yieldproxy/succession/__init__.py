@@ -153,9 +153,13 @@ class Succession(Service):
                 log.failure("reload failed", failure)
             return failure
 
-        # The holds are the new process's now; the holds file knows it (holdstore.py: a later claim
-        # supersedes this process, which writes it no more).
-        return d.addErrback(failed)
+        def handed_over(outcome: dict[str, Any]) -> dict[str, Any]:
+            # The holds are the new process's now: no lease runs out here (and the holds file, which
+            # the new process claimed, is not written from here either: holdstore.py).
+            self._state.stop()
+            return outcome
+
+        return d.addCallbacks(handed_over, failed)
 
     # -- what crosses over besides the lot --------------------------------------------------------
 
