@@ -94,3 +94,31 @@ async def test_a_busy_429_goes_to_another_member_and_is_relayed_only_when_every_
             assert (await pending).code == 200
     finally:
         await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_busy_answer_is_not_retried_on_the_same_member_for_a_standby_that_may_not_take_it():
+    """a (``always``) is full and answers busy; b is a standby (``use = "when_others_yielded"``), which
+    may take nothing while a is available (busy is not unavailable).  So no other member may take the
+    request now: a's 503 is judged as any 503 (here counted: max_attempts = 1, no outage watcher: given
+    up, 502), once.
+    (Before: b counted as a member that may take it, so the request went back to the lot, a took it
+    again, said busy again, and so on, uncounted, one upstream call per turn until a had room.)"""
+    members = [{"name": "a", "sim": FULL}, {"name": "b", "use": "when_others_yielded"}]
+    config = config_with(upstream={"max_attempts": 1, "retry_backoff_seconds": 0.05, "retry_backoff_max_seconds": 0.1})
+    stack = await start_pool_stack(reactor, members, config=config, latency=0.01)
+    try:
+        occupied = await fill(stack.sims["a"], "/api/chat", {"model": CHAT, "messages": [{"role": "user", "content": "x"}], "stream": False})
+        answer = await treq.post(
+            stack.proxy_url + "/api/chat", json={"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "stream": False},
+            persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        body = json.loads(await answer.content())
+        # Given up after its one counted attempt, in the proxy's words quoting Ollama's.
+        assert answer.code == 502, body
+        assert "server busy" in body["error"]
+        assert stack.sims["a"].outcomes["busy"] == 1
+        assert stack.sims["b"].requests_total["/api/chat"] == 0
+        assert (await occupied).code == 200
+    finally:
+        await stack.stop()

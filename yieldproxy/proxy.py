@@ -587,11 +587,14 @@ class ProxyApp:
             assert answer is not None  # a busy failure is an answer
             if busy_on is not None:
                 busy_on.add(member.name)
+                # Another member that may take it now, as its drainer decides with this one failed on
+                # (a standby takes nothing while this one is available: busy is not unavailable).
+                entry.failed_on = member.name
                 if any(
-                    n not in busy_on and self._pool.usable(self._pool.member(n), entry) for n in entry.eligible
+                    n not in busy_on and self._pool.usable(self._pool.member(n), entry) and self._pool.may_take(n, entry)
+                    for n in entry.eligible
                 ):
                     # Busy is not failure: another member that may serve it takes it first.
-                    entry.failed_on = member.name
                     entry.forgiven += 1
                     self._metrics.retries_total.labels(entry.cls).inc()
                     log.info(
