@@ -22,11 +22,12 @@ from twisted.internet import reactor
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
+from helpers import EPHEMERAL, admin, config_with, in_thread, listening_url, pool_config, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
 from test_burst import Burst, assert_clean
 from yieldproxy.servers.base import PROBE_TEXT
 from yieldproxy.servers.ollama import GPU_FAILURE_PREFIXES, is_gpu_failure
+from yieldproxy.service import build
 from yieldproxy.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
 
 TIMEOUT = 60
@@ -435,4 +436,67 @@ async def test_a_model_too_big_for_the_gpu_fails_alone_and_holds_nobody():
         assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 2
     finally:
         await stack.stop()
+        await upstream.stopListening()
+
+
+class _OllamaOfOneModel(Resource):
+    """An Ollama with one model, ``all-minilm``: another name is its 404 (``model "x" not found``), and
+    with ``broken`` set its GPU fails every call of the model in its own words."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.broken = False
+        self.models: list[str] = []
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        if request.path == b"/api/tags":
+            return json.dumps({"models": [{"name": "all-minilm:latest", "model": "all-minilm:latest"}]}).encode()
+        return json.dumps({"version": "0.12.0"}).encode()
+
+    def render_POST(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        model = json.loads(request.content.read()).get("model")
+        self.models.append(model)
+        if model not in ("all-minilm", "all-minilm:latest"):
+            request.setResponseCode(404)
+            return ollama_error(f'model "{model}" not found, try pulling it first')
+        if self.broken:
+            request.setResponseCode(500)
+            return ollama_error(OOM_ERROR)
+        return json.dumps({"model": model, "embeddings": [[0.5, 0.5]]}).encode()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_outage_of_a_mapped_model_is_probed_with_the_upstreams_own_name():
+    """An upstream whose model_map gives the client's ``alias`` its own name ``all-minilm``: when its GPU
+    fails, the probe asks for ``all-minilm`` (what the request asked it for), so the probe fails too, the
+    outage hold is taken and the caller waits and gets its vector.  (Before: the probe asked for
+    ``alias``, the upstream's 404 read as "it serves", and the caller got the 500 after max_attempts.)"""
+    backend = _OllamaOfOneModel()
+    upstream = reactor.listenTCP(0, Site(backend), interface="127.0.0.1")
+    config = pool_config(
+        {"name": "a", "url": f"http://127.0.0.1:{upstream.getHost().port}", "model_map": {"alias": "all-minilm"}},
+        config=config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02,
+                                     "health_interval_seconds": 0.1, "health_max_interval_seconds": 0.2}),
+    ).with_overrides(**EPHEMERAL)
+    proxy = build(reactor, config)
+    proxy.service.startService()
+    url = listening_url(proxy, "proxy") + "/api/embed"
+    try:
+        first = await treq.post(url, json={"model": "alias", "input": "x"}, persistent=False).addTimeout(10, reactor)
+        assert first.code == 200, await first.content()
+        await first.content()
+        backend.broken = True
+        pending = treq.post(url, json={"model": "alias", "input": "y"}, persistent=False).addTimeout(10, reactor)
+        await wait_for(reactor, lambda: any(h.source == "outage" for h in proxy.state.holds), timeout=5)
+        backend.broken = False
+        answer = await pending
+        assert answer.code == 200, await answer.content()
+        await answer.content()
+        assert "alias" not in backend.models
+    finally:
+        await proxy.service.stopService()
         await upstream.stopListening()

@@ -507,8 +507,9 @@ class ProxyApp:
         if entry.routing is not None and member.name in entry.routing.translated and entry.model:
             return ModelCall(member.server.embed_path, member.catalogue.own_name(entry.model) or entry.model)
         if entry.model:
-            # Read at admission, as failed_call reads it (a pool's routing): not read again on every success.
-            return ModelCall(target.path, entry.model)
+            # Read at admission, as failed_call reads it: not read again on every success.  The member's
+            # own name (its model_map), as the request asked it: the probe asks for what failed.
+            return ModelCall(target.path, member.catalogue.own_name(entry.model) or entry.model)
         return failed_call(target, body)
 
     def _translated_attempt(self, request, target: Target, entry: Entry, body: bytes, member: Member, extra):
