@@ -73,3 +73,112 @@ def test_a_prefixed_infinity_with_its_models_given_is_verified_under_its_prefix_
     heart.pool.stop()
     advance_through(clock, 0)
     assert clock.getDelayedCalls() == []
+
+
+@attrs.define(eq=False)
+class HeldInfinity(PrefixedInfinity):
+    """A prefixed Infinity whose first answer the test gives when it likes."""
+
+    held: list = attrs.Factory(list)
+
+    def request(self, method, path, body=None, timeout=10.0, max_body=0) -> Deferred:
+        if not self.held:
+            self.calls.append((method, path))
+            d: Deferred = Deferred()
+            self.held.append(d)
+            return d
+        return super().request(method, path, body, timeout, max_body)
+
+
+def prefixed_heart(clock, infinity):
+    config = pool_config(
+        {"name": "gpu", "models": (MODEL,)},
+        {"name": "cpu", "api": "infinity", "models": (MODEL,)},
+        config=config_with(
+            verification={"models": (MODEL,), "probe_texts": ("hello", "two words")},
+            upstream={"detect_outages": False},
+        ),
+    )
+    controls = {"gpu": FakeControl(clock, "gpu"), "cpu": infinity}
+    heart = build_heart(
+        clock, config, Metrics(), clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
+    )
+    return config, heart
+
+
+def test_no_verification_call_under_another_prefix_reaches_a_member_yielded_while_its_404_was_out():
+    clock = Clock()
+    infinity = HeldInfinity()
+    config, heart = prefixed_heart(clock, infinity)
+    verifier = heart.twins
+    verifier.startService()
+    advance_through(clock, 0)
+    assert infinity.calls == [("POST", "/embeddings")]
+    heart.state.hold("api", "game", scope="cpu")
+    infinity.held[0].callback(Answer(404, b'{"detail":"Not Found"}'))
+    advance_through(clock, 60)
+    assert infinity.calls == [("POST", "/embeddings")], "a call went to the yielded member"
+    assert verifier.status("cpu")[MODEL]["state"] == "unverified"
+    # Back: the pair is verified under the prefix, which the member keeps.
+    heart.state.release("api", "cpu")
+    advance_through(clock, 10)
+    assert infinity.calls[1:] == [("POST", "/embeddings"), ("POST", "/v1/embeddings")]
+    assert verifier.status("cpu")[MODEL]["state"] == "verified"
+    verifier.stopService()
+    heart.pool.stop()
+    advance_through(clock, 0)
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_translated_request_answered_404_before_the_prefix_is_known_is_asked_once_under_the_other():
+    """The first milliseconds after start, before the model-list reader found Infinity's ``/v1``: the
+    caller's translated request gets its vectors, not the wrong path's 404; once the prefix is known a
+    404 is the server's own word, relayed with no second call."""
+    from twisted.web.test.requesthelper import DummyRequest
+
+    from test_pool_translated import FakeUpstream
+    from yieldproxy.translate import parse_request
+    from yieldproxy.translated import TranslatedAttempt
+
+    clock = Clock()
+    _, heart = prefixed_heart(clock, PrefixedInfinity())
+    cpu = heart.pool.member("cpu")
+
+    def attempt():
+        upstream, request = FakeUpstream(), DummyRequest([b""])
+        wanted = parse_request("/api/embed", json.dumps({"model": MODEL, "input": ["a"]}).encode())
+        outcome: list = []
+        TranslatedAttempt(
+            clock, upstream, cpu.server, request, wanted, MODEL, "ollama", 30.0, member="cpu", prefixed=cpu,
+        ).run().addBoth(outcome.append)
+        return upstream, request, outcome
+
+    not_found = b'{"detail":"Not Found"}'
+    upstream, request, outcome = attempt()
+    clock.advance(10)
+    upstream.answer(404, not_found)
+    assert [sent[1] for sent in upstream.sent] == [b"/embeddings", b"/v1/embeddings"] and outcome == []
+    clock.advance(19.9)
+    upstream.answer(200, json.dumps({"data": [{"index": 0, "embedding": [3.0, 4.0]}]}).encode())
+    assert outcome == [200] and json.loads(b"".join(request.written))["embeddings"] == [[0.6, 0.8]]
+    assert cpu.server.embed_path == "/v1/embeddings"
+    # Known now: a 404 there is the server's, relayed at once.
+    upstream, request, outcome = attempt()
+    upstream.answer(404, not_found)
+    assert [sent[1] for sent in upstream.sent] == [b"/v1/embeddings"] and outcome == [404]
+    # The retry is bounded by what is left of the attempt's timeout.
+    _, heart = prefixed_heart(clock, PrefixedInfinity())
+    cpu = heart.pool.member("cpu")
+    upstream, request, outcome = attempt()
+    clock.advance(10)
+    upstream.answer(404, not_found)
+    clock.advance(20)
+    assert outcome[0].value.reason == "timeout" and len(upstream.sent) == 2
+    # Both prefixes 404: the second 404 is relayed, and nothing is kept.
+    upstream, request, outcome = attempt()
+    upstream.answer(404, not_found)
+    upstream.answer(404, not_found)
+    assert outcome == [404] and len(upstream.sent) == 2 and cpu.server.embed_path == "/embeddings"
+    heart.pool.stop()
+    advance_through(clock, 0)
+    assert clock.getDelayedCalls() == []

@@ -524,6 +524,7 @@ class ProxyApp:
             self._clock, member.upstream, member.server, request, wanted, own, entry.api,
             spec.attempt_timeout_seconds or self._attempt_timeout(entry.cls), [*extra, *answer_headers(spec, own)],
             member=member.name, relay_errors=not spec.fallback,
+            prefixed=member if len(member.server.url_prefixes) > 1 else None,
         )
 
     def _body_for(self, member: Member, entry: Entry, body: bytes) -> bytes:

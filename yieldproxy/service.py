@@ -486,14 +486,13 @@ def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
 
 
 def _prefix_finder(member) -> Callable[[str], None]:
-    """Sets ``member.server`` to its description under the API prefix whose model list answered."""
+    """Keeps the API prefix whose model list answered as the member's (:meth:`Member.found_prefix`)."""
     by_path = {member.server.with_prefix(prefix).models_path: prefix for prefix in member.server.url_prefixes}
 
     def found(path: str) -> None:
         prefix = by_path.get(path)
-        if prefix is not None and member.server.models_path != path:
-            log.info("upstream {member} serves its API under {prefix}", member=member.name, prefix=prefix or "/")
-            member.server = member.server.with_prefix(prefix)
+        if prefix is not None:
+            member.found_prefix(prefix)
 
     return found
 

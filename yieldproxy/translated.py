@@ -65,6 +65,7 @@ class TranslatedAttempt:
         *,
         member: str,
         relay_errors: bool = True,
+        prefixed=None,
     ):
         self._clock = clock
         self._upstream = upstream
@@ -80,6 +81,11 @@ class TranslatedAttempt:
         #: False: no error answer of the member is ever relayed (the legacy fallback's rule): each is a
         #: retryable failure, so the request goes back to its place in the lot.
         self._relay_errors = relay_errors
+        #: The member (:class:`~yieldproxy.pool.member.Member`) when its server may be mounted under an API
+        #: prefix: a 404 while its prefix is not known is asked once more under the other one.
+        self._prefixed = prefixed
+        #: The prefix asked after a 404 (None: the first call, or none asked).
+        self._other_prefix: str | None = None
         self._parts: list[bytes] = []
         self._size = 0
         self._began = 0.0
@@ -89,14 +95,34 @@ class TranslatedAttempt:
         path, body = backend_request(self._wanted, shape, self._own_model)
         if shape != "ollama":  # an OpenAI base URL's path: the member's own route says where it is mounted
             path = self._server.embed_path
-        upstream = self._upstream
+        self._body = body
+        self._path = path
         self._began = self._clock.seconds()
+        return self._send(path, self._timeout)
+
+    def _send(self, path: str, timeout: float) -> Deferred:
+        upstream = self._upstream
+        self._size = 0
         d = upstream.client.request(
-            b"POST", upstream.target(path.encode("ascii")), HEADERS, body, self, replayable=False,
+            b"POST", upstream.target(path.encode("ascii")), HEADERS, self._body, self, replayable=False,
         )
         # Nothing reaches the client before the whole answer is in: the timeout covers all of it.
-        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
+        d.addTimeout(timeout, self._clock, onTimeoutCancel=self._timed_out)
         return d.addCallbacks(self._answered, self._failed)
+
+    def _under_another_prefix(self) -> Deferred | None:
+        """After a 404 on the first call: the same request once under the API prefix its member's server
+        may be mounted under instead, while that prefix is not known (:meth:`Member.prefixes_after_404`,
+        as twin verification asks), within what is left of the attempt timeout; None if there is none."""
+        if self._prefixed is None or self._other_prefix is not None:
+            return None
+        others = self._prefixed.prefixes_after_404(self._path)
+        if not others:
+            return None
+        self._other_prefix = others[0]
+        path = self._prefixed.server.with_prefix(self._other_prefix).embed_path
+        left = max(0.0, self._timeout - (self._clock.seconds() - self._began))
+        return self._send(path, left)
 
     def _timed_out(self, result, seconds: float) -> Failure:
         return Failure(RetryableFailure("timeout", f"no answer from the upstream within {seconds:g}s"))
@@ -126,6 +152,12 @@ class TranslatedAttempt:
         self._parts = []
         code = response.code
         url = self._upstream.url
+        if code == 404:
+            again = self._under_another_prefix()
+            if again is not None:
+                return again  # type: ignore[return-value]  # fires with the status written, as this does
+        elif self._other_prefix is not None:
+            self._prefixed.found_prefix(self._other_prefix)
         if 200 <= code < 300:
             try:
                 result = parse_response(self._wanted, self._server.embed_shape, code, body)

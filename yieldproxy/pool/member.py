@@ -113,6 +113,8 @@ class Member:
     _recheck_delay: float = 0.0
     _checking: Deferred | None = None
     _stopped: bool = False
+    #: Its API prefix was found (where its model list or a call answered): a 404 is then its server's word.
+    _prefix_known: bool = False
 
     def follow(self) -> tuple[tuple[Callable[[Callable[..., None]], None], Callable[..., None]], ...]:
         """What it follows of its health, as (subscribe, listener) pairs: the composition root
@@ -146,6 +148,26 @@ class Member:
     def not_ready(self) -> bool:
         """Its server said it is still loading its model, and its health has not read up since."""
         return self._not_ready_since is not None
+
+    def prefixes_after_404(self, tried: str) -> tuple[str, ...]:
+        """Where else an embedding call answered 404 at ``tried`` may be asked, the prefixes in order: the
+        one it has now if that moved while the call was out (its model-list reader found it), else, while
+        its prefix is not known, every other API prefix its server may be mounted under (Infinity's
+        ``--url-prefix``). Once the prefix is known, a 404 at it is its server's answer: nowhere else."""
+        server = self.server
+        prefixes = [p for p in server.url_prefixes if server.with_prefix(p).embed_path != tried]
+        now = [p for p in prefixes if server.with_prefix(p).embed_path == server.embed_path]
+        if self._prefix_known:
+            return tuple(now)
+        return (*now, *(p for p in prefixes if p not in now))
+
+    def found_prefix(self, prefix: str) -> None:
+        """Its server answered under ``prefix``: every call to it (verification, translated embeddings,
+        its model list) goes there from now on."""
+        self._prefix_known = True
+        if self.server.with_prefix(prefix).embed_path != self.server.embed_path:
+            log.info("upstream {member} serves its API under {prefix}", member=self.name, prefix=prefix or "/")
+            self.server = self.server.with_prefix(prefix)
 
     def held(self) -> bool:
         """Some hold applies to it (its own, or one of every member)."""

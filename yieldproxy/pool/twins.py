@@ -81,6 +81,10 @@ MAX_MODELS = 256
 MAX_ANSWER_BYTES = 32 * 1024 * 1024
 
 
+class Postponed(Exception):
+    """A side of a verification became unavailable between its calls: the pair waits, no call is sent."""
+
+
 @attrs.frozen
 class TwinCheck:
     """The last verification of one twin for one model."""
@@ -330,6 +334,9 @@ class TwinVerifier(Service):
                 if expected is None:
                     try:
                         expected = await self._embed(reference, model)
+                    except Postponed:
+                        self._postponed = True
+                        continue
                     except BackendError as e:
                         failed = TwinCheck(reference.name, "error", now, reason=f"{reference.name}: {e.detail}")
                         self._record(twin, key, model, failed)
@@ -339,6 +346,9 @@ class TwinVerifier(Service):
                     continue
                 try:
                     got = await self._embed(twin, model)
+                except Postponed:
+                    self._postponed = True
+                    continue
                 except BackendError as e:
                     at = self._clock.seconds()
                     failed = TwinCheck(reference.name, "error", at, reason=f"{twin.name}: {e.detail}")
@@ -376,7 +386,7 @@ class TwinVerifier(Service):
             raise BackendError("timeout", str(e)) from None
         except H1Error as e:
             raise BackendError("error", describe_failure(e, member.spec.url)) from None
-        except CancelledError:
+        except (CancelledError, Postponed):
             raise
         except Exception as e:
             raise BackendError("error", f"{member.spec.url} failed: {type(e).__name__}: {e}") from None
@@ -394,19 +404,15 @@ class TwinVerifier(Service):
 
     async def _under_another_prefix(self, member: Member, tried: str, body: dict):
         """After a 404 at ``tried``: the answer under another API prefix its server may be mounted under
-        (Infinity's ``--url-prefix``), which the member then keeps for every call; None if none answers.
-        (Its model-list reader may have found the prefix meanwhile: that one is asked first.)"""
-        server = member.server
-        prefixes = sorted(server.url_prefixes, key=lambda p: server.with_prefix(p).embed_path != server.embed_path)
-        for prefix in prefixes:
-            other = server.with_prefix(prefix)
-            if other.embed_path == tried:
-                continue
-            answer = await self._post(member, other.embed_path, body)
+        (:meth:`Member.prefixes_after_404`), which the member then keeps for every call; None if none
+        answers. Each call waits for the member to be available, as every verification call does
+        (:class:`Postponed` if it is not)."""
+        for prefix in member.prefixes_after_404(tried):
+            if not member.available():
+                raise Postponed(member.name)
+            answer = await self._post(member, member.server.with_prefix(prefix).embed_path, body)
             if answer.code != 404:
-                if member.server.embed_path != other.embed_path:
-                    log.info("upstream {member} serves its API under {prefix}", member=member.name, prefix=prefix or "/")
-                    member.server = member.server.with_prefix(prefix)
+                member.found_prefix(prefix)
                 return answer
         return None
 
