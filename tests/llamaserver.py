@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,8 +176,13 @@ class LlamaServer:
 
 
 def started(extra: Sequence[str] = ()) -> LlamaServer:
-    """A llama-server on a free port, ready."""
+    """A llama-server on a free port, ready; stopped (its directory removed) if it never gets ready."""
     require_llama()
-    server = LlamaServer(free_port(), tuple(extra)).start()
-    server.wait_ready()
+    server = LlamaServer(free_port(), tuple(extra))
+    try:
+        server.start().wait_ready()
+    except BaseException:  # pytest.fail is no Exception: no llama-server outlives the test that started it
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+        raise
     return server

@@ -59,9 +59,10 @@ SHORT_PROBE_TEXTS = tuple(t for t in DEFAULT_PROBE_TEXTS if t not in LONG_PROBE_
 def llamas():
     """Two llama-servers of all-MiniLM-L6-v2, for the module."""
     require_llama()
-    servers = []
+    servers: list = []
     try:
-        servers = [started(), started()]
+        for _ in range(2):  # one by one: the first is stopped below if the second never gets ready
+            servers.append(started())
         yield servers
     finally:
         for s in servers:
