@@ -223,6 +223,7 @@ def test_an_input_over_the_context_is_a_400_with_a_larger_batch(llama_port):
         assert server("llamacpp").judge(status, json.dumps(body).encode()) == CALLER
     finally:
         own.stop()
+        shutil.rmtree(own.workdir, ignore_errors=True)
 
 
 # -- a member, its twin, its yield -----------------------------------------------------------
