@@ -43,7 +43,8 @@ class PrefixedInfinity:
         return succeed(Answer(200, json.dumps({"object": "list", "data": data, "model": MODEL}).encode()))
 
 
-def test_a_prefixed_infinity_with_its_models_given_is_verified_under_its_prefix_and_keeps_it():
+def prefixed_heart(clock, infinity):
+    """An Ollama "gpu" and the prefixed Infinity "cpu" at its root, both given the model, verified twins."""
     config = pool_config(
         {"name": "gpu", "models": (MODEL,)},
         {"name": "cpu", "api": "infinity", "models": (MODEL,)},
@@ -52,12 +53,17 @@ def test_a_prefixed_infinity_with_its_models_given_is_verified_under_its_prefix_
             upstream={"detect_outages": False},
         ),
     )
-    clock = Clock()
-    infinity = PrefixedInfinity()
     controls = {"gpu": FakeControl(clock, "gpu"), "cpu": infinity}
     heart = build_heart(
         clock, config, Metrics(), clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
+    return config, heart
+
+
+def test_a_prefixed_infinity_with_its_models_given_is_verified_under_its_prefix_and_keeps_it():
+    clock = Clock()
+    infinity = PrefixedInfinity()
+    config, heart = prefixed_heart(clock, infinity)
     verifier = heart.twins
     verifier.startService()
     advance_through(clock, 0)
@@ -88,22 +94,6 @@ class HeldInfinity(PrefixedInfinity):
             self.held.append(d)
             return d
         return super().request(method, path, body, timeout, max_body)
-
-
-def prefixed_heart(clock, infinity):
-    config = pool_config(
-        {"name": "gpu", "models": (MODEL,)},
-        {"name": "cpu", "api": "infinity", "models": (MODEL,)},
-        config=config_with(
-            verification={"models": (MODEL,), "probe_texts": ("hello", "two words")},
-            upstream={"detect_outages": False},
-        ),
-    )
-    controls = {"gpu": FakeControl(clock, "gpu"), "cpu": infinity}
-    heart = build_heart(
-        clock, config, Metrics(), clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
-    )
-    return config, heart
 
 
 def test_no_verification_call_under_another_prefix_reaches_a_member_yielded_while_its_404_was_out():
