@@ -231,6 +231,23 @@ class _Filler:
         self.stopped = True
 
 
+def _next_request(buffer: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """The first whole request in ``buffer`` (its head, its Content-Length body) and what follows it;
+    None until it is all in."""
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buffer[:end]
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    if len(buffer) < end + 4 + length:
+        return None
+    return head, buffer[end + 4:end + 4 + length], buffer[end + 4 + length:]
+
+
 class _RecordingProtocol(Protocol):
     def __init__(self, backend: "RecordingBackend"):
         self.backend = backend
@@ -247,20 +264,8 @@ class _RecordingProtocol(Protocol):
 
     def dataReceived(self, data: bytes):
         self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value.strip())
-            if len(self.buffer) < end + 4 + length:
-                return
-            body = self.buffer[end + 4:end + 4 + length]
-            self.buffer = self.buffer[end + 4 + length:]
+        while (request := _next_request(self.buffer)) is not None:
+            head, body, self.buffer = request
             self.answer(head, body)
 
     def answer(self, head: bytes, body: bytes):
@@ -481,19 +486,8 @@ class _ScriptedProtocol(Protocol):
 
     def dataReceived(self, data: bytes):
         self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value.strip())
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length:]
+        while (request := _next_request(self.buffer)) is not None:
+            head, _, self.buffer = request
             backend = self.backend
             backend.heads.append(head)
             answer, then = backend.answers[min(len(backend.heads), len(backend.answers)) - 1]
