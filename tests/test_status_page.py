@@ -28,6 +28,9 @@ from twisted.internet.protocol import ProcessProtocol
 from helpers import free_port, release_every_hold, required_tool, sleep, start_stack, wait_for
 
 TIMEOUT = 30
+#: The parked requests' bound: they stay parked through several Chromium runs, which take 10 s
+#: and more each on a loaded machine (30 s cancelled them mid-test, emptying the lot).
+PARKED_TIMEOUT = 150
 TOKEN = "page-test-token-0123456789"
 WIDTH, HEIGHT = 1200, 800
 #: Colours from status.css: the yield band and the batch line.
@@ -197,13 +200,13 @@ async def yielded_stack_with_history():
     assert answer.code == 200
     pending = [
         treq.post(stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"t{i}"}, persistent=False)
-        .addTimeout(TIMEOUT, reactor)
+        .addTimeout(PARKED_TIMEOUT, reactor)
         for i in range(4)
     ] + [
         treq.post(
             stack.proxy_url + "/api/generate", json={"model": "m", "prompt": "p", "stream": False},
             headers={"X-Yield-Class": "long"}, persistent=False,
-        ).addTimeout(TIMEOUT, reactor)
+        ).addTimeout(PARKED_TIMEOUT, reactor)
         for _ in range(2)
     ]
     await wait_for(reactor, lambda: len(stack.proxy.lot) == 6)
