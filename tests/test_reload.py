@@ -543,3 +543,39 @@ async def test_a_new_process_that_dies_as_the_handover_starts_leaves_everything_
     finally:
         proxy.stop()
         await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_pipelined_behind_a_parked_one_goes_over_with_it(tmp_path):
+    """Two embeddings written at once on one connection: the first parks, the second waits (read already, in the
+    old process's buffer) behind it.  A reload hands the connection over with both: each is answered once, in
+    order, by the new process."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    client = None
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game"})
+        client = await in_thread(reactor, RawClient, proxy.proxy_port)
+        both = (request_bytes(b"POST", b"/api/embed", body=embed_body("first"))
+                + request_bytes(b"POST", b"/api/embed", body=embed_body("second")))
+        assert await in_thread(reactor, client.send, both)
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 1:
+                break
+            await sleep(reactor, 0.05)
+        await sleep(reactor, 0.2)  # the second request's bytes are read (and held) by the old process
+        outcome = await proxy.reload()
+        assert outcome["parked_handed_over"] == 1, outcome
+        await proxy.post("/resume")
+        first = await in_thread(reactor, client.response, TIMEOUT)
+        second = await in_thread(reactor, client.response, 20)
+        assert first.status == 200 and second.status == 200, (first, second, proxy.child.text()[-3000:])
+        assert first.json()["embeddings"][0] == pytest.approx(expected_embedding("first", MODEL), abs=1e-9)
+        assert second.json()["embeddings"][0] == pytest.approx(expected_embedding("second", MODEL), abs=1e-9)
+        assert sim.texts_embedded == collections.Counter({"first": 1, "second": 1})
+    finally:
+        if client is not None:
+            client.close()
+        proxy.stop()
+        await sim.stop()
