@@ -579,3 +579,42 @@ async def test_a_request_pipelined_behind_a_parked_one_goes_over_with_it(tmp_pat
             client.close()
         proxy.stop()
         await sim.stop()
+
+
+def children_of(pid: int) -> list[tuple[int, str]]:
+    """The processes whose parent is ``pid``: (pid, state)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append((int(entry), fields[0]))
+    return found
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie(tmp_path):
+    """A new process that speaks another handover protocol is killed by the old one, which waits for it: no
+    zombie is left under the running process (and it still serves)."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
+        said = '"version": __version__, "protocol": PROTOCOL})'
+        assert said in takeover.read_text()
+        takeover.write_text(takeover.read_text().replace(said, '"version": __version__, "protocol": 99})'))
+        code, failed = await proxy.post("/reload")
+        assert code == 500 and "protocol 99" in failed["error"], failed
+        try:
+            await wait_for(reactor, lambda: children_of(proxy.pid) == [], timeout=10, step=0.05)
+        except AssertionError:
+            raise AssertionError(f"left under the running process: {children_of(proxy.pid)}") from None
+        check_answers(await DeferredList([embed(proxy, "after")], consumeErrors=True), ["after"])
+    finally:
+        proxy.stop()
+        await sim.stop()

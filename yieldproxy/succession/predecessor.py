@@ -347,10 +347,10 @@ class Predecessor:
         raise ReloadFailed(f"the new process closed the handover ({status}) before it took over")
 
     def _give_up(self, process, child: _Successor, link: Link) -> None:
-        """The successor will not take over: end it (nothing of ours is lost with it) and forget it."""
+        """The successor will not take over: end it (nothing of ours is lost with it); its exit is reaped as it comes."""
         link.close()
         child.kill()
-        child.forget()
+        # Still watched until its exit is seen: that reaps it (forgotten now, it would stay a zombie).
         for fds in self._unacked.values():
             for fd in fds:
                 os.close(fd)
