@@ -42,7 +42,8 @@ KINDS = {
 }
 SENT = 40
 CONCURRENCY = 8
-#: upstream.attempt_timeout_seconds, model_probe_timeout_seconds and stall_timeout_seconds in the cells:
+#: upstream.attempt_timeout_seconds, model_probe_timeout_seconds and stall_timeout_seconds in the cells
+#: (a head then no body byte, ``stall_head``, ends at the attempt timeout, as a hang does):
 #: short, yet long enough that a loaded machine does not time out a healthy call.
 TIMEOUTS = 0.8
 #: How long the backend keeps failing once every caller waits in the lot (so that the window is
@@ -51,7 +52,7 @@ WINDOW = 0.3
 TIMEOUT = 60
 PATHS = {"embed": "/api/embed", "chat": "/api/chat"}
 
-#: ``upstream.stall_timeout_seconds`` (the silence after an answer's head), when this version has it.
+#: ``upstream.stall_timeout_seconds`` (a silence once an answer's body has begun), when this version has it.
 HAS_STALL_TIMEOUT = "stall_timeout_seconds" in attrs.fields_dict(UpstreamConfig)
 
 

@@ -381,11 +381,14 @@ def test_a_stream_that_stalls_ends_with_its_own_error_then_a_terminated_body_and
 
 
 def test_a_stall_before_anything_reached_the_client_is_a_counted_retry():
-    """The head came and then nothing, no byte of the body: nothing reached the client, so the
-    attempt ends after the stall timeout and the request goes back in line, counted, as for a reset."""
+    """An error answer's head and the first bytes of its body, then nothing: an error is read
+    before anything of it is relayed, so nothing reached the client; the attempt ends after the
+    stall timeout (body bytes had begun to flow) and the request goes back in line, counted, as
+    for a reset."""
     body = json.dumps({"model": "all-minilm", "embeddings": [[0.5]]}).encode()
     whole = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
-    backend = ScriptedBackend((whole, "stall"), (whole + body, "keep"))
+    error = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"error\":"
+    backend = ScriptedBackend((error, "stall"), (whole + body, "keep"))
     rig = Rig(upstream=backend)
     d = rig.post("/api/embed", _embed(0))
     rig.run(STALL - 1)
@@ -397,6 +400,65 @@ def test_a_stall_before_anything_reached_the_client_is_a_counted_retry():
     assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "stall"}) == 1
     assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
     assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 1
+
+
+ATTEMPT = 120.0  # upstream.attempt_timeout_seconds, by default
+
+
+class _HeldBackend(ScriptedBackend):
+    """A :class:`ScriptedBackend` that keeps its last connection, for a test to write more on it later."""
+
+    protocol = None
+
+    def buildProtocol(self, addr):
+        self.protocol = super().buildProtocol(addr)
+        return self.protocol
+
+
+def test_a_head_then_a_long_silence_then_the_body_is_relayed_whole():
+    """A server that sends its head before the model's prefill (an SSE server: vLLM, llama.cpp's),
+    then nothing for 90 s, then the whole body: the stall timeout (60 s) bounds silences once body
+    bytes flow, not the wait for the first one, which the attempt timeout (120 s) bounds; the
+    answer is relayed whole, on one attempt."""
+    body = json.dumps({"model": "all-minilm", "embeddings": [[0.5]]}).encode()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    backend = _HeldBackend((head, "stall"))
+    rig = Rig(upstream=backend)
+    d = rig.post("/api/embed", _embed(0))
+    rig.run(90)
+    assert not answered(d)
+    assert backend.protocol is not None
+    backend.protocol.transport.write(body)
+    rig.turn()
+    answer = rig.result(d)
+    assert answer.code == 200 and answer.body == body
+    assert len(backend.heads) == 1 and backend.connections == 1
+    assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="stall") == 0
+    assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 0
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_head_then_silence_past_the_attempt_timeout_is_a_counted_retry():
+    """The head came and then nothing, no byte of the body: the wait for the first body byte is
+    bounded by the attempt timeout (120 s), not the stall timeout (60 s).  Nothing reached the
+    client (the head is relayed with the first body byte), so past it the request goes back in
+    line, counted, as for a reset, and the next attempt answers."""
+    body = json.dumps({"model": "all-minilm", "embeddings": [[0.5]]}).encode()
+    whole = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    backend = ScriptedBackend((whole, "stall"), (whole + body, "keep"))
+    rig = Rig(upstream=backend)
+    d = rig.post("/api/embed", _embed(0))
+    rig.run(ATTEMPT - 1)
+    assert not answered(d) and len(backend.heads) == 1
+    rig.run(1.5)
+    answer = rig.result(d)
+    assert answer.code == 200 and answer.body == body
+    assert len(backend.heads) == 2 and backend.connections == 2
+    assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "timeout"}) == 1
+    assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "stall"}) == 0
+    assert rig.sample("yieldproxy_retries_total", **{"class": "batch"}) == 1
+    assert rig.sample("yieldproxy_upstream_attempts_total", upstream="default", outcome="timeout") == 1
+    assert rig.clock.getDelayedCalls() == []
 
 
 # -- issue 16.3: an unreadable answer is not a GPU failure -------------------------------------------

@@ -346,12 +346,15 @@ class Attempt:
     *upstream* has finished its answer, or failing with
     :class:`RetryableFailure`, :class:`RelayBroken`, :class:`ClientTooSlow`
     or ``CancelledError`` (the client went away).  Two bounds, on one timer:
-    the attempt timeout covers the wait for the first byte that reaches the
-    client (a long stream, once flowing, is not cut for its length), and the
-    stall timeout (``stall_timeout``) the silence of an upstream that has
-    begun its answer: past it the attempt ends, :class:`RetryableFailure`
-    ``stall`` when nothing reached the client yet, else :class:`RelayBroken`
-    ``stall``.  After a success, :meth:`client_drained` fires when the client has read
+    the attempt timeout covers the wait for the first byte of the answer's
+    body (a head alone does not stop it: servers that stream send theirs
+    before the prompt's prefill), and, until something reaches the client,
+    the rest of that wait (an error body is read before it is relayed); a
+    long stream, once flowing, is not cut for its length.  The stall timeout
+    (``stall_timeout``) bounds the silences of an upstream once its body has
+    begun (between a stream's chunks too): past it the attempt ends,
+    :class:`RetryableFailure` ``stall`` when nothing reached the client yet,
+    else :class:`RelayBroken` ``stall``.  After a success, :meth:`client_drained` fires when the client has read
     the rest; the request must not be finished before.
 
     The attempt is the upstream client's response handler (``response_started``,
@@ -407,7 +410,7 @@ class Attempt:
         self._timer: IDelayedCall | None = None
         #: When the wait for the first byte ends (``run`` sets it).
         self._deadline = 0.0
-        #: When the last bytes of the answer came from the upstream (None: none yet).
+        #: When the last bytes of the answer's body came from the upstream (None: none yet).
         self._last: float | None = None
         #: Why the timer ended the attempt: ``timeout`` or ``stall`` (None: it did not).
         self._cut: str | None = None
@@ -467,8 +470,9 @@ class Attempt:
     # -- the upstream's answer (h1client's ResponseHandler) --------------------------------
 
     def response_started(self, response: Response) -> None:
+        # The head does not start the stall clock: the first body byte does (a server that
+        # streams sends its head before the prefill, bounded by the attempt timeout).
         self._response = response
-        self._last = self._clock.seconds()
         code = response.code
         # Any error status may be a GPU failure in its server's words (TEI's is a 424).
         if code >= 500 or (code >= 400 and self._retry_statuses):
@@ -536,6 +540,10 @@ class Attempt:
         error = failure.value
         url = self._upstream.url
         if self._cut == "timeout":
+            if self._response is not None and self._last is None:
+                raise RetryableFailure(
+                    "timeout", f"upstream {url} sent the head of its answer but no byte of its body within {self._timeout:g}s"
+                )
             raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
         if self._cut == "stall":
             detail = f"upstream {url} sent nothing for {self._stall:g}s in the middle of its answer (stalled)"
@@ -594,9 +602,10 @@ class Attempt:
 
         The timer is not moved as bytes arrive (a piece costs one clock
         read, in :meth:`body_received`); it fires at most once a stall
-        timeout, and then looks at when the last bytes came.  It is never
-        late: each time it is set for at most ``stall`` after the last
-        bytes, or after now when none came yet.
+        timeout, and then looks at when the last body bytes came (the head
+        is not one: until the first body byte only the attempt timeout
+        applies).  It is never late: each time it is set for at most
+        ``stall`` after the last body bytes, or after now when none came yet.
         """
         self._timer = None
         now = self._clock.seconds()
