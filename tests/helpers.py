@@ -254,6 +254,19 @@ class ChildOutput(ProcessProtocol):
         self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
 
 
+def skip_or_fail(why: str | None, ci_must: str) -> None:
+    """When something a test needs is missing here (``why``), skip it; under CI, which must ``ci_must``, fail it."""
+    import os
+
+    import pytest
+
+    if why is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}; CI must {ci_must}")
+    pytest.skip(why)
+
+
 def required_tool(*names: str, install: str) -> str:
     """The path of the first of ``names`` on PATH; skip without it, but fail under CI (which installs it)."""
     import os

@@ -31,6 +31,8 @@ from typing import Sequence
 import attrs
 import pytest
 
+from helpers import skip_or_fail
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_SCRIPT = os.path.join(REPO, ".ci", "llama-server")
 MODEL_FILE = "minilm-f16.gguf"
@@ -68,11 +70,7 @@ def missing() -> str | None:
 
 def require_llama() -> None:
     """Skip the test when no real llama-server is here; under CI, fail it instead."""
-    why = missing()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{why}; CI must run the real llama-server tests")
-        pytest.skip(why)
+    skip_or_fail(missing(), "run the real llama-server tests")
 
 
 def free_port() -> int:

