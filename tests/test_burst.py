@@ -23,7 +23,11 @@ MODEL = "all-minilm"
 
 
 class Burst:
-    """Embeds ``texts`` through ``url`` with ``concurrency`` blocking clients; records every outcome."""
+    """Embeds ``texts`` through ``url`` with ``concurrency`` blocking clients, one text a call; records
+    every outcome: ``done`` (answered), ``wrong`` (answered, not what the backend computes), ``failures``.
+
+    Other bursts (another client, another call) override :meth:`_client` and :meth:`_call`.
+    """
 
     def __init__(self, url: str, texts: list[str], concurrency: int):
         self.url = url
@@ -43,19 +47,30 @@ class Burst:
             self._next += 1
             return text
 
+    def _client(self):
+        return ollama.Client(host=self.url, timeout=120)
+
+    def _call(self, client, text: str) -> bool:
+        """One call; True when its answer is exactly what the backend computes for it."""
+        vector = client.embed(model=MODEL, input=text).embeddings[0]
+        return list(vector) == expected_embedding(text, MODEL)
+
     def _worker(self) -> None:
-        client = ollama.Client(host=self.url, timeout=120)
-        while (text := self._take()) is not None:
-            try:
-                vector = client.embed(model=MODEL, input=text).embeddings[0]
-            except Exception as e:  # every failure the caller would see
+        client = self._client()
+        try:
+            while (text := self._take()) is not None:
+                try:
+                    right = self._call(client, text)
+                except Exception as e:  # every failure the caller would see
+                    with self._lock:
+                        self.failures.append(f"{text}: {type(e).__name__}: {e}")
+                    continue
                 with self._lock:
-                    self.failures.append(f"{text}: {type(e).__name__}: {e}")
-                continue
-            with self._lock:
-                self.done += 1
-                if list(vector) != expected_embedding(text, MODEL):
-                    self.wrong.append(text)
+                    self.done += 1
+                    if not right:
+                        self.wrong.append(text)
+        finally:
+            client.close()
 
     def run(self) -> None:
         with ThreadPoolExecutor(self.concurrency) as pool:

@@ -31,9 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import pytest
@@ -43,6 +41,7 @@ from twisted.internet import reactor
 
 from helpers import EPHEMERAL, in_thread, listening_url, pool_config, sleep, wait_for
 from llamaserver import ALIAS, LlamaServer, free_port, require_llama, started
+from test_burst import Burst
 from test_fallback_real import _same_vector, running_infinity
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS
 from yieldproxy.servers import BUSY, CALLER, NOT_READY, OK, UP, server
@@ -343,48 +342,22 @@ async def test_an_input_over_its_batch_is_the_callers_500_relayed_at_once_with_n
 # -- start and restart ------------------------------------------------------------------------
 
 
-class Burst:
-    """Embeds ``texts`` one per call through ``url`` with ``concurrency`` openai clients (no retries)."""
+class OpenAIBurst(Burst):
+    """Embeds ``texts`` one per call through ``url`` with ``concurrency`` openai clients (no retries),
+    keeping each vector (the server's own, compared after)."""
 
     def __init__(self, url: str, texts: list[str], concurrency: int):
-        self.url, self.texts, self.concurrency = url, texts, concurrency
+        super().__init__(url, texts, concurrency)
         self.vectors: dict[str, list[float]] = {}
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
-        self._next = 0
 
-    @property
-    def done(self) -> int:
-        return len(self.vectors) + len(self.failures)
-
-    def _take(self) -> str | None:
-        with self._lock:
-            if self._next >= len(self.texts):
-                return None
-            self._next += 1
-            return self.texts[self._next - 1]
-
-    def _worker(self) -> None:
+    def _client(self):
         import openai
 
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
-        try:
-            while (text := self._take()) is not None:
-                try:
-                    vector = client.embeddings.create(model=ALIAS, input=[text]).data[0].embedding
-                except Exception as e:  # every failure the caller would see
-                    with self._lock:
-                        self.failures.append(f"{text}: {type(e).__name__}: {e}")
-                    continue
-                with self._lock:
-                    self.vectors[text] = vector
-        finally:
-            client.close()
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
 
-    def run(self) -> None:
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            for _ in range(self.concurrency):
-                pool.submit(self._worker)
+    def _call(self, client, text: str) -> bool:
+        self.vectors[text] = client.embeddings.create(model=ALIAS, input=[text]).data[0].embedding
+        return True
 
 
 def burst_texts(n: int, tag: str) -> list[str]:
@@ -399,7 +372,7 @@ async def test_a_llama_server_started_after_the_proxy_is_not_ready_for_a_moment_
         # Caught loading (503 "Loading model") and kept there a moment, while a burst arrives.
         await in_thread(reactor, llama_port.wait_until, (503,))
         llama_port.process.send_signal(signal.SIGSTOP)
-        burst = Burst(proxy.url, burst_texts(40, "started late"), concurrency=8)
+        burst = OpenAIBurst(proxy.url, burst_texts(40, "started late"), concurrency=8)
         running = in_thread(reactor, burst.run, timeout=TIMEOUT * 2)
         # Every client's first request is with the server (stopped, still loading) before it goes on.
         pool = proxy.proxy.pool
@@ -424,7 +397,7 @@ async def test_a_kill_9_and_a_start_again_mid_burst_lose_nothing(llama_port):
     llama_port.start().wait_ready()
     proxy = start_proxy(llama_member("llama", llama_port))
     try:
-        burst = Burst(proxy.url, burst_texts(240, "restarted"), concurrency=8)
+        burst = OpenAIBurst(proxy.url, burst_texts(240, "restarted"), concurrency=8)
         running = in_thread(reactor, burst.run, timeout=TIMEOUT * 3)
         await wait_for(reactor, lambda: burst.done >= 60, timeout=TIMEOUT)
         llama_port.kill9()

@@ -16,9 +16,6 @@ short timeouts and probe intervals (all upstream.* keys).
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import attrs
 import ollama
 import pytest
@@ -27,6 +24,7 @@ from twisted.internet import reactor
 
 from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
+from test_burst import Burst
 from yieldproxy.config import UpstreamConfig
 from yieldproxy.sim import DEFAULT_CHAT_MODEL, expected_embedding, expected_reply, messages_prompt
 
@@ -56,25 +54,15 @@ PATHS = {"embed": "/api/embed", "chat": "/api/chat"}
 HAS_STALL_TIMEOUT = "stall_timeout_seconds" in attrs.fields_dict(UpstreamConfig)
 
 
-class Callers:
+class Callers(Burst):
     """``CONCURRENCY`` blocking ``ollama`` clients sending ``SENT`` calls of one kind; every outcome recorded."""
 
     def __init__(self, url: str, route: str, tag: str):
-        self.url = url
+        super().__init__(url, [f"{tag} {i}" for i in range(SENT)], CONCURRENCY)
         self.route = route
-        self.texts = [f"{tag} {i}" for i in range(SENT)]
-        self.done = 0
-        self.failures: list[str] = []
-        self.wrong: list[str] = []
-        self._lock = threading.Lock()
-        self._next = 0
 
-    def _take(self) -> str | None:
-        with self._lock:
-            if self._next >= len(self.texts):
-                return None
-            self._next += 1
-            return self.texts[self._next - 1]
+    def _client(self) -> ollama.Client:
+        return ollama.Client(host=self.url, timeout=TIMEOUT)
 
     def _call(self, client: ollama.Client, text: str) -> bool:
         """One call; True when its answer is exactly what the backend computes for it."""
@@ -86,25 +74,6 @@ class Callers:
             part.message.content or "" for part in client.chat(model=DEFAULT_CHAT_MODEL, messages=messages, stream=True)
         )
         return reply == "".join(expected_reply(messages_prompt(messages), DEFAULT_CHAT_MODEL))
-
-    def _worker(self) -> None:
-        client = ollama.Client(host=self.url, timeout=TIMEOUT)
-        while (text := self._take()) is not None:
-            try:
-                right = self._call(client, text)
-            except Exception as e:  # every failure the caller would see
-                with self._lock:
-                    self.failures.append(f"{text}: {type(e).__name__}: {e}")
-                continue
-            with self._lock:
-                self.done += 1
-                if not right:
-                    self.wrong.append(text)
-
-    def run(self) -> None:
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            for _ in range(CONCURRENCY):
-                pool.submit(self._worker)
 
 
 def matrix_config():
