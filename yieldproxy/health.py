@@ -31,6 +31,7 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from .listeners import call_each
 from .servers.base import ModelCall
 
 log = Logger()
@@ -71,11 +72,7 @@ class UpstreamHealth:
         ``call``: the model call that was answered so (None: its health path, or not known).
         """
         self.answered()
-        for listener in list(self._not_ready_listeners):
-            try:
-                listener(why, call)
-            except Exception:
-                log.failure("upstream not-ready listener failed")
+        call_each(log, "upstream not-ready listener failed", self._not_ready_listeners, why, call)
 
     def when_not_ready(self, listener: Callable[[str, ModelCall | None], None]) -> None:
         """Call ``listener(why, call)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
@@ -91,11 +88,7 @@ class UpstreamHealth:
         self.report(None)
         if call is not None and len(self._served_calls) < MAX_SERVED_CALLS:
             self._served_calls.add(call)
-        for listener in list(self._served_listeners):
-            try:
-                listener()
-            except Exception:
-                log.failure("upstream served listener failed")
+        call_each(log, "upstream served listener failed", self._served_listeners)
 
     def never_served_alone(self, call: ModelCall | None) -> bool:
         """True when ``call`` is a model call it never served since start while it served others: a
@@ -109,11 +102,7 @@ class UpstreamHealth:
         whoever listens hears it (its pool member then reads ``unreachable``)."""
         if self.reachable:
             return
-        for listener in list(self._unanswered_listeners):
-            try:
-                listener(why)
-            except Exception:
-                log.failure("upstream unanswered listener failed")
+        call_each(log, "upstream unanswered listener failed", self._unanswered_listeners, why)
 
     def when_unanswered(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(why)`` when a probe could not reach it before it ever answered (see :meth:`unanswered`)."""
@@ -136,11 +125,7 @@ class UpstreamHealth:
         """
         if failure_reason is None:
             self.answered()
-        for listener in list(self._listeners):
-            try:
-                listener(failure_reason)
-            except Exception:
-                log.failure("upstream health listener failed")
+        call_each(log, "upstream health listener failed", self._listeners, failure_reason)
         if failure_reason is None or self._judge is None:
             return succeed(False)
         try:

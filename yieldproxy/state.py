@@ -28,6 +28,7 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .listeners import call_each
 from .names import OWN_SOURCES, name_set, name_tuple
 
 log = Logger()
@@ -216,11 +217,7 @@ class YieldState:
         if not self._on_holds_changed:
             return
         holds = self.holds
-        for callback in list(self._on_holds_changed):
-            try:
-                callback(holds)
-            except Exception:
-                log.failure("holds-changed callback failed")
+        call_each(log, "holds-changed callback failed", self._on_holds_changed, holds)
 
     def on_hold_taken(self, callback: Callable[[Hold], None]) -> None:
         self._on_hold_taken.append(callback)
@@ -319,11 +316,7 @@ class YieldState:
             self._count(scope, +1)
         self._set_lease(key, lease)
         if previous is None:
-            for callback in list(self._on_hold_taken):
-                try:
-                    callback(hold)
-                except Exception:
-                    log.failure("hold-taken callback failed")
+            call_each(log, "hold-taken callback failed", self._on_hold_taken, hold)
         if not was_yielded and self.yielded:
             # A new hold's start is now; a restored one's is when it began in the last run.
             self.yielded_since = hold.since
@@ -358,11 +351,7 @@ class YieldState:
             now = self._clock.seconds()
             began = self.yielded_since if self.yielded_since is not None else now
             self.yielded_since = None
-            for callback in list(self._on_yield_ended):
-                try:
-                    callback(source, now - began)
-                except Exception:
-                    log.failure("yield-ended callback failed")
+            call_each(log, "yield-ended callback failed", self._on_yield_ended, source, now - began)
             self._changed(False, hold)
         else:
             log.info(
@@ -432,11 +421,7 @@ class YieldState:
                         "(held for {held:.1f}s)",
                         member=member, source=hold.source, held=now - began,
                     )
-            for callback in list(self._member_observers):
-                try:
-                    callback(member, is_now)
-                except Exception:
-                    log.failure("member observer failed")
+            call_each(log, "member observer failed", self._member_observers, member, is_now)
 
     def stop(self) -> None:
         """The proxy has stopped: no lease runs out any more (nothing is left to release)."""
@@ -462,16 +447,8 @@ class YieldState:
         now = self._clock.seconds()
         transition = Transition(yielded, hold, now - self.last_change)
         self.last_change = now
-        for callback in list(self._on_transition):
-            try:
-                callback(transition)
-            except Exception:
-                log.failure("yield-state transition callback failed")
-        for observer in list(self._observers):
-            try:
-                observer(yielded)
-            except Exception:
-                log.failure("yield-state observer failed")
+        call_each(log, "yield-state transition callback failed", self._on_transition, transition)
+        call_each(log, "yield-state observer failed", self._observers, yielded)
 
 
 def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], None]:
