@@ -618,3 +618,43 @@ async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie
     finally:
         proxy.stop()
         await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reload_goes_on_when_the_client_that_asked_for_it_goes_away(tmp_path):
+    """The admin client of ``POST /reload`` gives up (a timeout, a ^C) while the lot is going over: the handover
+    goes on regardless.  Ending it then would kill the new process with the parked requests it had taken."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game"})
+        pending = [embed(proxy, f"kept {i}") for i in range(10)]
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 10:
+                break
+            await sleep(reactor, 0.05)
+        # The new process takes 3 s to say it serves, once the whole lot is there.
+        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
+        head = "    def _serve(self) -> None:\n"
+        marker = tmp_path / "lot-taken"
+        takeover.write_text(takeover.read_text().replace(
+            head, head + f"        open({str(marker)!r}, 'w').close(); __import__('time').sleep(3)\n"))
+        old = proxy.pid
+        asking = treq.post(proxy.admin + "/reload", json={}, persistent=False)
+        asking.addErrback(lambda failure: None)
+        await wait_for(reactor, lambda: children_of(old) != [], timeout=20, step=0.02)
+        new = children_of(old)[0][0]
+        proxy.pids.append(new)
+        await wait_for(reactor, marker.exists, timeout=30, step=0.02)
+        asking.cancel()  # the client goes away, its connection closed
+        await wait_for(reactor, lambda: "now serving as pid" in proxy.child.text(), timeout=30, step=0.05)
+        await proxy.old_gone(old)
+        assert not gone(new)
+        await proxy.post("/resume")
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        check_answers(results, [f"kept {i}" for i in range(10)])
+        assert sim.texts_embedded == collections.Counter({f"kept {i}": 1 for i in range(10)})
+    finally:
+        proxy.stop()
+        await sim.stop()

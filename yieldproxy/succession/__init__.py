@@ -159,7 +159,17 @@ class Succession(Service):
             self._state.stop()
             return outcome
 
-        return d.addCallbacks(handed_over, failed)
+        d.addCallbacks(handed_over, failed)
+        # Whoever asked may go away (the admin client's timeout, a ^C: Klein cancels its Deferred): the
+        # handover goes on regardless.  Cancelled halfway, it would kill a new process holding part of the lot.
+        outcome: Deferred[dict[str, Any]] = Deferred(lambda _: None)
+
+        def tell(result: Any) -> None:
+            if not outcome.called:
+                outcome.callback(result)
+
+        d.addBoth(tell)
+        return outcome
 
     # -- what crosses over besides the lot --------------------------------------------------------
 
