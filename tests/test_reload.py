@@ -620,6 +620,74 @@ async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie
         await sim.stop()
 
 
+def raw_embed(port: int, text: str):
+    """One embedding on a raw connection (from a thread): the answer, status 0 if the connection ended without one."""
+    client = RawClient(port, timeout=TIMEOUT)
+    try:
+        client.send(request_bytes(b"POST", b"/api/embed", body=embed_body(text)))
+        return client.response(TIMEOUT)
+    finally:
+        client.close()
+
+
+async def stop_during_a_reload(tmp_path, answers_checked: bool) -> None:
+    """SIGTERM to the running process while its new process is still taking over (the whole lot taken, the
+    end of the handover held back 3 s): a stop is a stop.  The new process does not live on by itself,
+    holding the port, after the process it was meant to replace has gone; with ``answers_checked``, every
+    parked request gets an answer (503 with Retry-After, as any stop gives)."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game"})
+        pending = [in_thread(reactor, raw_embed, proxy.proxy_port, f"kept {i}") for i in range(5)]  # threads of the pool: leave some for name lookups
+        for _ in range(100):
+            if (await proxy.status())["parked_total"] == 5:
+                break
+            await sleep(reactor, 0.05)
+        # The new process holds the end of the handover 3 s, once it has taken the whole lot: the stop comes meanwhile.
+        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
+        head = "        kind = message[\"type\"]\n"
+        marker = tmp_path / "lot-taken"
+        hold = (
+            f"        if kind == 'done' and not _HELD:\n"
+            f"            _HELD.append(open({str(marker)!r}, 'w').close())\n"
+            f"            self._reactor.callLater(3, self._message, message, blob, fds)\n"
+            f"            return\n"
+        )
+        assert takeover.read_text().count(head) == 1
+        takeover.write_text(takeover.read_text().replace(head, head + hold) + "\n_HELD: list = []\n")
+        old = proxy.pid
+        Deferred.fromCoroutine(proxy.post("/reload")).addErrback(lambda failure: None)
+        await wait_for(reactor, lambda: children_of(old) != [], timeout=20, step=0.02)
+        new = children_of(old)[0][0]
+        proxy.pids.append(new)
+        await wait_for(reactor, marker.exists, timeout=30, step=0.02)
+        os.kill(old, signal.SIGTERM)
+        await wait_for(reactor, lambda: gone(old) and gone(new), timeout=30, step=0.05)
+        answers = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        if answers_checked:
+            for ok, answer in answers:
+                assert ok, answer
+                assert answer.status == 503 and answer.header(b"retry-after"), answer
+    finally:
+        proxy.stop()
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stop_during_a_reload_stops_the_new_process_too(tmp_path):
+    await stop_during_a_reload(tmp_path, answers_checked=False)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known defect (review4): the new process answers its lot 503 as it stops (its log says so), but the "
+    "clients see their connections end without it"))
+@pytest_twisted.ensureDeferred
+async def test_a_stop_during_a_reload_answers_every_parked_request(tmp_path):
+    await stop_during_a_reload(tmp_path, answers_checked=True)
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_reload_goes_on_when_the_client_that_asked_for_it_goes_away(tmp_path):
     """The admin client of ``POST /reload`` gives up (a timeout, a ^C) while the lot is going over: the handover

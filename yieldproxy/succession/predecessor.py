@@ -102,6 +102,14 @@ class _Successor:
         if self._watch.running:
             self._watch.stop()
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM): its own stop answers what it took, as any stop does."""
+        if self.popen.poll() is None:
+            try:
+                self.popen.terminate()
+            except OSError:
+                pass
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             try:
@@ -156,6 +164,10 @@ class Predecessor:
     _frames: int = 0
     _wind_down: LoopingCall | None = None
     _successor_pid: int | None = None
+    #: The new process while a reload is under way.
+    _child: _Successor | None = None
+    #: This process is stopping: a new process still taking over is asked to stop too, not killed.
+    _stopping: bool = False
     #: When the successor last said it took a batch (a large lot is waited for while it keeps taking).
     _last_took: float = 0.0
     sent_parked: int = 0
@@ -183,6 +195,7 @@ class Predecessor:
             raise
         finally:
             self._busy = False
+            self._child = None
 
     async def _reload(self, began: float) -> dict[str, Any]:
         self.sent_parked = self.sent_connections = 0
@@ -197,7 +210,7 @@ class Predecessor:
             raise ReloadFailed(f"cannot start the new process ({self.command[0]}): {e}") from None
         finally:
             theirs.close()
-        process = child
+        process = self._child = child
         self._successor_pid = process.pid
         self._waiting = {kind: Deferred() for kind in ("ready", "refused", "accepting", "serving")}
         link = self._link = adopt_link(self._reactor, ours, self._message)
@@ -349,7 +362,8 @@ class Predecessor:
     def _give_up(self, process, child: _Successor, link: Link) -> None:
         """The successor will not take over: end it (nothing of ours is lost with it); its exit is reaped as it comes."""
         link.close()
-        child.kill()
+        if not self._stopping:
+            child.kill()
         # Still watched until its exit is seen: that reaps it (forgotten now, it would stay a zombie).
         for fds in self._unacked.values():
             for fd in fds:
@@ -452,7 +466,16 @@ class Predecessor:
             log.failure("reload: stopping this process failed")
 
     def stop(self) -> None:
-        """This process stops (its winding down is over, or it was told to): no more looking, no link."""
+        """This process stops (its winding down is over, or it was told to): no more looking, no link.
+
+        Told to stop in the middle of a reload, it asks its new process to stop too (SIGTERM): a stop is a
+        stop, and the new process must not live on alone, holding the port; what it took already is
+        answered by its own stop (503 with Retry-After), as this process answers the rest."""
+        if self._child is not None and not self._handed_over and not self._stopping:
+            self._stopping = True
+            log.warn("reload: this process stops while pid {pid} was taking over: that one stops too",
+                     pid=self._child.pid)
+            self._child.terminate()
         if self._wind_down is not None and self._wind_down.running:
             self._wind_down.stop()
         if self._link is not None:
