@@ -575,14 +575,7 @@ class ProxyApp:
         if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
             self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
             member.health.not_ready(failure.detail, self._failed_call(target, entry, body, member))
-            entry.failed_on = member.name
-            entry.forgiven += 1
-            self._metrics.retries_total.labels(entry.cls).inc()
-            log.info(
-                "{cls} attempt on upstream {name} found it not ready, not counted: {detail}",
-                cls=entry.cls, name=member.name, detail=failure.detail,
-            )
-            return _RETRY
+            return self._again_uncounted(entry, member, "found it not ready", failure)
         if member.held():
             return self._held_back(entry, member, failure)
         if failure.reason == "busy":
@@ -597,13 +590,7 @@ class ProxyApp:
                     for n in entry.eligible
                 ):
                     # Busy is not failure: another member that may serve it takes it first.
-                    entry.forgiven += 1
-                    self._metrics.retries_total.labels(entry.cls).inc()
-                    log.info(
-                        "{cls} attempt on upstream {name} found it busy, trying another: {detail}",
-                        cls=entry.cls, name=member.name, detail=failure.detail,
-                    )
-                    return _RETRY
+                    return self._again_uncounted(entry, member, "found it busy, trying another", failure)
             if answer.code != 503:
                 return self._relay(request, entry, member, answer, extra)
             failure = RetryableFailure("status_503", failure.detail, answer)
@@ -664,13 +651,17 @@ class ProxyApp:
     def _held_back(self, entry: Entry, member: Member, failure: RetryableFailure):
         """A failure while a hold covers ``member``: back to its place in the lot, not counted."""
         self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
+        self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
+        return self._again_uncounted(entry, member, f"failed ({failure.reason}) while it is held", failure)
+
+    def _again_uncounted(self, entry: Entry, member: Member, what: str, failure: RetryableFailure):
+        """Back to its place in the lot, the attempt not counted against ``max_attempts``; another member may take it."""
         entry.failed_on = member.name
         entry.forgiven += 1
-        self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
         self._metrics.retries_total.labels(entry.cls).inc()
         log.info(
-            "{cls} attempt on upstream {name} failed ({reason}) while it is held, not counted: {detail}",
-            cls=entry.cls, name=member.name, reason=failure.reason, detail=failure.detail,
+            "{cls} attempt on upstream {name} {what}, not counted: {detail}",
+            cls=entry.cls, name=member.name, what=what, detail=failure.detail,
         )
         return _RETRY
 
