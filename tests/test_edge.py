@@ -681,3 +681,37 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
     waiting[2].connectionLost(None)
     assert connections.refusing == 0 and connections._waiting == {}
     assert clock.getDelayedCalls() == []
+
+
+def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
+    """The stop's last step (drain.py): a connection whose transport still holds answer bytes (the 503s just
+    written) is closed once they are out, and the stop waits for that close; one with nothing left to write
+    is neither closed nor waited for.  The reactor's end would drop the buffered bytes: a bare close."""
+    from yieldproxy.httpserver import Connections
+
+    connections = Connections(10)
+
+    class Transport:
+        def __init__(self, unsent: int):
+            self.dataBuffer, self.offset, self._tempDataLen = b"", 0, unsent
+            self.closing = False
+
+    class Channel:
+        def __init__(self, unsent: int):
+            self.transport = Transport(unsent)
+
+        def loseConnection(self):
+            self.transport.closing = True
+
+    buffered, written = Channel(300), Channel(0)
+    for channel in (buffered, written):
+        connections.opened(channel)
+    flushed = connections.flushed()
+    assert not flushed.called
+    assert buffered.transport.closing and not written.transport.closing
+    connections.closed(written)
+    assert not flushed.called
+    connections.closed(buffered)  # its bytes are out, its connection closed
+    assert flushed.called
+    # Nothing left to write: at once.
+    assert connections.flushed().called

@@ -680,9 +680,6 @@ async def test_a_stop_during_a_reload_stops_the_new_process_too(tmp_path):
     await stop_during_a_reload(tmp_path, answers_checked=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect (review4): the new process answers its lot 503 as it stops (its log says so), but the "
-    "clients see their connections end without it"))
 @pytest_twisted.ensureDeferred
 async def test_a_stop_during_a_reload_answers_every_parked_request(tmp_path):
     await stop_during_a_reload(tmp_path, answers_checked=True)

@@ -15,7 +15,12 @@ stops.  Its :meth:`Drain.stopService`:
   :meth:`~yieldproxy.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
 * gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
   answered 503, what is in flight is left to finish as the process ends;
-* and stops the pool's drainers for good.
+* stops the pool's drainers for good;
+* and waits (at most :data:`FLUSH_SECONDS`) for the answers still buffered in
+  the proxy's transports to reach their sockets, each such connection closed
+  then: the process ends right after, and the reactor's end drops what a
+  transport still holds (a 503 written just now would reach its client as a
+  bare close).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Protocol, Sequence
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -34,11 +39,21 @@ from .state import YieldState
 
 log = Logger()
 
+#: The longest the stop waits for answers written already to reach their sockets (a client that reads
+#: nothing holds its connection no longer than this).
+FLUSH_SECONDS = 5.0
+
 
 class Stoppable(Protocol):
     """What stops releasing for good when the drain is over (the pool's drainers)."""
 
     def stop(self) -> None: ...
+
+
+class Outgoing(Protocol):
+    """A listener's connections (httpserver.Connections): what they still have to write, waited for."""
+
+    def flushed(self) -> Deferred[None]: ...
 
 
 class InFlight(Protocol):
@@ -64,6 +79,8 @@ class Drain(Service):
     _targets: Sequence[InFlight]
     #: ``proxy.shutdown_timeout_seconds``.
     timeout: float = 30.0
+    #: The proxy listener's connections: the answers written to them are waited for (see the module docstring).
+    outgoing: Sequence[Outgoing] = ()
 
     name = "drain"  # type: ignore[assignment]  # Twisted types Service.name as None
 
@@ -87,6 +104,12 @@ class Drain(Service):
             )
         self._replayer.stop()
         self._state.stop()
+        if self.outgoing:
+            try:
+                await DeferredList([o.flushed() for o in self.outgoing]).addTimeout(FLUSH_SECONDS, self._clock)
+            except TimeoutError:
+                log.warn("shutdown: answers still unwritten after {timeout:g}s; their connections end with the process",
+                         timeout=FLUSH_SECONDS)
 
     def settled(self) -> bool:
         """Nothing parked, nothing in flight."""

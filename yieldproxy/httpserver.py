@@ -65,6 +65,7 @@ from urllib.parse import unquote_to_bytes
 
 import attrs
 from twisted.internet.address import UNIXAddress
+from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.web.http import RESPONSES, HTTPChannel, _ChunkedTransferDecoder, _MalformedChunkedDataError
@@ -214,10 +215,16 @@ class Connections:
     #: Connections past the cap whose whole request came in time, waiting (first come, first served) for
     #: room in :attr:`reserved` (see :class:`OverCapacity`).
     _waiting: dict = attrs.Factory(dict)
+    #: Every open channel (a stop waits for the answers still to be written to them: :meth:`flushed`).
+    _channels: dict = attrs.Factory(dict)
+    #: The channels a stop waits to see written out and closed, and its waiter (:meth:`flushed`).
+    _flushing: dict = attrs.Factory(dict)
+    _flushed: list = attrs.Factory(list)
 
     def opened(self, channel) -> None:
         """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
         self.open += 1
+        self._channels[channel] = None
         self._fresh[channel] = None
         if self.per_peer is not None:
             host = _peer_host(channel.transport.getPeer())
@@ -228,6 +235,9 @@ class Connections:
     def closed(self, channel) -> None:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
+        self._channels.pop(channel, None)
+        if self._flushing and self._flushing.pop(channel, 1) is None and not self._flushing:
+            self._done_flushing()
         if self._waiting:
             next(iter(self._waiting)).room_freed()
         self._idle.pop(channel, None)
@@ -240,6 +250,31 @@ class Connections:
                     self._peers[host] = left
                 else:
                     del self._peers[host]
+
+    def flushed(self) -> Deferred[None]:
+        """Fires once every connection holding answer bytes not yet written to its socket has written them
+        and closed (each is closed: its transport's ``loseConnection`` writes them first).
+
+        The stop's last step: the process ends right after, and the reactor's end drops what a transport
+        still buffers, so an answer written just before (the drain's 503s) would reach its client as a bare
+        close.  Connections with nothing left to write are not waited for."""
+        waiter: Deferred[None] = Deferred()
+        self._flushed.append(waiter)
+        for channel in list(self._channels):
+            transport = channel.transport
+            if transport is not None and _unsent(transport):
+                self._flushing[channel] = None
+        for channel in list(self._flushing):
+            channel.loseConnection()
+        if not self._flushing:
+            self._done_flushing()
+        return waiter
+
+    def _done_flushing(self) -> None:
+        waiters, self._flushed = self._flushed, []
+        for waiter in waiters:
+            if not waiter.called:
+                waiter.callback(None)
 
     def peer_full(self, address) -> bool:
         """``address`` holds its share of the listener already (``per_peer``)."""
@@ -353,6 +388,17 @@ class Connections:
             )
             self._last_log = now
             self._refused_since_log = 0
+
+
+def _unsent(transport) -> bool:
+    """Whether ``transport`` (or the one under it: TLS) holds bytes written to it but not yet to its socket."""
+    while transport is not None:
+        if len(getattr(transport, "dataBuffer", b"")) - getattr(transport, "offset", 0) > 0:
+            return True
+        if getattr(transport, "_tempDataLen", 0):
+            return True
+        transport = getattr(transport, "transport", None)
+    return False
 
 
 def _complete(data: bytes) -> bool:

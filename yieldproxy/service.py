@@ -327,7 +327,7 @@ def build(
     # What runs, in start order (it stops in the reverse order).
     drain = Drain(
         reactor, state, gate, lot, pool, tuple(m.drainer for m in pool.members),
-        timeout=config.proxy.shutdown_timeout_seconds,
+        timeout=config.proxy.shutdown_timeout_seconds, outgoing=(proxy_app.connections,),
     )
     inherited = succession.inheritance if succession is not None else None
     listeners = {
