@@ -289,16 +289,9 @@ class ProxyApp:
             return self._reject(request, PASSTHROUGH, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
             return self._passthrough(request, target, body, api, model)
-        method = request.method.decode("latin-1")
-        routing = self._pool.routing(method, target.path, cls, model)
-        if routing.translated and not _translatable(target.path, body):
-            # Members that would get it translated could not serve it with the same meaning.
-            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
+        routing = self._routing(request, target, body, cls, model)
         if not routing.eligible:
-            return self._reject(
-                request, cls, api, self._gate.reject_status, "no_upstream",
-                f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
-            )
+            return self._no_upstream(request, target, api, cls)
         # Headers are held while parked too: they count against parking.max_parked_bytes.
         entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
         return self._gated(request, target, entry, body)
@@ -317,16 +310,9 @@ class ProxyApp:
         """An adopted request (:meth:`adopt`) parks again as it was, for the members eligible for it here."""
         request.started_at = carried.started_at
         cls = carried.cls
-        method = request.method.decode("latin-1")
-        model = _model_of(body)
-        routing = self._pool.routing(method, target.path, cls, model)
-        if routing.translated and not _translatable(target.path, body):
-            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
+        routing = self._routing(request, target, body, cls, _model_of(body))
         if not routing.eligible:
-            return self._reject(
-                request, cls, api, self._gate.reject_status, "no_upstream",
-                f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
-            )
+            return self._no_upstream(request, target, api, cls)
         failed_on = carried.failed_on if carried.failed_on in routing.eligible else None
         entry = Entry(
             cls=cls, size=len(body) + _head_size(request), api=api, max_wait=carried.max_wait, routing=routing,
@@ -337,6 +323,22 @@ class ProxyApp:
         )
         self._gate.number_adopted(entry)
         return self._gated(request, target, entry, body)
+
+    def _routing(self, request, target: Target, body: bytes, cls: str, model: str | None):
+        """Which members may serve it (:meth:`Pool.routing`), for a new request and an adopted one alike."""
+        method = request.method.decode("latin-1")
+        routing = self._pool.routing(method, target.path, cls, model)
+        if routing.translated and not _translatable(target.path, body):
+            # Members that would get it translated could not serve it with the same meaning.
+            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
+        return routing
+
+    def _no_upstream(self, request, target: Target, api: str, cls: str):
+        """No member of the pool may serve it: refused at once, saying which key decides."""
+        return self._reject(
+            request, cls, api, self._gate.reject_status, "no_upstream",
+            f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
+        )
 
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None, model: str | None = None) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
