@@ -128,6 +128,13 @@ class Proxy:
         response = await treq.get(self.admin + "/status", persistent=False).addTimeout(10, reactor)
         return await response.json()
 
+    async def until_parked(self, count: int, tries: int = 100) -> None:
+        """Wait (``tries`` x 50 ms at most) until ``count`` requests are parked; the caller asserts what it needs."""
+        for _ in range(tries):
+            if (await self.status())["parked_total"] == count:
+                return
+            await sleep(reactor, 0.05)
+
     async def post(self, path: str, body: dict | None = None) -> tuple[int, dict]:
         response = await treq.post(self.admin + path, json=body or {}, persistent=False).addTimeout(TIMEOUT, reactor)
         return response.code, await response.json()
@@ -230,10 +237,7 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
         held = [(h["source"], h["since"], h["expires_at"]) for h in yielded["holds"]]
         parked_texts = [f"parked {i}" for i in range(200)]
         pending = [embed(proxy, text) for text in parked_texts]
-        for _ in range(300):
-            if (await proxy.status())["parked_total"] == 200:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(200, tries=300)
         assert (await proxy.status())["parked_total"] == 200
         arriving: list[str] = []
         hammer = Hammer(proxy.proxy_port)
@@ -284,10 +288,7 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
         assert status["started_at"] > first["started_at"]
         proxy.pids.append(status["pid"])
         arrive("after reload 3", 10)
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 240:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(240)
         assert (await proxy.status())["parked_total"] == 240
         # Nothing reached the GPU while it was yielded.
         assert sum(sim.texts_embedded.values()) == 0
@@ -377,10 +378,7 @@ async def test_a_refused_config_or_a_new_process_that_cannot_start_keeps_the_run
         await proxy.start()
         await proxy.post("/yield", {"reason": "game"})
         pending = [embed(proxy, f"kept {i}") for i in range(10)]
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 10:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(10)
 
         proxy.config.write_text("[parking]\nmax_parked = -3\n")
         result = await in_thread(reactor, cli, proxy, "reload")
@@ -432,10 +430,7 @@ async def test_a_request_parked_for_an_upstream_the_reload_removes_goes_to_anoth
         assert code == 200
         texts = [f"question {i}" for i in range(5)]
         pending = [chat(proxy, text) for text in texts]
-        for _ in range(200):
-            if (await proxy.status())["parked_total"] == 5:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(5, tries=200)
         assert (await proxy.status())["parked_total"] == 5
 
         proxy.config.write_text(upstream_b)
@@ -522,10 +517,7 @@ async def test_a_new_process_that_dies_as_the_handover_starts_leaves_everything_
         await proxy.start()
         await proxy.post("/yield", {"reason": "game"})
         pending = [embed(proxy, f"kept {i}") for i in range(10)]
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 10:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(10)
         succession = proxy.site / "yieldproxy" / "succession" / "__init__.py"
         head = "    def restore(self, message: dict[str, Any]) -> None:\n"
         succession.write_text(succession.read_text().replace(head, head + "        os._exit(3)\n"))
@@ -560,10 +552,7 @@ async def test_a_request_pipelined_behind_a_parked_one_goes_over_with_it(tmp_pat
         both = (request_bytes(b"POST", b"/api/embed", body=embed_body("first"))
                 + request_bytes(b"POST", b"/api/embed", body=embed_body("second")))
         assert await in_thread(reactor, client.send, both)
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 1:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(1)
         await sleep(reactor, 0.2)  # the second request's bytes are read (and held) by the old process
         outcome = await proxy.reload()
         assert outcome["parked_handed_over"] == 1, outcome
@@ -641,10 +630,7 @@ async def stop_during_a_reload(tmp_path, answers_checked: bool) -> None:
         await proxy.start()
         await proxy.post("/yield", {"reason": "game"})
         pending = [in_thread(reactor, raw_embed, proxy.proxy_port, f"kept {i}") for i in range(5)]  # threads of the pool: leave some for name lookups
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 5:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(5)
         # The new process holds the end of the handover 3 s, once it has taken the whole lot: the stop comes meanwhile.
         takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
         head = "        kind = message[\"type\"]\n"
@@ -695,10 +681,7 @@ async def test_a_reload_goes_on_when_the_client_that_asked_for_it_goes_away(tmp_
         await proxy.start()
         await proxy.post("/yield", {"reason": "game"})
         pending = [embed(proxy, f"kept {i}") for i in range(10)]
-        for _ in range(100):
-            if (await proxy.status())["parked_total"] == 10:
-                break
-            await sleep(reactor, 0.05)
+        await proxy.until_parked(10)
         # The new process takes 3 s to say it serves, once the whole lot is there.
         takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
         head = "    def _serve(self) -> None:\n"
