@@ -14,6 +14,14 @@ parser sees them as a socket would deliver them), and the upstream may be
 ``rawhttp.RecordingBackend``, connected in memory too, which keeps the exact
 bytes the proxy sent.
 
+A pool (``members=``, as :func:`helpers.start_pool_stack` takes them) is
+built on a :class:`~twisted.internet.testing.MemoryReactorClock`: every
+member's clients (requests and control calls: health, outage probes, model
+lists, twin checks) connect through it, and :meth:`Rig.turn` connects each
+such connection in memory to the server at its port (a port nobody serves
+is refused).  A single upstream with ``watchers`` gets the same for its
+control calls.
+
 What is about the wire (raw framing over TCP, slow or vanishing TCP peers,
 real clients and processes) stays in the real-socket tests.
 """
@@ -22,12 +30,14 @@ from __future__ import annotations
 
 import json as jsonlib
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import treq
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
@@ -41,7 +51,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Site
 from zope.interface import implementer
 
-from yieldproxy.config import Config
+from yieldproxy.config import Config, MemberConfig
 from yieldproxy.forward import Upstream
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
@@ -258,8 +268,12 @@ class Rig:
         :class:`~yieldproxy.sim.SimOllama` (then :attr:`sim` is None).
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);
-        a new Clock by default.
+        a new Clock by default (a MemoryReactorClock with ``watchers`` or ``members``).
     :param holds: a :class:`~yieldproxy.holdstore.HoldStore` that keeps the holds across rigs (a restart).
+    :param members: a pool instead of one upstream: dicts of ``[[upstreams]]``
+        keys, each with a ``name``; a member's own sim options under its
+        ``sim`` key (merged over ``sim_options``), or its own resource under
+        ``upstream``.  Their sims are :attr:`sims`, by name.
     :param sim_options: the SimOllama's options (``latency``, ``chunk_delay``...).
     """
 
@@ -268,19 +282,118 @@ class Rig:
 
     def __init__(
         self, config: Config | None = None, upstream=None, token=None, read_token=None, watchers: bool = False,
-        reactor: Clock | None = None, holds=None, **sim_options,
+        reactor: Clock | None = None, holds=None, members=None, **sim_options,
     ):
-        self.clock = reactor if reactor is not None else Clock()
-        self.sim = SimOllama(self.clock, **sim_options) if upstream is None else None
-        self.upstream = MemoryUpstream(upstream if upstream is not None else self.sim.resource(), self.clock)
+        if reactor is None:
+            reactor = MemoryReactorClock() if watchers or members else Clock()
+        self.clock = reactor
+        #: The servers a member's clients reach, by port (connections made on a MemoryReactorClock).
+        self._routes: dict[int, SiteAgent] = {}
+        self.sims: dict[str, SimOllama] = {}
         config = config or Config()
+        if members:
+            self.sim = None
+            self.upstream = None
+            config = self._pool(config, members, sim_options)
+        else:
+            self.sim = SimOllama(self.clock, **sim_options) if upstream is None else None
+            self.upstream = MemoryUpstream(upstream if upstream is not None else self.sim.resource(), self.clock)
         if not watchers:
             config = config.with_overrides(**{"upstream.detect_outages": False})
+            if members:
+                # As helpers.start_pool_stack: each member's own key too.
+                config = attrs.evolve(
+                    config, upstreams=tuple(attrs.evolve(m, detect_outages=False) for m in config.upstreams)
+                )
         self.proxy = build(
             self.clock, config, token=token, read_token=read_token, upstream=self.upstream, holds=holds
         )
+        if self.upstream is not None:
+            # The single upstream's control calls (health, outage probes) reach it too.
+            self._routes[urlsplit(self.proxy.pool.members[0].spec.url).port or 80] = self.upstream.wire
         self.proxy_agent = SiteAgent(self.proxy.proxy_app.site(), self.clock)
         self.admin_agent = SiteAgent(self.proxy.admin_app.site(), self.clock)
+
+    def _pool(self, config: Config, members, sim_options) -> Config:
+        """The members' servers, each on a port of its own; ``config`` with their ``[[upstreams]]``."""
+        tables = []
+        for i, member in enumerate(members):
+            member = dict(member)
+            resource = member.pop("upstream", None)
+            options = {**sim_options, **member.pop("sim", {})}
+            if resource is None:
+                sim = self.sims[member["name"]] = SimOllama(self.clock, **options)
+                resource = sim.resource()
+            port = 20000 + i
+            self._routes[port] = SiteAgent(Site(resource, reactor=MemoryReactorClock()), self.clock)
+            tables.append(MemberConfig(**{"url": f"http://127.0.0.1:{port}", **member}))
+        config = attrs.evolve(config, upstreams=tuple(tables))
+        if not config.verification.models:
+            # As helpers.start_pool_stack: all-minilm's twins are verified.
+            config = attrs.evolve(config, verification=attrs.evolve(config.verification, models=("all-minilm",)))
+        return config
+
+    def _connect_pending(self) -> bool:
+        """Connect what the proxy's clients asked of the memory reactor to the server at that port; True if any."""
+        clients = getattr(self.clock, "tcpClients", None)
+        if not clients:
+            return False
+        while clients:
+            _host, port, factory, _timeout, _bind = clients.pop(0)
+            connector = self.clock.connectors.pop(0)
+            wire = self._routes.get(port)
+            if wire is None:
+                factory.clientConnectionFailed(connector, Failure(ConnectionRefusedError(f"nothing at port {port}")))
+            else:
+                wire._connect(factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port)), port)
+        return True
+
+    def direct(self, name: str, method: str, path: str, json: Any = None) -> Deferred:
+        """A call straight to member ``name``'s server (not through the proxy): a Deferred of its :class:`Answer`."""
+        port = next(p for p, m in zip(self._routes, self.proxy.pool.members) if m.name == name)
+        client = treq.client.HTTPClient(self._routes[port], data_to_body_producer=BytesProducer)
+        kwargs: dict[str, Any] = {}
+        if json is not None:
+            kwargs = {"data": jsonlib.dumps(json).encode(), "headers": {"Content-Type": "application/json"}}
+        d = client.request(method, f"http://127.0.0.1:{port}{path}", **kwargs)
+        d.addCallback(lambda response: treq.content(response).addCallback(
+            lambda body: Answer(response.code, response.headers, body)
+        ))
+        self.turn()
+        return d
+
+    def start(self) -> None:
+        """Start ``proxy.service`` (its listeners listen on the memory reactor) and run what is due."""
+        self.proxy.service.startService()
+        self.turn()
+
+    def settle(self, seconds: float = 5.0) -> None:
+        """As :func:`helpers.start_pool_stack` waits after the start: the members' model lists read, then the
+        twins verified (or, a member that never answers, not within ``seconds``: the others were meanwhile)."""
+        lists_read = lambda: all(  # noqa: E731
+            m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in self.proxy.pool.members
+        )
+        try:
+            self.until(lambda: lists_read() and (self.proxy.twins is None or self.proxy.twins.settled), seconds)
+        except AssertionError:
+            pass
+
+    def stop(self, seconds: float = 120.0) -> None:
+        """Stop ``proxy.service``, moving the clock until it has stopped (at most ``seconds``)."""
+        stopped = self.proxy.service.stopService()
+        self.until(lambda: answered(stopped), seconds)
+        self.result(stopped)
+
+    def until(self, predicate, seconds: float) -> None:
+        """Move the clock from one due call to the next until ``predicate()`` holds; fail after ``seconds``."""
+        end = self.clock.seconds() + seconds
+        self.turn()
+        while not predicate():
+            due = [call.getTime() for call in self.clock.getDelayedCalls() if call.active()]
+            next_time = min(due, default=None)
+            assert next_time is not None and next_time <= end, f"not so after {seconds:g} s of the clock"
+            self.clock.rightNow = max(self.clock.rightNow, next_time)
+            self.turn()
 
     # -- time -------------------------------------------------------------------------
 
@@ -293,7 +406,11 @@ class Rig:
         for _ in range(_MAX_ROUNDS):
             moved = self.proxy_agent.flush()
             moved = self.admin_agent.flush() or moved
-            moved = self.upstream.flush() or moved
+            if self.upstream is not None:
+                moved = self.upstream.flush() or moved
+            moved = self._connect_pending() or moved
+            for wire in self._routes.values():
+                moved = wire.flush() or moved
             due = self._due_now()
             self.clock.advance(0)
             if not (moved or due):
