@@ -3,8 +3,9 @@
 The clients are blocking (urllib) or run their own asyncio loop, so each runs
 in a worker thread while the reactor serves: a proxy of this checkout built
 in-process by ``service.build`` (helpers.start_stack), and, for the lease,
-a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 2 s
-lease held for 5 s.
+a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 1 s
+lease held for two and a half leases and at least six renewals (the proxy's
+lease runs on its reactor's real clock, so the renewals must be real).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from helpers import free_port, in_thread, start_stack
 from yieldproxy.client import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
 
 TOKEN = "broker-test-token-0123456789"
-LEASE = 2.0
-HELD = 5.0
+LEASE = 1.0
+#: A hold lasts this many leases, and at least RENEWALS renewals.
+HELD = 2.5
+RENEWALS = 6
 
 
 def holds_of(admin: Admin) -> list[tuple[str, str | None]]:
@@ -29,11 +32,11 @@ def holds_of(admin: Admin) -> list[tuple[str, str | None]]:
 
 
 def hold_for_a_while(admin: Admin) -> dict:
-    """Hold with a 2 s lease for 5 s; what the proxy said during and after."""
+    """Hold with a 1 s lease for 2.5 s and six renewals; what the proxy said during and after."""
     seen: dict = {}
     with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
         seen["taken"] = holds_of(admin)
-        time.sleep(HELD)
+        held_long_enough(hold, time.monotonic())
         status = admin.status()
         seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
         seen["state"] = status["state"]
@@ -43,13 +46,27 @@ def hold_for_a_while(admin: Admin) -> dict:
     return seen
 
 
+def held_long_enough(hold, since: float) -> None:
+    """Wait (in the holding thread) until HELD leases have passed and the hold was renewed RENEWALS times."""
+    deadline = since + 10 * HELD * LEASE
+    while time.monotonic() < deadline and (hold.renewals < RENEWALS or time.monotonic() - since < HELD * LEASE):
+        time.sleep(0.02)
+
+
+async def async_held_long_enough(hold, since: float) -> None:
+    """:func:`held_long_enough` for asyncio."""
+    deadline = since + 10 * HELD * LEASE
+    while time.monotonic() < deadline and (hold.renewals < RENEWALS or time.monotonic() - since < HELD * LEASE):
+        await asyncio.sleep(0.02)
+
+
 def check_held(seen: dict) -> None:
     assert seen["taken"] == [("broker", None)]
-    # 5 s into a 2 s lease, still held, its lease renewed within the last third or so.
+    # Two and a half leases in, still held, its lease renewed within the last third or so.
     [(source, left)] = seen["late"]
     assert source == "broker" and 0 < left <= LEASE, seen
     assert seen["state"] == "yielded"
-    assert seen["renewals"] >= 6 and seen["error"] is None and not seen["lost"], seen
+    assert seen["renewals"] >= RENEWALS and seen["error"] is None and not seen["lost"], seen
     assert seen["after"] == [] and seen["state_after"] != "yielded", seen
 
 
@@ -118,7 +135,7 @@ async def async_hold(url: str) -> dict:
     seen: dict = {}
     async with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
         seen["taken"] = [(h["source"], h.get("upstream")) for h in (await admin.status())["holds"]]
-        await asyncio.sleep(HELD)
+        await async_held_long_enough(hold, time.monotonic())
         status = await admin.status()
         seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
         seen["state"] = status["state"]
@@ -156,11 +173,14 @@ async def test_a_failed_renewal_is_reported_and_resuming_is_still_tried():
 
     def hold_while_it_goes() -> dict:
         admin = Admin(stack.admin_url, timeout=1)
-        hold = admin.hold("broker", "a game", lease_seconds=1.5, on_error=lambda h, e: errors.append(e))
+        hold = admin.hold("broker", "a game", lease_seconds=LEASE, on_error=lambda h, e: errors.append(e))
         with pytest.raises(AdminUnreachable, match="connection refused"):
             with hold:
                 reactor.callFromThread(lambda: stopped.append(listener.stopService()))
-                time.sleep(2.5)
+                # Until the renewals have failed for a whole lease (bounded).
+                deadline = time.monotonic() + 10 * LEASE
+                while not hold.lost and time.monotonic() < deadline:
+                    time.sleep(0.02)
         return {"error": hold.error, "lost": hold.lost}
 
     try:

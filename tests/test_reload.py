@@ -314,8 +314,10 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
 async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_path):
     """A chat streaming through the old process ends whole there; an idle keep-alive connection goes over and its
     next request is answered by the new process; the old one exits once its stream is done."""
-    # A 20 s stream: the reload (a new Python process starting on a busy machine) ends well inside it.
-    sim = SimOllama(reactor, latency=0.0, parallel=8, chunks=40, chunk_delay=0.5)
+    # The stream is held after its first line until the reload is over (however long a new Python process
+    # takes to start on a busy machine), then goes on, a line every 20 ms.
+    sim = SimOllama(reactor, latency=0.0, parallel=8, chunks=40, chunk_delay=0.02)
+    sim.hold("/api/chat")
     proxy = Proxy(tmp_path, await sim.listen())
     client = None
     try:
@@ -325,14 +327,18 @@ async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_
         assert first.status == 200 and first.header(b"connection") != b"close"
 
         messages = [{"role": "user", "content": "tell me a story"}]
-        response = await treq.post(
+        posted = treq.post(
             proxy.url + "/api/chat", json={"model": "llama3.2", "messages": messages, "stream": True},
             persistent=False,
         ).addTimeout(TIMEOUT, reactor)
+        await wait_for(reactor, lambda: sim.held == 1, timeout=10)
+        sim.release()  # the head and the first line go out,
+        sim.hold("/api/chat")  # the next line (due 20 ms later) waits
+        response = await posted
         assert response.code == 200
         chunks: list[bytes] = []
         streamed = treq.collect(response, chunks.append)
-        await wait_for(reactor, lambda: len(chunks) >= 2, timeout=10)
+        await wait_for(reactor, lambda: len(chunks) >= 1, timeout=10)
 
         old = proxy.pid
         outcome = await proxy.reload()
@@ -344,6 +350,8 @@ async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_
         assert second.status == 200
         assert second.json()["embeddings"][0] == pytest.approx(expected_embedding("b", MODEL), abs=1e-9)
 
+        assert not streamed.called and not gone(old) and sim.held == 1
+        sim.release()
         await streamed.addTimeout(TIMEOUT, reactor)
         lines = [json.loads(line) for line in b"".join(chunks).splitlines() if line.strip()]
         assert lines[-1]["done"] is True

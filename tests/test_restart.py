@@ -361,6 +361,10 @@ async def test_without_the_signal_watcher_sigusr1_during_the_stop_is_ignored_too
 # -- a reload, then a crash ------------------------------------------------------------------
 
 
+#: Seconds of the first hold's lease: longer than a reload takes here, even on a busy machine.
+LEASE = 6
+
+
 @pytest_twisted.ensureDeferred
 async def test_after_a_reload_the_old_process_no_longer_writes_the_holds_file(tmp_path):
     """The old process lives on after a reload while its requests in flight finish, with its own copy of
@@ -368,14 +372,18 @@ async def test_after_a_reload_the_old_process_no_longer_writes_the_holds_file(tm
     written the file then, a crash of the new process would have forgotten the renewed hold."""
     from test_reload import Proxy as Reloadable, embed, end, gone
 
-    sim = SimOllama(reactor, latency=15.0)
+    sim = SimOllama(reactor)
+    sim.hold()  # the embedding is answered once the old process's copy of the lease has run out
     sim_port = await sim.listen()
     proxy = Reloadable(tmp_path, sim_port)
     try:
         await proxy.start()
         in_flight = embed(proxy, "in flight at the old process")
-        await wait_for(reactor, lambda: sim.in_flight == 1, timeout=TIMEOUT)
-        code, status = await proxy.post("/yield", {"source": "broker", "reason": "game", "for_seconds": 8})
+        answered: list = []
+        in_flight.addBoth(lambda result: answered.append(result) or result)
+        await wait_for(reactor, lambda: sim.held == 1, timeout=TIMEOUT)
+        # The lease outlasts the reload (a new Python process starting on a busy machine).
+        code, status = await proxy.post("/yield", {"source": "broker", "reason": "game", "for_seconds": LEASE})
         assert code == 200
         [first] = status["holds"]
         old = proxy.pid
@@ -383,8 +391,12 @@ async def test_after_a_reload_the_old_process_no_longer_writes_the_holds_file(tm
         code, status = await proxy.post("/yield", {"source": "broker", "for_seconds": 600})
         assert code == 200 and status["pid"] == proxy.pid != old
         [renewed] = status["holds"]
-        # The old process's request is still in flight when its copy of the 8 s lease would run out:
-        # once it has handed over it runs no lease of its own (since bc57771), so nothing runs out there.
+        assert time.time() < first["expires_at"], "the reload took longer than the lease: make LEASE longer"
+        # The old process's request is still in flight when its copy of the lease runs out (and a second
+        # later): once it has handed over it runs no lease of its own (since bc57771), so nothing runs out there.
+        await wait_for(reactor, lambda: time.time() > first["expires_at"] + 1.0, timeout=TIMEOUT, step=0.05)
+        assert not answered and not gone(old)
+        sim.release()
         _, code, _ = await in_flight.addTimeout(TIMEOUT, reactor)
         assert code == 200
         assert time.time() > first["expires_at"]

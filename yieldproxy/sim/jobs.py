@@ -110,6 +110,9 @@ class Scheduler:
     _waiting: collections.deque[Job] = attrs.field(init=False, factory=collections.deque)
     _serving: set[Job] = attrs.field(init=False, factory=set)
     _pumping: bool = attrs.field(init=False, default=False)
+    #: What :meth:`hold` holds: None (nothing), or the paths whose steps wait (empty: every path).
+    _holding: frozenset[str] | None = attrs.field(init=False, default=None)
+    _held: list[tuple[Job, Callable[..., None], tuple[Any, ...]]] = attrs.field(init=False, factory=list)
 
     @property
     def in_flight(self) -> int:
@@ -204,6 +207,23 @@ class Scheduler:
         self._pump()
         return True
 
+    def hold(self, paths: frozenset[str] = frozenset()) -> None:
+        """From now on, a step of a request to ``paths`` (any path when empty) that comes due waits until
+        :meth:`release` (see :meth:`SimOllama.hold`)."""
+        self._holding = paths
+
+    def release(self) -> None:
+        """Hold no more, and run every step held meanwhile, in the order they came due."""
+        self._holding = None
+        held, self._held = self._held, []
+        for job, fn, args in held:
+            self._guarded(job, fn, *args)
+
+    @property
+    def held(self) -> int:
+        """Steps waiting for :meth:`release` (of jobs still served)."""
+        return sum(1 for job, _, _ in self._held if job.state == "serving")
+
     def abort_all(self, outcome: str) -> None:
         """Reset every job's connection (``reset``, ``refuse``, ``stop``)."""
         for job in list(self._jobs):
@@ -229,6 +249,9 @@ class Scheduler:
         """A bug in one step must answer its request, not leave it hanging."""
         job.timer = None
         if job.state != "serving":
+            return
+        if self._holding is not None and (not self._holding or job.record.path in self._holding):
+            self._held.append((job, fn, args))
             return
         try:
             fn(*args)

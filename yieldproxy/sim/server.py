@@ -337,6 +337,29 @@ class SimOllama:
             return self._listener.reopen()
         return defer.succeed(None)
 
+    def hold(self, *paths: str) -> None:
+        """
+        Hold the next step of every model request to ``paths`` (to any path when none is given) until :meth:`release`.
+
+        A step that comes due meanwhile (a whole answer, a stream's first or
+        next line, a load) waits; the requests stay in flight, holding their
+        slots; requests to other paths go on as usual.  A test holds a request at a point of its choosing for exactly
+        as long as it needs (a reload, a lease running out) instead of a
+        latency long enough for the worst case.  Releasing and holding again
+        at once lets the steps due now run, and holds the ones they schedule
+        (a stream's next line, ``chunk_delay`` later).
+        """
+        self._scheduler.hold(frozenset(paths))
+
+    def release(self) -> None:
+        """Run every step :meth:`hold` held, in the order they came due, and hold no more."""
+        self._scheduler.release()
+
+    @property
+    def held(self) -> int:
+        """Steps :meth:`hold` is holding now."""
+        return self._scheduler.held
+
     def stop(self) -> defer.Deferred[None]:
         """
         Stop listening, abort every connection, cancel every timer.
