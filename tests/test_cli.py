@@ -1,29 +1,35 @@
 """
 Tests for :mod:`yieldproxy.cli`, the ``yieldproxy`` command.
 
-The command runs as a real subprocess (``python -m yieldproxy.cli``) against
+The command runs in this process (:func:`run_cli`: :func:`yieldproxy.cli.main`
+with its output captured and its command run on the test's reactor) against
 the admin app of a real proxy listening on 127.0.0.1 (or a unix socket) in
-the test's reactor; the subprocess runs in a thread so the reactor keeps
-serving it.  Every await is bounded.  Pure helpers (endpoint parsing, the
-status table, argument errors) are tested in process.
+the same reactor.  A few run as real processes, where the process is the
+subject: the installed console script against a real admin API, a fresh
+interpreter that must not import the reactor, and ``yieldproxy sim`` (which
+runs its own reactor and logging).  Every await is bounded.  Pure helpers
+(endpoint parsing, the status table, argument errors) are tested in process.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 import pytest_twisted
-from twisted.internet import threads
+from twisted.internet import defer, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
+from twisted.python.failure import Failure
 
 from helpers import release_every_hold
 from yieldproxy import cli, demo
@@ -33,6 +39,8 @@ from yieldproxy.service import build
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-admin-token-0123456789"
 TIMEOUT = 30.0
+#: The console script pip installed next to this Python.
+INSTALLED = Path(sys.executable).parent / "yieldproxy"
 
 
 def _reactor() -> Any:
@@ -52,18 +60,65 @@ class Result:
         return self.out + self.err
 
 
+def _exit_status(code: object) -> int:
+    """What a process exiting with ``SystemExit(code)`` returns: None is 0, a message is 1."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+@attrs.define
+class OnThisReactor:
+    """``react`` for :func:`yieldproxy.cli.main` in a test: the command runs on the test's running reactor
+    (not a new one, which ``task.react`` would start); :attr:`finished` fires with its exit status, as
+    ``task.react`` would have exited with it."""
+
+    finished: defer.Deferred | None = None
+
+    def __call__(self, main: Any, argv: tuple = ()) -> None:
+        def status(result: object) -> int:
+            if isinstance(result, Failure):
+                if result.check(SystemExit):
+                    return _exit_status(result.value.code)
+                result.printTraceback(file=sys.stderr)
+                return 1
+            return 0
+
+        self.finished = defer.ensureDeferred(main(_reactor(), *argv)).addBoth(status)
+
+
 async def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 25.0) -> Result:
-    """Run ``python -m yieldproxy.cli ARGS`` in a thread, with a clean YIELDPROXY_* environment."""
+    """``yieldproxy ARGS`` in this process, with a clean YIELDPROXY_* environment: its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    here = OnThisReactor()
+    saved = dict(os.environ)
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            for name in [name for name in os.environ if name.startswith("YIELDPROXY_")]:
+                del os.environ[name]
+            os.environ.update(env or {})
+            try:
+                cli.main(list(args), react=here)
+                code = 0
+            except SystemExit as e:
+                code = _exit_status(e.code)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        if here.finished is not None:
+            code = await here.finished.addTimeout(timeout, _reactor())
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+async def run_process(*command: str, env: dict[str, str] | None = None, timeout: float = 25.0) -> Result:
+    """Run a real command in a thread (the reactor keeps serving), this checkout first on its path."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("YIELDPROXY_")}
     # The working tree, not whatever copy is installed in site-packages.
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     full_env.update(env or {})
 
     def run() -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "yieldproxy.cli", *args],
-            capture_output=True, text=True, env=full_env, timeout=timeout,
-        )
+        return subprocess.run(list(command), capture_output=True, text=True, env=full_env, timeout=timeout)
 
     done = await threads.deferToThread(run).addTimeout(timeout + 5, _reactor())
     return Result(done.returncode, done.stdout, done.stderr)
@@ -155,6 +210,26 @@ async def test_yield_status_resume() -> None:
         r = await run_cli("status", "--exit-code", *admin)
         assert r.code == 0, r
         assert "holds:      none" in r.out and re.search(r"^state:\s+available$", r.out, re.M)
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_installed_command_runs_against_a_real_admin_api(tmp_path: Path) -> None:
+    """The console script pip installed, as a process of its own, against an admin API on a real unix socket."""
+    assert INSTALLED.is_file(), f"no {INSTALLED}: install the package (scripts/ensure-venv)"
+    server = await AdminServer(token=TOKEN).start(unix_path=tmp_path / "admin.sock")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    try:
+        r = await run_process(str(INSTALLED), "yield", "--admin", server.url, "--source", "trainer",
+                              env={"YIELDPROXY_TOKEN_FILE": str(token_file)})
+        assert r.code == 0 and r.out.startswith("state: yielded | held by trainer"), r
+        assert server.proxy.state.yielded and TOKEN not in r.both
+        r = await run_process(str(INSTALLED), "status", "--exit-code", "--admin", server.url,
+                              env={"YIELDPROXY_TOKEN": TOKEN})
+        assert r.code == cli.EXIT_YIELDED, r
+        assert re.search(r"^\s+trainer\s", r.out, re.M), r.out
     finally:
         await server.close()
 
@@ -276,7 +351,7 @@ async def test_sim_on_a_taken_port_is_one_line() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = await run_cli("sim", "--port", str(port))
+        r = await run_process(sys.executable, "-m", "yieldproxy.cli", "sim", "--port", str(port))
     assert (r.code, r.out) == (1, ""), r
     assert r.err == (
         f"yieldproxy sim: --port {port}: cannot listen on 127.0.0.1:{port}: "

@@ -1,4 +1,10 @@
-"""The packaged service: ``twistd -n yieldproxy`` as a real process, and its graceful stop."""
+"""The packaged service: ``twistd -n yieldproxy`` as a real process, and its graceful stop.
+
+What twistd decides from its command line alone (the usage and config errors,
+one line and exit 1) runs twistd's own main in this process, up to where it
+would start the service (:func:`twistd_parses`); starting, listening (or
+failing to), logging and signals run a real ``twistd`` process.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import attrs
 import pytest
 import pytest_twisted
 import treq
@@ -41,10 +48,39 @@ def twistd_until_exit(*args) -> subprocess.CompletedProcess:
     )
 
 
-def test_bad_config_stops_twistd_with_the_key_named(tmp_path):
+@attrs.frozen
+class Parsed:
+    returncode: int | str | None
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def twistd_parses(monkeypatch, capsys):
+    """``twistd -n --pidfile= yieldproxy ARGS`` in this process: twistd's own main (``app.run`` with its
+    ``ServerOptions``, the plugin found as twistd finds it), expected to exit while parsing; were it to get
+    as far as running the service, it does not run and the test fails."""
+
+    def parse(*args: str) -> Parsed:
+        from twisted.application import app
+        from twisted.scripts.twistd import ServerOptions
+
+        monkeypatch.setattr(sys, "argv", [TWISTD, "-n", "--pidfile=", "yieldproxy", *args])
+        capsys.readouterr()
+        ran: list = []
+        with pytest.raises(SystemExit) as exited:
+            app.run(ran.append, ServerOptions)
+        assert ran == []
+        out, err = capsys.readouterr()
+        return Parsed(exited.value.code, out, err)
+
+    return parse
+
+
+def test_bad_config_stops_twistd_with_the_key_named(tmp_path, twistd_parses):
     path = tmp_path / "y.toml"
     path.write_text("[replay]\nconcurrency = 0\n")
-    result = twistd_until_exit("--config", str(path))
+    result = twistd_parses("--config", str(path))
     assert result.returncode == 1
     # One line: not after twistd's listing of every option.
     assert result.stderr == f"twistd yieldproxy: {path}: replay.concurrency: must be >= 1, got 0\n"
@@ -64,8 +100,8 @@ def test_bad_config_stops_twistd_with_the_key_named(tmp_path):
         (["--listen"], "option --listen requires argument (twistd yieldproxy --help lists the options)"),
     ],
 )
-def test_usage_errors_are_one_line(args, line):
-    result = twistd_until_exit(*args)
+def test_usage_errors_are_one_line(args, line, twistd_parses):
+    result = twistd_parses(*args)
     assert (result.returncode, result.stdout, result.stderr) == (1, "", f"twistd yieldproxy: {line}\n")
 
 

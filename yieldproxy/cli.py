@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 import attrs
@@ -650,8 +650,14 @@ def _run_demo(reactor, args: argparse.Namespace, finished: list):
     return defer.Deferred.fromCoroutine(run())
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """The ``yieldproxy`` console script."""
+def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task.react) -> None:
+    """The ``yieldproxy`` console script.
+
+    :param react: runs a command's function on a reactor and ends the
+        process with its exit status, as :func:`twisted.internet.task.react`
+        (the default) does; the tests give one that runs the command on
+        their own, already running, reactor.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -684,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "demo":
         finished: list[int] = []
         try:
-            task.react(_run_demo, (args, finished))
+            react(_run_demo, (args, finished))
         except SystemExit as e:
             # Interrupted (Ctrl-C stops the reactor): not a success.
             if not finished and not e.code:
@@ -703,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = {
         "status": _status_command, "yield": _yield_command, "resume": _resume_command, "reload": _reload_command,
     }[args.command]
-    task.react(_run_admin, (command, args, settings))
+    react(_run_admin, (command, args, settings))
 
 
 if __name__ == "__main__":
