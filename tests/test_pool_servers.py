@@ -1,4 +1,4 @@
-"""A pool of a TEI, a llama.cpp and an Ollama member (the sim plays each), through real sockets (issue 12).
+"""A pool of a TEI, a llama.cpp and an Ollama member (the sim plays each) (issue 12).
 
 Each member's native model routes (TEI's ``/embed`` and ``/rerank``,
 llama.cpp's ``/completion`` and ``/embedding``) are served by that member
@@ -7,6 +7,10 @@ resume, while the other members serve theirs and its metadata routes pass.
 A llama.cpp member still loading its model (503 "Loading model") is read as
 not ready, not as an outage.  Also: the model list of a server mounted under
 an API prefix (Infinity's ``--url-prefix /v1``) is found there.
+
+The native routes and their parking run once through real sockets; the
+loads, restarts and GPU failures, which are about time and judgement, run
+with the proxy in memory on a Clock (``tests/inmemory.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred, succeed
 
-from helpers import admin, config_with, sleep, start_pool_stack, wait_for
+from helpers import admin, config_with, start_pool_stack, wait_for
+from inmemory import Rig, answered
 from yieldproxy.control import Answer
 from yieldproxy.pool.models import ModelCatalogue, ModelDiscovery
 from yieldproxy.servers import server
@@ -62,7 +67,7 @@ TEI_TEXTS = ["the desktop games", "the server embeds"]
 RERANK = {"query": "which box serves", "texts": ["the server", "the desktop", "nobody"]}
 
 
-def tei_calls(stack):
+def tei_calls(stack, post=post):
     return post(stack, "/embed", {"inputs": TEI_TEXTS}), post(stack, "/rerank", RERANK)
 
 
@@ -74,7 +79,7 @@ def check_tei(embed, rerank) -> None:
     assert {r["index"]: r["score"] for r in ranks} == want
 
 
-def llama_calls(stack):
+def llama_calls(stack, post=post):
     return (
         post(stack, "/completion", {"prompt": "tell me about pools", "n_predict": 8}),
         post(stack, "/embedding", {"content": "a llama vector"}),
@@ -149,8 +154,39 @@ async def test_tei_and_llamacpp_members_serve_their_native_routes_and_park_while
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
+# -- the same pool in memory, on a Clock (tests/inmemory.py): what a load, a restart and a GPU failure do ------
+
+
+def pool_rig(members, config, watchers: bool = False) -> Rig:
+    """The proxy pooling ``members`` in memory, started, its model lists read and its twins verified."""
+    rig = Rig(config, members=members, watchers=watchers, latency=0.002)
+    rig.start()
+    rig.settle()
+    return rig
+
+
+def rig_post(rig: Rig, path: str, body: dict) -> Deferred:
+    """``(status, JSON body)`` of a POST through the proxy in memory; sent at once."""
+    return rig.post(path, body).addCallback(lambda answer: (answer.code, answer.json()))
+
+
+def rig_result(rig: Rig, d: Deferred, seconds: float = TIMEOUT):
+    """``d``'s result once the clock has moved as far as it takes (at most ``seconds``)."""
+    rig.until(lambda: answered(d), seconds)
+    return rig.result(d)
+
+
+def check_ollama_in(rig: Rig, text: str) -> None:
+    code, body = rig_result(rig, rig_post(rig, "/api/embed", {"model": OLLAMA_MODEL, "input": [text]}))
+    assert code == 200 and body["embeddings"] == [expected_embedding(text, OLLAMA_MODEL)]
+
+
+def stopped(rig: Rig) -> None:
+    rig.stop()
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
     """llama.cpp answers 503 "Loading model" for a while after it starts: no outage hold, the others serve,
     and a completion sent meanwhile is answered once it has loaded."""
     config = config_with(upstream={"health_interval_seconds": 0.2})
@@ -158,37 +194,34 @@ async def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
         {**MEMBERS[1], "sim": {**MEMBERS[1]["sim"], "load_seconds": 2.5}},
         MEMBERS[2],
     ]
-    stack = await start_pool_stack(reactor, members, config=config, watchers=True, latency=0.002)
-    llama = stack.sims["llama"]
-    try:
-        assert llama.loading
-        member = stack.proxy.pool.member("llama")
-        # What the pool reads on the member's health route while it loads.
-        health = await member.control.request("GET", member.spec.health_path, timeout=TIMEOUT)
-        assert health.code == 503 and json.loads(health.body)["error"]["message"] == "Loading model"
-        assert member.server.judge_health(health.code, health.body) == "not_ready"
-        completion = post(stack, "/completion", {"prompt": "tell me about pools"})
-        states = []
-        while llama.loading:
-            states.append(member.state_name())
-            await check_ollama(stack, f"while llama loads {len(states)}")
-            await sleep(reactor, 0.05)
-        assert states, "the load was over before the test looked"
-        code, answer = await completion
-        assert code == 200 and answer["content"] == "".join(expected_reply("tell me about pools", LLAMA_MODEL))
+    rig = pool_rig(members, config, watchers=True)
+    llama = rig.sims["llama"]
+    assert llama.loading
+    member = rig.proxy.pool.member("llama")
+    # What the pool reads on the member's health route while it loads.
+    health = rig_result(rig, member.control.request("GET", member.spec.health_path, timeout=TIMEOUT))
+    assert health.code == 503 and json.loads(health.body)["error"]["message"] == "Loading model"
+    assert member.server.judge_health(health.code, health.body) == "not_ready"
+    completion = rig_post(rig, "/completion", {"prompt": "tell me about pools"})
+    states = []
+    while llama.loading:
         states.append(member.state_name())
-        # Never read as an outage: no outage hold was taken on it (nor on anything else).
-        assert "outage" not in states and stack.proxy.state.holds_for("llama") == []
-        # Not ready while it loaded (its health read so at start, or the completion's attempt did).
-        assert "not_ready" in states
-        assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 1
-        assert llama.requests_total["/completion"] >= 1
-    finally:
-        await stack.stop()
+        check_ollama_in(rig, f"while llama loads {len(states)}")
+        rig.run(0.05)
+    assert states, "the load was over before the test looked"
+    code, answer = rig_result(rig, completion)
+    assert code == 200 and answer["content"] == "".join(expected_reply("tell me about pools", LLAMA_MODEL))
+    states.append(member.state_name())
+    # Never read as an outage: no outage hold was taken on it (nor on anything else).
+    assert "outage" not in states and rig.proxy.state.holds_for("llama") == []
+    # Not ready while it loaded (its health read so at start, or the completion's attempt did).
+    assert "not_ready" in states
+    assert rig.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 1
+    assert llama.requests_total["/completion"] >= 1
+    stopped(rig)
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_llamacpp_member_loading_longer_than_its_retries_last_answers_after_the_load_with_no_outage():
+def test_a_llamacpp_member_loading_longer_than_its_retries_last_answers_after_the_load_with_no_outage():
     """The stronger cousin: each load lasts many times what the request's 5 tries would have lasted
     (its retry backoff is short here), once at start and once after a restart when the member had answered
     before; the client gets its answer after each load, never a 5xx, and the member is never held."""
@@ -200,46 +233,47 @@ async def test_a_llamacpp_member_loading_longer_than_its_retries_last_answers_af
         }
     )
     members = [{**MEMBERS[1], "sim": {**MEMBERS[1]["sim"], "load_seconds": 2.0}}, MEMBERS[2]]
-    stack = await start_pool_stack(reactor, members, config=config, watchers=True, latency=0.002)
-    llama = stack.sims["llama"]
-    member = stack.proxy.pool.member("llama")
+    rig = pool_rig(members, config, watchers=True)
+    llama = rig.sims["llama"]
+    member = rig.proxy.pool.member("llama")
     states: list[str] = []
-    looking = True
 
-    async def look():
-        while looking:
+    def look(seconds: float) -> None:
+        """Move the clock ``seconds`` on, noting the member's state every 0.02 s of it."""
+        end = rig.clock.seconds() + seconds
+        while rig.clock.seconds() < end:
             states.append(member.state_name())
-            await sleep(reactor, 0.02)
+            rig.run(min(0.02, end - rig.clock.seconds()))
 
-    watching = ensureDeferred(look())
-    try:
-        for load in ("at start", "after a restart"):
-            assert llama.loading, load
-            began = reactor.seconds()
-            prompts = [f"{load} {i}" for i in range(3)]
-            asked = [post(stack, "/completion", {"prompt": p}) for p in prompts]
-            await sleep(reactor, 0.5)  # past the old limit, still loading
-            status = json.loads((await get(stack, "/api/version"))[1] or b"{}")  # the others serve meanwhile
-            assert status.get("version"), load
-            for prompt, d in zip(prompts, asked):
-                code, answer = await d
-                assert code == 200, (load, answer)
-                assert answer["content"] == "".join(expected_reply(prompt, LLAMA_MODEL))
-            assert reactor.seconds() - began >= 1.5, load  # answered after the load, not before
-            assert "not_ready" in states and "outage" not in states, (load, sorted(set(states)))
-            assert stack.proxy.state.holds == [], load
-            assert member.health.reachable
-            # A restart: the server loads its model again, after it had answered.
-            llama.set_mode("refuse")
-            llama.set_mode("ok")
-            states.clear()
-        assert stack.sample("yieldproxy_requests_total", **{"class": "interactive", "code": "200"}) == 6
-        for code in ("502", "503", "504"):
-            assert stack.sample("yieldproxy_requests_total", **{"class": "interactive", "code": code}) == 0
-    finally:
-        looking = False
-        await watching
-        await stack.stop()
+    for load in ("at start", "after a restart"):
+        assert llama.loading, load
+        began = rig.clock.seconds()
+        prompts = [f"{load} {i}" for i in range(3)]
+        asked = [rig_post(rig, "/completion", {"prompt": p}) for p in prompts]
+        look(0.5)  # past the old limit, still loading
+        assert llama.loading and not any(answered(d) for d in asked), load
+        version = rig.call("GET", rig.proxy_url + "/api/version")  # the others serve meanwhile
+        assert json.loads(version.body or b"{}").get("version"), load
+        for _ in range(int(TIMEOUT / 0.02)):
+            if all(answered(d) for d in asked):
+                break
+            look(0.02)
+        for prompt, d in zip(prompts, asked):
+            code, answer = rig.result(d)
+            assert code == 200, (load, answer)
+            assert answer["content"] == "".join(expected_reply(prompt, LLAMA_MODEL))
+        assert rig.clock.seconds() - began >= 1.5, load  # answered after the load, not before
+        assert "not_ready" in states and "outage" not in states, (load, sorted(set(states)))
+        assert rig.proxy.state.holds == [], load
+        assert member.health.reachable
+        # A restart: the server loads its model again, after it had answered.
+        llama.set_mode("refuse")
+        llama.set_mode("ok")
+        states.clear()
+    assert rig.sample("yieldproxy_requests_total", **{"class": "interactive", "code": "200"}) == 6
+    for code in ("502", "503", "504"):
+        assert rig.sample("yieldproxy_requests_total", **{"class": "interactive", "code": code}) == 0
+    stopped(rig)
 
 
 class ListAt:
@@ -284,22 +318,19 @@ def test_a_model_list_under_an_api_prefix_is_found_there():
     assert catalogue.discovered is None and control.asked == ["/models", "/v1/models"]
 
 
-@pytest_twisted.ensureDeferred
-async def test_each_members_gpu_failures_are_retried_by_its_own_servers_words():
+def test_each_members_gpu_failures_are_retried_by_its_own_servers_words():
     """llama.cpp's whole "Compute error." and TEI's own GPU failure answers are GPU failures of that
     member, read by its own server's judge: retried up to upstream.max_attempts (Ollama's judge, which
     every attempt used to read, relayed them at once as the caller's)."""
     config = config_with(upstream={"retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
-    stack = await start_pool_stack(reactor, MEMBERS, config=config, latency=0.002)
+    rig = pool_rig(MEMBERS, config)
     tries = config.upstream.max_attempts
-    try:
-        for name, calls in (("llama", llama_calls), ("tei", tei_calls)):
-            await stack.sims[name].set_mode("error500")
-            answers = [await d for d in calls(stack)]
-            # After its last try the member's own answer is relayed: llama.cpp's 500, TEI's 424 Backend.
-            assert all(code in (424, 500) and "error" in body for code, body in answers), answers
-            assert stack.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="gpu_error") == tries * 2
-            assert stack.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="ok") == 0
-            await stack.sims[name].set_mode("ok")
-    finally:
-        await stack.stop()
+    for name, calls in (("llama", llama_calls), ("tei", tei_calls)):
+        rig.sims[name].set_mode("error500")
+        answers = [rig_result(rig, d) for d in calls(rig, rig_post)]
+        # After its last try the member's own answer is relayed: llama.cpp's 500, TEI's 424 Backend.
+        assert all(code in (424, 500) and "error" in body for code, body in answers), answers
+        assert rig.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="gpu_error") == tries * 2
+        assert rig.sample("yieldproxy_upstream_attempts_total", upstream=name, outcome="ok") == 0
+        rig.sims[name].set_mode("ok")
+    stopped(rig)
