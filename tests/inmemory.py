@@ -245,6 +245,9 @@ class Answer:
     code: int
     headers: Headers
     body: bytes
+    #: The length its head announced (``Content-Length``, which the client keeps out of ``headers``),
+    #: or ``twisted.web.iweb.UNKNOWN_LENGTH``.
+    length: Any = None
 
     def json(self) -> Any:
         return jsonlib.loads(self.body)
@@ -459,7 +462,7 @@ class Rig:
         """:meth:`open`, and read the whole body: a Deferred of its :class:`Answer`."""
         d = self.open(method, url, json=json, data=data, headers=headers)
         d.addCallback(lambda response: treq.content(response).addCallback(
-            lambda body: Answer(response.code, response.headers, body)
+            lambda body: Answer(response.code, response.headers, body, response.length)
         ))
         self.turn()
         return d

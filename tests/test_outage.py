@@ -9,6 +9,11 @@
   ``upstream.max_attempts`` with the upstream's own answer.
 * An outage that model calls revealed, with ``/api/version`` answering all
   along, costs a burst of real ``ollama`` clients nothing.
+
+That burst of real clients runs on 127.0.0.1; everything else here is
+judgement and time, and runs with the proxy in memory on a Clock
+(``tests/inmemory.py``): its bursts are in-memory callers
+(``test_chaos.MemoryBurst``), its outages last seconds of the clock.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.testing import MemoryReactorClock
 from twisted.web.resource import Resource
-from twisted.web.server import Site
 
-from helpers import EPHEMERAL, admin, config_with, in_thread, listening_url, pool_config, sleep, start_stack, wait_for
+from helpers import config_with, in_thread, start_stack, wait_for
+from inmemory import Answer, Rig, answered
 from rawhttp import counter_by, counter_total
 from test_burst import Burst, assert_clean
+from test_chaos import MemoryBurst
 from yieldproxy.servers.base import PROBE_TEXT
 from yieldproxy.servers.ollama import GPU_FAILURE_PREFIXES, is_gpu_failure
-from yieldproxy.service import build
 from yieldproxy.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
 
 TIMEOUT = 60
@@ -113,127 +120,126 @@ async def reachable(stack) -> None:
     await wait_for(reactor, lambda: outage.reachable, timeout=10)
 
 
+# -- the proxy in memory on a Clock (tests/inmemory.py): time moves only when the test moves it ---------
+
+
+def outage_rig(config, watchers: bool = True, **rig) -> Rig:
+    """A started proxy in memory; with ``watchers``, once its outage watcher has reached the upstream."""
+    rig = Rig(config, watchers=watchers, reactor=MemoryReactorClock(), **rig)
+    rig.start()
+    if watchers:
+        outage = next(s for s in rig.proxy.watchers if s.name == "watcher:outage")
+        rig.until(lambda: outage.reachable, 10)
+    return rig
+
+
+def answer_of(rig: Rig, d: Deferred, seconds: float = TIMEOUT) -> Answer:
+    """``d``'s answer once the clock has moved as far as it takes (at most ``seconds``)."""
+    rig.until(lambda: answered(d), seconds)
+    return rig.result(d)
+
+
+def admin_call(rig: Rig, path: str, body: dict) -> dict:
+    """``POST path`` on the admin API; its JSON, asserted 200 (as helpers.admin)."""
+    answer = rig.call("POST", rig.admin_url + path, json=body)
+    assert answer.code == 200, answer.text()
+    return answer.json()
+
+
+def stopped(rig: Rig) -> None:
+    """Stop the proxy: nothing is left scheduled."""
+    rig.stop()
+    assert rig.clock.getDelayedCalls() == []
+
+
 # -- finding 3: a client's words are not an outage -----------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is_parked():
+def test_a_template_quoting_gpu_gets_ollamas_own_500_at_once_and_nobody_is_parked():
     """``"template": "{{ gpu }}"``: the sender gets Ollama's 500 body at once; no hold; others are not parked."""
-    stack = await start_stack(reactor, config_with(replay={"concurrency": 4}), watchers=True, latency=0.02)
-    try:
-        await reachable(stack)
-        states = record_states(stack)
-        bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ gpu }}", "stream": False}
-        expected = json.dumps({"error": 'template: :1: function "gpu" not defined'}, separators=(",", ":")).encode()
-        others = [
-            treq.post(
-                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"other {i}"}, persistent=False
-            ).addTimeout(TIMEOUT, reactor)
-            for i in range(20)
-        ]
-        for _ in range(5):
-            response = await treq.post(stack.proxy_url + "/api/generate", json=bad, persistent=False).addTimeout(
-                TIMEOUT, reactor
-            )
-            body = await response.content()
-            assert response.code == 500
-            assert body == expected
-            assert response.length == len(expected)
-            # At once: never parked (and, below, never retried, probed or held).
-            assert response.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-        for pending in others:
-            answer = await pending
-            assert answer.code == 200
-            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-            await answer.content()
-        # Each bad request reached Ollama once: no retry, no hold.  A 500 in words no list has is
-        # judged by a probe of the same kind, whose text is the proxy's (a load-only generate): it
-        # passes, so the caller got Ollama's answer.
-        generates = [r for r in stack.sim.history if r.path == "/api/generate"]
-        assert [r.outcome for r in generates].count("template_error") == 5
-        assert stack.sim.outcomes["template_error"] == 5
-        assert len(generates) == 10
-        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 5
-        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 0
-        assert PROBE_TEXT not in stack.sim.texts_embedded
-        assert states == [] and not stack.proxy.state.yielded
-        assert outage_sources(stack) == 0
-        assert counter_total(stack, "yieldproxy_upstream_failures") == 5
-        assert counter_total(stack, "yieldproxy_retries") == 0
-        # Relayed to its sender, the attempt is an answer like any other (no failing-upstream alert).
-        assert counter_by(stack, "yieldproxy_upstream_attempts", "outcome") == {"ok": 25.0}
-        assert counter_by(stack, "yieldproxy_requests", "code") == {"500": 5.0, "200": 20.0}
-    finally:
-        await stack.stop()
+    rig = outage_rig(config_with(replay={"concurrency": 4}), latency=0.02)
+    states = record_states(rig)
+    bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ gpu }}", "stream": False}
+    expected = json.dumps({"error": 'template: :1: function "gpu" not defined'}, separators=(",", ":")).encode()
+    others = [rig.post("/api/embed", {"model": "all-minilm", "input": f"other {i}"}) for i in range(20)]
+    for _ in range(5):
+        response = answer_of(rig, rig.post("/api/generate", bad))
+        assert response.code == 500
+        assert response.body == expected
+        assert response.length == len(expected)
+        # At once: never parked (and, below, never retried, probed or held).
+        assert response.header("x-yield-parked-seconds") is None
+    for pending in others:
+        answer = answer_of(rig, pending)
+        assert answer.code == 200
+        assert answer.header("x-yield-parked-seconds") is None
+    # Each bad request reached Ollama once: no retry, no hold.  A 500 in words no list has is
+    # judged by a probe of the same kind, whose text is the proxy's (a load-only generate): it
+    # passes, so the caller got Ollama's answer.
+    generates = [r for r in rig.sim.history if r.path == "/api/generate"]
+    assert [r.outcome for r in generates].count("template_error") == 5
+    assert rig.sim.outcomes["template_error"] == 5
+    assert len(generates) == 10
+    assert rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 5
+    assert rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 0
+    assert PROBE_TEXT not in rig.sim.texts_embedded
+    assert states == [] and not rig.proxy.state.yielded
+    assert outage_sources(rig) == 0
+    assert counter_total(rig, "yieldproxy_upstream_failures") == 5
+    assert counter_total(rig, "yieldproxy_retries") == 0
+    # Relayed to its sender, the attempt is an answer like any other (no failing-upstream alert).
+    assert counter_by(rig, "yieldproxy_upstream_attempts", "outcome") == {"ok": 25.0}
+    assert counter_by(rig, "yieldproxy_requests", "code") == {"500": 5.0, "200": 20.0}
+    stopped(rig)
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_request_whose_own_input_breaks_the_gpu_call_fails_alone_with_ollamas_answer():
+def test_a_request_whose_own_input_breaks_the_gpu_call_fails_alone_with_ollamas_answer():
     """Its own num_ctx does not fit: probes of the same call pass, so no hold, and after
     upstream.max_attempts it gets Ollama's own 500; the traffic around it is never parked."""
     config = config_with(upstream={"retry_backoff_seconds": 0.05, "retry_backoff_max_seconds": 0.1})
-    stack = await start_stack(reactor, config, watchers=True, latency=0.01, max_num_ctx=8192)
-    try:
-        await reachable(stack)
-        states = record_states(stack)
-        heavy = {"model": "all-minilm", "input": "too much context", "options": {"num_ctx": 131072}}
-        others = [
-            treq.post(
-                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"fine {i}"}, persistent=False
-            ).addTimeout(TIMEOUT, reactor)
-            for i in range(10)
-        ]
-        response = await treq.post(stack.proxy_url + "/api/embed", json=heavy, persistent=False).addTimeout(
-            TIMEOUT, reactor
-        )
-        assert response.code == 500
-        assert json.loads(await response.content()) == {"error": LOAD_OOM_ERROR}
-        for pending in others:
-            answer = await pending
-            assert answer.code == 200
-            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-            await answer.content()
-        max_attempts = config.upstream.max_attempts
-        assert stack.sim.outcomes["error500"] == max_attempts
-        assert stack.sim.texts_embedded[PROBE_TEXT] == max_attempts  # one passing probe per failure
-        assert states == [] and outage_sources(stack) == 0
-        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == max_attempts
-        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == 0
-    finally:
-        await stack.stop()
+    rig = outage_rig(config, latency=0.01, max_num_ctx=8192)
+    states = record_states(rig)
+    heavy = {"model": "all-minilm", "input": "too much context", "options": {"num_ctx": 131072}}
+    others = [rig.post("/api/embed", {"model": "all-minilm", "input": f"fine {i}"}) for i in range(10)]
+    response = answer_of(rig, rig.post("/api/embed", heavy))
+    assert response.code == 500
+    assert response.json() == {"error": LOAD_OOM_ERROR}
+    for pending in others:
+        answer = answer_of(rig, pending)
+        assert answer.code == 200
+        assert answer.header("x-yield-parked-seconds") is None
+    max_attempts = config.upstream.max_attempts
+    assert rig.sim.outcomes["error500"] == max_attempts
+    assert rig.sim.texts_embedded[PROBE_TEXT] == max_attempts  # one passing probe per failure
+    assert states == [] and outage_sources(rig) == 0
+    assert rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == max_attempts
+    assert rig.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == 0
+    stopped(rig)
 
 
 # -- finding 10: an undeclared GPU failure fails nobody ------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_attempts_lost_to_a_recognised_outage_do_not_count():
+def test_attempts_lost_to_a_recognised_outage_do_not_count():
     """max_attempts = 1, and the GPU fails for a while: the request waits it out and succeeds."""
     config = config_with(upstream={"max_attempts": 1, "health_max_interval_seconds": 0.5})
-    stack = await start_stack(reactor, config, watchers=True)
-    try:
-        await reachable(stack)
-        await stack.sim.set_mode("error500")
-        pending = treq.post(
-            stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "patient"}, persistent=False
-        ).addTimeout(TIMEOUT, reactor)
-        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
-        # The GPU stays down through two more probes (no sleep: the watcher's own re-checks)...
-        down = stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down")
-        await wait_for(
-            reactor, lambda: stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") >= down + 2,
-            timeout=10,
-        )
-        # ...and the request with its one attempt is parked behind the hold, not failed.
-        assert len(stack.proxy.lot) == 1
-        await stack.sim.set_mode("ok")
-        response = await pending
-        assert response.code == 200
-        assert (await response.json())["embeddings"]
-        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) >= 1
-        await wait_for(reactor, lambda: not stack.proxy.state.yielded, timeout=10)
-    finally:
-        await stack.stop()
+    rig = outage_rig(config)
+    rig.sim.set_mode("error500")
+    pending = rig.post("/api/embed", {"model": "all-minilm", "input": "patient"})
+    rig.until(lambda: rig.proxy.state.hold_of("outage") is not None, 10)
+    # The GPU stays down through two more probes (the watcher's own re-checks)...
+    down = lambda: rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down")  # noqa: E731
+    before = down()
+    rig.until(lambda: down() >= before + 2, 10)
+    # ...and the request with its one attempt is parked behind the hold, not failed.
+    assert len(rig.proxy.lot) == 1 and not answered(pending)
+    rig.sim.set_mode("ok")
+    response = answer_of(rig, pending)
+    assert response.code == 200
+    assert response.json()["embeddings"]
+    assert rig.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) >= 1
+    rig.until(lambda: not rig.proxy.state.yielded, 10)
+    stopped(rig)
 
 
 @pytest_twisted.ensureDeferred
@@ -279,79 +285,63 @@ async def test_undeclared_gpu_failure_mid_burst_with_version_answering_fails_nob
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds():
+def test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds():
     """``{{ ErrorOutOfMemory }}``: Ollama quotes a function name that holds one of its own out-of-memory
     substrings, so the words read as a GPU failure; the probe (the proxy's text) passes, so nothing is
     held, nobody else parks, and after upstream.max_attempts the sender gets Ollama's own 500."""
     config = config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
-    stack = await start_stack(reactor, config, watchers=True, latency=0.01)
-    try:
-        await reachable(stack)
-        states = record_states(stack)
-        bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ ErrorOutOfMemory }}", "stream": False}
-        others = [
-            treq.post(
-                stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"other {i}"}, persistent=False
-            ).addTimeout(TIMEOUT, reactor)
-            for i in range(10)
-        ]
-        response = await treq.post(stack.proxy_url + "/api/generate", json=bad, persistent=False).addTimeout(
-            TIMEOUT, reactor
-        )
-        assert response.code == 500
-        assert json.loads(await response.content()) == {"error": 'template: :1: function "ErrorOutOfMemory" not defined'}
-        for pending in others:
-            answer = await pending
-            assert answer.code == 200
-            assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-            await answer.content()
-        assert stack.sim.outcomes["template_error"] == 2
-        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 2
-        assert states == [] and outage_sources(stack) == 0
-    finally:
-        await stack.stop()
+    rig = outage_rig(config, latency=0.01)
+    states = record_states(rig)
+    bad = {"model": "llama3.2", "prompt": "hello", "template": "{{ ErrorOutOfMemory }}", "stream": False}
+    others = [rig.post("/api/embed", {"model": "all-minilm", "input": f"other {i}"}) for i in range(10)]
+    response = answer_of(rig, rig.post("/api/generate", bad))
+    assert response.code == 500
+    assert response.json() == {"error": 'template: :1: function "ErrorOutOfMemory" not defined'}
+    for pending in others:
+        answer = answer_of(rig, pending)
+        assert answer.code == 200
+        assert answer.header("x-yield-parked-seconds") is None
+    assert rig.sim.outcomes["template_error"] == 2
+    assert rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="up") == 2
+    assert states == [] and outage_sources(rig) == 0
+    stopped(rig)
 
 
 # -- issue 16: a request caught by a declared yield survives, whatever words the upstream uses ----------
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_declared_yield_keeps_in_flight_requests_whatever_words_the_upstream_fails_in():
+def test_a_declared_yield_keeps_in_flight_requests_whatever_words_the_upstream_fails_in():
     """A burst at concurrency 32; POST /yield and, at the same moment, every model call gets a 500 in words
     no list has: the requests in flight go back to the lot (not counted, no probe needed), and
     after the resume every caller has its vector.  (Before: relayed as the callers' own 500s.)"""
     config = config_with(replay={"concurrency": 4}, upstream={"max_attempts": 1})
     # No outage watcher: the declared hold alone explains the failures.
-    stack = await start_stack(reactor, config, latency=0.02, parallel=4)
-    try:
-        burst = Burst(stack.proxy_url, [f"yield words {i}" for i in range(240)], concurrency=32)
-        running = in_thread(reactor, burst.run, timeout=120)
-        await wait_for(reactor, lambda: burst.done >= 40, timeout=60)
-        # The yield is declared, and the GPU goes at once: the requests in flight fail after it.
-        await admin(stack, "/yield", {"reason": "game", "source": "broker"})
-        await stack.sim.set_mode("error500_unknown", in_flight=True)
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 32, timeout=10)
-        await sleep(reactor, 0.5)
-        await stack.sim.set_mode("ok")
-        await admin(stack, "/resume", {"source": "broker"})
-        await running
-        assert_clean(burst, stack)
-        assert stack.sim.outcomes["error500"] > 0
-        assert counter_by(stack, "yieldproxy_upstream_failures", "reason") == {
-            "unknown_error": stack.sim.outcomes["error500"]
-        }
-        assert stack.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == stack.sim.outcomes["error500"]
-        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
-    finally:
-        await stack.stop()
+    rig = outage_rig(config, watchers=False, latency=0.02, parallel=4)
+    burst = MemoryBurst(rig, [f"yield words {i}" for i in range(240)], concurrency=32)
+    burst.start()
+    rig.until(lambda: burst.done >= 40, 60)
+    # The yield is declared, and the GPU goes at once: the requests in flight fail after it.
+    admin_call(rig, "/yield", {"reason": "game", "source": "broker"})
+    rig.sim.set_mode("error500_unknown", in_flight=True)
+    rig.until(lambda: len(rig.proxy.lot) == 32, 10)
+    rig.run(0.5)
+    rig.sim.set_mode("ok")
+    admin_call(rig, "/resume", {"source": "broker"})
+    rig.until(lambda: burst.finished, 120)
+    assert_clean(burst, rig)
+    assert rig.sim.outcomes["error500"] > 0
+    assert counter_by(rig, "yieldproxy_upstream_failures", "reason") == {
+        "unknown_error": rig.sim.outcomes["error500"]
+    }
+    assert rig.sample("yieldproxy_forgiven_attempts_total", **{"class": "batch"}) == rig.sim.outcomes["error500"]
+    assert counter_by(rig, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
+    stopped(rig)
 
 
 # -- issue 16: an error in words nobody listed is judged by a probe ------------------------------------------
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_undeclared_500_in_unknown_words_mid_burst_is_judged_by_a_few_probes_and_fails_nobody():
+def test_an_undeclared_500_in_unknown_words_mid_burst_is_judged_by_a_few_probes_and_fails_nobody():
     """Mid-burst every model call gets a 500 in words no list has, for 2 s, and nobody yields: a probe of
     the same call fails too, so the outage hold is taken and the requests park; probes are shared, so
     the whole burst costs a handful; 0 failures, every vector right.  (Before: relayed at once.)"""
@@ -359,27 +349,24 @@ async def test_an_undeclared_500_in_unknown_words_mid_burst_is_judged_by_a_few_p
         replay={"concurrency": 4},
         upstream={"health_interval_seconds": 0.25, "health_max_interval_seconds": 0.5},
     )
-    stack = await start_stack(reactor, config, watchers=True, latency=0.004, parallel=4)
-    try:
-        await reachable(stack)
-        burst = Burst(stack.proxy_url, [f"unknown words {i}" for i in range(400)], concurrency=24)
-        running = in_thread(reactor, burst.run, timeout=120)
-        await wait_for(reactor, lambda: burst.done >= 100, timeout=60)
-        await stack.sim.set_mode("error500_unknown")
-        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None, timeout=10)
-        await sleep(reactor, 2)
-        await stack.sim.set_mode("ok")
-        await running
-        assert_clean(burst, stack)
-        assert stack.sim.outcomes["error500"] > 0
-        assert outage_sources(stack) >= 1
-        probes = counter_total(stack, "yieldproxy_outage_probes", probe="model")
-        assert 1 <= probes <= 10, probes
-        assert stack.sim.requests_total["/api/embed"] <= len(burst.texts) + 2 * 24
-        assert counter_by(stack, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
-        assert not stack.proxy.state.yielded
-    finally:
-        await stack.stop()
+    rig = outage_rig(config, latency=0.004, parallel=4)
+    burst = MemoryBurst(rig, [f"unknown words {i}" for i in range(400)], concurrency=24)
+    burst.start()
+    rig.until(lambda: burst.done >= 100, 60)
+    rig.sim.set_mode("error500_unknown")
+    rig.until(lambda: rig.proxy.state.hold_of("outage") is not None, 10)
+    rig.run(2)
+    rig.sim.set_mode("ok")
+    rig.until(lambda: burst.finished, 120)
+    assert_clean(burst, rig)
+    assert rig.sim.outcomes["error500"] > 0
+    assert outage_sources(rig) >= 1
+    probes = counter_total(rig, "yieldproxy_outage_probes", probe="model")
+    assert 1 <= probes <= 10, probes
+    assert rig.sim.requests_total["/api/embed"] <= len(burst.texts) + 2 * 24
+    assert counter_by(rig, "yieldproxy_requests", "code") == {"200": float(len(burst.texts))}
+    assert not rig.proxy.state.yielded
+    stopped(rig)
 
 
 # -- a model the GPU cannot hold is that model's trouble, not an outage --------------------------------------
@@ -404,39 +391,27 @@ class _TooBigForTheGpu(Resource):
         return json.dumps({"model": body["model"], "embeddings": [[0.5, 0.5]]}).encode()
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_model_too_big_for_the_gpu_fails_alone_and_holds_nobody():
+def test_a_model_too_big_for_the_gpu_fails_alone_and_holds_nobody():
     """One caller names an installed model the GPU cannot load, after others were served: the probe of
     that very call fails too, but only that model fails (the upstream served other model calls and never
     this one), so no outage hold is taken: that caller gets Ollama's 500 after upstream.max_attempts and
     the others are never parked.  (Before: the hold was taken and lasted until a call of the model that
     never fits passed, i.e. for ever, parking every caller.)"""
-    upstream = reactor.listenTCP(0, Site(_TooBigForTheGpu()), interface="127.0.0.1")
     config = config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02})
-    stack = await start_stack(
-        reactor, config, upstream=f"http://127.0.0.1:{upstream.getHost().port}", watchers=True
-    )
-    try:
-        await reachable(stack)
-        states = record_states(stack)
-        small = {"model": "all-minilm", "input": "served"}
-        served = await treq.post(stack.proxy_url + "/api/embed", json=small, persistent=False).addTimeout(10, reactor)
-        assert served.code == 200
-        await served.content()
-        answer = await treq.post(
-            stack.proxy_url + "/api/embed", json={"model": "huge", "input": "x"}, persistent=False
-        ).addTimeout(10, reactor)
-        assert answer.code == 500
-        assert b"requires more system memory" in await answer.content()
-        assert answer.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-        after = await treq.post(stack.proxy_url + "/api/embed", json=small, persistent=False).addTimeout(10, reactor)
-        assert after.code == 200 and after.headers.getRawHeaders(b"x-yield-parked-seconds") is None
-        await after.content()
-        assert states == [] and outage_sources(stack) == 0
-        assert stack.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 2
-    finally:
-        await stack.stop()
-        await upstream.stopListening()
+    rig = outage_rig(config, upstream=_TooBigForTheGpu())
+    states = record_states(rig)
+    small = {"model": "all-minilm", "input": "served"}
+    served = answer_of(rig, rig.post("/api/embed", small), 10)
+    assert served.code == 200
+    answer = answer_of(rig, rig.post("/api/embed", {"model": "huge", "input": "x"}), 10)
+    assert answer.code == 500
+    assert b"requires more system memory" in answer.body
+    assert answer.header("x-yield-parked-seconds") is None
+    after = answer_of(rig, rig.post("/api/embed", small), 10)
+    assert after.code == 200 and after.header("x-yield-parked-seconds") is None
+    assert states == [] and outage_sources(rig) == 0
+    assert rig.sample("yieldproxy_outage_probes_total", upstream="default", probe="model", result="down") == 2
+    stopped(rig)
 
 
 class _OllamaOfOneModel(Resource):
@@ -469,34 +444,23 @@ class _OllamaOfOneModel(Resource):
         return json.dumps({"model": model, "embeddings": [[0.5, 0.5]]}).encode()
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_outage_of_a_mapped_model_is_probed_with_the_upstreams_own_name():
+def test_an_outage_of_a_mapped_model_is_probed_with_the_upstreams_own_name():
     """An upstream whose model_map gives the client's ``alias`` its own name ``all-minilm``: when its GPU
     fails, the probe asks for ``all-minilm`` (what the request asked it for), so the probe fails too, the
     outage hold is taken and the caller waits and gets its vector.  (Before: the probe asked for
     ``alias``, the upstream's 404 read as "it serves", and the caller got the 500 after max_attempts.)"""
     backend = _OllamaOfOneModel()
-    upstream = reactor.listenTCP(0, Site(backend), interface="127.0.0.1")
-    config = pool_config(
-        {"name": "a", "url": f"http://127.0.0.1:{upstream.getHost().port}", "model_map": {"alias": "all-minilm"}},
-        config=config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02,
-                                     "health_interval_seconds": 0.1, "health_max_interval_seconds": 0.2}),
-    ).with_overrides(**EPHEMERAL)
-    proxy = build(reactor, config)
-    proxy.service.startService()
-    url = listening_url(proxy, "proxy") + "/api/embed"
-    try:
-        first = await treq.post(url, json={"model": "alias", "input": "x"}, persistent=False).addTimeout(10, reactor)
-        assert first.code == 200, await first.content()
-        await first.content()
-        backend.broken = True
-        pending = treq.post(url, json={"model": "alias", "input": "y"}, persistent=False).addTimeout(10, reactor)
-        await wait_for(reactor, lambda: any(h.source == "outage" for h in proxy.state.holds), timeout=5)
-        backend.broken = False
-        answer = await pending
-        assert answer.code == 200, await answer.content()
-        await answer.content()
-        assert "alias" not in backend.models
-    finally:
-        await proxy.service.stopService()
-        await upstream.stopListening()
+    config = config_with(upstream={"max_attempts": 2, "retry_backoff_seconds": 0.01, "retry_backoff_max_seconds": 0.02,
+                                   "health_interval_seconds": 0.1, "health_max_interval_seconds": 0.2})
+    rig = Rig(config, members=[{"name": "a", "upstream": backend, "model_map": {"alias": "all-minilm"}}], watchers=True)
+    rig.start()
+    first = answer_of(rig, rig.post("/api/embed", {"model": "alias", "input": "x"}), 10)
+    assert first.code == 200, first.body
+    backend.broken = True
+    pending = rig.post("/api/embed", {"model": "alias", "input": "y"})
+    rig.until(lambda: any(h.source == "outage" for h in rig.proxy.state.holds), 5)
+    backend.broken = False
+    answer = answer_of(rig, pending, 10)
+    assert answer.code == 200, answer.body
+    assert "alias" not in backend.models
+    stopped(rig)
