@@ -27,8 +27,10 @@ from twisted.logger import formatEvent
 from twisted.python.failure import Failure
 
 from helpers import config_with, in_thread, make_core, sleep, start_stack, wait_for
+from inmemory import Rig, answered
 from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
+from test_chaos import MemoryBurst
 from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
@@ -749,10 +751,24 @@ def test_an_outage_hold_ended_by_hand_stops_the_probing():
     watcher.stopService()
 
 
-@pytest.mark.parametrize("mode", ["refuse", "reset", "error500"])
+def held_by(proxy) -> set[str]:
+    """The sources of every hold taken since start (``yieldproxy_yields_total``)."""
+    return {
+        sample.labels["source"]
+        for metric in proxy.metrics.registry.collect()
+        if metric.name == "yieldproxy_yields"
+        for sample in metric.samples
+        if sample.name == "yieldproxy_yields_total" and sample.value
+    }
+
+
+@pytest.mark.parametrize("mode", ["refuse", "reset"])
 @pytest_twisted.ensureDeferred
 async def test_outage_without_a_declared_yield_loses_nothing(mode):
-    """The backend fails mid-burst and nobody yields: the proxy holds by itself, and every caller succeeds."""
+    """The backend fails mid-burst and nobody yields: the proxy holds by itself, and every caller succeeds.
+
+    Here the backend goes away on the wire (its port closed, its connections reset) under real
+    ollama clients; a GPU that fails in its own words is the in-memory test below."""
     config = config_with(replay={"concurrency": 4})
     stack = await start_stack(reactor, config, watchers=True, latency=0.01, parallel=4)
     try:
@@ -767,39 +783,54 @@ async def test_outage_without_a_declared_yield_loses_nothing(mode):
         await running
         assert_clean(burst, stack)
         assert not stack.proxy.state.yielded
-        held_by = {
-            sample.labels["source"]
-            for metric in stack.proxy.metrics.registry.collect()
-            if metric.name == "yieldproxy_yields"
-            for sample in metric.samples
-            if sample.name == "yieldproxy_yields_total" and sample.value
-        }
-        assert held_by == {"outage"}
+        assert held_by(stack.proxy) == {"outage"}
         assert stack.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "upstream_error"}) == 0
     finally:
         await stack.stop()
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_outage_before_the_first_request_is_an_outage_too():
-    """The health probe at start counts as an answer: the first caller waits instead of failing."""
-    stack = await start_stack(reactor, config_with(), watchers=True)
-    try:
-        outage = next(s for s in stack.proxy.watchers if s.name == "watcher:outage")
-        await wait_for(reactor, lambda: outage.reachable)
-        await stack.sim.set_mode("refuse")
-        pending = treq.post(
-            stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "first"}, persistent=False
-        ).addTimeout(TIMEOUT, reactor)
-        await wait_for(reactor, lambda: stack.proxy.state.hold_of("outage") is not None)
-        # The first caller waits in the lot behind the hold instead of failing.
-        await wait_for(reactor, lambda: len(stack.proxy.lot) == 1)
-        await stack.sim.set_mode("ok")
-        response = await pending
-        assert response.code == 200
-        await wait_for(reactor, lambda: not stack.proxy.state.yielded)
-    finally:
-        await stack.stop()
+def test_a_gpu_outage_without_a_declared_yield_loses_nothing():
+    """The GPU fails mid-burst (every model call gets Ollama's out-of-memory 500) and nobody yields: the
+    proxy holds by itself, and every caller succeeds.  In memory, on a Clock (tests/inmemory.py)."""
+    config = config_with(replay={"concurrency": 4})
+    rig = Rig(config, watchers=True, latency=0.01, parallel=4)
+    rig.start()
+    burst = MemoryBurst(rig, [f"outage error500 {i}" for i in range(240)], concurrency=16)
+    burst.start()
+    rig.until(lambda: burst.done >= 40, 60)
+    rig.sim.set_mode("error500")
+    rig.until(lambda: rig.proxy.state.hold_of("outage") is not None, 10)
+    # Every caller's request is held in the lot: none in flight to the failing backend, none failed.
+    rig.until(lambda: len(rig.proxy.lot) == 16, 10)
+    rig.sim.set_mode("ok")
+    rig.until(lambda: burst.finished, 120)
+    assert_clean(burst, rig)
+    assert not rig.proxy.state.yielded
+    assert held_by(rig.proxy) == {"outage"}
+    assert rig.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "upstream_error"}) == 0
+    rig.stop()
+    assert rig.clock.getDelayedCalls() == []
+
+
+def test_an_outage_before_the_first_request_is_an_outage_too():
+    """The health probe at start counts as an answer: the first caller waits instead of failing.
+    In memory, on a Clock: the sim's ``refuse`` aborts every request on arrival there."""
+    rig = Rig(config_with(), watchers=True)
+    rig.start()
+    outage = next(s for s in rig.proxy.watchers if s.name == "watcher:outage")
+    rig.until(lambda: outage.reachable, 10)
+    rig.sim.set_mode("refuse")
+    pending = rig.post("/api/embed", {"model": "all-minilm", "input": "first"})
+    rig.until(lambda: rig.proxy.state.hold_of("outage") is not None, 10)
+    # The first caller waits in the lot behind the hold instead of failing.
+    rig.until(lambda: len(rig.proxy.lot) == 1, 10)
+    assert not answered(pending)
+    rig.sim.set_mode("ok")
+    rig.until(lambda: answered(pending), TIMEOUT)
+    assert rig.result(pending).code == 200
+    rig.until(lambda: not rig.proxy.state.yielded, 10)
+    rig.stop()
+    assert rig.clock.getDelayedCalls() == []
 
 
 def _closed_port() -> int:
