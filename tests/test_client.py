@@ -3,7 +3,7 @@
 The clients are blocking (urllib) or run their own asyncio loop, so each runs
 in a worker thread while the reactor serves: a proxy of this checkout built
 in-process by ``service.build`` (helpers.start_stack), and, for the lease,
-a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 1 s
+a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 1.5 s
 lease held for two and a half leases and at least six renewals (the proxy's
 lease runs on its reactor's real clock, so the renewals must be real).
 """
@@ -21,7 +21,7 @@ from helpers import free_port, in_thread, start_stack
 from yieldproxy.client import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
 
 TOKEN = "broker-test-token-0123456789"
-LEASE = 1.0
+LEASE = 1.5
 #: A hold lasts this many leases, and at least RENEWALS renewals.
 HELD = 2.5
 RENEWALS = 6
@@ -32,7 +32,7 @@ def holds_of(admin: Admin) -> list[tuple[str, str | None]]:
 
 
 def hold_for_a_while(admin: Admin) -> dict:
-    """Hold with a 1 s lease for 2.5 s and six renewals; what the proxy said during and after."""
+    """Hold for two and a half leases and six renewals; what the proxy said during and after."""
     seen: dict = {}
     with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
         seen["taken"] = holds_of(admin)
