@@ -141,14 +141,11 @@ class Pool:
     twin_ok: Callable[[Member, Entry], bool] = any_member
     _by_name: dict[str, Member] = attrs.field(init=False)
     _apis: tuple[str, ...] = attrs.field(init=False)
-    _single: tuple[str, ...] | None = attrs.field(init=False, default=None)
     _cache: dict = attrs.Factory(dict)
 
     def __attrs_post_init__(self) -> None:
         self._by_name = {m.name: m for m in self.members}
         self._apis = tuple(m.spec.api for m in self.members if not m.spec.fallback)
-        if len(self.members) == 1:
-            self._single = (self.members[0].name,)
 
     def forget_routings(self) -> None:
         """A member's model list changed: the cached eligibility decisions are dropped."""
@@ -177,11 +174,7 @@ class Pool:
         key = (method, path, cls, model, translatable)
         found = self._cache.get(key)
         if found is None:
-            translated: tuple[str, ...] = ()
-            if self._single is not None:
-                eligible = self._single
-            else:
-                eligible, translated = self._eligible(method, path, cls, model, translatable)
+            eligible, translated = self._eligible(method, path, cls, model, translatable)
             standby_only = bool(eligible) and all(self._by_name[n].spec.standby for n in eligible)
             found = Routing(eligible, model, route_kind(path, cls), standby_only, frozenset(translated))
             if len(self._cache) >= _CACHE_LIMIT:
@@ -192,7 +185,7 @@ class Pool:
     def translates(self, method: str | None, path: str | None, cls: str) -> bool:
         """Whether a request on this route may be served translated (its body then needs checking)."""
         return (
-            self._single is None and cls != PASSTHROUGH and (method or "POST") == "POST"
+            cls != PASSTHROUGH and (method or "POST") == "POST"
             and path in TRANSLATED_ROUTES
         )
 
@@ -315,8 +308,6 @@ class Pool:
     def passthrough_member(self, method: str, path: str, model: str | None) -> Member:
         """Where a request that runs no model goes: the first member whose api serves the route
         (the first serving ``model`` when it names one), available ones first."""
-        if self._single is not None:
-            return self.members[0]
         native = native_apis(self._apis, method, path)
         serving = [m for m in self.members if not m.spec.fallback]
         candidates = [m for m in serving if m.spec.api in native] or serving
