@@ -47,6 +47,9 @@ from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS
 from yieldproxy.servers import BUSY, CALLER, NOT_READY, OK, UP, server
 from yieldproxy.sim import SimOllama, expected_embedding
 
+# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
+pytestmark = pytest.mark.xdist_group("real-llama-server")
+
 TIMEOUT = 60.0
 TEXTS = ["the desktop games", "the server embeds", "Kölner Dom", "東京", "def f(x): return x"]
 SHORT_PROBE_TEXTS = tuple(t for t in DEFAULT_PROBE_TEXTS if t not in LONG_PROBE_TEXTS)

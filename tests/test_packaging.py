@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
+pytestmark = pytest.mark.xdist_group("built-packages")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Files a tester or packager needs from the sdist, whatever else changes.

@@ -22,6 +22,9 @@ import pytest
 from test_fallback_real import running_infinity
 from yieldproxy.servers import CALLER, GPU, OK, PASSTHROUGH, UP, UPSTREAM, ModelCall, server
 
+# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
+pytestmark = pytest.mark.xdist_group("real-infinity-servers")
+
 MODEL = "all-minilm"
 TIMEOUT = 60
 
