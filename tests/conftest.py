@@ -17,3 +17,13 @@ _STATE_HOME = tempfile.mkdtemp(prefix="yieldproxy-tests-state-")
 atexit.register(shutil.rmtree, _STATE_HOME, True)
 os.environ["XDG_STATE_HOME"] = _STATE_HOME
 os.environ.pop("STATE_DIRECTORY", None)
+
+
+def pytest_collection_modifyitems(items):
+    """Modules marked ``heavy`` (real processes or servers for many seconds) go first, in their order.
+
+    scripts/test hands whole modules to its workers in this order
+    (``--dist loadfile --no-loadscope-reorder``), so no worker starts a long
+    module when the others are running out of work.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

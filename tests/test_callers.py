@@ -29,6 +29,9 @@ from twisted.internet import reactor
 from helpers import config_with, in_thread, start_stack, wait_for
 from yieldproxy.sim import expected_embedding, expected_embedding_f32
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 MODEL = "all-minilm"
 DIM = 384
 TEXTS = 2000

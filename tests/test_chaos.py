@@ -50,6 +50,9 @@ from test_burst import Burst, assert_clean
 from test_twistd import TWISTD
 from yieldproxy.sim import expected_embedding
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TIMEOUT = 60
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Children import the code under test from this checkout, not an installed copy.

@@ -33,6 +33,9 @@ from rawhttp import (
 )
 from yieldproxy.hosts import HostPolicy, cross_site, host_name
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TIMEOUT = 30
 #: Bound on one flood connection's connect and answer (see the flood test).
 FLOOD_WAIT = 40

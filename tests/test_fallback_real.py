@@ -54,8 +54,8 @@ from twisted.internet.task import LoopingCall
 from helpers import config_with, in_thread, skip_or_fail, start_stack, wait_for
 from test_burst import Burst, assert_clean
 
-# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
-pytestmark = pytest.mark.xdist_group("real-infinity-fallback")
+# Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 MODEL = "all-minilm"
 #: Bound on an Infinity start (about 10 s here, up to 30 s on a busy machine).

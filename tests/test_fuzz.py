@@ -29,6 +29,9 @@ from helpers import config_with, in_thread, release_every_hold, start_stack
 from inmemory import Rig
 from rawhttp import LogCapture, RecordingBackend, exchange, parse_response, port_of, recording_stack, request_bytes
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TOKEN = "fuzz-admin-token"
 
 #: Examples per fuzz test; raise it for a longer hunt: YIELDPROXY_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py

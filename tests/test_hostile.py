@@ -44,6 +44,9 @@ from rawhttp import (
 )
 from yieldproxy import admin as admin_module
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TIMEOUT = 30
 EMBED = json.dumps({"model": "all-minilm", "input": "hello"}).encode()
 

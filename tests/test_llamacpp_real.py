@@ -47,8 +47,8 @@ from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS
 from yieldproxy.servers import BUSY, CALLER, NOT_READY, OK, UP, server
 from yieldproxy.sim import SimOllama, expected_embedding
 
-# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
-pytestmark = pytest.mark.xdist_group("real-llama-server")
+# Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 TIMEOUT = 60.0
 TEXTS = ["the desktop games", "the server embeds", "Kölner Dom", "東京", "def f(x): return x"]

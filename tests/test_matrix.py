@@ -28,6 +28,9 @@ from test_burst import Burst
 from yieldproxy.config import UpstreamConfig
 from yieldproxy.sim import DEFAULT_CHAT_MODEL, expected_embedding, expected_reply, messages_prompt
 
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 EMBED_MODEL = "all-minilm"
 #: The ways a backend fails, as the sim's modes (yieldproxy/sim/modes.py) play them.
 KINDS = {

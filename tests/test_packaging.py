@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
-pytestmark = pytest.mark.xdist_group("built-packages")
+# Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,8 +25,8 @@ from helpers import EPHEMERAL, in_thread, listening_url, pool_config, wait_for
 from test_fallback_real import _same_vector, running_infinity
 from yieldproxy.sim import SimOllama, expected_embedding
 
-# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
-pytestmark = pytest.mark.xdist_group("real-infinity-pool")
+# Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 INFINITY_MODEL = "all-minilm"
 OLLAMA_MODELS = ("nomic-embed-text", "llama3.2")

@@ -16,11 +16,15 @@ import os
 import socket
 import tempfile
 
+import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
 
 from helpers import ChildOutput, free_port, required_tool, sleep, start_pool_stack, start_stack, wait_for
+
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 TIMEOUT = 30
 TOKEN = "prometheus-test-token-0123456789"

@@ -56,12 +56,14 @@ def project(tmp_path):
 
 
 def _run(
-    project, script: str, *args: str, offline: bool = False, fail: str | None = None,
+    project, script: str, *args: str, offline: bool = False, fail: str | None = None, workers: str | None = None,
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     copy, venv, log = project
     before = log.read_text().splitlines() if log.exists() else []
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "YIELDPROXY_TEST_WORKERS")}
     env["VENV"] = str(venv)
+    if workers is not None:
+        env["YIELDPROXY_TEST_WORKERS"] = workers
     if offline:
         env["PIP_NO_INDEX"] = "1"
     if fail is not None:
@@ -105,9 +107,10 @@ def test_an_extra_or_a_changed_project_installs_again(project):
     _, calls = _run(project, "test", "-q")
     # (Nothing to fall back on for the tests: pip's own retries.)
     assert calls[:2] == [f"{PIP_FIRST} --upgrade pip", f"{PIP_FIRST} {BUILD} .[test]"]
-    assert calls[-1] == "pytest -q"
-    _, calls = _run(project, "test", "-q", offline=True)
-    assert calls == [*STATIC_CHECKS, "pytest -q"]
+    # On one worker more than the cores by default, whole modules each, the heavy ones first.
+    assert calls[-1] == f"pytest -n {len(os.sched_getaffinity(0)) + 1} --dist loadfile --no-loadscope-reorder -q"
+    _, calls = _run(project, "test", "-q", offline=True, workers="0")
+    assert calls == [*STATIC_CHECKS, "pytest -n 0 --dist loadfile --no-loadscope-reorder -q"]
     # scripts/run is content with a venv that has more.
     _, calls = _run(project, "run", offline=True)
     assert calls == ["twistd -n --pidfile= yieldproxy"]
@@ -121,8 +124,8 @@ def test_an_extra_or_a_changed_project_installs_again(project):
         f.write("\n")
     _, calls = _run(project, "test")
     assert f"{PIP_INDEX} {BUILD} .[test]" in calls
-    _, calls = _run(project, "test", offline=True)
-    assert calls == [*STATIC_CHECKS, "pytest "]
+    _, calls = _run(project, "test", offline=True, workers="2")
+    assert calls == [*STATIC_CHECKS, "pytest -n 2 --dist loadfile --no-loadscope-reorder"]
 
 
 #: What scripts/test runs before pytest: ruff (rules in pyproject.toml), then mypy (setup.cfg).

@@ -22,8 +22,8 @@ import pytest
 from test_fallback_real import running_infinity
 from yieldproxy.servers import CALLER, GPU, OK, PASSTHROUGH, UP, UPSTREAM, ModelCall, server
 
-# Its module-scoped server is started once: the tests of this module run on one worker (scripts/test).
-pytestmark = pytest.mark.xdist_group("real-infinity-servers")
+# Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 MODEL = "all-minilm"
 TIMEOUT = 60

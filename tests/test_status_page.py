@@ -19,6 +19,7 @@ import tempfile
 import zlib
 from html.parser import HTMLParser
 
+import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
@@ -26,6 +27,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 
 from helpers import free_port, release_every_hold, required_tool, sleep, start_stack, wait_for
+
+# Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
 
 TIMEOUT = 30
 #: The parked requests' bound: they stay parked through several Chromium runs, which take 10 s
