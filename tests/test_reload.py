@@ -36,6 +36,9 @@ from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama, expected_embedding
 from yieldproxy.sim.content import expected_reply, messages_prompt
 
+# Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TIMEOUT = 60
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "all-minilm"

@@ -26,6 +26,9 @@ from helpers import ChildOutput, embedded, free_port, sleep, wait_for
 from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama
 
+# Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
+pytestmark = pytest.mark.heavy
+
 TIMEOUT = 30
 EMBED = {"model": "all-minilm", "input": ["after the restart"]}
 
