@@ -75,6 +75,17 @@ def test_a_pool_without_an_ollama_member_serves_ollama_clients_translated():
     assert pool.routing("POST", "/api/embed", "batch", "mistral").translated == frozenset()
 
 
+
+def test_a_pool_of_one_routes_by_the_same_rule_as_a_pool_of_several():
+    """No shortcut for a lone member: it is eligible by its api, its classes and its models as in any pool."""
+    alone = make_pool_core({"name": "tei", "api": "tei", "models": (MODEL,)}).gate.pool
+    routing = alone.routing("POST", "/api/embed", "batch", MODEL)
+    assert routing.eligible == ("tei",) and routing.translated == {"tei"}
+    # A class its entry leaves out: no member may serve it (a refusal naming upstreams.*.classes).
+    chat_only = make_pool_core({"name": "gpu", "classes": ("interactive",)}).gate.pool
+    assert chat_only.routing("POST", "/api/embed", "batch", MODEL).eligible == ()
+    assert chat_only.routing("POST", "/api/chat", "interactive", "llama3.2").eligible == ("gpu",)
+
 # -- the reference and the twin check -------------------------------------------------------------
 
 
