@@ -183,6 +183,26 @@ def test_parallel_cap_and_fifo_on_a_clock() -> None:
     assert clock.getDelayedCalls() == []
 
 
+
+def test_a_held_path_waits_for_release_and_others_go_on() -> None:
+    """``hold`` keeps a due answer (its slot too) until ``release``; a path not held is answered as usual."""
+    clock = task.Clock()
+    sim = SimOllama(clock, latency=1.0, parallel=2)
+    stub = StubTreq(sim.resource())
+    sim.hold("/api/embed")
+    held = _post(stub, "/api/embed", {"model": "all-minilm", "input": ["kept"]})
+    other = _post(stub, "/api/generate", {"model": "llama3.2", "prompt": "hi", "stream": False})
+    stub.flush()
+    clock.advance(5.0)
+    stub.flush()
+    assert not _fired(held) and _fired(other) and (sim.held, sim.serving) == (1, 1)
+    sim.release()
+    stub.flush()
+    code, body = _json_of(stub, held)
+    assert code == 200 and body["embeddings"] == [expected_embedding("kept")]
+    assert sim.held == 0 and sim.in_flight == 0
+    assert clock.getDelayedCalls() == []
+
 def test_max_queue_answers_busy_like_ollama() -> None:
     clock = task.Clock()
     sim = SimOllama(clock, latency=1.0, parallel=1, max_queue=1)
