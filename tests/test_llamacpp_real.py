@@ -369,6 +369,20 @@ def burst_texts(n: int, tag: str) -> list[str]:
 
 @pytest_twisted.ensureDeferred
 async def test_a_llama_server_started_after_the_proxy_is_not_ready_for_a_moment_and_a_burst_loses_nothing(llama_port):
+    # A request reaches it while it loads unless its load ends first once it runs again (a race inside
+    # llama-server, lost now and then on a loaded machine): the scenario runs again, at most three times,
+    # each with a proxy and a server of its own, until one saw the loading 503s.  Every run loses nothing.
+    for run in range(3):
+        if run:
+            llama_port.stop()
+        seen_loading = await _a_burst_through_a_late_start(llama_port)
+        if seen_loading:
+            break
+    assert seen_loading, "in three runs, no request reached llama-server while it was loading"
+
+
+async def _a_burst_through_a_late_start(llama_port) -> float:
+    """A burst through a proxy started before its llama-server; how many loading 503s its attempts had."""
     proxy = start_proxy(llama_member("llama", llama_port))
     try:
         llama_port.start()
@@ -387,10 +401,10 @@ async def test_a_llama_server_started_after_the_proxy_is_not_ready_for_a_moment_
         direct = await in_thread(reactor, llama_port.embed, burst.texts)
         assert worst_cosine([burst.vectors[t] for t in burst.texts], direct) > 0.9999
         # Its loading 503s were "not ready": failed attempts, never an outage.
-        assert proxy.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "status_503"}) >= 1
         assert proxy.sample("yieldproxy_yields_total", source="outage") == 0
         assert proxy.sample("yieldproxy_yields_total", source="loading") == 0
         assert len(proxy.proxy.lot) == 0
+        return proxy.sample("yieldproxy_upstream_failures_total", **{"class": "batch", "reason": "status_503"})
     finally:
         await proxy.stop()
 
