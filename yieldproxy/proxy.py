@@ -359,12 +359,14 @@ class ProxyApp:
         if wanted is not None:
             cls = wanted
         else:
-            model = None
+            # ``model`` is the body's model as the handler read it (find_model: this same read), or None:
+            # read again only then, so that a body Go cannot decode is refused here.
+            known, model = model, None
             if self._classifier.needs_model(method, path):
                 if len(body) <= FULL_READ_LIMIT:
-                    model = read_request(body).model
+                    model = known if known is not None else read_request(body).model
                 else:
-                    model = scan_model(body)
+                    model = known if known is not None else scan_model(body)
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
                         model = read_request(body).model
             cls = self._classifier.classify(method, path, model)
