@@ -217,6 +217,28 @@ async def wait_for(reactor, predicate, timeout: float = 10.0, step: float = 0.01
         waited += step
 
 
+async def until_healthy(reactor, admin_url: str, ended, output, tries: int = 300) -> None:
+    """Poll a child twistd's ``GET /healthz`` every 0.1 s until it answers 200 (at most ``tries`` times).
+
+    ``ended()`` says whether the process has exited (then it fails at once),
+    ``output()`` what it printed, for the failure's message.
+    """
+    import treq
+
+    for _ in range(tries):
+        try:
+            response = await treq.get(admin_url + "/healthz", persistent=False).addTimeout(2, reactor)
+            await response.content()
+            if response.code == 200:
+                return
+        except Exception:
+            pass
+        if ended():
+            raise AssertionError(f"twistd exited before it served: {output()}")
+        await sleep(reactor, 0.1)
+    raise AssertionError(f"twistd did not become healthy: {output()}")
+
+
 def in_thread(reactor, function, *args, timeout: float = 120.0, **kwargs):
     """Run a blocking client call in a thread; the Deferred fails after ``timeout``."""
     from twisted.internet.threads import deferToThreadPool
@@ -230,6 +252,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def log_tail(path: str) -> str:
+    """The last 3,000 characters of a child process's log file, for a failing test's message."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-3000:]
+    except OSError:
+        return "(no log)"
 
 
 class ChildOutput(ProcessProtocol):

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Sequence
 import attrs
 import pytest
 
-from helpers import skip_or_fail
+from helpers import free_port, log_tail, skip_or_fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_SCRIPT = os.path.join(REPO, ".ci", "llama-server")
@@ -73,12 +72,6 @@ def require_llama() -> None:
     skip_or_fail(missing(), "run the real llama-server tests")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @attrs.define(eq=False)
 class LlamaServer:
     """One llama-server process on ``port`` (started again on the same port by :meth:`restart`)."""
@@ -111,11 +104,7 @@ class LlamaServer:
         return self
 
     def log_tail(self) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()[-3000:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path)
 
     def health(self) -> int | None:
         """Its ``/health`` status, or None when nothing answers."""

@@ -43,7 +43,7 @@ from twisted.internet.protocol import ProcessProtocol, Protocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.web.client import ResponseNeverReceived
 
-from helpers import ChildOutput, Entry, config_with, free_port, in_thread, make_core, release_every_hold, sleep, start_stack, wait_for
+from helpers import ChildOutput, Entry, config_with, free_port, in_thread, make_core, release_every_hold, sleep, start_stack, until_healthy, wait_for
 from inmemory import Rig, answered
 from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
@@ -478,20 +478,15 @@ async def start_twistd(sim_port: int, tmp_path, shutdown_timeout: float = 30.0):
         env=CHILD_ENV,
     )
     admin = f"http://127.0.0.1:{admin_port}"
-    for _ in range(200):
-        try:
-            response = await treq.get(admin + "/healthz", persistent=False).addTimeout(2, reactor)
-            if response.code == 200:
-                await response.content()
-                return process, child, f"http://127.0.0.1:{proxy_port}", admin
-        except Exception:
-            pass
-        if child.ended.called:
-            break
-        await sleep(reactor, 0.1)
-    if not child.ended.called:
-        process.signalProcess("KILL")
-    raise AssertionError(f"twistd did not start: {child.output.decode(errors='replace')}")
+    try:
+        await until_healthy(
+            reactor, admin, lambda: child.ended.called, lambda: child.output.decode(errors="replace"), tries=200,
+        )
+    except AssertionError:
+        if not child.ended.called:
+            process.signalProcess("KILL")
+        raise
+    return process, child, f"http://127.0.0.1:{proxy_port}", admin
 
 
 async def _status(admin: str) -> dict:

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import LoopingCall
 
-from helpers import config_with, in_thread, skip_or_fail, start_stack, wait_for
+from helpers import config_with, free_port, in_thread, log_tail, skip_or_fail, start_stack, wait_for
 from test_burst import Burst, assert_clean
 
 # Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
@@ -83,12 +82,6 @@ def _infinity_command() -> str | None:
     return here if os.path.exists(here) else shutil.which("infinity_emb")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @attrs.define
 class Infinity:
     """One running Infinity server."""
@@ -102,11 +95,7 @@ class Infinity:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return f.read()[-3000:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path)
 
     def healthy(self) -> bool:
         try:
@@ -117,7 +106,7 @@ class Infinity:
 
 
 def _start_infinity(model_dir: str, workdir: str, name: str, extra: Sequence[str] = ()) -> Infinity:
-    port = _free_port()
+    port = free_port()
     log_path = os.path.join(workdir, f"{name}.log")
     env = {
         **os.environ,

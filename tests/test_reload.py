@@ -30,7 +30,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import ProcessProtocol, Protocol
 
-from helpers import free_port, in_thread, sleep, wait_for
+from helpers import free_port, in_thread, sleep, until_healthy, wait_for
 from rawhttp import RawClient, request_bytes
 from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama, expected_embedding
@@ -110,18 +110,7 @@ class Proxy:
             env=env,
         )
         self.pids.append(process.pid)
-        for _ in range(300):
-            try:
-                response = await treq.get(self.admin + "/healthz", persistent=False).addTimeout(2, reactor)
-                await response.content()
-                if response.code == 200:
-                    return
-            except Exception:
-                pass
-            if self.child.exited.called:
-                break
-            await sleep(reactor, 0.1)
-        raise AssertionError(f"twistd did not start: {self.child.text()}")
+        await until_healthy(reactor, self.admin, lambda: self.child.exited.called, self.child.text)
 
     @property
     def pid(self) -> int:

@@ -22,7 +22,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import DatagramProtocol
 
-from helpers import ChildOutput, embedded, free_port, sleep, wait_for
+from helpers import ChildOutput, embedded, free_port, sleep, until_healthy, wait_for
 from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama
 
@@ -58,17 +58,7 @@ class Proxy:
         )
 
     async def healthy(self) -> None:
-        for _ in range(300):
-            try:
-                response = await treq.get(self.admin + "/healthz", persistent=False).addTimeout(2, reactor)
-                if response.code == 200:
-                    return
-            except Exception:
-                pass
-            if self.protocol.ended.called:
-                raise AssertionError(f"twistd exited: {self.output}")
-            await sleep(reactor, 0.1)
-        raise AssertionError(f"twistd did not become healthy: {self.output}")
+        await until_healthy(reactor, self.admin, lambda: self.protocol.ended.called, lambda: self.output)
 
     async def status(self) -> dict:
         response = await treq.get(self.admin + "/status", persistent=False).addTimeout(TIMEOUT, reactor)

@@ -19,7 +19,7 @@ import pytest_twisted
 import treq
 from twisted.internet import reactor
 
-from helpers import ChildOutput, free_port, sleep, wait_for
+from helpers import ChildOutput, free_port, sleep, until_healthy, wait_for
 from yieldproxy.sim import SimOllama
 
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
@@ -158,20 +158,9 @@ async def start_service(sim_port: int, *extra):
     )
     admin = f"http://127.0.0.1:{admin_port}"
 
-    async def healthy():
-        for _ in range(200):
-            try:
-                response = await treq.get(admin + "/healthz", persistent=False).addTimeout(2, reactor)
-                if response.code == 200:
-                    return
-            except Exception:
-                pass
-            if protocol.ended.called:
-                raise AssertionError(f"twistd exited: {protocol.output.decode(errors='replace')}")
-            await sleep(reactor, 0.1)
-        raise AssertionError("twistd did not become healthy")
-
-    await healthy()
+    await until_healthy(
+        reactor, admin, lambda: protocol.ended.called, lambda: protocol.output.decode(errors="replace"), tries=200,
+    )
     return process, protocol, f"http://127.0.0.1:{proxy_port}", admin
 
 
