@@ -637,7 +637,7 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
     from twisted.internet.task import Clock
     from twisted.internet.testing import StringTransport
 
-    from yieldproxy.httpserver import OVER_CAPACITY_WAIT, Connections, OverCapacity
+    from yieldproxy.edge.capacity import OVER_CAPACITY_WAIT, Connections, OverCapacity
 
     clock = Clock()
     connections = Connections(1, "admin.max_connections", reserved=1, quick_seconds=0.5)
@@ -690,7 +690,7 @@ def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
     """The stop's last step (drain.py): a connection whose transport still holds answer bytes (the 503s just
     written) is closed once they are out, and the stop waits for that close; one with nothing left to write
     is neither closed nor waited for.  The reactor's end would drop the buffered bytes: a bare close."""
-    from yieldproxy.httpserver import Connections
+    from yieldproxy.edge.capacity import Connections
 
     connections = Connections(10)
 
@@ -718,3 +718,18 @@ def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
     assert flushed.called
     # Nothing left to write: at once.
     assert connections.flushed().called
+
+
+def test_a_listening_port_can_be_paused_and_its_accept_batch_bounded():
+    """Connections pauses its ports (``stopReading``) and bounds ``tcp.Port.numberAccepts`` while refusing a flood
+    (listener.py): both are public names of Twisted's TCP port."""
+    from twisted.internet import reactor, tcp
+    from twisted.internet.protocol import Factory
+
+    port = reactor.listenTCP(0, Factory(), interface="127.0.0.1")
+    try:
+        assert isinstance(port, tcp.Port)
+        assert isinstance(port.numberAccepts, int), "twisted.internet.tcp.Port.numberAccepts is gone: see Connections"
+        assert callable(port.stopReading) and callable(port.startReading)
+    finally:
+        port.stopListening()

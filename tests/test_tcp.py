@@ -9,7 +9,7 @@ from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 
 from yieldproxy.h1client import H1Connection, H1Pool
-from yieldproxy.httpserver import ProxySite
+from yieldproxy.edge.site import ProxySite
 from yieldproxy.tcp import set_no_delay
 
 

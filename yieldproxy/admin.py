@@ -39,7 +39,8 @@ from .fallback import NotNow
 from .gate import Gate
 from .history import History
 from .hosts import HostPolicy, cross_site
-from .httpserver import QUICK_ROOM, Connections, ProxySite
+from .edge.capacity import QUICK_ROOM, Connections
+from .edge.site import ProxySite
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
@@ -54,7 +55,7 @@ _ADMIN_IDLE_SECONDS = 60
 #: Seconds an admin client has to send a whole request, counted from the accept (a few fields of JSON).
 ADMIN_READ_SECONDS = 5.0
 #: Seconds within which a request must come whole to be served past ``admin.max_connections``
-#: (in the room kept for such requests, ``httpserver.QUICK_ROOM``): the operator's calls are one packet.
+#: (in the room kept for such requests, ``edge.capacity.QUICK_ROOM``): the operator's calls are one packet.
 ADMIN_QUICK_SECONDS = 0.5
 
 #: The status page's files in ``yieldproxy/static/``, with their content types.

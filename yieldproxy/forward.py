@@ -495,9 +495,9 @@ class Attempt:
             if channel is None:
                 self._client_gone = True  # the cancel follows
                 return
-            if channel._waitingForTransport:
-                # The client's transport is full: from here on, what is written waits in memory.
-                # (A private HTTPChannel flag: tests/test_httpserver_hooks.py fails if Twisted drops it.)
+            if getattr(channel, "write_blocked", False):
+                # The client's transport is full: from here on, what is written waits in memory
+                # (edge/connection.py: the connection is its transport's producer).
                 self._register()
         if not self._committed:
             # The answer is about to reach the client: from here on, no retry and no

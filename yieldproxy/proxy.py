@@ -1,11 +1,11 @@
 """The proxy listener's request handling: classify, gate, park, and forward to a pool member.
 
-The listener (:class:`~yieldproxy.httpserver.ProxySite`) hands each request
+The listener (:class:`~yieldproxy.edge.site.ProxySite`) hands each request
 to :class:`~yieldproxy.proxyresource.ProxyResource`, which calls
 :meth:`ProxyApp._handle` directly for a canonical path; only an odd path
 (one Klein's router must decode) goes through the Klein app here, whose
 error handler answers what it cannot route.  When the client goes away the
-listener's request cancels the handler's Deferred (httpserver.py,
+listener's request cancels the handler's Deferred (edge/request.py,
 ``connectionLost``).
 
 Each request ends in exactly one outcome: relayed from the upstream, or an
@@ -56,8 +56,10 @@ from .forward import (
 )
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
+from .edge.capacity import Connections
+from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
+from .edge.site import ProxySite
 from .hosts import HostPolicy
-from .httpserver import RECEIVING_RETRY_AFTER, Connections, ProxySite, receiving_full_message
 from .metrics import Metrics
 from .parking import Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
@@ -838,7 +840,7 @@ class ProxyApp:
             request.channel.persistent = False  # closed once the request is finished
             return None
         request.loseConnection()
-        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
+        await Deferred()  # The listener cancels this when the connection is gone (edge/request.py).
 
     async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):
         """Past a buffer bound: cut the client (the upstream is stopped already), count it as gone (499)."""
@@ -848,7 +850,7 @@ class ProxyApp:
         self._log(request, cls, None, "slow_client", entry, attempts)
         if request.channel is not None:
             request.channel.transport.abortConnection()
-        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
+        await Deferred()  # The listener cancels this when the connection is gone (edge/request.py).
 
     def _trusts_header(self, request) -> bool:
         mode = self._config.proxy.trust_class_header

@@ -403,7 +403,7 @@ class Predecessor:
             data = request_bytes(request.method, request.uri, request.requestHeaders.getAllRawHeaders(), body)
             # What the client sent after it (pipelined requests), read here already and held by the channel
             # until this request is answered: it goes over behind it (the rest is still in the socket).
-            data += b"".join(getattr(channel, "_dataBuffer", None) or ())
+            data += channel.read_ahead
             carried = Carried(
                 cls=entry.cls, started_at=request.started_at, max_wait=entry.max_wait, attempts=entry.attempts,
                 forgiven=entry.forgiven,

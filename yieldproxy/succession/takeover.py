@@ -121,8 +121,7 @@ class _Adopting:
         self._site = site
 
     def buildProtocol(self, addr):
-        channel_for = getattr(self._site, "channel_for", None)
-        return channel_for(addr) if channel_for is not None else self._site.buildProtocol(addr)
+        return self._site.connection_for(addr)
 
 
 @attrs.define(eq=False)
