@@ -22,9 +22,9 @@ from inmemory import MemoryUpstream
 from yieldproxy import classify, hosts
 from yieldproxy.classify import PASSTHROUGH, Classifier
 from yieldproxy.config import RouteRule
+from yieldproxy.edge.site import ProxySite
 from yieldproxy.h1client import H1Pool
 from yieldproxy.hosts import HostPolicy
-from yieldproxy.edge.site import ProxySite
 from yieldproxy.requestlog import log_request
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama

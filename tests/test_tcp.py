@@ -8,8 +8,8 @@ import pytest_twisted
 from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 
-from yieldproxy.h1client import H1Connection, H1Pool
 from yieldproxy.edge.site import ProxySite
+from yieldproxy.h1client import H1Connection, H1Pool
 from yieldproxy.tcp import set_no_delay
 
 

@@ -35,12 +35,12 @@ from twisted.web.server import Site
 
 from . import __version__
 from .config import Config
+from .edge.capacity import QUICK_ROOM, Connections
+from .edge.site import ProxySite
 from .fallback import NotNow
 from .gate import Gate
 from .history import History
 from .hosts import HostPolicy, cross_site
-from .edge.capacity import QUICK_ROOM, Connections
-from .edge.site import ProxySite
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool

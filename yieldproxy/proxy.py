@@ -43,6 +43,9 @@ from .classify import (
     is_unload,
 )
 from .config import Config, proxy_max_connections
+from .edge.capacity import Connections
+from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
+from .edge.site import ProxySite
 from .errors import stream_error_chunk, write_error
 from .forward import (
     RELAYED_UNLESS_HELD,
@@ -56,9 +59,6 @@ from .forward import (
 )
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
-from .edge.capacity import Connections
-from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
-from .edge.site import ProxySite
 from .hosts import HostPolicy
 from .metrics import Metrics
 from .parking import Entry, HandedOver, Refused

@@ -152,10 +152,9 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_write_blocked", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive",
-        "__weakref__",
     )
 
-    def __init__(self, site):
+    def __init__(self, site: Any):
         #: The listener's :class:`~yieldproxy.edge.site.ProxySite` (the Request reads ``channel.site``).
         self.site = site
         self.factory = site
@@ -289,7 +288,7 @@ class ServerConnection(Protocol):
         """Seconds left on the deadline in force (None: none)."""
         if self._deadline is None:
             return None
-        return self._deadline - self._clock.seconds()
+        return self._deadline - float(self._clock.seconds())
 
     # -- the connection -----------------------------------------------------------------------
 
@@ -312,7 +311,8 @@ class ServerConnection(Protocol):
             return
         self._to(CLOSED)
         request, self.request = self.request, None
-        if request is not None and old in SERVING:
+        if request is not None and old not in READING:
+            # The app has it (served, being answered, or closing mid-answer): it hears the client go.
             request.connectionLost(reason)
         producer, self._producer = self._producer, None
         if producer is not None:
@@ -331,13 +331,13 @@ class ServerConnection(Protocol):
         self._to(CLOSING)
         self.transport.loseConnection()
 
-    def getPeer(self):
+    def getPeer(self) -> Any:
         peer = self._peer
         if peer is None:
             peer = self._peer = self.transport.getPeer()
         return peer
 
-    def getHost(self):
+    def getHost(self) -> Any:
         """The local address, read once: a Request asks for it every time (a ``getsockname`` call)."""
         host = self._host
         if host is None:

@@ -327,6 +327,14 @@ class RequestReader:
         return bytes(self._buf[self._pos :])
 
     @property
+    def target_seen(self) -> bytes | None:
+        """The target of the request line being read, once that line is read (a refusal answers in its
+        API's shape): None before."""
+        if self._state == "head" and self._first:
+            return None
+        return self._target or None
+
+    @property
     def received_body(self) -> int:
         """Body bytes of the current request read so far (de-chunked): what the receiving budget weighs."""
         return self._received

@@ -50,6 +50,8 @@ def receiving_full_message(connections: Any) -> str:
 class ProxyRequest(Request):
     """A request read whole by its connection, or refused here (see the module docstring)."""
 
+    #: Its connection (edge/connection.py's ServerConnection), until the answer is done or the client gone.
+    channel: Any
     #: The body, whole (a BytesIO the connection sets; the app reads it once and drops it).
     content: Any
     #: Set once the body passed the listener's body limit: it was not read, and the app never sees it.
