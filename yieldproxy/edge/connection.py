@@ -64,6 +64,7 @@ from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.web.http import RESPONSES
+from twisted.web.http_headers import Headers
 
 from ..classify import api_family
 from ..errors import error_body
@@ -524,8 +525,16 @@ class ServerConnection(Protocol):
     # -- writing the answer (the channel interface of a Request) -------------------------------
 
     def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        """The answer's head.  ``headers`` is a :class:`~twisted.web.http_headers.Headers` (Twisted 25 and
+        later) or a list of ``(name, value)`` pairs (before): those go through ``Headers`` first, as Twisted's
+        own channel does, so that no value can break a line."""
         if self.state is HANDLING:
             self._to(WRITING)
+        if not isinstance(headers, Headers):
+            sanitized = Headers()
+            for name, value in headers:
+                sanitized.addRawHeader(name, value)
+            headers = sanitized
         parts = [version, b" ", code, b" ", reason, b"\r\n"]
         for name, values in headers.getAllRawHeaders():
             for value in values:
