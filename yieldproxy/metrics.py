@@ -125,6 +125,14 @@ class Metrics:
             ["upstream", "probe", "result"],
             registry=r,
         )
+        self.failures_alone_total = Counter(
+            "yieldproxy_failures_alone",
+            "Failed attempts of the outage kind judged the call's own, not an outage (its model fails alone "
+            "while the upstream serves others), per upstream, by the failure's reason and the evidence: probe "
+            "(a model the upstream is known to serve passed a probe) or none (no model known to probe with).",
+            ["upstream", "reason", "evidence"],
+            registry=r,
+        )
         self.client_buffered_bytes = Gauge(
             "yieldproxy_client_buffered_bytes",
             "Bytes of answers waiting in the proxy for slow clients to read them "
