@@ -549,3 +549,28 @@ def test_the_record_is_written_at_once_then_at_most_once_every_few_seconds_and_w
     r.served(ModelCall("/api/embed", "g"))
     keeper.stopService()  # what is pending is written
     assert len(writes) == 4 and clock.getDelayedCalls() == []
+
+
+def test_after_a_reload_the_record_is_the_new_processs_and_the_old_one_writes_it_no_more(tmp_path):
+    """Who owns the record at the handover: the new process takes the old one's (the ``state`` frame) and writes
+    it; the old process, still finishing its requests in flight, serves a model more and writes nothing (the
+    holds file is the new process's), so nothing it does later erases what the new one wrote."""
+    path = tmp_path / "holds.json"
+    old_clock = MemoryReactorClock()
+    old = verdict_rig(reactor=old_clock, holds=HoldStore(old_clock, path, pid=1, running=lambda pid: True))
+    healthy(old, "in the old process")
+    new_clock = MemoryReactorClock()
+    new_clock.advance(10)  # it claims the file after the old one did
+    new = verdict_rig(reactor=new_clock, holds=HoldStore(new_clock, path, pid=2, running=lambda pid: True))
+    reload_of(new).restore(json.loads(json.dumps(reload_of(old).snapshot())))
+    written = lambda: [m["model"] for m in json.loads(path.read_text())["served"]["default"]["models"]]  # noqa: E731
+    assert written() == ["all-minilm:latest"]
+    assert json.loads(path.read_text())["pid"] == 2
+    # The old process answers one more request, of another model: its record changes, the file does not.
+    assert answer_of(old, embed(old, "late", model="late"), 5).code == 200
+    old_clock.advance(WRITE_DELAY)
+    assert old.proxy.health.record.knows("late")
+    assert written() == ["all-minilm:latest"]
+    new.stop()
+    old.stop()
+    assert written() == ["all-minilm:latest"]

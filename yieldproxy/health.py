@@ -119,7 +119,7 @@ class UpstreamHealth:
         the request; False when the request failed on its own (or nothing
         judges outages).  ``call`` says what failed (a
         :class:`~yieldproxy.servers.base.ModelCall`, or None), so the judge can
-        probe the same kind of call.  The Deferred never fails; cancelling
+        weigh it against what the upstream is known to serve.  The Deferred never fails; cancelling
         it only stops waiting.
         """
         if failure_reason is None:

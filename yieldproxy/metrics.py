@@ -114,7 +114,7 @@ class Metrics:
         self.forgiven_attempts_total = Counter(
             "yieldproxy_forgiven_attempts",
             "Failed attempts not counted against upstream.max_attempts because a recognised outage "
-            "explained them (a probe of the same kind of call failed too, or the GPU was yielded).",
+            "explained them (a probe of a model the upstream is known to serve failed too, or the GPU was yielded).",
             ["class"],
             registry=r,
         )

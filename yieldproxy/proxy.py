@@ -557,13 +557,15 @@ class ProxyApp:
 
         Otherwise the upstream's health judges the failure (its outage
         watcher, while it runs): when a recognised outage explains it (a
-        probe of the same kind of call, whose text the proxy chooses, failed
-        too), the attempt is not counted and the request parks behind the
-        hold.  A request that fails alone while probes pass (its own input is
-        the cause) ends after ``upstream.max_attempts``, with the upstream's
-        own answer when it gave one; a 5xx in words no list has
-        (``unknown_error``) gets the upstream's answer at once when the probe
-        passes, and one in words that say the caller caused it
+        probe of a model the upstream is known to serve, whose text the proxy
+        chooses, failed too: evidence.py), the attempt is not counted and the
+        request parks behind the hold.  A request that fails alone (its own
+        input, or its own model, is the cause) ends after
+        ``upstream.max_attempts``, with the upstream's own answer when it gave
+        one, or a 502/504 naming its model when the watcher judged that model
+        failing alone (failing.py); a 5xx in words no list has
+        (``unknown_error``) gets the upstream's answer at once when no outage
+        explains it, and one in words that say the caller caused it
         (``caller_error``) without a probe.
 
         A *busy* answer (the server's own busy words, a 429 or 503) is not a
