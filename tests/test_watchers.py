@@ -727,6 +727,33 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
     watcher.stopService()
 
 
+def test_the_probes_of_a_held_outage_ask_in_turn_for_the_models_it_served_so_one_broken_model_cannot_keep_it():
+    """The outage was confirmed by a probe of the model served most recently; if that model stays broken while
+    the GPU is back, the next follow-up asks for another model it served, and its pass ends the hold.  The
+    failing request's own model is never probed."""
+    watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
+    watcher.startService()
+    check.calls[0].callback(True)
+    older, newer = ModelCall("/api/embed", "older"), ModelCall("/api/chat", "newer")
+    core.health.served(older)
+    core.health.served(newer)
+    judged = core.health.report("timeout", ModelCall("/api/embed", "stuck"))
+    assert check.targets[-1] == newer
+    check.calls[-1].callback(False)
+    assert verdict(judged) is True and sources(core.state) == ["outage"]
+    assert watcher.status()["outage_probes"] == ["/api/chat with model newer", "/api/embed with model older"]
+    core.clock.advance(0.5)
+    assert check.targets[-1] == newer
+    check.calls[-1].callback(False)  # newer stays broken...
+    core.clock.advance(0.5)
+    assert check.targets[-1] == older
+    check.calls[-1].callback(True)  # ...while the GPU serves older again
+    assert not core.state.yielded
+    assert ModelCall("/api/embed", "stuck") not in check.targets
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
 def test_model_probes_wait_while_another_source_holds_the_gpu():
     """Nothing reaches a yielded GPU: not even the outage watcher's own probe."""
     watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
