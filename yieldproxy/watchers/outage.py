@@ -126,6 +126,8 @@ class _Pending:
     verdict: bool | None = None
     #: A pass is believed for :data:`VERDICT_SECONDS` (not the probe at start: it judged no failure).
     believed: bool = True
+    #: Decided so: the failures judged on it are their calls' own (what was probed passed).
+    alone: bool = False
 
 
 @attrs.frozen
@@ -346,7 +348,7 @@ class OutageWatcher(Service):
         target = evidence.call
         pending = self._pending.get(target)
         passed = self._passed.get(_key(target))
-        if pending is None and passed is not None and now - passed < VERDICT_SECONDS:
+        if pending is None and passed is not None and 0 <= now - passed < VERDICT_SECONDS:
             # Believed for a few seconds (unless a probe of it runs now): one failing request costs one
             # probe, not one per attempt.
             self._alone(reason, call, _serves(target, f" {now - passed:.0f}s ago"), "probe")
@@ -359,7 +361,7 @@ class OutageWatcher(Service):
             pending = self._start_probe(target, evidence.why)
         if pending.verdict is not None:
             # The probe decided at once (it fired synchronously).
-            if not pending.verdict:
+            if pending.alone:
                 self._alone(reason, call, self._passed_why(pending), "probe")
             return succeed(pending.verdict)
         waiter = _Waiter(Deferred(canceller=lambda d: _forget(pending.waiters, d)), reason, call)
@@ -433,6 +435,7 @@ class OutageWatcher(Service):
             confirmed = forgiven = True
             self._take_hold(pending)
         pending.verdict = forgiven
+        pending.alone = alone
         for waiter in _take(pending.waiters):
             if alone:
                 self._alone(waiter.reason, waiter.call, self._passed_why(pending), "probe")
