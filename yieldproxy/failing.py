@@ -61,6 +61,9 @@ class FailingModels:
 
     _entries: collections.OrderedDict[str, FailingModel] = attrs.field(init=False, factory=collections.OrderedDict)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def judged_alone(self, call: ModelCall, reason: str, evidence: str, now: float) -> FailingModel:
         """A failure of ``call`` was judged its own (no outage): note it."""
         key = canonical_model(call.model)

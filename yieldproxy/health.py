@@ -93,7 +93,8 @@ class UpstreamHealth:
         self.report(None)
         if call is not None:
             self.record.served(call)
-            self.failing.served(call.model)
+            if self.failing:
+                self.failing.served(call.model)
         call_each(log, "upstream served listener failed", self._served_listeners)
 
     def unanswered(self, why: str) -> None:

@@ -122,20 +122,20 @@ class ServedRecord:
         if len(call.model) > MAX_NAME:
             return
         key = canonical_model(call.model)
-        probeable = self._probeable(call)
         now = self._now()
         entry = self._entries.get(key)
         if entry is not None:
+            # Every answer comes here: the common case (the same call again) costs a lookup and no more.
             entry.last = max(entry.last, now)
             entry.served += 1
-            if probeable:
+            if call != entry.call and self._probeable(call):
                 entry.call = call
             self._entries.move_to_end(key)
             if not entry.in_use and now - entry.first >= IN_USE_AFTER:
                 entry.in_use = True
                 self._changed()
             return
-        if not probeable:
+        if not self._probeable(call):
             return  # nothing a probe could ask of it
         self._make_room()
         self._entries[key] = ServedModel(key, call, now, now)
