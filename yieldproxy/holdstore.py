@@ -19,6 +19,12 @@ command).  They re-assert on start as they always did, and
 a hold restored from a watcher that is no longer configured would never
 end.  ``signal`` holds are kept: nothing re-reads a signal.
 
+Other parts may keep a section of their own in the same file, a top-level
+key beside ``holds`` (:meth:`HoldStore.keep_section`): the record of the
+models each upstream served (served.py) is the ``served`` section.  Each is
+written with the holds and handed back at start to its owner, who reads it
+tolerantly; a section never makes the file refused.
+
 A file that cannot be read as a holds file of this version (not JSON, cut
 short, another format, a newer version, unreadable) is refused with one
 error line naming it, moved aside to ``NAME.refused``, and the proxy starts
@@ -108,6 +114,8 @@ class Loaded:
     holds: tuple[Hold, ...] = ()
     #: Why the file was refused (None: read, or no file yet).
     refused: str | None = None
+    #: The other top-level sections of the file, as read (see :meth:`HoldStore.keep_section`).
+    sections: Mapping[str, Any] = attrs.Factory(dict)
 
 
 @attrs.define(eq=False)
@@ -129,6 +137,22 @@ class HoldStore:
     _failing: bool = False
     #: Whether process ``pid`` runs: a later claim by one that does not is void (see the module's docstring).
     running: Callable[[int], bool] = attrs.field(default=attrs.Factory(lambda: _running))
+    #: Sections kept beside the holds: name -> (what to write, read when writing; who reads it back).
+    _sections: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = attrs.Factory(dict)
+    #: The sections last written, as written.
+    _last_sections: dict[str, Any] | None = None
+
+    def keep_section(self, name: str, write: Callable[[], Any], read: Callable[[Any], None]) -> None:
+        """Keep the top-level section ``name`` in the file: ``write()`` gives its JSON value each time the file
+        is written, ``read(value)`` takes what the file had at start (None when it had none)."""
+        if name in _HOLDS_KEYS:
+            raise ValueError(f"{name!r} is a key of the holds file itself")
+        self._sections[name] = (write, read)
+
+    def restore_sections(self, loaded: Loaded) -> None:
+        """Hand each kept section what ``loaded`` had of it (nothing from a refused file)."""
+        for name, (_, read) in self._sections.items():
+            read(loaded.sections.get(name))
 
     def load(self) -> Loaded:
         """The holds in the file; none if there is no file; :attr:`Loaded.refused` if it is not one we can read."""
@@ -144,7 +168,7 @@ class HoldStore:
             holds = _parse(data)
         except Refused as e:
             return Loaded(refused=str(e))
-        return Loaded(tuple(h for h in holds if h.source not in NOT_KEPT))
+        return Loaded(tuple(h for h in holds if h.source not in NOT_KEPT), sections=_sections(data))
 
     def save(self, holds: Iterable[Hold]) -> bool:
         """Write ``holds`` (those worth keeping) if they differ from the last written; True if the file is current.
@@ -157,15 +181,16 @@ class HoldStore:
         the proxy goes on, and the next change tries again.
         """
         kept = [_as_json(h) for h in holds if h.source not in NOT_KEPT]
+        sections = {name: write() for name, (write, _) in self._sections.items()}
         if self.claimed_at is not None:
-            if kept == self._last:
+            if kept == self._last and sections == self._last_sections:
                 return not self.superseded
             if self._claimed_later():
                 return False
         claimed_at = self.claimed_at if self.claimed_at is not None else self._clock.seconds()
         document = {
             "format": PERSISTED_FORMAT, "version": VERSION, "written_at": self._clock.seconds(),
-            "pid": self.pid, "claimed_at": claimed_at, "holds": kept,
+            "pid": self.pid, "claimed_at": claimed_at, "holds": kept, **sections,
         }
         try:
             _write_atomically(self.path, json.dumps(document, indent=1).encode() + b"\n")
@@ -182,6 +207,7 @@ class HoldStore:
             log.info("holds file {path}: written again", path=str(self.path))
         self.claimed_at = claimed_at
         self._last = kept
+        self._last_sections = sections
         return True
 
     def _claimed_later(self) -> bool:
@@ -248,6 +274,7 @@ def keep_holds(state: YieldState, store: HoldStore, restart_hold_seconds: float)
     a new one would.
     """
     loaded = store.load()
+    store.restore_sections(loaded)
     state.on_holds_changed(store.save)
     if loaded.refused is None:
         restored = state.restore(loaded.holds)
@@ -297,6 +324,16 @@ def _parse(data: bytes) -> list[Hold]:
     if not isinstance(entries, list):
         raise Refused("\"holds\" is not a list")
     return [_hold(entry, i) for i, entry in enumerate(entries)]
+
+
+#: The holds file's own top-level keys: any other is a kept section (:meth:`HoldStore.keep_section`).
+_HOLDS_KEYS = frozenset({"format", "version", "written_at", "pid", "claimed_at", "holds"})
+
+
+def _sections(data: bytes) -> dict[str, Any]:
+    """The top-level keys of a holds file (read already by :func:`_parse`) that are not its own."""
+    document = json.loads(data)
+    return {k: v for k, v in document.items() if k not in _HOLDS_KEYS}
 
 
 def _hold(entry: Any, index: int) -> Hold:

@@ -13,7 +13,8 @@ stopped (docs/architecture.md):
 2. the upstream clients' connection pools (closed once nothing uses them);
 3. the fallback's verification (when enabled), the twin verification of a pool of
    several (pool/twins.py), each upstream's model list (pool/models.py);
-4. the history sampling;
+4. the history sampling, then the record of what each upstream served
+   (served.py: written with the holds, a last time after the drain);
 5. the drain (drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
 6. the watchers, then the VRAM handovers (their holds stay when they stop);
@@ -59,6 +60,7 @@ from .pool.routing import Pool, any_member, make_members
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
+from .served import SECTION, RecordKeeper
 from .servers import ModelCall
 from .state import ALL, YieldState, transition_logger
 from .succession import Setup, Succession
@@ -116,6 +118,8 @@ class Proxy:
     pool: Pool
     #: Which members may serve which embedding models (a pool of several; None: a pool of one).
     twins: TwinVerifier | None = None
+    #: What each upstream served (served.py): kept with the holds, carried over by a reload.
+    records: RecordKeeper | None = None
 
 
 Clients = Callable[[MemberSpec], tuple[Any, Any]]
@@ -311,6 +315,12 @@ def build(
     )
     state.observe(history.state_changed)
 
+    # What each upstream served: the evidence of its outage verdicts, kept with the holds (served.py).
+    records = RecordKeeper.of(
+        reactor, ((m.name, m.spec.url, m.health.record) for m in pool.members),
+        (lambda: holds.save(state.holds)) if holds is not None else None,
+    )
+
     # The two HTTP apps (``POST /reload`` reaches the succession, made once the listeners are).
     reloaders: list[Succession] = []
     proxy_app = ProxyApp(
@@ -343,7 +353,7 @@ def build(
     if succession is not None:
         reloaders.append(Succession(
             reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
-            proxy_app, lot, pool, state, twins,
+            proxy_app, lot, pool, state, twins, records,
         ))
     service = YieldProxyService([
         listeners["admin"],
@@ -352,6 +362,8 @@ def build(
         *([twins] if twins is not None else []),
         *discovery,
         history,
+        # Stops after the drain: the last answers are in the record it writes.
+        records,
         drain,
         *watchers,
         *handovers,
@@ -360,11 +372,12 @@ def build(
         *reloaders,
     ])
     if holds is not None:
+        holds.keep_section(SECTION, records.section, lambda section: records.restore(section, f"holds file {holds.path}"))
         # Last: a restored hold sets off everything a new one does.
         keep_holds(state, holds, config.state.restart_hold_seconds)
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
-        watchers, handover, fallback, service, pool, twins,
+        watchers, handover, fallback, service, pool, twins, records,
     )
 
 
@@ -424,10 +437,14 @@ def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Servi
                 health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
                 server=member.server,
             )
+            own = member.catalogue.own_name(spec.probe_model) if spec.probe_model else None
             watchers.append(
                 OutageWatcher(
                     reactor, state, member.health, probe, metrics,
                     interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+                    # The operator's probe model, under the member's own name for it (its model_map).
+                    probe_model=own or spec.probe_model, probe_path=spec.probe_path,
+                    probeable=member.health.record.probeable,
                     scope=scope, member=member.name,
                 )
             )

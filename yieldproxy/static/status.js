@@ -314,6 +314,32 @@
     $("holds").hidden = holds.length === 0;
     $("no-holds").hidden = holds.length !== 0;
     renderUpstreams(status.upstreams || []);
+    renderFailing(status.upstreams || [], now);
+  }
+
+  // The models judged to fail alone on each upstream (no outage: its own callers get its errors).
+  function renderFailing(upstreams, now) {
+    const body = $("failing-body");
+    body.replaceChildren();
+    let count = 0;
+    for (const u of upstreams) {
+      for (const f of u.failing_models || []) {
+        const row = el("tr", "failing-model");
+        row.dataset.model = f.model;
+        row.dataset.upstream = u.name;
+        row.append(
+          el("td", "failing-name", f.name),
+          el("td", "failing-upstream", u.name),
+          el("td", "num failing-since", duration(now - f.since) + " ago"),
+          el("td", "num failing-count", String(f.failures)),
+          el("td", "failing-reason", f.reason + ", " + duration(now - f.last) + " ago"),
+          el("td", "failing-evidence", f.evidence),
+        );
+        body.append(row);
+        count++;
+      }
+    }
+    $("failing-section").hidden = count === 0;
   }
 
   // "model: state" for each embedding model this upstream is a twin for (not the reference).
