@@ -28,6 +28,7 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .clock import same
 from .listeners import call_each
 from .names import OWN_SOURCES, name_set, name_tuple
 
@@ -88,13 +89,14 @@ class Hold:
     #: The member it holds, or :data:`ALL`.
     scope: str = ALL
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, shown: Callable[[float], float] = same) -> dict[str, Any]:
+        """Its JSON, its times given to ``shown`` (the wall clock's, where people read them: clock.py)."""
         return {
             "source": self.source,
             "reason": self.reason,
-            "since": self.since,
-            "expires_at": self.expires_at,
-            "expected_end": self.expected_end,
+            "since": shown(self.since),
+            "expires_at": None if self.expires_at is None else shown(self.expires_at),
+            "expected_end": None if self.expected_end is None else shown(self.expected_end),
             "upstream": None if self.scope == ALL else self.scope,
         }
 
