@@ -8,6 +8,8 @@ twistd.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from twisted.internet.selectreactor import SelectReactor
 from twisted.internet.task import Clock
@@ -15,7 +17,9 @@ from twisted.internet.task import Clock
 from helpers import embedded
 from inmemory import Rig, answered
 from yieldproxy.cli import format_status
-from yieldproxy.clock import is_monotonic, run_on_monotonic, wall_clock
+from yieldproxy.clock import WallClock, is_monotonic, run_on_monotonic, wall_clock
+from yieldproxy.holdstore import HoldStore, keep_holds
+from yieldproxy.state import YieldState
 
 MODEL = "all-minilm"
 #: A wall clock that is not the elapsed one: the Clock starts at 0, the wall at this (2026).
@@ -176,3 +180,65 @@ def test_the_history_is_shown_on_the_wall_clock_and_moves_whole_with_a_step():
     whole = rig.call("GET", rig.admin_url + "/history").json()
     assert [s["t"] for s in whole["samples"]] == [EPOCH + t - 3600 for t in range(5)]
     history.stopService()
+
+
+# -- the holds file: wall-clock times in it, elapsed ones in the proxy -------------------------------
+
+
+def document(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_the_holds_file_has_wall_clock_times_and_reads_back_exactly_on_the_same_boot(tmp_path):
+    """On one boot the monotonic clock is the machine's: a start reads the writer's offset, whatever the wall did."""
+    path = tmp_path / "holds.json"
+    monotonic = Clock()  # one clock for both processes, as CLOCK_MONOTONIC is for one boot
+    monotonic.advance(1000)
+    wall = SteppingWall(monotonic)
+    state = YieldState(monotonic)
+    keep_holds(state, HoldStore(monotonic, path, wall=WallClock(monotonic, wall), boot="boot-1"), 600)
+    state.hold("broker", "game", for_seconds=600, expected_seconds=300)
+    written = document(path)
+    assert (written["boot_id"], written["monotonic_at"], written["written_at"]) == ("boot-1", 1000, EPOCH)
+    assert [(h["since"], h["expires_at"], h["expected_end"]) for h in written["holds"]] == [
+        (EPOCH, EPOCH + 600, EPOCH + 300)
+    ]
+    state.stop()
+    # Down for 100 s, during which the wall clock went an hour back.
+    monotonic.advance(100)
+    wall.step(-3600)
+    state = YieldState(monotonic)
+    keep_holds(state, HoldStore(monotonic, path, wall=WallClock(monotonic, wall), boot="boot-1"), 600)
+    [hold] = state.holds
+    assert (hold.since, hold.expires_at, hold.expected_end) == (1000, 1600, 1300)
+    monotonic.advance(499.9)
+    assert state.holds
+    monotonic.advance(0.1)
+    assert state.holds == []
+
+
+@pytest.mark.parametrize("step", [-3600, 0, 15 * 60])
+def test_after_a_reboot_a_lease_has_at_most_what_it_had_left_when_written(tmp_path, step):
+    """Another boot: the wall clock is all there is; one that went back stretches no lease."""
+    path = tmp_path / "holds.json"
+    before = Clock()
+    before.advance(5000)  # a long uptime
+    wall = SteppingWall(before)
+    state = YieldState(before)
+    keep_holds(state, HoldStore(before, path, wall=WallClock(before, wall), boot="boot-1"), 600)
+    state.hold("broker", "game", for_seconds=600)
+    before.advance(100)
+    state.hold("dead-man", "broker's switch", for_seconds=5)  # the file is written with 500 s left on the lease
+    # Rebooted: 60 s later by the old wall clock, then the wall clock steps.
+    after = Clock()
+    after.advance(20)
+    later = SteppingWall(after, at=EPOCH + 100 + 60 + step)
+    state = YieldState(after)
+    keep_holds(state, HoldStore(after, path, wall=WallClock(after, later), boot="boot-2"), 600)
+    left = {h.source: h.expires_at - after.seconds() for h in state.holds}
+    if step < 0:
+        assert left == {"broker": 500, "dead-man": 5}  # as when written: the time since is unknown, not negative
+    elif step == 0:
+        assert left == {"broker": 440}  # the 60 s the wall clock says passed
+    else:
+        assert left == {}  # the wall clock says 960 s passed: the leases ran out

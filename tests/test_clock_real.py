@@ -9,6 +9,7 @@ an hour.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -92,6 +93,8 @@ async def test_a_real_twistd_keeps_leases_and_hold_bounds_through_wall_clock_ste
         assert 900 <= after["now"] - before["now"] < 900 + TIMEOUT
         [hold] = after["holds"]
         assert 600 - TIMEOUT < hold["expires_at"] - after["now"] <= 600
+        written = json.loads(holds.read_text())
+        assert written["boot_id"] and written["monotonic_at"] > 0
 
         # A dead-man's switch of 5 s, then the clock goes an hour back: it ends 5 s on, not an hour on.
         taken = time.monotonic()
