@@ -116,6 +116,17 @@ def test_beside_a_switched_reactor_the_wall_clock_is_time_time(made_up_reactor):
     assert wall_clock(reactor).now is time.time
 
 
+def test_the_offset_is_kept_through_the_jitter_of_two_readings_and_follows_a_step():
+    """A time shown twice reads the same twice: only a step (more than 50 ms) moves it."""
+    clock = Clock()
+    clock.advance(1000)
+    jitter = iter([0.0, 0.004, -0.003, 0.01, 900.0, 900.002])
+    wall = WallClock(clock, lambda: EPOCH + next(jitter))
+    shown = [wall.at(10.0) for _ in range(4)]
+    assert shown == [EPOCH - 990.0] * 4
+    assert wall.at(10.0) == EPOCH - 990.0 + 900 and wall.at(10.0) == EPOCH - 990.0 + 900
+
+
 # -- what people read: /status, the CLI, the page, the history -------------------------------------
 
 
@@ -242,3 +253,21 @@ def test_after_a_reboot_a_lease_has_at_most_what_it_had_left_when_written(tmp_pa
         assert left == {"broker": 440}  # the 60 s the wall clock says passed
     else:
         assert left == {}  # the wall clock says 960 s passed: the leases ran out
+
+
+def test_the_next_process_on_this_boot_shows_the_times_the_last_one_showed(tmp_path):
+    """Its own reading of the offset differs by the jitter of two clock reads: it adopts the file's instead."""
+    path = tmp_path / "holds.json"
+    monotonic = Clock()
+    monotonic.advance(1000.123456)
+    first = WallClock(monotonic, lambda: monotonic.seconds() + EPOCH + 0.0007)
+    state = YieldState(monotonic)
+    keep_holds(state, HoldStore(monotonic, path, wall=first, boot="boot-1"), 600)
+    state.hold("broker", "game", for_seconds=600)
+    shown = state.holds[0].as_json(first.shown())
+    state.stop()
+    monotonic.advance(3.3)
+    second = WallClock(monotonic, lambda: monotonic.seconds() + EPOCH + 0.0003)  # across a millisecond
+    state = YieldState(monotonic)
+    keep_holds(state, HoldStore(monotonic, path, wall=second, boot="boot-1"), 600)
+    assert state.holds[0].as_json(second.shown()) == shown

@@ -95,29 +95,61 @@ def is_monotonic(reactor: object) -> bool:
     return clock is not None and getattr(reactor, "seconds", None) is clock
 
 
-@attrs.frozen
+#: A change of the wall clock's offset smaller than this is the two clocks read a moment apart, not a step
+#: (an NTP daemon slews smaller errors; it steps only larger ones, ntpd from 0.128 s): the offset is kept.
+STEP_SECONDS = 0.05
+
+
+@attrs.define(eq=False)
 class WallClock:
-    """The wall clock beside the elapsed one: elapsed-clock times as people read them, and back."""
+    """The wall clock beside the elapsed one: elapsed-clock times as people read them, and back.
+
+    The offset between the two (wall minus elapsed) changes only when the
+    wall clock steps (or the machine slept), so it is kept, to the
+    millisecond, until it moves by more than :data:`STEP_SECONDS`: a time
+    shown twice reads the same twice, and reads the same in the next process
+    on this boot, which adopts the offset the holds file was written with.
+    """
 
     #: The clock every bound runs on (the reactor, or a test's Clock).
     elapsed: IReactorTime
     #: The wall clock (``time.time`` in a real process; the same Clock, or a stepping one, in tests).
     now: Callable[[], float]
+    _offset: float | None = None
 
     def offset(self) -> float:
-        """Wall minus elapsed, now: it changes only when the wall clock steps (or the machine slept)."""
-        return self.now() - self.elapsed.seconds()
+        """Wall minus elapsed: the one kept, or the new one after a step."""
+        fresh = self._read()
+        if self._offset is None or abs(fresh - self._offset) > STEP_SECONDS:
+            self._offset = round(fresh, 3)
+        return self._offset
+
+    def adopt(self, offset: float) -> None:
+        """Keep ``offset`` (another process's on this boot, from the holds file) if it is this clock's too."""
+        if abs(self._read() - offset) <= STEP_SECONDS:
+            self._offset = round(offset, 3)
+
+    def _read(self) -> float:
+        """Wall minus elapsed, read now: the wall clock between two readings of the elapsed one, close together."""
+        for _ in range(3):
+            before = self.elapsed.seconds()
+            wall = self.now()
+            after = self.elapsed.seconds()
+            if after - before < 0.001:
+                break
+        return wall - (before + after) / 2
 
     def shown(self) -> Callable[[float], float]:
-        """A converter from elapsed-clock times to wall-clock ones, with one offset (one answer's times agree)."""
+        """A converter from elapsed-clock times to wall-clock ones, with one offset (one answer's times agree),
+        to the microsecond."""
         offset = self.offset()
         if offset == 0.0:
             return same
-        return lambda t: t + offset
+        return lambda t: round(t + offset, 6)
 
     def at(self, t: float) -> float:
         """The wall-clock time of elapsed-clock time ``t``, with the offset of now."""
-        return t + self.offset()
+        return self.shown()(t)
 
     def elapsed_at(self, wall: float) -> float:
         """The elapsed-clock time of wall-clock time ``wall``, with the offset of now."""

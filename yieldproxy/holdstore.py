@@ -227,6 +227,10 @@ class HoldStore:
         if stale is not None:
             return Loaded(stale=stale, found=True)
         elapsed = self._reader(document)
+        if self._same_boot(document):
+            # The times it wrote read the same here ("since" in /status does not move by a microsecond).
+            assert document.written_at is not None and document.monotonic_at is not None
+            self.wall.adopt(round(document.written_at - document.monotonic_at, 3))
         holds = tuple(
             attrs.evolve(
                 h, since=elapsed(h.since),
@@ -300,11 +304,11 @@ class HoldStore:
         """
         now = self._clock.seconds()
         written_at, monotonic_at = document.written_at, document.monotonic_at
-        if (
-            self.boot is not None and document.boot_id == self.boot and written_at is not None
-            and monotonic_at is not None and monotonic_at <= now + SLACK
-        ):
-            offset = written_at - monotonic_at
+        if self._same_boot(document):
+            assert written_at is not None and monotonic_at is not None
+            # The writer's offset, to the millisecond as it keeps it (clock.WallClock): its times read back
+            # as the very elapsed-clock times it had, and show as the very wall-clock ones.
+            offset = round(written_at - monotonic_at, 3)
             return lambda t: t - offset
         if not restoring:
             return self.wall.elapsed_at
@@ -312,6 +316,13 @@ class HoldStore:
         written = wall_now if written_at is None else written_at
         since_written = max(0.0, wall_now - written)
         return lambda t: now - since_written - (written - t)
+
+    def _same_boot(self, document: _Document) -> bool:
+        """Written on this boot by a process on the monotonic clock (its times read back exactly)."""
+        return (
+            self.boot is not None and document.boot_id == self.boot and document.written_at is not None
+            and document.monotonic_at is not None and document.monotonic_at <= self._clock.seconds() + SLACK
+        )
 
     def _claimed_later(self) -> bool:
         """True (and logged, once) when another process, still running, claimed the file after this one did.

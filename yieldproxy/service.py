@@ -247,11 +247,14 @@ def build(
     Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
     the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
     for what people read (``/status``, the page, the history), by default
-    ``time.time`` beside a monotonic reactor, else the reactor's own clock.
+    the holds file's (it reads the same times back as the last run on this
+    boot showed), else ``time.time`` beside a monotonic reactor, else the
+    reactor's own clock.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
-    walls = wall_clock(reactor, wall)
+    # The holds file's wall clock, when there is one: it adopts the offset of the last run on this boot.
+    walls = holds.wall if holds is not None and wall is None else wall_clock(reactor, wall)
     specs = member_specs(config)
     first = specs[0].name
     fc = config.fallback
