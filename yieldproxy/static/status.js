@@ -191,7 +191,8 @@
     page.upstreams = hist.upstreams || [];
     page.serverNow = hist.now;
     const offset = hist.wall_offset || 0;
-    const stepped = page.wallOffset !== null && Math.abs(offset - page.wallOffset) > 1;
+    // The server keeps its offset until the wall clock steps (clock.py): any change is a step.
+    const stepped = page.wallOffset !== null && offset !== page.wallOffset;
     page.wallOffset = offset;
     if (page.lastT !== null && (stepped || hist.now < page.lastT - 5)) {
       // The server's wall clock stepped (every t moved with it), its clock went back, or another
