@@ -17,10 +17,11 @@ dropped.  Not persisted: a restart judges again.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
+from .clock import same
 from .names import canonical_model
 from .servers.base import ModelCall
 
@@ -48,9 +49,11 @@ class FailingModel:
     evidence: str
     failures: int = 1
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, shown: Callable[[float], float] = same) -> dict[str, Any]:
+        """For ``/status``: its times given to ``shown`` (the wall clock people read: clock.py)."""
         return {
-            "model": self.model, "name": self.name, "path": self.path, "since": self.since, "last": self.last,
+            "model": self.model, "name": self.name, "path": self.path, "since": shown(self.since),
+            "last": shown(self.last),
             "reason": self.reason, "evidence": self.evidence, "failures": self.failures,
         }
 
@@ -93,8 +96,9 @@ class FailingModels:
         skip = canonical_model(model) if model is not None else None
         return [e for e in self._entries.values() if e.model != skip and now - e.last <= within]
 
-    def as_json(self, now: float) -> list[dict[str, Any]]:
-        """What ``/status`` shows: the models judged failing in the last :data:`SHOWN_SECONDS`, latest first."""
+    def as_json(self, now: float, shown: Callable[[float], float] = same) -> list[dict[str, Any]]:
+        """What ``/status`` shows: the models judged failing in the last :data:`SHOWN_SECONDS`, latest first
+        (their times given to ``shown``)."""
         for key in [k for k, e in self._entries.items() if now - e.last > SHOWN_SECONDS]:
             del self._entries[key]
-        return [e.as_json() for e in reversed(self._entries.values())]
+        return [e.as_json(shown) for e in reversed(self._entries.values())]

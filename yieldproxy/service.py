@@ -33,6 +33,7 @@ from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
 from .admin import AdminApp
+from .clock import WallClock, same, wall_clock
 from .config import Config
 from .control import UpstreamControl
 from .drain import Drain
@@ -235,6 +236,7 @@ def build(
     history_interval: float = 1.0,
     succession: Setup | None = None,
     holds: HoldStore | None = None,
+    wall: Callable[[], float] | None = None,
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
@@ -246,9 +248,17 @@ def build(
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
     crashes (holdstore.py); without it, a hold lasts as long as the process.
+    Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
+    the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
+    for what people read (``/status``, the page, the history), by default
+    the holds file's (it reads the same times back as the last run on this
+    boot showed), else ``time.time`` beside a monotonic reactor, else the
+    reactor's own clock.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
+    # The holds file's wall clock, when there is one: it adopts the offset of the last run on this boot.
+    walls = holds.wall if holds is not None and wall is None else wall_clock(reactor, wall)
     specs = member_specs(config)
     first = specs[0].name
     fc = config.fallback
@@ -311,7 +321,7 @@ def build(
     discovery = tuple(_discovery(reactor, config, pool))
     history = History(
         reactor, snapshot_reader(gate, lot, pool, config.classes, metrics), tuple(config.classes),
-        interval=history_interval, upstreams=pool.names,
+        interval=history_interval, upstreams=pool.names, wall=walls,
     )
     state.observe(history.state_changed)
 
@@ -329,8 +339,8 @@ def build(
     )
     admin_app = AdminApp(
         reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
-        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins), fallback=fallback,
-        reload=_late(reloaders) if succession is not None else None,
+        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins, walls),
+        fallback=fallback, reload=_late(reloaders) if succession is not None else None, wall=walls,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -521,12 +531,22 @@ def _prefixed_models_paths(server) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _status_sections(watchers, handovers, fallback, pool: Pool, twins=None) -> dict[str, Callable[[], Any]]:
-    """The ``/status`` sections of the parts beside the core: each read when ``/status`` is."""
+def _status_sections(
+    watchers, handovers, fallback, pool: Pool, twins=None, wall: WallClock | None = None,
+) -> dict[str, Callable[[], Any]]:
+    """The ``/status`` sections of the parts beside the core: each read when ``/status`` is, its times on
+    the wall clock (``wall``)."""
+
+    def shown() -> Callable[[float], float]:
+        return same if wall is None else wall.shown()
+
     sections: dict[str, Callable[[], Any]] = {
-        "upstreams": pool.status if twins is None else lambda: twins.with_twins(pool.status()),
+        "upstreams": (
+            (lambda: pool.status(shown())) if twins is None
+            else lambda: twins.with_twins(pool.status(shown()), shown())
+        ),
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
-        "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
+        "fallback": (lambda: fallback.status(shown())) if fallback is not None else lambda: {"enabled": False},
     }
     if handovers and _alone(pool):
         sections["handover"] = handovers[0].status

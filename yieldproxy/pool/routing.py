@@ -59,6 +59,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
+from ..clock import same
 from ..config import Config
 from ..health import Judge, UpstreamHealth
 from ..metrics import Metrics
@@ -357,8 +358,8 @@ class Pool:
             return "yielded"
         return "available" if lot_empty and not self.release_held else "draining"
 
-    def status(self) -> list[dict]:
-        """The ``upstreams`` section of ``/status``: one row per member, in config order."""
+    def status(self, shown: Callable[[float], float] = same) -> list[dict]:
+        """The ``upstreams`` section of ``/status``: one row per member, in config order (times given to ``shown``)."""
         now = self._clock.seconds()
         return [
             {
@@ -367,7 +368,7 @@ class Pool:
                 "api": m.spec.api,
                 "use": m.spec.use,
                 "state": m.state_name(),
-                "holds": [h.as_json() for h in self._state.holds_for(m.name)],
+                "holds": [h.as_json(shown) for h in self._state.holds_for(m.name)],
                 "inflight": m.inflight,
                 "waiting": self._waiting(m),
                 "replay_concurrency": m.drainer.concurrency,
@@ -376,7 +377,7 @@ class Pool:
                 "models_discovered": not m.catalogue.static and m.catalogue.discovered is not None,
                 # What its outage verdicts rest on (served.py), and the models judged failing alone (failing.py).
                 "served_models": [e.model for e in m.health.record.recent()],
-                "failing_models": m.health.failing.as_json(now),
+                "failing_models": m.health.failing.as_json(now, shown),
             }
             for m in self.members
         ]

@@ -23,6 +23,7 @@
     classes: CLASS_ORDER.slice(),
     upstreams: [], // names, in /status order: each sample has each one's state
     serverNow: null,
+    wallOffset: null, // GET /history's wall_offset: when it changes, every t has moved
     status: null,
     timer: null,
     waitingForToken: false,
@@ -189,8 +190,13 @@
     page.classes = hist.classes && hist.classes.length ? hist.classes : CLASS_ORDER.slice();
     page.upstreams = hist.upstreams || [];
     page.serverNow = hist.now;
-    if (page.lastT !== null && hist.now < page.lastT - 5) {
-      // The server's clock went back (or another proxy answers here): start over.
+    const offset = hist.wall_offset || 0;
+    // The server keeps its offset until the wall clock steps (clock.py): any change is a step.
+    const stepped = page.wallOffset !== null && offset !== page.wallOffset;
+    page.wallOffset = offset;
+    if (page.lastT !== null && (stepped || hist.now < page.lastT - 5)) {
+      // The server's wall clock stepped (every t moved with it), its clock went back, or another
+      // proxy answers here: start over.
       page.samples = [];
       page.lastT = null;
       return;
