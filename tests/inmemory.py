@@ -273,6 +273,7 @@ class Rig:
         to start and stop ``proxy.service`` itself (its listeners listen on it);
         a new Clock by default (a MemoryReactorClock with ``watchers`` or ``members``).
     :param holds: a :class:`~yieldproxy.holdstore.HoldStore` that keeps the holds across rigs (a restart).
+    :param wall: the wall clock (``build``'s ``wall``): the Clock itself by default, a stepping one to test steps.
     :param members: a pool instead of one upstream: dicts of ``[[upstreams]]``
         keys, each with a ``name``; a member's own sim options under its
         ``sim`` key (merged over ``sim_options``), or its own resource under
@@ -285,7 +286,7 @@ class Rig:
 
     def __init__(
         self, config: Config | None = None, upstream=None, token=None, read_token=None, watchers: bool = False,
-        reactor: Clock | None = None, holds=None, members=None, **sim_options,
+        reactor: Clock | None = None, holds=None, members=None, wall=None, **sim_options,
     ):
         if reactor is None:
             reactor = MemoryReactorClock() if watchers or members else Clock()
@@ -309,7 +310,7 @@ class Rig:
                     config, upstreams=tuple(attrs.evolve(m, detect_outages=False) for m in config.upstreams)
                 )
         self.proxy = build(
-            self.clock, config, token=token, read_token=read_token, upstream=self.upstream, holds=holds
+            self.clock, config, token=token, read_token=read_token, upstream=self.upstream, holds=holds, wall=wall,
         )
         if self.upstream is not None:
             # The single upstream's control calls (health, outage probes) reach it too.

@@ -41,6 +41,13 @@ def test_a_class_table_keeps_that_class_defaults(tmp_path):
         ("[classes.batch]\nmax_parked = 99999\n", "classes.batch.max_parked: 99999 is above parking.max_parked"),
         ("[gpu]\nx = 1\n", "gpu: unknown section"),
         ("[replay\n", "not valid TOML"),
+        ("[upstream]\nprobe_model = ' all-minilm'\n", "upstream.probe_model: must be a model name without surrounding spaces"),
+        ("[upstream]\nprobe_path = 'api/embed'\n", "upstream.probe_path: must be a path starting with '/'"),
+        ("[upstream]\nprobe_path = '/api/embed'\n", "upstream.probe_path: needs a probe_model"),
+        ("[upstream]\nprobe_model = 'm'\nprobe_path = '/api/tags'\n",
+         "upstream.probe_path: '/api/tags' is no route an outage probe can call on an upstream of api ollama"),
+        ("[[upstreams]]\nname = 'tei'\nurl = 'http://h:1'\napi = 'tei'\nprobe_model = 'm'\nprobe_path = '/api/embed'\n",
+         "upstreams[0].probe_path: '/api/embed' is no route an outage probe can call on an upstream of api tei"),
     ],
 )
 def test_errors_name_the_file_and_the_key(tmp_path, text, expected):
@@ -171,3 +178,20 @@ def test_the_config_knows_which_keys_were_set_and_compares_by_values_only():
     assert overridden.explicit == {"parking.max_parked", "proxy.listen", "proxy.upstream"}
     assert from_dict({"parking": {"max_parked": 10000}}) == Config()  # the same values: the same config
     assert Config().sized(**{"parking.max_parked": 5}).explicit == frozenset()
+
+
+def test_probe_model_and_path_are_each_upstreams_default_and_its_own_key_wins():
+    from yieldproxy.pool.members import member_specs
+
+    config = from_dict({
+        "upstream": {"probe_model": "all-minilm", "probe_path": "/api/embed"},
+        "upstreams": [
+            {"name": "a", "url": "http://h:1"},
+            {"name": "b", "url": "http://h:2", "api": "tei", "probe_model": "bge", "probe_path": "/embed"},
+        ],
+    })
+    assert [(s.name, s.probe_model, s.probe_path) for s in member_specs(config)] == [
+        ("a", "all-minilm", "/api/embed"), ("b", "bge", "/embed"),
+    ]
+    legacy = member_specs(from_dict({"upstream": {"probe_model": "all-minilm"}}))[0]
+    assert (legacy.probe_model, legacy.probe_path) == ("all-minilm", "")

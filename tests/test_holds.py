@@ -420,3 +420,203 @@ def test_a_claim_by_a_process_that_is_gone_takes_nothing_away(tmp_path):
     # The file is this process's again: a later claim by a running process still takes it.
     running_state.hold("api", "again")
     assert [h["source"] for h in written(path)] == ["api"]
+
+
+# -- what is at the path, what is in it (issue 26) ---------------------------------------------------
+
+
+def refusal_line(logs) -> str:
+    [line] = [formatEvent(e) for e in logs.events if e.get("log_level") >= LogLevel.error]
+    return line
+
+
+def test_a_fifo_at_the_path_is_refused_at_once_not_waited_on(tmp_path):
+    """Opened without blocking: a FIFO nobody writes would have hung the start before the proxy listened."""
+    import threading
+
+    path = tmp_path / "holds.json"
+    os.mkfifo(path)
+    done: list = []
+    logs = LogCapture()
+    with logs:
+        start = threading.Thread(target=lambda: done.append(started(path, at=50)), daemon=True)
+        start.start()
+        start.join(timeout=30)
+    if start.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the blocked open returns, and the thread ends
+        start.join(timeout=30)
+        pytest.fail("the start waited on the FIFO at the holds file's path")
+    [(clock, state, _)] = done
+    line = refusal_line(logs)
+    assert line.startswith(f"holds file {path} refused (not a regular file (a FIFO))"), line
+    assert [h.source for h in state.holds] == ["restart"] and state.yielded
+    assert stat.S_ISFIFO(os.lstat(f"{path}.refused").st_mode)  # moved aside; the holds are in a new file
+    assert [h["source"] for h in written(path)] == ["restart"]
+
+
+def test_a_directory_or_a_link_at_the_path_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "holds.json"
+    path.mkdir()
+    with LogCapture() as logs:
+        _, state, _ = started(path, at=0)
+    assert "refused (not a regular file (a directory))" in refusal_line(logs)
+    assert [h.source for h in state.holds] == ["restart"]
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    with LogCapture() as logs:
+        _, state, _ = started(link, at=0)
+    assert "refused (a symbolic link: " in refusal_line(logs)
+    assert [h.source for h in state.holds] == ["restart"]
+    assert (tmp_path / "elsewhere.json").read_text() == "{}"  # what it pointed at is left alone
+
+
+class CountingWriter:
+    """The store's writer, counted; told to, it fails as a full disk does."""
+
+    def __init__(self):
+        self.writes = 0
+        self.failing: OSError | None = None
+
+    def __call__(self, path, data: bytes) -> None:
+        if self.failing is not None:
+            raise self.failing
+        self.writes += 1
+        from yieldproxy.holdstore import _write_atomically
+
+        _write_atomically(path, data)
+
+
+def test_thousands_of_holds_are_restored_with_one_write(tmp_path):
+    path = tmp_path / "holds.json"
+    path.write_text(json.dumps({"format": PERSISTED_FORMAT, "version": VERSION, "written_at": 100, "holds": [
+        {"source": f"broker-{i}", "reason": "r", "since": 100, "upstream": None, "expires_at": 700}
+        for i in range(5000)
+    ]}))
+    clock = clock_at(200)
+    state, writer = YieldState(clock), CountingWriter()
+    keep_holds(state, HoldStore(clock, path, write=writer), restart_hold_seconds=600)
+    assert len(state.holds) == 5000 and writer.writes == 1
+    assert len(written(path)) == 5000
+    state.stop()
+
+
+@pytest.mark.parametrize(
+    "hold, why",
+    [
+        ({"since": 1e12}, "holds[0].since is "),
+        ({"since": 100, "expected_end": 1e18}, "holds[0].expected_end is more than a week after the file was written"),
+        ({"since": 100, "expires_at": 100 + 8 * 24 * 3600}, "holds[0].expires_at is more than a week after"),
+        ({"since": 100, "expires_at": 40}, "holds[0].expires_at is before its since"),
+        ({"since": 100, "expected_end": float("inf")}, "holds[0].expected_end is not a time"),
+        ({"since": 100, "reason": "x" * 5000}, "holds[0].reason is longer than 4096 characters"),
+        ({"since": 100, "upstream": "a\nb"}, "holds[0].upstream is not an upstream's name"),
+        ({"since": 100, "upstream": "u" * 65}, "holds[0].upstream is not an upstream's name"),
+    ],
+)
+def test_values_out_of_range_are_refused(tmp_path, hold, why):
+    path = tmp_path / "holds.json"
+    text = json.dumps({"format": PERSISTED_FORMAT, "version": VERSION, "written_at": 150, "holds": [
+        {"source": "broker", "reason": "", "upstream": None, **hold},
+    ]})
+    path.write_text(text)
+    with LogCapture() as logs:
+        _, state, _ = started(path, at=200)
+    line = refusal_line(logs)
+    assert line.startswith(f"holds file {path} refused (") and why in line, line
+    assert [h.source for h in state.holds] == ["restart"]
+
+
+def test_a_since_in_the_future_of_a_file_without_written_at_is_refused(tmp_path):
+    path = tmp_path / "holds.json"
+    path.write_text(json.dumps({"format": PERSISTED_FORMAT, "version": VERSION, "holds": [
+        {"source": "broker", "reason": "", "since": 500, "upstream": None},
+    ]}))
+    with LogCapture() as logs:
+        _, state, _ = started(path, at=200)
+    assert "holds[0].since is 300s after the file was written" in refusal_line(logs)
+
+
+def test_keys_of_another_part_are_kept_when_the_file_is_written_again(tmp_path):
+    """Another record may live in the file beside the holds (issue 24's served models, a newer version's)."""
+    path = tmp_path / "holds.json"
+    path.write_text(json.dumps({"format": PERSISTED_FORMAT, "version": VERSION, "written_at": 0, "holds": [],
+                                "served_models": {"default": ["all-minilm"]}}))
+    _, state, _ = started(path, at=10)
+    state.hold("broker", "game")
+    assert json.loads(path.read_text())["served_models"] == {"default": ["all-minilm"]}
+    assert [h["source"] for h in written(path)] == ["broker"]
+
+
+def test_a_hold_that_ended_while_writes_failed_does_not_come_back(tmp_path):
+    """The disk filled (or went read-only) after the hold was written; it ended; the proxy stopped.  The file
+    still has the hold, with no lease: restored, it would hold the GPU for ever.  The start doubts it instead."""
+    path = tmp_path / "holds.json"
+    clock, state, writer = clock_at(0), None, CountingWriter()
+    state = YieldState(clock)
+    keep_holds(state, HoldStore(clock, path, write=writer), restart_hold_seconds=600)
+    state.hold("operator", "maintenance")  # no lease
+    assert [h["source"] for h in written(path)] == ["operator"]
+    writer.failing = OSError(28, "No space left on device")
+    with LogCapture() as logs:
+        state.release("operator")
+    assert "cannot write it (No space left on device)" in refusal_line(logs)
+    assert (tmp_path / "holds.json.unsaved").exists()
+    # The process stops; the disk has room again; the next start.
+    clock = clock_at(30)
+    state = YieldState(clock)
+    with LogCapture() as logs:
+        keep_holds(state, HoldStore(clock, path), restart_hold_seconds=600)
+    line = refusal_line(logs)
+    assert line.startswith(f"holds file {path} doubted (a write of it failed at 1970-01-01 00:00:00 UTC "
+                           "(No space left on device), so it may still hold holds that ended since)"), line
+    assert "starting yielded (hold source restart)" in line
+    [hold] = state.holds
+    assert (hold.source, hold.expires_at) == ("restart", 630) and "doubted at start" in hold.reason
+    # The stale file is set aside; the new one says what is held now, so the marker goes.
+    assert [h["source"] for h in json.loads((tmp_path / "holds.json.refused").read_text())["holds"]] == ["operator"]
+    assert [h["source"] for h in written(path)] == ["restart"]
+    assert not (tmp_path / "holds.json.unsaved").exists()
+    # And the start after that trusts the file again.
+    state.stop()
+    _, state, _ = started(path, at=40)
+    assert [(h.source, h.expires_at) for h in state.holds] == [("restart", 630)]
+
+
+def test_a_write_that_fails_for_real_leaves_the_marker_and_the_next_success_removes_it(tmp_path):
+    """Not injected: the path became a directory (as an immutable file or a full disk, the rename fails)."""
+    path = tmp_path / "holds.json"
+    _, state, _ = started(path, at=0)
+    os.unlink(path)
+    path.mkdir()
+    with LogCapture():
+        state.hold("broker", "game")
+    assert (tmp_path / "holds.json.unsaved").exists()
+    path.rmdir()
+    with LogCapture():
+        state.release("broker")
+    assert written(path) == [] and not (tmp_path / "holds.json.unsaved").exists()
+
+
+def test_a_start_that_cannot_write_the_file_it_found_doubts_it(tmp_path):
+    """A read-only disk takes no marker either: the file cannot be known to be current, so it is not trusted."""
+    path = tmp_path / "holds.json"
+    _, state, _ = started(path, at=0)
+    state.hold("operator", "maintenance")
+    clock = clock_at(10)
+    writer = CountingWriter()
+    writer.failing = OSError(30, "Read-only file system")
+    state = YieldState(clock)
+    with LogCapture() as logs:
+        keep_holds(state, HoldStore(clock, path, write=writer), restart_hold_seconds=600)
+    doubted = [formatEvent(e) for e in logs.events if "doubted" in formatEvent(e)]
+    assert len(doubted) == 1 and "it cannot be written now (Read-only file system)" in doubted[0], doubted
+    assert [h.source for h in state.holds] == ["restart"]
+
+
+def test_no_file_and_no_marker_is_nothing_held_even_where_nothing_can_be_written(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with LogCapture():
+        _, state, _ = started(blocker / "holds.json", at=0)
+    assert state.holds == []

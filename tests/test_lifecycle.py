@@ -73,7 +73,7 @@ def test_parts_start_in_order_and_stop_in_the_reverse_order():
     rig = Rig(handover={"unload_on_yield": True}, watchers={"signals": True}, fallback=fallback)
     names = [child.name for child in rig.service]
     assert names == [
-        "admin", "clients", "fallback", "history", "drain", "watcher:signal", "handover", "proxy",
+        "admin", "clients", "fallback", "history", "served-record", "drain", "watcher:signal", "handover", "proxy",
     ]
     rig.service.startService()
     assert [port for port, *_ in rig.reactor.tcpServers] == [11436, 11435]  # the admin listener binds first

@@ -377,7 +377,9 @@ def test_a_probe_answered_not_ready_takes_no_outage_hold_and_makes_the_member_no
     watcher.startService()
     # The probe at start reads its health: not ready, no hold.
     assert control.asked == ["/health"] and llama.state_name() == "not_ready" and core.state.holds == []
-    # A failure whose probe is a model call that answers "Loading model": forgiven, still no hold.
+    # A failure whose probe is a model call that answers "Loading model" (the model it served before):
+    # forgiven, still no hold.
+    llama.health.record.served(ModelCall("/v1/chat/completions", "m"))
     d = llama.health.report("status_503", ModelCall("/v1/chat/completions", "m"))
     assert verdict_of(d) is True and core.state.holds == [] and llama.state_name() == "not_ready"
     assert core.sample("yieldproxy_outage_probes_total", upstream="llama", probe="health", result="not_ready") == 1

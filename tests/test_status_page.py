@@ -474,6 +474,41 @@ async def test_page_says_unreachable_for_an_upstream_that_never_answered():
         await stack.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_page_shows_a_model_failing_alone_on_its_upstream_and_why_that_is_no_outage():
+    """Issue 24: a broken model's failure, judged by a probe of the model the upstream served, is its own: the
+    page lists it under "Models failing alone" with its upstream and the evidence, and shows no hold."""
+    from helpers import config_with
+
+    chromium_path()
+    stack = await start_stack(reactor, config_with(upstream={"max_attempts": 1}), watchers=True)
+    try:
+        await wait_for(reactor, lambda: stack.proxy.health.reachable)
+        served = await treq.post(
+            stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": "x"}, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert served.code == 200
+        await served.content()
+        stack.sim.set_model_mode("broken", "error500_unknown")
+        broken = await treq.post(
+            stack.proxy_url + "/api/embed", json={"model": "broken", "input": "x"}, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert broken.code == 500
+        await broken.content()
+        dom = Dom((await chromium(stack.admin_url + "/", "--dump-dom")).decode("utf-8"))
+        assert dom.by_id("failing-section").get("hidden") is None
+        rows = dom.with_class("failing-model")
+        assert [(r["data-model"], r["data-upstream"]) for r in rows] == [("broken:latest", "default")]
+        assert [r["text"] for r in dom.with_class("failing-name")] == ["broken"]
+        assert dom.with_class("failing-reason")[0]["text"].startswith("unknown_error, ")
+        assert [r["text"] for r in dom.with_class("failing-evidence")] == [
+            "it serves all-minilm: a probe of /api/embed passed"
+        ]
+        assert dom.by_id("state")["data-state"] == "available"
+    finally:
+        await stack.stop()
+
+
 # -- the page's own buttons, driven through the DevTools protocol (issue 19) -------------------
 
 

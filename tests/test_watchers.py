@@ -34,10 +34,11 @@ from test_chaos import MemoryBurst
 from yieldproxy.health import UpstreamHealth
 from yieldproxy.metrics import Metrics
 from yieldproxy.parking import Entry
+from yieldproxy.served import ServedRecord
 from yieldproxy.servers.base import ModelCall
 from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
-from yieldproxy.watchers.outage import MAX_PROBES, OutageWatcher
+from yieldproxy.watchers.outage import MAX_PROBES, VERDICT_SECONDS, OutageWatcher
 from yieldproxy.watchers.signals import SignalWatcher, StopSignals
 from yieldproxy.watchers.state_file import StateFileWatcher, parse_content
 
@@ -521,8 +522,12 @@ class FakeCheck:
 def outage_watcher(**options):
     check = FakeCheck()
     # The health judges with its watcher, as service.build wires them.
+    core = make_core()
     core = attrs.evolve(
-        make_core(), health=UpstreamHealth("http://upstream.invalid", judge=lambda reason, call=None: watcher.judge(reason, call)),
+        core, health=UpstreamHealth(
+            "http://upstream.invalid", judge=lambda reason, call=None: watcher.judge(reason, call),
+            record=ServedRecord(core.clock),
+        ),
     )
     watcher = OutageWatcher(core.clock, core.state, core.health, check, core.metrics, **options)
     return watcher, check, core
@@ -608,36 +613,69 @@ def test_outage_hold_is_taken_when_a_probe_confirms_probed_with_backoff_and_ende
 
 
 def test_a_request_that_fails_alone_is_counted_and_takes_no_hold():
-    """Its own input broke its call: the probe of the same kind of call passes, so no outage."""
+    """Its own input broke its call: the probe of the model it was served before passes, so no outage; the pass
+    is believed for VERDICT_SECONDS, so its retries cost no probe of their own."""
     watcher, check, core = outage_watcher()
     watcher.startService()
     check.calls[0].callback(True)
-    for _ in range(5):
-        judged = core.health.report("gpu_error", EMBED_CALL)
-        assert check.targets[-1] == EMBED_CALL
-        check.calls[-1].callback(True)
-        assert verdict(judged) is False
-        assert not core.state.yielded
+    core.health.served(EMBED_CALL)
+    judged = core.health.report("gpu_error", EMBED_CALL)
+    assert check.targets[-1] == EMBED_CALL
+    check.calls[-1].callback(True)
+    assert verdict(judged) is False
+    for _ in range(4):
+        core.clock.advance(VERDICT_SECONDS / 5)
+        assert verdict(core.health.report("gpu_error", EMBED_CALL)) is False
+    assert len(check.calls) == 2
+    assert not core.state.yielded
     assert core.sample("yieldproxy_yields_total", source="outage") == 0
+    assert core.sample(
+        "yieldproxy_failures_alone_total", upstream="default", reason="gpu_error", evidence="probe",
+    ) == 5
+    # Past it, the next failure is probed again.
+    core.clock.advance(VERDICT_SECONDS)
+    core.health.report("gpu_error", EMBED_CALL)
+    assert len(check.calls) == 3
+    check.calls[-1].callback(True)
     assert core.clock.getDelayedCalls() == []
     watcher.stopService()
 
 
 def test_a_burst_of_distinct_model_names_cannot_start_a_probe_storm():
-    """Failures of many distinct calls at once (a client naming 50 models, or one model in 50 spellings)
-    start at most MAX_PROBES probes; the rest wait on one of those (its verdict, or the hold it takes,
-    answers them too), so a burst never sends the GPU a model call per name."""
+    """Failures of many distinct calls at once (a client naming 50 models, or one model in 50 spellings) all
+    wait on one probe of the model the upstream served: a burst never sends the GPU a model call per name."""
+    watcher, check, core = outage_watcher()
+    watcher.startService()
+    check.calls[0].callback(True)
+    core.health.served(EMBED_CALL)
+    judged = [core.health.report("gpu_error", ModelCall("/api/embed", f"model-{i}")) for i in range(50)]
+    assert check.targets[1:] == [EMBED_CALL]
+    assert not any(d.called for d in judged)
+    # The probe fails: the upstream is down, the hold explains every failure waiting.
+    check.calls[1].callback(False)
+    assert sources(core.state) == ["outage"]
+    assert [verdict(d) for d in judged] == [True] * 50
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
+def test_with_nothing_known_one_model_fails_alone_and_several_start_at_most_max_probes():
+    """Nothing served yet and no probe model: the first model's failure is its own (no probe, nobody held);
+    the next models' failures are "several models fail", each probing its own call, at most MAX_PROBES at
+    once, the rest waiting on the first in flight; the first that fails holds."""
     watcher, check, core = outage_watcher()
     watcher.startService()
     check.calls[0].callback(True)
     judged = [core.health.report("gpu_error", ModelCall("/api/embed", f"model-{i}")) for i in range(50)]
+    assert verdict(judged[0]) is False
+    assert core.sample("yieldproxy_failures_alone_total", upstream="default", reason="gpu_error", evidence="none") == 1
     probes = len(check.calls) - 1
     assert 1 <= probes <= MAX_PROBES, probes
-    assert not any(d.called for d in judged)
-    # The first probe fails: the upstream is down, the hold explains every failure waiting.
+    assert check.targets[1] == ModelCall("/api/embed", "model-1")
+    assert not any(d.called for d in judged[1:])
     check.calls[1].callback(False)
     assert sources(core.state) == ["outage"]
-    assert [verdict(d) for d in judged] == [True] * 50
+    assert [verdict(d) for d in judged[1:]] == [True] * 49
     watcher.stopService()
     assert core.clock.getDelayedCalls() == []
 
@@ -649,6 +687,7 @@ def test_failures_joining_another_calls_probe_count_when_it_passes():
     watcher.startService()
     check.calls[0].callback(True)
     judged = [core.health.report("gpu_error", ModelCall("/api/embed", f"model-{i}")) for i in range(3 * MAX_PROBES)]
+    # The first fails alone at once (nothing known); the others fail with it: several models.
     assert len(check.calls) - 1 == MAX_PROBES
     for probe in check.calls[1:]:
         probe.callback(True)
@@ -667,6 +706,7 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
     watcher, check, core = outage_watcher(interval=0.5, max_interval=4)
     watcher.startService()
     check.calls[0].callback(True)
+    core.health.served(EMBED_CALL)
     judged = [core.health.report("gpu_error", EMBED_CALL) for _ in range(3)]
     assert len(check.calls) == 2 and check.targets[1] == EMBED_CALL
     check.calls[1].callback(False)
@@ -687,11 +727,39 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
     watcher.stopService()
 
 
+def test_the_probes_of_a_held_outage_ask_in_turn_for_the_models_it_served_so_one_broken_model_cannot_keep_it():
+    """The outage was confirmed by a probe of the model served most recently; if that model stays broken while
+    the GPU is back, the next follow-up asks for another model it served, and its pass ends the hold.  The
+    failing request's own model is never probed."""
+    watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
+    watcher.startService()
+    check.calls[0].callback(True)
+    older, newer = ModelCall("/api/embed", "older"), ModelCall("/api/chat", "newer")
+    core.health.served(older)
+    core.health.served(newer)
+    judged = core.health.report("timeout", ModelCall("/api/embed", "stuck"))
+    assert check.targets[-1] == newer
+    check.calls[-1].callback(False)
+    assert verdict(judged) is True and sources(core.state) == ["outage"]
+    assert watcher.status()["outage_probes"] == ["/api/chat with model newer", "/api/embed with model older"]
+    core.clock.advance(0.5)
+    assert check.targets[-1] == newer
+    check.calls[-1].callback(False)  # newer stays broken...
+    core.clock.advance(0.5)
+    assert check.targets[-1] == older
+    check.calls[-1].callback(True)  # ...while the GPU serves older again
+    assert not core.state.yielded
+    assert ModelCall("/api/embed", "stuck") not in check.targets
+    watcher.stopService()
+    assert core.clock.getDelayedCalls() == []
+
+
 def test_model_probes_wait_while_another_source_holds_the_gpu():
     """Nothing reaches a yielded GPU: not even the outage watcher's own probe."""
     watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
     watcher.startService()
     check.calls[0].callback(True)
+    core.health.served(EMBED_CALL)
     core.health.report("gpu_error", EMBED_CALL)
     check.calls[1].callback(False)
     core.state.hold("api", "game")

@@ -34,6 +34,7 @@ from twisted.logger import Logger
 from twisted.web.server import Site
 
 from . import __version__
+from .clock import WallClock, same
 from .config import Config
 from .edge.capacity import QUICK_ROOM, Connections
 from .edge.site import ProxySite
@@ -238,6 +239,8 @@ class AdminApp:
     fallback: Any = None
     #: ``POST /reload``: hand over to a new process (succession/); None where the proxy cannot (not run by twistd).
     reload: Callable[[], Any] | None = None
+    #: The wall clock, for the times ``/status`` and the page show (None: the elapsed clock's times, as they are).
+    wall: WallClock | None = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
     connections: Connections = attrs.field(init=False)
     #: When the running code started (``/status`` ``started_at``: with ``version``, which code answers).
@@ -272,18 +275,19 @@ class AdminApp:
         parked.update(self._lot.count_by_class())
         now = self._clock.seconds()
         end = self._state.expected_end()
+        shown = self.shown()
         status = {
             "state": self._gate.state_name,
-            "holds": [h.as_json() for h in self._state.holds],
-            "expected_end": end,
+            "holds": [h.as_json(shown) for h in self._state.holds],
+            "expected_end": None if end is None else shown(end),
             "expected_remaining_seconds": None if end is None else max(0.0, end - now),
             "parked": parked,
             "parked_total": len(self._lot),
             "parked_bytes": self._lot.parked_bytes,
             "inflight": self._pool.inflight,
-            "now": now,
+            "now": shown(now),
             "version": __version__,
-            "started_at": self.started_at,
+            "started_at": shown(self.started_at),
             "pid": os.getpid(),
             "config": {
                 # With [[upstreams]] proxy.upstream is unused: each upstream's URL is in its row.
@@ -296,6 +300,10 @@ class AdminApp:
         for name, read in self.sections.items():
             status[name] = read()
         return status
+
+    def shown(self) -> Callable[[float], float]:
+        """Elapsed-clock times as the wall clock shows them, now (one offset for one answer: clock.py)."""
+        return same if self.wall is None else self.wall.shown()
 
     def _token_given(self, request, token: str | None) -> bool:
         if token is None:
@@ -372,7 +380,7 @@ class AdminApp:
     @app.route("/", methods=["GET", "HEAD"])
     def page(self, request):
         body = self._static(request, "index.html")
-        return first_view(body, None if self.token is not None else self.status(), self._clock.seconds())
+        return first_view(body, None if self.token is not None else self.status(), self.shown()(self._clock.seconds()))
 
     @app.route("/static/<name>", methods=["GET", "HEAD"])
     def static(self, request, name):
@@ -467,7 +475,7 @@ class AdminApp:
             running = self.fallback.verify()
         except NotNow as e:
             return _json(request, {"error": str(e)}, 409)
-        return running.addCallback(lambda _: _json(request, self.fallback.status()))
+        return running.addCallback(lambda _: _json(request, self.fallback.status(self.shown())))
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request):

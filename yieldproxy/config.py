@@ -155,6 +155,12 @@ class ReplayConfig:
     rate: float = attrs.field(default=0.0, validator=_at_least(0))
 
 
+def _model_name(instance, attribute, value):
+    """A model name without surrounding spaces, or "" / None (none named)."""
+    if value and value != value.strip():
+        raise ValueError(f"must be a model name without surrounding spaces, got {value!r}")
+
+
 def _url_path(instance, attribute, value):
     if not value.startswith("/"):
         raise ValueError(f"must be a path starting with '/', got {value!r}")
@@ -181,6 +187,10 @@ class UpstreamConfig:
     not_ready_max_seconds: float = attrs.field(default=300.0, validator=_at_least(0.01))
     #: How often a pool member with no ``models`` is asked for its model list.
     models_refresh_seconds: float = attrs.field(default=60.0, validator=_at_least(1))
+    #: The model an outage probe asks for ("" = a model the upstream served lately): docs/watchers.md.
+    probe_model: str = attrs.field(default="", validator=_model_name)
+    #: The route of that probe ("" = the route the model was served on, else the failing call's).
+    probe_path: str = attrs.field(default="", validator=lambda i, a, v: _optional_url_path(i, a, v))
 
 
 @attrs.frozen
@@ -481,6 +491,10 @@ class MemberConfig:
     detect_outages: bool | None = None
     #: Its health route ("" = its api's: /api/version, /v1/models, /health).
     health_path: str = attrs.field(default="", validator=_optional_url_path)
+    #: The model its outage probes ask for (unset: upstream.probe_model).
+    probe_model: str | None = attrs.field(default=None, validator=_model_name)
+    #: The route of that probe (unset: upstream.probe_path).
+    probe_path: str | None = attrs.field(default=None, validator=_optional_url_path)
     #: Unload its models when it yields (unset: handover.unload_on_yield); api ollama only.
     unload_on_yield: bool | None = None
     #: Models loaded on it when its yield ends (unset: handover.preload_models); api ollama only.
@@ -711,6 +725,7 @@ def _check_combinations(config: Config) -> None:
         raise ConfigError(
             "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
         )
+    _check_probe_models(config)
     _check_fallback(config.fallback)
     if config.verification.max_verification_age_seconds < config.verification.verify_interval_seconds:
         raise ConfigError(
@@ -718,6 +733,33 @@ def _check_combinations(config: Config) -> None:
             f"({config.verification.verify_interval_seconds:g}), or every verification goes stale before the next"
         )
     _check_upstreams(config)
+
+
+def _check_probe_models(config: Config) -> None:
+    """A ``probe_path`` needs a ``probe_model``, and a route the upstream's server has a minimal call for."""
+    from .servers import ModelCall, server
+
+    up = config.upstream
+    if not config.upstreams:
+        api = config.fallback.primary_api if config.fallback.enabled else "ollama"
+        targets = [("upstream", up.probe_model, up.probe_path, api)]
+    else:
+        targets = [
+            (f"upstreams[{i}]" if m.probe_path is not None else "upstream",
+             up.probe_model if m.probe_model is None else m.probe_model,
+             up.probe_path if m.probe_path is None else m.probe_path, m.api)
+            for i, m in enumerate(config.upstreams)
+        ]
+    for where, model, path, api in targets:
+        if not path:
+            continue
+        if not model:
+            raise ConfigError(f"{where}.probe_path: needs a probe_model (the model the outage probe asks for)")
+        if server(api).minimal_call(ModelCall(path, model)) is None:
+            raise ConfigError(
+                f"{where}.probe_path: {path!r} is no route an outage probe can call on an upstream of api {api} "
+                "(a model route: /api/embed, /api/generate, /api/chat, /v1/embeddings, /v1/chat/completions...)"
+            )
 
 
 def _check_upstreams(config: Config) -> None:

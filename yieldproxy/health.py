@@ -16,6 +16,10 @@ Two facts, each with this one owner:
   (pool/member.py) stops taking requests until its health reads up.  A
   model call answered (:meth:`UpstreamHealth.served`) is what shows it has
   loaded: the member's bound on "not ready" runs until then.
+* **what it serves**: the models it answered 2xx (:attr:`UpstreamHealth.record`,
+  served.py), the evidence an outage verdict rests on, kept across restarts
+  and reloads; and the models judged failing *alone*
+  (:attr:`UpstreamHealth.failing`, failing.py), for ``/status`` and their callers.
 
 The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
 the outage watcher registers as the judge and as a listener while it runs,
@@ -31,14 +35,12 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from .failing import FailingModels
 from .listeners import call_each
+from .served import ServedRecord
 from .servers.base import ModelCall
 
 log = Logger()
-
-#: Model calls kept as served, at most (a deployment names a handful of models): past it, nothing
-#: more is kept and no failure is taken as one model's own (:meth:`UpstreamHealth.never_served_alone`).
-MAX_SERVED_CALLS = 1024
 
 #: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
 Judge = Callable[[str, ModelCall | None], "Deferred[bool]"]
@@ -59,8 +61,10 @@ class UpstreamHealth:
     _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
     _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
     _unanswered_listeners: list[Callable[[str], None]] = attrs.Factory(list)
-    #: The model calls (route and model) it answered since start (:meth:`served`).
-    _served_calls: set[ModelCall] = attrs.Factory(set)
+    #: The models it answered 2xx (:meth:`served`), kept across restarts and reloads.
+    record: ServedRecord = attrs.Factory(ServedRecord)
+    #: The models judged failing alone (the outage watcher notes them; a 2xx ends each note).
+    failing: FailingModels = attrs.Factory(FailingModels)
 
     def answered(self) -> None:
         """The upstream answered (a request or a probe): it is reachable from now on."""
@@ -82,20 +86,16 @@ class UpstreamHealth:
         """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
         whoever waits for its model to have loaded hears it (:meth:`when_served`).
 
-        ``call``: the call it served, kept (see :meth:`never_served_alone`); None for an error answer
-        relayed to its sender, which shows the upstream answers, not that the call works.
+        ``call``: the call it answered 2xx, kept in :attr:`record` (and its model fails no more); None
+        for any other answer (an error relayed to its sender, a 404 for a model it lacks), which shows
+        the upstream answers, not that the call works.
         """
         self.report(None)
-        if call is not None and len(self._served_calls) < MAX_SERVED_CALLS:
-            self._served_calls.add(call)
+        if call is not None:
+            self.record.served(call)
+            if self.failing:
+                self.failing.served(call.model)
         call_each(log, "upstream served listener failed", self._served_listeners)
-
-    def never_served_alone(self, call: ModelCall | None) -> bool:
-        """True when ``call`` is a model call it never served since start while it served others: a
-        failure of that call alone (a model the GPU cannot hold, a broken model file) says nothing about
-        the upstream.  False when nothing was served yet (a GPU failing from the start is an outage)."""
-        calls = self._served_calls
-        return call is not None and 0 < len(calls) < MAX_SERVED_CALLS and call not in calls
 
     def unanswered(self, why: str) -> None:
         """A probe could not reach it (refused, no answer in time): while it has never answered,
@@ -120,7 +120,7 @@ class UpstreamHealth:
         the request; False when the request failed on its own (or nothing
         judges outages).  ``call`` says what failed (a
         :class:`~yieldproxy.servers.base.ModelCall`, or None), so the judge can
-        probe the same kind of call.  The Deferred never fails; cancelling
+        weigh it against what the upstream is known to serve.  The Deferred never fails; cancelling
         it only stops waiting.
         """
         if failure_reason is None:

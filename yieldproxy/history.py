@@ -7,12 +7,17 @@ samples (3600 at one a second: an hour, about a megabyte) and forgets the
 oldest first.
 
 Each sample is ``{t, state, parked: {class: count}, inflight, upstreams:
-{name: state}}``, taken on the injected clock while the service runs
+{name: state}}``, taken on the injected (elapsed) clock while the service runs
 (:func:`~yieldproxy.periodic.every`: one bad read is logged and the sampling
 goes on).  Each also keeps the running totals of expired and refused requests
 per class (``yieldproxy_replay_total{outcome="expired"}`` and
 ``yieldproxy_rejected_total``), so ``GET /history`` can say what was lost or
 refused over the samples it holds (``lost``).
+
+A sample's ``t`` is kept on the elapsed clock and shown on the wall clock
+with the offset of the moment it is read (clock.py): after a wall-clock step
+the whole hour moves with it, and stays in order.  ``wall_offset`` says which
+offset an answer used; the page starts its copy afresh when it changes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from .clock import WallClock
 from .periodic import every
 
 log = Logger()
@@ -78,6 +84,8 @@ class History(Service):
     capacity: int = DEFAULT_CAPACITY
     #: The upstreams whose state each sample records, in ``/status`` order.
     upstreams: tuple[str, ...] = ()
+    #: Where the times are shown on the wall clock (None: as the elapsed clock has them).
+    wall: WallClock | None = None
     _samples: collections.deque = attrs.field(init=False)
     _loop: LoopingCall | None = attrs.field(init=False, default=None)
 
@@ -144,15 +152,23 @@ class History(Service):
         return newer
 
     def as_json(self, since: float | None = None) -> dict[str, Any]:
-        """The ``GET /history`` body."""
+        """The ``GET /history`` body; ``since`` is a sample's ``t`` as an earlier answer showed it."""
+        # Whole milliseconds, as ``t`` is: a ``t`` shown reads back as exactly the sample's.
+        offset = 0.0 if self.wall is None else round(self.wall.offset(), 3)
+        lost = self.lost()
+        if lost["since"] is not None:
+            lost["since"] = round(lost["since"] + offset, 3)
         return {
-            "now": self._clock.seconds(),
+            "now": self._clock.seconds() + offset,
+            "wall_offset": offset,
             "interval": self.interval,
             "capacity": self.capacity,
             "classes": list(self.classes),
             "upstreams": list(self.upstreams),
-            "lost": self.lost(),
-            "samples": [self._sample_json(s) for s in self.samples(since)],
+            "lost": lost,
+            "samples": [
+                self._sample_json(s, offset) for s in self.samples(None if since is None else round(since - offset, 3))
+            ],
         }
 
     def lost(self) -> dict[str, Any]:
@@ -178,9 +194,9 @@ class History(Service):
             "rejected": between(last.rejected, first.rejected) if last.rejected else zero["rejected"],
         }
 
-    def _sample_json(self, sample: Sample) -> dict[str, Any]:
+    def _sample_json(self, sample: Sample, offset: float = 0.0) -> dict[str, Any]:
         out = {
-            "t": sample.t,
+            "t": round(sample.t + offset, 3) if offset else sample.t,
             "state": sample.state,
             "parked": dict(zip(self.classes, sample.parked)),
             "inflight": sample.inflight,

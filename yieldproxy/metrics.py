@@ -114,7 +114,7 @@ class Metrics:
         self.forgiven_attempts_total = Counter(
             "yieldproxy_forgiven_attempts",
             "Failed attempts not counted against upstream.max_attempts because a recognised outage "
-            "explained them (a probe of the same kind of call failed too, or the GPU was yielded).",
+            "explained them (a probe of a model the upstream is known to serve failed too, or the GPU was yielded).",
             ["class"],
             registry=r,
         )
@@ -123,6 +123,14 @@ class Metrics:
             "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
             "kind that failed) and result (up, down, not_ready), per upstream.",
             ["upstream", "probe", "result"],
+            registry=r,
+        )
+        self.failures_alone_total = Counter(
+            "yieldproxy_failures_alone",
+            "Failed attempts of the outage kind judged the call's own, not an outage (its model fails alone "
+            "while the upstream serves others), per upstream, by the failure's reason and the evidence: probe "
+            "(a model the upstream is known to serve passed a probe) or none (no model known to probe with).",
+            ["upstream", "reason", "evidence"],
             registry=r,
         )
         self.client_buffered_bytes = Gauge(

@@ -487,7 +487,9 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            member.health.served(self._failed_call(target, entry, body, member))
+            # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not):
+            # its record of served models is the evidence of its outage verdicts (served.py).
+            member.health.served(self._failed_call(target, entry, body, member) if 200 <= status < 300 else None)
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
             try:
@@ -557,13 +559,15 @@ class ProxyApp:
 
         Otherwise the upstream's health judges the failure (its outage
         watcher, while it runs): when a recognised outage explains it (a
-        probe of the same kind of call, whose text the proxy chooses, failed
-        too), the attempt is not counted and the request parks behind the
-        hold.  A request that fails alone while probes pass (its own input is
-        the cause) ends after ``upstream.max_attempts``, with the upstream's
-        own answer when it gave one; a 5xx in words no list has
-        (``unknown_error``) gets the upstream's answer at once when the probe
-        passes, and one in words that say the caller caused it
+        probe of a model the upstream is known to serve, whose text the proxy
+        chooses, failed too: evidence.py), the attempt is not counted and the
+        request parks behind the hold.  A request that fails alone (its own
+        input, or its own model, is the cause) ends after
+        ``upstream.max_attempts``, with the upstream's own answer when it gave
+        one, or a 502/504 naming its model when the watcher judged that model
+        failing alone (failing.py); a 5xx in words no list has
+        (``unknown_error``) gets the upstream's answer at once when no outage
+        explains it, and one in words that say the caller caused it
         (``caller_error``) without a probe.
 
         A *busy* answer (the server's own busy words, a 429 or 503) is not a
@@ -641,18 +645,32 @@ class ProxyApp:
             )
         else:
             entry.attempts += 1
+            alone = self._failing_alone(entry, member)
             log.info(
-                "{cls} attempt {n} failed ({reason}): {detail}",
+                "{cls} attempt {n} failed ({reason}){alone}: {detail}",
                 cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
+                alone=f"; {alone}, retried within the class's bound" if alone else "",
             )
             if failure.reason == "bad_answer":
                 # An answer that cannot be read (bad framing, a bare LF in a header) is no GPU
                 # failure that waiting explains, and each try runs the model again: one retry at most.
                 entry.unreadable += 1
             if entry.attempts >= max_attempts or entry.unreadable > 1:
-                return self._upstream_gave_up(request, entry, failure)
+                why = f"{alone}: gave up after {entry.attempts} attempts" if alone else None
+                return self._upstream_gave_up(request, entry, failure, why)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
+
+    def _failing_alone(self, entry: Entry, member: Member) -> str | None:
+        """"model X fails alone on upstream Y (evidence)" when the outage watcher judged the request's model
+        failing alone there (failing.py), else None: what its log lines and its 502/504 say."""
+        if not entry.model:
+            return None
+        own = member.catalogue.own_name(entry.model) or entry.model
+        note = member.health.failing.get(own, self._clock.seconds())
+        if note is None:
+            return None
+        return f"model {entry.model} fails alone on upstream {member.name} ({note.evidence})"
 
     def _held_back(self, entry: Entry, member: Member, failure: RetryableFailure):
         """A failure while a hold covers ``member``: back to its place in the lot, not counted."""

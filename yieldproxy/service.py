@@ -13,7 +13,8 @@ stopped (docs/architecture.md):
 2. the upstream clients' connection pools (closed once nothing uses them);
 3. the fallback's verification (when enabled), the twin verification of a pool of
    several (pool/twins.py), each upstream's model list (pool/models.py);
-4. the history sampling;
+4. the history sampling, then the record of what each upstream served
+   (served.py: written with the holds, a last time after the drain);
 5. the drain (drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
 6. the watchers, then the VRAM handovers (their holds stay when they stop);
@@ -32,6 +33,7 @@ from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
 from .admin import AdminApp
+from .clock import WallClock, same, wall_clock
 from .config import Config
 from .control import UpstreamControl
 from .drain import Drain
@@ -59,6 +61,7 @@ from .pool.routing import Pool, any_member, make_members
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
 from .replay import Replayer
+from .served import SECTION, RecordKeeper
 from .servers import ModelCall
 from .state import ALL, YieldState, transition_logger
 from .succession import Setup, Succession
@@ -116,6 +119,8 @@ class Proxy:
     pool: Pool
     #: Which members may serve which embedding models (a pool of several; None: a pool of one).
     twins: TwinVerifier | None = None
+    #: What each upstream served (served.py): kept with the holds, carried over by a reload.
+    records: RecordKeeper | None = None
 
 
 Clients = Callable[[MemberSpec], tuple[Any, Any]]
@@ -231,6 +236,7 @@ def build(
     history_interval: float = 1.0,
     succession: Setup | None = None,
     holds: HoldStore | None = None,
+    wall: Callable[[], float] | None = None,
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
@@ -242,9 +248,17 @@ def build(
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
     crashes (holdstore.py); without it, a hold lasts as long as the process.
+    Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
+    the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
+    for what people read (``/status``, the page, the history), by default
+    the holds file's (it reads the same times back as the last run on this
+    boot showed), else ``time.time`` beside a monotonic reactor, else the
+    reactor's own clock.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
+    # The holds file's wall clock, when there is one: it adopts the offset of the last run on this boot.
+    walls = holds.wall if holds is not None and wall is None else wall_clock(reactor, wall)
     specs = member_specs(config)
     first = specs[0].name
     fc = config.fallback
@@ -307,9 +321,15 @@ def build(
     discovery = tuple(_discovery(reactor, config, pool))
     history = History(
         reactor, snapshot_reader(gate, lot, pool, config.classes, metrics), tuple(config.classes),
-        interval=history_interval, upstreams=pool.names,
+        interval=history_interval, upstreams=pool.names, wall=walls,
     )
     state.observe(history.state_changed)
+
+    # What each upstream served: the evidence of its outage verdicts, kept with the holds (served.py).
+    records = RecordKeeper.of(
+        reactor, ((m.name, m.spec.url, m.health.record) for m in pool.members),
+        (lambda: holds.save(state.holds)) if holds is not None else None,
+    )
 
     # The two HTTP apps (``POST /reload`` reaches the succession, made once the listeners are).
     reloaders: list[Succession] = []
@@ -319,8 +339,8 @@ def build(
     )
     admin_app = AdminApp(
         reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
-        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins), fallback=fallback,
-        reload=_late(reloaders) if succession is not None else None,
+        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins, walls),
+        fallback=fallback, reload=_late(reloaders) if succession is not None else None, wall=walls,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -343,7 +363,7 @@ def build(
     if succession is not None:
         reloaders.append(Succession(
             reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
-            proxy_app, lot, pool, state, twins,
+            proxy_app, lot, pool, state, twins, records,
         ))
     service = YieldProxyService([
         listeners["admin"],
@@ -352,6 +372,8 @@ def build(
         *([twins] if twins is not None else []),
         *discovery,
         history,
+        # Stops after the drain: the last answers are in the record it writes.
+        records,
         drain,
         *watchers,
         *handovers,
@@ -360,11 +382,12 @@ def build(
         *reloaders,
     ])
     if holds is not None:
+        holds.keep_section(SECTION, records.section, lambda section: records.restore(section, f"holds file {holds.path}"))
         # Last: a restored hold sets off everything a new one does.
         keep_holds(state, holds, config.state.restart_hold_seconds)
     return Proxy(
         reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
-        watchers, handover, fallback, service, pool, twins,
+        watchers, handover, fallback, service, pool, twins, records,
     )
 
 
@@ -424,10 +447,14 @@ def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Servi
                 health_timeout=up.health_timeout_seconds, model_timeout=up.model_probe_timeout_seconds,
                 server=member.server,
             )
+            own = member.catalogue.own_name(spec.probe_model) if spec.probe_model else None
             watchers.append(
                 OutageWatcher(
                     reactor, state, member.health, probe, metrics,
                     interval=up.health_interval_seconds, max_interval=up.health_max_interval_seconds,
+                    # The operator's probe model, under the member's own name for it (its model_map).
+                    probe_model=own or spec.probe_model, probe_path=spec.probe_path,
+                    probeable=member.health.record.probeable,
                     scope=scope, member=member.name,
                 )
             )
@@ -504,12 +531,22 @@ def _prefixed_models_paths(server) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _status_sections(watchers, handovers, fallback, pool: Pool, twins=None) -> dict[str, Callable[[], Any]]:
-    """The ``/status`` sections of the parts beside the core: each read when ``/status`` is."""
+def _status_sections(
+    watchers, handovers, fallback, pool: Pool, twins=None, wall: WallClock | None = None,
+) -> dict[str, Callable[[], Any]]:
+    """The ``/status`` sections of the parts beside the core: each read when ``/status`` is, its times on
+    the wall clock (``wall``)."""
+
+    def shown() -> Callable[[float], float]:
+        return same if wall is None else wall.shown()
+
     sections: dict[str, Callable[[], Any]] = {
-        "upstreams": pool.status if twins is None else lambda: twins.with_twins(pool.status()),
+        "upstreams": (
+            (lambda: pool.status(shown())) if twins is None
+            else lambda: twins.with_twins(pool.status(shown()), shown())
+        ),
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
-        "fallback": fallback.status if fallback is not None else lambda: {"enabled": False},
+        "fallback": (lambda: fallback.status(shown())) if fallback is not None else lambda: {"enabled": False},
     }
     if handovers and _alone(pool):
         sections["handover"] = handovers[0].status

@@ -28,6 +28,7 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .clock import same
 from .listeners import call_each
 from .names import OWN_SOURCES, name_set, name_tuple
 
@@ -88,13 +89,14 @@ class Hold:
     #: The member it holds, or :data:`ALL`.
     scope: str = ALL
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, shown: Callable[[float], float] = same) -> dict[str, Any]:
+        """Its JSON, its times given to ``shown`` (the wall clock's, where people read them: clock.py)."""
         return {
             "source": self.source,
             "reason": self.reason,
-            "since": self.since,
-            "expires_at": self.expires_at,
-            "expected_end": self.expected_end,
+            "since": shown(self.since),
+            "expires_at": None if self.expires_at is None else shown(self.expires_at),
+            "expected_end": None if self.expected_end is None else shown(self.expected_end),
             "upstream": None if self.scope == ALL else self.scope,
         }
 
@@ -276,6 +278,8 @@ class YieldState:
         A hold whose lease ran out meanwhile is gone; a hold of an upstream
         the pool no longer has is dropped (both logged).  Neither the source
         nor ``max_holds`` is checked again: they were accepted when taken.
+        The holds-changed callbacks (the holds file) hear of them once, when
+        all are back: thousands of holds are one write, not thousands.
         Returns the holds put back.
         """
         now = self._clock.seconds()
@@ -301,12 +305,15 @@ class YieldState:
                 where=where, reason=hold.reason,
                 lease="" if lease is None else f", lease ends in {lease:.0f}s unless renewed",
             )
-            self._put(hold, self._holds.get(key), lease)
+            self._put(hold, self._holds.get(key), lease, tell_holds=False)
             restored.append(hold)
+        if restored:
+            self._holds_changed()
         return restored
 
-    def _put(self, hold: Hold, previous: Hold | None, lease: float | None) -> None:
-        """Set ``hold`` (a new one, or ``previous`` renewed), its lease timer, and tell everyone who asked."""
+    def _put(self, hold: Hold, previous: Hold | None, lease: float | None, tell_holds: bool = True) -> None:
+        """Set ``hold`` (a new one, or ``previous`` renewed), its lease timer, and tell everyone who asked
+        (the holds-changed callbacks only with ``tell_holds``)."""
         key = (hold.source, hold.scope)
         source, scope = key
         was_yielded = self.yielded
@@ -330,7 +337,8 @@ class YieldState:
                 others=_others(len(self._holds) - 1),
             )
         self._members_changed(before, hold)
-        self._holds_changed()
+        if tell_holds:
+            self._holds_changed()
 
     def caller_holds(self) -> int:
         """Holds from callers (not the watchers): what ``max_holds`` bounds."""

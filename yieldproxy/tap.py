@@ -186,6 +186,7 @@ def _cannot_reload(options: Options) -> str | None:
 def makeService(options: Options):
     from twisted.internet import reactor
 
+    from .clock import run_on_monotonic
     from .holdstore import HoldStore, holds_path
     from .limits import fit_fd_limit
     from .pool.members import url_warnings
@@ -195,6 +196,9 @@ def makeService(options: Options):
     from .succession.wire import BadFrame
     from .watchers.signals import StopSignals
 
+    # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires
+    # no parked request (clock.py).  Times people read stay wall-clock (build's default beside it).
+    run_on_monotonic(reactor)
     # Started by a reload: the running process's listening sockets come first (succession/).
     try:
         inheritance = Inheritance.from_environment(os.environ)

@@ -10,10 +10,11 @@ configured minimum.  Pure functions and values; the callers embed.
 from __future__ import annotations
 
 import unicodedata
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
+from .clock import same
 from .translate import cosine, l2_normalise
 
 #: A probe text longer than this (in characters: about 250 word pieces of English)
@@ -47,10 +48,10 @@ class Verification:
     reason: str = ""
     rows: tuple[ProbeRow, ...] = ()
 
-    def as_json(self, now: float) -> dict[str, Any]:
+    def as_json(self, now: float, shown: Callable[[float], float] = same) -> dict[str, Any]:
         return {
             "ok": self.ok,
-            "at": self.at,
+            "at": shown(self.at),
             "age_seconds": max(0.0, now - self.at),
             "worst_cosine": self.worst_cosine,
             "reason": self.reason or None,

@@ -21,6 +21,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ..clock import same
 from ..config import FallbackConfig
 from ..metrics import Metrics, fallback_families
 from ..names import canonical_model
@@ -341,8 +342,9 @@ class Fallback(Service):
 
     # -- reports -------------------------------------------------------------------------------
 
-    def status(self) -> dict:
-        """The ``fallback`` entry of ``/status``: for each model, may it be used, and if not, why."""
+    def status(self, shown: Callable[[float], float] = same) -> dict:
+        """The ``fallback`` entry of ``/status``: for each model, may it be used, and if not, why (times given
+        to ``shown``)."""
         now = self._clock.seconds()
         models = {}
         for model, fallback_model in self._config.models.items():
@@ -352,7 +354,7 @@ class Fallback(Service):
                 "fallback_model": fallback_model,
                 "usable": why is None,
                 "why_not": why,
-                "verification": None if v is None else v.as_json(now),
+                "verification": None if v is None else v.as_json(now, shown),
             }
         return {
             "enabled": True,

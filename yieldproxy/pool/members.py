@@ -45,6 +45,9 @@ class MemberSpec:
     command: str = ""
     detect_outages: bool = True
     health_path: str = "/api/version"
+    #: The model its outage probes ask for, and on which route ("": see upstream.probe_model, probe_path).
+    probe_model: str = ""
+    probe_path: str = ""
     unload_on_yield: bool = False
     preload_models: tuple[str, ...] = ()
     #: Its starts per second while the lot drains into it (None: ``replay.rate``).
@@ -89,6 +92,8 @@ def member_specs(config: Config) -> tuple[MemberSpec, ...]:
                 command=m.command,
                 detect_outages=config.upstream.detect_outages if m.detect_outages is None else m.detect_outages,
                 health_path=m.health_path or server(m.api).health_path,
+                probe_model=config.upstream.probe_model if m.probe_model is None else m.probe_model,
+                probe_path=config.upstream.probe_path if m.probe_path is None else m.probe_path,
                 # The global handover is for the members that speak Ollama's API.
                 unload_on_yield=(handover.unload_on_yield and ollama) if m.unload_on_yield is None else m.unload_on_yield,
                 preload_models=(handover.preload_models if ollama else ())
@@ -109,6 +114,8 @@ def legacy_member(config: Config) -> MemberSpec:
         replay_concurrency=config.replay.concurrency,
         detect_outages=config.upstream.detect_outages,
         health_path=config.upstream.health_path,
+        probe_model=config.upstream.probe_model,
+        probe_path=config.upstream.probe_path,
         unload_on_yield=config.handover.unload_on_yield,
         preload_models=config.handover.preload_models,
     )

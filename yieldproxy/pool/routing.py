@@ -59,13 +59,15 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
+from ..clock import same
 from ..config import Config
 from ..health import Judge, UpstreamHealth
 from ..metrics import Metrics
 from ..names import PASSTHROUGH
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
-from ..servers import native_apis, server
+from ..served import ServedRecord
+from ..servers import ModelCall, Server, native_apis, server
 from ..state import ALL, YieldState
 from ..translate import EMBED_ROUTES
 from .member import Member
@@ -356,8 +358,9 @@ class Pool:
             return "yielded"
         return "available" if lot_empty and not self.release_held else "draining"
 
-    def status(self) -> list[dict]:
-        """The ``upstreams`` section of ``/status``: one row per member, in config order."""
+    def status(self, shown: Callable[[float], float] = same) -> list[dict]:
+        """The ``upstreams`` section of ``/status``: one row per member, in config order (times given to ``shown``)."""
+        now = self._clock.seconds()
         return [
             {
                 "name": m.name,
@@ -365,13 +368,16 @@ class Pool:
                 "api": m.spec.api,
                 "use": m.spec.use,
                 "state": m.state_name(),
-                "holds": [h.as_json() for h in self._state.holds_for(m.name)],
+                "holds": [h.as_json(shown) for h in self._state.holds_for(m.name)],
                 "inflight": m.inflight,
                 "waiting": self._waiting(m),
                 "replay_concurrency": m.drainer.concurrency,
                 "classes": list(m.spec.classes),
                 "models": m.catalogue.names(),
                 "models_discovered": not m.catalogue.static and m.catalogue.discovered is not None,
+                # What its outage verdicts rest on (served.py), and the models judged failing alone (failing.py).
+                "served_models": [e.model for e in m.health.record.recent()],
+                "failing_models": m.health.failing.as_json(now, shown),
             }
             for m in self.members
         ]
@@ -450,6 +456,9 @@ def make_members(
     members = []
     for index, spec in enumerate(specs):
         upstream, control = clients(spec) if clients is not None else (None, None)
+        described = member_server(spec.api, base_url=spec.fallback)
+        # What it serves is kept only for calls an outage probe can make again (served.py).
+        record = ServedRecord(clock, functools.partial(_probeable, described))
         drainer = Replayer(
             clock, lot, state, metrics, cooperator,
             concurrency=spec.replay_concurrency,
@@ -466,8 +475,9 @@ def make_members(
         )
         members.append(
             Member(
-                spec, index, clock, state, member_server(spec.api, base_url=spec.fallback),
-                UpstreamHealth(spec.url, judge=judges(spec.name) if judges is not None else None), ModelCatalogue(spec.models, spec.model_map),
+                spec, index, clock, state, described,
+                UpstreamHealth(spec.url, judge=judges(spec.name) if judges is not None else None, record=record),
+                ModelCatalogue(spec.models, spec.model_map),
                 drainer, upstream, control,
                 recheck_seconds=up.health_interval_seconds, recheck_max_seconds=up.health_max_interval_seconds,
                 check_timeout_seconds=up.health_timeout_seconds,
@@ -479,3 +489,8 @@ def make_members(
             )
         )
     return tuple(members)
+
+
+def _probeable(server: Server, call: ModelCall) -> bool:
+    """Whether an outage probe can make a call of ``call``'s kind on ``server`` (it has a minimal call)."""
+    return server.minimal_call(call) is not None

@@ -48,6 +48,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from ..clock import same
 from ..config import VerificationConfig
 from ..control import ControlTimeout
 from ..forward import describe_failure
@@ -453,8 +454,9 @@ class TwinVerifier(Service):
             return "stale"
         return "verified" if check.ok else check.result
 
-    def status(self, name: str) -> dict[str, dict]:
-        """The ``twins`` of member ``name``'s ``/status`` row: per model it serves, its state and last check."""
+    def status(self, name: str, shown: Callable[[float], float] = same) -> dict[str, dict]:
+        """The ``twins`` of member ``name``'s ``/status`` row: per model it serves, its state and last check
+        (its time given to ``shown``)."""
         now = self._clock.seconds()
         member = self._by_name[name]
         out = {}
@@ -466,7 +468,7 @@ class TwinVerifier(Service):
             out[model] = {
                 "state": self.state_of(name, key, reference),
                 "reference": reference,
-                "verified_at": None if check is None else check.at,
+                "verified_at": None if check is None else shown(check.at),
                 "age_seconds": None if check is None else max(0.0, now - check.at),
                 "worst_cosine": None if check is None else check.worst_cosine,
                 "dimension": None if check is None else check.dimension,
@@ -474,9 +476,9 @@ class TwinVerifier(Service):
             }
         return out
 
-    def with_twins(self, rows: list[dict]) -> list[dict]:
+    def with_twins(self, rows: list[dict], shown: Callable[[float], float] = same) -> list[dict]:
         """``/status``'s ``upstreams`` rows with each one's ``twins``."""
-        return [{**row, "twins": self.status(row["name"])} for row in rows]
+        return [{**row, "twins": self.status(row["name"], shown)} for row in rows]
 
     def metric_families(self):
         """``yieldproxy_twin_verified``, ``_twin_min_cosine`` and ``_twin_verifications_total``, read at scrape time."""

@@ -26,6 +26,9 @@ real GPU server fails.  :class:`SimOllama` is that something:
   text-embeddings-inference, Infinity or llama.cpp's server instead: their
   native routes, answers and error shapes, each from its own source
   (docs/servers.md), with the same deterministic content;
+* it can fail one model while it serves the others
+  (:meth:`SimOllama.set_model_mode`: ``hang``, ``error500``, ``error500_unknown``),
+  and load one model slowly (:meth:`SimOllama.set_load_seconds`);
 * it fails single requests the way Ollama does for their own input: a
   ``template`` it cannot parse gets a 500 quoting the template's parse error
   (:func:`template_error`), and an ``options.num_ctx`` above ``max_num_ctx``

@@ -90,6 +90,8 @@ class ModelStore:
     _clock: Any
     load_seconds: float
     default_keep_alive: float
+    #: Load times of single models (by name), for the others ``load_seconds``.
+    load_seconds_of: dict[str, float] = attrs.field(init=False, factory=dict)
     _loaded: dict[str, LoadedModel] = attrs.field(init=False, factory=dict)
     _loads: dict[str, _Load] = attrs.field(init=False, factory=dict)
     _known: dict[str, None] = attrs.field(init=False, factory=dict)
@@ -126,14 +128,15 @@ class ModelStore:
         if name in self._loaded:
             ready()
             return
-        if self.load_seconds <= 0:
+        load_seconds = self.load_seconds_of.get(name, self.load_seconds)
+        if load_seconds <= 0:
             now = self._clock.seconds()
             self._loaded[name] = LoadedModel(name, now, now)
             ready()
             return
         load = self._loads.get(name)
         if load is None:
-            load = _Load(self._clock.callLater(self.load_seconds, self._load_done, name))
+            load = _Load(self._clock.callLater(load_seconds, self._load_done, name))
             self._loads[name] = load
         load.waiters.append((waiter, ready))
 

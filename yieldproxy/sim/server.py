@@ -32,6 +32,9 @@ from .tei import TEI
 #: The servers the sim can play (``api``), by the name ``--api`` takes.
 APIS: dict[str, Api] = {api.name: api for api in (OLLAMA, TEI, INFINITY, LLAMACPP)}
 
+#: The modes one model may be in (:meth:`SimOllama.set_model_mode`).
+_MODEL_MODES = ("ok", "hang", "error500", "error500_unknown")
+
 #: Bytes of a whole answer's body a ``stall`` sends before it stops.
 STALL_BYTES = 16
 
@@ -138,6 +141,8 @@ class SimOllama:
         init=False, repr=False, factory=collections.Counter
     )
     """Finished requests by :attr:`SimRequest.outcome`."""
+    model_modes: dict[str, str] = attrs.field(init=False, repr=False, factory=dict)
+    """Outage modes of single models, by canonical name (:meth:`set_model_mode`)."""
     history: collections.deque[SimRequest] = attrs.field(init=False, repr=False)
     store: ModelStore = attrs.field(init=False, repr=False)
     """The models the sim has, and which are loaded."""
@@ -337,6 +342,30 @@ class SimOllama:
             return self._listener.reopen()
         return defer.succeed(None)
 
+    def set_model_mode(self, model: str, mode: str) -> None:
+        """
+        Fail the calls of one model (any spelling of it) while the others are served: a model the GPU
+        cannot run, as a real server has one.
+
+        ``hang`` (every call of it accepted and never answered: a stuck load), ``error500`` (the
+        server's own GPU words: Ollama's out-of-memory 500), ``error500_unknown`` (a 500 in words no
+        list has: a broken model file), or ``ok`` (served again).  The global mode
+        (:meth:`set_mode`), when not ``ok``, applies on top to every model.
+        """
+        if mode not in _MODEL_MODES:
+            raise ValueError(f"unknown model mode {mode!r}; expected one of {_MODEL_MODES}")
+        key = canonical_model(model)
+        if mode == "ok":
+            self.model_modes.pop(key, None)
+        else:
+            self.model_modes[key] = mode
+
+    def set_load_seconds(self, model: str, seconds: float) -> None:
+        """How long a load of one model takes (a 40 GB model read from a slow disk); the others take ``load_seconds``."""
+        if seconds < 0:
+            raise ValueError(f"load seconds must not be negative, not {seconds!r}")
+        self.store.load_seconds_of[canonical_model(model)] = seconds
+
     def hold(self, *paths: str) -> None:
         """
         Hold the next step of every model request to ``paths`` (to any path when none is given) until :meth:`release`.
@@ -421,6 +450,10 @@ class SimOllama:
             return self._fail(request, record, style, e.kind, str(e))
         record.model = job.model
         record.texts = len(job.texts)
+        if mode == "ok":
+            # This one model may fail while the others are served.
+            mode = self.model_modes.get(job.key, "ok")
+            record.mode = mode
 
         if mode == "error500":
             return self._fail(request, record, style, "outage", job=job)

@@ -23,6 +23,7 @@
     classes: CLASS_ORDER.slice(),
     upstreams: [], // names, in /status order: each sample has each one's state
     serverNow: null,
+    wallOffset: null, // GET /history's wall_offset: when it changes, every t has moved
     status: null,
     timer: null,
     waitingForToken: false,
@@ -189,8 +190,13 @@
     page.classes = hist.classes && hist.classes.length ? hist.classes : CLASS_ORDER.slice();
     page.upstreams = hist.upstreams || [];
     page.serverNow = hist.now;
-    if (page.lastT !== null && hist.now < page.lastT - 5) {
-      // The server's clock went back (or another proxy answers here): start over.
+    const offset = hist.wall_offset || 0;
+    // The server keeps its offset until the wall clock steps (clock.py): any change is a step.
+    const stepped = page.wallOffset !== null && offset !== page.wallOffset;
+    page.wallOffset = offset;
+    if (page.lastT !== null && (stepped || hist.now < page.lastT - 5)) {
+      // The server's wall clock stepped (every t moved with it), its clock went back, or another
+      // proxy answers here: start over.
       page.samples = [];
       page.lastT = null;
       return;
@@ -314,6 +320,32 @@
     $("holds").hidden = holds.length === 0;
     $("no-holds").hidden = holds.length !== 0;
     renderUpstreams(status.upstreams || []);
+    renderFailing(status.upstreams || [], now);
+  }
+
+  // The models judged to fail alone on each upstream (no outage: its own callers get its errors).
+  function renderFailing(upstreams, now) {
+    const body = $("failing-body");
+    body.replaceChildren();
+    let count = 0;
+    for (const u of upstreams) {
+      for (const f of u.failing_models || []) {
+        const row = el("tr", "failing-model");
+        row.dataset.model = f.model;
+        row.dataset.upstream = u.name;
+        row.append(
+          el("td", "failing-name", f.name),
+          el("td", "failing-upstream", u.name),
+          el("td", "num failing-since", duration(now - f.since) + " ago"),
+          el("td", "num failing-count", String(f.failures)),
+          el("td", "failing-reason", f.reason + ", " + duration(now - f.last) + " ago"),
+          el("td", "failing-evidence", f.evidence),
+        );
+        body.append(row);
+        count++;
+      }
+    }
+    $("failing-section").hidden = count === 0;
   }
 
   // "model: state" for each embedding model this upstream is a twin for (not the reference).

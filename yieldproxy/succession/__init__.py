@@ -88,6 +88,8 @@ class Succession(Service):
     _pool: Any
     _state: YieldState
     _twins: Any = None
+    #: What each upstream served (served.RecordKeeper): the evidence of its outage verdicts crosses over too.
+    _records: Any = None
     _predecessor: Predecessor = attrs.field(init=False)
     _takeover: TakeOver | None = attrs.field(init=False, default=None)
     _previous_handler: Any = None
@@ -174,7 +176,8 @@ class Succession(Service):
     # -- what crosses over besides the lot --------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The holds (but those the successor's own watchers find again) and the twins' last verifications."""
+        """The holds (but those the successor's own watchers find again), the twins' last verifications, and
+        what each upstream served (the record its outage verdicts rest on)."""
         holds = [
             {**h.as_json(), "scope": h.scope} for h in self._state.holds if h.source not in NOT_CARRIED
         ]
@@ -186,10 +189,16 @@ class Succession(Service):
                     "member": member, "url": urls.get(member), "reference_url": urls.get(check.reference),
                     "key": key, **attrs.asdict(check),
                 })
-        return {"holds": holds, "twins": twins}
+        snapshot: dict[str, Any] = {"holds": holds, "twins": twins}
+        if self._records is not None:
+            snapshot["served"] = self._records.section()
+        return snapshot
 
     def restore(self, message: dict[str, Any]) -> None:
-        """Make this process's holds and twins what the predecessor's were (see :meth:`snapshot`)."""
+        """Make this process's holds and twins what the predecessor's were (see :meth:`snapshot`), and add what
+        its upstreams served to what this one read from the holds file."""
+        if self._records is not None:
+            self._records.restore(message.get("served"), "reload")
         wanted: dict[tuple[str, str], Hold] = {}
         for h in message.get("holds", []):
             try:

@@ -35,8 +35,9 @@ BATCH_BYTES = 8 * 1024 * 1024
 #: ...or this many connections (one file descriptor each): the successor adopts a batch in one reactor
 #: turn, so a small batch keeps the connections it accepts meanwhile moving.
 BATCH_FDS = 50
-#: What the handover speaks: a successor that does not speak it refuses the handover.
-PROTOCOL = 1
+#: What the handover speaks: a successor that does not speak it refuses the handover.  2: its times are
+#: the machine's monotonic clock (clock.py), not the wall clock that 1 carried.
+PROTOCOL = 2
 #: Request headers not sent again: the body is whole now (Content-Length says its size), and a
 #: ``100 Continue`` was answered already.
 _DROPPED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
@@ -99,8 +100,9 @@ def request_bytes(method: bytes, uri: bytes, headers: Iterable[tuple[bytes, Iter
 class Carried:
     """What a parked request keeps across the handover, beside the request itself.
 
-    Times are the host's wall clock (``reactor.seconds()``), the same in both
-    processes, so a deadline stays where it was.
+    Times are the reactor's clock (``reactor.seconds()``): the machine's
+    monotonic clock (clock.py), one clock for both processes on one boot, so
+    a deadline stays where it was, whatever the wall clock does meanwhile.
     """
 
     cls: str

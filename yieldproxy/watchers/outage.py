@@ -14,29 +14,36 @@ the failure?
 * The upstream has never answered since the proxy started: no.  That is a
   configuration error (wrong URL or port), not an outage; its callers keep
   getting a fast 502.
-* Otherwise a **probe** decides, one per kind of failed call, shared by every
-  failure waiting on it (at most :data:`MAX_PROBES` at once; past that a
-  failure waits on the first probe in flight): for a model call (a :class:`~yieldproxy.servers.base.ModelCall`)
-  the minimal call of the same kind (same route, same model; see the server's ``minimal_call``),
-  else ``upstream.health_path``.  If the probe fails too, the upstream is
-  down: the watcher takes the ``outage`` hold and every failure waiting is
-  forgiven (it parks, its attempt not counted).  If the probe passes, the
-  request failed alone (its own input is the cause): its attempt counts, and
-  no hold is taken.
+* Otherwise a **probe** decides, on evidence about the GPU, never on the
+  model the failing request alone named (evidence.py has the table): the
+  operator's probe model (``upstream.probe_model``), else a model the
+  upstream served lately (its record, served.py, kept across restarts and
+  reloads), else the failing model itself when it is the only one the
+  upstream is known to serve, else the health path when the connection
+  itself failed, else the failing call when other models fail too.  With no
+  such evidence the failure is the call's own: no probe, no hold.  One probe
+  runs per target, shared by every failure waiting on it (at most
+  :data:`MAX_PROBES` at once; past that a failure waits on the first probe
+  in flight), and a probe that passed is believed for :data:`VERDICT_SECONDS`
+  (a request failing again and again costs one probe, not one per attempt).
+  If the probe fails too, the upstream is down: the watcher takes the
+  ``outage`` hold and every failure waiting is forgiven (it parks, its
+  attempt not counted).  If the probe passes, the request failed alone (its
+  own input, or its own model, is the cause): its attempt counts, no hold is
+  taken, and the model is noted as failing alone (``/status``,
+  ``yieldproxy_failures_alone_total``) until it is served again.
 
-So one request failing again and again can never hold the proxy: a probe
-decides whether the upstream is down, not the request.  Nor can one model:
-when the probe of a model call is answered with a failure too, but the
-upstream never served that call since start while it served others (a model
-the GPU cannot hold, a broken model file), the call fails alone and nothing
-is held (:meth:`~yieldproxy.health.UpstreamHealth.never_served_alone`); held,
-every caller would wait until that call passes, which it never does.
+So one request failing again and again can never hold the proxy, nor can
+one model (stuck loading, too big for the GPU, broken, answering in GPU
+words): a model known to work decides whether the upstream is down.
 
-While the hold lasts, the watcher probes the call that confirmed it with a
-growing interval (``health_interval_seconds`` doubling up to
-``health_max_interval_seconds``) and ends the hold on the first probe that
-passes; the lot is replayed, paced, as after any yield.  An outage that
-model calls revealed ends only when such a model call works again, never
+While the hold lasts, the watcher probes with a growing interval
+(``health_interval_seconds`` doubling up to ``health_max_interval_seconds``),
+in turn, the call that confirmed it and the other models the upstream served
+(:func:`~yieldproxy.evidence.follow_ups`; the operator's probe model alone
+when one is named), and ends the hold on the first probe that passes: a
+broken model can never keep it.  The lot is then replayed, paced, as after
+any yield.  An outage that model calls revealed ends only when such a model call works again, never
 because ``/api/version`` answers (it does while the runner cannot load).
 While another source also holds the GPU, model probes wait: they would load
 the model onto a GPU that was lent away.
@@ -63,9 +70,10 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..control import Answer, UpstreamControl
+from ..evidence import ALONE, CONNECTION_REASONS, evidence_for, follow_ups
 from ..health import UpstreamHealth
 from ..metrics import Metrics
-from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES
+from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
 from ..servers import GPU, NOT_READY, UP
 from ..servers.base import ModelCall
 from ..servers.ollama import is_gpu_failure, minimal_call
@@ -89,15 +97,37 @@ MAX_PROBES = 4
 FAILED_ANSWER = "failed_answer"
 
 
+#: Seconds a passing probe is believed: a failure judged meanwhile on the same evidence reuses it.
+VERDICT_SECONDS = 10.0
+#: Seconds a model judged failing alone counts as "failing" for the rule "several models fail".
+SEVERAL_WITHIN = 60.0
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    """One failure waiting for a probe's verdict."""
+
+    deferred: Deferred
+    reason: str
+    call: ModelCall | None
+
+
 @attrs.define(eq=False)
 class _Pending:
-    """One probe deciding a verdict, and the failures waiting on it."""
+    """One probe deciding verdicts, and the failures waiting on it."""
 
-    call: ModelCall | None
-    waiters: list[Deferred] = attrs.Factory(list)
+    #: What it probes (None: the health path).
+    target: ModelCall | None
+    #: Why that target (evidence.Evidence.why), for the log and the note on a model failing alone.
+    why: str = ""
+    waiters: list[_Waiter] = attrs.Factory(list)
     probe: Deferred | None = None
     #: The verdict once decided (a probe may decide at once, before anyone waits).
     verdict: bool | None = None
+    #: A pass is believed for :data:`VERDICT_SECONDS` (not the probe at start: it judged no failure).
+    believed: bool = True
+    #: Decided so: the failures judged on it are their calls' own (what was probed passed).
+    alone: bool = False
 
 
 @attrs.frozen
@@ -171,7 +201,8 @@ class OutageWatcher(Service):
 
     _clock: IReactorTime
     _state: YieldState
-    #: The upstream's health: the watcher judges its failures while running, and marks it reachable.
+    #: The upstream's health: the watcher judges its failures while running, and marks it reachable;
+    #: its record of served models is the evidence, its notes of models failing alone are the watcher's.
     _health: UpstreamHealth
     #: ``check(call)``: probes once; a Deferred firing True when the upstream serves ``call``
     #: (None: the health path), False, :data:`FAILED_ANSWER` or an error when it fails the way an
@@ -180,16 +211,25 @@ class OutageWatcher(Service):
     _metrics: Metrics
     interval: float = 0.5
     max_interval: float = 10.0
+    #: The operator's probe model (``upstream.probe_model``, or the member's): "" = none named.
+    probe_model: str = ""
+    #: Its route (``probe_path``): "" = the route it was served on, else the failing call's.
+    probe_path: str = ""
+    #: ``probeable(call)``: whether a probe can reproduce a call of that kind (its server's minimal call).
+    probeable: Callable[[ModelCall], bool] = lambda call: True
     _next_interval: float = attrs.field(init=False)
     _timer: IDelayedCall | None = None
     #: The follow-up probe of a held outage, in flight.
     _probe: Deferred | None = None
-    #: The call whose probe confirmed the outage (None: the health path).
-    _outage_call: ModelCall | None = None
+    #: What the follow-up probes of a held outage ask, in turn (evidence.follow_ups), and whose turn it is.
+    _outage_calls: tuple[ModelCall | None, ...] = ()
+    _turn: int = 0
     _held_since: float | None = None
     _said_unreachable: bool = False
-    #: Verdicts being decided, by the call probed.
+    #: Verdicts being decided, by the target probed.
     _pending: dict = attrs.Factory(dict)
+    #: Probes that passed lately, by target (a model's canonical name; None: the health path): when.
+    _passed: dict = attrs.Factory(dict)
     #: The scope of its ``outage`` hold: its member's name, or ``*`` in a pool of one (as it always was).
     scope: str = ALL
     #: The pool member it watches: the holds on it are what "yielded" means here.
@@ -224,7 +264,7 @@ class OutageWatcher(Service):
         super().startService()
         self._health.listen(self.upstream_result)
         # One probe at start, so an outage before the first request is an outage too.
-        self._start_probe(None)
+        self._start_probe(None, "the start").believed = False
 
     def stopService(self) -> None:
         """Stop listening, judging and probing; an outage hold stays (the upstream is still down)."""
@@ -242,11 +282,14 @@ class OutageWatcher(Service):
         self._decide_all(False)
 
     def status(self) -> dict:
+        held = self._held()
         return {
             "reachable": self.reachable,
             "probing": self._timer is not None or self._probe is not None or bool(self._pending),
             "next_interval_seconds": self._next_interval,
-            "outage_probe": _describe(self._outage_call) if self._held() else None,
+            "outage_probe": _describe(self._follow_up()) if held and self._outage_calls else None,
+            "outage_probes": [_describe(c) for c in self._outage_calls] if held else [],
+            "probe_model": self.probe_model or None,
         }
 
     # -- what the gate reports ------------------------------------------------------------
@@ -289,81 +332,142 @@ class OutageWatcher(Service):
                     reason=reason,
                 )
             return succeed(False)
-        pending = self._pending.get(call)
+        if reason in CONNECTION_REASONS:
+            # The connection failed: nothing that passed before says the upstream is there now.
+            self._passed.clear()
+        now = self._clock.seconds()
+        evidence = evidence_for(
+            reason, call, operator=self._operator_call(call), known=self._health.record.calls(),
+            others_failing=[f.name for f in self._health.failing.others(
+                call.model if call is not None else None, now, SEVERAL_WITHIN,
+            )],
+        )
+        if evidence.action == ALONE:
+            self._alone(reason, call, evidence.why, "none")
+            return succeed(False)
+        target = evidence.call
+        pending = self._pending.get(target)
+        passed = self._passed.get(_key(target))
+        if pending is None and passed is not None and 0 <= now - passed < VERDICT_SECONDS:
+            # Believed for a few seconds (unless a probe of it runs now): one failing request costs one
+            # probe, not one per attempt.
+            self._alone(reason, call, _serves(target, f" {now - passed:.0f}s ago"), "probe")
+            return succeed(False)
         if pending is None and len(self._pending) >= MAX_PROBES:
             # Enough probes decide already: this failure takes the verdict of the first one.  Its pass
             # counts the attempt (the upstream serves), its failure holds (which explains this one too).
             pending = next(iter(self._pending.values()))
         if pending is None:
-            pending = self._start_probe(call)
+            pending = self._start_probe(target, evidence.why)
         if pending.verdict is not None:
             # The probe decided at once (it fired synchronously).
+            if pending.alone:
+                self._alone(reason, call, self._passed_why(pending), "probe")
             return succeed(pending.verdict)
-        waiter: Deferred = Deferred(canceller=lambda d: _forget(pending.waiters, d))
+        waiter = _Waiter(Deferred(canceller=lambda d: _forget(pending.waiters, d)), reason, call)
         pending.waiters.append(waiter)
-        return waiter
+        return waiter.deferred
+
+    def _operator_call(self, failing: ModelCall | None) -> ModelCall | None:
+        """The call that probes the operator's model: on ``probe_path``, else the route the upstream served it
+        on, else the failing call's route; None when none is named (or none of those can be probed)."""
+        if not self.probe_model:
+            return None
+        if self.probe_path:
+            return ModelCall(self.probe_path, self.probe_model)
+        served = next((c for c in self._health.record.calls() if _key(c) == canonical_model(self.probe_model)), None)
+        if served is not None:
+            return served
+        if failing is not None and self.probeable(ModelCall(failing.path, self.probe_model)):
+            return ModelCall(failing.path, self.probe_model)
+        return None
+
+    def _alone(self, reason: str, call: ModelCall | None, why: str, evidence: str) -> None:
+        """A failure judged the call's own: counted, and its model noted as failing alone (logged the first time)."""
+        self._metrics.failures_alone_total.labels(self.member, reason, evidence).inc()
+        if call is None:
+            return
+        note = self._health.failing.judged_alone(call, reason, why, self._clock.seconds())
+        if note.failures == 1:
+            log.warn(
+                "{upstream}: {what} failed ({reason}) and fails alone ({why}): no outage, nobody else waits; "
+                "its own callers retry within their class's bound",
+                upstream=self.upstream, what=_describe(call), reason=reason, why=why,
+            )
+
+    def _passed_why(self, pending: _Pending) -> str:
+        return _serves(pending.target)
 
     # -- the probe that decides a verdict -----------------------------------------------------
 
-    def _start_probe(self, call: ModelCall | None) -> _Pending:
-        """Probe ``call`` now; the result decides every verdict waiting on it (its ``verdict`` once decided)."""
-        pending = self._pending[call] = _Pending(call)
-        d = self._run_check(call)
+    def _start_probe(self, target: ModelCall | None, why: str) -> _Pending:
+        """Probe ``target`` now; the result decides every verdict waiting on it (its ``verdict`` once decided)."""
+        pending = self._pending[target] = _Pending(target, why)
+        d = self._run_check(target)
         pending.probe = d
         d.addCallback(self._decided, pending)
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
         return pending
 
     def _decided(self, up: bool | str | None, pending: _Pending) -> None:
-        if self._pending.get(pending.call) is pending:
-            del self._pending[pending.call]
+        if self._pending.get(pending.target) is pending:
+            del self._pending[pending.target]
         pending.probe = None
         confirmed = False
+        alone = False
         if up is None:
             forgiven = False  # the watcher stopped: the attempts count, as without it
         elif up == NOT_READY:
             # Loading its model: no outage, and not the requests' fault (its member waits for it to read up).
             self._answered()
             forgiven = True
-        elif up == FAILED_ANSWER and self._health.never_served_alone(pending.call):
-            # The upstream answers and served other model calls, never this one: the call fails alone
-            # (a model the GPU cannot hold), no outage; held for it, every caller would wait for ever.
-            self._answered()
-            forgiven = False
-            log.info(
-                "{upstream}: a probe of {what} failed as well, but it never served that call and serves "
-                "others: no outage, the call fails alone",
-                upstream=self.upstream, what=_describe(pending.call),
-            )
         elif up and up != FAILED_ANSWER:
             self._answered()
-            forgiven = False  # the upstream serves this kind of call: the request failed alone
+            if pending.believed:
+                self._passed[_key(pending.target)] = self._clock.seconds()
+            # The upstream serves what was probed: the failures waiting are their calls' own.
+            forgiven = False
+            alone = True
         elif self._yielded() or not self.reachable:
             # Held already (by this watcher or another source), or never reachable.
             forgiven = self._yielded()
         else:
             confirmed = forgiven = True
-            self._held_since = self._clock.seconds()
-            self._outage_call = pending.call
-            log.warn(
-                "{upstream} is failing (a probe of {what} failed as well): holding requests "
-                "until it works again",
-                upstream=self.upstream, what=_describe(pending.call),
-            )
-            self._state.hold(SOURCE, f"upstream failing ({_describe(pending.call)} fails)", scope=self.scope)
+            self._take_hold(pending)
         pending.verdict = forgiven
+        pending.alone = alone
         for waiter in _take(pending.waiters):
-            waiter.callback(forgiven)
+            if alone:
+                self._alone(waiter.reason, waiter.call, self._passed_why(pending), "probe")
+            waiter.deferred.callback(forgiven)
         if forgiven:
             # Every failure waiting on another probe is explained now too.
             self._decide_all(True)
         if confirmed:
             self._schedule()
 
+    def _take_hold(self, pending: _Pending) -> None:
+        """A probe on evidence about the GPU failed too: the ``outage`` hold, probed as evidence.follow_ups says."""
+        self._held_since = self._clock.seconds()
+        self._passed.clear()
+        now = self._clock.seconds()
+        self._outage_calls = follow_ups(
+            pending.target, operator=self._operator_call(pending.target), known=self._health.record.calls(),
+            failing=[ModelCall(f.path, f.name) for f in self._health.failing.others(None, now, SEVERAL_WITHIN)],
+        )
+        self._turn = 0
+        what = _describe(pending.target)
+        log.warn(
+            "{upstream} is failing (a probe of {what} failed as well; probed as {why}): holding requests "
+            "until it works again",
+            upstream=self.upstream, what=what, why=pending.why,
+        )
+        self._state.hold(SOURCE, f"upstream failing ({what} fails)", scope=self.scope)
+
     def _decide_all(self, forgiven: bool) -> None:
         for pending in list(self._pending.values()):
             for waiter in _take(pending.waiters):
-                waiter.callback(forgiven)
+                waiter.deferred.callback(forgiven)
 
     def _run_check(self, call: ModelCall | None) -> Deferred:
         """One probe: a Deferred firing True (up), False (down), :data:`FAILED_ANSWER` (down: the call
@@ -404,6 +508,11 @@ class OutageWatcher(Service):
             self._said_unreachable = False
             log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
+    def _follow_up(self) -> ModelCall | None:
+        """The call the next follow-up probe asks."""
+        calls = self._outage_calls or (None,)
+        return calls[self._turn % len(calls)]
+
     def _schedule(self) -> None:
         """The next probe of the held outage, after the current interval; the interval then doubles."""
         if self._timer is not None or self._probe is not None or not self.running:
@@ -416,19 +525,22 @@ class OutageWatcher(Service):
         self._timer = None
         if not self._held():
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
-        if self._outage_call is not None and any(h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)):
+        target = self._follow_up()
+        if target is not None and any(h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)):
             # The GPU is lent away: a model call would load the model onto it. Look again later.
             self._schedule()
             return
-        d = self._probe = self._run_check(self._outage_call)
-        d.addCallback(self._probed)
+        d = self._probe = self._run_check(target)
+        d.addCallback(self._probed, target)
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
 
-    def _probed(self, up: bool | str | None) -> None:
+    def _probed(self, up: bool | str | None, target: ModelCall | None) -> None:
         self._probe = None
         if up is None:
             return
         if not up or up in (NOT_READY, FAILED_ANSWER):
+            # Another of the follow-up calls next time: one that stays broken cannot keep the hold.
+            self._turn += 1
             self._schedule_if_held()
             return
         self._answered()
@@ -437,15 +549,28 @@ class OutageWatcher(Service):
             log.info(
                 "{upstream} serves {what} again after {seconds:.1f}s: ending the outage hold",
                 upstream=self.upstream,
-                what=_describe(self._outage_call),
+                what=_describe(target),
                 seconds=self._clock.seconds() - began,
             )
             self._held_since = None
+            self._outage_calls = ()
             self._state.release(SOURCE, self.scope)
 
     def _schedule_if_held(self) -> None:
         if self._held():
             self._schedule()
+
+
+def _serves(target: ModelCall | None, when: str = "") -> str:
+    """The evidence of a probe of ``target`` that passed, in words: "it serves all-minilm: a probe of /api/embed passed"."""
+    if target is None:
+        return f"its health path answered{when}"
+    return f"it serves {target.model}: a probe of {target.path} passed{when}"
+
+
+def _key(call: ModelCall | None) -> str | None:
+    """A probe target's key for :attr:`OutageWatcher._passed`: its model's canonical name (None: the health path)."""
+    return None if call is None else canonical_model(call.model)
 
 
 def _describe(call: ModelCall | None) -> str:
@@ -457,14 +582,13 @@ def _describe(call: ModelCall | None) -> str:
     return f"{path} with model {model}" if path else str(call)
 
 
-def _take(waiters: list[Deferred]) -> list[Deferred]:
+def _take(waiters: list[_Waiter]) -> list[_Waiter]:
     """Empty ``waiters`` and return what it held (waiters fired must not be fired again)."""
     taken = list(waiters)
     waiters.clear()
     return taken
 
 
-def _forget(waiters: list[Deferred], waiter: Deferred) -> None:
+def _forget(waiters: list[_Waiter], deferred: Deferred) -> None:
     """Canceller of a verdict: the caller stopped waiting (its client went away)."""
-    if waiter in waiters:
-        waiters.remove(waiter)
+    waiters[:] = [w for w in waiters if w.deferred is not deferred]
