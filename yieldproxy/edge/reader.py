@@ -81,8 +81,12 @@ class Limits:
     max_headers: int = attrs.field(default=100, validator=_positive)
     #: A chunk-size line with its extensions, without its CRLF: past it, 400.
     max_chunk_line: int = attrs.field(default=4096, validator=_positive)
-    #: The trailers, with their CRLFs: past it, 400.
+    #: The trailers: their lines with their CRLFs and the empty line that ends them: past it, 400.
     max_trailer_bytes: int = attrs.field(default=16384, validator=_positive)
+
+
+#: The limits of the proxy listener.
+DEFAULT_LIMITS: Final = Limits()
 
 
 # -- events ---------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ _TARGET: Final = re.compile(rb"[\x21-\x7e]+")
 _VERSIONS: Final = (b"HTTP/1.1", b"HTTP/1.0")
 #: Tokens of a Connection value are split at commas and blanks: ``close`` anywhere closes (Twisted splits
 #: at spaces, h11 at commas: closing when either would is never wrong).
-_CLOSE: Final = re.compile(rb"(?:^|[\s,])close(?:$|[\s,])", re.IGNORECASE)
+_CLOSE: Final = re.compile(rb"(?:^|[\s,])close(?:$|[\s,])")
 
 # What a header name means to the reader (the values of _NAMES).
 _PLAIN, _LENGTH, _CODING, _CONNECTION, _EXPECT = range(5)
@@ -247,6 +251,12 @@ def _name_kind(name: bytes) -> int:
     if len(_NAMES) < _MAX_NAMES:
         _NAMES[name] = kind
     return kind
+
+
+def _closes(connection: bytes) -> bool:
+    """Whether a Connection value has a ``close`` token (the search only where the letters are)."""
+    lower = connection.lower()
+    return b"close" in lower and _CLOSE.search(lower) is not None
 
 
 def _valid_method(method: bytes) -> bool:
@@ -286,7 +296,7 @@ class RequestReader:
         "_remaining", "_chunks",
     )
 
-    def __init__(self, limits: Limits = Limits()):
+    def __init__(self, limits: Limits = DEFAULT_LIMITS):
         self.limits = limits
         self._state = "idle"
         #: Bytes fed and not yet read start at ``_buf[_pos]``; ``_buf`` is a bytearray only while a head or
@@ -417,7 +427,7 @@ class RequestReader:
         }
 
     @classmethod
-    def restore(cls, snapshot: dict[str, Any], limits: Limits = Limits()) -> RequestReader:
+    def restore(cls, snapshot: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> RequestReader:
         """The reader :meth:`snapshot` wrote down, as it was; ValueError naming what is wrong with ``snapshot``."""
         if not isinstance(snapshot, dict):
             raise ValueError(f"a reader snapshot is a dict, not {type(snapshot).__name__}")
@@ -493,15 +503,13 @@ class RequestReader:
         head = _piece(buf, pos, end)
         lines = head.split(b"\r\n")
         count = len(lines)
-        # No bare CR or LF, no NUL, VT or FF; within the limits; no empty line first.
+        # No CR, LF, NUL, VT or FF but the CRLFs between the lines (dropping them all drops only those);
+        # within the limits; no empty line first.
+        content = len(head) - 2 * (count - 1)
         if (
-            head.count(b"\n") != count - 1
-            or head.count(b"\r") != count - 1
-            or b"\0" in head
-            or b"\x0b" in head
-            or b"\x0c" in head
+            len(head.translate(None, b"\r\n\0\x0b\x0c")) != content
             or count > limits.max_headers + 1
-            or len(head) - 2 * (count - 1) > limits.max_head_bytes
+            or content > limits.max_head_bytes
             or not lines[0]
         ):
             return None
@@ -542,7 +550,7 @@ class RequestReader:
                         return None
                     framed = chunked = True
                 elif kind == _CONNECTION:
-                    if not close and _CLOSE.search(value):
+                    if not close and _closes(value):
                         close = True
                 elif expect is None:
                     expect = value
@@ -656,7 +664,7 @@ class RequestReader:
                 return self._bad_request(CONFLICTING)
             self._chunked = True
         elif kind == _CONNECTION:
-            if _CLOSE.search(value):
+            if _closes(value):
                 self._close = True
         elif kind == _EXPECT and self._expect is None:
             self._expect = value
@@ -690,6 +698,7 @@ class RequestReader:
             self._remaining = 0
             self._pos = pos + remaining
         self._received += len(data)
+        self._to("BodyData")
         return BodyData(data)
 
     def _chunk(self) -> BodyData | ChunkAnnounced | EndOfMessage | Refusal | Incomplete | NeedData:
@@ -711,9 +720,11 @@ class RequestReader:
                 data = bytes(buf[start:end])
             self._pos = end
             self._received += end - start
+            self._to("BodyData")
             return BodyData(data)
         self._pos = start
         if kind == SIZE:
+            self._to("ChunkAnnounced")
             return ChunkAnnounced(end)
         if kind == END:
             self._to("EndOfMessage")
