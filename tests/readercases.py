@@ -130,6 +130,7 @@ def drive(pieces: list[bytes], limits: Limits = DEFAULT_LIMITS, eof: bool = True
             events.append(event)
         raise AssertionError(f"more than {MAX_CALLS} events from one piece: the reader loops")
 
+    take()  # what it holds already (a reader restored from a snapshot)
     for piece in pieces:
         reader.feed(piece)
         stream.extend(piece)
@@ -306,6 +307,14 @@ RULES = [
     Rule(
         "trailer-not-a-field", CHUNKED + b"3\r\nabc\r\n0\r\nno colon here\r\n\r\n", 400, MALFORMED,
         today=(SERVED,), why="a trailer line is a field line (h11 refuses it too); Twisted takes any line",
+    ),
+    Rule(
+        "trailer-nul-in-value", CHUNKED + b"3\r\nabc\r\n0\r\nX-T: a\x00b\r\n\r\n", 400, MALFORMED, today=(SERVED,),
+        why="a trailer's value is checked as a header's",
+    ),
+    Rule(
+        "trailer-cr-in-value", CHUNKED + b"3\r\nabc\r\n0\r\nX-T: a\rb\r\n\r\n", 400, MALFORMED, today=(SERVED,),
+        why="a trailer's value is checked as a header's",
     ),
     Rule(
         "trailer-folded", CHUNKED + b"3\r\nabc\r\n0\r\nX-T: 1\r\n 2\r\n\r\n", 400, MALFORMED, today=(SERVED,),

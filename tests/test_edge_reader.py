@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from readercases import CHUNKED, POST, RULES, drive, read, splits
+from readercases import CHUNKED, POST, RULES, drive, pieces_of, read, splits
 from yieldproxy.edge import reader as reader_module
 from yieldproxy.edge.reader import (
     DEFAULT_LIMITS,
@@ -166,6 +166,32 @@ def test_every_move_of_the_table_is_made_by_some_input(pieces):
         drive([data] if pieces else [data[i : i + 1] for i in range(len(data))], eof=eof, reader=reader)
         made.update(reader.moves)
     assert made == set(TRANSITIONS)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [rule.data for rule in RULES[::7]] + [
+        POST + b"Content-Length: 3\r\n\r\nabc" + CHUNKED + b"1\r\nz\r\n0\r\n\r\n", b"GET / HTTP/1.1\r\n\r\nGET", b"",
+    ],
+)
+def test_every_event_is_a_move_of_the_table(data):
+    """Each event the reader returns it returned through _to: one move, named as the event, per event."""
+    reader = _Recording()
+    reader.feed(data)
+    reader.feed_eof()
+    while True:
+        before = len(reader.moves)
+        event = reader.next_event()
+        if event is PAUSED:
+            if reader.state != "done":
+                break
+            reader.start_next()
+            assert reader.moves[-1] == ("done", "start_next")
+            continue
+        moves = reader.moves[before:]
+        if moves and moves[0][1] == "bytes":
+            moves = moves[1:]
+        assert moves == [(moves[0][0] if moves else None, type(event).__name__)], (event, moves)
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -484,6 +510,10 @@ def test_small_limits_at_their_edges():
     assert read(chunked + b"0\r\nAB: 1234\r\n\r\n", Limits(**limits)).events[-2] == EndOfMessage()
     assert refusal(chunked + b"0\r\nAB: 12345\r\n\r\n", **limits).status == 400
     assert refusal(chunked + b"0\r\nAB: 123456\r\n\r\n", **limits).status == 400  # its line fits, not the end
+    # In the order the bytes come: 11 bytes and the CRLF still needed are past 12 before a bare LF after them...
+    assert refusal(chunked + b"0\r\nAB: 1234567\n", **limits).message == "malformed HTTP request"
+    # ...and a bare LF as the 11th byte wins the tie.
+    assert refusal(chunked + b"0\r\nAB: 123456\n", **limits).message.startswith("a chunk line ends in a bare LF")
 
 
 @pytest.mark.parametrize("field", attrs.fields(Limits), ids=lambda f: f.name)
@@ -493,11 +523,15 @@ def test_a_limit_must_be_a_whole_number_of_at_least_one(field):
             Limits(**{field.name: bad})
 
 
-def test_a_head_dribbled_a_byte_at_a_time_is_read_as_the_same_head():
-    data = POST + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 300) for i in range(40)) + b"Content-Length: 2\r\n\r\nhi"
+@pytest.mark.parametrize("size", [300, 3000])
+def test_a_head_dribbled_a_byte_at_a_time_is_read_as_the_same_head(size):
+    """Short lines, and lines longer than what the reader keeps as bytes before it grows a buffer in place."""
+    count = 12000 // size
+    data = POST + b"".join(b"X-%d: %s\r\n" % (i, b"v" * size) for i in range(count)) + b"Content-Length: 2\r\n\r\nhi"
     whole = drive([data])
     assert drive([data[i : i + 1] for i in range(len(data))]) == whole
-    assert len(whole.events[0].headers) == 42
+    assert drive(pieces_of(data, range(0, len(data), 7))) == whole
+    assert len(whole.events[0].headers) == count + 2 and whole.events[1] == BodyData(b"hi")
 
 
 # -- snapshots --------------------------------------------------------------------------------
