@@ -205,6 +205,12 @@ TRANSITIONS: Final[dict[tuple[str, str], str]] = {
     ("done", "start_next"): "idle",
 }
 
+#: TRANSITIONS by state, then by what happened (a lookup without a tuple built for it, on every event).
+_NEXT: Final[dict[str, dict[str, str]]] = {state: {} for state in STATES}
+for (_state, _happened), _target in TRANSITIONS.items():
+    _NEXT[_state][_happened] = _target
+del _state, _happened, _target
+
 #: The states a reader can be written down in (:meth:`RequestReader.snapshot`).
 SNAPSHOT_STATES: Final = ("idle", "done")
 SNAPSHOT_VERSION: Final = 1
@@ -464,7 +470,7 @@ class RequestReader:
     def _to(self, happened: str) -> None:
         """Move as :data:`TRANSITIONS` says on ``happened``; RuntimeError if it says nothing."""
         try:
-            self._state = TRANSITIONS[self._state, happened]
+            self._state = _NEXT[self._state][happened]
         except KeyError:
             raise RuntimeError(f"the request reader cannot take {happened} in state {self._state}") from None
 
@@ -519,15 +525,15 @@ class RequestReader:
         if len(parts) != 3:
             return None
         method, target, version = parts
-        if version not in _VERSIONS or not _valid_method(method) or not _TARGET.fullmatch(target):
+        if version not in _VERSIONS or not (method in _METHODS or _valid_method(method)) or not _TARGET.fullmatch(target):
             return None
         headers = []
         length = None
         chunked = close = framed = False
         expect = None
         names = _NAMES
-        for index in range(1, count):
-            name, colon, value = lines[index].partition(b":")
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
             kind = names.get(name)
             if kind is None:
                 kind = _name_kind(name)
