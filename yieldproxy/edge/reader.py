@@ -79,9 +79,9 @@ class Limits:
     max_line_bytes: int = attrs.field(default=16384, validator=_positive)
     #: Header lines: past it, 431.
     max_headers: int = attrs.field(default=100, validator=_positive)
-    #: A chunk-size line with its extensions, without its CRLF: past it, 400.
+    #: A chunk-size line with its extensions, without its CRLF: past it, 400 (Twisted's: 1023; h1parse's: 4096).
     max_chunk_line: int = attrs.field(default=4096, validator=_positive)
-    #: The trailers: their lines with their CRLFs and the empty line that ends them: past it, 400.
+    #: The trailers: their lines with their CRLFs and the empty line that ends them: past it, 400 (Twisted's: 64 KiB).
     max_trailer_bytes: int = attrs.field(default=16384, validator=_positive)
 
 
