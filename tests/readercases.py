@@ -271,6 +271,12 @@ RULES = [
         why="at most 18 digits (under 2**63, as Go and nginx; h11 takes 20): Twisted reads any number, and "
             "raises past 4300 digits",
     ),
+    Rule(
+        "cl-5000-digits", POST + b"Content-Length: " + b"1" * 5000 + b"\r\n\r\n", 400, CONFLICTING,
+        today=("raises",),
+        why="Twisted's int() takes at most 4300 digits: its ValueError leaves dataReceived (a traceback in "
+            "the log, the connection dropped unanswered)",
+    ),
     Rule("te-identity", POST + b"Transfer-Encoding: identity\r\nContent-Length: 3\r\n\r\nabc", 400, NOT_CHUNKED),
     Rule("te-gzip-chunked", POST + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 400, NOT_CHUNKED),
     Rule("te-chunked-chunked", POST + b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", 400, NOT_CHUNKED),

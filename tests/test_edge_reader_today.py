@@ -68,18 +68,22 @@ class _Transport(StringTransport):
 def today(data: bytes, bytewise: bool = False) -> tuple[list, bool]:
     """What today's listener answers ``data`` sent whole (or a byte at a time, up to its first answer):
     (answers, closing), each answer ``(SERVED, what it read)`` or ``(status, message)``; no answer at all
-    is ``[("waits",)]``."""
+    is ``[("waits",)]``, an exception out of the channel ``[("raises",)]``."""
     site = ProxySite(_Echo(), 10**9, reactor=Clock())
     channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 50000))
     transport = _Transport()
     channel.makeConnection(transport)
-    if bytewise:
-        for index in range(len(data)):
-            channel.dataReceived(data[index : index + 1])
-            if transport.value():
-                break
-    else:
-        channel.dataReceived(data)
+    try:
+        if bytewise:
+            for index in range(len(data)):
+                channel.dataReceived(data[index : index + 1])
+                if transport.value():
+                    break
+        else:
+            channel.dataReceived(data)
+    except Exception:
+        # Out of dataReceived, into the reactor: a traceback logged, the connection dropped unanswered.
+        return [("raises",)], True
     out = transport.value()
     answers = []
     while out:
