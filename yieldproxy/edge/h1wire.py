@@ -108,10 +108,6 @@ class ChunkDecoder:
         #: Bytes of the current line already looked at for a LF (strict), so a dribbled line is not searched again.
         self._scanned = 0
 
-    @property
-    def done(self) -> bool:
-        return self._phase == _DONE
-
     def step(self, buf: bytes | bytearray, pos: int) -> tuple[int, int, int]:
         """Read what comes next in ``buf[pos:]``: ``(kind, a, b)``.
 
