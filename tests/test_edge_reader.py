@@ -438,8 +438,11 @@ def test_nothing_is_read_until_asked():
 @pytest.mark.parametrize("rule", RULES, ids=[rule.id for rule in RULES])
 def test_each_rule_is_refused_the_same_in_any_cut(rule):
     outcome = read(rule.data)
+    assert [e for e in outcome.events if type(e) is Refusal] == [Refusal(rule.status, rule.message, rule.code)]
     assert outcome.events[-1] == Refusal(rule.status, rule.message, rule.code)
     assert outcome.state == "error" and outcome.read_ahead == b""
+    if rule.today is not None or rule.whole is not None:
+        assert rule.why, f"{rule.id}: the reader answers otherwise than today's listener, and the table says not why"
 
 
 def test_a_bare_lf_is_refused_when_it_comes_not_when_the_line_would_end():

@@ -11,9 +11,9 @@ whole, its words sometimes depend on where the bytes were cut (the rule
 records those too), the reader's never do.  Valid requests are read by both and must come out the same (method,
 target, version, headers, body, whether the connection stays open).
 
-The channel side stops meaning anything once ``ProxyChannel`` no longer reads
-requests with ``HTTPChannel`` (issue 25 replaces it with a connection over the
-reader): it then skips, and the reader's side is
+This stops meaning anything once ``ProxyChannel`` no longer reads requests
+with ``HTTPChannel`` (issue 25 replaces it with a connection over the
+reader): it then skips; the reader's side of each rule is
 ``tests/test_edge_reader.py``'s.
 """
 
@@ -29,11 +29,16 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import Resource
 
 from readercases import POST, RULES, SERVED, read
-from yieldproxy.edge.reader import BodyData, ChunkAnnounced, Closed, EndOfMessage, Refusal, RequestHead
-from yieldproxy.httpserver import ProxyChannel, ProxySite
+from yieldproxy.edge.reader import BodyData, ChunkAnnounced, Closed, EndOfMessage, RequestHead
+
+try:
+    from yieldproxy.httpserver import ProxyChannel, ProxySite
+except ImportError:  # the listener's channel is gone (issue 25): nothing of today's to compare with
+    ProxyChannel = ProxySite = None
 
 today_channel = pytest.mark.skipif(
-    not issubclass(ProxyChannel, HTTPChannel), reason="the listener no longer reads with Twisted's HTTPChannel"
+    ProxyChannel is None or not issubclass(ProxyChannel, HTTPChannel),
+    reason="the listener no longer reads with Twisted's HTTPChannel",
 )
 
 
@@ -122,15 +127,6 @@ def test_today_listener_fed_whole_answers_each_rule_as_the_table_says(rule):
     answers, _ = today(rule.data)
     expected = rule.whole or rule.today or (rule.status, rule.message)
     assert answers[0][: len(expected)] == expected
-
-
-@pytest.mark.parametrize("rule", RULES, ids=[rule.id for rule in RULES])
-def test_the_reader_refuses_each_rule_with_the_same_words(rule):
-    outcome = read(rule.data)
-    assert [e for e in outcome.events if type(e) is Refusal] == [Refusal(rule.status, rule.message, rule.code)]
-    assert outcome.state == "error"
-    if rule.today is not None or rule.whole is not None:
-        assert rule.why, f"{rule.id}: the reader answers otherwise than today's listener, and the table says not why"
 
 
 # Valid requests, one piece each: both read them alike.  (Not pipelined ones: today's listener refuses a
