@@ -252,7 +252,36 @@ def mutated(draw, many=False):
     return bytes(data)
 
 
-inputs = st.one_of(soups, mutated(many=True), st.binary(max_size=200))
+#: Heads of lines drawn from every framing rule (valid and not), with bodies of every shape after them.
+# (The valid ones weigh more: an invalid line refuses the request before its framing is read.)
+_request_lines = st.one_of(
+    st.sampled_from([b"GET / HTTP/1.1", b"POST /x HTTP/1.1", b"POST /x HTTP/1.0"]),
+    st.sampled_from([b"PUT / HTTP/1.2", b"GET /\x7f HTTP/1.1", b"GET  / HTTP/1.1"]),
+    st.sampled_from([b"GET / HTTP/1.1", b"POST /x HTTP/1.1", b"POST /x HTTP/1.0"]),
+)
+_field_lines = st.one_of(
+    st.sampled_from([b"Host: x", b"Host: y", b"X-A: 1", b"Connection: close", b"Connection: keep-alive", b"X: caf\xc3\xa9"]),
+    st.sampled_from([b"Expect: 100-continue", b"Connection: foo close", b" folded", b"\tX: tab", b"X: a\x0bb", b"X : y", b"Bad"]),
+    st.sampled_from([b"Host: x", b"Host: y", b"X-A: 1", b"Connection: close", b"Connection: keep-alive", b"X: caf\xc3\xa9"]),
+)
+_framing_lines = st.sampled_from([
+    b"Content-Length: 3", b"Content-Length: 0", b"Content-Length: 5, 5", b"Content-Length: +3",
+    b"Content-Length: 0000000000000000003", b"Transfer-Encoding: chunked", b"transfer-encoding: Chunked",
+    b"Transfer-Encoding: identity", b"Transfer-Encoding: gzip, chunked", b"Transfer-Encoding: chunked, chunked",
+])
+_bodies = st.sampled_from([
+    b"", b"abc", b"abcdef", b"0\r\n\r\n", b"3\r\nabc\r\n0\r\n\r\n", b"3;x=y\r\nabc\r\n0\r\nT: 1\r\n\r\n",
+    b"3 \r\nabc\r\n0\r\n\r\n", b"3\r\nabcX", b"0\r\nT: a\r\n b\r\n\r\n", b"0\r\nBad\r\n\r\n", b"1" * 17 + b"\r\n",
+])
+_fields = st.tuples(st.lists(_field_lines, max_size=4), st.lists(_framing_lines, min_size=1, max_size=2)).flatmap(
+    lambda t: st.permutations(t[0] + t[1])
+)
+framings = st.builds(
+    lambda line, fields, body, then: line + b"\r\n" + b"".join(f + b"\r\n" for f in fields) + b"\r\n" + body + then,
+    _request_lines, _fields, _bodies, st.sampled_from([b"", b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n"]),
+)
+
+inputs = st.one_of(framings, soups, mutated(many=True), st.binary(max_size=200))
 
 
 @FUZZ
@@ -300,7 +329,7 @@ def _h11_reads_alone(wire: bytes) -> tuple[tuple | None, str | None]:
 
 
 @FUZZ
-@given(data=st.one_of(mutated(), mutated(many=True), soups))
+@given(data=st.one_of(mutated(), mutated(many=True), framings, soups))
 def test_every_request_the_reader_takes_h11_takes_the_same_way(data):
     for wire, read_by_us in wires(data):
         read_by_h11, error = _h11_reads_alone(wire)
