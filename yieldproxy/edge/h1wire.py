@@ -30,7 +30,7 @@ TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 MAX_CHUNK_SIZE_DIGITS: Final = 16
 HEX: Final = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_CHUNK_SIZE_DIGITS)
 #: A Content-Length: at most 18 digits (under 2**63, what Go and nginx take).
-DIGITS: Final = re.compile(rb"[0-9]{1,18}")
+MAX_LENGTH_DIGITS: Final = 18
 #: What a strict chunk extension may hold (Twisted's ``_chunkExtChars``: HTAB, SP, VCHAR but ``\\``, obs-text).
 _BAD_EXTENSION: Final = re.compile(rb"[^\t -\[\]-~\x80-\xff]")
 #: What a strict field value may not hold (NUL, CR, LF, and the VT and FF h11 refuses too).
@@ -78,7 +78,8 @@ def split_field(line: bytes) -> tuple[bytes, bytes] | None:
 
 def parse_length(text: bytes) -> int | None:
     """A Content-Length value (digits only, at most 18 of them), or None when it is not one."""
-    if not DIGITS.fullmatch(text):
+    # bytes.isdigit() is ASCII digits only; no sign, no blank, no underscore (which int() would take).
+    if not text.isdigit() or len(text) > MAX_LENGTH_DIGITS:
         return None
     return int(text)
 
@@ -90,7 +91,8 @@ class ChunkDecoder:
     buffer the caller keeps (``buf[pos:]`` always starts where the last step
     stopped), and says what it found.  ``strict`` chooses the temper (module
     docstring); ``max_line`` bounds a chunk-size line (its bytes before CRLF),
-    ``max_trailers`` the trailers (their bytes with CRLFs).
+    ``max_trailers`` the trailers (their lines with their CRLFs; strict, with
+    the empty line that ends them too).
     """
 
     __slots__ = ("strict", "max_line", "max_trailers", "_phase", "remaining", "_trailer_bytes", "_scanned")
@@ -105,10 +107,6 @@ class ChunkDecoder:
         self._trailer_bytes = 0
         #: Bytes of the current line already looked at for a LF (strict), so a dribbled line is not searched again.
         self._scanned = 0
-
-    @property
-    def done(self) -> bool:
-        return self._phase == _DONE
 
     def step(self, buf: bytes | bytearray, pos: int) -> tuple[int, int, int]:
         """Read what comes next in ``buf[pos:]``: ``(kind, a, b)``.
@@ -246,10 +244,10 @@ class ChunkDecoder:
 
         In the order the bytes come (as for a size line): a bare LF when it
         comes, or trailers too long as soon as the line so far and the CRLF it
-        still needs (only the LF after a CR) take them past ``max_trailers``,
-        the empty line that ends them included; a bare LF wins a tie.  A
-        complete line must be a field line (no folding), its value free of
-        CR, NUL, VT and FF.
+        still needs (only the LF after a CR) take them past ``max_trailers``
+        (Twisted's check, made at every byte: so the empty line that ends them
+        counts too); a bare LF wins a tie.  A complete line must be a field
+        line (no folding), its value free of CR, NUL, VT and FF.
         """
         lf = buf.find(b"\n", pos + self._scanned)
         seen, bare_lf = _line_so_far(buf, pos, lf)
