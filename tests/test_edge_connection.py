@@ -36,6 +36,7 @@ from yieldproxy.edge.connection import (
     State,
 )
 from yieldproxy.edge.site import ProxySite
+from yieldproxy.errors import listener_error_body
 
 PEER = IPv4Address("TCP", "127.0.0.1", 50000)
 
@@ -83,6 +84,7 @@ class Wire:
         self.resource = resource if resource is not None else _Ok()
         self.site = ProxySite(
             self.resource, site_options.pop("max_body_bytes", 1000), reactor=self.clock, connections=connections,
+            error_body=listener_error_body,
             **site_options,
         )
         self.connection = self.site.buildProtocol(PEER)

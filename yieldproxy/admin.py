@@ -38,6 +38,7 @@ from .clock import WallClock, same
 from .config import Config
 from .edge.capacity import QUICK_ROOM, Connections
 from .edge.site import ProxySite
+from .errors import listener_error_body
 from .fallback import NotNow
 from .gate import Gate
 from .history import History
@@ -263,7 +264,7 @@ class AdminApp:
             _ADMIN_BODY_LIMIT,
             request_read_timeout=ADMIN_READ_SECONDS,
             read_from_accept=True,
-            request_log=False,
+            error_body=listener_error_body,
             timeout=_ADMIN_IDLE_SECONDS,
             connections=self.connections,
             host_policy=HostPolicy.from_config("admin.allowed_hosts", self._config.admin.allowed_hosts),

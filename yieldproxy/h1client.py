@@ -103,8 +103,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from .edge.tcp import set_no_delay
 from .h1parse import ParseError, ResponseParser
-from .tcp import set_no_delay
 
 #: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})

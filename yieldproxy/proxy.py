@@ -46,7 +46,7 @@ from .config import Config, proxy_max_connections
 from .edge.capacity import Connections
 from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
 from .edge.site import ProxySite
-from .errors import stream_error_chunk, write_error
+from .errors import listener_error_body, stream_error_chunk, write_error
 from .forward import (
     RELAYED_UNLESS_HELD,
     Attempt,
@@ -207,8 +207,15 @@ class ProxyApp:
             host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
             oversized=self.refuse_oversized,
             receiving_full=self.refuse_receiving,
+            error_body=listener_error_body,
+            on_refused=self._refused_by_listener,
             reactor=self._clock,
         )
+
+    def _refused_by_listener(self, request, status: int, code: str) -> None:
+        """A request the listener answered itself (a bad Host, CONNECT...): its request log line."""
+        now = self._clock.seconds()
+        log_request(request, PASSTHROUGH, status, code, 0.0, 0, now, self._clock)
 
     def refuse_oversized(self, request) -> bytes:
         """The answer to a body over ``proxy.max_body_bytes`` that the HTTP layer stopped reading."""

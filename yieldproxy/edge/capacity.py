@@ -10,6 +10,7 @@ past the cap: a 503 with ``Retry-After`` in its API's shape, never a bare close.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable
 
@@ -17,9 +18,6 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-
-from ..classify import api_family
-from ..errors import error_body
 
 log = Logger()
 
@@ -41,6 +39,15 @@ MAX_HEADER_BYTES = 16384
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
 #: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
 SMALL_BODY_BYTES = 64 * 1024
+
+#: ``error_body(path, status, message, code)``: the JSON body of an answer the edge writes itself, in the shape
+#: of the API ``path`` belongs to (the listeners give theirs: errors.listener_error_body).
+ErrorBody = Callable[[bytes, int, str, str], bytes]
+
+
+def plain_error_body(path: bytes, status: int, message: str, code: str) -> bytes:
+    """``{"error": message}``: the error body of a site that was given no other."""
+    return json.dumps({"error": message}).encode("utf-8")
 
 
 def _peer_host(address) -> str | None:
@@ -310,10 +317,14 @@ class OverCapacity(Protocol):
     #: Set by ``makeConnection``: a TCP (or unix) transport.
     transport: Any
 
-    def __init__(self, connections: Connections, clock, promote: Callable[[Any], Any] | None = None):
+    def __init__(
+        self, connections: Connections, clock, promote: Callable[[Any], Any] | None = None,
+        error_body: ErrorBody = plain_error_body,
+    ):
         self._connections = connections
         self._clock = clock
         self._promote = promote
+        self._error_body = error_body
         self._head = b""
         self._timer = None
         self._answered = False
@@ -390,7 +401,7 @@ class OverCapacity(Protocol):
             f"too many connections to this listener ({self._connections.key} = {self._connections.limit}); "
             "try again shortly"
         )
-        body = error_body(api_family(path), 503, message, "too_many_connections")
+        body = self._error_body(path, 503, message, "too_many_connections")
         transport = self.transport
         transport.write(
             b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json; charset=utf-8\r\n"

@@ -67,9 +67,6 @@ from twisted.logger import Logger
 from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
 
-from ..classify import api_family
-from ..errors import error_body
-from ..tcp import set_no_delay
 from .reader import (
     NEED_DATA,
     PAUSED,
@@ -82,6 +79,7 @@ from .reader import (
     RequestHead,
     RequestReader,
 )
+from .tcp import set_no_delay
 
 log = Logger()
 
@@ -308,6 +306,9 @@ class ServerConnection(Protocol):
         transport = self.transport
         set_no_delay(transport)
         transport.registerProducer(self, True)
+        # Answers go out in one send on a TCP socket (:meth:`_flush`); any other transport (TLS, a unix
+        # socket, a test's) takes every write as it comes.
+        self._direct = isinstance(transport, tcp.Connection)
         if self.connections is not None:
             self.connections.opened(self)
         if self.site.read_from_accept and self._read_timeout:
@@ -511,7 +512,7 @@ class ServerConnection(Protocol):
         self._body = []
         self._to(LINGER)
         path = self._reader.target_seen or b""
-        body = error_body(api_family(path.split(b"?", 1)[0]), status, message, code)
+        body = self.site.error_body(path.split(b"?", 1)[0], status, message, code)
         phrase = _PHRASES.get(status) or RESPONSES.get(status, b"Error")
         log.info(
             "refused a request from {peer}: {status} {message}",
@@ -733,7 +734,7 @@ class ServerConnection(Protocol):
             self.dataReceived(data)
 
 
-def _one_transfer_encoding(pairs: Any) -> list[tuple[bytes, bytes]]:
+def _one_transfer_encoding(given: Any) -> list[tuple[bytes, bytes]]:
     """An answer's header pairs as Twisted before 25 gives them, with one ``Transfer-Encoding``.
 
     That Twisted puts its own ``Transfer-Encoding: chunked`` first and the request's headers after it,
@@ -741,7 +742,7 @@ def _one_transfer_encoding(pairs: Any) -> list[tuple[bytes, bytes]]:
     chunking named before the coding it wraps.  One header, the codings in the order they were applied
     and ``chunked`` last (RFC 9112 6.1), as Twisted 25 and later write it.
     """
-    pairs = list(pairs)
+    pairs: list[tuple[bytes, bytes]] = list(given)
     codings = [value for name, value in pairs if name.lower() == b"transfer-encoding"]
     if len(codings) < 2 or b"chunked" not in codings:
         return pairs

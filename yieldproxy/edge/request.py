@@ -13,7 +13,7 @@ come from here instead, before the resource sees anything:
 * a ``Host`` that is not valid UTF-8, or more than one, and a path that is not
   UTF-8 once percent-decoded, are 400s: Klein logs a traceback for each such
   request, and a client could fill the log with them;
-* a ``Host`` outside the listener's :class:`~yieldproxy.hosts.HostPolicy` is a
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`) is a
   403, so a web page cannot reach the listener through DNS rebinding.
 
 Form bodies are never parsed (a proxy forwards bodies as they are):
@@ -29,10 +29,6 @@ from urllib.parse import unquote_to_bytes
 from twisted.internet.address import UNIXAddress
 from twisted.web.http import parse_qs
 from twisted.web.server import Request
-
-from ..classify import api_family
-from ..errors import error_body
-from ..requestlog import log_request
 
 #: Retry-After, in seconds, of the 503 for a body refused because the receiving budget is used up.
 RECEIVING_RETRY_AFTER = 5
@@ -58,8 +54,6 @@ class ProxyRequest(Request):
     too_large = False
     #: Set once the body was refused because the listener's receiving budget is used up (a 503).
     receiving_full = False
-    #: Give the requests answered here their line in the request log (requestlog.py).
-    request_log = True
     #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
     #: what a ``notifyFinish`` errback did, without a Deferred more per request.
     handler = None
@@ -99,10 +93,10 @@ class ProxyRequest(Request):
             self.finish()
             return
         status, message, code = refusal
-        if self.request_log:
-            clock = self.channel.site.reactor
-            log_request(self, "passthrough", status, code, 0.0, 0, clock.seconds(), clock)
-        body = error_body(api_family(self.path or b""), status, message, code)
+        site = self.channel.site
+        if site.on_refused is not None:
+            site.on_refused(self, status, code)
+        body = site.error_body(self.path or b"", status, message, code)
         self.setResponseCode(status)
         if status == 405:
             self.setHeader(b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")

@@ -31,7 +31,7 @@ without bound, or forward anything it did not parse itself, so:
 * a connection that waits for its next request longer than the keep-alive
   timeout (the Site's ``timeout``) is closed;
 * form bodies are never parsed, and ``CONNECT`` is answered 405;
-* a ``Host`` outside the listener's :class:`~yieldproxy.hosts.HostPolicy`
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`)
   gets 403 (DNS rebinding);
 * at most ``connections.limit`` connections are open
   (:class:`~yieldproxy.edge.capacity.Connections`): past it, the oldest idle
@@ -53,8 +53,7 @@ from typing import Any, Callable
 
 from twisted.web.server import Request, Site
 
-from ..hosts import HostPolicy
-from .capacity import Connections, OverCapacity
+from .capacity import Connections, ErrorBody, OverCapacity, plain_error_body
 from .connection import LINGER_SECONDS, ServerConnection
 from .reader import Limits
 from .request import ProxyRequest
@@ -73,8 +72,11 @@ class ProxySite(Site):
     A body over ``max_body_bytes`` is not read: the request is answered by
     ``oversized(request)``, which sets the status and headers and returns the
     body (the proxy app's 413, counted in its metrics), or, without it, by a
-    plain 413 (the admin API).  ``request_log=False`` keeps the requests
-    answered by the listener itself out of the request log.
+    plain 413 (the admin API).  The answers the edge writes itself are in the
+    shape ``error_body`` gives (``{"error": ...}`` by default; the listeners
+    give errors.listener_error_body), and ``on_refused(request, status, code)``
+    hears of each request answered here without reaching the app (the proxy's
+    request log line).
 
     ``timeout`` (Twisted's) is the keep-alive timeout: how long a connection
     may wait for a request.  ``stall_timeout`` is how long a client may read
@@ -93,15 +95,19 @@ class ProxySite(Site):
         request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
         oversized: Callable[[Request], bytes] | None = None,
         receiving_full: Callable[[Request], bytes] | None = None,
-        request_log: bool = True,
         stall_timeout: float | None = None,
         connections: Connections | None = None,
-        host_policy: HostPolicy | None = None,
+        host_policy: Any = None,
         read_from_accept: bool = False,
+        error_body: ErrorBody = plain_error_body,
+        on_refused: Callable[[Request, int, str], None] | None = None,
         **kwargs,
     ):
-        request_class = type("BoundedProxyRequest", (ProxyRequest,), {"request_log": request_log})
-        super().__init__(resource, requestFactory=request_class, **kwargs)
+        super().__init__(resource, requestFactory=ProxyRequest, **kwargs)
+        #: The body of an answer the edge writes itself: ``error_body(path, status, message, code)``.
+        self.error_body = error_body
+        #: Told of each request answered here without reaching the app (None: nobody).
+        self.on_refused = on_refused
         #: The largest body read (a larger one is answered by ``oversized`` unread).
         self.max_body_bytes = max_body_bytes
         #: Seconds a client has to deliver a whole request (None: no limit).
@@ -109,6 +115,7 @@ class ProxySite(Site):
         #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
         self.stall_timeout = stall_timeout
         self.connections = connections
+        #: Which ``Host`` values it answers (a :class:`~yieldproxy.hosts.HostPolicy`; None: any).
         self.host_policy = host_policy
         #: The first request's read timeout counts from the accept, not from its first byte.
         self.read_from_accept = read_from_accept
@@ -125,7 +132,7 @@ class ProxySite(Site):
         ):
             # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
             promote = self.connection_for if connections.quick_seconds else None
-            return OverCapacity(connections, self.reactor, promote)
+            return OverCapacity(connections, self.reactor, promote, self.error_body)
         return self.connection_for(addr)
 
     def connection_for(self, addr: Any = None) -> ServerConnection:
