@@ -702,32 +702,34 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
 
 
 def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
-    """The stop's last step (drain.py): every connection not serving a request is closed (its transport writes
-    out what it still holds first: the 503s just written) and the stop waits for those closes; one whose request
-    is still being served is left alone.  The reactor's end would drop the buffered bytes: a bare close."""
+    """The stop's last step (drain.py): a connection whose answer bytes have not all reached its socket yet (the
+    503s just written) is closed once they are out, and the stop waits for that close; one with nothing left to
+    write, or whose request is still being served, is neither closed nor waited for.  The reactor's end would
+    drop the buffered bytes: a bare close."""
     from yieldproxy.edge.capacity import Connections
 
     connections = Connections(10)
 
     class Channel:
-        def __init__(self, serving: bool):
+        def __init__(self, unsent: bool, serving: bool = False):
+            self.unsent = unsent
             self.serving = serving
             self.closing = False
 
         def loseConnection(self):
             self.closing = True
 
-    answered, another, serving = Channel(False), Channel(False), Channel(True)
-    for channel in (answered, another, serving):
+    answered, another, written, serving = Channel(True), Channel(True), Channel(False), Channel(True, serving=True)
+    for channel in (answered, another, written, serving):
         connections.opened(channel)
     flushed = connections.flushed()
     assert not flushed.called
-    assert answered.closing and another.closing and not serving.closing
+    assert answered.closing and another.closing and not written.closing and not serving.closing
     connections.closed(answered)
     assert not flushed.called
     connections.closed(another)  # its bytes are out, its connection closed
     assert flushed.called
-    # Nothing left to close but what is served: at once.
+    # Nothing left to write: at once.
     assert connections.flushed().called
 
 

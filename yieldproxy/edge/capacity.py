@@ -145,16 +145,17 @@ class Connections:
                     del self._peers[host]
 
     def flushed(self) -> Deferred[None]:
-        """Close every connection that is not serving a request, and fire once they are closed (each
-        transport's ``loseConnection`` writes out what it still holds first).
+        """Fires once every connection holding answer bytes not yet written to its socket has written them
+        and closed (each is closed: its transport's ``loseConnection`` writes them first).
 
         The stop's last step: the process ends right after, and the reactor's end drops what a transport
         still buffers, so an answer written just before (the drain's 503s) would reach its client as a bare
-        close.  A connection whose request is still being served is left alone (its answer is not done)."""
+        close.  Connections with nothing left to write are not waited for, nor one whose request is still
+        being served (its answer is not done)."""
         waiter: Deferred[None] = Deferred()
         self._flushed.append(waiter)
         for channel in list(self._channels):
-            if not channel.serving:
+            if channel.unsent and not channel.serving:
                 self._flushing[channel] = None
         for channel in list(self._flushing):
             channel.loseConnection()

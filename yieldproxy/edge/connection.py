@@ -60,7 +60,6 @@ import enum
 import io
 from typing import Any
 
-from twisted.internet import tcp
 from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -80,6 +79,7 @@ from .reader import (
     RequestReader,
 )
 from .tcp import set_no_delay
+from .writer import writer_for
 
 log = Logger()
 
@@ -150,9 +150,8 @@ class ServerConnection(Protocol):
     __slots__ = (
         "site", "factory", "requestFactory", "connections", "state", "request", "persistent", "one_request",
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
-        "_deadline_kind", "_timer", "_write_blocked", "_producer", "_streaming", "_pull", "_reading_paused",
-        "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "_out",
-        "_flush_call", "_direct",
+        "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
+        "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
     )
 
     def __init__(self, site: Any):
@@ -182,8 +181,6 @@ class ServerConnection(Protocol):
         self._deadline: float | None = None
         self._deadline_kind: str | None = None
         self._timer: Any = None
-        #: The transport asked us to stop writing (its client reads nothing).
-        self._write_blocked = False
         #: The request's producer (what writes its answer) and whether it is a push producer.
         self._producer: Any = None
         self._streaming = True
@@ -196,11 +193,8 @@ class ServerConnection(Protocol):
         self._read_timeout = site.request_read_timeout or 0
         self._idle_timeout = site.stall_timeout or site.timeOut
         self._keepalive = site.timeOut
-        #: What was written and not yet sent (sent together: at the answer's end, or the reactor's next turn).
-        self._out: list[bytes] = []
-        self._flush_call: Any = None
-        #: Every byte written so far went out at once (:meth:`_flush`): the transport holds none of them.
-        self._direct = True
+        #: What writes to the transport, and knows whether the client has it all (writer.py); set at connectionMade.
+        self.writer: Any = None
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -230,7 +224,7 @@ class ServerConnection(Protocol):
         elif new is HANDLING or new is REFUSING:
             self._expect(None)
         elif new is WRITING:
-            self._expect("stall" if self._write_blocked else None, self._idle_timeout)
+            self._expect("stall" if self.writer.blocked else None, self._idle_timeout)
         elif new is LINGER:
             self._expect("linger", self.site.linger_seconds)
         elif new is CLOSING:
@@ -243,10 +237,8 @@ class ServerConnection(Protocol):
             pull, self._pull = self._pull, None
             if pull is not None and pull.active():
                 pull.cancel()
-            self._out = []
-            flush, self._flush_call = self._flush_call, None
-            if flush is not None and flush.active():
-                flush.cancel()
+            if self.writer is not None:
+                self.writer.drop()
 
     # -- deadlines: one timer per connection --------------------------------------------------
 
@@ -305,10 +297,7 @@ class ServerConnection(Protocol):
     def connectionMade(self) -> None:
         transport = self.transport
         set_no_delay(transport)
-        transport.registerProducer(self, True)
-        # Answers go out in one send on a TCP socket (:meth:`_flush`); any other transport (TLS, a unix
-        # socket, a test's) takes every write as it comes.
-        self._direct = isinstance(transport, tcp.Connection)
+        self.writer = writer_for(transport, self._clock, self._blocked, self._drained)
         if self.connections is not None:
             self.connections.opened(self)
         if self.site.read_from_accept and self._read_timeout:
@@ -342,7 +331,7 @@ class ServerConnection(Protocol):
         if state is CLOSED or state is CLOSING or state is LINGER:
             return
         self._to(CLOSING)
-        self._flush()
+        self.writer.release()
         self.transport.loseConnection()
 
     def getPeer(self) -> Any:
@@ -367,7 +356,12 @@ class ServerConnection(Protocol):
     @property
     def write_blocked(self) -> bool:
         """The client reads nothing for now: what is written waits in memory (forward.py registers then)."""
-        return self._write_blocked
+        return bool(self.writer is not None and self.writer.blocked)
+
+    @property
+    def unsent(self) -> bool:
+        """Bytes written that the client's socket has not taken yet (writer.py)."""
+        return bool(self.writer is not None and self.writer.unsent)
 
     @property
     def serving(self) -> bool:
@@ -452,8 +446,8 @@ class ServerConnection(Protocol):
             return
         self._to(BODY)
         if head.expect_continue and head.version == b"HTTP/1.1":
-            self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self._flush()
+            self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.writer.flush()
 
     def _body_data(self, data: bytes) -> None:
         size = self._body_size + len(data)
@@ -518,7 +512,7 @@ class ServerConnection(Protocol):
             "refused a request from {peer}: {status} {message}",
             peer=getattr(self.getPeer(), "host", None), status=status, message=message,
         )
-        self._send(
+        self.writer.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json; charset=utf-8\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, phrase, len(body), body)
         )
@@ -527,7 +521,7 @@ class ServerConnection(Protocol):
     def _linger(self) -> None:
         """Shut the write side once the answer is out and drop what still comes, so that the client
         reads our answer rather than a reset (closing a socket with unread input sends one)."""
-        self._flush()
+        self.writer.release()
         transport = self.transport
         lose_write = getattr(transport, "loseWriteConnection", None)
         self._resume_reading()
@@ -554,51 +548,13 @@ class ServerConnection(Protocol):
             for value in values:
                 parts.extend((name, b": ", value, b"\r\n"))
         parts.append(b"\r\n")
-        self._send(b"".join(parts))
+        self.writer.write(b"".join(parts))
 
     def write(self, data: bytes) -> None:
-        self._send(data)
+        self.writer.write(data)
 
     def writeSequence(self, data: Any) -> None:
-        self._send(b"".join(data))
-
-    def _send(self, data: bytes) -> None:
-        """Write ``data``: with what is written until the answer ends (or until the reactor's next turn, for
-        a streamed answer), in one send."""
-        if not self._direct:
-            self.transport.write(data)
-            return
-        self._out.append(data)
-        if self._flush_call is None:
-            self._flush_call = self._clock.callLater(0, self._flush)
-
-    def _flush(self) -> None:
-        """Send what waits at once, on a TCP socket whose every byte so far went out so.
-
-        A TCP transport buffers every write until the reactor's next turn finds the socket writable:
-        two ``epoll_ctl`` calls and a turn of the reactor before the ``send`` (more CPU than the rest of a
-        small answer's way).  So an answer goes out with one ``writeSomeData`` (the transport's own public
-        send), and only what the socket does not take is left to the transport; from then on every write
-        goes through it (it may still hold bytes, and a direct send would pass them).  TLS, a test's
-        transport, a closing connection: the transport's own way.
-        """
-        flush, self._flush_call = self._flush_call, None
-        if flush is not None and flush.active():
-            flush.cancel()
-        out = self._out
-        if not out:
-            return
-        self._out = []
-        data = out[0] if len(out) == 1 else b"".join(out)
-        transport = self.transport
-        if isinstance(transport, tcp.Connection) and transport.connected and not transport.disconnecting:
-            sent = transport.writeSomeData(data)
-            if isinstance(sent, int) and sent > 0:
-                if sent == len(data):
-                    return
-                data = data[sent:]
-        self._direct = False
-        transport.write(data)
+        self.writer.write(b"".join(data))
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         """The request's producer: paused while the client reads nothing, resumed when it reads again."""
@@ -607,7 +563,7 @@ class ServerConnection(Protocol):
         self._producer = producer
         self._streaming = streaming
         if streaming:
-            if self._write_blocked:
+            if self.writer.blocked:
                 producer.pauseProducing()
         else:
             self._schedule_pull()
@@ -621,30 +577,29 @@ class ServerConnection(Protocol):
     def _schedule_pull(self) -> None:
         """A pull producer (twisted.web.static.File) writes one piece per ``resumeProducing``: ask for the
         next on the next turn, while the client reads."""
-        if self._pull is None and not self._write_blocked and self.state is not CLOSED:
+        if self._pull is None and not self.writer.blocked and self.state is not CLOSED:
             self._pull = self._clock.callLater(0, self._pull_once)
 
     def _pull_once(self) -> None:
         self._pull = None
         producer = self._producer
-        if producer is not None and not self._streaming and not self._write_blocked:
+        if producer is not None and not self._streaming and not self.writer.blocked:
             producer.resumeProducing()
             if self._producer is producer:
                 self._schedule_pull()
 
-    # -- the transport's backpressure (this connection is its push producer) ------------------
+    # -- the client's pace (the writer hears it from the transport) ------------------------------
 
-    def pauseProducing(self) -> None:
+    def _blocked(self) -> None:
         """The client stopped reading: the request's producer waits, for the slow-reader bound at most."""
-        self._write_blocked = True
         if self.state is WRITING or self.state is HANDLING or self.state is REFUSING:
             self._expect("stall", self._idle_timeout)
         producer = self._producer
         if producer is not None and self._streaming:
             producer.pauseProducing()
 
-    def resumeProducing(self) -> None:
-        self._write_blocked = False
+    def _drained(self) -> None:
+        """The client read what waited: the request's producer goes on."""
         if self._deadline_kind == "stall":
             self._expect(None)
         producer = self._producer
@@ -653,9 +608,6 @@ class ServerConnection(Protocol):
                 producer.resumeProducing()
             else:
                 self._schedule_pull()
-
-    def stopProducing(self) -> None:
-        """The transport is going away: its ``connectionLost`` follows."""
 
     def _pause_reading(self) -> None:
         if not self._reading_paused:
@@ -674,7 +626,7 @@ class ServerConnection(Protocol):
         if request is not self.request:
             return
         self.request = None
-        self._flush()
+        self.writer.flush()
         if self.state is REFUSING:
             self._to(LINGER)
             self._linger()
