@@ -39,8 +39,8 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from .h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
-from .servers import BUSY, CALLER, GPU
 from .servers.ollama import SERVER as OLLAMA
+from .verdict import Reason, judged_reason, status_reason
 
 log = Logger()
 
@@ -66,8 +66,8 @@ _NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
 _ERROR_BODY_LIMIT = 64 * 1024
 #: Seconds an idle upstream connection is kept for reuse.
 IDLE_TIMEOUT = 60.0
-#: The metric reasons a connection-level failure keeps; any other is a ``reset``.
-_FAILURE_REASONS = frozenset({"refused", "connect", "timeout"})
+#: The reasons of the client's own failures (h1client's ``H1Error.reason``) an attempt keeps; any other is a ``reset``.
+_CLIENT_REASONS = {"refused": Reason.REFUSED, "connect": Reason.CONNECT, "timeout": Reason.TIMEOUT}
 
 
 @attrs.frozen
@@ -93,43 +93,31 @@ class UpstreamAnswer:
 class RetryableFailure(Exception):
     """The attempt failed before anything reached the client; it may be retried.
 
-    ``reason`` is a metric label: refused, connect, reset, timeout, status_502,
-    status_503, gpu_error, busy, unknown_error, caller_error (see
-    :func:`raise_judged`).  ``answer`` is the upstream's own answer when it
-    gave one (a 5xx), for the caller to relay if it gives up.
+    ``reason`` is a :class:`~yieldproxy.verdict.Reason` (a metric label).
+    ``answer`` is the upstream's own answer when it gave one (a 5xx), for the
+    caller to relay if it gives up; ``words``, what its server read in it
+    (``Server.judge``), for the verdict (yieldproxy/verdict.py).
     """
 
-    def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None):
+    def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None, words: str | None = None):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.answer = answer
-
-
-#: Reasons of a 5xx whose words the proxy does not take as a failure of the upstream by themselves:
-#: ``unknown_error`` (words no list has: the outage probe decides, and the caller gets the answer when
-#: the probe passes), ``caller_error`` (the server's words say the caller's input caused it: relayed at
-#: once). Both go back to the lot only while a hold covers the upstream (proxy.py).
-RELAYED_UNLESS_HELD = frozenset({"unknown_error", "caller_error"})
+        self.words = words
 
 
 def raise_judged(code: int, judged: str, detail: str, answer: UpstreamAnswer) -> None:
-    """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any.
-
-    A busy answer (429 or 503 in the server's busy words) is ``busy``; any
-    other 502/503 ``status_502``/``status_503``; the server's GPU words
-    ``gpu_error``; any other 5xx ``unknown_error`` or ``caller_error``
-    (:data:`RELAYED_UNLESS_HELD`).  A 4xx that is neither busy nor GPU is the
-    caller's: nothing is raised, it is relayed.
-    """
-    if judged == BUSY:
-        raise RetryableFailure("busy", f"upstream busy: {detail}", answer)
-    if code in (502, 503):
-        raise RetryableFailure(f"status_{code}", detail, answer)
-    if judged == GPU:
-        raise RetryableFailure("gpu_error", f"upstream GPU failure: {detail}", answer)
-    if code >= 500:
-        raise RetryableFailure("caller_error" if judged == CALLER else "unknown_error", detail, answer)
+    """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any
+    (:func:`~yieldproxy.verdict.judged_reason`); a 4xx that is the caller's raises nothing: it is relayed."""
+    reason = judged_reason(code, judged)
+    if reason is None:
+        return
+    if reason == Reason.BUSY:
+        detail = f"upstream busy: {detail}"
+    elif reason == Reason.GPU_ERROR:
+        detail = f"upstream GPU failure: {detail}"
+    raise RetryableFailure(reason, detail, answer, judged)
 
 
 class RelayBroken(Exception):
@@ -139,7 +127,7 @@ class RelayBroken(Exception):
     not be read on), or ``stall`` (nothing came for ``upstream.stall_timeout_seconds``).
     """
 
-    def __init__(self, detail: str, reason: str = "broken"):
+    def __init__(self, detail: str, reason: str = Reason.BROKEN):
         super().__init__(detail)
         self.reason = reason
 
@@ -323,10 +311,11 @@ class Upstream:
 def failure_reason(error: H1Error) -> str:
     """The metric reason of a request that got no complete answer: refused, connect, timeout,
     bad_answer (it could not be read: bad framing, a bare LF in a header) or reset."""
-    if error.reason in _FAILURE_REASONS:
-        return error.reason
+    kept = _CLIENT_REASONS.get(error.reason)
+    if kept is not None:
+        return kept
     # Named as a translated attempt's unreadable answer is.
-    return "bad_answer" if isinstance(error, BadResponse) else "reset"
+    return Reason.BAD_ANSWER if isinstance(error, BadResponse) else Reason.RESET
 
 
 def describe_failure(error: H1Error, url: str) -> str:
@@ -517,7 +506,7 @@ class Attempt:
         code = self._response.code
         if code in (502, 503) and self._retry_statuses:
             # Not read further: the client aborts the connection.
-            raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
+            raise RetryableFailure(status_reason(code), f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
         self._inspecting = False
         head, self._parts = b"".join(self._parts), []
         self.body_received(head)
@@ -539,17 +528,18 @@ class Attempt:
         self._abandon()
         error = failure.value
         url = self._upstream.url
-        if self._cut == "timeout":
+        if self._cut == Reason.TIMEOUT:
             if self._response is not None and self._last is None:
                 raise RetryableFailure(
-                    "timeout", f"upstream {url} sent the head of its answer but no byte of its body within {self._timeout:g}s"
+                    Reason.TIMEOUT,
+                    f"upstream {url} sent the head of its answer but no byte of its body within {self._timeout:g}s",
                 )
-            raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
-        if self._cut == "stall":
+            raise RetryableFailure(Reason.TIMEOUT, f"no answer from the upstream within {self._timeout:g}s")
+        if self._cut == Reason.STALL:
             detail = f"upstream {url} sent nothing for {self._stall:g}s in the middle of its answer (stalled)"
             if self._committed:
-                raise RelayBroken(detail, "stall")
-            raise RetryableFailure("stall", detail)
+                raise RelayBroken(detail, Reason.STALL)
+            raise RetryableFailure(Reason.STALL, detail)
         if not isinstance(error, H1Error):
             # The client left (CancelledError), the answer was judged (RetryableFailure,
             # ClientTooSlow), or a bug: as it is.
@@ -611,12 +601,12 @@ class Attempt:
         now = self._clock.seconds()
         committed = self._committed
         if not committed and now >= self._deadline:
-            self._end("timeout")
+            self._end(Reason.TIMEOUT)
             return
         stall = self._stall
         last = self._last
         if stall is not None and last is not None and now - last >= stall:
-            self._end("stall")
+            self._end(Reason.STALL)
             return
         due = None if committed else self._deadline
         if stall is not None:
@@ -629,7 +619,7 @@ class Attempt:
     def _end(self, why: str) -> None:
         """Cut the attempt: its upstream connection is aborted, and :meth:`_failed` says why."""
         self._cut = why
-        if why == "stall":
+        if why == Reason.STALL:
             log.warn(
                 "upstream {url} sent nothing for {seconds:g}s in the middle of an answer: ending the attempt",
                 url=self._upstream.url, seconds=self._stall,

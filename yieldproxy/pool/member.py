@@ -52,6 +52,7 @@ from ..replay import Replayer
 from ..servers import NOT_READY, UP
 from ..servers.base import ModelCall
 from ..state import YieldState
+from ..verdict import NOT_CONNECTED
 from .members import MemberSpec
 from .models import ModelCatalogue
 
@@ -198,7 +199,7 @@ class Member:
     def _attempt_result(self, reason: str | None) -> None:
         """Every attempt's result (a listener of its health): one that could not connect before it
         ever answered makes it read unreachable."""
-        if reason in ("refused", "connect") and not self.health.reachable:
+        if reason in NOT_CONNECTED and not self.health.reachable:
             self._not_there(reason)
 
     def _not_there(self, why: str) -> None:
