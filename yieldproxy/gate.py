@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from .config import ClassConfig
 from .metrics import Metrics
 from .names import LOADING_SOURCE, OUTAGE_SOURCE
-from .parking import Entry, ParkingLot, Refused
+from .parking import RELEASED, Entry, ParkingLot, Refused
 from .pool.routing import Pool
 from .state import YieldState
 
@@ -114,6 +114,7 @@ class Gate:
             member = pool.choose(entry)
             if member is not None:
                 entry.released_to = member.name
+                entry.move(RELEASED)
                 member.drainer.started()
                 return succeed(entry)
         cls = self._classes[entry.cls]
