@@ -4,7 +4,7 @@ Each machine is an enum, a table of the moves it may make, and one method that m
 raises on any other.  Every table is checked on its own, exhaustively (each pair of states: the
 move succeeds exactly when the table lists it), then each machine is walked through its life as
 the code drives it: an Attempt with a fake upstream client and request, a Member and an Entry on
-a Clock.
+a Clock.  The hold bound the gate and the lot share is checked at the end.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from yieldproxy.forward import (
 )
 from yieldproxy.h1client import ResponseIncomplete
 from yieldproxy.names import LOADING_SOURCE
-from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay
+from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
 from yieldproxy.verdict import Reason
 
@@ -403,3 +403,33 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
     d.addErrback(lambda f: f.trap(CancelledError))
     d.cancel()
     assert entry.state is LEFT and len(core.lot) == 0
+
+
+# -- the hold bound --------------------------------------------------------------------------------------
+
+
+def test_the_hold_bound_is_the_class_bound_or_the_callers_when_shorter():
+    assert hold_bound(30.0, None) == (30.0, False)
+    assert hold_bound(30.0, 10.0) == (10.0, True)
+    assert hold_bound(30.0, 0.0) == (0.0, True)
+    assert hold_bound(30.0, 30.0) == (30.0, False)
+    assert hold_bound(30.0, 60.0) == (30.0, False)
+
+
+@pytest.mark.parametrize("max_wait", [None, 5.0, 20.0, 60.0])
+def test_the_gate_refuses_exactly_what_the_lot_would_expire(max_wait):
+    """The gate's budget against a declared yield and the lot's deadline are one bound."""
+    hold = make_core().gate._classes["batch"].hold_seconds
+    bound, by_caller = hold_bound(hold, max_wait)
+    for declared, refused in ((bound, False), (bound + 1, True)):
+        core = make_core()
+        core.state.hold("api", "game", expected_seconds=declared)
+        entry = Entry(cls="batch", max_wait=max_wait)
+        if refused:
+            with pytest.raises(Refused) as caught:
+                core.gate.admit(entry)
+            assert caught.value.reason == "over_budget"
+            assert ("X-Yield-Max-Wait" in caught.value.message) is by_caller
+        else:
+            core.gate.admit(entry)
+            assert entry.state is PARKED and entry.deadline == bound and entry.bound_by_caller is by_caller

@@ -15,6 +15,8 @@ member it went to (``released_to``).
 Where an entry is, is one named state (:attr:`Entry.state`, :class:`Stay`),
 changed in one place along :data:`ENTRY_MOVES`: parked means
 :attr:`Stay.PARKED`, and the Deferred it waits on is what that state holds.
+How long it may stay is :func:`hold_bound`, the gate's budget and the lot's
+deadline alike.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ log = Logger()
 ROUTE_KINDS = ("embedding", "generation", "other")
 #: The lot's count (:meth:`ParkingLot.waiting_for`) of parked entries only standby members may take.
 STANDBY_ONLY = "*standby-only*"
+
+
+def hold_bound(class_seconds: float, max_wait: float | None) -> tuple[float, bool]:
+    """The longest a request may wait, and whether its caller set it: its class's hold bound, or the
+    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the gate's budget
+    against a declared yield, and the deadline the lot gives an entry when it first parks."""
+    if max_wait is not None and max_wait < class_seconds:
+        return max_wait, True
+    return class_seconds, False
 
 
 class Stay(enum.Enum):
@@ -382,9 +393,8 @@ class ParkingLot:
         now = self._clock.seconds()
         if entry.deadline is None:
             entry.first_parked = now
-            caller_bound = entry.max_wait if entry.max_wait is not None and entry.max_wait < hold_seconds else None
-            entry.bound_by_caller = caller_bound is not None
-            entry.deadline = now + (caller_bound if caller_bound is not None else hold_seconds)
+            bound, entry.bound_by_caller = hold_bound(hold_seconds, entry.max_wait)
+            entry.deadline = now + bound
         entry.move(PARKED)
         entry.was_parked = True
         entry.parked_at = now
