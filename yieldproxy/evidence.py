@@ -19,15 +19,16 @@ In this order, the first that applies:
    the failing model fails alone.
 4. The only model it is known to serve is the failing one: probe it (the
    GPU held it before; a single-model upstream has no other evidence).
-5. The connection itself failed (refused, could not connect, reset): probe
+5. The connection itself failed (refused, could not connect, reset:
+   :data:`~yieldproxy.verdict.CONNECTION_REASONS`): probe
    the health path; that says nothing about any model.
 6. Other models failed too, lately: probe the failing call itself; its
    failure is an outage (several models fail), its pass says it fails alone.
 7. Otherwise nothing is known: the failure is the call's own, no probe,
    nobody else parks (:data:`ALONE`).
 
-This is one step of the verdict a later change (issue 27) gathers into one
-pure function; it is kept apart so that step can take it as it is.
+It is the outage judge's table, apart from the verdict on a failed attempt
+(verdict.py): that verdict only says when to ask the judge.
 """
 
 from __future__ import annotations
@@ -38,14 +39,12 @@ import attrs
 
 from .names import canonical_model
 from .servers.base import ModelCall
+from .verdict import CONNECTION_REASONS
 
 #: Probe :attr:`Evidence.call` (None: the health path): a failure is an outage, a pass says the failure is the call's own.
 PROBE = "probe"
 #: Nothing is known about the GPU: the failure is the call's own, no probe.
 ALONE = "alone"
-#: Failures that say nothing about any model: the connection itself failed (refused, could not
-#: connect, reset).
-CONNECTION_REASONS = frozenset({"refused", "connect", "reset"})
 #: The models probed in turn while an outage hold lasts, at most (each probe may load its model).
 MAX_FOLLOW_UPS = 3
 

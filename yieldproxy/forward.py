@@ -26,6 +26,7 @@ bound is dropped (:class:`ClientTooSlow`) instead of pausing the upstream.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -39,8 +40,8 @@ from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from .h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
-from .servers import BUSY, CALLER, GPU
 from .servers.ollama import SERVER as OLLAMA
+from .verdict import Reason, judged_reason, status_reason
 
 log = Logger()
 
@@ -66,8 +67,8 @@ _NOT_RELAYED = HOP_BY_HOP | {b"content-length"}
 _ERROR_BODY_LIMIT = 64 * 1024
 #: Seconds an idle upstream connection is kept for reuse.
 IDLE_TIMEOUT = 60.0
-#: The metric reasons a connection-level failure keeps; any other is a ``reset``.
-_FAILURE_REASONS = frozenset({"refused", "connect", "timeout"})
+#: The reasons of the client's own failures (h1client's ``H1Error.reason``) an attempt keeps; any other is a ``reset``.
+_CLIENT_REASONS = {"refused": Reason.REFUSED, "connect": Reason.CONNECT, "timeout": Reason.TIMEOUT}
 
 
 @attrs.frozen
@@ -93,43 +94,31 @@ class UpstreamAnswer:
 class RetryableFailure(Exception):
     """The attempt failed before anything reached the client; it may be retried.
 
-    ``reason`` is a metric label: refused, connect, reset, timeout, status_502,
-    status_503, gpu_error, busy, unknown_error, caller_error (see
-    :func:`raise_judged`).  ``answer`` is the upstream's own answer when it
-    gave one (a 5xx), for the caller to relay if it gives up.
+    ``reason`` is a :class:`~yieldproxy.verdict.Reason` (a metric label).
+    ``answer`` is the upstream's own answer when it gave one (a 5xx), for the
+    caller to relay if it gives up; ``words``, what its server read in it
+    (``Server.judge``), for the verdict (yieldproxy/verdict.py).
     """
 
-    def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None):
+    def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None, words: str | None = None):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.answer = answer
-
-
-#: Reasons of a 5xx whose words the proxy does not take as a failure of the upstream by themselves:
-#: ``unknown_error`` (words no list has: the outage probe decides, and the caller gets the answer when
-#: the probe passes), ``caller_error`` (the server's words say the caller's input caused it: relayed at
-#: once). Both go back to the lot only while a hold covers the upstream (proxy.py).
-RELAYED_UNLESS_HELD = frozenset({"unknown_error", "caller_error"})
+        self.words = words
 
 
 def raise_judged(code: int, judged: str, detail: str, answer: UpstreamAnswer) -> None:
-    """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any.
-
-    A busy answer (429 or 503 in the server's busy words) is ``busy``; any
-    other 502/503 ``status_502``/``status_503``; the server's GPU words
-    ``gpu_error``; any other 5xx ``unknown_error`` or ``caller_error``
-    (:data:`RELAYED_UNLESS_HELD`).  A 4xx that is neither busy nor GPU is the
-    caller's: nothing is raised, it is relayed.
-    """
-    if judged == BUSY:
-        raise RetryableFailure("busy", f"upstream busy: {detail}", answer)
-    if code in (502, 503):
-        raise RetryableFailure(f"status_{code}", detail, answer)
-    if judged == GPU:
-        raise RetryableFailure("gpu_error", f"upstream GPU failure: {detail}", answer)
-    if code >= 500:
-        raise RetryableFailure("caller_error" if judged == CALLER else "unknown_error", detail, answer)
+    """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any
+    (:func:`~yieldproxy.verdict.judged_reason`); a 4xx that is the caller's raises nothing: it is relayed."""
+    reason = judged_reason(code, judged)
+    if reason is None:
+        return
+    if reason == Reason.BUSY:
+        detail = f"upstream busy: {detail}"
+    elif reason == Reason.GPU_ERROR:
+        detail = f"upstream GPU failure: {detail}"
+    raise RetryableFailure(reason, detail, answer, judged)
 
 
 class RelayBroken(Exception):
@@ -139,7 +128,7 @@ class RelayBroken(Exception):
     not be read on), or ``stall`` (nothing came for ``upstream.stall_timeout_seconds``).
     """
 
-    def __init__(self, detail: str, reason: str = "broken"):
+    def __init__(self, detail: str, reason: str = Reason.BROKEN):
         super().__init__(detail)
         self.reason = reason
 
@@ -323,10 +312,11 @@ class Upstream:
 def failure_reason(error: H1Error) -> str:
     """The metric reason of a request that got no complete answer: refused, connect, timeout,
     bad_answer (it could not be read: bad framing, a bare LF in a header) or reset."""
-    if error.reason in _FAILURE_REASONS:
-        return error.reason
+    kept = _CLIENT_REASONS.get(error.reason)
+    if kept is not None:
+        return kept
     # Named as a translated attempt's unreadable answer is.
-    return "bad_answer" if isinstance(error, BadResponse) else "reset"
+    return Reason.BAD_ANSWER if isinstance(error, BadResponse) else Reason.RESET
 
 
 def describe_failure(error: H1Error, url: str) -> str:
@@ -336,6 +326,66 @@ def describe_failure(error: H1Error, url: str) -> str:
     if error.reason == "connect":
         return f"upstream {url} unreachable: {error}"
     return f"upstream {url}: {error}"
+
+
+# -- an attempt's states ---------------------------------------------------------------------------
+
+
+class Answer(enum.Enum):
+    """Where an attempt's answer is (:attr:`Attempt.state`)."""
+
+    #: Nothing of it reached the client yet: what comes is relayed as it comes.
+    AWAITING = "awaiting"
+    #: An error answer, read whole to judge it before anything reaches the client.
+    JUDGING = "judging"
+    #: Its status and headers are the client's: a failure from here ends the answer, never a retry.
+    RELAYING = "relaying"
+    #: The upstream's part is over: answered, failed, or judged.
+    ENDED = "ended"
+
+
+class Client(enum.Enum):
+    """How what an attempt writes reaches its client (:attr:`Attempt.client`)."""
+
+    #: It goes out as it is written (the attempt is not the client's producer).
+    OPEN = "open"
+    #: The client's transport is full: the attempt is its producer, and what it writes waits in
+    #: memory, counted in :class:`ClientBuffers`.
+    PAUSED = "paused"
+    #: Still its producer; everything written so far has gone out.
+    RESUMED = "resumed"
+    #: The client went away, or was dropped for reading too slowly: nothing more is written.
+    GONE = "gone"
+
+
+AWAITING, JUDGING, RELAYING, ENDED = Answer.AWAITING, Answer.JUDGING, Answer.RELAYING, Answer.ENDED
+OPEN, PAUSED, RESUMED, GONE = Client.OPEN, Client.PAUSED, Client.RESUMED, Client.GONE
+
+#: Every move an attempt's answer may make; any other is a bug (:meth:`Attempt._to` raises).
+ANSWER_MOVES: dict[Answer, frozenset[Answer]] = {
+    # An error head; the first byte relayed (or an empty answer); an end before either.
+    AWAITING: frozenset({JUDGING, RELAYING, ENDED}),
+    # Too long to judge (relayed as any answer, from what was read); relayed whole, unjudged; judged.
+    JUDGING: frozenset({AWAITING, RELAYING, ENDED}),
+    RELAYING: frozenset({ENDED}),
+    ENDED: frozenset(),
+}
+#: Every move of the client's side; any other is a bug (:meth:`Attempt._client_to` raises).
+CLIENT_MOVES: dict[Client, frozenset[Client]] = {
+    # Registered as its producer (a full transport); gone before that (no channel, a failed registration).
+    OPEN: frozenset({PAUSED, GONE}),
+    # Resumed; unregistered (drained, abandoned, or before it is dropped or told it is gone).
+    PAUSED: frozenset({RESUMED, OPEN}),
+    RESUMED: frozenset({PAUSED, OPEN}),
+    GONE: frozenset(),
+}
+
+
+def _write_blocked(channel) -> bool:
+    """Whether the client's transport is full (what is written waits in memory): the response writer says
+    (the listener's ``ServerConnection.write_blocked``: edge/writer.py); a channel that does not tell (a
+    test's StubTreq, a plain Site's) is taken as never full."""
+    return bool(getattr(channel, "write_blocked", False))
 
 
 @implementer(IPushProducer)
@@ -376,6 +426,12 @@ class Attempt:
     leaves before then is cancelled by Klein (its connection's end cancels the
     handler).  It stays the producer after the upstream has finished, until
     the client has taken the rest.
+
+    States, each changed in one place and only along its table: the answer's
+    (:attr:`state`, :data:`ANSWER_MOVES`) and the client's side
+    (:attr:`client`, :data:`CLIENT_MOVES`).  Whether the answer has started,
+    which decides whether a failure may still be retried, is the response
+    writer's to say (:meth:`_answer_started`).
     """
 
     def __init__(
@@ -417,17 +473,38 @@ class Attempt:
         self._pending: Deferred | None = None
         self.status: int | None = None
         self._response: Response | None = None
-        #: Reading an error body to judge it (nothing reached the client yet).
-        self._inspecting = False
+        #: Where the answer is (:data:`ANSWER_MOVES`).
+        self.state = AWAITING
+        #: How what is written reaches the client (:data:`CLIENT_MOVES`).
+        self.client = OPEN
+        #: An error body being judged, and its size.
         self._parts: list[bytes] = []
         self._size = 0
-        self._committed = False
-        self._client_gone = False
         #: Bytes written since the client's transport paused us, counted in ``buffers``.
         self._buffered = 0
-        self._registered = False
-        self._paused = False
         self._drained: Deferred | None = None
+
+    def _to(self, new: Answer) -> None:
+        """The answer moves to ``new``: the one place it does, along :data:`ANSWER_MOVES`."""
+        if new not in ANSWER_MOVES[self.state]:
+            raise RuntimeError(f"an attempt's answer cannot go from {self.state.value} to {new.value}")
+        self.state = new
+
+    def _client_to(self, new: Client) -> None:
+        """The client's side moves to ``new``: the one place it does, along :data:`CLIENT_MOVES`."""
+        if new not in CLIENT_MOVES[self.client]:
+            raise RuntimeError(f"an attempt's client cannot go from {self.client.value} to {new.value}")
+        self.client = new
+
+    def _answer_started(self) -> bool:
+        """Whether the answer's first byte is the client's: from then on a failure ends the answer, never a retry.
+
+        The response writer says (the listener's ``ServerConnection.answer_started``); a channel
+        that does not tell (Twisted's ``HTTPChannel``, a test's StubTreq), or none (the client is
+        gone), leaves it to the attempt's own state.
+        """
+        started = getattr(self._request.channel, "answer_started", None)
+        return self.state is RELAYING if started is None else started
 
     def run(self) -> Deferred:
         request = self._request
@@ -455,7 +532,7 @@ class Attempt:
         Then :meth:`client_drained` would fire at once; checking first spares
         the caller a Deferred and a turn of its coroutine on every request.
         """
-        if self._client_gone or self._buffered == 0:
+        if self.client is GONE or self._buffered == 0:
             self._abandon()
             return True
         return False
@@ -476,36 +553,37 @@ class Attempt:
         code = response.code
         # Any error status may be a GPU failure in its server's words (TEI's is a 424).
         if code >= 500 or (code >= 400 and self._retry_statuses):
-            self._inspecting = True
+            self._to(JUDGING)
 
     def body_received(self, data: bytes) -> None:
         # The stall timer reads it when it fires: one clock read per piece, no timer touched.
         self._last = self._clock.seconds()
-        if self._inspecting:
+        state = self.state
+        if state is JUDGING:
             self._parts.append(data)
             self._size += len(data)
             if self._size >= _ERROR_BODY_LIMIT:
                 self._judge_long()
             return
-        if self._client_gone:
+        client = self.client
+        if client is GONE:
             return
         request = self._request
-        if not self._registered:
+        if client is OPEN:
             channel = request.channel
             if channel is None:
-                self._client_gone = True  # the cancel follows
+                self._client_to(GONE)  # the cancel follows
                 return
-            if getattr(channel, "write_blocked", False):
-                # The client's transport is full: from here on, what is written waits in memory
-                # (edge/connection.py: the connection is its transport's producer).
+            if _write_blocked(channel):
+                # The client's transport is full: from here on, what is written waits in memory.
                 self._register()
-        if not self._committed:
+        if state is AWAITING:
             # The answer is about to reach the client: from here on, no retry and no
             # attempt timeout (the stall timeout still runs).
-            self._committed = True
+            self._to(RELAYING)
             assert self._response is not None  # the body comes after the response
             self._commit(self._response)
-        if self._paused and self._buffers is not None:
+        if self.client is PAUSED and self._buffers is not None:
             if not self._buffers.take(len(data), self._buffered):
                 self._drop(len(data))
             self._buffered += len(data)
@@ -517,8 +595,8 @@ class Attempt:
         code = self._response.code
         if code in (502, 503) and self._retry_statuses:
             # Not read further: the client aborts the connection.
-            raise RetryableFailure(f"status_{code}", f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
-        self._inspecting = False
+            raise RetryableFailure(status_reason(code), f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
+        self._to(AWAITING)  # relayed as any answer is, from what was read
         head, self._parts = b"".join(self._parts), []
         self.body_received(head)
 
@@ -527,37 +605,49 @@ class Attempt:
     def _answered(self, response: Response) -> int:
         """The upstream's answer is complete."""
         self._disarm()
-        if self._inspecting:
-            return self._whole_error(response, b"".join(self._parts))
-        if not self._committed and not self._client_gone:
-            self._committed = True
-            self._commit(response)  # an empty body
-        return response.code
+        try:
+            state = self.state
+            if state is JUDGING:
+                return self._whole_error(response, b"".join(self._parts))
+            if state is AWAITING and self.client is not GONE:
+                self._to(RELAYING)
+                self._commit(response)  # an empty body
+            return response.code
+        finally:
+            self._to(ENDED)
 
     def _failed(self, failure):
         self._disarm()
         self._abandon()
+        try:
+            return self._why(failure)
+        finally:
+            self._to(ENDED)
+
+    def _why(self, failure):
+        """What the attempt's failure is for its caller: retryable while nothing reached the client, else broken."""
         error = failure.value
         url = self._upstream.url
-        if self._cut == "timeout":
+        if self._cut == Reason.TIMEOUT:
             if self._response is not None and self._last is None:
                 raise RetryableFailure(
-                    "timeout", f"upstream {url} sent the head of its answer but no byte of its body within {self._timeout:g}s"
+                    Reason.TIMEOUT,
+                    f"upstream {url} sent the head of its answer but no byte of its body within {self._timeout:g}s",
                 )
-            raise RetryableFailure("timeout", f"no answer from the upstream within {self._timeout:g}s")
-        if self._cut == "stall":
+            raise RetryableFailure(Reason.TIMEOUT, f"no answer from the upstream within {self._timeout:g}s")
+        if self._cut == Reason.STALL:
             detail = f"upstream {url} sent nothing for {self._stall:g}s in the middle of its answer (stalled)"
-            if self._committed:
-                raise RelayBroken(detail, "stall")
-            raise RetryableFailure("stall", detail)
+            if self._answer_started():
+                raise RelayBroken(detail, Reason.STALL)
+            raise RetryableFailure(Reason.STALL, detail)
         if not isinstance(error, H1Error):
             # The client left (CancelledError), the answer was judged (RetryableFailure,
             # ClientTooSlow), or a bug: as it is.
             return failure
-        if self._inspecting:
+        if self.state is JUDGING:
             # The connection ended part-way through an error body: what came is the body.
             return self._whole_error(self._response, b"".join(self._parts))
-        if self._committed:
+        if self._answer_started():
             raise RelayBroken(describe_failure(error, url))
         raise RetryableFailure(failure_reason(error), describe_failure(error, url))
 
@@ -568,6 +658,7 @@ class Attempt:
             answer = UpstreamAnswer(code, response.phrase, response.headers, body, codings=response.codings)
             judged = self._judge(code, body)
             raise_judged(code, judged, f"upstream answered {code}: {_snippet(body)}", answer)
+        self._to(RELAYING)
         self._commit(response)
         if response.codings is None:
             self._request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
@@ -609,14 +700,14 @@ class Attempt:
         """
         self._timer = None
         now = self._clock.seconds()
-        committed = self._committed
+        committed = self._answer_started()
         if not committed and now >= self._deadline:
-            self._end("timeout")
+            self._end(Reason.TIMEOUT)
             return
         stall = self._stall
         last = self._last
         if stall is not None and last is not None and now - last >= stall:
-            self._end("stall")
+            self._end(Reason.STALL)
             return
         due = None if committed else self._deadline
         if stall is not None:
@@ -629,7 +720,7 @@ class Attempt:
     def _end(self, why: str) -> None:
         """Cut the attempt: its upstream connection is aborted, and :meth:`_failed` says why."""
         self._cut = why
-        if why == "stall":
+        if why == Reason.STALL:
             log.warn(
                 "upstream {url} sent nothing for {seconds:g}s in the middle of an answer: ending the attempt",
                 url=self._upstream.url, seconds=self._stall,
@@ -639,12 +730,17 @@ class Attempt:
 
     # -- IPushProducer, for the client's transport ----------------------------------------
 
+    # Called by the client's transport, in whatever state it finds the attempt: each moves only
+    # where its move applies.
+
     def pauseProducing(self) -> None:
-        self._paused = True
+        if self.client is RESUMED:
+            self._client_to(PAUSED)
 
     def resumeProducing(self) -> None:
         """Everything written so far has gone out to the client."""
-        self._paused = False
+        if self.client is PAUSED:
+            self._client_to(RESUMED)
         self._give_back()
         if self._drained is not None:
             d, self._drained = self._drained, None
@@ -653,8 +749,9 @@ class Attempt:
 
     def stopProducing(self) -> None:
         """The client's connection is gone: the upstream's work is of no use any more."""
-        self._client_gone = True
         self._abandon()
+        if self.client is not GONE:
+            self._client_to(GONE)
         if self._response is not None:
             self._response.stopProducing()  # nothing once the exchange is over
 
@@ -664,17 +761,16 @@ class Attempt:
             self._request.registerProducer(self, True)
         except Exception:
             # The client is already gone (no channel); the cancel will follow.
-            self._client_gone = True
+            self._client_to(GONE)
             return
-        self._registered = True
-        self._paused = True
+        self._client_to(PAUSED)
 
     def _drop(self, size: int) -> None:
         """Past a buffer bound: raise :class:`ClientTooSlow` into the client (it aborts the upstream)."""
         waiting = self._buffered + size
         assert self._buffers is not None  # only a bounded client drops
-        self._client_gone = True
         self._abandon()
+        self._client_to(GONE)
         raise ClientTooSlow(
             f"the client read too slowly: {waiting} bytes of its answer would wait in the proxy "
             f"(bounds: {self._buffers.per_response} per answer, {self._buffers.total} in all)"
@@ -691,8 +787,8 @@ class Attempt:
         self._buffered = 0
 
     def _unregister(self) -> None:
-        if self._registered:
-            self._registered = False
+        if self.client is PAUSED or self.client is RESUMED:
+            self._client_to(OPEN)
             try:
                 self._request.unregisterProducer()
             except Exception:

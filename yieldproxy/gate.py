@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from .config import ClassConfig
 from .metrics import Metrics
 from .names import LOADING_SOURCE, OUTAGE_SOURCE
-from .parking import Entry, ParkingLot, Refused
+from .parking import RELEASED, Entry, ParkingLot, Refused, hold_bound
 from .pool.routing import Pool
 from .state import YieldState
 
@@ -114,6 +114,7 @@ class Gate:
             member = pool.choose(entry)
             if member is not None:
                 entry.released_to = member.name
+                entry.move(RELEASED)
                 member.drainer.started()
                 return succeed(entry)
         cls = self._classes[entry.cls]
@@ -246,11 +247,11 @@ class Gate:
         if end is None:
             return
         remaining = end - self._clock.seconds()
-        budget = cls.hold_seconds if entry.max_wait is None else min(cls.hold_seconds, entry.max_wait)
+        budget, by_caller = hold_bound(cls.hold_seconds, entry.max_wait)
         if remaining <= budget:
             return
         self._metrics.rejected_total.labels(entry.cls, "over_budget").inc()
-        if entry.max_wait is not None and entry.max_wait < cls.hold_seconds:
+        if by_caller:
             why = (
                 f"wait longer than your X-Yield-Max-Wait: the GPU is expected back in "
                 f"{remaining:.0f}s, you allow {entry.max_wait:g}s"

@@ -11,11 +11,18 @@ pool/routing.py), each taking only the entries its member may serve now.
 :meth:`ParkingLot.release_next` takes that choice as a predicate and keeps
 the one drain order for every member; the entry it lets out says which
 member it went to (``released_to``).
+
+Where an entry is, is one named state (:attr:`Entry.state`, :class:`Stay`),
+changed in one place along :data:`ENTRY_MOVES`: parked means
+:attr:`Stay.PARKED`, and the Deferred it waits on is what that state holds.
+How long it may stay is :func:`hold_bound`, the gate's budget and the lot's
+deadline alike.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import heapq
 import math
 from typing import Callable
@@ -35,6 +42,42 @@ log = Logger()
 ROUTE_KINDS = ("embedding", "generation", "other")
 #: The lot's count (:meth:`ParkingLot.waiting_for`) of parked entries only standby members may take.
 STANDBY_ONLY = "*standby-only*"
+
+
+def hold_bound(class_seconds: float, max_wait: float | None) -> tuple[float, bool]:
+    """The longest a request may wait, and whether its caller set it: its class's hold bound, or the
+    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the gate's budget
+    against a declared yield, and the deadline the lot gives an entry when it first parks."""
+    if max_wait is not None and max_wait < class_seconds:
+        return max_wait, True
+    return class_seconds, False
+
+
+class Stay(enum.Enum):
+    """Where an entry is (:attr:`Entry.state`)."""
+
+    #: Admitted by nobody yet.
+    NEW = "new"
+    #: In the lot: its Deferred waits for a release.
+    PARKED = "parked"
+    #: Let out to a member (by its drainer, or by the gate at once): its attempt runs there.
+    RELEASED = "released"
+    #: Out of the lot with no member: expired, abandoned, refused at shutdown, or handed over.
+    LEFT = "left"
+
+
+NEW, PARKED, RELEASED, LEFT = Stay.NEW, Stay.PARKED, Stay.RELEASED, Stay.LEFT
+
+#: Every move an entry may make; any other is a bug (:meth:`Entry.move` raises).
+ENTRY_MOVES: dict[Stay, frozenset[Stay]] = {
+    # It parks, or goes at once to the member the gate chose.
+    NEW: frozenset({PARKED, RELEASED}),
+    # A drainer lets it out; it expires, its client leaves, the proxy stops, or it is handed over.
+    PARKED: frozenset({RELEASED, LEFT}),
+    # Its attempt failed: back to its place in the lot.
+    RELEASED: frozenset({PARKED}),
+    LEFT: frozenset(),
+}
 
 
 @attrs.frozen
@@ -99,12 +142,21 @@ class Entry:
     routing: Routing | None = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
+    #: Where it is (:data:`ENTRY_MOVES`).
+    state: Stay = attrs.field(default=NEW, init=False)
+    #: What it waits on while :attr:`Stay.PARKED`.
     _deferred: Deferred[Entry] | None = None
     #: The lot it is parked in (its Deferred's canceller reaches the lot through it).
     _lot: ParkingLot | None = None
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    def move(self, new: Stay) -> None:
+        """It moves to ``new``: the one place it does (the lot's and the gate's moves), along :data:`ENTRY_MOVES`."""
+        if new not in ENTRY_MOVES[self.state]:
+            raise RuntimeError(f"a {self.cls} request cannot go from {self.state.value} to {new.value}")
+        self.state = new
 
     @property
     def eligible(self) -> tuple[str, ...]:
@@ -170,8 +222,9 @@ class HandedOver(Exception):
         self.take = take
 
 
-def _take_deferred(entry: Entry) -> Deferred[Entry]:
-    """The Deferred a parked entry waits on, taken from it as it leaves the lot."""
+def _take_deferred(entry: Entry, to: Stay) -> Deferred[Entry]:
+    """The Deferred a parked entry waits on, taken from it as it leaves the lot for ``to``."""
+    entry.move(to)
     d = entry._deferred
     assert d is not None
     entry._deferred = None
@@ -340,9 +393,9 @@ class ParkingLot:
         now = self._clock.seconds()
         if entry.deadline is None:
             entry.first_parked = now
-            caller_bound = entry.max_wait if entry.max_wait is not None and entry.max_wait < hold_seconds else None
-            entry.bound_by_caller = caller_bound is not None
-            entry.deadline = now + (caller_bound if caller_bound is not None else hold_seconds)
+            bound, entry.bound_by_caller = hold_bound(hold_seconds, entry.max_wait)
+            entry.deadline = now + bound
+        entry.move(PARKED)
         entry.was_parked = True
         entry.parked_at = now
         entry.released_to = None
@@ -350,7 +403,7 @@ class ParkingLot:
         entry._deferred = Deferred(canceller=entry._cancelled)
         if not self._expiring and len(self._deadlines) > 2 * self._count + 64:
             # Mostly entries that left: keep the heap to about the parked count.
-            self._deadlines = [item for item in self._deadlines if item[2]._deferred is not None]
+            self._deadlines = [item for item in self._deadlines if item[2].state is PARKED]
             heapq.heapify(self._deadlines)
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         self._arm()
@@ -394,7 +447,7 @@ class ParkingLot:
         entry = heads[cls]
         entry.released_to = target
         self._leave(entry)
-        d = _take_deferred(entry)
+        d = _take_deferred(entry, RELEASED)
         self._tell_out(entry)
         d.callback(entry)
         self._tell_empty()
@@ -467,7 +520,7 @@ class ParkingLot:
         if self._expiring:
             return  # :meth:`_expire_due` re-arms when it is done
         heap = self._deadlines
-        while heap and heap[0][2]._deferred is None:
+        while heap and heap[0][2].state is not PARKED:
             heapq.heappop(heap)
         soonest = heap[0][0] if heap else math.inf
         if self._timer is not None:
@@ -490,7 +543,7 @@ class ParkingLot:
         try:
             while self._deadlines and self._deadlines[0][0] <= limit:
                 _, _, entry = heapq.heappop(self._deadlines)
-                if entry._deferred is not None:
+                if entry.state is PARKED:
                     self._expire(entry)
         finally:
             self._expiring = False
@@ -508,7 +561,7 @@ class ParkingLot:
 
     def _fail(self, entry: Entry, refusal: Refused) -> None:
         self._leave(entry)
-        d = _take_deferred(entry)
+        d = _take_deferred(entry, LEFT)
         self._tell_out(entry)
         d.errback(refusal)
         self._tell_empty()
@@ -517,20 +570,20 @@ class ParkingLot:
         """Take ``entry`` out without an answer: its Deferred fails with :class:`HandedOver`, whose waiter
         gives ``take`` the request (it goes, with its client's connection, to the process that replaced
         this one)."""
-        if entry._deferred is None:
+        if entry.state is not PARKED:
             return
         self._leave(entry)
-        d = _take_deferred(entry)
+        d = _take_deferred(entry, LEFT)
         self._tell_out(entry)
         d.errback(HandedOver(take))
         self._tell_empty()
 
     def _abandon(self, entry: Entry) -> None:
         """Canceller: the client went away while parked."""
-        if entry._deferred is None:
+        if entry.state is not PARKED:
             return
         self._leave(entry)
-        d = _take_deferred(entry)
+        d = _take_deferred(entry, LEFT)
         self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))

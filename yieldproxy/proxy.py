@@ -48,7 +48,6 @@ from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
 from .edge.site import ProxySite
 from .errors import listener_error_body, stream_error_chunk, write_error
 from .forward import (
-    RELAYED_UNLESS_HELD,
     Attempt,
     ClientBuffers,
     ClientTooSlow,
@@ -69,10 +68,11 @@ from .pool.rename import renamed_body
 from .pool.routing import Pool
 from .proxyresource import ProxyResource
 from .requestlog import CLIENT_GONE, log_request
-from .servers import NOT_READY, ModelCall
+from .servers import ModelCall
 from .target import BadTarget, Target, parse_target
 from .translate import Untranslatable, parse_request
 from .translated import TranslatedAttempt
+from .verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
 
 log = Logger()
 
@@ -444,14 +444,14 @@ class ProxyApp:
             except RetryableFailure as retryable:
                 # An answer that may yet be the caller's (relayed unless a hold or a probe explains it)
                 # does not slow the replay down.
-                failed = retryable.reason not in RELAYED_UNLESS_HELD
+                failed = slows_replay(retryable.reason)
                 failure = retryable
                 outcome = retryable.reason
             except RelayBroken as broken:
                 failed = True
                 outcome = broken.reason
-                if broken.reason == "stall":
-                    self._metrics.upstream_failures_total.labels(entry.cls, "stall").inc()
+                if broken.reason == Reason.STALL:
+                    self._metrics.upstream_failures_total.labels(entry.cls, Reason.STALL).inc()
                 self._outcome(entry, "upstream_error")
                 self._log(request, entry.cls, request.code, "upstream_error", entry, entry.tries + 1)
                 return await self._broken(request, entry.api, str(broken))
@@ -472,15 +472,9 @@ class ProxyApp:
                 self._gate.finished(failed=failed, seconds=elapsed, member=entry.released_to)
                 self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
                 # A 5xx that may yet be the caller's is counted once judged (below): ``ok`` when relayed.
-                judged_later = failure is not None and failure.reason in RELAYED_UNLESS_HELD and not member.spec.fallback
-                if not judged_later:
+                later = failure is not None and judged_later(failure.reason, member.spec.fallback)
+                if not later:
                     self._attempt_ended(member, entry, outcome)
-            if failure is not None and member.spec.fallback:
-                # The fallback's errors are never shown: back to its place in the lot, not counted
-                # against the request, and not given to the fallback again (pool/routing.py).
-                entry.failed_on = member.name
-                entry.forgiven += 1
-                continue
             if failure is not None:
                 ended = "abandoned"
                 try:
@@ -489,7 +483,7 @@ class ProxyApp:
                     )
                     ended = failure.reason if answered is _RETRY else "ok"
                 finally:
-                    if judged_later:
+                    if later:
                         self._attempt_ended(member, entry, ended)
                 if answered is not _RETRY:
                     return answered
@@ -553,118 +547,120 @@ class ProxyApp:
         self, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure, max_attempts: int,
         member: Member, busy_on: set[str] | None = None, extra=(),
     ):
-        """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now.
+        """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now, as the verdict says.
 
-        **While a hold covers the member** (a yield declared by any source,
-        or the ``outage`` hold), any failure of the attempt (a 5xx in any
-        words, a reset, a refused connection, a timeout, an answer cut before
-        it reached the client) goes back to its place in the lot, not counted
-        against ``upstream.max_attempts``: the yield explains it, and only the
-        operator (or a failing probe) can declare one.  A caller's own 4xx
-        never comes here: it is relayed.  The normal judgement below applies
-        again once the hold has ended.
-
-        Otherwise the upstream's health judges the failure (its outage
-        watcher, while it runs): when a recognised outage explains it (a
-        probe of a model the upstream is known to serve, whose text the proxy
-        chooses, failed too: evidence.py), the attempt is not counted and the
-        request parks behind the hold.  A request that fails alone (its own
-        input, or its own model, is the cause) ends after
-        ``upstream.max_attempts``, with the upstream's own answer when it gave
-        one, or a 502/504 naming its model when the watcher judged that model
-        failing alone (failing.py); a 5xx in words no list has
-        (``unknown_error``) gets the upstream's answer at once when no outage
-        explains it, and one in words that say the caller caused it
-        (``caller_error``) without a probe.
-
-        A *busy* answer (the server's own busy words, a 429 or 503) is not a
-        failure: when another eligible member that has not answered this
-        request busy may take it now, it does, uncounted; with none, a 429 is
-        relayed (with its own ``Retry-After``) and a 503 is judged as any 503.
-
-        An answer the member's server reads as *not ready* (llama.cpp's 503
-        "Loading model") is neither: the member is not ready (pool/member.py:
-        passed over until its health reads up), no outage is probed, and the
-        request goes back to its place in the lot uncounted, where another
-        eligible member may take it, or it waits up to its class's bound.
+        The verdict (yieldproxy/verdict.py, its table in its docstring) is
+        the policy; this gathers the facts it rests on, asks for the ones it
+        asks for (the pool, when an answer said busy; the outage judge, the
+        member's health, which may probe), and does what it returns: the
+        counts, the log lines and the answer.  In short: while a hold covers
+        the member any failure goes back to its place in the lot uncounted;
+        a member not ready is passed over uncounted; a busy answer goes to
+        another member that may take it now; an outage the judge recognises
+        parks the request behind its hold uncounted; a request that fails
+        alone ends after ``upstream.max_attempts`` counted attempts, with
+        the upstream's own answer (its GPU words) or a 502/504 naming its
+        model when the watcher judged that model failing alone (failing.py);
+        a 5xx in words no list has gets the upstream's answer once no outage
+        explains it, and one whose words blame the caller at once.
         """
         answer = failure.answer
-        if answer is not None and member.server.judge(answer.code, answer.judged_body) == NOT_READY:
+        facts = Facts(
+            failure.reason, failure.words, answer.code if answer is not None else None,
+            standby=member.spec.fallback, held=member.held(),
+            attempts=entry.attempts, unreadable=entry.unreadable, max_attempts=max_attempts,
+        )
+        decided = verdict(facts)
+        if decided is Verdict.ASK_POOL:
+            facts = attrs.evolve(facts, elsewhere=self._busy_elsewhere(entry, member, busy_on))
+            decided = verdict(facts)
+        if decided is Verdict.ASK_JUDGE:
+            reason = reported(facts)
+            if reason != failure.reason:
+                failure = RetryableFailure(reason, failure.detail, answer, failure.words)
+            self._metrics.upstream_failures_total.labels(entry.cls, reason).inc()
+            try:
+                outage = await member.health.report(reason, self._failed_call(target, entry, body, member))
+            except CancelledError:
+                if entry.was_parked:
+                    self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
+                self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
+                raise
+            decided = verdict(attrs.evolve(
+                facts, reason=reason, outage=outage, held=member.held(), reachable=member.health.reachable,
+                others_reachable=any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name),
+            ))
+        return self._act(decided, request, target, entry, body, failure, member, extra)
+
+    def _busy_elsewhere(self, entry: Entry, member: Member, busy_on: set[str] | None) -> bool:
+        """``member`` answered busy: whether another eligible member that has not answered it busy may take it
+        now, as its drainer decides with this one failed on (a standby takes nothing while this one is
+        available: busy is not unavailable)."""
+        if busy_on is None:
+            return False
+        busy_on.add(member.name)
+        entry.failed_on = member.name
+        return any(
+            n not in busy_on and self._pool.usable(self._pool.member(n), entry) and self._pool.may_take(n, entry)
+            for n in entry.eligible
+        )
+
+    def _act(
+        self, decided: Verdict, request, target: Target, entry: Entry, body: bytes, failure: RetryableFailure,
+        member: Member, extra,
+    ):
+        """Do what the verdict on a failed attempt says: :data:`_RETRY`, or the answer written."""
+        if decided is Verdict.STANDBY:
+            # The fallback's errors are never shown: back to its place in the lot, not counted
+            # against the request, and not given to the fallback again (pool/routing.py).
+            entry.failed_on = member.name
+            entry.forgiven += 1
+            return _RETRY
+        if decided is Verdict.NOT_READY:
             self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
             member.health.not_ready(failure.detail, self._failed_call(target, entry, body, member))
             return self._again_uncounted(entry, member, "found it not ready", failure)
-        if member.held():
+        if decided is Verdict.HELD:
             return self._held_back(entry, member, failure)
-        if failure.reason == "busy":
-            assert answer is not None  # a busy failure is an answer
-            if busy_on is not None:
-                busy_on.add(member.name)
-                # Another member that may take it now, as its drainer decides with this one failed on
-                # (a standby takes nothing while this one is available: busy is not unavailable).
-                entry.failed_on = member.name
-                if any(
-                    n not in busy_on and self._pool.usable(self._pool.member(n), entry) and self._pool.may_take(n, entry)
-                    for n in entry.eligible
-                ):
-                    # Busy is not failure: another member that may serve it takes it first.
-                    return self._again_uncounted(entry, member, "found it busy, trying another", failure)
-            if answer.code != 503:
-                return self._relay(request, entry, member, answer, extra)
-            failure = RetryableFailure("status_503", failure.detail, answer)
-        if failure.reason == "caller_error":
-            assert answer is not None  # a caller_error is an answer
-            return self._relay(request, entry, member, answer, extra)
-        self._metrics.upstream_failures_total.labels(entry.cls, failure.reason).inc()
-        try:
-            forgiven = await member.health.report(failure.reason, self._failed_call(target, entry, body, member))
-        except CancelledError:
-            if entry.was_parked:
-                self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
-            self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
-            raise
-        if not forgiven and member.held():
-            # A hold came while the verdict was being decided: it explains the failure.
-            return self._held_back(entry, member, failure)
-        if failure.reason == "unknown_error" and not forgiven:
-            # The probe passed: the upstream serves this kind of call, the request failed alone.
-            assert answer is not None  # an unknown_error is an answer
-            return self._relay(request, entry, member, answer, extra)
+        if decided is Verdict.ELSEWHERE:
+            return self._again_uncounted(entry, member, "found it busy, trying another", failure)
+        if decided is Verdict.RELAY:
+            assert failure.answer is not None  # only an answer is relayed
+            return self._relay(request, entry, member, failure.answer, extra)
         # Another eligible member takes it first, when one is available.
         entry.failed_on = member.name
-        if failure.reason in ("refused", "connect") and not member.health.reachable:
-            if any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name):
-                # Never reached since start, but the pool has others that may serve it: pass
-                # this one over (checked again on its own) and let another take it, not counted.
-                member.refused()
-                entry.forgiven += 1
-                self._metrics.retries_total.labels(entry.cls).inc()
-                return _RETRY
-            # Never reached since start: a wrong URL or a backend not started
-            # yet. Waiting cannot help; say so at once.
-            entry.attempts += 1
-            return self._upstream_gave_up(request, entry, failure, "the upstream has not answered since the proxy started")
-        if forgiven:
+        if decided is Verdict.PASS_OVER:
+            # Never reached since start, but the pool has others that may serve it: pass
+            # this one over (checked again on its own) and let another take it, not counted.
+            member.refused()
+            entry.forgiven += 1
+            self._metrics.retries_total.labels(entry.cls).inc()
+            return _RETRY
+        if decided is Verdict.FORGIVEN:
             entry.forgiven += 1
             self._metrics.forgiven_attempts_total.labels(entry.cls).inc()
             log.info(
                 "{cls} attempt failed ({reason}) in a recognised outage, not counted: {detail}",
                 cls=entry.cls, reason=failure.reason, detail=failure.detail,
             )
-        else:
-            entry.attempts += 1
-            alone = self._failing_alone(entry, member)
-            log.info(
-                "{cls} attempt {n} failed ({reason}){alone}: {detail}",
-                cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
-                alone=f"; {alone}, retried within the class's bound" if alone else "",
-            )
-            if failure.reason == "bad_answer":
-                # An answer that cannot be read (bad framing, a bare LF in a header) is no GPU
-                # failure that waiting explains, and each try runs the model again: one retry at most.
-                entry.unreadable += 1
-            if entry.attempts >= max_attempts or entry.unreadable > 1:
-                why = f"{alone}: gave up after {entry.attempts} attempts" if alone else None
-                return self._upstream_gave_up(request, entry, failure, why)
+            self._metrics.retries_total.labels(entry.cls).inc()
+            return _RETRY
+        entry.attempts += 1
+        if decided is Verdict.UNREACHABLE:
+            # Never reached since start: a wrong URL or a backend not started
+            # yet. Waiting cannot help; say so at once.
+            return self._upstream_gave_up(request, entry, failure, "the upstream has not answered since the proxy started")
+        alone = self._failing_alone(entry, member)
+        log.info(
+            "{cls} attempt {n} failed ({reason}){alone}: {detail}",
+            cls=entry.cls, n=entry.attempts, reason=failure.reason, detail=failure.detail,
+            alone=f"; {alone}, retried within the class's bound" if alone else "",
+        )
+        if failure.reason == Reason.BAD_ANSWER:
+            entry.unreadable += 1
+        if decided is not Verdict.RETRY:
+            why = f"{alone}: gave up after {entry.attempts} attempts" if alone else None
+            return self._upstream_gave_up(request, entry, failure, why, relay=decided is Verdict.GIVE_UP_RELAY)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
 
@@ -727,11 +723,10 @@ class ProxyApp:
         except RetryableFailure as failure:
             # Reported for outage detection; nobody waits on the verdict.
             member.health.report(failure.reason)
-            code = 504 if failure.reason in ("timeout", "stall") else 502
-            return self._reject(request, PASSTHROUGH, api, code, "upstream_error", failure.detail, attempts=1)
+            return self._reject(request, PASSTHROUGH, api, gateway_status(failure.reason), "upstream_error", failure.detail, attempts=1)
         except RelayBroken as broken:
-            if broken.reason == "stall":
-                self._metrics.upstream_failures_total.labels(PASSTHROUGH, "stall").inc()
+            if broken.reason == Reason.STALL:
+                self._metrics.upstream_failures_total.labels(PASSTHROUGH, Reason.STALL).inc()
             self._log(request, PASSTHROUGH, request.code, "upstream_error", None, 1)
             return await self._broken(request, api, str(broken))
         except ClientTooSlow as slow:
@@ -785,9 +780,14 @@ class ProxyApp:
         if entry.was_parked:
             self._metrics.replay_total.labels(entry.cls, outcome).inc()
 
-    def _upstream_gave_up(self, request, entry: Entry, failure: RetryableFailure, why: str | None = None):
+    def _upstream_gave_up(
+        self, request, entry: Entry, failure: RetryableFailure, why: str | None = None, relay: bool = False
+    ):
+        """The request gives up: the upstream's own answer when ``relay`` (its GPU words say more than ours
+        would: :attr:`Verdict.GIVE_UP_RELAY`), else a 502 or a 504 saying why."""
         self._outcome(entry, "upstream_error")
-        if failure.answer is not None and failure.reason == "gpu_error":
+        if relay:
+            assert failure.answer is not None  # the verdict relays only an answer
             # Ollama's own words about its own failure say more than ours would.
             log.info(
                 "{cls} request gave up after {n} failed attempts ({reason}); relaying the upstream's answer",
@@ -795,10 +795,9 @@ class ProxyApp:
             )
             self._log(request, entry.cls, failure.answer.code, "upstream_error", entry, entry.tries)
             return write_answer(request, failure.answer)
-        code = 504 if failure.reason in ("timeout", "stall") else 502
         why = why or f"upstream failed {entry.attempts} times, giving up"
         return self._reject(
-            request, entry.cls, entry.api, code, "upstream_error", f"{why}: {failure.detail}", count=False,
+            request, entry.cls, entry.api, gateway_status(failure.reason), "upstream_error", f"{why}: {failure.detail}", count=False,
             entry=entry, attempts=entry.tries,
         )
 

@@ -36,6 +36,8 @@ from typing import Any, Sequence
 
 import attrs
 
+from .verdict import Reason, status_reason
+
 #: The client routes the fallback can serve, and the name of each.
 EMBED_ROUTES = {"/api/embed": "embed", "/api/embeddings": "legacy", "/v1/embeddings": "v1"}
 #: Where each backend shape takes embeddings, relative to its base URL
@@ -117,9 +119,9 @@ def decode_base64_f32(data: str) -> list[float]:
     try:
         raw = base64.b64decode(data, validate=True)
     except ValueError as e:
-        raise BackendError("bad_answer", f"embedding is not valid base64: {e}") from None
+        raise BackendError(Reason.BAD_ANSWER, f"embedding is not valid base64: {e}") from None
     if len(raw) % 4:
-        raise BackendError("bad_answer", f"base64 embedding of {len(raw)} bytes is not float32s")
+        raise BackendError(Reason.BAD_ANSWER, f"base64 embedding of {len(raw)} bytes is not float32s")
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
@@ -242,11 +244,11 @@ def _vector(value: Any, where: str) -> tuple[float, ...]:
     if isinstance(value, str):
         value = decode_base64_f32(value)
     if not isinstance(value, list) or not value:
-        raise BackendError("bad_answer", f"{where} is not a non-empty list of numbers")
+        raise BackendError(Reason.BAD_ANSWER, f"{where} is not a non-empty list of numbers")
     out = []
     for x in value:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            raise BackendError("bad_answer", f"{where} holds {x!r}, not a finite number")
+            raise BackendError(Reason.BAD_ANSWER, f"{where} holds {x!r}, not a finite number")
         out.append(float(x))
     return tuple(out)
 
@@ -254,13 +256,13 @@ def _vector(value: Any, where: str) -> tuple[float, ...]:
 def parse_response(request: EmbedRequest, api: str, status: int, body: bytes) -> Embeddings:
     """Vectors from a backend's answer to :func:`backend_request`, checked; :class:`BackendError` if not."""
     if not 200 <= status < 300:
-        raise BackendError(f"status_{status}", f"backend answered {status}: {error_message(body)}")
+        raise BackendError(status_reason(status), f"backend answered {status}: {error_message(body)}")
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise BackendError("bad_answer", "backend answer is not JSON") from None
+        raise BackendError(Reason.BAD_ANSWER, "backend answer is not JSON") from None
     if not isinstance(data, dict):
-        raise BackendError("bad_answer", "backend answer is not a JSON object")
+        raise BackendError(Reason.BAD_ANSWER, "backend answer is not a JSON object")
     if "error" in data:
         raise BackendError("backend_error", f"backend answered an error: {error_message(body)}")
     tokens: object = 0  # checked below, whatever the backend sent
@@ -269,31 +271,31 @@ def parse_response(request: EmbedRequest, api: str, status: int, body: bytes) ->
     elif api == "ollama":
         raw = data.get("embeddings")
         if not isinstance(raw, list):
-            raise BackendError("bad_answer", "backend answer has no embeddings list")
+            raise BackendError(Reason.BAD_ANSWER, "backend answer has no embeddings list")
         vectors = [_vector(v, f"embeddings[{i}]") for i, v in enumerate(raw)]
         tokens = data.get("prompt_eval_count") or 0
     else:
         items = data.get("data")
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-            raise BackendError("bad_answer", "backend answer has no data list")
+            raise BackendError(Reason.BAD_ANSWER, "backend answer has no data list")
         order = [item.get("index", i) for i, item in enumerate(items)]
         if not all(type(x) is int for x in order) or sorted(order) != list(range(len(items))):
-            raise BackendError("bad_answer", "backend answer's data indexes are not 0..n-1")
+            raise BackendError(Reason.BAD_ANSWER, "backend answer's data indexes are not 0..n-1")
         by_index = sorted(zip(order, items), key=lambda pair: pair[0])
         vectors = [_vector(item.get("embedding"), f"data[{i}].embedding") for i, item in by_index]
         usage = data.get("usage")
         tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else 0
     if len(vectors) != len(request.inputs):
         raise BackendError(
-            "bad_answer", f"backend answered {len(vectors)} vectors for {len(request.inputs)} inputs"
+            Reason.BAD_ANSWER, f"backend answered {len(vectors)} vectors for {len(request.inputs)} inputs"
         )
     if len({len(v) for v in vectors}) != 1:
-        raise BackendError("bad_answer", "backend answered vectors of different lengths")
+        raise BackendError(Reason.BAD_ANSWER, "backend answered vectors of different lengths")
     if request.dimensions is not None:
         dim = len(vectors[0])
         if dim < request.dimensions:
             raise BackendError(
-                "bad_answer", f"asked for {request.dimensions} dimensions, backend answered {dim}"
+                Reason.BAD_ANSWER, f"asked for {request.dimensions} dimensions, backend answered {dim}"
             )
         # A backend that ignores `dimensions` gets truncated here, as Ollama and OpenAI do.
         vectors = [v[: request.dimensions] for v in vectors]

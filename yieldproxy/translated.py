@@ -35,6 +35,7 @@ from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failur
 from .h1client import H1Error, Response
 from .servers import Server
 from .translate import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
+from .verdict import Reason, status_reason
 
 #: The header lines of the translated request (the caller's belong to the caller's server).
 HEADERS = ((b"Content-Type", b"application/json"), (b"Accept", b"application/json"))
@@ -125,7 +126,7 @@ class TranslatedAttempt:
         return self._send(path, left)
 
     def _timed_out(self, result, seconds: float) -> Failure:
-        return Failure(RetryableFailure("timeout", f"no answer from the upstream within {seconds:g}s"))
+        return Failure(RetryableFailure(Reason.TIMEOUT, f"no answer from the upstream within {seconds:g}s"))
 
     def client_has_all(self) -> bool:
         return True
@@ -143,7 +144,7 @@ class TranslatedAttempt:
         if self._size > MAX_ANSWER_BYTES:
             # Raised into the client, which aborts the connection.
             raise RetryableFailure(
-                "bad_answer", f"upstream {self._upstream.url}: answer longer than {MAX_ANSWER_BYTES} bytes"
+                Reason.BAD_ANSWER, f"upstream {self._upstream.url}: answer longer than {MAX_ANSWER_BYTES} bytes"
             )
         self._parts.append(data)
 
@@ -162,7 +163,7 @@ class TranslatedAttempt:
             try:
                 result = parse_response(self._wanted, self._server.embed_shape, code, body)
             except BackendError as e:
-                raise RetryableFailure("bad_answer", f"upstream {url}: {e.detail}") from None
+                raise RetryableFailure(Reason.BAD_ANSWER, f"upstream {url}: {e.detail}") from None
             vectors = client_response(self._wanted, result, self._clock.seconds() - self._began)
             return self._write(200, b"OK", vectors)
         message = error_message(body)
@@ -172,7 +173,7 @@ class TranslatedAttempt:
             error_body(self._error_shape, code, message, "upstream_error"), own_body=body,
         )
         if not self._relay_errors:
-            raise RetryableFailure(f"status_{code}", f"upstream {url} answered {code}: {message[:200]}", answer)
+            raise RetryableFailure(status_reason(code), f"upstream {url} answered {code}: {message[:200]}", answer)
         raise_judged(code, self._server.judge(code, body), f"upstream {url} answered {code}: {message[:200]}", answer)
         return self._write(code, response.phrase, answer.body)
 

@@ -9,6 +9,7 @@ from twisted.python.failure import Failure
 from ..forward import Upstream, describe_failure, failure_reason
 from ..h1client import H1Error
 from ..translate import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
+from ..verdict import Reason
 
 #: The header lines of an embedding call.
 _EMBED_HEADERS = ((b"Content-Type", b"application/json"), (b"Accept", b"application/json"))
@@ -52,7 +53,7 @@ class EmbedBackend:
         )
 
         def timed_out(result, seconds):
-            return Failure(BackendError("timeout", f"{self.url}: no answer within {seconds:g}s"))
+            return Failure(BackendError(Reason.TIMEOUT, f"{self.url}: no answer within {seconds:g}s"))
 
         d.addTimeout(self._timeout, self._clock, onTimeoutCancel=timed_out)
         try:

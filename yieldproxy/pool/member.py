@@ -35,10 +35,20 @@ answering "loading" is let back in when its health reads up, and is held
 once the run of such answers reaches the bound.  Then only a model call
 ends the hold: the minimal call (the server's ``minimal_call``) of the
 last call that answered "loading", when one is known, else its health path.
+
+What the member itself knows against it is one named state,
+:attr:`Member.condition` (:class:`Condition`), changed in one place along
+:data:`CONDITION_MOVES`.  Its holds and its drainer's held release are
+others' facts (the yield state's, the drainer's), and whether it has answered
+since the start is its health's: ``unreachable`` is a refusing member that
+has not answered since.  The run of "loading" answers the bound measures is
+data beside the state: it goes on while the member serves again, until a
+model call is answered.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable
 
 import attrs
@@ -49,9 +59,10 @@ from twisted.logger import Logger
 from ..health import UpstreamHealth
 from ..names import LOADING_SOURCE, TROUBLE_SOURCES
 from ..replay import Replayer
-from ..servers import NOT_READY, UP
+from ..servers import NOT_READY as SAYS_NOT_READY, UP
 from ..servers.base import ModelCall
 from ..state import YieldState
+from ..verdict import NOT_CONNECTED
 from .members import MemberSpec
 from .models import ModelCatalogue
 
@@ -59,6 +70,41 @@ log = Logger()
 
 #: What ``/status`` says of a member (and the ``state`` label of its metrics).
 MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable", "not_ready")
+
+
+class Condition(enum.Enum):
+    """What a member itself knows against taking requests (:attr:`Member.condition`)."""
+
+    #: Nothing: it takes requests whenever nothing holds it.
+    SERVING = "serving"
+    #: It could not be reached and had not answered since the start: it reads unreachable
+    #: (a pool of one still sends it its requests) and is checked again until it answers.
+    UNANSWERED = "unanswered"
+    #: Attempts were refused before it ever answered: passed over, it reads unreachable, and is
+    #: checked again until it answers.
+    REFUSING = "refusing"
+    #: Its server says it is still loading its model: passed over until its health reads up.
+    NOT_READY = "not_ready"
+    #: Not ready for ``not_ready_max_seconds``: its own ``loading`` hold, until a model call works
+    #: (or someone else ends that hold).
+    STUCK = "stuck"
+
+
+SERVING, UNANSWERED, REFUSING = Condition.SERVING, Condition.UNANSWERED, Condition.REFUSING
+NOT_READY, STUCK = Condition.NOT_READY, Condition.STUCK
+
+#: Every move a member's condition may make; any other is a bug (:meth:`Member._to` raises).
+CONDITION_MOVES: dict[Condition, frozenset[Condition]] = {
+    # A probe or an attempt that could not reach it; refused attempts; a "loading" answer.
+    SERVING: frozenset({UNANSWERED, REFUSING, NOT_READY}),
+    # Refused attempts; a "loading" answer (it answers, so it is reachable); a check answered.
+    UNANSWERED: frozenset({REFUSING, NOT_READY, SERVING}),
+    REFUSING: frozenset({NOT_READY, SERVING}),
+    # Past the bound; its health reads up (or a model call is answered).
+    NOT_READY: frozenset({STUCK, SERVING}),
+    # A model call works (or its hold ended elsewhere); its hold ended elsewhere and it loads again.
+    STUCK: frozenset({SERVING, NOT_READY}),
+}
 
 
 @attrs.define(eq=False)
@@ -94,12 +140,10 @@ class Member:
     #: How the request log names it on the requests it served (None: a pool of one's lines name no
     #: upstream, as a single upstream's never did).
     log_name: str | None = None
-    #: Attempts were refused before it ever answered (see the module docstring).
-    _refusing: bool = False
-    #: It could not be reached (at start, or an attempt) and has not answered since the start.
-    _unanswered: bool = False
-    #: Since when its server says it is not ready (None: it is not known not ready).
-    _not_ready_since: float | None = None
+    #: What it knows against itself (:data:`CONDITION_MOVES`).
+    condition: Condition = attrs.field(default=SERVING, init=False)
+    #: Since when it is :attr:`Condition.NOT_READY` (for its log line).
+    _not_ready_since: float = 0.0
     #: Since the first "loading" answer that no answered model call followed: what the bound measures.
     _loading_since: float | None = None
     #: The last "loading" answer: a run of them goes on while they come closer than the bound.
@@ -107,14 +151,18 @@ class Member:
     #: The last model call that answered "loading" (its minimal call ends a stuck hold).
     _loading_call: ModelCall | None = None
     _stuck_timer: IDelayedCall | None = None
-    #: It took the ``loading`` hold itself, stuck not ready for too long.
-    _stuck: bool = False
     _recheck: IDelayedCall | None = None
     _recheck_delay: float = 0.0
     _checking: Deferred | None = None
     _stopped: bool = False
     #: Its API prefix was found (where its model list or a call answered): a 404 is then its server's word.
     _prefix_known: bool = False
+
+    def _to(self, new: Condition) -> None:
+        """Its condition moves to ``new``: the one place it does, along :data:`CONDITION_MOVES`."""
+        if new not in CONDITION_MOVES[self.condition]:
+            raise RuntimeError(f"upstream {self.name} cannot go from {self.condition.value} to {new.value}")
+        self.condition = new
 
     def follow(self) -> tuple[tuple[Callable[[Callable[..., None]], None], Callable[..., None]], ...]:
         """What it follows of its health, as (subscribe, listener) pairs: the composition root
@@ -137,17 +185,18 @@ class Member:
     @property
     def unreachable(self) -> bool:
         """Passed over: attempts were refused and it has not answered since the proxy started."""
-        return self._refusing and not self.health.reachable
+        return self.condition is REFUSING and not self.health.reachable
 
     @property
     def never_answered(self) -> bool:
         """It reads ``unreachable``: it could not be reached, and has not answered since the proxy started."""
-        return (self._refusing or self._unanswered) and not self.health.reachable
+        condition = self.condition
+        return (condition is REFUSING or condition is UNANSWERED) and not self.health.reachable
 
     @property
     def not_ready(self) -> bool:
         """Its server said it is still loading its model, and its health has not read up since."""
-        return self._not_ready_since is not None
+        return self.condition is NOT_READY
 
     def prefixes_after_404(self, tried: str) -> tuple[str, ...]:
         """Where else an embedding call answered 404 at ``tried`` may be asked, the prefixes in order: the
@@ -175,9 +224,10 @@ class Member:
 
     def available(self) -> bool:
         """True when it takes requests now."""
+        condition = self.condition
         return not (
-            self._state.yielded_for(self.spec.name) or self.drainer.release_held or self.unreachable
-            or self._not_ready_since is not None
+            self._state.yielded_for(self.spec.name) or self.drainer.release_held or condition is NOT_READY
+            or (condition is REFUSING and not self.health.reachable)
         )
 
     def state_name(self) -> str:
@@ -189,7 +239,7 @@ class Member:
             return "handing_over"
         if self.never_answered:
             return "unreachable"
-        if self._not_ready_since is not None:
+        if self.condition is NOT_READY:
             return "not_ready"
         return "available"
 
@@ -198,34 +248,39 @@ class Member:
     def _attempt_result(self, reason: str | None) -> None:
         """Every attempt's result (a listener of its health): one that could not connect before it
         ever answered makes it read unreachable."""
-        if reason in ("refused", "connect") and not self.health.reachable:
+        if reason in NOT_CONNECTED and not self.health.reachable:
             self._not_there(reason)
 
     def _not_there(self, why: str) -> None:
-        """It could not be reached and never answered: it reads unreachable until it answers; say so once."""
-        if self._unanswered or self._stopped:
+        """It could not be reached and never answered: it reads unreachable until it answers; say so once.
+
+        Only said of a member that has not answered, so never of one not ready (a "loading" answer
+        is an answer); one refusing already is checked again already.
+        """
+        if self.condition is not SERVING or self._stopped:
             return
-        self._unanswered = True
-        if not self._refusing:
-            log.warn(
-                "upstream {name} ({url}) does not answer ({why}): it reads unreachable until it answers "
-                "(checked again every few seconds); requests sent to it fail until then",
-                name=self.name, url=self.spec.url, why=why,
-            )
-            self._recheck_delay = self.recheck_seconds
+        self._to(UNANSWERED)
+        log.warn(
+            "upstream {name} ({url}) does not answer ({why}): it reads unreachable until it answers "
+            "(checked again every few seconds); requests sent to it fail until then",
+            name=self.name, url=self.spec.url, why=why,
+        )
+        self._recheck_delay = self.recheck_seconds
         self._schedule_recheck()
 
     def refused(self) -> None:
         """An attempt could not connect, and it never answered: pass it over until a check gets an answer."""
-        if self._refusing and self._recheck is not None:
+        condition = self.condition
+        if condition is REFUSING and self._recheck is not None:
             return
-        if not self._refusing and not self._unanswered:
+        if condition is SERVING:
             log.warn(
                 "upstream {name} ({url}) refuses connections and has not answered since the start: "
                 "passing it over, the other upstreams serve; checking it again every few seconds",
                 name=self.name, url=self.spec.url,
             )
-        self._refusing = True
+        if condition is not REFUSING:
+            self._to(REFUSING)
         self._recheck_delay = self.recheck_seconds
         self._schedule_recheck()
 
@@ -244,13 +299,14 @@ class Member:
         if self._loading_since is None or now - self._last_loading > self.not_ready_max_seconds:
             self._loading_since = now
         self._last_loading = now
-        if self._not_ready_since is None:
+        if self.condition is not NOT_READY:
             log.warn(
                 "upstream {name} ({url}) is not ready ({why}): passing it over, its attempts not counted; "
                 "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s "
                 "until a model call is answered)",
                 name=self.name, url=self.spec.url, why=why, bound=self.not_ready_max_seconds,
             )
+            self._to(NOT_READY)
             self._not_ready_since = now
             self._recheck_delay = self.recheck_seconds
             if self._recheck is not None and self._recheck.active():
@@ -282,10 +338,11 @@ class Member:
         self._stuck_timer = None
 
     def _stuck_held(self) -> bool:
-        """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it)."""
-        if self._stuck and self._state.hold_of(LOADING_SOURCE, self._scope) is None:
-            self._stuck = False
-        return self._stuck
+        """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
+        then it serves again)."""
+        if self.condition is STUCK and self._state.hold_of(LOADING_SOURCE, self._scope) is None:
+            self._to(SERVING)
+        return self.condition is STUCK
 
     @property
     def _scope(self) -> str:
@@ -294,7 +351,7 @@ class Member:
     def _stuck_for_too_long(self) -> None:
         """Not ready for ``not_ready_max_seconds``: treated as down, its ``loading`` hold until a model call works."""
         self._stuck_timer = None
-        if self._not_ready_since is None or self._loading_since is None or self._stopped:
+        if self.condition is not NOT_READY or self._loading_since is None or self._stopped:
             # Its health reads up meanwhile: the next "loading" answer ends the run (became_not_ready).
             return
         seconds = self._clock.seconds() - self._loading_since
@@ -303,8 +360,7 @@ class Member:
             "treating it as down, a hold (source loading) until {what} works",
             name=self.name, url=self.spec.url, seconds=seconds, what=self._recovery_what(),
         )
-        self._not_ready_since = None
-        self._stuck = True
+        self._to(STUCK)
         self._recheck_delay = self.recheck_seconds
         self._state.hold(LOADING_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
         self._schedule_recheck()
@@ -322,25 +378,24 @@ class Member:
     def _ready(self) -> None:
         """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
         took for a stuck load ends), its drainer starts."""
-        since = self._not_ready_since
-        self._not_ready_since = None
-        if self._stuck:
-            self._stuck = False
+        was = self.condition
+        self._to(SERVING)
+        if was is STUCK:
             self._loading_since = None
             self._cancel_stuck_timer()
             log.info("upstream {name} ({url}) works again: ending its loading hold", name=self.name, url=self.spec.url)
             self._state.release(LOADING_SOURCE, self._scope)
-        elif since is not None:
+        else:
             log.info(
                 "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
-                name=self.name, url=self.spec.url, seconds=self._clock.seconds() - since,
+                name=self.name, url=self.spec.url, seconds=self._clock.seconds() - self._not_ready_since,
             )
         # Its "Loading model" answers were no failures of a working server: no backoff after them.
         self.drainer.reset_backoff()
         self.on_reachable()
 
     def _waits_for_health(self) -> bool:
-        return self._not_ready_since is not None or self._stuck_held()
+        return self.condition is NOT_READY or self._stuck_held()
 
     def stop(self) -> None:
         """The proxy stops: no more checks."""
@@ -381,7 +436,7 @@ class Member:
             if self._waits_for_health():
                 # Not ready (or stuck so): only its health reading up (a model call, when stuck on one) ends that.
                 if model_call is not None:
-                    up = self.server.judge(answer.code, answer.body) != NOT_READY
+                    up = self.server.judge(answer.code, answer.body) != SAYS_NOT_READY
                 elif self._stuck_held() and self._recovery_call() is not None:
                     up = False  # a health check sent before it was held stuck: only a model call tells now
                 else:
@@ -393,7 +448,8 @@ class Member:
             self._reachable()
 
         def failed(failure) -> None:
-            if self._refusing or self._unanswered or self._waits_for_health():
+            condition = self.condition
+            if condition is REFUSING or condition is UNANSWERED or self._waits_for_health():
                 self._schedule_recheck()
 
         def done(result):
@@ -403,7 +459,7 @@ class Member:
         d.addBoth(done).addCallbacks(answered, failed)
 
     def _reachable(self) -> None:
-        if self._refusing or self._unanswered:
-            self._refusing = self._unanswered = False
+        if self.condition is REFUSING or self.condition is UNANSWERED:
+            self._to(SERVING)
             log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
             self.on_reachable()

@@ -63,6 +63,7 @@ from ..translate import (
     parse_response,
 )
 from ..vectors import compare
+from ..verdict import Reason
 from .member import Member
 from .routing import reference_rank
 
@@ -384,7 +385,7 @@ class TwinVerifier(Service):
             if answer.code == 404:
                 answer = await self._under_another_prefix(member, path, body) or answer
         except ControlTimeout as e:
-            raise BackendError("timeout", str(e)) from None
+            raise BackendError(Reason.TIMEOUT, str(e)) from None
         except H1Error as e:
             raise BackendError("error", describe_failure(e, member.spec.url)) from None
         except (CancelledError, Postponed):
@@ -394,7 +395,7 @@ class TwinVerifier(Service):
         embeddings = parse_response(probe, shape, answer.code, answer.body)
         if len(embeddings.vectors) != len(probe.inputs):
             raise BackendError(
-                "bad_answer", f"{len(embeddings.vectors)} vectors for {len(probe.inputs)} probe texts"
+                Reason.BAD_ANSWER, f"{len(embeddings.vectors)} vectors for {len(probe.inputs)} probe texts"
             )
         return embeddings
 

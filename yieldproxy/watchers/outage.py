@@ -1,8 +1,8 @@
 """Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
 The upstream's health (health.py) hands every failed attempt of the outage
-kinds (:data:`OUTAGE_REASONS`: refused, connect, reset, timeout, stall,
-gpu_error, status_503, and a 5xx in words no list has) to
+kinds (:data:`~yieldproxy.verdict.OUTAGE_REASONS`: refused, connect, reset,
+timeout, stall, gpu_error, status_503, and a 5xx in words no list has) to
 :meth:`OutageWatcher.judge` (the composition root gives the health its
 watcher's judge when it makes it), which answers with a verdict while the
 watcher runs (stopped, it forgives nothing): does a recognised outage explain
@@ -70,7 +70,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..control import Answer, UpstreamControl
-from ..evidence import ALONE, CONNECTION_REASONS, evidence_for, follow_ups
+from ..evidence import ALONE, evidence_for, follow_ups
 from ..health import UpstreamHealth
 from ..metrics import Metrics
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
@@ -78,17 +78,11 @@ from ..servers import GPU, NOT_READY, UP
 from ..servers.base import ModelCall
 from ..servers.ollama import is_gpu_failure, minimal_call
 from ..state import ALL, DEFAULT_MEMBER, YieldState
+from ..verdict import CONNECTION_REASONS, OUTAGE_REASONS
 
 log = Logger()
 
 SOURCE = OUTAGE_SOURCE
-#: Failures that may mean "the upstream (or its GPU) is down": a probe decides.  A ``timeout`` or a
-#: ``stall`` (no first byte, or silence mid-answer) is probed too: a wedged runner fails every call
-#: that way, while a request that is merely slow sees the probe pass and counts its attempt.  An
-#: ``unknown_error`` is a 5xx in words no list has (forward.raise_judged).
-OUTAGE_REASONS = frozenset(
-    {"refused", "connect", "reset", "timeout", "stall", "gpu_error", "status_503", "unknown_error"}
-)
 #: Probes deciding verdicts at once, at most: past it, a failure of yet another call waits on the
 #: first probe in flight (its verdict, or the hold it takes), so a burst of distinct model names (or
 #: one model in many spellings) never sends the upstream a model call per name.

@@ -1,0 +1,435 @@
+"""Named states (issue 27): an attempt's answer and its client, a pool member's condition, a parked entry.
+
+Each machine is an enum, a table of the moves it may make, and one method that makes them and
+raises on any other.  Every table is checked on its own, exhaustively (each pair of states: the
+move succeeds exactly when the table lists it), then each machine is walked through its life as
+the code drives it: an Attempt with a fake upstream client and request, a Member and an Entry on
+a Clock.  The hold bound the gate and the lot share is checked at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import attrs
+import pytest
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.web.http_headers import Headers
+
+from helpers import config_with, make_core, make_pool_core
+from yieldproxy.forward import (
+    ANSWER_MOVES,
+    AWAITING,
+    CLIENT_MOVES,
+    ENDED,
+    GONE,
+    JUDGING,
+    OPEN,
+    PAUSED,
+    RELAYING,
+    RESUMED,
+    Answer,
+    Attempt,
+    ClientBuffers,
+    RelayBroken,
+    RetryableFailure,
+)
+from yieldproxy.h1client import ResponseIncomplete
+from yieldproxy.names import LOADING_SOURCE
+from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
+from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
+from yieldproxy.verdict import Reason
+
+# -- the tables ---------------------------------------------------------------------------------------
+
+
+def attempt_answer(attempt, state):
+    attempt.state = state
+    return lambda new: attempt._to(new)
+
+
+def attempt_client(attempt, state):
+    attempt.client = state
+    return lambda new: attempt._client_to(new)
+
+
+def member_condition(member, state):
+    member.condition = state
+    return lambda new: member._to(new)
+
+
+def entry_stay(entry, state):
+    entry.state = state
+    return entry.move
+
+
+def _attempt():
+    return Attempt(Clock(), Upstream(), Request(Channel()), b"", 5.0, target=b"/api/embed")
+
+
+def _member():
+    return make_pool_core({"name": "a"}, {"name": "b"}).gate.pool.member("a")
+
+
+TABLES = {
+    "attempt answer": (Answer, ANSWER_MOVES, _attempt, attempt_answer),
+    "attempt client": (type(OPEN), CLIENT_MOVES, _attempt, attempt_client),
+    "member condition": (Condition, CONDITION_MOVES, _member, member_condition),
+    "entry": (Stay, ENTRY_MOVES, lambda: Entry(cls="batch"), entry_stay),
+}
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_each_table_names_every_state_and_its_mover_makes_exactly_its_moves(name):
+    states, table, make, mover = TABLES[name]
+    assert set(table) == set(states)
+    assert all(targets <= set(states) and old not in targets for old, targets in table.items())
+    for old, new in itertools.product(states, repeat=2):
+        thing = make()
+        move = mover(thing, old)
+        if new in table[old]:
+            move(new)
+        else:
+            with pytest.raises(RuntimeError, match=f"from {old.value} to {new.value}"):
+                move(new)
+
+
+def test_the_end_states():
+    assert ANSWER_MOVES[ENDED] == frozenset() and CLIENT_MOVES[GONE] == frozenset() and ENTRY_MOVES[LEFT] == frozenset()
+    # A member has no end: it is stopped (a lifecycle flag), in whatever condition it was.
+    assert all(CONDITION_MOVES[c] for c in Condition)
+
+
+# -- an attempt ----------------------------------------------------------------------------------------
+
+
+class Client:
+    """The upstream client: the test plays the upstream's answer into the attempt (its handler)."""
+
+    def __init__(self):
+        self.handler = None
+        self.d: Deferred | None = None
+
+    def request(self, method, target, headers, body, handler, replayable=True):
+        self.handler = handler
+        self.d = Deferred(lambda d: None)
+        return self.d
+
+
+class Upstream:
+    url = "http://upstream"
+
+    def __init__(self):
+        self.client = Client()
+
+    def target(self, target: bytes) -> bytes:
+        return target
+
+
+@attrs.define
+class Head:
+    """What the attempt reads of h1client's Response."""
+
+    code: int
+    phrase: bytes = b"X"
+    headers: list = attrs.Factory(list)
+    length: int | None = None
+    codings: bytes | None = None
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class Channel:
+    """A request's channel; ``writer`` facts (``answer_started``, ``write_blocked``) only when given, as the
+    listener's ServerConnection has them; else Twisted's private flag."""
+
+    def __init__(self, _waitingForTransport=False, **writer):
+        self._waitingForTransport = _waitingForTransport
+        for name, value in writer.items():
+            setattr(self, name, value)
+
+
+class Request:
+    method = b"POST"
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.requestHeaders = Headers()
+        self.responseHeaders = Headers()
+        self.code = 200
+        self.written: list[bytes] = []
+        self.producer = None
+
+    def setResponseCode(self, code, phrase=None):
+        self.code = code
+
+    def write(self, data):
+        self.written.append(data)
+
+    def registerProducer(self, producer, streaming):
+        self.producer = producer
+
+    def unregisterProducer(self):
+        self.producer = None
+
+
+def attempt(channel=None, buffers=None, **kw):
+    request = Request(channel if channel is not None else Channel())
+    upstream = Upstream()
+    a = Attempt(Clock(), upstream, request, b"{}", 5.0, target=b"/api/embed", buffers=buffers, **kw)
+    outcome: list = []
+    a.run().addBoth(outcome.append)
+    return a, upstream.client, request, outcome
+
+
+def test_an_answer_goes_from_awaiting_to_relaying_to_ended():
+    a, client, request, outcome = attempt()
+    assert a.state is AWAITING and a.client is OPEN
+    client.handler.response_started(Head(200))
+    assert a.state is AWAITING  # a head alone reaches nobody
+    client.handler.body_received(b"first")
+    assert a.state is RELAYING and request.written == [b"first"]
+    client.d.callback(Head(200))
+    assert a.state is ENDED and outcome == [200]
+
+
+def test_an_error_answer_is_judged_before_anything_reaches_the_client():
+    a, client, request, outcome = attempt()
+    client.handler.response_started(Head(503))
+    assert a.state is JUDGING
+    client.handler.body_received(b'{"error": "no"}')
+    assert request.written == []
+    client.d.callback(Head(503))
+    assert a.state is ENDED
+    assert outcome[0].check(RetryableFailure) and outcome[0].value.reason == Reason.STATUS_503
+
+
+def test_an_error_answer_too_long_to_judge_goes_back_to_awaiting_and_is_relayed_whole():
+    a, client, request, outcome = attempt()
+    client.handler.response_started(Head(500))
+    client.handler.body_received(b"x" * (64 * 1024))
+    # Judged too long: relayed as any answer, from what was read (AWAITING), so at once RELAYING.
+    assert a.state is RELAYING and request.code == 500 and request.written == [b"x" * (64 * 1024)]
+    client.d.callback(Head(500))
+    assert outcome == [500]
+
+
+def test_a_failure_once_relaying_ends_the_answer_before_it_a_retry():
+    a, client, request, outcome = attempt()
+    client.d.errback(ResponseIncomplete("cut"))
+    assert outcome[0].check(RetryableFailure) and a.state is ENDED
+    a, client, request, outcome = attempt()
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"part")
+    client.d.errback(ResponseIncomplete("cut"))
+    assert outcome[0].check(RelayBroken)
+
+
+def test_whether_the_answer_started_is_the_response_writers_word():
+    """The listener's connection says when the answer's first byte went out; the attempt's own state is
+    asked only of a channel that does not say (Twisted's, a test's)."""
+    a, client, request, outcome = attempt(Channel(answer_started=True))
+    assert a.state is AWAITING  # nothing relayed by this attempt...
+    client.d.errback(ResponseIncomplete("cut"))
+    assert outcome[0].check(RelayBroken)  # ...but the writer has begun an answer: no retry
+    a, client, request, outcome = attempt(Channel(answer_started=None))
+    client.d.errback(ResponseIncomplete("cut"))
+    assert outcome[0].check(RetryableFailure)
+
+
+def test_the_client_goes_from_open_to_paused_to_resumed_and_back_to_open_once_it_has_it_all():
+    buffers = ClientBuffers(1024, 4096)
+    a, client, request, outcome = attempt(Channel(write_blocked=True), buffers=buffers)
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"12345")
+    assert a.client is PAUSED and request.producer is a and buffers.held == 5
+    a.resumeProducing()
+    assert a.client is RESUMED and buffers.held == 0
+    a.pauseProducing()
+    assert a.client is PAUSED
+    a.pauseProducing()  # the transport may say it again: nothing moves
+    client.handler.body_received(b"678")
+    client.d.callback(Head(200))
+    assert outcome == [200] and not a.client_has_all()
+    drained = a.client_drained()
+    a.resumeProducing()
+    assert drained.called and a.client is OPEN and request.producer is None and buffers.held == 0
+
+
+def test_a_client_is_blocked_when_its_writer_says_so_else_by_twisteds_flag():
+    a, client, request, outcome = attempt(Channel(write_blocked=False, _waitingForTransport=True))
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"x")
+    assert a.client is OPEN  # the writer's word, not the private flag
+    a, client, request, outcome = attempt(Channel(_waitingForTransport=True))
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"x")
+    assert a.client is PAUSED
+
+
+def test_a_client_that_leaves_is_gone_and_gets_nothing_more():
+    a, client, request, outcome = attempt(Channel(write_blocked=True), buffers=ClientBuffers(1024, 4096))
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"1")
+    a.stopProducing()
+    assert a.client is GONE and request.producer is None
+    client.handler.body_received(b"2")
+    assert request.written == [b"1"]
+    a.stopProducing()  # said twice: nothing moves
+    # A channel gone before the first byte: gone, nothing committed.
+    a, client, request, outcome = attempt()
+    request.channel = None
+    client.handler.response_started(Head(200))
+    client.handler.body_received(b"1")
+    assert a.client is GONE and request.written == [] and request.code == 200
+    client.d.callback(Head(200))
+    assert a.state is ENDED
+
+
+# -- a pool member -------------------------------------------------------------------------------------
+
+
+class Health:
+    """A control client whose answers the test gives."""
+
+    def __init__(self):
+        self.calls: list[Deferred] = []
+
+    def request(self, method, path, body=None, timeout=10.0):
+        d: Deferred = Deferred()
+        self.calls.append(d)
+        return d
+
+    def answer(self, code: int, body: bytes = b"") -> None:
+        from yieldproxy.control import Answer as ControlAnswer
+
+        self.calls[-1].callback(ControlAnswer(code, body))
+
+
+def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
+    core = make_pool_core({"name": "a"}, {"name": "b"})
+    a = core.gate.pool.member("a")
+    health = a.control = Health()
+    assert a.condition is SERVING and a.available()
+    a.health.unanswered("connection refused")
+    assert a.condition is UNANSWERED and a.state_name() == "unreachable" and a.available()
+    a.refused()
+    assert a.condition is REFUSING and a.unreachable and not a.available()
+    core.run(0.5)
+    health.answer(200, b"{}")
+    assert a.condition is SERVING and a.available() and a.state_name() == "available"
+    core.gate.pool.stop()
+
+
+def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
+    core = make_pool_core(
+        {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
+        config=config_with(upstream={"not_ready_max_seconds": 5.0}),
+    )
+    llama = core.gate.pool.member("llama")
+    llama.control = Health()
+    llama.health.not_ready("Loading model")
+    assert llama.condition is NOT_READY and llama.state_name() == "not_ready"
+    core.run(5)
+    assert llama.condition is STUCK and llama.state_name() == "outage"
+    assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE]
+    llama.health.served()
+    assert llama.condition is SERVING and core.state.holds_for("llama") == []
+    core.gate.pool.stop()
+
+
+def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
+    core = make_pool_core(
+        {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
+        config=config_with(upstream={"not_ready_max_seconds": 5.0}),
+    )
+    llama = core.gate.pool.member("llama")
+    health = llama.control = Health()
+    llama.health.not_ready("Loading model")
+    core.run(5)
+    assert llama.condition is STUCK
+    core.state.release(LOADING_SOURCE, "llama")  # POST /resume {"source": "loading"}
+    assert llama.available()
+    health.answer(503, b"{}")  # the check in flight comes back: it finds the hold gone
+    assert llama.condition is SERVING
+    core.run(6)
+    llama.health.not_ready("Loading model")  # "loading" again, past the bound: a new run
+    assert llama.condition is NOT_READY
+    core.gate.pool.stop()
+
+
+def test_a_member_that_has_answered_cannot_be_refusing():
+    """Passing a member over is for one never reached: a "loading" answer is an answer."""
+    a = _member()
+    a.health.not_ready("Loading model")
+    with pytest.raises(RuntimeError, match="from not_ready to refusing"):
+        a.refused()
+
+
+# -- an entry ------------------------------------------------------------------------------------------
+
+
+def test_an_entry_goes_new_released_parked_released_and_leaves_once_expired():
+    core = make_core(concurrency=1)
+    entry = Entry(cls="batch")
+    assert entry.state is NEW
+    d = core.gate.admit(entry)
+    assert d.called and entry.state is RELEASED  # went at once
+    core.gate.finished(failed=True, seconds=0.01)
+    core.state.hold("api", "game")
+    d = core.gate.admit(entry)  # back after a failed attempt: parks in its place
+    assert entry.state is PARKED and not d.called
+    core.state.release("api")
+    core.run()
+    assert d.called and entry.state is RELEASED
+    core.gate.finished(seconds=0.01)
+    core.state.hold("api", "game")
+    outcome: list = []
+    core.gate.admit(entry).addErrback(outcome.append)
+    core.run(core.gate._classes["batch"].hold_seconds + 1)
+    assert entry.state is LEFT and outcome[0].check(Refused)
+    with pytest.raises(RuntimeError, match="from left to parked"):
+        core.lot.park(entry, 10)
+
+
+def test_an_entry_whose_client_leaves_leaves_the_lot():
+    core = make_core()
+    core.state.hold("api", "game")
+    entry = Entry(cls="batch")
+    d = core.gate.admit(entry)
+    assert entry.state is PARKED
+    d.addErrback(lambda f: f.trap(CancelledError))
+    d.cancel()
+    assert entry.state is LEFT and len(core.lot) == 0
+
+
+# -- the hold bound --------------------------------------------------------------------------------------
+
+
+def test_the_hold_bound_is_the_class_bound_or_the_callers_when_shorter():
+    assert hold_bound(30.0, None) == (30.0, False)
+    assert hold_bound(30.0, 10.0) == (10.0, True)
+    assert hold_bound(30.0, 0.0) == (0.0, True)
+    assert hold_bound(30.0, 30.0) == (30.0, False)
+    assert hold_bound(30.0, 60.0) == (30.0, False)
+
+
+@pytest.mark.parametrize("max_wait", [None, 5.0, 20.0, 60.0])
+def test_the_gate_refuses_exactly_what_the_lot_would_expire(max_wait):
+    """The gate's budget against a declared yield and the lot's deadline are one bound."""
+    hold = make_core().gate._classes["batch"].hold_seconds
+    bound, by_caller = hold_bound(hold, max_wait)
+    for declared, refused in ((bound, False), (bound + 1, True)):
+        core = make_core()
+        core.state.hold("api", "game", expected_seconds=declared)
+        entry = Entry(cls="batch", max_wait=max_wait)
+        if refused:
+            with pytest.raises(Refused) as caught:
+                core.gate.admit(entry)
+            assert caught.value.reason == "over_budget"
+            assert ("X-Yield-Max-Wait" in caught.value.message) is by_caller
+        else:
+            core.gate.admit(entry)
+            assert entry.state is PARKED and entry.deadline == bound and entry.bound_by_caller is by_caller
