@@ -343,8 +343,10 @@ def build(
     if succession is not None:
         reloaders.append(Succession(
             reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
-            proxy_app, lot, pool, state, twins,
+            proxy_app, lot, pool, state, twins, gate=gate,
         ))
+        # Once the holds have gone to a new process, a hold change asked of this one is refused (503).
+        admin_app.holds_elsewhere = reloaders[0].holds_elsewhere
     service = YieldProxyService([
         listeners["admin"],
         ClientPools(client_pools),
