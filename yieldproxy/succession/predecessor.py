@@ -322,6 +322,7 @@ class Predecessor:
             paused_at = self._reactor.seconds()
             self._commit(link)
             await self._wait(self._waiting["committed"], committing=True)
+            committed_at = self._reactor.seconds()
         except Exception as e:
             if not isinstance(e, (ReloadFailed, ReloadRefused)):
                 log.failure("reload: handing over failed")
@@ -344,9 +345,9 @@ class Predecessor:
             "connections_handed_over": self.sent_connections,
             "seconds": round(now - began, 3),
             # From "ready" to "committed": while the lot goes over (this process serving meanwhile).
-            "handover_seconds": round(now - handing, 3),
+            "handover_seconds": round(committed_at - handing, 3),
             # From the commit to "committed": while no process accepted a connection.
-            "paused_seconds": round(now - paused_at, 3),
+            "paused_seconds": round(committed_at - paused_at, 3),
         }
         log.info(
             "reload: handed over to pid {pid} (version {version}): {parked} parked requests, {connections} idle "

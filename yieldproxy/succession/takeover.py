@@ -177,6 +177,8 @@ class TakeOver:
     state: str = "waiting"
     _link: Link | None = None
     _held: list[_Held] = attrs.Factory(list)
+    #: How many of :attr:`_held` (its first ones) are connections.
+    _connections_held: int = 0
     #: Holds the lot's release while what was held is made again.
     _adopting: Deferred | None = None
 
@@ -232,7 +234,13 @@ class TakeOver:
             raise BadFrame(f"{len(records)} {kind} records with {len(fds)} descriptors")
         held = [_Held(kind, record, data, fd) for (record, data), fd in zip(records, fds)]
         if self.state == "waiting":
-            self._held.extend(held)  # not a byte read, not a byte written: the predecessor has them too
+            # Not a byte read, not a byte written: the predecessor has them too.  Connections first: their
+            # clients (a keep-alive one, one just accepted) are about to send, the parked ones wait anyway.
+            if kind == "connections":
+                self._held[self._connections_held:self._connections_held] = held
+                self._connections_held += len(held)
+            else:
+                self._held.extend(held)
         elif self.state == "aborted":
             for item in held:
                 os.close(item.fd)
@@ -298,13 +306,15 @@ class TakeOver:
             self._restore(message)
         else:
             self._holds_from_file()
-        self._claim()
         self._adopting = Deferred()
         if self._pool is not None:
             for member in self._pool.members:
                 member.drainer.hold_release_until(self._adopting)
         for listener in self._listeners.values():
             listener.resume()
+        # Then the holds file (its write waits on the disk: new connections need not) and the pidfile; a
+        # change made meanwhile is written with the claim.
+        self._claim()
         self._make_some()
 
     def _make_some(self) -> None:
