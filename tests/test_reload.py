@@ -90,7 +90,7 @@ def end(pid: int) -> None:
 ACTING_MOMENTS = """
 import json, os, signal
 
-MOMENTS = ("held", "prepared", "commit")
+MOMENTS = ("held", "commit")
 PLAN = os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
 
 

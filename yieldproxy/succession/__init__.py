@@ -38,7 +38,7 @@ from ..pool.twins import TwinCheck
 from ..state import ALL, Hold, YieldState
 from .claims import ClaimedAtCommit, PidFile
 from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
-from .signals import HoldSignals, unblock
+from .signals import HoldSignals, StopNoted, unblock
 from .takeover import ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
 
@@ -87,7 +87,7 @@ class Setup:
     holds: Any = None
 
 
-@attrs.define(eq=False, slots=False)
+@attrs.define(eq=False, slots=False, repr=False)
 class Succession(Service):
     """The proxy's reload: SIGHUP, the admin API's ``/reload``, and the take-over at start."""
 
@@ -109,6 +109,7 @@ class Succession(Service):
     _previous_handler: Any = None
     _pidfile: PidFile = attrs.field(init=False)
     _hold_signals: HoldSignals = attrs.field(init=False)
+    _stops: StopNoted = attrs.field(init=False, factory=StopNoted)
 
     name = "succession"  # type: ignore[assignment]  # Twisted types Service.name as None
 
@@ -132,7 +133,8 @@ class Succession(Service):
         super().startService()
         if self.setup.signals:
             try:
-                self._previous_handler = signal.signal(signal.SIGHUP, self._on_sighup)
+                # A plain function (see signals._handler): the previous handler is returned as an enum if it can.
+                self._previous_handler = signal.signal(signal.SIGHUP, lambda signum, frame: self._on_sighup(signum, frame))
             except (ValueError, OSError) as e:
                 log.error("reload: cannot install the SIGHUP handler: {error}", error=e)
         if self._takeover is not None:
@@ -188,6 +190,7 @@ class Succession(Service):
         if phase is Phase.PREPARING and self.setup.signals:
             # This process still owns the holds: the signal watcher's signals take effect; none is fatal.
             self._hold_signals.refuse(lambda: "during a reload", only_fatal=True)
+            self._stops.watch(self._predecessor.stop_signalled)
         elif phase is Phase.COMMITTING and self.setup.signals:
             self._hold_signals.refuse(
                 lambda: f"after it handed the holds over to pid {successor} (send it there)"
@@ -197,8 +200,10 @@ class Succession(Service):
             # the new process claimed, is not written from here either: holdstore.py).
             self._state.stop()
             self._pidfile.give_up()
+            self._stops.unwatch()
         elif phase is Phase.IDLE:
             self._hold_signals.restore()
+            self._stops.unwatch()
 
     def _claim(self) -> None:
         """The commit, in the new process: the holds file and the pidfile are its own now."""

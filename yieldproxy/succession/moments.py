@@ -10,9 +10,8 @@ not a race won.
 from __future__ import annotations
 
 #: ``held``: the new process holds a batch of parked requests (not read, not served);
-#: ``prepared``: the old process has every parked request and idle connection over, and commits next;
 #: ``commit``: the new process has the commit, and answers ``committed`` next.
-MOMENTS = ("held", "prepared", "commit")
+MOMENTS = ("held", "commit")
 
 
 def reached(moment: str) -> None:

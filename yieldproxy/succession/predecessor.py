@@ -63,7 +63,6 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from .. import __version__
-from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link
 from .signals import blocked_in_children
@@ -87,6 +86,9 @@ SMALL_ROUND = BATCH_FDS
 #: Seconds a stopping process waits for the new process it told to stop to be gone (its copies of the
 #: listening sockets closed) before it ends it.
 ABORT_SECONDS = 10.0
+#: Seconds a process stopped during a reload waits for the new process, which had committed and stops too
+#: (its own stop answers what it took, within its proxy.shutdown_timeout_seconds).
+STOP_BOTH_SECONDS = 120.0
 
 
 class ReloadRefused(Exception):
@@ -175,7 +177,7 @@ def _within(d: Deferred, seconds: float, clock) -> Deferred:
     return waiter.addTimeout(seconds, clock)
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class Predecessor:
     """Hands this process over to a successor (see the module docstring)."""
 
@@ -221,6 +223,12 @@ class Predecessor:
     _stop_asked: Deferred | None = None
     #: This process was told to stop while a reload was under way.
     _stopping: bool = False
+    #: A SIGTERM or SIGINT came during the reload (set by the signal handler itself: :meth:`stop_signalled`),
+    #: before the stop it starts reaches this object.
+    _stop_signalled: bool = False
+    #: Stopped during the reload after the new process committed: it was asked to stop too, and this one
+    #: waits for it (it is still systemd's main process).
+    _stopping_both: bool = False
     #: Fires when the reload under way ends, whichever way.
     _reload_over: Deferred | None = None
     #: When the successor last said anything (a large lot is waited for while it keeps taking it).
@@ -318,7 +326,8 @@ class Predecessor:
         self._set_phase(Phase.PREPARING)
         try:
             await self._prepare(link)
-            moments.reached("prepared")
+            if self._stop_signalled:
+                raise ReloadFailed("this process was told to stop")
             paused_at = self._reactor.seconds()
             self._commit(link)
             await self._wait(self._waiting["committed"], committing=True)
@@ -327,7 +336,7 @@ class Predecessor:
             if not isinstance(e, (ReloadFailed, ReloadRefused)):
                 log.failure("reload: handing over failed")
             aborting = self._waiting["aborting"]
-            self._give_up(kill=not self._stopping and not aborting.called)
+            self._give_up(kill=not (self._stopping or self._stop_signalled) and not aborting.called)
             parked, connections = self._take_back()
             raise ReloadFailed(
                 f"{e}; this process took back the {parked} parked requests and {connections} connections it had "
@@ -357,7 +366,7 @@ class Predecessor:
             connections=self.sent_connections, seconds=outcome["seconds"], handover=outcome["handover_seconds"],
             paused=outcome["paused_seconds"], inflight=self._pool.inflight,
         )
-        if self._stopping:
+        if self._stopping_both:
             # Told to stop before it named the new process: a stop is a stop, of both.
             log.warn("reload: this process was told to stop during the reload: pid {pid} stops too", pid=child.pid)
             child.terminate()
@@ -403,6 +412,9 @@ class Predecessor:
 
     def _handed_over(self, child: _Successor, link: Link, version: Any, taken: Any) -> None:
         """``committed``: what this process held for the successor is the successor's."""
+        # A stop that came during the reload, even this very moment, is a stop of both: the new process is
+        # asked to stop too (and this one, still systemd's main process, waits for it).
+        self._stopping_both = self._stopping or self._stop_signalled
         for exported, waiter in self._pending_parked:
             exported.let_go()
             waiter.callback(True)
@@ -411,7 +423,8 @@ class Predecessor:
         self._pending_parked.clear()
         self._pending_connections.clear()
         self._set_phase(Phase.HANDED_OVER)
-        child.forget()
+        if not self._stopping_both:
+            child.forget()
         for listener in self._listeners.values():
             if not isinstance(taken, list) or listener.key in taken:
                 listener.release()  # the successor's now
@@ -423,7 +436,8 @@ class Predecessor:
         self._flush_outgoing()
         # What parked again while the outcome was awaited (a failed attempt).
         self._send_parked(link, None, pending=False)
-        self._notify(f"MAINPID={child.pid}", "READY=1", f"STATUS=serving (version {version})")
+        if not self._stopping_both:
+            self._notify(f"MAINPID={child.pid}", "READY=1", f"STATUS=serving (version {version})")
         link.closed.addCallback(self._successor_gone)
         self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
         self._wind_down.clock = self._reactor
@@ -457,10 +471,12 @@ class Predecessor:
         return parked, connections
 
     def _give_up(self, kill: bool) -> None:
-        """The successor will not take over: end it (``kill``; nothing of ours is lost with it) and the link.
+        """The successor will not take over: it is told to let go (``abort``) or ended (``kill``: nothing of
+        ours is lost with it), and the link closes.
 
         It is still watched until its exit is seen: that reaps it (forgotten, it would stay a zombie)."""
         if self._link is not None:
+            self._link.send({"type": "abort"})
             self._link.close()
         if kill and self._child is not None:
             self._child.kill()
@@ -703,6 +719,10 @@ class Predecessor:
         is left here is answered 503 with Retry-After, and idle connections are closed."""
         if self._wind_down is None:
             return
+        for fds in self._unacked.values():
+            for fd in fds:
+                os.close(fd)
+        self._unacked.clear()
         if self._undivert is not None:
             self._undivert()
             self._undivert = None
@@ -752,6 +772,11 @@ class Predecessor:
 
     # -- a stop ----------------------------------------------------------------------------------
 
+    def stop_signalled(self) -> None:
+        """A SIGTERM or SIGINT has come (called by the signal handler itself: it only notes it): a reload under
+        way does not commit, or if it has, the new process stops too."""
+        self._stop_signalled = True
+
     def stop(self) -> Deferred[None]:
         """This process stops (its winding down is over, or it was told to).
 
@@ -783,12 +808,13 @@ class Predecessor:
 
         over.addBoth(ended)
         await done
-        if child is None or self.handed_over:
+        if child is None or (self.handed_over and not self._stopping_both):
             return
+        bound = STOP_BOTH_SECONDS if self.handed_over else ABORT_SECONDS
         try:
-            await _within(child.ended, ABORT_SECONDS, self._reactor)
+            await _within(child.ended, bound, self._reactor)
         except TimeoutError:
             log.warn("reload: pid {pid} did not stop within {seconds:g}s; ending it", pid=child.pid,
-                     seconds=ABORT_SECONDS)
+                     seconds=bound)
             child.kill()
 

@@ -30,6 +30,8 @@ log = Logger()
 HANDOVER_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 #: The signal watcher's (watchers/signals.py).
 HOLD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+#: A stop (twistd's handlers).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -48,7 +50,18 @@ def unblock() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDOVER_SIGNALS)
 
 
-@attrs.define(eq=False)
+def _handler(method: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    """A plain function for ``signal.signal``: Python's ``signal.signal`` and ``getsignal`` turn the handler they
+    return into an enum when they can, and the failed lookup formats the handler's repr (a bound method's
+    includes its object's, which for the succession is the whole proxy: seconds with a large lot)."""
+
+    def handle(signum, frame) -> None:
+        method(signum, frame)
+
+    return handle
+
+
+@attrs.define(eq=False, repr=False)
 class HoldSignals:
     """SIGUSR1 and SIGUSR2 refused with a log line (:meth:`refuse`) until :meth:`restore`."""
 
@@ -58,6 +71,10 @@ class HoldSignals:
     _previous: dict = attrs.Factory(dict)
     #: Why they are refused now, in a few words (read as each signal comes).
     _why: Callable[[], str] = lambda: ""
+    _handle: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        self._handle = _handler(self._on_signal)
 
     def refuse(self, why: Callable[[], str], only_fatal: bool = False) -> None:
         """Refuse both from now on, saying ``why()``; with ``only_fatal``, only those nothing handles (whose
@@ -68,7 +85,7 @@ class HoldSignals:
             if only_fatal and current not in (signal.SIG_DFL, None) and signum not in self._previous:
                 continue
             try:
-                previous = signal.signal(signum, self._on_signal)
+                previous = signal.signal(signum, self._handle)
             except (ValueError, OSError):
                 continue  # not the main thread: an embedding application's signals are its own
             self._previous.setdefault(signum, previous)
@@ -95,3 +112,47 @@ class HoldSignals:
         log.warn("{name} received by pid {pid} {why}: the signal hold is not {what} here",
                  name=name, pid=os.getpid(), why=self._why(),
                  what="taken" if signum == signal.SIGUSR1 else "ended")
+
+
+@attrs.define(eq=False, repr=False)
+class StopNoted:
+    """SIGTERM and SIGINT noted the instant they come (:meth:`watch`), then handled as before (twistd's stop).
+
+    The stop they start reaches the reload a reactor turn or more later; a reload that commits meanwhile must
+    know a stop was asked before it names the new process as the one that serves."""
+
+    _previous: dict = attrs.Factory(dict)
+    _note: Callable[[], None] = lambda: None
+    _handle: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        self._handle = _handler(self._on_signal)
+
+    def watch(self, note: Callable[[], None]) -> None:
+        self._note = note
+        for signum in STOP_SIGNALS:
+            if signum in self._previous:
+                continue
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except (ValueError, OSError):
+                pass
+
+    def unwatch(self) -> None:
+        """Put back the handlers there were, unless another took over meanwhile (the stop's own)."""
+        for signum, previous in self._previous.items():
+            try:
+                if signal.getsignal(signum) is self._handle:
+                    signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._note()
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

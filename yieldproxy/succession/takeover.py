@@ -145,7 +145,7 @@ class _Held:
     fd: int
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class TakeOver:
     """Takes over what the predecessor hands over (see the module docstring)."""
 
@@ -354,7 +354,10 @@ class TakeOver:
             return False
         self.state = "aborted"
         for listener in self._listeners.values():
-            listener.release()  # not closed: the listening sockets stay the predecessor's
+            if listener.key in self._inheritance.taken:
+                listener.release()  # not closed: the listening sockets stay the predecessor's
+            else:
+                listener.close()  # one this process bound itself (its endpoint changed)
         held, self._held = self._held, []
         for item in held:
             os.close(item.fd)
