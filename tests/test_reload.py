@@ -37,6 +37,7 @@ from rawhttp import RawClient, request_bytes
 from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama, expected_embedding
 from yieldproxy.sim.content import expected_reply, messages_prompt
+from yieldproxy.succession.predecessor import WIND_DOWN_STEP
 
 # Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -90,7 +91,7 @@ def end(pid: int) -> None:
 ACTING_MOMENTS = """
 import json, os, signal
 
-MOMENTS = ("held", "commit")
+MOMENTS = ("held", "commit", "committed")
 PLAN = os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
 
 
@@ -823,7 +824,10 @@ async def test_a_connection_busy_through_two_reloads_in_a_row_goes_over_when_its
         await wait_for(reactor, lambda: sim.held == 1, timeout=10)
         second = (await proxy.reload())["pid"]
         third = (await proxy.reload())["pid"]
-        assert not gone(first) and not gone(second)  # the first finishes its chat; the second passes on to the third
+        # The first finishes its chat; the second, with nothing of its own left, waits for it, to pass its
+        # connection on.  An absence, so a bound: ten of the second's wind-down steps.
+        await sleep(reactor, 10 * WIND_DOWN_STEP)
+        assert not gone(first) and not gone(second)
         sim.release()
         answer = await in_thread(reactor, client.response, TIMEOUT)
         assert answer.status == 200 and answer.header(b"connection") != b"close", answer

@@ -15,9 +15,9 @@ stopped:
   line; nothing reaches the GPU meanwhile, and after a reload that goes
   through every client is answered 200 with its own vector, every text
   embedded once;
-* the old process stopped while the new one holds part of the lot, or while
-  the commit's outcome is awaited, and the new process stopped as it
-  commits: a stop is a stop, of both; every client is answered, 503 with
+* the old process stopped while the new one holds part of the lot, while
+  the commit's outcome is awaited, or as it reads it, and the new process
+  stopped as it commits: a stop is a stop, of both; every client is answered, 503 with
   ``Retry-After`` (the GPU is yielded), or finds nothing listening any more
   (refused: it never connected); none is reset or closed without an answer,
   and nothing reaches the GPU.
@@ -194,8 +194,9 @@ async def stopped_during_a_reload(tmp_path, moment: str, action: str) -> None:
 @pytest.mark.parametrize(("moment", "action"), [
     ("held", "term-parent"),  # the old process stopped while the new one holds part of the lot
     ("commit", "term-parent"),  # the old process stopped while it awaits the commit's outcome
+    ("committed", "term"),  # the old process stopped as it reads the outcome (its stop comes a turn later)
     ("commit", "term"),  # the new process stopped as the commit reaches it (it commits, then stops)
-], ids=["old-while-the-lot-goes-over", "old-during-the-commit", "new-at-the-commit"])
+], ids=["old-while-the-lot-goes-over", "old-during-the-commit", "old-as-it-reads-committed", "new-at-the-commit"])
 @pytest_twisted.ensureDeferred
 async def test_a_stop_of_either_process_during_a_reload_answers_every_client(tmp_path, moment, action):
     await stopped_during_a_reload(tmp_path, moment, action)

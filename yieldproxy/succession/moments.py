@@ -10,8 +10,9 @@ not a race won.
 from __future__ import annotations
 
 #: ``held``: the new process holds a batch of parked requests (not read, not served);
-#: ``commit``: the new process has the commit, and answers ``committed`` next.
-MOMENTS = ("held", "commit")
+#: ``commit``: the new process has the commit, and answers ``committed`` next;
+#: ``committed``: the old process has read ``committed``, and lets go of its copies next.
+MOMENTS = ("held", "commit", "committed")
 
 
 def reached(moment: str) -> None:

@@ -63,6 +63,7 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from .. import __version__
+from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link
 from .signals import blocked_in_children
@@ -412,6 +413,7 @@ class Predecessor:
 
     def _handed_over(self, child: _Successor, link: Link, version: Any, taken: Any) -> None:
         """``committed``: what this process held for the successor is the successor's."""
+        moments.reached("committed")
         # A stop that came during the reload, even this very moment, is a stop of both: the new process is
         # asked to stop too (and this one, still systemd's main process, waits for it).
         self._stopping_both = self._stopping or self._stop_signalled
