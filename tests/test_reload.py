@@ -877,9 +877,11 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
     try:
         await proxy.start()
         await proxy.post("/yield", {"reason": "game", "source": "broker"})
-        texts = [f"parked {i}" for i in range(10)]
+        # More than a batch (wire.BATCH_FDS): a signal the new process sends the old one as it holds the first
+        # comes before the commit, which waits for the second.
+        texts = [f"parked {i}" for i in range(60)]
         pending = [embed(proxy, text) for text in texts]
-        await proxy.until_parked(10)
+        await proxy.until_parked(60)
 
         old = proxy.pid
         proxy.at("held", "signals-parent")
@@ -888,7 +890,7 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
         proxy.pids.append(new)
         assert proxy.acted() == new
         await proxy.old_gone(old)
-        await proxy.until_parked(10)
+        await proxy.until_parked(60)
         assert not gone(new) and children_of(new) == []  # no reload came of the SIGHUP
         assert len(said(proxy, new, "reload not started: this process is still taking over")) == 1
         assert len(said(proxy, old, "reload not started: a reload is under way already")) == 1
@@ -900,7 +902,7 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
         assert code == 500 and "stopped before it took over" in failed["error"], failed
         await wait_for(reactor, lambda: gone(stopped), timeout=30, step=0.05)
         status = await proxy.status()
-        assert status["pid"] == new and status["parked_total"] == 10
+        assert status["pid"] == new and status["parked_total"] == 60
 
         proxy.config.write_text("[watchers]\nsignals = true\n")
         watching = (await proxy.reload())["pid"]

@@ -200,3 +200,21 @@ def test_a_hold_change_asked_of_a_process_that_handed_its_holds_over_is_refused_
     rig.proxy.admin_app.holds_elsewhere = lambda: None
     assert rig.call("POST", rig.admin_url + "/yield", json={"source": "broker"}, headers=headers).code == 200
     assert [h.source for h in rig.proxy.state.holds] == ["broker"]
+
+
+def test_a_signal_handled_once_the_holds_are_another_processs_takes_no_hold():
+    """The signal watcher asks who owns the holds as it handles a signal, not as it comes: a SIGUSR1 that came
+    just before a reload's commit and is handled after it takes no hold the new process would not have."""
+    import signal
+
+    from yieldproxy.metrics import Metrics
+    from yieldproxy.watchers.signals import SignalWatcher
+
+    rig = Rig(config_with())
+    watcher = SignalWatcher(rig.clock, rig.proxy.state, Metrics())
+    watcher.holds_elsewhere = lambda: "this process has handed the holds over to pid 2"
+    watcher.handle(signal.SIGUSR1)
+    assert rig.proxy.state.holds == []
+    watcher.holds_elsewhere = lambda: None
+    watcher.handle(signal.SIGUSR1)
+    assert [h.source for h in rig.proxy.state.holds] == ["signal"]

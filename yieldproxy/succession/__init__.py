@@ -182,6 +182,10 @@ class Succession(Service):
         if predecessor.phase in (Phase.COMMITTING, Phase.HANDED_OVER):
             return (f"this process (pid {os.getpid()}) has handed the holds over to pid {predecessor.successor_pid}, "
                     "which answers from now on")
+        takeover = self._takeover
+        if takeover is not None and not takeover.committed and takeover.state != "aborted":
+            pid = self.setup.inheritance.pid if self.setup.inheritance is not None else None
+            return f"this process (pid {os.getpid()}) takes over from pid {pid}, which has the holds until then"
         return None
 
     def _phase_changed(self, phase: Phase) -> None:

@@ -12,14 +12,15 @@ parked request and the holds have one owner at every instant:
    accepts, it answers hold changes, it lets requests out of its lot.  It
    writes each parked request down (its connection, the request as the
    client sent it, what it pipelined behind it, its place and deadline) and
-   each idle keep-alive connection, and sends them (connections.py); its
-   own copy is only *paused*: not read, no timer, out of the lot.  The new
+   sends it (connections.py); its own copy is only *paused*: not read, no
+   timer, out of the lot.  The new
    process only holds what comes (a descriptor and bytes): it reads no byte
    of it, writes none, sends nothing upstream, accepts nothing.  Rounds go on
    while the lot keeps filling, each waited for until the new process has
    it all.
 2. **Commit.**  In one reactor turn this process stops accepting, sends what
-   parked or went idle since, takes from then on every request it reads
+   parked since and every idle keep-alive connection (paused likewise),
+   takes from then on every request it reads
    away from its apps (connections.divert: it is handed over with its
    connection instead of answered), and sends ``commit`` with the holds and
    the twins' verifications.  The new process answers ``committed``, and
@@ -377,11 +378,11 @@ class Predecessor:
     # -- the two phases -----------------------------------------------------------------------
 
     async def _prepare(self, link: Link) -> None:
-        """Send the lot and the idle connections, round after round, each waited for until the successor
-        holds it all, until a round is small (what comes next is the commit's tail)."""
+        """Send the lot, round after round, each waited for until the successor holds it all, until a round is
+        small (what comes next is the commit's tail).  The idle connections go with the tail: until then their
+        clients are served here (one sent now would wait, unread, until the commit)."""
         for _ in range(PREPARE_ROUNDS):
             sent = await self._send_lot(link)
-            sent += self._send_connections(link, pending=True)
             await self._wait(self._all_taken())
             if sent <= SMALL_ROUND:
                 return
@@ -625,6 +626,7 @@ class Predecessor:
                 failed_on=entry.failed_on,
             )
             records.append(({**carried.as_json(), "family": exported.family, "fd": exported.fd}, exported.data))
+            exported.data = b""  # the frame has it: not held twice while the commit is awaited
             if not pending:
                 exported.let_go()
                 return None
@@ -651,6 +653,7 @@ class Predecessor:
                 if exported is None:
                     continue
                 records.append(({"listener": name, "family": exported.family, "fd": exported.fd}, exported.data))
+                exported.data = b""
                 if pending:
                     self._pending_connections.append(exported)
                 else:
