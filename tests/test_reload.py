@@ -86,12 +86,12 @@ def end(pid: int) -> None:
 
 #: The copy's succession/moments.py: at the moment a test names (``Proxy.at``), once, a process is
 #: signalled: ``kill`` (SIGKILL) or ``term`` (SIGTERM) the process passing it, ``term-parent`` its parent
-#: (the old process, for a moment of the new one), ``signals-parent`` SIGHUP, SIGUSR1 and SIGUSR2 to it,
-#: ``usr1-parent`` SIGUSR1 to it.
+#: (the old process, for a moment of the new one), ``signals-parent`` SIGHUP, SIGUSR1 and SIGUSR2 to it;
+#: ``usr1`` SIGUSR1 to the process passing it.
 ACTING_MOMENTS = """
 import json, os, signal
 
-MOMENTS = ("held", "commit", "committed")
+MOMENTS = ("preparing", "held", "commit", "committed")
 PLAN = os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
 
 
@@ -115,7 +115,7 @@ def reached(moment):
     for pid, sig in {
         "kill": [(me, signal.SIGKILL)], "term": [(me, signal.SIGTERM)], "term-parent": [(parent, signal.SIGTERM)],
         "signals-parent": [(parent, signal.SIGHUP), (parent, signal.SIGUSR1), (parent, signal.SIGUSR2)],
-        "usr1-parent": [(parent, signal.SIGUSR1)],
+        "usr1": [(me, signal.SIGUSR1)],
     }[plan["action"]]:
         os.kill(pid, sig)
 """
@@ -734,10 +734,14 @@ class KeepAliveHolder(threading.Thread):
         finally:
             conn.close()
 
-    def end(self) -> None:
-        """Stop, and end what it still holds (on a connection of its own)."""
+    def pause(self) -> None:
+        """Stop the loop (what it holds, it keeps)."""
         self.running.clear()
         self.join(30)
+
+    def end(self) -> None:
+        """Stop, and end what it still holds (on a connection of its own)."""
+        self.pause()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
             for source in list(self.held):
@@ -785,7 +789,9 @@ async def test_hold_changes_through_reloads_are_applied_by_the_serving_process_o
         assert (await proxy.status())["pid"] == proxy.pids[-1] and reloads == 3
         assert broker.error is None and not broker.lost and broker.renewals >= 4, (broker.error, broker.renewals)
         assert embedded(sim) == {}
-        # The broker lets go; the keep-alive client's own holds still keep the lot parked.
+        # The broker lets go; the keep-alive client's own holds (its loop stopped) still keep the lot parked.
+        await in_thread(reactor, holder.pause)
+        assert not holder.problems, holder.problems
         await in_thread(reactor, broker.__exit__, None, None, None)
         broker = None
         status = await proxy.status()
@@ -877,11 +883,9 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
     try:
         await proxy.start()
         await proxy.post("/yield", {"reason": "game", "source": "broker"})
-        # More than a batch (wire.BATCH_FDS): a signal the new process sends the old one as it holds the first
-        # comes before the commit, which waits for the second.
-        texts = [f"parked {i}" for i in range(60)]
+        texts = [f"parked {i}" for i in range(10)]
         pending = [embed(proxy, text) for text in texts]
-        await proxy.until_parked(60)
+        await proxy.until_parked(10)
 
         old = proxy.pid
         proxy.at("held", "signals-parent")
@@ -890,7 +894,7 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
         proxy.pids.append(new)
         assert proxy.acted() == new
         await proxy.old_gone(old)
-        await proxy.until_parked(60)
+        await proxy.until_parked(10)
         assert not gone(new) and children_of(new) == []  # no reload came of the SIGHUP
         assert len(said(proxy, new, "reload not started: this process is still taking over")) == 1
         assert len(said(proxy, old, "reload not started: a reload is under way already")) == 1
@@ -902,12 +906,12 @@ async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp
         assert code == 500 and "stopped before it took over" in failed["error"], failed
         await wait_for(reactor, lambda: gone(stopped), timeout=30, step=0.05)
         status = await proxy.status()
-        assert status["pid"] == new and status["parked_total"] == 60
+        assert status["pid"] == new and status["parked_total"] == 10
 
         proxy.config.write_text("[watchers]\nsignals = true\n")
         watching = (await proxy.reload())["pid"]
         await proxy.old_gone(new)
-        proxy.at("held", "usr1-parent")
+        proxy.at("preparing", "usr1")  # the old process, as it starts sending its lot (before the commit)
         code, outcome, last = await reload_signalled_at_birth(proxy, signal.SIGUSR1)
         assert code == 200 and outcome["pid"] == last, outcome
         proxy.pids.append(last)

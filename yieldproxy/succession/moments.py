@@ -9,10 +9,11 @@ not a race won.
 
 from __future__ import annotations
 
+#: ``preparing``: the old process starts sending its lot;
 #: ``held``: the new process holds a batch of parked requests (not read, not served);
 #: ``commit``: the new process has the commit, and answers ``committed`` next;
 #: ``committed``: the old process has read ``committed``, and lets go of its copies next.
-MOMENTS = ("held", "commit", "committed")
+MOMENTS = ("preparing", "held", "commit", "committed")
 
 
 def reached(moment: str) -> None:

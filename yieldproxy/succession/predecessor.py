@@ -326,6 +326,7 @@ class Predecessor:
             raise
         handing = self._reactor.seconds()
         self._set_phase(Phase.PREPARING)
+        moments.reached("preparing")
         try:
             await self._prepare(link)
             if self._stop_signalled:
