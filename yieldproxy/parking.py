@@ -25,7 +25,7 @@ import bisect
 import enum
 import heapq
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -209,15 +209,18 @@ class Refused(Exception):
 
 
 class HandedOver(Exception):
-    """The entry left the lot with its client for the process that replaced this one (succession/): it
+    """The entry left the lot with its client for the process that replaces this one (succession/): it
     ends there, so here it gets no answer at all.
 
     Whoever waits on the entry (the proxy app, which holds its request and
-    body) calls :attr:`take` with them, at once: that sends them on.
+    body) calls :attr:`take` with them, at once: that sends them on.  It
+    returns None when the request is gone from here at once, else a Deferred
+    that fires True once the new process has it, or False when it will not
+    (the request then parks here again, in its place).
     """
 
-    def __init__(self, take: Callable[..., None]):
-        super().__init__("handed over to the process that replaced this one")
+    def __init__(self, take: Callable[..., Any]):
+        super().__init__("handed over to the process that replaces this one")
         #: ``take(request, entry, body)``.
         self.take = take
 

@@ -406,9 +406,12 @@ class ProxyApp:
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             except HandedOver as handed:
-                # Taken, with its connection, by the process that replaced this one: it ends there.
-                handed.take(request, entry, body)
-                return None
+                # Taken, with its connection, by the process that replaces this one (succession/): it ends
+                # there once that process has it (True), or parks here again, in its place (False).
+                outcome = handed.take(request, entry, body)
+                if outcome is None or await outcome:
+                    return None
+                continue
             member = self._pool.member(entry.released_to)
             request.served_by = member.log_name  # the request log names it (requestlog.py)
             extra = []
