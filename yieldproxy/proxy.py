@@ -58,7 +58,7 @@ from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
 from .httpserver import RECEIVING_RETRY_AFTER, Connections, ProxySite, receiving_full_message
 from .metrics import Metrics
-from .parking import Entry, HandedOver, Refused
+from .parking import LEFT, Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.members import answer_headers, served_outcome
@@ -410,6 +410,7 @@ class ProxyApp:
                 # there once that process has it (True), or parks here again, in its place (False).
                 outcome = handed.take(request, entry, body)
                 if outcome is None or await outcome:
+                    entry.move(LEFT)
                     return None
                 continue
             member = self._pool.member(entry.released_to)

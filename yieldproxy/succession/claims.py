@@ -88,10 +88,12 @@ class ClaimedAtCommit:
         return getattr(self._store, name)
 
     def save(self, holds: Iterable[Any]) -> bool:
+        """Write ``holds`` once claimed; before, remember them: the file is the old process's to keep, and
+        as current as it writes it (True: no start here doubts it for not being written)."""
         if self._claimed:
             return bool(self._store.save(holds))
         self._latest = list(holds)
-        return False
+        return True
 
     def set_aside(self) -> Any:
         """Not before the claim: the file is still the old process's to keep."""
