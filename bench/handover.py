@@ -10,9 +10,11 @@ proxy.  Printed:
 * ``SIGHUP -> serving``: from the signal until ``GET /status`` answers from
   the new process (its pid).  Most of it is the new process starting Python
   and its imports, during which the old process still serves.
-* ``handover``: from the new process's ``ready`` to its ``serving``
-  (the old process's log line): while no process accepts and the lot goes
-  over, new connections wait in the listening socket's backlog.
+* ``handover``: from the new process's ``ready`` to its ``committed``
+  (the old process's log line): the lot goes over while the old process
+  still accepts and serves (succession/predecessor.py's two phases).
+* ``accepting paused``: the commit's round trip, while neither process
+  accepts and new connections wait in the listening socket's backlog.
 * ``client pause``: the longest ``GET /api/version`` round trip during the
   reload (a fresh connection each: connect, request, answer), against the
   median before it.
@@ -144,7 +146,8 @@ def one_round(parked: int) -> dict:
         pinger.running = False
         pinger.join(35)
         before = [seconds for start, seconds in pinger.samples if start < began]
-        # From SIGHUP until the whole lot is over (the new process accepts before it has all of it).
+        # From SIGHUP until a second after the commit (the new process accepts as soon as it has the holds,
+        # and makes the lot's connections again meanwhile).
         handed_at = began + serving + float(line.group(2))
         during = [seconds for start, seconds in pinger.samples if began <= start <= handed_at + 1]
         admin_call(admin_port, "POST", "/resume", {"source": "bench"})

@@ -387,3 +387,23 @@ def test_a_hold_entered_again_starts_afresh(monkeypatch):
 
     now[0] = 120.0
     assert asyncio.run(under_asyncio()) == (False, 120.0)
+
+
+def test_a_503_with_retry_after_is_asked_again_after_it_while_the_timeout_allows():
+    """The proxy answers 503 with Retry-After when it cannot take the call now (a reload handing the holds
+    to a new process; too many admin connections): the call is made again after that many seconds, and its
+    answer is the call's; past the timeout the 503 is the call's error, as before."""
+    moved = (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 0\r\ncontent-type: application/json\r\n"
+             b"content-length: 40\r\n\r\n" + b'{"error": "handed the holds over: ask"}\n')
+    admin_api = _ScriptedAdmin([moved, moved])
+    try:
+        answer = Admin(admin_api.url, timeout=5).yield_gpu("broker", for_seconds=60)
+        assert answer["state"] == "yielded" and admin_api.paths == [b"/yield"] * 3
+        late = moved.replace(b"retry-after: 0", b"retry-after: 30")
+        admin_api.script[:] = [late]
+        with pytest.raises(AdminError) as refused:
+            Admin(admin_api.url, timeout=2).resume("broker")
+        assert refused.value.status == 503 and "handed the holds over" in refused.value.message
+        assert admin_api.paths[3:] == [b"/resume"]  # not asked again: 30 s is past its 2 s
+    finally:
+        admin_api.close()

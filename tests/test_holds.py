@@ -620,3 +620,28 @@ def test_no_file_and_no_marker_is_nothing_held_even_where_nothing_can_be_written
     with LogCapture():
         _, state, _ = started(blocker / "holds.json", at=0)
     assert state.holds == []
+
+
+def test_a_reloads_new_process_restores_the_file_it_will_write_only_from_the_commit(tmp_path):
+    """A reload's new process reads the holds file at start and writes it only from the commit (the old
+    process keeps it until then: succession/claims.py).  Not writing it yet is no failed write: the file is
+    not doubted, no ``restart`` hold is taken, and the claim writes what the holds are by then."""
+    from yieldproxy.succession.claims import ClaimedAtCommit
+
+    path = tmp_path / "holds.json"
+    clock, state, _ = started(path, at=1000)
+    state.hold("broker", "game", for_seconds=600)
+    before = holds_of(state)
+    written_before = path.read_bytes()
+    state.stop()
+    clock = clock_at(1010)
+    state = YieldState(clock)
+    store = ClaimedAtCommit(HoldStore(clock, path))
+    with LogCapture() as logs:
+        keep_holds(state, store, restart_hold_seconds=600)
+    assert holds_of(state) == before and logs.errors() == []
+    assert path.read_bytes() == written_before  # not written before the commit
+    state.release("broker")
+    assert path.read_bytes() == written_before
+    store.claim()
+    assert written(path) == []

@@ -405,6 +405,29 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
     assert entry.state is LEFT and len(core.lot) == 0
 
 
+def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one_will_not_have_it():
+    """A reload hands a parked entry over (handed); the new process dies before the commit: the entry parks
+    here again, ahead of one that came after it (succession/predecessor.py takes the rest back)."""
+    from yieldproxy.parking import HANDED, HandedOver
+
+    core = make_core()
+    core.state.hold("api", "game")
+    first, second = Entry(cls="batch"), Entry(cls="batch")
+    handed: list = []
+    core.gate.admit(first).addErrback(lambda f: handed.append(f.trap(HandedOver)))
+    core.gate.admit(second)
+    core.lot.hand_over(first, lambda *what: None)
+    assert handed == [HandedOver] and first.state is HANDED and len(core.lot) == 1
+    again = core.gate.admit(first)  # the proxy app's loop: it will not be had there
+    assert first.state is PARKED and not again.called
+    assert core.lot.entries()[0] is first
+    core.lot.hand_over(first, lambda *what: None)
+    again.addErrback(lambda f: f.trap(HandedOver))
+    first.move(LEFT)  # had there this time
+    with pytest.raises(RuntimeError, match="from left to parked"):
+        core.lot.park(first, 10)
+
+
 # -- the hold bound --------------------------------------------------------------------------------------
 
 

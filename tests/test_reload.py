@@ -12,6 +12,7 @@ every process a test started is ended by pid when it is done.
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 import pytest_twisted
@@ -30,11 +32,12 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import ProcessProtocol, Protocol
 
-from helpers import free_port, in_thread, sleep, until_healthy, wait_for
+from helpers import embedded, free_port, in_thread, sleep, until_healthy, wait_for
 from rawhttp import RawClient, request_bytes
 from test_twistd import TWISTD
 from yieldproxy.sim import SimOllama, expected_embedding
 from yieldproxy.sim.content import expected_reply, messages_prompt
+from yieldproxy.succession.predecessor import WIND_DOWN_STEP
 
 # Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -81,6 +84,43 @@ def end(pid: int) -> None:
             return
 
 
+#: The copy's succession/moments.py: at the moment a test names (``Proxy.at``), once, a process is
+#: signalled: ``kill`` (SIGKILL) or ``term`` (SIGTERM) the process passing it, ``term-parent`` its parent
+#: (the old process, for a moment of the new one), ``signals-parent`` SIGHUP, SIGUSR1 and SIGUSR2 to it;
+#: ``usr1`` SIGUSR1 to the process passing it.
+ACTING_MOMENTS = """
+import json, os, signal
+
+MOMENTS = ("preparing", "held", "commit", "committed")
+PLAN = os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
+
+
+def reached(moment):
+    if not PLAN:
+        return
+    try:
+        with open(PLAN) as f:
+            plan = json.load(f)
+    except (OSError, ValueError):
+        return
+    if plan.get("moment") != moment:
+        return
+    try:
+        os.rename(PLAN, PLAN + ".taken")  # once, whichever process passes it first
+    except OSError:
+        return
+    me, parent = os.getpid(), os.getppid()
+    with open(PLAN + ".acted", "w") as f:
+        f.write(str(me))
+    for pid, sig in {
+        "kill": [(me, signal.SIGKILL)], "term": [(me, signal.SIGTERM)], "term-parent": [(parent, signal.SIGTERM)],
+        "signals-parent": [(parent, signal.SIGHUP), (parent, signal.SIGUSR1), (parent, signal.SIGUSR2)],
+        "usr1": [(me, signal.SIGUSR1)],
+    }[plan["action"]]:
+        os.kill(pid, sig)
+"""
+
+
 class Proxy:
     """A twistd yieldproxy and its successors, with the config file and the "installed" package they run."""
 
@@ -88,6 +128,8 @@ class Proxy:
         self.site = tmp_path / "site"
         shutil.copytree(os.path.join(CHECKOUT, "yieldproxy"), self.site / "yieldproxy",
                         ignore=shutil.ignore_patterns("__pycache__"))
+        (self.site / "yieldproxy" / "succession" / "moments.py").write_text(ACTING_MOMENTS)
+        self.plan = tmp_path / "moment.json"
         self.config = tmp_path / "yieldproxy.toml"
         self.config.write_text(config)
         self.proxy_port, self.admin_port = free_port(), free_port()
@@ -98,19 +140,36 @@ class Proxy:
         self.child = Child()
         #: More environment for the first process (its successors inherit it).
         self.env: dict[str, str] = {}
+        #: The proxy listener's backlog (a crowd connecting at once needs more than the default 50).
+        self.backlog: int | None = None
 
     async def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONPATH": str(self.site), "PYTHONUNBUFFERED": "1",
+               "YIELDPROXY_TEST_MOMENTS": str(self.plan), **self.env}
+        backlog = f":backlog={self.backlog}" if self.backlog else ""
         process = reactor.spawnProcess(
             self.child, TWISTD,
             [TWISTD, "-n", "--pidfile=", "yieldproxy", "--config", str(self.config),
              *(["--upstream", f"http://127.0.0.1:{self.sim_port}"] if self.sim_port is not None else []),
-             "--listen", f"tcp:{self.proxy_port}:interface=127.0.0.1",
+             "--listen", f"tcp:{self.proxy_port}:interface=127.0.0.1{backlog}",
              "--admin", f"tcp:{self.admin_port}:interface=127.0.0.1"],
             env=env,
         )
         self.pids.append(process.pid)
         await until_healthy(reactor, self.admin, lambda: self.child.exited.called, self.child.text)
+
+    def at(self, moment: str, action: str) -> None:
+        """At ``moment`` of the next reload (succession/moments.py), once, do ``action`` (see ACTING_MOMENTS)."""
+        for leftover in (self.plan.with_name(self.plan.name + ".taken"), self.plan.with_name(self.plan.name + ".acted")):
+            leftover.unlink(missing_ok=True)
+        self.plan.write_text(json.dumps({"moment": moment, "action": action}))
+
+    def acted(self) -> int | None:
+        """The pid that acted on the last plan, once it has."""
+        try:
+            return int(self.plan.with_name(self.plan.name + ".acted").read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def pid(self) -> int:
@@ -249,6 +308,8 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
         assert code == 200, outcome
         proxy.pids.append(outcome["pid"])
         assert outcome["parked_handed_over"] >= 200
+        # The new process accepts as soon as it has the holds, and makes the lot's connections again meanwhile.
+        await proxy.until_parked(210)
         status = await proxy.status()
         assert status["config"]["classes"]["batch"]["hold_seconds"] == 900
         assert status["parked_total"] == 210 and status["state"] == "yielded"
@@ -508,36 +569,6 @@ async def test_under_systemd_the_reload_says_reloading_then_names_the_new_main_p
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_new_process_that_dies_as_the_handover_starts_leaves_everything_with_the_old_one(tmp_path):
-    """The new code starts, says ready, and dies on the first frame of the handover: the old process takes
-    its listeners and its lot back, answers 500 with why, and serves every parked request and new ones."""
-    sim = SimOllama(reactor, latency=0.0, parallel=8)
-    proxy = Proxy(tmp_path, await sim.listen())
-    try:
-        await proxy.start()
-        await proxy.post("/yield", {"reason": "game"})
-        pending = [embed(proxy, f"kept {i}") for i in range(10)]
-        await proxy.until_parked(10)
-        succession = proxy.site / "yieldproxy" / "succession" / "__init__.py"
-        head = "    def restore(self, message: dict[str, Any]) -> None:\n"
-        succession.write_text(succession.read_text().replace(head, head + "        os._exit(3)\n"))
-        assert "os._exit(3)" in succession.read_text()
-        code, failed = await proxy.post("/reload")
-        assert code == 500 and failed["reloaded"] is False, failed
-        status = await proxy.status()
-        assert status["pid"] == proxy.pid and status["parked_total"] == 10
-        pending.append(embed(proxy, "after the failed reload"))
-        await proxy.post("/resume")
-        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
-        check_answers(results, [f"kept {i}" for i in range(10)] + ["after the failed reload"])
-        assert sim.texts_embedded == collections.Counter({text: 1 for text in [f"kept {i}" for i in range(10)]
-                                                          + ["after the failed reload"]})
-    finally:
-        proxy.stop()
-        await sim.stop()
-
-
-@pytest_twisted.ensureDeferred
 async def test_a_request_pipelined_behind_a_parked_one_goes_over_with_it(tmp_path):
     """Two embeddings written at once on one connection: the first parks, the second waits (read already, in the
     old process's buffer) behind it.  A reload hands the connection over with both: each is answered once, in
@@ -594,9 +625,9 @@ async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie
     try:
         await proxy.start()
         takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
-        said = '"version": __version__, "protocol": PROTOCOL})'
+        said = '"type": "ready", "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL,'
         assert said in takeover.read_text()
-        takeover.write_text(takeover.read_text().replace(said, '"version": __version__, "protocol": 99})'))
+        takeover.write_text(takeover.read_text().replace(said, said.replace("PROTOCOL", "99")))
         code, failed = await proxy.post("/reload")
         assert code == 500 and "protocol 99" in failed["error"], failed
         try:
@@ -607,68 +638,6 @@ async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie
     finally:
         proxy.stop()
         await sim.stop()
-
-
-def raw_embed(port: int, text: str):
-    """One embedding on a raw connection (from a thread): the answer, status 0 if the connection ended without one."""
-    client = RawClient(port, timeout=TIMEOUT)
-    try:
-        client.send(request_bytes(b"POST", b"/api/embed", body=embed_body(text)))
-        return client.response(TIMEOUT)
-    finally:
-        client.close()
-
-
-async def stop_during_a_reload(tmp_path, answers_checked: bool) -> None:
-    """SIGTERM to the running process while its new process is still taking over (the whole lot taken, the
-    end of the handover held back 3 s): a stop is a stop.  The new process does not live on by itself,
-    holding the port, after the process it was meant to replace has gone; with ``answers_checked``, every
-    parked request gets an answer (503 with Retry-After, as any stop gives)."""
-    sim = SimOllama(reactor, latency=0.0, parallel=8)
-    proxy = Proxy(tmp_path, await sim.listen())
-    try:
-        await proxy.start()
-        await proxy.post("/yield", {"reason": "game"})
-        pending = [in_thread(reactor, raw_embed, proxy.proxy_port, f"kept {i}") for i in range(5)]  # threads of the pool: leave some for name lookups
-        await proxy.until_parked(5)
-        # The new process holds the end of the handover 3 s, once it has taken the whole lot: the stop comes meanwhile.
-        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
-        head = "        kind = message[\"type\"]\n"
-        marker = tmp_path / "lot-taken"
-        hold = (
-            f"        if kind == 'done' and not _HELD:\n"
-            f"            _HELD.append(open({str(marker)!r}, 'w').close())\n"
-            f"            self._reactor.callLater(3, self._message, message, blob, fds)\n"
-            f"            return\n"
-        )
-        assert takeover.read_text().count(head) == 1
-        takeover.write_text(takeover.read_text().replace(head, head + hold) + "\n_HELD: list = []\n")
-        old = proxy.pid
-        Deferred.fromCoroutine(proxy.post("/reload")).addErrback(lambda failure: None)
-        await wait_for(reactor, lambda: children_of(old) != [], timeout=20, step=0.02)
-        new = children_of(old)[0][0]
-        proxy.pids.append(new)
-        await wait_for(reactor, marker.exists, timeout=30, step=0.02)
-        os.kill(old, signal.SIGTERM)
-        await wait_for(reactor, lambda: gone(old) and gone(new), timeout=30, step=0.05)
-        answers = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
-        if answers_checked:
-            for ok, answer in answers:
-                assert ok, answer
-                assert answer.status == 503 and answer.header(b"retry-after"), answer
-    finally:
-        proxy.stop()
-        await sim.stop()
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_stop_during_a_reload_stops_the_new_process_too(tmp_path):
-    await stop_during_a_reload(tmp_path, answers_checked=False)
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_stop_during_a_reload_answers_every_parked_request(tmp_path):
-    await stop_during_a_reload(tmp_path, answers_checked=True)
 
 
 @pytest_twisted.ensureDeferred
@@ -703,6 +672,320 @@ async def test_a_reload_goes_on_when_the_client_that_asked_for_it_goes_away(tmp_
         results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
         check_answers(results, [f"kept {i}" for i in range(10)])
         assert sim.texts_embedded == collections.Counter({f"kept {i}": 1 for i in range(10)})
+    finally:
+        proxy.stop()
+        await sim.stop()
+
+
+class KeepAliveHolder(threading.Thread):
+    """A plain keep-alive client (``http.client``, one connection for every call) that takes a hold of its own
+    and ends the one before, again and again: after each change answered 200, the holds in the answer (from
+    whichever process gave it) must be exactly the ones it has taken and not ended; a change answered
+    503 with Retry-After was refused, and is asked again."""
+
+    def __init__(self, admin_port: int):
+        super().__init__(daemon=True, name="keepalive-holder")
+        self.port = admin_port
+        self.held: list[str] = []
+        self.applied = 0
+        self.refused = 0
+        self.problems: list[str] = []
+        self.running = threading.Event()
+        self.running.set()
+        self.steady = threading.Event()
+
+    def call(self, conn, path: str, body: dict) -> tuple[int, dict, str | None]:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read()), answer.getheader("retry-after")
+
+    def change(self, conn, path: str, source: str) -> bool:
+        code, status, retry_after = self.call(conn, path, {"source": source, **({"reason": "loop"} if path == "/yield" else {})})
+        if code == 503 and retry_after:
+            self.refused += 1
+            return False
+        if code != 200:
+            self.problems.append(f"{path} {source}: {code} {status}")
+            return False
+        if path == "/yield":
+            self.held.append(source)
+        else:
+            self.held.remove(source)
+        mine = [h["source"] for h in status["holds"] if h["source"].startswith("keep")]
+        if sorted(mine) != sorted(self.held):
+            self.problems.append(f"after {path} {source} (pid {status['pid']}): holds {mine}, taken {self.held}")
+        self.applied += 1
+        return True
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        n = 0
+        try:
+            while self.running.is_set() and not self.problems:
+                n += 1
+                while not self.change(conn, "/yield", f"keep{n}") and not self.problems:
+                    pass
+                if len(self.held) > 1:
+                    while not self.change(conn, "/resume", self.held[0]) and not self.problems:
+                        pass
+                self.steady.set()
+        except Exception as e:  # the connection broke, or an answer was not one
+            self.problems.append(f"{type(e).__name__}: {e}")
+        finally:
+            conn.close()
+
+    def pause(self) -> None:
+        """Stop the loop (what it holds, it keeps)."""
+        self.running.clear()
+        self.join(30)
+
+    def end(self) -> None:
+        """Stop, and end what it still holds (on a connection of its own)."""
+        self.pause()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            for source in list(self.held):
+                assert self.change(conn, "/resume", source), self.problems
+        finally:
+            conn.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hold_changes_through_reloads_are_applied_by_the_serving_process_or_refused_never_lost(tmp_path):
+    """A broker holds the GPU with the broker library (``Admin.hold``, a 1.5 s lease renewed every 0.5 s) and a
+    keep-alive client takes and ends holds of its own in a loop, through three reloads: no renewal fails and
+    the lease never lapses, every change answered 200 is in every later answer (whichever process gives it),
+    and nothing parked reaches the GPU until the last hold ends, then each once."""
+    from yieldproxy.client import Admin
+
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    holder = None
+    broker = None
+    try:
+        await proxy.start()
+        broker = Admin(proxy.admin, timeout=5).hold("broker", "game", lease_seconds=1.5)
+        await in_thread(reactor, broker.__enter__)
+        holder = KeepAliveHolder(proxy.admin_port)
+        holder.start()
+        texts = [f"held back {i}" for i in range(20)]
+        pending = [embed(proxy, text) for text in texts]
+        await proxy.until_parked(20)
+        await in_thread(reactor, holder.steady.wait, 30)
+        reloads = 0
+        for how in ("post", "sighup", "post"):
+            before, applied = proxy.pid, holder.applied
+            if how == "post":
+                await proxy.reload()
+            else:
+                os.kill(before, signal.SIGHUP)
+                await wait_for(reactor, lambda old=before: children_of(old) != [], timeout=30, step=0.02)
+                proxy.pids.append(children_of(before)[0][0])
+            await proxy.old_gone(before)
+            reloads += 1
+            # The loop went on through it, and on after it (its connection now the new process's).
+            await wait_for(reactor, lambda then=applied: holder.applied > then + 20 or holder.problems, timeout=30)
+            assert not holder.problems, holder.problems
+        assert (await proxy.status())["pid"] == proxy.pids[-1] and reloads == 3
+        assert broker.error is None and not broker.lost and broker.renewals >= 4, (broker.error, broker.renewals)
+        assert embedded(sim) == {}
+        # The broker lets go; the keep-alive client's own holds (its loop stopped) still keep the lot parked.
+        await in_thread(reactor, holder.pause)
+        assert not holder.problems, holder.problems
+        await in_thread(reactor, broker.__exit__, None, None, None)
+        broker = None
+        status = await proxy.status()
+        assert status["state"] == "yielded" and status["parked_total"] == 20, status
+        assert {h["source"] for h in status["holds"]} == set(holder.held)
+        assert embedded(sim) == {}
+        await in_thread(reactor, holder.end)
+        holder = None
+        results = await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor)
+        check_answers(results, texts)
+        assert embedded(sim) == {text: 1 for text in texts}
+    finally:
+        if holder is not None:
+            holder.running.clear()
+        if broker is not None:
+            broker._stop.set()
+        proxy.stop()
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_busy_through_two_reloads_in_a_row_goes_over_when_its_answer_is_done(tmp_path):
+    """A keep-alive connection waits for a chat in the first process while it hands over, and while the
+    second hands over in its turn: once the chat is answered, the connection goes over (through the second,
+    which the first still sends to) to the third, which answers its next request at once; the first two exit."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    sim.hold("/api/chat")
+    proxy = Proxy(tmp_path, await sim.listen())
+    client = None
+    try:
+        await proxy.start()
+        first = proxy.pid
+        client = await in_thread(reactor, RawClient, proxy.proxy_port, TIMEOUT)
+        chat = json.dumps({"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}], "stream": False})
+        assert await in_thread(reactor, client.send, request_bytes(b"POST", b"/api/chat", body=chat.encode()))
+        await wait_for(reactor, lambda: sim.held == 1, timeout=10)
+        second = (await proxy.reload())["pid"]
+        third = (await proxy.reload())["pid"]
+        # The first finishes its chat; the second, with nothing of its own left, waits for it, to pass its
+        # connection on.  An absence, so a bound: ten of the second's wind-down steps.
+        await sleep(reactor, 10 * WIND_DOWN_STEP)
+        assert not gone(first) and not gone(second)
+        sim.release()
+        answer = await in_thread(reactor, client.response, TIMEOUT)
+        assert answer.status == 200 and answer.header(b"connection") != b"close", answer
+        nxt = await in_thread(reactor, lambda: client.send(
+            request_bytes(b"POST", b"/api/embed", body=embed_body("next"))) and client.response(TIMEOUT))
+        assert nxt.status == 200, (nxt, proxy.child.text()[-3000:])
+        assert nxt.json()["embeddings"][0] == pytest.approx(expected_embedding("next", MODEL), abs=1e-9)
+        await proxy.old_gone(first)
+        await proxy.old_gone(second)
+        assert (await proxy.status())["pid"] == third and not gone(third)
+        assert sim.requests_total["/api/chat"] == 1 and embedded(sim) == {"next": 1}
+    finally:
+        if client is not None:
+            client.close()
+        proxy.stop()
+        await sim.stop()
+
+
+def said(proxy: Proxy, pid: int, words: str) -> list[str]:
+    """The log lines with ``words`` that name ``pid``."""
+    return [line for line in proxy.child.text().splitlines() if words in line and f"pid {pid}" in line]
+
+
+async def reload_signalled_at_birth(proxy: Proxy, *signals: int) -> tuple[int, dict, int]:
+    """``POST /reload``, and ``signals`` to the new process as soon as it exists (before Python runs in it, or
+    soon after): the answer, and the new process's pid."""
+    old = proxy.pid
+    asked = Deferred.fromCoroutine(proxy.post("/reload"))
+    await wait_for(reactor, lambda: children_of(old) != [], timeout=30, step=0.002)
+    new = children_of(old)[0][0]
+    for signum in signals:
+        os.kill(new, signum)
+    code, outcome = await asked
+    return code, outcome, new
+
+
+@pytest_twisted.ensureDeferred
+async def test_signals_during_a_reload_wait_or_are_refused_and_none_is_fatal(tmp_path):
+    """SIGHUP, SIGUSR1 and SIGUSR2 to the new process in its first moments, and to the old one while the lot
+    goes over (no signal watcher: their default action would end either): both live on, each signal has its
+    line, the SIGHUPs start no reload, and the reload goes through.  SIGINT to a new process in its first
+    moments is a stop before it took over: the old one keeps everything.  With the signal watcher, SIGUSR1 to
+    the old process while the lot goes over takes the signal hold there, and it goes over; to the new one
+    before it serves, it is refused."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    try:
+        await proxy.start()
+        await proxy.post("/yield", {"reason": "game", "source": "broker"})
+        texts = [f"parked {i}" for i in range(10)]
+        pending = [embed(proxy, text) for text in texts]
+        await proxy.until_parked(10)
+
+        old = proxy.pid
+        proxy.at("held", "signals-parent")
+        code, outcome, new = await reload_signalled_at_birth(proxy, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+        assert code == 200 and outcome["pid"] == new, outcome
+        proxy.pids.append(new)
+        assert proxy.acted() == new
+        await proxy.old_gone(old)
+        await proxy.until_parked(10)
+        assert not gone(new) and children_of(new) == []  # no reload came of the SIGHUP
+        assert len(said(proxy, new, "reload not started: this process is still taking over")) == 1
+        assert len(said(proxy, old, "reload not started: a reload is under way already")) == 1
+        for name in ("SIGUSR1", "SIGUSR2"):
+            for pid in (old, new):
+                assert said(proxy, pid, f"{name} received by pid {pid} during a reload: ignored"), (name, pid)
+
+        code, failed, stopped = await reload_signalled_at_birth(proxy, signal.SIGINT)
+        assert code == 500 and "stopped before it took over" in failed["error"], failed
+        await wait_for(reactor, lambda: gone(stopped), timeout=30, step=0.05)
+        status = await proxy.status()
+        assert status["pid"] == new and status["parked_total"] == 10
+
+        proxy.config.write_text("[watchers]\nsignals = true\n")
+        watching = (await proxy.reload())["pid"]
+        await proxy.old_gone(new)
+        proxy.at("preparing", "usr1")  # the old process, as it starts sending its lot (before the commit)
+        code, outcome, last = await reload_signalled_at_birth(proxy, signal.SIGUSR1)
+        assert code == 200 and outcome["pid"] == last, outcome
+        proxy.pids.append(last)
+        await proxy.old_gone(watching)
+        status = await proxy.status()
+        assert status["pid"] == last and {h["source"] for h in status["holds"]} == {"broker", "signal"}, status
+        assert said(proxy, last, "SIGUSR1 received by pid")[0].endswith("the signal hold is not taken here")
+
+        await proxy.post("/resume", {"source": "broker"})
+        await proxy.post("/resume", {"source": "signal"})
+        check_answers(await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor), texts)
+        assert embedded(sim) == {text: 1 for text in texts}
+        assert "Traceback" not in proxy.child.text()
+    finally:
+        proxy.stop()
+        await sim.stop()
+
+
+def pid_in(path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_daemonised_twistd_with_a_pidfile_reloads_and_the_pidfile_names_the_serving_process(tmp_path):
+    """``twistd --pidfile=FILE yieldproxy`` without ``-n`` (it forks into the background): ``POST /reload``,
+    ``yieldproxy reload`` and SIGHUP each hand over, and after each the pidfile names the new process, which
+    serves the parked requests; a stop of the last one removes the file."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    pidfile, logfile = tmp_path / "yieldproxy.pid", tmp_path / "twistd.log"
+    try:
+        env = {**os.environ, "PYTHONPATH": str(proxy.site), "PYTHONUNBUFFERED": "1"}
+        launched = await in_thread(reactor, subprocess.run, [
+            TWISTD, f"--pidfile={pidfile}", f"--logfile={logfile}", "yieldproxy", "--config", str(proxy.config),
+            "--upstream", f"http://127.0.0.1:{proxy.sim_port}", "--listen", f"tcp:{proxy.proxy_port}:interface=127.0.0.1",
+            "--admin", f"tcp:{proxy.admin_port}:interface=127.0.0.1",
+        ], env=env, cwd=str(tmp_path), timeout=TIMEOUT, capture_output=True)
+        assert launched.returncode == 0, launched
+        await wait_for(reactor, lambda: pid_in(pidfile) is not None, timeout=30, step=0.05)
+        proxy.pids.append(pid_in(pidfile))
+        await until_healthy(reactor, proxy.admin, lambda: gone(proxy.pid), lambda: logfile.read_text())
+        await proxy.post("/yield", {"reason": "game"})
+        texts = [f"parked {i}" for i in range(5)]
+        pending = [embed(proxy, text) for text in texts]
+        await proxy.until_parked(5)
+
+        for how in ("post", "cli", "sighup"):
+            old = proxy.pid
+            if how == "post":
+                new = (await proxy.reload())["pid"]
+            elif how == "cli":
+                result = await in_thread(reactor, cli, proxy, "reload")
+                assert result.returncode == 0, result
+                new = (await proxy.status())["pid"]
+                proxy.pids.append(new)
+            else:
+                os.kill(old, signal.SIGHUP)
+                await wait_for(reactor, lambda old=old: children_of(old) != [], timeout=30, step=0.02)
+                new = children_of(old)[0][0]
+                proxy.pids.append(new)
+            await proxy.old_gone(old)
+            assert pid_in(pidfile) == new, (how, pid_in(pidfile), new, logfile.read_text()[-3000:])
+            status = await proxy.status()
+            assert status["pid"] == new and status["parked_total"] == 5
+
+        await proxy.post("/resume", {})
+        check_answers(await DeferredList(pending, consumeErrors=True).addTimeout(TIMEOUT, reactor), texts)
+        os.kill(proxy.pid, signal.SIGTERM)
+        await wait_for(reactor, lambda: gone(proxy.pid), timeout=30, step=0.05)
+        assert not pidfile.exists()
+        assert "Traceback" not in logfile.read_text()
     finally:
         proxy.stop()
         await sim.stop()

@@ -184,3 +184,37 @@ def test_the_twins_verifications_go_over_for_the_same_upstreams_only():
     moved_rig, changed = succession(pool_config(*moved))
     changed.restore(snapshot)
     assert moved_rig.proxy.twins.checks == {}
+
+
+def test_a_hold_change_asked_of_a_process_that_handed_its_holds_over_is_refused_503_with_retry_after():
+    """Once a reload handed the holds to a new process, ``POST /yield`` and ``POST /resume`` asked of the old one
+    (on a connection it still has, its new process gone) change nothing and say so: 503, Retry-After 1."""
+    rig = Rig(config_with())
+    headers = {"Content-Type": "application/json"}
+    rig.proxy.admin_app.holds_elsewhere = lambda: "this process (pid 1) has handed the holds over to pid 2"
+    for path in ("/yield", "/resume"):
+        answer = rig.call("POST", rig.admin_url + path, json={"source": "broker"}, headers=headers)
+        assert answer.code == 503 and answer.headers.getRawHeaders(b"retry-after") == [b"1"], path
+        assert "handed the holds over to pid 2" in answer.json()["error"]
+    assert rig.proxy.state.holds == []
+    rig.proxy.admin_app.holds_elsewhere = lambda: None
+    assert rig.call("POST", rig.admin_url + "/yield", json={"source": "broker"}, headers=headers).code == 200
+    assert [h.source for h in rig.proxy.state.holds] == ["broker"]
+
+
+def test_a_signal_handled_once_the_holds_are_another_processs_takes_no_hold():
+    """The signal watcher asks who owns the holds as it handles a signal, not as it comes: a SIGUSR1 that came
+    just before a reload's commit and is handled after it takes no hold the new process would not have."""
+    import signal
+
+    from yieldproxy.metrics import Metrics
+    from yieldproxy.watchers.signals import SignalWatcher
+
+    rig = Rig(config_with())
+    watcher = SignalWatcher(rig.clock, rig.proxy.state, Metrics())
+    watcher.holds_elsewhere = lambda: "this process has handed the holds over to pid 2"
+    watcher.handle(signal.SIGUSR1)
+    assert rig.proxy.state.holds == []
+    watcher.holds_elsewhere = lambda: None
+    watcher.handle(signal.SIGUSR1)
+    assert [h.source for h in rig.proxy.state.holds] == ["signal"]

@@ -59,6 +59,8 @@ ADMIN_READ_SECONDS = 5.0
 #: Seconds within which a request must come whole to be served past ``admin.max_connections``
 #: (in the room kept for such requests, ``edge.capacity.QUICK_ROOM``): the operator's calls are one packet.
 ADMIN_QUICK_SECONDS = 0.5
+#: Retry-After, in seconds, of a hold change refused because a reload handed the holds to a new process.
+HOLDS_MOVED_RETRY_AFTER = 1
 
 #: The status page's files in ``yieldproxy/static/``, with their content types.
 #: Only these are served: nothing else in the package is reachable.
@@ -242,6 +244,8 @@ class AdminApp:
     reload: Callable[[], Any] | None = None
     #: The wall clock, for the times ``/status`` and the page show (None: the elapsed clock's times, as they are).
     wall: WallClock | None = None
+    #: Why the holds are not this process's to change now (a reload handed them over), or None (succession/).
+    holds_elsewhere: Callable[[], str | None] | None = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
     connections: Connections = attrs.field(init=False)
     #: When the running code started (``/status`` ``started_at``: with ``version``, which code answers).
@@ -397,9 +401,18 @@ class AdminApp:
             request.setHeader(header, value)
         return _static_file(name)
 
+    def _holds_moved(self, request) -> bytes | None:
+        """503 with ``Retry-After`` when the holds are another process's now (a reload handed them over): a
+        change made here would not be kept, so none is made; asked again, the new process answers."""
+        why = self.holds_elsewhere() if self.holds_elsewhere is not None else None
+        if why is None:
+            return None
+        request.setHeader(b"retry-after", b"%d" % HOLDS_MOVED_RETRY_AFTER)
+        return _json(request, {"error": f"{why}: ask again"}, 503)
+
     @app.route("/yield", methods=["POST"])
     def post_yield(self, request):
-        denied = self._guard_change(request)
+        denied = self._guard_change(request) or self._holds_moved(request)
         if denied:
             return denied
         try:
@@ -416,7 +429,7 @@ class AdminApp:
 
     @app.route("/resume", methods=["POST"])
     def post_resume(self, request):
-        denied = self._guard_change(request)
+        denied = self._guard_change(request) or self._holds_moved(request)
         if denied:
             return denied
         try:

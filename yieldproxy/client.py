@@ -146,8 +146,12 @@ class Admin:
         return Hold(self, source, reason, lease_seconds, upstream, expected_seconds, on_error)
 
     def call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        """One call's JSON answer; :class:`AdminError` (or :class:`AdminUnreachable`) otherwise."""
+        """One call's JSON answer; :class:`AdminError` (or :class:`AdminUnreachable`) otherwise.
+
+        A 503 with ``Retry-After`` (the proxy says: not now, ask again; during a reload, the holds on their
+        way to the new process) is asked again after that many seconds, while ``timeout`` allows."""
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         headers = {"Accept": "application/json"}
         data = None
         if method != "GET":
@@ -155,12 +159,22 @@ class Admin:
             data = json.dumps(body or {}).encode("utf-8")
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
+        while True:
+            left = max(0.01, deadline - time.monotonic())
+            code, raw, retry_after = self._once(method, path, data, headers, left)
+            wait = _seconds(retry_after) if code == 503 else None
+            if wait is None or time.monotonic() + wait >= deadline:
+                return read_answer(code, raw, self.url, self._token is not None)
+            time.sleep(wait)
+
+    def _once(self, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
+        """One request: its status, its body and its Retry-After."""
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with _OPENER.open(request, timeout=timeout) as response:
-                code, raw = response.status, response.read()
+                return response.status, response.read(), response.headers.get("Retry-After")
         except urllib.error.HTTPError as e:
-            code, raw = e.code, e.read()
+            return e.code, e.read(), e.headers.get("Retry-After")
         except (urllib.error.URLError, OSError) as e:
             raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
         except http.client.HTTPException as e:
@@ -168,7 +182,17 @@ class Admin:
             raise AdminUnreachable(
                 f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
             ) from None
-        return read_answer(code, raw, self.url, self._token is not None)
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A ``Retry-After`` of seconds (its other form, a date, is not the admin API's), at most a minute."""
+    try:
+        seconds = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        return None
+    if seconds is None or not seconds >= 0:
+        return None
+    return min(seconds, 60.0)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -14,7 +14,12 @@ with the port kept: ``serverFromString(reactor, description).listen(factory)``.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import socket
+import struct
+import sys
+from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
@@ -29,6 +34,46 @@ from .listen_errors import why_cannot_listen
 from .succession.sockets import let_go_port
 
 log = Logger()
+
+
+#: Seconds a stopping listener lets handshakes under way complete before it accepts what waits and closes.
+SETTLE_SECONDS = 0.05
+#: Connections accepted at a time while a stopping listener empties its backlog.
+_DRAIN_BATCH = 1000
+#: ``SO_ATTACH_FILTER`` (Linux): a classic BPF program run on each packet the socket receives.
+_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+#: Drops a TCP segment with SYN and without ACK (a new connection), passes the rest: the filter sees
+#: the TCP header first, its flags at byte 13.  (code, jt, jf, k) each.
+_NO_NEW_CONNECTIONS = (
+    (0x30, 0, 0, 13),  # ldb [13]
+    (0x54, 0, 0, 0x12),  # and #(SYN | ACK)
+    (0x15, 0, 1, 0x02),  # jeq #SYN: next, else skip one
+    (0x06, 0, 0, 0),  # ret #0: dropped
+    (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: kept whole
+)
+
+
+def _drop_new_connections(sock) -> bool:
+    """Make a listening TCP socket drop the SYNs of new connections (Linux); False where it cannot."""
+    if not sys.platform.startswith("linux") or getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    program = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in _NO_NEW_CONNECTIONS))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
+                        struct.pack("HP", len(_NO_NEW_CONNECTIONS), ctypes.addressof(program)))
+    except (OSError, ValueError) as e:
+        log.debug("cannot turn new connections away before closing the listener: {error}", error=e)
+        return False
+    return True
+
+
+def _accept_waiting(port) -> None:
+    """Accept every connection waiting in ``port``'s backlog (Twisted's accept loop, until it runs dry)."""
+    for _ in range(100):
+        port.numberAccepts = _DRAIN_BATCH
+        port.doRead()
+        if port.numberAccepts < _DRAIN_BATCH:  # it accepted fewer than it could: nothing is left
+            return
 
 
 def where(address) -> str:
@@ -80,10 +125,40 @@ class Listener(Service):
             self._listen()
 
     def stopService(self) -> Deferred:
+        """Stop listening, without resetting a connection the kernel completed and nobody accepted yet.
+
+        Closing a listening socket resets every connection waiting in its
+        backlog: a client that connected, and perhaps sent its request, sees
+        a reset instead of an answer.  So new connections are turned away
+        first (:func:`_drop_new_connections`: their SYNs are dropped, so the
+        client tries again a second later and finds the port closed, a plain
+        refusal), the handshakes under way get :data:`SETTLE_SECONDS` to
+        complete, what waits is accepted (and served, or answered 503 by the
+        stop, as any connection), and then the socket is closed.
+        """
         super().stopService()
+        return self.close()
+
+    def close(self) -> Deferred:
+        """Stop listening for good, as :meth:`stopService` does (also for a reload's old process, whose
+        successor listens elsewhere now)."""
         port, self.port = self.port, None
         self._unregister()
-        return maybeDeferred(port.stopListening) if port is not None else succeed(None)
+        if port is None:
+            return succeed(None)
+        sock = getattr(port, "socket", None)
+        if sock is None or not callable(getattr(port, "doRead", None)) or not _drop_new_connections(sock):
+            return maybeDeferred(port.stopListening)
+        stopped: Deferred[Any] = Deferred()
+
+        def drained() -> None:
+            try:
+                _accept_waiting(port)
+            finally:
+                maybeDeferred(port.stopListening).chainDeferred(stopped)
+
+        self._reactor.callLater(SETTLE_SECONDS, drained)
+        return stopped
 
     @property
     def factory(self) -> IProtocolFactory:

@@ -25,7 +25,7 @@ import bisect
 import enum
 import heapq
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -62,20 +62,25 @@ class Stay(enum.Enum):
     PARKED = "parked"
     #: Let out to a member (by its drainer, or by the gate at once): its attempt runs there.
     RELEASED = "released"
-    #: Out of the lot with no member: expired, abandoned, refused at shutdown, or handed over.
+    #: Out of the lot with its client, for a reload's new process to take on (succession/): it ends there
+    #: once that process has it, or parks here again, in its place, when it will not.
+    HANDED = "handed"
+    #: Out of the lot for good: expired, abandoned, refused at shutdown, or taken on by a new process.
     LEFT = "left"
 
 
-NEW, PARKED, RELEASED, LEFT = Stay.NEW, Stay.PARKED, Stay.RELEASED, Stay.LEFT
+NEW, PARKED, RELEASED, HANDED, LEFT = Stay.NEW, Stay.PARKED, Stay.RELEASED, Stay.HANDED, Stay.LEFT
 
 #: Every move an entry may make; any other is a bug (:meth:`Entry.move` raises).
 ENTRY_MOVES: dict[Stay, frozenset[Stay]] = {
     # It parks, or goes at once to the member the gate chose.
     NEW: frozenset({PARKED, RELEASED}),
-    # A drainer lets it out; it expires, its client leaves, the proxy stops, or it is handed over.
-    PARKED: frozenset({RELEASED, LEFT}),
+    # A drainer lets it out; it expires, its client leaves, the proxy stops; or it is handed over.
+    PARKED: frozenset({RELEASED, LEFT, HANDED}),
     # Its attempt failed: back to its place in the lot.
     RELEASED: frozenset({PARKED}),
+    # The new process has it (or its client went meanwhile); or it will not have it: parked again here.
+    HANDED: frozenset({LEFT, PARKED}),
     LEFT: frozenset(),
 }
 
@@ -209,15 +214,18 @@ class Refused(Exception):
 
 
 class HandedOver(Exception):
-    """The entry left the lot with its client for the process that replaced this one (succession/): it
+    """The entry left the lot with its client for the process that replaces this one (succession/): it
     ends there, so here it gets no answer at all.
 
     Whoever waits on the entry (the proxy app, which holds its request and
-    body) calls :attr:`take` with them, at once: that sends them on.
+    body) calls :attr:`take` with them, at once: that sends them on.  It
+    returns None when the request is gone from here at once, else a Deferred
+    that fires True once the new process has it, or False when it will not
+    (the request then parks here again, in its place).
     """
 
-    def __init__(self, take: Callable[..., None]):
-        super().__init__("handed over to the process that replaced this one")
+    def __init__(self, take: Callable[..., Any]):
+        super().__init__("handed over to the process that replaces this one")
         #: ``take(request, entry, body)``.
         self.take = take
 
@@ -573,7 +581,7 @@ class ParkingLot:
         if entry.state is not PARKED:
             return
         self._leave(entry)
-        d = _take_deferred(entry, LEFT)
+        d = _take_deferred(entry, HANDED)
         self._tell_out(entry)
         d.errback(HandedOver(take))
         self._tell_empty()

@@ -60,7 +60,7 @@ from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
 from .metrics import Metrics
-from .parking import Entry, HandedOver, Refused
+from .parking import LEFT, Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.members import answer_headers, served_outcome
@@ -415,9 +415,13 @@ class ProxyApp:
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             except HandedOver as handed:
-                # Taken, with its connection, by the process that replaced this one: it ends there.
-                handed.take(request, entry, body)
-                return None
+                # Taken, with its connection, by the process that replaces this one (succession/): it ends
+                # there once that process has it (True), or parks here again, in its place (False).
+                outcome = handed.take(request, entry, body)
+                if outcome is None or await outcome:
+                    entry.move(LEFT)
+                    return None
+                continue
             member = self._pool.member(entry.released_to)
             request.served_by = member.log_name  # the request log names it (requestlog.py)
             extra = []

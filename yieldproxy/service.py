@@ -363,8 +363,14 @@ def build(
     if succession is not None:
         reloaders.append(Succession(
             reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
-            proxy_app, lot, pool, state, twins, records,
+            proxy_app, lot, pool, state, twins, records, gate=gate,
         ))
+        # Once the holds have gone to a new process (or before they have come to this one), a hold change
+        # asked of this one is refused: the admin API's 503, the signal watcher's line.
+        admin_app.holds_elsewhere = reloaders[0].holds_elsewhere
+        for watcher in watchers:
+            if isinstance(watcher, SignalWatcher):
+                watcher.holds_elsewhere = reloaders[0].holds_elsewhere
     service = YieldProxyService([
         listeners["admin"],
         ClientPools(client_pools),

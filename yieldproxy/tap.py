@@ -18,7 +18,7 @@ from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
 from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
-from .succession.takeover import refuse
+from .succession.takeover import ENV, refuse
 
 log = Logger()
 
@@ -98,6 +98,41 @@ class Options(usage.Options):
         self.token = token
         self.read_token = read_token
         self._set_log_format()
+        self._set_succession()
+
+    #: twistd's pidfile, absolute (None: none); see :meth:`_set_succession`.
+    pidfile: str | None = None
+
+    def _set_succession(self) -> None:
+        """What a reload needs of twistd's own options (succession/claims.py).
+
+        The pidfile names the process that serves.  A process a reload started
+        runs twistd without one (its twistd would refuse to start beside the
+        running one's pidfile): it takes the file over at its commit.  And it
+        stays in the foreground, the child of the process it replaces (a
+        twistd started without ``-n`` forked into the background already; its
+        successor has nothing to fork away from).
+        """
+        parent = getattr(self, "parent", None)
+        if parent is None:
+            return
+        pidfile = parent.get("pidfile")
+        self.pidfile = os.path.abspath(pidfile) if pidfile else None
+        if ENV not in os.environ:
+            return
+        parent["pidfile"] = ""
+        parent["nodaemon"] = True
+        # Its predecessor switched to them already (twistd --uid/--gid, started as root): this process
+        # runs as them from its start, and could not switch again.
+        for key, now in (("uid", os.getuid()), ("gid", os.getgid())):
+            if parent.get(key) == now:
+                parent[key] = None
+
+    def keep_pidfile(self) -> None:
+        """This process handed the pidfile over: twistd leaves it as it exits (it names the new process)."""
+        parent = getattr(self, "parent", None)
+        if parent is not None:
+            parent["pidfile"] = ""
 
     def _set_log_format(self) -> None:
         """Give twistd the JSON observer by setting its own ``--logger`` option.
@@ -169,17 +204,15 @@ def admin_is_local(endpoint: str) -> bool:
 def _cannot_reload(options: Options) -> str | None:
     """Why a reload cannot start a successor with this process's command line, if it cannot.
 
-    The successor runs the same command: twistd must stay in the foreground
-    (a daemonising one would fork away from the handover), and write no
-    pidfile (the successor's twistd would refuse to start beside this one's).
+    The successor runs the same command (its pidfile and its daemonising are
+    seen to: :meth:`Options._set_succession`).  A chroot cannot be entered
+    again from inside it.
     """
     parent = getattr(options, "parent", None)
     if parent is None:
         return None
-    if not parent.get("nodaemon"):
-        return "reload needs twistd in the foreground: start it with twistd -n --pidfile= yieldproxy ..."
-    if parent.get("pidfile"):
-        return "reload needs twistd without a pidfile: start it with twistd -n --pidfile= yieldproxy ..."
+    if parent.get("chroot"):
+        return "reload cannot start a new process inside twistd's --chroot: restart it instead"
     return None
 
 
@@ -192,7 +225,7 @@ def makeService(options: Options):
     from .pool.members import url_warnings
     from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
     from .service import YieldProxyService, build
-    from .succession import Inheritance, Setup, own_command
+    from .succession import ClaimedAtCommit, Inheritance, Setup, own_command
     from .succession.wire import BadFrame
     from .watchers.signals import StopSignals
 
@@ -206,16 +239,24 @@ def makeService(options: Options):
         print(f"twistd yieldproxy: reload: nothing usable came from the running process ({e})", file=sys.stderr)
         raise SystemExit(1) from None
     notifier = Notifier.from_environment(os.environ)
-    setup = Setup(
-        own_command(), dict(os.environ), reactor.stop, inheritance,
-        notify=notifier.notify, unavailable=_cannot_reload(options),
-    )
     # The process's own limit, raised (or the connection cap lowered) before anything listens.
     config = fit_fd_limit(options.config)
     for warning in url_warnings(config):
         log.warn("{warning}", warning=warning)
-    holds = HoldStore(reactor, holds_path(config, os.environ))
-    proxy = build(reactor, config, token=options.token, read_token=options.read_token, succession=setup, holds=holds)
+    holds: HoldStore | ClaimedAtCommit = HoldStore(reactor, holds_path(config, os.environ))
+    if inheritance is not None:
+        # Read now, written from the commit on: until then the running process owns the holds (claims.py).
+        holds = ClaimedAtCommit(holds)
+    setup = Setup(
+        own_command(), dict(os.environ), reactor.stop, inheritance,
+        notify=notifier.notify, unavailable=_cannot_reload(options),
+        pidfile=options.pidfile, keep_pidfile=options.keep_pidfile,
+        holds=holds if inheritance is not None else None,
+    )
+    proxy = build(
+        reactor, config, token=options.token, read_token=options.read_token, succession=setup,
+        holds=cast(HoldStore, holds),  # the same reads and writes (claims.ClaimedAtCommit)
+    )
     # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long
     # drain included); READY=1 once everything runs, the listeners bound (a process a reload
     # started leaves it to its predecessor, which sends MAINPID= with it); STOPPING=1 as the

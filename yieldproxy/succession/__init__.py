@@ -6,12 +6,18 @@ all start the same succession (predecessor.py): a new process running the
 takes over the listening sockets, the holds, the twins' verifications and
 every parked request with its client's connection (takeover.py), while
 this process finishes what is in flight and exits.  A config the new code
-refuses comes back as one line, and this process keeps running.
+refuses comes back as one line, and this process keeps running.  The
+handover has two phases with one commit point: until it, this process owns
+everything and takes it all back if the new one dies or is stopped; from it
+on, the new process does (predecessor.py says who owns what when).
 
 :class:`Succession` is the service that ties both sides into one proxy
 (service.py builds it when tap.py gives it a :class:`Setup`): it installs
 the SIGHUP handler, runs the take-over when this process was started by a
-reload, and snapshots and restores the state that crosses over.
+reload, snapshots and restores the state that crosses over, refuses the
+signals and the admin API's hold changes that the process without the holds
+must not take (signals.py), and hands the pidfile and the holds file over at
+the commit (claims.py).
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ from .. import __version__
 from ..holdstore import NOT_KEPT
 from ..pool.twins import TwinCheck
 from ..state import ALL, Hold, YieldState
-from .predecessor import Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
+from .claims import ClaimedAtCommit, PidFile
+from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
+from .signals import HoldSignals, StopNoted, unblock
 from .takeover import ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
 
 __all__ = [
-    "ENV", "Carried", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused", "ReloadUnavailable", "Setup",
-    "Succession",
+    "ENV", "Carried", "ClaimedAtCommit", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused",
+    "ReloadUnavailable", "Setup", "Succession",
     "own_command", "refuse",
 ]
 
@@ -68,12 +76,18 @@ class Setup:
     notify: Callable[..., Any] = lambda *lines: None
     #: Install the SIGHUP handler (off where the process's signals are not ours).
     signals: bool = True
-    #: Why this process cannot reload (twistd not in the foreground, a pidfile): SIGHUP and ``POST /reload``
-    #: then only say so.  None: it can.
+    #: Why this process cannot reload (how twistd was started): SIGHUP and ``POST /reload`` then only say so.
+    #: None: it can.
     unavailable: str | None = None
+    #: twistd's pidfile (an absolute path), or None: it names the process that serves (claims.py).
+    pidfile: str | None = None
+    #: Tells twistd not to remove the pidfile as this process exits (it handed it over).
+    keep_pidfile: Callable[[], None] = lambda: None
+    #: The holds file of a process a reload started, written from its commit on (claims.ClaimedAtCommit).
+    holds: Any = None
 
 
-@attrs.define(eq=False, slots=False)
+@attrs.define(eq=False, slots=False, repr=False)
 class Succession(Service):
     """The proxy's reload: SIGHUP, the admin API's ``/reload``, and the take-over at start."""
 
@@ -90,41 +104,128 @@ class Succession(Service):
     _twins: Any = None
     #: What each upstream served (served.RecordKeeper): the evidence of its outage verdicts crosses over too.
     _records: Any = None
+    #: The gate: after a handover whose new process is gone, what is left here is refused.
+    _gate: Any = None
     _predecessor: Predecessor = attrs.field(init=False)
     _takeover: TakeOver | None = attrs.field(init=False, default=None)
     _previous_handler: Any = None
+    _pidfile: PidFile = attrs.field(init=False)
+    _hold_signals: HoldSignals = attrs.field(init=False)
+    _stops: StopNoted = attrs.field(init=False, factory=StopNoted)
 
     name = "succession"  # type: ignore[assignment]  # Twisted types Service.name as None
 
     def __attrs_post_init__(self) -> None:
+        self._pidfile = PidFile(self.setup.pidfile, self.setup.keep_pidfile)
+        self._hold_signals = HoldSignals(self._reactor)
         self._predecessor = Predecessor(
             self._reactor, self.setup.command, self.setup.environ, self._listeners, self._connections, self._lot,
             self._pool, self.snapshot, self.setup.stop, self.setup.notify, unavailable=self.setup.unavailable,
+            gate=self._gate, on_phase=self._phase_changed,
+            predecessor_alive=lambda: self._takeover is not None and self._takeover.linked,
         )
         if self.setup.inheritance is not None:
             self._takeover = TakeOver(
                 self._reactor, self.setup.inheritance, self._listeners, self._proxy_app.adopt, self.restore,
+                pool=self._pool, claim=self._claim, relay=self._predecessor.relay, stop_process=self.setup.stop,
+                on_serving=self._hold_signals.restore, holds_from_file=self._holds_from_file,
             )
 
     def startService(self) -> None:
         super().startService()
         if self.setup.signals:
             try:
-                self._previous_handler = signal.signal(signal.SIGHUP, self._on_sighup)
+                # A plain function (see signals._handler): the previous handler is returned as an enum if it can.
+                self._previous_handler = signal.signal(signal.SIGHUP, lambda signum, frame: self._on_sighup(signum, frame))
             except (ValueError, OSError) as e:
                 log.error("reload: cannot install the SIGHUP handler: {error}", error=e)
         if self._takeover is not None:
+            if self.setup.signals:
+                pid = self.setup.inheritance.pid if self.setup.inheritance is not None else None
+                self._hold_signals.refuse(
+                    lambda: f"while it takes over from pid {pid}, which has the holds until then (send it there)"
+                )
+            # Once the reactor runs: twistd's SIGTERM and SIGINT handlers are in by then.
+            when_running = getattr(self._reactor, "callWhenRunning", None)
+            if when_running is not None:
+                when_running(self._begin)
+            else:
+                self._begin()
+
+    def _begin(self) -> None:
+        """Every handler is in: the signals that waited since this process's ``exec`` come in now."""
+        if self.setup.signals:
+            unblock()
+        if self._takeover is not None and self.running:
             self._takeover.start()
 
-    def stopService(self) -> None:
+    def stopService(self) -> Deferred[None]:
         super().stopService()
-        self._predecessor.stop()
+        if self._takeover is not None:
+            self._takeover.stop()
+        stopped = self._predecessor.stop()
         if self._previous_handler is not None:
             try:
                 signal.signal(signal.SIGHUP, self._previous_handler)
             except (ValueError, OSError):
                 pass
             self._previous_handler = None
+        add_trigger = getattr(self._reactor, "addSystemEventTrigger", None)
+        if add_trigger is not None:
+            add_trigger("after", "shutdown", self._pidfile.remove_if_mine)
+        return stopped
+
+    # -- who owns the holds --------------------------------------------------------------------
+
+    def holds_elsewhere(self) -> str | None:
+        """Why a hold change asked of this process now would not be kept (the admin API refuses it, 503),
+        or None: the holds are this process's."""
+        predecessor = self._predecessor
+        if predecessor.phase in (Phase.COMMITTING, Phase.HANDED_OVER):
+            return (f"this process (pid {os.getpid()}) has handed the holds over to pid {predecessor.successor_pid}, "
+                    "which answers from now on")
+        takeover = self._takeover
+        if takeover is not None and not takeover.committed and takeover.state != "aborted":
+            pid = self.setup.inheritance.pid if self.setup.inheritance is not None else None
+            return f"this process (pid {os.getpid()}) takes over from pid {pid}, which has the holds until then"
+        return None
+
+    def _phase_changed(self, phase: Phase) -> None:
+        """The signals and files that follow the holds, as the handover goes on (predecessor.Phase)."""
+        successor = self._predecessor.successor_pid
+        if phase is Phase.PREPARING and self.setup.signals:
+            # This process still owns the holds: the signal watcher's signals take effect; none is fatal.
+            self._hold_signals.refuse(lambda: "during a reload", only_fatal=True)
+            self._stops.watch(self._predecessor.stop_signalled)
+        elif phase is Phase.COMMITTING and self.setup.signals:
+            self._hold_signals.refuse(
+                lambda: f"after it handed the holds over to pid {successor} (send it there)"
+            )
+        elif phase is Phase.HANDED_OVER:
+            # The holds are the new process's now: no lease runs out here (and the holds file, which
+            # the new process claimed, is not written from here either: holdstore.py).
+            self._state.stop()
+            self._pidfile.give_up()
+            self._stops.unwatch()
+        elif phase is Phase.IDLE:
+            self._hold_signals.restore()
+            self._stops.unwatch()
+
+    def _claim(self) -> None:
+        """The commit, in the new process: the holds file and the pidfile are its own now."""
+        if self.setup.holds is not None:
+            self.setup.holds.claim()
+        self._pidfile.take()
+
+    def _holds_from_file(self) -> None:
+        """The predecessor died before the commit: the holds as it last wrote them (on the safe side: a
+        hold it ended after this process started may come back, one it took is not missed)."""
+        store = self.setup.holds
+        if store is None:
+            return
+        loaded = store.load()
+        if getattr(loaded, "refused", None) is None:
+            self._state.restore(h for h in loaded.holds if self._state.hold_of(h.source, h.scope) != h)
 
     def _on_sighup(self, signum, frame) -> None:
         """The Python-level handler: the reload runs in the reactor thread."""
@@ -140,6 +241,9 @@ class Succession(Service):
         if self._takeover is not None and not self._takeover.done:
             d: Deferred[dict[str, Any]] = Deferred()
             d.errback(ReloadBusy("this process is still taking over from the one before it"))
+        elif not self.running:
+            d = Deferred()
+            d.errback(ReloadBusy("this process is stopping"))
         else:
             d = Deferred.fromCoroutine(self._predecessor.reload())
 
@@ -148,20 +252,17 @@ class Succession(Service):
             if failure.check(ReloadRefused):
                 log.error("reload refused: {why}; still running version {version} (pid {pid}), nothing dropped",
                           why=str(why), version=__version__, pid=os.getpid())
-            elif failure.check(ReloadFailed, ReloadBusy, ReloadUnavailable):
+            elif failure.check(ReloadBusy):
+                log.warn("reload not started: {why} (pid {pid}, version {version})",
+                         why=str(why), pid=os.getpid(), version=__version__)
+            elif failure.check(ReloadFailed, ReloadUnavailable):
                 log.error("reload failed: {why}; still running version {version} (pid {pid}), nothing dropped",
                           why=str(why), version=__version__, pid=os.getpid())
             else:
                 log.failure("reload failed", failure)
             return failure
 
-        def handed_over(outcome: dict[str, Any]) -> dict[str, Any]:
-            # The holds are the new process's now: no lease runs out here (and the holds file, which
-            # the new process claimed, is not written from here either: holdstore.py).
-            self._state.stop()
-            return outcome
-
-        d.addCallbacks(handed_over, failed)
+        d.addErrback(failed)
         # Whoever asked may go away (the admin client's timeout, a ^C: Klein cancels its Deferred): the
         # handover goes on regardless.  Cancelled halfway, it would kill a new process holding part of the lot.
         outcome: Deferred[dict[str, Any]] = Deferred(lambda _: None)

@@ -5,6 +5,10 @@ Frames (wire.py) go both ways; descriptors go beside them with
 the frame that follows) and come in through ``fileDescriptorReceived``,
 before the bytes they came with.  A frame that says ``"fds": n`` takes the
 next ``n`` received descriptors.
+
+:meth:`Link.flushed` says when what was sent has left this process: the
+new process answers ``committed`` and acts on it only then, so that the old
+process reads it even if the new one dies the next instant (predecessor.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ from .wire import BadFrame, Decoder, encode
 
 log = Logger()
 
+class LinkClosed(Exception):
+    """The other end of the link is gone."""
+
+
+def _unsent(transport) -> bool:
+    """Bytes (or descriptors) written to ``transport`` that have not reached its socket yet."""
+    return bool(
+        len(getattr(transport, "dataBuffer", b"")) - getattr(transport, "offset", 0) > 0
+        or getattr(transport, "_tempDataLen", 0) or getattr(transport, "_sendmsgQueue", None)
+    )
+
+
 #: ``on_message(message, blob, fds)``: the descriptors are the receiver's to close.
 OnMessage = Callable[[dict[str, Any], bytes, list[int]], None]
 
@@ -40,13 +56,46 @@ class Link(Protocol):
         self.closed: Deferred[None] = Deferred()
 
     def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
-        """Send a frame with ``fds`` beside it (kept open by the caller until the peer says it has them)."""
+        """Send a frame with ``fds`` beside it (kept open by the caller until the peer says it has them).
+
+        Nothing is sent once the link has ended (the caller closes what it kept for the peer)."""
+        transport: Any = self.transport  # a unix transport
+        if self.closed.called or transport is None or not getattr(transport, "connected", False):
+            return
         frame = encode({**message, "fds": len(fds)}, blob)
         if len(frame) < len(fds):  # each descriptor travels with one byte of the frame
             raise ValueError("a frame too short for its descriptors")
         for fd in fds:
-            self.transport.sendFileDescriptor(fd)  # type: ignore[union-attr]  # a unix transport
-        self.transport.write(frame)  # type: ignore[union-attr]
+            transport.sendFileDescriptor(fd)
+        transport.write(frame)
+
+    def send_now(self, message: dict[str, Any]) -> None:
+        """Send a frame into the socket at once, not at the reactor's next turn (a process about to end:
+        its reactor's end drops what a transport still buffers)."""
+        self.send(message)
+        transport = self.transport
+        if transport is not None and getattr(transport, "connected", False):
+            transport.doWrite()  # type: ignore[attr-defined]  # a FileDescriptor
+
+    def flushed(self, clock) -> Deferred[None]:
+        """Fires once every frame sent so far is in the socket (the other process reads it even if this
+        one dies next); fails with :class:`LinkClosed` if the link is gone first."""
+        done: Deferred[None] = Deferred()
+        transport = self.transport
+        if transport is not None and not self.closed.called:
+            # At once, not at the reactor's next turn (a no-op when nothing waits to be written).
+            transport.doWrite()  # type: ignore[attr-defined]  # a FileDescriptor
+
+        def check() -> None:
+            if self.closed.called or transport is None or not getattr(transport, "connected", False):
+                done.errback(LinkClosed("the other process is gone"))
+            elif _unsent(transport):
+                clock.callLater(0, check)
+            else:
+                done.callback(None)
+
+        check()
+        return done
 
     def fileDescriptorReceived(self, descriptor: int) -> None:
         self._fds.append(descriptor)

@@ -35,9 +35,10 @@ BATCH_BYTES = 8 * 1024 * 1024
 #: ...or this many connections (one file descriptor each): the successor adopts a batch in one reactor
 #: turn, so a small batch keeps the connections it accepts meanwhile moving.
 BATCH_FDS = 50
-#: What the handover speaks: a successor that does not speak it refuses the handover.  2: its times are
-#: the machine's monotonic clock (clock.py), not the wall clock that 1 carried.
-PROTOCOL = 2
+#: What the handover speaks: a successor that does not speak it refuses the handover.  3: the two-phase
+#: handover (the old process keeps every connection until ``committed``, predecessor.py), times on the
+#: machine's monotonic clock (clock.py; 2 had only that, 1 carried the wall clock).
+PROTOCOL = 3
 #: Request headers not sent again: the body is whole now (Content-Length says its size), and a
 #: ``100 Continue`` was answered already.
 _DROPPED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
@@ -80,13 +81,19 @@ class Decoder:
             yield message, blob
 
 
-def request_bytes(method: bytes, uri: bytes, headers: Iterable[tuple[bytes, Iterable[bytes]]], body: bytes) -> bytes:
-    """The request as a client would send it again: its line, its headers (repeated ones kept), its whole body.
+def request_bytes(
+    method: bytes, uri: bytes, headers: Iterable[tuple[bytes, Iterable[bytes]]], body: bytes,
+    version: bytes = b"HTTP/1.1",
+) -> bytes:
+    """The request as a client would send it again: its line (its HTTP version kept: an HTTP/1.0 client
+    expects its connection closed after the answer), its headers (repeated ones kept), its whole body.
 
     ``Content-Length`` gives the body's size (a chunked body was read whole
     already), and ``Expect`` goes (its ``100 Continue`` was answered).
     """
-    lines = [b"%s %s HTTP/1.1" % (method, uri)]
+    if version not in (b"HTTP/1.0", b"HTTP/1.1"):
+        version = b"HTTP/1.1"
+    lines = [b"%s %s %s" % (method, uri, version)]
     for name, values in headers:
         if name.lower() in _DROPPED:
             continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Callable
 
 import attrs
 from twisted.application.service import Service
@@ -52,6 +53,9 @@ class SignalWatcher(Service):
     start_signal: int = signal.SIGUSR1
     stop_signal: int = signal.SIGUSR2
     _previous: dict = attrs.Factory(dict)
+    #: Why the holds are not this process's to change now (a reload: succession/), or None.  Asked as each
+    #: signal is handled, not as it comes: one that came just before the holds went over is refused too.
+    holds_elsewhere: Callable[[], str | None] | None = None
 
     name = "watcher:signal"  # type: ignore[assignment]  # Twisted types Service.name as None
 
@@ -95,6 +99,12 @@ class SignalWatcher(Service):
     def handle(self, signum: int) -> None:
         """Take or end the hold for ``signum``, in the reactor thread.  Never raises."""
         try:
+            why = self.holds_elsewhere() if self.holds_elsewhere is not None else None
+            if why is not None:
+                log.warn("{name} received, but {why}: the signal hold is not {what} here",
+                         name=signal.Signals(signum).name, why=why,
+                         what="taken" if signum == self.start_signal else "ended")
+                return
             if not self.running:
                 log.info(
                     "{name} received while the proxy stops: the signal hold is {what} and kept for the next start",
