@@ -502,6 +502,43 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
         await stack.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_bodies_that_never_finish_leave_the_receiving_budget_whatever_ends_them():
+    """A client that opens connections, each announcing a body and sending a part of it, and then closes them
+    (or cuts the body, or lets the read timeout answer 408) leaves nothing counted: before, each left its
+    announced length in proxy.max_receiving_bytes for good (the channel let go of the budget before the request
+    gave its bytes back), and within seconds every request with a body got 503 receiving_full, with no
+    connection open."""
+    mib = 1024 * 1024
+    stack = await recording_stack(config_with(
+        proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib, "request_read_timeout_seconds": 1.0},
+    ))
+    connections = stack.proxy.proxy_app.connections
+    port = port_of(stack.proxy_url)
+    head = request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % mib)], length=False)
+
+    def leave(how: str) -> None:
+        client = RawClient(port, timeout=10)
+        client.send(head + b"x" * 1000)
+        if how == "cut":
+            client.sock.shutdown(socket.SHUT_WR)
+        elif how == "timeout":
+            assert client.response(10).status == 408
+        client.close()
+
+    try:
+        for how in ("close", "cut", "timeout") * 4:
+            await in_thread(reactor, leave, how, timeout=TIMEOUT)
+        await wait_for(reactor, lambda: connections.open == 0 and connections.receiving == 0)
+        # A body still finds room: the budget holds nothing of the connections that went.
+        answer = await in_thread(
+            reactor, exchange, port, request_bytes(b"POST", b"/api/embed", body=_embed_of(mib)), 10, timeout=TIMEOUT,
+        )
+        assert answer.status == 200, answer.raw[:300]
+    finally:
+        await stack.stop()
+
+
 # -- the admin plane stays reachable under a flood (issue 16, section 4) ---------------------------
 
 

@@ -305,13 +305,14 @@ class ProxyApp:
         entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
         return self._gated(request, target, entry, body)
 
-    def adopt(self, channel, carried, data: bytes) -> None:
-        """A parked request handed over by the process this one replaced (succession/): ``data`` (the
-        request as its client sent it) is read on ``channel`` (its adopted connection) as any request is,
-        and ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
+    def adopt(self, channel, carried, connection: dict, data: bytes) -> None:
+        """A parked request handed over by the process this one replaced (succession/): its connection
+        (``channel``, adopted) is taken up as it was there (``connection``: edge/connection.py's
+        ``snapshot``), ``data`` (the request as its client sent it) is read on it as any request is, and
+        ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
         self._carried[channel] = carried
         try:
-            channel.dataReceived(data)
+            channel.resume(connection, data)
         finally:
             self._carried.pop(channel, None)
 

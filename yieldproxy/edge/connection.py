@@ -152,6 +152,7 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
+        "_frozen",
     )
 
     def __init__(self, site: Any):
@@ -195,6 +196,9 @@ class ServerConnection(Protocol):
         self._keepalive = site.timeOut
         #: What writes to the transport, and knows whether the client has it all (writer.py); set at connectionMade.
         self.writer: Any = None
+        #: While a reload hands it over (:meth:`freeze`): its deadline's kind and the time it had left, and
+        #: whether it was reading.
+        self._frozen: tuple[str | None, float | None, bool] | None = None
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -370,8 +374,8 @@ class ServerConnection(Protocol):
 
     @property
     def reclaimable(self) -> bool:
-        """Waiting for its next request: the cap may close it to make room."""
-        return self.state is IDLE
+        """Waiting for its next request, and not being handed over: the cap may close it to make room."""
+        return self.state is IDLE and self._frozen is None
 
     @property
     def answer_started(self) -> bool:
@@ -643,6 +647,41 @@ class ServerConnection(Protocol):
             self._to(HEAD)
             self._read()
 
+    # -- a reload hands it over ----------------------------------------------------------------
+
+    def freeze(self) -> None:
+        """Until :meth:`thaw` (or the end): nothing of it moves here.  It reads nothing (the client's bytes wait
+        in the socket), its deadline does not run (the time it has left is kept), and the cap does not close
+        it to make room.  A reload's old process does this to a connection it has written down for the new
+        one, until that one has it (succession/connections.py)."""
+        if self._frozen is not None or self.state is CLOSED:
+            return
+        self._frozen = (self._deadline_kind, self.deadline_in, not self._reading_paused)
+        self._deadline = self._deadline_kind = None
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self.connections is not None:
+            self.connections.busy(self)
+        self._pause_reading()
+
+    def thaw(self) -> None:
+        """Served here again as if nothing had happened (the new process will not have it)."""
+        frozen, self._frozen = self._frozen, None
+        if frozen is None or self.state is CLOSED:
+            return
+        kind, left, reading = frozen
+        if kind is not None and left is not None:
+            self._expect(kind, at=self._clock.seconds() + max(0.0, left))
+        if self.state is IDLE and self.connections is not None:
+            self.connections.idle(self)
+        if reading:
+            self._resume_reading()
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen is not None
+
     # -- a connection as data (a reload hands it over) ----------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -651,12 +690,15 @@ class ServerConnection(Protocol):
         read ahead of it (:attr:`read_ahead`), travel beside this as the bytes :meth:`resume` reads)."""
         if self.state not in PORTABLE:
             raise ValueError(f"a connection {self.state.value} cannot be handed over")
+        kind, left = self._deadline_kind, self.deadline_in
+        if self._frozen is not None:
+            kind, left = self._frozen[0], self._frozen[1]
         return {
             "state": self.state.value,
             "persistent": self.persistent,
             "one_request": self.one_request,
-            "deadline": self._deadline_kind,
-            "deadline_in": self.deadline_in,
+            "deadline": kind,
+            "deadline_in": left,
             "host_passed": self.host_passed.decode("latin-1") if self.host_passed is not None else None,
         }
 
