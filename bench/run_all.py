@@ -24,6 +24,7 @@ SCRIPTS = {
     "resume_latency": 180,
     "large_body": 180,
     "pool": 180,
+    "reader": 120,
 }
 
 

@@ -434,8 +434,9 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
     32 MiB grew the proxy by 769 MB; ``parking.max_parked_bytes`` does not
     see them).  With ``proxy.max_receiving_bytes`` = 4 MiB, large bodies take
     at most three quarters of it: three 1 MiB bodies are received, the others
-    get 503 + Retry-After before they send theirs, a small request still
-    passes meanwhile, and the three complete normally.
+    get 503 + Retry-After as their first bytes find no room (the budget weighs
+    what has arrived, not what a head announces: issue 25), a small request
+    still passes meanwhile, and the three complete normally.
     """
     mib = 1024 * 1024
     stack = await recording_stack(config_with(proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib}))
@@ -464,12 +465,13 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
         with LogCapture() as logs:
             first = await in_thread(reactor, start, 3, timeout=TIMEOUT)
             assert first == [0, 0, 0]
-            await wait_for(reactor, lambda: connections.receiving == 3 * mib)
-            over = await in_thread(reactor, exchange, port, head, 10, timeout=TIMEOUT)
+            await wait_for(reactor, lambda: connections.receiving == 3 * (mib - 1))
+            over = await in_thread(reactor, exchange, port, head + body[:65536], 10, timeout=TIMEOUT)
             assert "proxy.max_receiving_bytes" in json_error(over, 503)
             assert over.header(b"retry-after") is not None
             openai = await in_thread(
-                reactor, exchange, port, request_bytes(b"POST", b"/v1/embeddings", [(b"Content-Length", b"%d" % mib)], length=False),
+                reactor, exchange, port,
+                request_bytes(b"POST", b"/v1/embeddings", [(b"Content-Length", b"%d" % mib)], length=False) + body[:65536],
                 10, timeout=TIMEOUT,
             )
             json_error(openai, 503, "openai")
@@ -479,7 +481,7 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
             json_error(refused, 503)
             small = await in_thread(reactor, exchange, port, request_bytes(b"POST", b"/api/embed", body=_embed_of(4096)), 10, timeout=TIMEOUT)
             assert small.status == 200, small.raw[:300]
-            assert connections.receiving == 3 * mib
+            assert connections.receiving == 3 * (mib - 1)
 
             def finish() -> list[int]:
                 for client in held:
@@ -500,14 +502,52 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
         await stack.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_bodies_that_never_finish_leave_the_receiving_budget_whatever_ends_them():
+    """A client that opens connections, each announcing a body and sending a part of it, and then closes them
+    (or cuts the body, or lets the read timeout answer 408) leaves nothing counted: before, each left its
+    announced length in proxy.max_receiving_bytes for good (the channel let go of the budget before the request
+    gave its bytes back), and within seconds every request with a body got 503 receiving_full, with no
+    connection open."""
+    mib = 1024 * 1024
+    stack = await recording_stack(config_with(
+        proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib, "request_read_timeout_seconds": 1.0},
+    ))
+    connections = stack.proxy.proxy_app.connections
+    port = port_of(stack.proxy_url)
+    head = request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % mib)], length=False)
+
+    def leave(how: str) -> None:
+        client = RawClient(port, timeout=10)
+        client.send(head + b"x" * 1000)
+        if how == "cut":
+            client.sock.shutdown(socket.SHUT_WR)
+        elif how == "timeout":
+            assert client.response(10).status == 408
+        client.close()
+
+    try:
+        for how in ("close", "cut", "timeout") * 4:
+            await in_thread(reactor, leave, how, timeout=TIMEOUT)
+        await wait_for(reactor, lambda: connections.open == 0 and connections.receiving == 0)
+        # A body still finds room: the budget holds nothing of the connections that went.
+        answer = await in_thread(
+            reactor, exchange, port, request_bytes(b"POST", b"/api/embed", body=_embed_of(mib)), 10, timeout=TIMEOUT,
+        )
+        assert answer.status == 200, answer.raw[:300]
+    finally:
+        await stack.stop()
+
+
 # -- the admin plane stays reachable under a flood (issue 16, section 4) ---------------------------
 
 
-def _flood(port: int, count: int, stop, source: str = "127.0.0.1", payload: bytes = b"G") -> int:
+def _flood(port: int, count: int, stop, source: str = "127.0.0.1", payload: bytes = b"G", made_so_far=None) -> int:
     """``count`` connections to ``port`` that each send ``payload`` (one byte) and reconnect when closed, until
     ``stop`` is set.
 
-    One thread, non-blocking sockets; returns how many connections it made.
+    One thread, non-blocking sockets; returns how many connections it made (and keeps ``made_so_far[source]``
+    up to date while it runs, when given).
     """
     import selectors
 
@@ -522,6 +562,8 @@ def _flood(port: int, count: int, stop, source: str = "127.0.0.1", payload: byte
         sock.connect_ex(("127.0.0.1", port))
         selector.register(sock, selectors.EVENT_WRITE, "connecting")
         made += 1
+        if made_so_far is not None:
+            made_so_far[source] = made
 
     try:
         for _ in range(count):
@@ -606,15 +648,25 @@ async def test_the_operator_gets_through_a_flood_that_sends_whole_requests_too()
     stack = await start_stack(reactor, config_with(admin={"max_connections": 64}))
     port = port_of(stack.admin_url)
     stop = threading.Event()
+    made_so_far: dict[str, int] = {}
     # Slow connections from five addresses (16 each, the cap per address) fill the listener's 64.
-    slow = [in_thread(reactor, _flood, port, 40, stop, f"127.0.0.{i}", timeout=TIMEOUT + 30) for i in range(2, 7)]
+    slow = [
+        in_thread(reactor, _flood, port, 40, stop, f"127.0.0.{i}", made_so_far=made_so_far, timeout=TIMEOUT + 30)
+        for i in range(2, 7)
+    ]
     place_takers = [
         in_thread(reactor, _flood, port, 12, stop, f"127.0.0.{i}", request_bytes(b"GET", b"/healthz") + b"G",
-                  timeout=TIMEOUT + 30)
+                  made_so_far=made_so_far, timeout=TIMEOUT + 30)
         for i in (7, 8)
     ]
     try:
         await wait_for(reactor, lambda: stack.proxy.admin_app.connections.refused > 100, timeout=20)
+        # Every flood is cycling (each has reconnected): a connection that came in before the cap was reached
+        # holds its place until its next request's read timeout.
+        await wait_for(
+            reactor, lambda: len(made_so_far) == 7 and all(made_so_far[f"127.0.0.{i}"] > 12 for i in (7, 8)),
+            timeout=30,
+        )
         statuses = []
         for _ in range(10):
             answer = await treq.post(
@@ -637,7 +689,7 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
     from twisted.internet.task import Clock
     from twisted.internet.testing import StringTransport
 
-    from yieldproxy.httpserver import OVER_CAPACITY_WAIT, Connections, OverCapacity
+    from yieldproxy.edge.capacity import OVER_CAPACITY_WAIT, Connections, OverCapacity
 
     clock = Clock()
     connections = Connections(1, "admin.max_connections", reserved=1, quick_seconds=0.5)
@@ -687,34 +739,47 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
 
 
 def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
-    """The stop's last step (drain.py): a connection whose transport still holds answer bytes (the 503s just
-    written) is closed once they are out, and the stop waits for that close; one with nothing left to write
-    is neither closed nor waited for.  The reactor's end would drop the buffered bytes: a bare close."""
-    from yieldproxy.httpserver import Connections
+    """The stop's last step (drain.py): a connection whose answer bytes have not all reached its socket yet (the
+    503s just written) is closed once they are out, and the stop waits for that close; one with nothing left to
+    write, or whose request is still being served, is neither closed nor waited for.  The reactor's end would
+    drop the buffered bytes: a bare close."""
+    from yieldproxy.edge.capacity import Connections
 
     connections = Connections(10)
 
-    class Transport:
-        def __init__(self, unsent: int):
-            self.dataBuffer, self.offset, self._tempDataLen = b"", 0, unsent
+    class Channel:
+        def __init__(self, unsent: bool, serving: bool = False):
+            self.unsent = unsent
+            self.serving = serving
             self.closing = False
 
-    class Channel:
-        def __init__(self, unsent: int):
-            self.transport = Transport(unsent)
-
         def loseConnection(self):
-            self.transport.closing = True
+            self.closing = True
 
-    buffered, written = Channel(300), Channel(0)
-    for channel in (buffered, written):
+    answered, another, written, serving = Channel(True), Channel(True), Channel(False), Channel(True, serving=True)
+    for channel in (answered, another, written, serving):
         connections.opened(channel)
     flushed = connections.flushed()
     assert not flushed.called
-    assert buffered.transport.closing and not written.transport.closing
-    connections.closed(written)
+    assert answered.closing and another.closing and not written.closing and not serving.closing
+    connections.closed(answered)
     assert not flushed.called
-    connections.closed(buffered)  # its bytes are out, its connection closed
+    connections.closed(another)  # its bytes are out, its connection closed
     assert flushed.called
     # Nothing left to write: at once.
     assert connections.flushed().called
+
+
+def test_a_listening_port_can_be_paused_and_its_accept_batch_bounded():
+    """Connections pauses its ports (``stopReading``) and bounds ``tcp.Port.numberAccepts`` while refusing a flood
+    (listener.py): both are public names of Twisted's TCP port."""
+    from twisted.internet import reactor, tcp
+    from twisted.internet.protocol import Factory
+
+    port = reactor.listenTCP(0, Factory(), interface="127.0.0.1")
+    try:
+        assert isinstance(port, tcp.Port)
+        assert isinstance(port.numberAccepts, int), "twisted.internet.tcp.Port.numberAccepts is gone: see Connections"
+        assert callable(port.stopReading) and callable(port.startReading)
+    finally:
+        port.stopListening()

@@ -364,6 +364,58 @@ async def test_parked_and_arriving_requests_survive_three_reloads_exactly_once(t
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_connection_goes_over_as_it_was_in_its_own_http_version_and_with_its_own_deadline(tmp_path):
+    """A connection is data (issue 25): an HTTP/1.0 client parked across a reload is answered in HTTP/1.0 and the
+    connection closed, as the old process would have (it was rebuilt as HTTP/1.1 and answered chunked, never
+    closed); an idle admin keep-alive connection goes over with its keep-alive deadline and is sent nothing it
+    did not ask for (it got a 408 a few seconds after the handover: the new process took it for a connection
+    just accepted, whose first request's read time counts from the accept), and its next request is answered
+    by the new process."""
+    sim = SimOllama(reactor, latency=0.0, parallel=8)
+    proxy = Proxy(tmp_path, await sim.listen())
+    old_client = admin_client = None
+    try:
+        await proxy.start()
+        code, _ = await proxy.post("/yield", {"source": "broker", "reason": "game"})
+        assert code == 200
+        old_client = await in_thread(reactor, RawClient, proxy.proxy_port)
+        body = embed_body("in http 1.0")
+        sent = b"POST /api/embed HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        assert await in_thread(reactor, old_client.send, sent)
+        await proxy.until_parked(1)
+        admin_client = await in_thread(reactor, RawClient, proxy.admin_port)
+        status = await in_thread(reactor, lambda: admin_client.send(request_bytes(b"GET", b"/status")) and admin_client.response())
+        assert status.status == 200 and status.header(b"connection") != b"close"
+        old = proxy.pid
+
+        outcome = await proxy.reload()
+        assert outcome["parked_handed_over"] == 1 and outcome["connections_handed_over"] >= 1, outcome
+        await proxy.old_gone(old)
+        # Past the admin listener's read time from an accept (5 s): nothing came, unasked.
+        quiet = await in_thread(reactor, admin_client.response, 6.0)
+        assert quiet.status == 0 and quiet.raw == b"" and not admin_client.closed, quiet.raw
+        resumed = await in_thread(
+            reactor,
+            lambda: admin_client.send(request_bytes(
+                b"POST", b"/resume", [(b"Content-Type", b"application/json")], body=b'{"source": "broker"}',
+            )) and admin_client.response(),
+        )
+        assert resumed.status == 200 and resumed.json()["pid"] == outcome["pid"], resumed.raw[:300]
+
+        answer = await in_thread(reactor, old_client.response, TIMEOUT)
+        assert answer.raw.startswith(b"HTTP/1.0 200 "), answer.raw[:200]
+        assert answer.header(b"transfer-encoding") is None
+        assert answer.json()["embeddings"][0] == pytest.approx(expected_embedding("in http 1.0", MODEL), abs=1e-9)
+        assert await in_thread(reactor, old_client.wait_closed, 10.0)
+    finally:
+        for client in (old_client, admin_client):
+            if client is not None:
+                client.close()
+        proxy.stop()
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_streaming_chat_and_a_keepalive_connection_survive_a_reload(tmp_path):
     """A chat streaming through the old process ends whole there; an idle keep-alive connection goes over and its
     next request is answered by the new process; the old one exits once its stream is done."""

@@ -360,7 +360,7 @@ async def serve_page(html: str):
 async def test_a_page_of_another_origin_cannot_yield_or_resume(monkeypatch):
     """Text/plain fetches, a beacon and form posts from another site reach the admin API and are refused."""
     chromium_path()
-    from yieldproxy.httpserver import ProxyRequest
+    from yieldproxy.edge.request import ProxyRequest
 
     answered = []
     process = ProxyRequest.process

@@ -43,7 +43,7 @@ async def test_a_connection_written_down_is_paused_until_resumed_or_let_go_to_it
         # Written down: paused here.
         exported = export_idle(channel)
         assert exported is not None and exported.data == b""
-        assert channel.transport not in reactor.getReaders() and channel.timeOut is None
+        assert channel.transport not in reactor.getReaders() and channel.frozen and channel.deadline_in is None
         assert idle_connections(connections) == [] and not connections.reclaim_idle()
         # The client sends meanwhile: nothing reads it here until the copy is resumed, which answers it.
         assert await in_thread(reactor, client.send, embed("two"))
@@ -51,17 +51,22 @@ async def test_a_connection_written_down_is_paused_until_resumed_or_let_go_to_it
         exported.let_go()  # once resumed, letting go does nothing
         second = await in_thread(reactor, client.response)
         assert second.status == 200 and vector(second) == pytest.approx(expected_embedding("two", MODEL), abs=1e-9)
-        assert channel.transport.connected and channel.timeOut is not None
+        assert channel.transport.connected and not channel.frozen and channel.deadline_in is not None
 
         # Written down again, made again (as the new process would), and let go here: the client's next
         # request is answered by the copy, on the same connection, with no FIN or reset from the old copy.
         await wait_for(reactor, lambda: len(idle_connections(connections)) == 1)
         exported = export_idle(idle_connections(connections)[0])
         assert exported is not None
-        made = make_again(reactor, stack.proxy.proxy_app.site(), exported.fd, exported.family, exported.data)
+        made = make_again(
+            reactor, stack.proxy.proxy_app.site(), exported.fd, exported.family, exported.data,
+            connection=exported.connection,
+        )
         exported.let_go()
         exported.resume()  # once let go, resuming does nothing
         assert not channel.transport.connected and made is not channel
+        # Taken up as it was: idle, its keep-alive deadline running on with the time it had left.
+        assert made.state.value == "idle" and 0 < made.deadline_in <= exported.connection["deadline_in"]
         third = await in_thread(reactor, lambda: client.send(embed("three")) and client.response())
         assert third.status == 200 and vector(third) == pytest.approx(expected_embedding("three", MODEL), abs=1e-9)
         assert not client.closed

@@ -140,7 +140,7 @@ def test_an_adopted_request_parks_ahead_of_arrivals_with_its_arrival_and_deadlin
     )
     body = b'{"model": "all-minilm", "input": "from the old process"}'
     rig.proxy.proxy_app.adopt(
-        channel, carried, request_bytes(b"POST", b"/api/embed", [(b"Host", [b"127.0.0.1:11435"])], body),
+        channel, carried, {"state": "fresh"}, request_bytes(b"POST", b"/api/embed", [(b"Host", [b"127.0.0.1:11435"])], body),
     )
     first, second = rig.proxy.lot.entries()
     assert first.cls == "interactive" and (first.first_parked, first.deadline) == (now - 99, now + 20)

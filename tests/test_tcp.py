@@ -1,4 +1,4 @@
-"""Nagle off: one helper, :func:`yieldproxy.tcp.set_no_delay`, on every connection that carries HTTP."""
+"""Nagle off: one helper, :func:`yieldproxy.edge.tcp.set_no_delay`, on every connection that carries HTTP."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest_twisted
 from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 
+from yieldproxy.edge.site import ProxySite
+from yieldproxy.edge.tcp import set_no_delay
 from yieldproxy.h1client import H1Connection, H1Pool
-from yieldproxy.httpserver import ProxySite
-from yieldproxy.tcp import set_no_delay
 
 
 class _Recording(StringTransport):

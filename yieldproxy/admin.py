@@ -36,11 +36,13 @@ from twisted.web.server import Site
 from . import __version__
 from .clock import WallClock, same
 from .config import Config
+from .edge.capacity import QUICK_ROOM, Connections
+from .edge.site import ProxySite
+from .errors import listener_error_body
 from .fallback import NotNow
 from .gate import Gate
 from .history import History
 from .hosts import HostPolicy, cross_site
-from .httpserver import QUICK_ROOM, Connections, ProxySite
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
@@ -55,7 +57,7 @@ _ADMIN_IDLE_SECONDS = 60
 #: Seconds an admin client has to send a whole request, counted from the accept (a few fields of JSON).
 ADMIN_READ_SECONDS = 5.0
 #: Seconds within which a request must come whole to be served past ``admin.max_connections``
-#: (in the room kept for such requests, ``httpserver.QUICK_ROOM``): the operator's calls are one packet.
+#: (in the room kept for such requests, ``edge.capacity.QUICK_ROOM``): the operator's calls are one packet.
 ADMIN_QUICK_SECONDS = 0.5
 #: Retry-After, in seconds, of a hold change refused because a reload handed the holds to a new process.
 HOLDS_MOVED_RETRY_AFTER = 1
@@ -266,7 +268,7 @@ class AdminApp:
             _ADMIN_BODY_LIMIT,
             request_read_timeout=ADMIN_READ_SECONDS,
             read_from_accept=True,
-            request_log=False,
+            error_body=listener_error_body,
             timeout=_ADMIN_IDLE_SECONDS,
             connections=self.connections,
             host_policy=HostPolicy.from_config("admin.allowed_hosts", self._config.admin.allowed_hosts),

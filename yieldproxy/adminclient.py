@@ -20,7 +20,7 @@ from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from .client import AdminError, read_answer
-from .tcp import set_no_delay
+from .edge.tcp import set_no_delay
 
 EXIT_OK = 0
 EXIT_ERROR = 1

@@ -51,7 +51,7 @@ class Stoppable(Protocol):
 
 
 class Outgoing(Protocol):
-    """A listener's connections (httpserver.Connections): what they still have to write, waited for."""
+    """A listener's connections (edge/capacity.py's Connections): what they still have to write, waited for."""
 
     def flushed(self) -> Deferred[None]: ...
 

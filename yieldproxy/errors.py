@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .servers.ollama import api_family
+
 #: The longest Retry-After sent (an hour): past that a client does better to ask again
 #: than to sleep on an estimate, and a caller-given estimate must not become a huge header.
 MAX_RETRY_AFTER = 3600
@@ -64,6 +66,12 @@ def error_body(api: str, status: int, message: str, code: str) -> bytes:
     else:
         raise ValueError(f"unknown error shape {api!r}; expected one of {ERROR_SHAPES}")
     return json.dumps(payload).encode("utf-8")
+
+
+def listener_error_body(path: bytes, status: int, message: str, code: str) -> bytes:
+    """The error body the listeners' HTTP edge writes for a request it answers itself (edge/), in the shape of
+    the API its path belongs to (the proxy's routes and the admin API's alike)."""
+    return error_body(api_family(path), status, message, code)
 
 
 def write_error(request: Any, api: str, status: int, message: str, code: str, retry_after: int | None = None) -> bytes:

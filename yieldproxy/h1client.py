@@ -103,8 +103,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from .edge.tcp import set_no_delay
 from .h1parse import ParseError, ResponseParser
-from .tcp import set_no_delay
 
 #: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -342,6 +342,8 @@ class H1Connection(Protocol):
         self._poller: select.poll | Literal[False] | None = None
         #: Fired when the connection is gone (the pool's close waits on these).
         self.when_lost: list[Deferred] = []
+        #: Every byte written so far went out at once (:func:`write_now`): the transport holds none.
+        self._direct = True
 
     def connectionMade(self) -> None:
         set_no_delay(self.transport)
@@ -357,8 +359,12 @@ class H1Connection(Protocol):
         ex.reused = self.served > 0
         self.served += 1
         self._parser.start(ex.method == b"HEAD")
-        write_now(self.transport, ex.data)
+        if self._direct:
+            self._direct = write_now(self.transport, ex.data)
+        else:
+            self.transport.write(ex.data)
         if ex.body:
+            self._direct = False
             self.transport.write(ex.body)
 
     def still_open(self) -> bool:
@@ -487,35 +493,27 @@ class H1Connection(Protocol):
             d.callback(None)
 
 
-def write_now(transport: Any, data: bytes) -> None:
-    """``transport.write(data)``, sent at once when a TCP transport has nothing waiting to go out.
+def write_now(transport: Any, data: bytes) -> bool:
+    """Send ``data`` on a TCP ``transport`` at once (``writeSomeData``), what the socket does not take through
+    ``transport.write``; True when all of it went out at once.
 
     A TCP transport buffers every write until the reactor's next turn finds
     the socket writable: a write costs two ``epoll_ctl`` calls and a turn of
-    the reactor before the ``send``.  A request goes out in one write, on a
-    connection with nothing else to send, so it is sent here, and only what
-    the socket does not take is left to the transport.  Anything else (TLS,
-    a test's transport, data already waiting, a closing connection, an
-    error) takes the transport's own way.  Relies on
-    ``twisted.internet.abstract.FileDescriptor`` attributes
-    (``dataBuffer``, ``_tempDataLen``, ``_writeDisconnected``) and
-    ``tcp.Connection.writeSomeData``, as they are in Twisted 26;
-    ``tests/test_h1client.py`` fails if a release moves them.
+    the reactor before the ``send``.  A request goes out in one write, so it
+    is sent here.  Only for a connection whose every byte so far went out
+    this way (the caller keeps that fact, :attr:`H1Connection._direct`): once
+    a write was left to the transport, it may still hold bytes, and a direct
+    send would pass them.  Anything else (TLS, a test's transport, a closing
+    connection) takes the transport's own way.
     """
-    if (
-        isinstance(transport, tcp.Connection)
-        and transport.connected
-        and not transport.disconnecting
-        and not getattr(transport, "_writeDisconnected", True)
-        and not transport.dataBuffer
-        and getattr(transport, "_tempDataLen", 1) == 0
-    ):
+    if isinstance(transport, tcp.Connection) and transport.connected and not transport.disconnecting:
         sent = transport.writeSomeData(data)
         if isinstance(sent, int) and sent > 0:
             if sent == len(data):
-                return
+                return True
             data = data[sent:]
     transport.write(data)
+    return False
 
 
 class _ConnectionFactory(Factory):

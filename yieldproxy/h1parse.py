@@ -16,12 +16,16 @@ stays on the body, named in :attr:`ResponseParser.codings` for the relay to
 send on (never de-chunked and relabelled as a plain body).  Whatever the input, it raises
 nothing but :class:`ParseError` and never loops without consuming input
 (``tests/test_h1client.py`` fuzzes it).
+
+Its field lines and chunked bodies are read by the code it shares with the
+request reader (:mod:`yieldproxy.edge.h1wire`), in its lenient temper.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Protocol as TypingProtocol
+
+from .edge.h1wire import DATA, END, NEED, TOKEN, ChunkDecoder, WireError, parse_length, split_field
 
 #: Most bytes of a response head (status line and headers).
 MAX_HEAD = 64 * 1024
@@ -31,9 +35,12 @@ MAX_TRAILERS = 64 * 1024
 #: Most interim (1xx) responses before the final one.
 MAX_INTERIM = 32
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_DIGITS = re.compile(rb"[0-9]{1,18}")
+#: What each broken rule of a chunked body is called (h1wire's rules, lenient).
+_CHUNK_ERRORS = {
+    "chunk_line_long": "chunk-size line too long",
+    "chunk_end": "chunk data not followed by CRLF",
+    "trailers_long": "trailers too long",
+}
 
 
 class ParseError(ValueError):
@@ -51,7 +58,7 @@ class ParserEvents(TypingProtocol):
 
 
 # Parser states.
-_IDLE, _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE = range(8)
+_IDLE, _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(5)
 
 
 class ResponseParser:
@@ -67,7 +74,7 @@ class ResponseParser:
     """
 
     __slots__ = ("_events", "_state", "_buf", "_remaining", "_head_request", "_keep_alive",
-                 "_interim", "_trailer_bytes", "extra", "received", "codings")
+                 "_interim", "_chunks", "extra", "received", "codings")
 
     def __init__(self, events: ParserEvents):
         self._events = events
@@ -77,7 +84,8 @@ class ResponseParser:
         self._head_request = False
         self._keep_alive = False
         self._interim = 0
-        self._trailer_bytes = 0
+        #: The chunked body being read (state _CHUNKED).
+        self._chunks: ChunkDecoder | None = None
         #: Bytes followed the end of the response.
         self.extra = False
         #: Any byte of this response arrived.
@@ -92,7 +100,7 @@ class ResponseParser:
         self._buf = b""
         self._head_request = head_request
         self._interim = 0
-        self._trailer_bytes = 0
+        self._chunks = None
         self.extra = False
         self.received = False
         self.codings = None
@@ -160,67 +168,8 @@ class ResponseParser:
                         return
                 self._end(buf)
                 return
-            if state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > MAX_CHUNK_LINE:
-                        raise ParseError("chunk-size line too long")
-                    self._buf = buf
-                    return
-                if end > MAX_CHUNK_LINE:
-                    raise ParseError("chunk-size line too long")
-                line, buf = buf[:end], buf[end + 2 :]
-                size_text = line.split(b";", 1)[0].rstrip(b" \t")
-                if not _HEX.fullmatch(size_text) or b"\r" in line or b"\n" in line:
-                    raise ParseError(f"bad chunk size {line[:40]!r}")
-                size = int(size_text, 16)
-                if size == 0:
-                    self._state = _TRAILERS
-                else:
-                    self._remaining = size
-                    self._state = _CHUNK_DATA
-                continue
-            if state == _CHUNK_DATA:
-                n = len(buf)
-                if n <= self._remaining:
-                    self._remaining -= n
-                    if n:
-                        self._events.on_body(buf)
-                    if self._state == _CHUNK_DATA and self._remaining == 0:
-                        self._state = _CHUNK_END
-                    return
-                body, buf = buf[: self._remaining], buf[self._remaining :]
-                self._remaining = 0
-                self._state = _CHUNK_END
-                self._events.on_body(body)
-                if self._state != _CHUNK_END:
-                    return
-                continue
-            if state == _CHUNK_END:
-                if len(buf) < 2:
-                    if buf and buf != b"\r":
-                        raise ParseError("chunk data not followed by CRLF")
-                    self._buf = buf
-                    return
-                if buf[:2] != b"\r\n":
-                    raise ParseError("chunk data not followed by CRLF")
-                buf = buf[2:]
-                self._state = _CHUNK_SIZE
-                continue
-            if state == _TRAILERS:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if self._trailer_bytes + len(buf) > MAX_TRAILERS:
-                        raise ParseError("trailers too long")
-                    self._buf = buf
-                    return
-                self._trailer_bytes += end + 2
-                if self._trailer_bytes > MAX_TRAILERS:
-                    raise ParseError("trailers too long")
-                line, buf = buf[:end], buf[end + 2 :]
-                if line:
-                    continue  # a trailer field: ignored
-                self._end(buf)
+            if state == _CHUNKED:
+                self._chunked(buf)
                 return
             if state == _UNTIL_CLOSE:
                 if buf:
@@ -239,6 +188,32 @@ class ResponseParser:
             self._events.on_end(False)
             return True
         return False
+
+    def _chunked(self, buf: bytes) -> None:
+        """Read a chunked body from ``buf``, until more bytes are needed or the response ends or is halted."""
+        chunks = self._chunks
+        assert chunks is not None
+        pos = 0
+        while True:
+            try:
+                kind, start, end = chunks.step(buf, pos)
+            except WireError as error:
+                if error.rule == "chunk_size":
+                    raise ParseError(f"bad chunk size {error.line!r}") from None
+                raise ParseError(_CHUNK_ERRORS[error.rule]) from None
+            if kind == DATA:
+                self._events.on_body(buf if start == 0 and end == len(buf) else buf[start:end])
+                if self._state != _CHUNKED or self._chunks is not chunks:
+                    return  # halted (or started again) by the event
+                pos = end
+            elif kind == END:
+                self._end(buf[start:])
+                return
+            elif kind == NEED:
+                self._buf = buf[start:]
+                return
+            else:  # SIZE: a chunk's size line, nothing to do
+                pos = start
 
     def _end(self, rest: bytes) -> None:
         self.extra = bool(rest)
@@ -276,11 +251,11 @@ class ResponseParser:
                 value = (value + b" " + line.strip(b" \t")).strip(b" \t")
                 headers[-1] = (name, value)
             else:
-                name, sep, value = line.partition(b":")
-                if not sep or not _TOKEN.fullmatch(name):
+                field = split_field(line)
+                if field is None:
                     raise ParseError(f"bad header line {line[:40]!r}")
-                value = value.strip(b" \t")
-                headers.append((name, value))
+                name, value = field
+                headers.append(field)
             lower = name.lower()
             if lower == b"content-length":
                 lengths.append(value)
@@ -310,12 +285,13 @@ class ResponseParser:
             items = [t.strip(b" \t") for v in codings for t in v.split(b",")]
             items = [t for t in items if t]  # empty list elements are allowed (RFC 9110 5.6.1)
             names = [t.split(b";", 1)[0].rstrip(b" \t").lower() for t in items]
-            if not names or not all(_TOKEN.fullmatch(n) for n in names):
+            if not names or not all(TOKEN.fullmatch(n) for n in names):
                 raise ParseError(f"bad Transfer-Encoding {b', '.join(codings)[:60]!r}")
             if b"chunked" in names[:-1]:
                 raise ParseError("Transfer-Encoding applies chunked twice, or not last")
             if names[-1] == b"chunked":
-                state = _CHUNK_SIZE
+                state = _CHUNKED
+                self._chunks = ChunkDecoder(strict=False, max_line=MAX_CHUNK_LINE, max_trailers=MAX_TRAILERS)
                 items = items[:-1]
             else:
                 # Framed by the end of the connection (RFC 9112 6.3), the codings stay on.
@@ -327,9 +303,9 @@ class ResponseParser:
             if len(values) != 1:
                 raise ParseError("conflicting Content-Length values")
             (text,) = values
-            if not _DIGITS.fullmatch(text):
+            length = parse_length(text)
+            if length is None:
                 raise ParseError(f"bad Content-Length {text[:40]!r}")
-            length = int(text)
             state = _LENGTH if length else None
         else:
             state = _UNTIL_CLOSE

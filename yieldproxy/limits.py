@@ -26,7 +26,7 @@ import attrs
 from twisted.logger import Logger
 
 from .config import CONNECTION_HEADROOM, Config, proxy_max_connections
-from .httpserver import MAX_REFUSING
+from .edge.capacity import MAX_REFUSING
 
 log = Logger()
 

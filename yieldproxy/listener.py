@@ -29,7 +29,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .httpserver import MAX_REFUSING
+from .edge.capacity import MAX_REFUSING
 from .listen_errors import why_cannot_listen
 from .succession.sockets import let_go_port
 
@@ -178,7 +178,7 @@ class Listener(Service):
             self.port.startReading()  # type: ignore[attr-defined]
 
     def hold_back(self) -> None:
-        """Too many connections are being refused at once (httpserver.Connections): accept none for now.
+        """Too many connections are being refused at once (edge/capacity.py's Connections): accept none for now.
 
         The accept loop under way goes on to its batch size (``tcp.Port.numberAccepts``,
         which grows under load): it is brought down to the refusals a listener may hold.

@@ -318,7 +318,7 @@ def pool_families(rows) -> list[GaugeMetricFamily]:
 def connection_families(listeners) -> list:
     """Open connections, the cap and the refusals per listener (``proxy``, ``admin``).
 
-    ``listeners`` maps a listener's name to its :class:`~yieldproxy.httpserver.Connections`.
+    ``listeners`` maps a listener's name to its :class:`~yieldproxy.edge.capacity.Connections`.
     """
     current = GaugeMetricFamily(
         "yieldproxy_connections", "Client connections open now, per listener.", labels=["listener"]

@@ -1,11 +1,11 @@
 """The proxy listener's request handling: classify, gate, park, and forward to a pool member.
 
-The listener (:class:`~yieldproxy.httpserver.ProxySite`) hands each request
+The listener (:class:`~yieldproxy.edge.site.ProxySite`) hands each request
 to :class:`~yieldproxy.proxyresource.ProxyResource`, which calls
 :meth:`ProxyApp._handle` directly for a canonical path; only an odd path
 (one Klein's router must decode) goes through the Klein app here, whose
 error handler answers what it cannot route.  When the client goes away the
-listener's request cancels the handler's Deferred (httpserver.py,
+listener's request cancels the handler's Deferred (edge/request.py,
 ``connectionLost``).
 
 Each request ends in exactly one outcome: relayed from the upstream, or an
@@ -43,7 +43,10 @@ from .classify import (
     is_unload,
 )
 from .config import Config, proxy_max_connections
-from .errors import stream_error_chunk, write_error
+from .edge.capacity import Connections
+from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
+from .edge.site import ProxySite
+from .errors import listener_error_body, stream_error_chunk, write_error
 from .forward import (
     Attempt,
     ClientBuffers,
@@ -56,7 +59,6 @@ from .forward import (
 from .gate import Gate
 from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
-from .httpserver import RECEIVING_RETRY_AFTER, Connections, ProxySite, receiving_full_message
 from .metrics import Metrics
 from .parking import LEFT, Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
@@ -205,8 +207,15 @@ class ProxyApp:
             host_policy=HostPolicy.from_config("proxy.allowed_hosts", proxy.allowed_hosts),
             oversized=self.refuse_oversized,
             receiving_full=self.refuse_receiving,
+            error_body=listener_error_body,
+            on_refused=self._refused_by_listener,
             reactor=self._clock,
         )
+
+    def _refused_by_listener(self, request, status: int, code: str) -> None:
+        """A request the listener answered itself (a bad Host, CONNECT...): its request log line."""
+        now = self._clock.seconds()
+        log_request(request, PASSTHROUGH, status, code, 0.0, 0, now, self._clock)
 
     def refuse_oversized(self, request) -> bytes:
         """The answer to a body over ``proxy.max_body_bytes`` that the HTTP layer stopped reading."""
@@ -296,13 +305,14 @@ class ProxyApp:
         entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
         return self._gated(request, target, entry, body)
 
-    def adopt(self, channel, carried, data: bytes) -> None:
-        """A parked request handed over by the process this one replaced (succession/): ``data`` (the
-        request as its client sent it) is read on ``channel`` (its adopted connection) as any request is,
-        and ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
+    def adopt(self, channel, carried, connection: dict, data: bytes) -> None:
+        """A parked request handed over by the process this one replaced (succession/): its connection
+        (``channel``, adopted) is taken up as it was there (``connection``: edge/connection.py's
+        ``snapshot``), ``data`` (the request as its client sent it) is read on it as any request is, and
+        ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
         self._carried[channel] = carried
         try:
-            channel.dataReceived(data)
+            channel.resume(connection, data)
         finally:
             self._carried.pop(channel, None)
 
@@ -859,7 +869,7 @@ class ProxyApp:
             request.channel.persistent = False  # closed once the request is finished
             return None
         request.loseConnection()
-        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
+        await Deferred()  # The listener cancels this when the connection is gone (edge/request.py).
 
     async def _drop_slow_client(self, request, cls: str, slow: ClientTooSlow, entry: Entry | None, attempts: int):
         """Past a buffer bound: cut the client (the upstream is stopped already), count it as gone (499)."""
@@ -869,7 +879,7 @@ class ProxyApp:
         self._log(request, cls, None, "slow_client", entry, attempts)
         if request.channel is not None:
             request.channel.transport.abortConnection()
-        await Deferred()  # The listener cancels this when the connection is gone (httpserver.py).
+        await Deferred()  # The listener cancels this when the connection is gone (edge/request.py).
 
     def _trusts_header(self, request) -> bool:
         mode = self._config.proxy.trust_class_header

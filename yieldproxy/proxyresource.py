@@ -96,8 +96,9 @@ class ProxyResource(Resource):
 
 
 def _over(request) -> bool:
-    """Finished, or the client is gone (what Klein's ``notifyFinish`` flag says)."""
-    return bool(request.finished or request._disconnected)
+    """Finished, or the client is gone (a listener's request says so: edge/request.py; any other has lost
+    its channel then)."""
+    return bool(request.finished or getattr(request, "gone", False) or request.channel is None)
 
 
 def _done(request) -> None:

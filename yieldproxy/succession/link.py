@@ -9,6 +9,10 @@ next ``n`` received descriptors.
 :meth:`Link.flushed` says when what was sent has left this process: the
 new process answers ``committed`` and acts on it only then, so that the old
 process reads it even if the new one dies the next instant (predecessor.py).
+The link knows it from its transport: it is the transport's *pull* producer,
+which the transport tells (``resumeProducing``) each time it has written out
+everything it was given, descriptors included (each travels with a byte of
+the frames).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import socket
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IFileDescriptorReceiver
+from twisted.internet.interfaces import IFileDescriptorReceiver, IPullProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -32,19 +36,11 @@ class LinkClosed(Exception):
     """The other end of the link is gone."""
 
 
-def _unsent(transport) -> bool:
-    """Bytes (or descriptors) written to ``transport`` that have not reached its socket yet."""
-    return bool(
-        len(getattr(transport, "dataBuffer", b"")) - getattr(transport, "offset", 0) > 0
-        or getattr(transport, "_tempDataLen", 0) or getattr(transport, "_sendmsgQueue", None)
-    )
-
-
 #: ``on_message(message, blob, fds)``: the descriptors are the receiver's to close.
 OnMessage = Callable[[dict[str, Any], bytes, list[int]], None]
 
 
-@implementer(IFileDescriptorReceiver)
+@implementer(IFileDescriptorReceiver, IPullProducer)
 class Link(Protocol):
     """One end of the handover's socket."""
 
@@ -54,6 +50,14 @@ class Link(Protocol):
         self._fds: collections.deque[int] = collections.deque()
         #: Fires (with None) when the other end is gone, or this end closed.
         self.closed: Deferred[None] = Deferred()
+        #: Frames given to the transport that it has not written out yet (see :meth:`resumeProducing`).
+        self._unsent = False
+        #: :meth:`flushed`'s waiters, fired once the transport has written everything out.
+        self._flush_waiters: list[Deferred[None]] = []
+
+    def connectionMade(self) -> None:
+        # Its pull producer: told each time the transport has written out everything it was given.
+        self.transport.registerProducer(self, False)  # type: ignore[union-attr]
 
     def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
         """Send a frame with ``fds`` beside it (kept open by the caller until the peer says it has them).
@@ -67,6 +71,7 @@ class Link(Protocol):
             raise ValueError("a frame too short for its descriptors")
         for fd in fds:
             transport.sendFileDescriptor(fd)
+        self._unsent = True
         transport.write(frame)
 
     def send_now(self, message: dict[str, Any]) -> None:
@@ -77,25 +82,34 @@ class Link(Protocol):
         if transport is not None and getattr(transport, "connected", False):
             transport.doWrite()  # type: ignore[attr-defined]  # a FileDescriptor
 
-    def flushed(self, clock) -> Deferred[None]:
+    def flushed(self, clock: Any = None) -> Deferred[None]:
         """Fires once every frame sent so far is in the socket (the other process reads it even if this
         one dies next); fails with :class:`LinkClosed` if the link is gone first."""
         done: Deferred[None] = Deferred()
         transport = self.transport
-        if transport is not None and not self.closed.called:
+        if self.closed.called or transport is None or not getattr(transport, "connected", False):
+            done.errback(LinkClosed("the other process is gone"))
+            return done
+        if self._unsent:
             # At once, not at the reactor's next turn (a no-op when nothing waits to be written).
             transport.doWrite()  # type: ignore[attr-defined]  # a FileDescriptor
-
-        def check() -> None:
-            if self.closed.called or transport is None or not getattr(transport, "connected", False):
-                done.errback(LinkClosed("the other process is gone"))
-            elif _unsent(transport):
-                clock.callLater(0, check)
-            else:
-                done.callback(None)
-
-        check()
+        if not self._unsent:
+            done.callback(None)
+        else:
+            self._flush_waiters.append(done)
         return done
+
+    # -- the transport's pull-producer interface ---------------------------------------------------
+
+    def resumeProducing(self) -> None:
+        """The transport has written out everything it was given."""
+        self._unsent = False
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    def stopProducing(self) -> None:
+        """The transport is going away: :meth:`connectionLost` follows."""
 
     def fileDescriptorReceived(self, descriptor: int) -> None:
         self._fds.append(descriptor)
@@ -110,12 +124,15 @@ class Link(Protocol):
                 self._on_message(message, blob, fds)
         except BadFrame as e:
             log.error("reload: the other process sent a bad frame ({why}); closing the link", why=str(e))
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self.close()
         except Exception:
             log.failure("reload: handling a frame from the other process failed; closing the link")
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self.close()
 
     def connectionLost(self, reason=None) -> None:
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for waiter in waiters:
+            waiter.errback(LinkClosed("the other process is gone"))
         while self._fds:
             try:
                 os.close(self._fds.popleft())
@@ -125,8 +142,11 @@ class Link(Protocol):
             self.closed.callback(None)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.loseConnection()
+        """Close once what was sent is written out (a transport with a producer registered does not close)."""
+        transport: Any = self.transport  # a unix transport: a consumer, whose producer this link is
+        if transport is not None:
+            transport.unregisterProducer()
+            transport.loseConnection()
 
 
 def adopt_link(reactor, sock: socket.socket, on_message: OnMessage) -> Link:

@@ -626,7 +626,10 @@ class Predecessor:
                 first_parked=entry.first_parked, deadline=entry.deadline, bound_by_caller=entry.bound_by_caller,
                 failed_on=entry.failed_on,
             )
-            records.append(({**carried.as_json(), "family": exported.family, "fd": exported.fd}, exported.data))
+            records.append((
+                {**carried.as_json(), "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                exported.data,
+            ))
             exported.data = b""  # the frame has it: not held twice while the commit is awaited
             if not pending:
                 exported.let_go()
@@ -653,7 +656,10 @@ class Predecessor:
                 exported = export_idle(channel)
                 if exported is None:
                     continue
-                records.append(({"listener": name, "family": exported.family, "fd": exported.fd}, exported.data))
+                records.append((
+                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                    exported.data,
+                ))
                 exported.data = b""
                 if pending:
                     self._pending_connections.append(exported)
@@ -695,7 +701,10 @@ class Predecessor:
             if exported is None:
                 continue  # the client went away
             name = listener_of.get(id(request.site), "proxy")
-            records.append(({"listener": name, "family": exported.family, "fd": exported.fd}, exported.data))
+            records.append((
+                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                    exported.data,
+                ))
             exported.let_go()
         self._send_records(link, "connections", records)
         self.sent_connections += len(records)

@@ -153,8 +153,8 @@ class TakeOver:
     _inheritance: Inheritance
     #: ``proxy`` and ``admin``: the listeners (their sites serve the connections made again).
     _listeners: dict[str, Any]
-    #: ``adopt(channel, carried, data)`` of the proxy app.
-    _adopt: Callable[[Any, Carried, bytes], None]
+    #: ``adopt(channel, carried, connection, data)`` of the proxy app.
+    _adopt: Callable[[Any, Carried, dict[str, Any], bytes], None]
     #: ``restore(message)``: holds and twins as the predecessor had them.
     _restore: Callable[[dict[str, Any]], None]
     #: The pool: its drainers let the lot out once every parked request that came is in it.
@@ -254,14 +254,16 @@ class TakeOver:
             if item.kind == "parked":
                 record = dict(item.record)
                 family = int(record.pop("family"))
+                connection = _connection(record.pop("connection", None))
                 carried = Carried.from_json(record)
                 site = self._listeners["proxy"].factory
-                make_again(self._reactor, site, item.fd, family, item.data,
-                           feed=lambda channel, data: self._adopt(channel, carried, data))
+                make_again(self._reactor, site, item.fd, family, item.data, connection=connection,
+                           feed=lambda channel, state, data: self._adopt(channel, carried, state, data))
                 self.adopted += 1
             else:
                 listener = self._listeners[str(item.record["listener"])]
-                make_again(self._reactor, listener.factory, item.fd, int(item.record["family"]), item.data)
+                make_again(self._reactor, listener.factory, item.fd, int(item.record["family"]), item.data,
+                           connection=_connection(item.record.get("connection")))
                 self.connections += 1
         except (BadFrame, KeyError, TypeError, ValueError) as e:
             log.error("reload: a {kind} record from pid {pid} is not one ({why}); its connection is closed",
@@ -396,3 +398,13 @@ class TakeOver:
             self._serve()
         if self._link is not None:
             self._link.close()
+
+
+def _connection(value: Any) -> dict[str, Any] | None:
+    """A connection as data from a record (edge/connection.py's ``snapshot``); BadFrame if it is not one."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("state"), str):
+        raise BadFrame(f"a connection's record that is not one: {value!r}"[:200])
+    return value
+

@@ -1,0 +1,431 @@
+"""A listener's connections: their cap, the room kept for quick requests, and the receiving budget.
+
+:class:`Connections` counts one listener's open connections from their own
+``connectionMade``/``connectionLost`` (so the count cannot drift), keeps the
+idle keep-alive ones oldest first (the cap reclaims the oldest), and bounds
+the bytes of request bodies being received at once, all connections together
+(``proxy.max_receiving_bytes``).  :class:`OverCapacity` answers a connection
+past the cap: a 503 with ``Retry-After`` in its API's shape, never a bare close.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+
+log = Logger()
+
+#: Seconds a connection over the cap waits for its request line (to answer in its API's shape).
+OVER_CAPACITY_WAIT = 1.0
+#: Retry-After, in seconds, of the 503 for a connection over the cap.
+OVER_CAPACITY_RETRY_AFTER = 2
+#: Connections being refused at once (each holds a descriptor for a second or two);
+#: at it the listener stops accepting until one is done (see :class:`Connections`).
+MAX_REFUSING = 64
+#: Connections a listener keeps past its cap for requests that come whole at once (the admin
+#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (limits.py).
+QUICK_ROOM = 8
+#: Seconds between two log lines about refused connections.
+REFUSAL_LOG_INTERVAL = 10.0
+#: Bytes of a request head at most (the reader's limit): a connection over the cap reads no more.
+MAX_HEADER_BYTES = 16384
+#: The Content-Length of a head, for :func:`_complete` (a malformed one is the connection's 400 to give).
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
+#: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
+SMALL_BODY_BYTES = 64 * 1024
+
+#: ``error_body(path, status, message, code)``: the JSON body of an answer the edge writes itself, in the shape
+#: of the API ``path`` belongs to (the listeners give theirs: errors.listener_error_body).
+ErrorBody = Callable[[bytes, int, str, str], bytes]
+
+
+def plain_error_body(path: bytes, status: int, message: str, code: str) -> bytes:
+    """``{"error": message}``: the error body of a site that was given no other."""
+    return json.dumps({"error": message}).encode("utf-8")
+
+
+def _peer_host(address) -> str | None:
+    """The host of a peer address (None for a unix socket's: no cap per address there)."""
+    return getattr(address, "host", None)
+
+
+@attrs.define(eq=False)
+class Connections:
+    """The open connections of one listener, and its cap.
+
+    Counted from the channels' own ``connectionMade``/``connectionLost``, so
+    the count cannot drift.  Idle keep-alive connections (ones that finished
+    a request and wait for the next) are kept oldest first: at the cap, the
+    oldest is closed to make room (as nginx reuses them) before a new
+    connection is refused.  A connection just accepted is not idle: its
+    client is about to send its first request, and closing it would leave
+    that client without an answer.
+
+    A connection past the cap is answered 503 (:class:`OverCapacity`), which
+    holds its descriptor for a second or two.  With :data:`MAX_REFUSING`
+    being refused at once, the listeners (see :meth:`listening`) stop
+    accepting until one of them is done: further clients wait in the
+    kernel's backlog for their answer instead of getting a bare close.
+    """
+
+    #: Connections at once; the config key named in the refusal.
+    limit: int
+    key: str = "proxy.max_connections"
+    open: int = 0
+    #: Connections answered 503 (or closed unanswered) because of the cap, since start.
+    refused: int = 0
+    #: Idle keep-alive connections closed to make room, since start.
+    reclaimed: int = 0
+    refusing: int = 0
+    #: Bytes of request bodies being received at once (None: not bounded); see :meth:`take_receiving`.
+    max_receiving_bytes: int | None = None
+    #: Bytes of request bodies being received now (what has arrived of each, not what it announced).
+    receiving: int = 0
+    #: A body up to this size is small: the last quarter of ``max_receiving_bytes`` is kept for such bodies.
+    small_body_bytes: int = SMALL_BODY_BYTES
+    #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
+    per_peer: int | None = None
+    #: Connections past ``limit`` kept for requests that come whole within ``quick_seconds`` (see
+    #: :class:`OverCapacity`); 0 with ``quick_seconds`` None: no such room (the proxy listener).
+    reserved: int = 0
+    quick_seconds: float | None = None
+    _peers: dict = attrs.Factory(dict)
+    _peer_of: dict = attrs.Factory(dict)
+    _idle: dict = attrs.Factory(dict)
+    _last_log: float | None = None
+    _refused_since_log: int = 0
+    #: The listeners serving these connections (listener.py), held back while too many are being refused.
+    _listeners: list = attrs.Factory(list)
+    _held_back: bool = False
+    #: Connections accepted that have not sent a byte yet (not reclaimable, but a reload hands them over).
+    _fresh: dict = attrs.Factory(dict)
+    #: Connections past the cap whose whole request came in time, waiting (first come, first served) for
+    #: room in :attr:`reserved` (see :class:`OverCapacity`).
+    _waiting: dict = attrs.Factory(dict)
+    #: Every open channel (a stop waits for the answers still to be written to them: :meth:`flushed`).
+    _channels: dict = attrs.Factory(dict)
+    #: The channels a stop waits to see written out and closed, and its waiter (:meth:`flushed`).
+    _flushing: dict = attrs.Factory(dict)
+    _flushed: list = attrs.Factory(list)
+
+    def opened(self, channel) -> None:
+        """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
+        self.open += 1
+        self._channels[channel] = None
+        self._fresh[channel] = None
+        if self.per_peer is not None:
+            host = _peer_host(channel.transport.getPeer())
+            if host is not None:
+                self._peer_of[channel] = host
+                self._peers[host] = self._peers.get(host, 0) + 1
+
+    def closed(self, channel) -> None:
+        """A channel's connection is gone: its descriptor is free again."""
+        self.open -= 1
+        self._channels.pop(channel, None)
+        if self._flushing and self._flushing.pop(channel, 1) is None and not self._flushing:
+            self._done_flushing()
+        if self._waiting:
+            next(iter(self._waiting)).room_freed()
+        self._idle.pop(channel, None)
+        self._fresh.pop(channel, None)
+        if self._peer_of:
+            host = self._peer_of.pop(channel, None)
+            if host is not None:
+                left = self._peers[host] - 1
+                if left:
+                    self._peers[host] = left
+                else:
+                    del self._peers[host]
+
+    def flushed(self) -> Deferred[None]:
+        """Fires once every connection holding answer bytes not yet written to its socket has written them
+        and closed (each is closed: its transport's ``loseConnection`` writes them first).
+
+        The stop's last step: the process ends right after, and the reactor's end drops what a transport
+        still buffers, so an answer written just before (the drain's 503s) would reach its client as a bare
+        close.  Connections with nothing left to write are not waited for, nor one whose request is still
+        being served (its answer is not done)."""
+        waiter: Deferred[None] = Deferred()
+        self._flushed.append(waiter)
+        for channel in list(self._channels):
+            if channel.unsent and not channel.serving:
+                self._flushing[channel] = None
+        for channel in list(self._flushing):
+            channel.loseConnection()
+        if not self._flushing:
+            self._done_flushing()
+        return waiter
+
+    def _done_flushing(self) -> None:
+        waiters, self._flushed = self._flushed, []
+        for waiter in waiters:
+            if not waiter.called:
+                waiter.callback(None)
+
+    def peer_full(self, address) -> bool:
+        """``address`` holds its share of the listener already (``per_peer``)."""
+        if self.per_peer is None:
+            return False
+        host = _peer_host(address)
+        return host is not None and self._peers.get(host, 0) >= self.per_peer
+
+    def make_room(self) -> bool:
+        """Room for a request that came whole at once: the room kept for such requests, or an idle connection's."""
+        return self.open < self.limit + self.reserved or self.reclaim_idle()
+
+    def wait_for_room(self, waiter) -> None:
+        """``waiter`` (an :class:`OverCapacity`) has a whole request and no room: its ``room_freed`` is called,
+        first come first served, when a connection closes."""
+        self._waiting[waiter] = None
+
+    def stop_waiting(self, waiter) -> None:
+        self._waiting.pop(waiter, None)
+        if self._waiting and self.open < self.limit + self.reserved:
+            next(iter(self._waiting)).room_freed()
+
+    def first_in_line(self, waiter) -> bool:
+        """No request that came whole before ``waiter``'s is still waiting for room."""
+        return not self._waiting or next(iter(self._waiting)) is waiter
+
+    def idle(self, channel) -> None:
+        """``channel`` waits for its next request: the cap may reclaim it (oldest first)."""
+        self._idle[channel] = None
+
+    def busy(self, channel) -> None:
+        """``channel`` is no longer fresh or idle: a request is coming in."""
+        self._idle.pop(channel, None)
+        self._fresh.pop(channel, None)
+
+    def idle_channels(self) -> list:
+        """The connections waiting for a request, the first or the next (a reload hands them over)."""
+        return [*self._fresh, *self._idle]
+
+    def full(self) -> bool:
+        """At the cap: a new connection needs room made, or is refused."""
+        return self.open >= self.limit
+
+    def reclaim_idle(self) -> bool:
+        """Close the oldest idle keep-alive connection, if there is one."""
+        while self._idle:
+            channel = next(iter(self._idle))
+            del self._idle[channel]
+            if not channel.reclaimable:
+                continue
+            self.reclaimed += 1
+            channel.loseConnection()
+            return True
+        return False
+
+    def take_receiving(self, size: int, large: bool) -> bool:
+        """Count ``size`` more bytes of a body being received, if they fit; False if they do not.
+
+        A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters
+        of ``max_receiving_bytes``; the last quarter is kept for small ones,
+        so that uploads holding back their last byte cannot stop small
+        requests.  With nothing being received, any body fits: the budget
+        never refuses a body the body limit allows when it is alone.
+        """
+        limit = self.max_receiving_bytes
+        if limit is not None and self.receiving:
+            room = limit - limit // 4 if large else limit
+            if self.receiving + size > room:
+                return False
+        self.receiving += size
+        return True
+
+    def give_back_receiving(self, size: int) -> None:
+        self.receiving -= size
+
+    def listening(self, listener) -> None:
+        """``listener`` accepts these connections: it is held back (``hold_back``/``let_in``) under a flood."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+            if self._held_back:
+                listener.hold_back()
+
+    def stopped_listening(self, listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def refusing_started(self) -> None:
+        """A connection is being refused: at :data:`MAX_REFUSING`, stop accepting until one is done."""
+        self.refusing += 1
+        if self.refusing >= MAX_REFUSING and not self._held_back:
+            self._held_back = True
+            for listener in self._listeners:
+                listener.hold_back()
+
+    def refusing_ended(self) -> None:
+        self.refusing -= 1
+        if self._held_back and self.refusing < MAX_REFUSING:
+            self._held_back = False
+            for listener in self._listeners:
+                listener.let_in()
+
+    def note_refusal(self, clock) -> None:
+        """Count a refused connection; log it, at most once every few seconds."""
+        self.refused += 1
+        self._refused_since_log += 1
+        now = clock.seconds()
+        if self._last_log is None or now - self._last_log >= REFUSAL_LOG_INTERVAL:
+            log.warn(
+                "connection cap reached ({key} = {limit}): refused {count} connection(s) with 503",
+                key=self.key, limit=self.limit, count=self._refused_since_log,
+            )
+            self._last_log = now
+            self._refused_since_log = 0
+
+
+def _complete(data: bytes) -> bool:
+    """Whether ``data`` holds a whole request: its head, and as many body bytes as its Content-Length says."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    length = _CONTENT_LENGTH.search(data, 0, end + 2)
+    return length is None or len(data) - end - 4 >= int(length.group(1))
+
+
+class OverCapacity(Protocol):
+    """A connection past the cap: a 503 with Retry-After in its API's shape, then closed.
+
+    It waits up to :data:`OVER_CAPACITY_WAIT` for the request line, to answer
+    an OpenAI client in the OpenAI shape; then it writes the answer, shuts
+    its side, and drops what still comes for a moment (so the client reads
+    the answer rather than a reset).
+
+    With ``promote`` (the admin listener, whose :class:`Connections` keeps
+    room for quick requests), a connection whose whole request comes within
+    ``quick_seconds`` is not refused if there is room kept for it: it is
+    handed to a channel built by ``promote(address)``, which reads the
+    request as if it had come to it, answers it with ``Connection: close``
+    and closes.  A flood of connections that send a byte and wait never
+    fills that room, and one that sends a whole request holds its place only
+    while it is answered (kept alive, a next request begun in the same
+    packet held it for the read timeout), so the operator's own calls, whole
+    in their first packet, get through.  When that room is full, a whole
+    request waits for it in line, first come first served, up to
+    :data:`OVER_CAPACITY_WAIT`: a flood of whole requests cannot crowd the
+    operator's out, since each of them is answered in turn.
+    """
+
+    #: Set by ``makeConnection``: a TCP (or unix) transport.
+    transport: Any
+
+    def __init__(
+        self, connections: Connections, clock, promote: Callable[[Any], Any] | None = None,
+        error_body: ErrorBody = plain_error_body,
+    ):
+        self._connections = connections
+        self._clock = clock
+        self._promote = promote
+        self._error_body = error_body
+        self._head = b""
+        self._timer = None
+        self._answered = False
+        #: The next try for room, after a connection closed (:meth:`room_freed`).
+        self._retry = None
+        #: Its whole request waits for room kept (:meth:`Connections.wait_for_room`).
+        self._in_line = False
+
+    def connectionMade(self):
+        self._connections.refusing_started()
+        wait = OVER_CAPACITY_WAIT
+        if self._promote is not None:
+            wait = self._connections.quick_seconds or wait
+        self._timer = self._clock.callLater(wait, self._answer)
+
+    def dataReceived(self, data):
+        if self._answered:
+            return
+        self._head += data
+        if self._in_line:
+            if len(self._head) > MAX_HEADER_BYTES:
+                self._answer()
+            return
+        if self._promote is not None and _complete(self._head):
+            if self._connections.first_in_line(self) and self._connections.make_room() and self._hand_over():
+                return
+            if getattr(self.transport, "protocol", None) is not self:
+                self._answer()  # a wrapping transport (TLS) cannot be handed over: refused as usual
+                return
+            # In line for the room kept, for a while: every request before it is answered in turn.
+            self._in_line = True
+            self._connections.wait_for_room(self)
+            self._stop_timer()
+            self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
+        elif (self._promote is None and b"\n" in self._head) or len(self._head) > MAX_HEADER_BYTES:
+            self._answer()
+
+    def room_freed(self) -> None:
+        """A connection closed: try for room once the reactor is through with that close."""
+        if self._retry is None and not self._answered:
+            self._retry = self._clock.callLater(0, self._try_room)
+
+    def _try_room(self) -> None:
+        self._retry = None
+        if not self._answered and self._connections.make_room():
+            self._hand_over()
+
+    def _hand_over(self) -> bool:
+        """Give the connection, and what it sent, to a channel of the site; False if its transport cannot switch."""
+        transport = self.transport
+        if getattr(transport, "protocol", None) is not self:
+            return False  # a wrapping transport (TLS) delivers to another attribute: refused as usual
+        self._answered = True
+        self._stop_timer()
+        self._connections.stop_waiting(self)
+        self._connections.refusing_ended()
+        channel = self._promote(transport.getPeer())
+        channel.one_request = True
+        transport.protocol = channel
+        channel.makeConnection(transport)
+        channel.dataReceived(self._head)
+        return True
+
+    def _answer(self) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        self._stop_timer()
+        self._connections.stop_waiting(self)
+        self._connections.note_refusal(self._clock)
+        parts = self._head.split(b"\n", 1)[0].split(b" ")
+        path = parts[1] if len(parts) > 2 else b""
+        message = (
+            f"too many connections to this listener ({self._connections.key} = {self._connections.limit}); "
+            "try again shortly"
+        )
+        body = self._error_body(path, 503, message, "too_many_connections")
+        transport = self.transport
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json; charset=utf-8\r\n"
+            b"retry-after: %d\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (OVER_CAPACITY_RETRY_AFTER, len(body), body)
+        )
+        lose_write = getattr(transport, "loseWriteConnection", None)
+        if lose_write is None:
+            transport.loseConnection()
+            return
+        lose_write()
+        self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, transport.abortConnection)
+
+    def _stop_timer(self) -> None:
+        for name in ("_timer", "_retry"):
+            timer = getattr(self, name)
+            setattr(self, name, None)
+            if timer is not None and timer.active():
+                timer.cancel()
+
+    def connectionLost(self, reason):
+        self._stop_timer()
+        self._connections.stop_waiting(self)
+        self._connections.refusing_ended()
+
+

@@ -1,0 +1,144 @@
+"""A listener's site: the factory of its connections, with the limits and timeouts they apply.
+
+Both listeners (the proxy's and the admin API's) serve a :class:`ProxySite`.
+It is a :class:`twisted.web.server.Site` (the resource lookup, the
+``Request`` factory, ``displayTracebacks``), whose ``buildProtocol`` makes
+this package's own :class:`~yieldproxy.edge.connection.ServerConnection`
+instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
+:class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
+
+Everything about how bytes from a client become a request lives in this
+package; what the proxy does with the request is proxy.py's.  A hostile or
+broken client must not be able to make the proxy buffer without bound, wait
+without bound, or forward anything it did not parse itself, so:
+
+* a body over ``max_body_bytes`` is refused as soon as that is known (from
+  ``Content-Length``, or from a chunk's size line): the request is answered
+  413 at once, without its body (by the site's ``oversized``, the proxy app's
+  own answer); the rest is read and dropped while the connection lingers;
+* 431 for too many or too large header lines, 414 for an overlong request
+  line, and a JSON 400 for every request the reader refuses (conflicting
+  ``Content-Length``/``Transfer-Encoding``, a coding other than ``chunked``,
+  CR/LF/NUL in a header value, a bare LF ending a line, a chunk size of more
+  than 16 hex digits, malformed chunks...), always with ``Connection: close``
+  (edge/reader.py has the rules);
+* a client has ``request_read_timeout`` seconds to deliver a whole request
+  (head and body) from its first byte, so one that dribbles its headers a
+  byte at a time (slowloris) gets 408 instead of holding a connection;
+* a client that stops reading its answer is dropped after ``stall_timeout``
+  (default: the keep-alive timeout), so a stalled reader cannot hold an
+  upstream connection and a replay slot;
+* a connection that waits for its next request longer than the keep-alive
+  timeout (the Site's ``timeout``) is closed;
+* form bodies are never parsed, and ``CONNECT`` is answered 405;
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`)
+  gets 403 (DNS rebinding);
+* at most ``connections.limit`` connections are open
+  (:class:`~yieldproxy.edge.capacity.Connections`): past it, the oldest idle
+  keep-alive connection is closed to make room, or the new one is answered
+  503 with ``Retry-After`` (never closed unanswered; under a flood the port
+  pauses accepting);
+* the bytes of bodies being received at once, all connections together, are
+  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: past
+  it a body is answered 503 (``receiving_full``), a quarter kept for small
+  bodies.
+
+After refusing, the connection lingers a moment, reading and dropping what the
+client still sends, so the client reads our answer instead of a TCP reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from twisted.web.server import Request, Site
+
+from .capacity import Connections, ErrorBody, OverCapacity, plain_error_body
+from .connection import LINGER_SECONDS, ServerConnection
+from .reader import Limits
+from .request import ProxyRequest
+
+#: Seconds to deliver a whole request (proxy.request_read_timeout_seconds).
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0
+#: Header lines per request (Twisted allows 500; no Ollama client sends 30).
+MAX_HEADERS = 100
+#: Bytes of the request line plus every header line (Twisted's default).
+MAX_HEADER_BYTES = 16384
+
+
+class ProxySite(Site):
+    """A Site serving :class:`ServerConnection`\\ s with bounded requests, TCP_NODELAY, and no access log.
+
+    A body over ``max_body_bytes`` is not read: the request is answered by
+    ``oversized(request)``, which sets the status and headers and returns the
+    body (the proxy app's 413, counted in its metrics), or, without it, by a
+    plain 413 (the admin API).  The answers the edge writes itself are in the
+    shape ``error_body`` gives (``{"error": ...}`` by default; the listeners
+    give errors.listener_error_body), and ``on_refused(request, status, code)``
+    hears of each request answered here without reaching the app (the proxy's
+    request log line).
+
+    ``timeout`` (Twisted's) is the keep-alive timeout: how long a connection
+    may wait for a request.  ``stall_timeout`` is how long a client may read
+    nothing of its answer (default: ``timeout``).  ``connections`` caps the
+    open connections and ``host_policy`` the ``Host`` values answered.
+    """
+
+    displayTracebacks = False
+    linger_seconds = LINGER_SECONDS
+    reader_limits = Limits(max_head_bytes=MAX_HEADER_BYTES, max_line_bytes=MAX_HEADER_BYTES, max_headers=MAX_HEADERS)
+
+    def __init__(
+        self,
+        resource,
+        max_body_bytes: int,
+        request_read_timeout: float | None = DEFAULT_REQUEST_READ_TIMEOUT,
+        oversized: Callable[[Request], bytes] | None = None,
+        receiving_full: Callable[[Request], bytes] | None = None,
+        stall_timeout: float | None = None,
+        connections: Connections | None = None,
+        host_policy: Any = None,
+        read_from_accept: bool = False,
+        error_body: ErrorBody = plain_error_body,
+        on_refused: Callable[[Request, int, str], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(resource, requestFactory=ProxyRequest, **kwargs)
+        #: The body of an answer the edge writes itself: ``error_body(path, status, message, code)``.
+        self.error_body = error_body
+        #: Told of each request answered here without reaching the app (None: nobody).
+        self.on_refused = on_refused
+        #: The largest body read (a larger one is answered by ``oversized`` unread).
+        self.max_body_bytes = max_body_bytes
+        #: Seconds a client has to deliver a whole request (None: no limit).
+        self.request_read_timeout = request_read_timeout
+        #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
+        self.stall_timeout = stall_timeout
+        self.connections = connections
+        #: Which ``Host`` values it answers (a :class:`~yieldproxy.hosts.HostPolicy`; None: any).
+        self.host_policy = host_policy
+        #: The first request's read timeout counts from the accept, not from its first byte.
+        self.read_from_accept = read_from_accept
+        #: Answers a request whose body passed the limit (None: a plain 413 here).
+        self.oversized = oversized
+        #: Answers a request whose body found the receiving budget used up (None: a plain 503 here).
+        self.receiving_full = receiving_full
+
+    def buildProtocol(self, addr):
+        """A connection, unless the listener is full: then make room, or refuse (see :class:`Connections`)."""
+        connections = self.connections
+        if connections is not None and (
+            connections.peer_full(addr) or (connections.full() and not connections.reclaim_idle())
+        ):
+            # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
+            promote = self.connection_for if connections.quick_seconds else None
+            return OverCapacity(connections, self.reactor, promote, self.error_body)
+        return self.connection_for(addr)
+
+    def connection_for(self, addr: Any = None) -> ServerConnection:
+        """A connection, whatever the cap: for one accepted already (let in past the cap, or handed over by a
+        reload: succession/)."""
+        return ServerConnection(self)
+
+    def log(self, request):
+        """The request log is ours (one line with class and outcome), not Twisted's."""
