@@ -44,9 +44,10 @@ from .gate import Gate
 from .history import History
 from .hosts import HostPolicy, cross_site
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .names import check_source
 from .parking import ParkingLot
 from .pool.routing import Pool
-from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState, check_source
+from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 
 _log = Logger()
 

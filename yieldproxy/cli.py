@@ -463,8 +463,8 @@ def _count(text: str) -> int:
 
 
 def _source(text: str) -> str:
-    """``--source``: the admin API's own rule for source names (state.check_source)."""
-    from .state import check_source
+    """``--source``: the admin API's own rule for source names (names.check_source)."""
+    from .names import check_source
 
     try:
         return check_source(text)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from .names import CLASS_NAMES, ROUTE_CLASSES
+from .names import CLASS_NAMES, ROUTE_CLASSES, check_source
 
 POLICIES = ("park", "reject", "fallback")
 TRUST_MODES = ("loopback", "always", "never")
@@ -78,8 +78,6 @@ def _host_patterns(instance, attribute, value):
 
 def _source_names(instance, attribute, value):
     for name in value:
-        from .state import check_source
-
         try:
             check_source(name)
         except ValueError as e:

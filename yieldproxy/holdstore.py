@@ -85,8 +85,8 @@ from twisted.logger import Logger
 
 from .clock import WallClock, boot_id, is_monotonic, wall_clock
 from .config import Config
-from .names import COMMAND_SOURCE, FILE_SOURCE, LOADING_SOURCE, OUTAGE_SOURCE, RESTART_SOURCE
-from .state import ALL, MAX_HOLD_SECONDS, Hold, YieldState, check_source
+from .names import COMMAND_SOURCE, FILE_SOURCE, LOADING_SOURCE, OUTAGE_SOURCE, RESTART_SOURCE, check_source
+from .state import ALL, MAX_HOLD_SECONDS, Hold, YieldState
 
 __all__ = [
     "HoldStore", "Loaded", "MARKER_SUFFIX", "PERSISTED_FORMAT", "VERSION", "holds_path", "keep_holds",

@@ -7,6 +7,7 @@ spelt.  It imports nothing from the package, so any module may import it.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 #: The classes a parkable request may have (config.py gives each its policy and bounds).
@@ -37,6 +38,28 @@ OWN_SOURCES = (*WATCHER_SOURCES, LOADING_SOURCE, RESTART_SOURCE)
 #: The sources yieldproxy itself uses: the watchers, the default of ``POST /yield``,
 #: the restart hold and the demo.  Metrics name them; other sources count as ``other``.
 BUILTIN_SOURCES = ("api", *OWN_SOURCES, "demo")
+#: How long a hold source may be (:func:`check_source`).
+MAX_SOURCE_LENGTH = 64
+_SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_source(source: object) -> str:
+    """``source`` if it is a valid hold source, else :class:`ValueError` saying why.
+
+    Letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit,
+    at most 64 characters: safe in a log line, a metric label and a terminal.
+    """
+    if not isinstance(source, str):
+        raise ValueError("source must be a string")
+    if not source:
+        raise ValueError("source must not be empty")
+    if len(source) > MAX_SOURCE_LENGTH:
+        raise ValueError(f"source is longer than {MAX_SOURCE_LENGTH} characters")
+    if not _SOURCE.fullmatch(source):
+        raise ValueError(
+            "source may hold only letters, digits, '.', '_' and '-', and must start with a letter or a digit"
+        )
+    return source
 
 
 #: Ollama's defaults for the parts a model name leaves out (``types/model/name.go``, ``DefaultName``).

@@ -14,14 +14,13 @@ member that is not standby is held.  For a pool of one (the legacy
 ``proxy.upstream``) that is exactly "any source holds the GPU".
 
 Sources are names a caller chose, so they are bounded: a conservative
-character set and length (:func:`check_source`: nothing that can forge a log
+character set and length (:func:`~yieldproxy.names.check_source`: nothing that can forge a log
 line or a metric label), and at most ``max_holds`` holds at once from callers
 (the proxy's own watchers are never refused).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Iterable
 
 import attrs
@@ -30,7 +29,7 @@ from twisted.logger import Logger
 
 from .clock import same
 from .listeners import call_each
-from .names import OWN_SOURCES, name_set, name_tuple
+from .names import OWN_SOURCES, check_source, name_set, name_tuple
 
 log = Logger()
 
@@ -40,31 +39,10 @@ _NEVER_REFUSED = frozenset(OWN_SOURCES)
 MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 #: Holds from callers (everything but the watchers) at once (``admin.max_holds``).
 DEFAULT_MAX_HOLDS = 32
-MAX_SOURCE_LENGTH = 64
-_SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 #: The scope of a hold that names no member: every member but the standby ones.
 ALL = "*"
 #: The one member of a pool made from the legacy ``proxy.upstream``.
 DEFAULT_MEMBER = "default"
-
-
-def check_source(source: object) -> str:
-    """``source`` if it is a valid hold source, else :class:`ValueError` saying why.
-
-    Letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit,
-    at most 64 characters: safe in a log line, a metric label and a terminal.
-    """
-    if not isinstance(source, str):
-        raise ValueError("source must be a string")
-    if not source:
-        raise ValueError("source must not be empty")
-    if len(source) > MAX_SOURCE_LENGTH:
-        raise ValueError(f"source is longer than {MAX_SOURCE_LENGTH} characters")
-    if not _SOURCE.fullmatch(source):
-        raise ValueError(
-            "source may hold only letters, digits, '.', '_' and '-', and must start with a letter or a digit"
-        )
-    return source
 
 
 class TooManyHolds(Exception):
