@@ -1,7 +1,8 @@
 """The gate: decides, for each request, go now (and to which upstream), park, or refuse with reasons.
 
 It ties the yield state, the parking lot and the pool (its members and
-their drainers, pool/routing.py) together, and is the only place that knows
+their drainers, pool/routing.py) together, the pool as :class:`Upstreams`
+(what the gate asks of it: the lot imports nothing of the upstream's), and is the only place that knows
 a class's policy and hold bound.  It also keeps the
 recent upstream service time, from which honest ``Retry-After`` values come,
 so it explains every refusal the lot makes (:meth:`Gate.explain`): when to
@@ -11,7 +12,7 @@ come back and, for a request that expired in the lot, what kept it waiting.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
@@ -21,8 +22,8 @@ from twisted.logger import Logger
 from .config import ClassConfig
 from .metrics import Metrics
 from .names import LOADING_SOURCE, OUTAGE_SOURCE
-from .parking import RELEASED, Entry, ParkingLot, Refused, hold_bound
-from .pool.routing import Pool
+from .parking import RELEASED, Entry, ParkingLot, Refused, Routing, hold_bound
+from .replay import Replayer
 from .state import YieldState
 
 log = Logger()
@@ -36,6 +37,41 @@ def _whole_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds - 1e-6))
 
 
+class Upstream(Protocol):
+    """What the gate reads of one upstream of the pool (pool/member.py's ``Member``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def drainer(self) -> Replayer: ...
+    @property
+    def not_ready(self) -> bool: ...
+    def state_name(self) -> str: ...
+
+
+class Upstreams(Protocol):
+    """What the gate asks of the pool (pool/routing.py's ``Pool``): where a request may go, and the pool's state."""
+
+    @property
+    def members(self) -> Sequence[Upstream]: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def release_held(self) -> bool: ...
+    @property
+    def concurrency(self) -> int: ...
+    #: Whether a member may serve an entry's embeddings (the pool's twin check; its ``Member`` is the argument).
+    @property
+    def twin_ok(self) -> Callable[[Any, Entry], bool]: ...
+    def member(self, name: str | None) -> Upstream: ...
+    def routing(self, method: str | None, path: str | None, cls: str, model: str | None) -> Routing: ...
+    def choose(self, entry: Entry) -> Upstream | None: ...
+    def all_held(self, entry: Entry) -> bool: ...
+    def none_coming_back(self, entry: Entry) -> bool: ...
+    def may_serve(self, entry: Entry) -> tuple[str, ...]: ...
+    def state_name(self, lot_empty: bool) -> str: ...
+
+
 @attrs.define(eq=False)
 class Gate:
     """Admission for parkable requests."""
@@ -43,8 +79,8 @@ class Gate:
     _clock: IReactorTime
     _state: YieldState
     _lot: ParkingLot
-    #: The upstreams, their availability and their drainers.
-    pool: Pool
+    #: The upstreams, their availability and their drainers (the pool).
+    pool: Upstreams
     _metrics: Metrics
     _classes: Mapping[str, ClassConfig]
     reject_status: int = 503
