@@ -1,10 +1,10 @@
-"""yieldproxy/listeners.py: every listener hears, whatever one does."""
+"""yieldproxy/callbacks.py: every listener hears, whatever one does."""
 
 from __future__ import annotations
 
 from twisted.logger import LogLevel, Logger, globalLogPublisher
 
-from yieldproxy.listeners import call_each
+from yieldproxy.callbacks import call_each
 
 
 def test_a_listener_that_raises_is_logged_and_the_others_still_hear_and_may_leave_meanwhile():

@@ -35,8 +35,8 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from .callbacks import call_each
 from .failing import FailingModels
-from .listeners import call_each
 from .served import ServedRecord
 from .servers.base import ModelCall
 

@@ -47,7 +47,7 @@ from twisted.application.service import Service
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .listeners import call_each
+from .callbacks import call_each
 from .names import canonical_model
 from .servers.base import ModelCall
 

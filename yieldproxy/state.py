@@ -27,8 +27,8 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from .callbacks import call_each
 from .clock import same
-from .listeners import call_each
 from .names import OWN_SOURCES, check_source, name_set, name_tuple
 
 log = Logger()

@@ -1,4 +1,4 @@
-"""Telling the listeners of an event: every one, whatever the others do."""
+"""Calling back every listener of an event, whatever the others do (``call_each``)."""
 
 from __future__ import annotations
 
