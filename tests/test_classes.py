@@ -9,7 +9,7 @@ from inmemory import Rig, answered
 from test_parking import finish, park, released
 from yieldproxy.classify import BadBody, Classifier, is_unload, runs_no_model
 from yieldproxy.config import RouteRule
-from yieldproxy.gojson import read_request
+from yieldproxy.servers.gojson import read_request
 from yieldproxy.sim import expected_embedding
 
 # -- classification -----------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from yieldproxy.gojson import (
+from yieldproxy.servers.gojson import (
     FULL_READ_LIMIT,
     BadBody,
     find_model,

@@ -9,7 +9,7 @@ during a yield it parks, since nothing says it leaves the GPU alone.  Rules
 match on method, path or path prefix, and optionally on the model named in
 the JSON body; the first rule that matches wins.  Paths are the decoded
 canonical paths of :mod:`yieldproxy.target`; bodies are read as Ollama reads
-them (:mod:`yieldproxy.gojson`).
+them (:mod:`yieldproxy.servers.gojson`).
 
 The route tables are the servers' (one module per server, one source of
 truth); a classifier is built for the apis of the upstreams it fronts, in
@@ -26,9 +26,9 @@ from typing import Iterable
 import attrs
 
 from .config import RouteRule
-from .gojson import BadBody
 from .names import CLASS_NAMES, PASSTHROUGH, name_tuple
 from .servers import Server, server
+from .servers.gojson import BadBody
 from .servers.ollama import MODEL_LOADING_PATHS, UNLOAD_PATHS, api_family, is_unload
 
 __all__ = [

@@ -57,7 +57,6 @@ from .forward import (
     write_answer,
 )
 from .gate import Gate
-from .gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .hosts import HostPolicy
 from .metrics import Metrics
 from .parking import LEFT, Entry, HandedOver, Refused
@@ -69,6 +68,7 @@ from .pool.routing import Pool
 from .proxyresource import ProxyResource
 from .requestlog import CLIENT_GONE, log_request
 from .servers import ModelCall
+from .servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .target import BadTarget, Target, parse_target
 from .translate import Untranslatable, parse_request
 from .translated import TranslatedAttempt
@@ -353,7 +353,7 @@ class ProxyApp:
     def _class_of(self, request, target: Target, body: bytes, wanted: str | None, model: str | None = None) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
 
-        The body is read as Ollama's Go decoder reads it (gojson.py): whole when
+        The body is read as Ollama's Go decoder reads it (servers/gojson.py): whole when
         small, scanned for its model when large.  The scan never decides
         passthrough alone: a model rule that would pass the request is
         confirmed on the whole body.  While the GPU is yielded, two refinements
