@@ -13,7 +13,7 @@ from twisted.internet.task import Clock, Cooperator
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, VerificationConfig
 from yieldproxy.gate import Gate
 from yieldproxy.health import UpstreamHealth
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.parking import Entry, ParkingLot
 from yieldproxy.replay import Replayer
 from yieldproxy.servers import PROBE_TEXT

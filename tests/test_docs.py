@@ -4,7 +4,7 @@
 * every configuration key appears in ``etc/yieldproxy.toml`` and in
   ``docs/configuration.md``;
 * every admin route (with each of its methods) appears in ``docs/admin-api.md``;
-* every metric a fresh :class:`~yieldproxy.metrics.Metrics` exports appears in
+* every metric a fresh :class:`~yieldproxy.observe.metrics.Metrics` exports appears in
   ``docs/metrics.md``;
 * every command the README and the docs show runs as shown: ``yieldproxy``
   subcommands and options, ``twistd`` and plugin options, a pid file for each
@@ -30,7 +30,7 @@ import pytest
 from yieldproxy import cli, config as config_module
 from yieldproxy.admin import AdminApp
 from yieldproxy.config import Config, load
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "etc" / "yieldproxy.toml"

@@ -44,7 +44,7 @@ from yieldproxy.fallback import (
 )
 from yieldproxy.forward import Upstream
 from yieldproxy.gate import Gate
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
 from yieldproxy.replay import Replayer

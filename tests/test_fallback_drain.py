@@ -25,7 +25,7 @@ from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback
 from yieldproxy.gate import Gate
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
 from yieldproxy.replay import Replayer

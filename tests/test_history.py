@@ -14,7 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from helpers import release_every_hold
 from yieldproxy.config import Config
-from yieldproxy.history import History, Snapshot, snapshot_reader
+from yieldproxy.observe.history import History, Snapshot, snapshot_reader
 from yieldproxy.parking import Entry
 from yieldproxy.service import build
 

@@ -25,7 +25,7 @@ from yieldproxy.config import RouteRule
 from yieldproxy.edge.site import ProxySite
 from yieldproxy.h1client import H1Pool
 from yieldproxy.hosts import HostPolicy
-from yieldproxy.requestlog import log_request
+from yieldproxy.observe.requestlog import log_request
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama
 

@@ -4,7 +4,7 @@ config, the Grafana dashboard and the systemd unit.
 * ``promtool check rules`` / ``test rules`` / ``check config`` must pass
   (skipped without promtool, except under CI, which installs it);
 * every ``yieldproxy_*`` series named in those files must exist, with the
-  labels used, in the exposition of a fresh :class:`yieldproxy.metrics.Metrics`;
+  labels used, in the exposition of a fresh :class:`yieldproxy.observe.metrics.Metrics`;
 * every alert has unit tests that expect it to fire and not to fire;
 * the dashboard is importable JSON whose panels all query something valid.
 """
@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 
 from helpers import required_tool
-from yieldproxy.metrics import Metrics, hold_families, oldest_parked_family, pool_families
+from yieldproxy.observe.metrics import Metrics, hold_families, oldest_parked_family, pool_families
 
 PROM_DIR = ROOT / "etc" / "prometheus"
 RULES = PROM_DIR / "yieldproxy-rules.yml"

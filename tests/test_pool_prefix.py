@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 from helpers import advance_through, clock_cooperator, config_with, pool_config
 from test_pool_twins import FakeControl
 from yieldproxy.control import Answer
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
 

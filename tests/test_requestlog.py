@@ -16,7 +16,7 @@ from twisted.logger import LogLevel, Logger, capturedLogs, formatEvent
 from twisted.python import usage
 from twisted.scripts.twistd import ServerOptions
 
-from yieldproxy.requestlog import CLIENT_GONE, JSON_OBSERVER, json_file_observer, log_request
+from yieldproxy.observe.requestlog import CLIENT_GONE, JSON_OBSERVER, json_file_observer, log_request
 from yieldproxy.tap import Options
 
 TIMEOUT = 30
@@ -153,7 +153,7 @@ def assert_twistd_usage_error(args, message: str, capsys) -> None:
 
 def test_log_format_json_sets_twistds_logger():
     options = twistd_options("yieldproxy", "--log-format", "json")
-    from yieldproxy.requestlog import json_observer, text_observer
+    from yieldproxy.observe.requestlog import json_observer, text_observer
 
     assert options["logger"] is json_observer
     # Text goes through our observer too, so that --log-level applies.
@@ -168,7 +168,7 @@ def test_log_level_drops_debug_events(capsys):
 
     from twisted.logger import LogLevel
 
-    from yieldproxy import requestlog
+    from yieldproxy.observe import requestlog
 
     # The level is in the observer's dotted name twistd imports, not in a module variable.
     assert twistd_options("yieldproxy", "--log-level", "warn")["logger"] == requestlog.at_warn.text
@@ -298,7 +298,7 @@ def test_text_lines_are_twisteds_classic_lines_request_lines_included():
     from twisted.logger import formatEventAsClassicLogText
     from twisted.python.failure import Failure
 
-    from yieldproxy.requestlog import classic_text, text_file_observer
+    from yieldproxy.observe.requestlog import classic_text, text_file_observer
 
     class Request:
         path = b"/api/embed"
@@ -339,7 +339,7 @@ def test_in_a_pool_each_request_line_names_the_upstream_that_served_it():
 
     from helpers import clock_cooperator, config_with, pool_config
     from inmemory import MemoryUpstream
-    from yieldproxy.metrics import Metrics
+    from yieldproxy.observe.metrics import Metrics
     from yieldproxy.proxy import ProxyApp
     from yieldproxy.service import build_heart
     from yieldproxy.sim import SimOllama

@@ -207,7 +207,7 @@ def test_a_signal_handled_once_the_holds_are_another_processs_takes_no_hold():
     just before a reload's commit and is handled after it takes no hold the new process would not have."""
     import signal
 
-    from yieldproxy.metrics import Metrics
+    from yieldproxy.observe.metrics import Metrics
     from yieldproxy.watchers.signals import SignalWatcher
 
     rig = Rig(config_with())

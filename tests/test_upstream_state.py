@@ -15,8 +15,8 @@ from helpers import config_with, make_pool_core
 from inmemory import Rig
 from yieldproxy.cli import format_status
 from yieldproxy.control import UpstreamControl
-from yieldproxy.metrics import UPSTREAM_STATES, pool_families
 from yieldproxy.names import LOADING_SOURCE, OUTAGE_SOURCE
+from yieldproxy.observe.metrics import UPSTREAM_STATES, pool_families
 from yieldproxy.watchers.outage import OutageWatcher, UpstreamProbe
 
 EMBED = {"model": "all-minilm", "input": ["hello"]}

@@ -32,7 +32,7 @@ from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
 from test_chaos import MemoryBurst
 from yieldproxy.health import UpstreamHealth
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.parking import Entry
 from yieldproxy.served import ServedRecord
 from yieldproxy.servers.base import ModelCall

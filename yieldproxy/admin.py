@@ -41,10 +41,10 @@ from .edge.site import ProxySite
 from .errors import listener_error_body
 from .fallback import NotNow
 from .gate import Gate
-from .history import History
 from .hosts import HostPolicy, cross_site
-from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .names import check_source
+from .observe.history import History
+from .observe.metrics import CONTENT_TYPE_LATEST, Metrics
 from .parking import ParkingLot
 from .pool.routing import Pool
 from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState

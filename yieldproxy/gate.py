@@ -20,8 +20,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from .config import ClassConfig
-from .metrics import Metrics
 from .names import LOADING_SOURCE, OUTAGE_SOURCE
+from .observe.metrics import Metrics
 from .parking import RELEASED, Entry, ParkingLot, Refused, Routing, hold_bound
 from .replay import Replayer
 from .state import YieldState

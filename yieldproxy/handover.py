@@ -38,8 +38,8 @@ from twisted.python.failure import Failure
 
 from .config import HandoverConfig
 from .control import ControlTimeout
-from .metrics import Metrics
 from .names import TROUBLE_SOURCES, canonical_model
+from .observe.metrics import Metrics
 from .replay import Replayer
 from .state import DEFAULT_MEMBER, Hold, YieldState
 

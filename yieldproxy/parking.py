@@ -32,7 +32,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .metrics import Metrics
+from .observe.metrics import Metrics
 
 log = Logger()
 

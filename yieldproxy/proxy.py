@@ -58,7 +58,8 @@ from .forward import (
 )
 from .gate import Gate
 from .hosts import HostPolicy
-from .metrics import Metrics
+from .observe.metrics import Metrics
+from .observe.requestlog import CLIENT_GONE, log_request
 from .parking import LEFT, Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
@@ -66,7 +67,6 @@ from .pool.members import answer_headers, served_outcome
 from .pool.rename import renamed_body
 from .pool.routing import Pool
 from .proxyresource import ProxyResource
-from .requestlog import CLIENT_GONE, log_request
 from .servers import ModelCall
 from .servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .target import BadTarget, Target, parse_target
@@ -424,7 +424,7 @@ class ProxyApp:
                     return None
                 continue
             member = self._pool.member(entry.released_to)
-            request.served_by = member.log_name  # the request log names it (requestlog.py)
+            request.served_by = member.log_name  # the request log names it (observe/requestlog.py)
             extra = []
             if entry.was_parked:
                 extra.append((b"x-yield-parked-seconds", b"%.3f" % entry.parked_seconds))
@@ -717,7 +717,7 @@ class ProxyApp:
             if len(members) > 1:
                 return await self._union(request, target, api, members)
         member = self._pool.passthrough_member(method, target.path, model)
-        request.served_by = member.log_name  # the request log names it (requestlog.py)
+        request.served_by = member.log_name  # the request log names it (observe/requestlog.py)
         attempt = Attempt(
             self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,

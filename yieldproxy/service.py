@@ -42,10 +42,11 @@ from .forward import Upstream
 from .gate import Gate
 from .handover import Handover
 from .health import Judge, UpstreamHealth
-from .history import History, snapshot_reader
 from .holdstore import HoldStore, keep_holds
 from .listener import CannotListen, Listener
-from .metrics import (
+from .names import BUILTIN_SOURCES
+from .observe.history import History, snapshot_reader
+from .observe.metrics import (
     Metrics,
     connection_families,
     hold_families,
@@ -53,7 +54,6 @@ from .metrics import (
     pool_families,
     source_label,
 )
-from .names import BUILTIN_SOURCES
 from .parking import ParkingLot
 from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
 from .pool.models import ModelDiscovery

@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
-from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
+from .observe.requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 from .succession.takeover import ENV, refuse
 
 log = Logger()
@@ -141,8 +141,8 @@ class Options(usage.Options):
         is parsed) when it builds its logger, before it calls
         :func:`makeService`, so this is the one clean place to choose the
         observer: ``twistd -n yieldproxy --log-format json`` is exactly
-        ``twistd -n --logger yieldproxy.requestlog.json_observer yieldproxy``; the
-        least level is part of that name (:func:`~yieldproxy.requestlog.observer_name`).
+        ``twistd -n --logger yieldproxy.observe.requestlog.json_observer yieldproxy``; the
+        least level is part of that name (:func:`~yieldproxy.observe.requestlog.observer_name`).
         """
         fmt = self["log-format"]
         if fmt not in LOG_FORMATS:

@@ -186,7 +186,7 @@ class TranslatedAttempt:
         for name, value in self._extra_headers:
             headers.setRawHeaders(name, [value])
         request.write(body)
-        # The request log names the member that answered in another dialect (requestlog.py).
+        # The request log names the member that answered in another dialect (observe/requestlog.py).
         request.translated_by = self._member
         return code
 

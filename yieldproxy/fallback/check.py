@@ -7,7 +7,7 @@ from typing import Mapping
 from twisted.internet.defer import Deferred
 
 from ..forward import Upstream
-from ..metrics import Metrics
+from ..observe.metrics import Metrics
 from ..vectors import Verification, _short, _width
 from .backend import EmbedBackend
 from .service import Fallback

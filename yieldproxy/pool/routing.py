@@ -62,8 +62,8 @@ from twisted.logger import Logger
 from ..clock import same
 from ..config import Config
 from ..health import Judge, UpstreamHealth
-from ..metrics import Metrics
 from ..names import PASSTHROUGH
+from ..observe.metrics import Metrics
 from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ..replay import Replayer
 from ..served import ServedRecord
@@ -384,7 +384,7 @@ class Pool:
 
     def metric_rows(self) -> list[tuple[str, bool, int, int, int, str, tuple[str, ...]]]:
         """``(upstream, available, inflight, holds, waiting, state, hold sources)`` per member, for
-        :func:`~yieldproxy.metrics.pool_families` (one that never answered is not available there, though
+        :func:`~yieldproxy.observe.metrics.pool_families` (one that never answered is not available there, though
         a pool of one still sends it requests to fail at once)."""
         rows = []
         for m in self.members:

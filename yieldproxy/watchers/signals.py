@@ -33,8 +33,8 @@ from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
-from ..metrics import Metrics
 from ..names import SIGNAL_SOURCE
+from ..observe.metrics import Metrics
 from ..state import YieldState
 
 log = Logger()

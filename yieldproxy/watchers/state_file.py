@@ -25,8 +25,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from ..metrics import Metrics
 from ..names import FILE_SOURCE
+from ..observe.metrics import Metrics
 from ..periodic import every
 from ..state import ALL, MAX_HOLD_SECONDS, YieldState
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .names import CLASS_NAMES, WATCHER_SOURCES
+from ..names import CLASS_NAMES, WATCHER_SOURCES
 
 #: Time spent parked: from 10 ms (a short flap) to an hour (a long job's bound).
 PARK_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)

@@ -31,8 +31,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from .clock import WallClock
-from .periodic import every
+from ..clock import WallClock
+from ..periodic import every
 
 log = Logger()
 
