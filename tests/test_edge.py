@@ -31,7 +31,7 @@ from rawhttp import (
     recording_stack,
     request_bytes,
 )
-from yieldproxy.hosts import HostPolicy, cross_site, host_name
+from yieldproxy.edge.hosts import HostPolicy, cross_site, host_name
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -772,7 +772,7 @@ def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
 
 def test_a_listening_port_can_be_paused_and_its_accept_batch_bounded():
     """Connections pauses its ports (``stopReading``) and bounds ``tcp.Port.numberAccepts`` while refusing a flood
-    (listener.py): both are public names of Twisted's TCP port."""
+    (edge/listener.py): both are public names of Twisted's TCP port."""
     from twisted.internet import reactor, tcp
     from twisted.internet.protocol import Factory
 

@@ -1,4 +1,4 @@
-"""The lean upstream client (yieldproxy/h1client.py, h1parse.py): parser, pool, timeouts, cancellation, stale retries.
+"""The lean upstream client (yieldproxy/edge/h1client.py, edge/h1parse.py): parser, pool, timeouts, cancellation, stale retries.
 
 The parser and the pool are driven without a reactor: connections are
 ``StringTransport``s handed out by a test endpoint, time is a ``Clock``.
@@ -23,7 +23,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from yieldproxy.h1client import (
+from yieldproxy.edge.h1client import (
     SMALL_BODY,
     BadResponse,
     Collector,
@@ -34,7 +34,7 @@ from yieldproxy.h1client import (
     ResponseNeverReceived,
     ResponseTimeout,
 )
-from yieldproxy.h1parse import ParseError, ResponseParser
+from yieldproxy.edge.h1parse import ParseError, ResponseParser
 
 # -- helpers ----------------------------------------------------------------------------------
 

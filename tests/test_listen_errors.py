@@ -12,7 +12,7 @@ import socket
 import pytest
 from twisted.internet.error import CannotListenError
 
-from yieldproxy.listen_errors import interface_at_fault, why_cannot_listen
+from yieldproxy.edge.listen_errors import interface_at_fault, why_cannot_listen
 
 
 def _os_error(code: int, filename=None, filename2=None) -> OSError:
@@ -58,7 +58,7 @@ def test_a_listener_says_which_it_is_and_where_it_listens():
     from twisted.web.resource import Resource
     from twisted.web.server import Site
 
-    from yieldproxy.listener import Listener
+    from yieldproxy.edge.listener import Listener
 
     listener = Listener(reactor, "admin.listen", "tcp:0:interface=127.0.0.1", Site(Resource()))
     with capturedLogs() as events:

@@ -18,6 +18,7 @@ from twisted.internet.task import Clock
 from twisted.web.http_headers import Headers
 
 from helpers import config_with, make_core, make_pool_core
+from yieldproxy.edge.h1client import ResponseIncomplete
 from yieldproxy.forward import (
     ANSWER_MOVES,
     AWAITING,
@@ -35,7 +36,6 @@ from yieldproxy.forward import (
     RelayBroken,
     RetryableFailure,
 )
-from yieldproxy.h1client import ResponseIncomplete
 from yieldproxy.names import LOADING_SOURCE
 from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition

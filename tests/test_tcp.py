@@ -8,9 +8,9 @@ import pytest_twisted
 from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 
+from yieldproxy.edge.h1client import H1Connection, H1Pool
 from yieldproxy.edge.site import ProxySite
 from yieldproxy.edge.tcp import set_no_delay
-from yieldproxy.h1client import H1Connection, H1Pool
 
 
 class _Recording(StringTransport):

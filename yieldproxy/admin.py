@@ -11,7 +11,7 @@ only, for scrapers and dashboards.
 
 Routes that change something (``POST /yield``, ``/resume``,
 ``/fallback/verify``) take only ``application/json`` and refuse what a
-browser marks as coming from another web page (hosts.py), so no page a user
+browser marks as coming from another web page (edge/hosts.py), so no page a user
 visits can yield or resume the GPU, token or not.
 """
 
@@ -37,11 +37,11 @@ from . import __version__
 from .clock import WallClock, same
 from .config import Config
 from .edge.capacity import QUICK_ROOM, Connections
+from .edge.hosts import HostPolicy, cross_site
 from .edge.site import ProxySite
 from .errors import listener_error_body
 from .fallback import NotNow
 from .gate import Gate
-from .hosts import HostPolicy, cross_site
 from .names import check_source
 from .observe.history import History
 from .observe.metrics import CONTENT_TYPE_LATEST, Metrics

@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 import attrs
 from twisted.internet.defer import Deferred, fail
 
+from .edge.h1client import Collector
 from .forward import Upstream
-from .h1client import Collector
 
 #: A control call that takes longer than this is given up (unless the caller says otherwise).
 DEFAULT_TIMEOUT = 10.0
@@ -70,7 +70,7 @@ class UpstreamControl:
         ``max_body``: the most of the answer read (a twin verification's
         vectors are larger than a control answer).
 
-        Other failures are the client's (:class:`~yieldproxy.h1client.H1Error`).
+        Other failures are the client's (:class:`~yieldproxy.edge.h1client.H1Error`).
         """
         upstream = self._get_upstream()
         data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode("utf-8")

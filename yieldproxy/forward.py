@@ -1,6 +1,6 @@
 """The upstream hop: one attempt, streamed back to the client.
 
-The hop runs on :mod:`yieldproxy.h1client` (a lean HTTP/1.1 client on a
+The hop runs on :mod:`yieldproxy.edge.h1client` (a lean HTTP/1.1 client on a
 persistent pool), not ``twisted.web.client.Agent`` and not treq: treq follows
 redirects, adds ``Accept-Encoding`` and decodes bodies, keeps a cookie jar
 shared by all callers, and spools large request bodies to disk; the Agent is
@@ -39,7 +39,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
-from .h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
+from .edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from .servers.ollama import SERVER as OLLAMA
 from .verdict import Reason, judged_reason, status_reason
 
@@ -185,7 +185,7 @@ class _CodedHeaders(Headers):
     """Response headers that keep the transfer codings of a relayed body in front of Twisted's chunking.
 
     An upstream's ``Transfer-Encoding: gzip, chunked`` body reaches the
-    relay de-chunked but still gzip-coded (h1parse.py); it must go out
+    relay de-chunked but still gzip-coded (edge/h1parse.py); it must go out
     labelled so.  Twisted's ``Request.write`` chunks a body of unknown
     length by setting ``Transfer-Encoding: chunked`` over any value set
     before: here that value becomes ``gzip, chunked`` (chunked last, RFC

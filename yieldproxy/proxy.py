@@ -44,6 +44,7 @@ from .classify import (
 )
 from .config import Config, proxy_max_connections
 from .edge.capacity import Connections
+from .edge.hosts import HostPolicy
 from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
 from .edge.site import ProxySite
 from .errors import listener_error_body, stream_error_chunk, write_error
@@ -57,7 +58,6 @@ from .forward import (
     write_answer,
 )
 from .gate import Gate
-from .hosts import HostPolicy
 from .observe.metrics import Metrics
 from .observe.requestlog import CLIENT_GONE, log_request
 from .parking import LEFT, Entry, HandedOver, Refused

@@ -37,13 +37,13 @@ from .clock import WallClock, same, wall_clock
 from .config import Config
 from .control import UpstreamControl
 from .drain import Drain
+from .edge.listener import CannotListen, Listener
 from .fallback import EmbedBackend, Fallback
 from .forward import Upstream
 from .gate import Gate
 from .handover import Handover
 from .health import Judge, UpstreamHealth
 from .holdstore import HoldStore, keep_holds
-from .listener import CannotListen, Listener
 from .names import BUILTIN_SOURCES
 from .observe.history import History, snapshot_reader
 from .observe.metrics import (

@@ -30,9 +30,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
+from .edge.h1client import H1Error, Response
 from .errors import error_body
 from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason, raise_judged
-from .h1client import H1Error, Response
 from .servers import Server
 from .translate import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
 from .verdict import Reason, status_reason

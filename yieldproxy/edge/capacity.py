@@ -100,7 +100,7 @@ class Connections:
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
-    #: The listeners serving these connections (listener.py), held back while too many are being refused.
+    #: The listeners serving these connections (edge/listener.py), held back while too many are being refused.
     _listeners: list = attrs.Factory(list)
     _held_back: bool = False
     #: Connections accepted that have not sent a byte yet (not reclaimable, but a reload hands them over).

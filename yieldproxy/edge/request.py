@@ -13,7 +13,7 @@ come from here instead, before the resource sees anything:
 * a ``Host`` that is not valid UTF-8, or more than one, and a path that is not
   UTF-8 once percent-decoded, are 400s: Klein logs a traceback for each such
   request, and a client could fill the log with them;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`) is a
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`) is a
   403, so a web page cannot reach the listener through DNS rebinding.
 
 Form bodies are never parsed (a proxy forwards bodies as they are):

@@ -31,7 +31,7 @@ without bound, or forward anything it did not parse itself, so:
 * a connection that waits for its next request longer than the keep-alive
   timeout (the Site's ``timeout``) is closed;
 * form bodies are never parsed, and ``CONNECT`` is answered 405;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`)
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`)
   gets 403 (DNS rebinding);
 * at most ``connections.limit`` connections are open
   (:class:`~yieldproxy.edge.capacity.Connections`): past it, the oldest idle
@@ -115,7 +115,7 @@ class ProxySite(Site):
         #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
         self.stall_timeout = stall_timeout
         self.connections = connections
-        #: Which ``Host`` values it answers (a :class:`~yieldproxy.hosts.HostPolicy`; None: any).
+        #: Which ``Host`` values it answers (a :class:`~yieldproxy.edge.hosts.HostPolicy`; None: any).
         self.host_policy = host_policy
         #: The first request's read timeout counts from the accept, not from its first byte.
         self.read_from_accept = read_from_accept

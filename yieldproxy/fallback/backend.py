@@ -6,8 +6,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
+from ..edge.h1client import H1Error
 from ..forward import Upstream, describe_failure, failure_reason
-from ..h1client import H1Error
 from ..translate import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
 from ..verdict import Reason
 

@@ -51,8 +51,8 @@ from twisted.logger import Logger
 from ..clock import same
 from ..config import VerificationConfig
 from ..control import ControlTimeout
+from ..edge.h1client import H1Error
 from ..forward import describe_failure
-from ..h1client import H1Error
 from ..names import canonical_model
 from ..parking import Entry
 from ..translate import (

@@ -70,7 +70,7 @@ def _run(reactor: Any, args: argparse.Namespace, prog: str) -> defer.Deferred[No
     A port that cannot be bound (in use, say) ends it with one line naming
     the option, and exit status 1.
     """
-    from ..listen_errors import interface_at_fault, why_cannot_listen
+    from ..edge.listen_errors import interface_at_fault, why_cannot_listen
 
     sim = SimOllama(reactor, **_settings(args))
     forever: defer.Deferred[None] = defer.Deferred()

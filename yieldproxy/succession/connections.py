@@ -34,7 +34,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from ..edge.connection import FRESH as FRESH_STATE, IDLE
-from .sockets import duplicate, let_go
+from ..edge.sockets import duplicate, let_go
 from .wire import request_bytes
 
 __all__ = [

@@ -64,11 +64,11 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from .. import __version__
+from ..edge.sockets import family_of
 from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link
 from .signals import blocked_in_children
-from .sockets import family_of
 from .takeover import ENV
 from .wire import BATCH_FDS, PROTOCOL, Carried, cut, encode, pack
 

@@ -42,10 +42,10 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from .. import __version__
+from ..edge.sockets import nonblocking_cloexec
 from . import moments
 from .connections import make_again
 from .link import Link, LinkClosed, adopt_link
-from .sockets import nonblocking_cloexec
 from .wire import BATCH_FDS, PROTOCOL, BadFrame, Carried, Decoder, encode, unpack
 
 log = Logger()

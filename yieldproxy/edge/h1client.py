@@ -24,7 +24,7 @@ does the same hop with one object per request and one Deferred:
   with the :class:`Response` once the body is complete.  The response is an
   ``IPushProducer`` for as long as its exchange lasts: a relay registers it
   on the client's request, and a slow client pauses the upstream socket.
-* :class:`~yieldproxy.h1parse.ResponseParser` (h1parse.py) reads the
+* :class:`~yieldproxy.edge.h1parse.ResponseParser` (edge/h1parse.py) reads the
   answers: status line, headers (repeats and order kept),
   ``Content-Length``, chunked bodies (extensions and trailers skipped), read
   until close (HTTP/1.0, or no length), interim 1xx skipped, no body for
@@ -103,8 +103,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from .edge.tcp import set_no_delay
 from .h1parse import ParseError, ResponseParser
+from .tcp import set_no_delay
 
 #: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})

@@ -1,4 +1,4 @@
-"""An incremental HTTP/1.1 response parser, for the lean upstream client (h1client.py).
+"""An incremental HTTP/1.1 response parser, for the lean upstream client (edge/h1client.py).
 
 It reads what an upstream sends back on one connection: the status line,
 headers (repeats and order kept, obs-fold joined), the body framed by
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol as TypingProtocol
 
-from .edge.h1wire import DATA, END, NEED, TOKEN, ChunkDecoder, WireError, parse_length, split_field
+from .h1wire import DATA, END, NEED, TOKEN, ChunkDecoder, WireError, parse_length, split_field
 
 #: Most bytes of a response head (status line and headers).
 MAX_HEAD = 64 * 1024

@@ -3,7 +3,7 @@
 It binds in ``privilegedStartService``, which twistd calls before it drops
 privileges (so a port below 1024 works), and a failure to bind is one line,
 :class:`CannotListen`, naming the config key, the endpoint and why
-(listen_errors.py), instead of a traceback.
+(edge/listen_errors.py), instead of a traceback.
 
 Why not ``strports.service``: its ``StreamServerEndpointService`` keeps the
 listening port private (``_waitingForPort``), and it raises a failure to bind
@@ -29,9 +29,9 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .edge.capacity import MAX_REFUSING
+from .capacity import MAX_REFUSING
 from .listen_errors import why_cannot_listen
-from .succession.sockets import let_go_port
+from .sockets import let_go_port
 
 log = Logger()
 
