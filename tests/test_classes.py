@@ -7,8 +7,8 @@ import pytest
 from helpers import config_with, make_core
 from inmemory import Rig, answered
 from test_parking import finish, park, released
-from yieldproxy.classify import BadBody, Classifier, is_unload, runs_no_model
 from yieldproxy.config import RouteRule
+from yieldproxy.lot.classify import BadBody, Classifier, is_unload, runs_no_model
 from yieldproxy.servers.gojson import read_request
 from yieldproxy.sim import expected_embedding
 

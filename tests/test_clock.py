@@ -19,7 +19,7 @@ from inmemory import Rig, answered
 from yieldproxy.cli import format_status
 from yieldproxy.clock import WallClock, is_monotonic, run_on_monotonic, wall_clock
 from yieldproxy.holdstore import HoldStore, keep_holds
-from yieldproxy.state import YieldState
+from yieldproxy.lot.state import YieldState
 
 MODEL = "all-minilm"
 #: A wall clock that is not the elapsed one: the Clock starts at 0, the wall at this (2026).

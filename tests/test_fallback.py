@@ -43,14 +43,14 @@ from yieldproxy.fallback import (
     format_table,
 )
 from yieldproxy.forward import Upstream
-from yieldproxy.gate import Gate
+from yieldproxy.lot.gate import Gate
+from yieldproxy.lot.parking import ParkingLot
+from yieldproxy.lot.replay import Replayer
+from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
-from yieldproxy.replay import Replayer
 from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
-from yieldproxy.state import YieldState
 from yieldproxy.translate import BackendError, EmbedRequest, Embeddings
 
 MODEL = "all-minilm"

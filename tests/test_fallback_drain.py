@@ -24,14 +24,14 @@ from helpers import clock_cooperator, config_with
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.fallback import Fallback
-from yieldproxy.gate import Gate
+from yieldproxy.lot.gate import Gate
+from yieldproxy.lot.parking import ParkingLot
+from yieldproxy.lot.replay import Replayer
+from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.parking import ParkingLot
 from yieldproxy.proxy import ProxyApp
-from yieldproxy.replay import Replayer
 from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, expected_embedding
-from yieldproxy.state import YieldState
 from yieldproxy.translate import BackendError, Embeddings
 
 MODEL = "all-minilm"

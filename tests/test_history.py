@@ -14,8 +14,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from helpers import release_every_hold
 from yieldproxy.config import Config
+from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.history import History, Snapshot, snapshot_reader
-from yieldproxy.parking import Entry
 from yieldproxy.service import build
 
 CLASSES = ("interactive", "batch", "long")

@@ -15,7 +15,7 @@ from inmemory import Rig, answered
 from rawhttp import LogCapture
 from yieldproxy.config import Config, ConfigError, MemberConfig, from_dict
 from yieldproxy.holdstore import PERSISTED_FORMAT, VERSION, HoldStore, holds_path, keep_holds
-from yieldproxy.state import ALL, Hold, YieldState
+from yieldproxy.lot.state import ALL, Hold, YieldState
 
 MODEL = "all-minilm"
 

@@ -19,13 +19,13 @@ from twisted.web.resource import Resource
 
 from helpers import config_with
 from inmemory import MemoryUpstream
-from yieldproxy import classify
-from yieldproxy.classify import PASSTHROUGH, Classifier
 from yieldproxy.config import RouteRule
 from yieldproxy.edge import hosts
 from yieldproxy.edge.h1client import H1Pool
 from yieldproxy.edge.hosts import HostPolicy
 from yieldproxy.edge.site import ProxySite
+from yieldproxy.lot import classify
+from yieldproxy.lot.classify import PASSTHROUGH, Classifier
 from yieldproxy.observe.requestlog import log_request
 from yieldproxy.service import build
 from yieldproxy.sim import SimOllama

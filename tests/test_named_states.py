@@ -36,8 +36,8 @@ from yieldproxy.forward import (
     RelayBroken,
     RetryableFailure,
 )
+from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.names import LOADING_SOURCE
-from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
 from yieldproxy.verdict import Reason
 
@@ -412,7 +412,7 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
 def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one_will_not_have_it():
     """A reload hands a parked entry over (handed); the new process dies before the commit: the entry parks
     here again, ahead of one that came after it (succession/predecessor.py takes the rest back)."""
-    from yieldproxy.parking import HANDED, HandedOver
+    from yieldproxy.lot.parking import HANDED, HandedOver
 
     core = make_core()
     core.state.hold("api", "game")

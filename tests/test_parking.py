@@ -6,8 +6,8 @@ import pytest
 from twisted.internet.defer import CancelledError
 
 from helpers import clock_cooperator, config_with, make_core
-from yieldproxy.parking import Entry, Refused
-from yieldproxy.replay import Replayer
+from yieldproxy.lot.parking import Entry, Refused
+from yieldproxy.lot.replay import Replayer
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
@@ -538,7 +538,7 @@ def test_stale_deadlines_do_not_pile_up_while_requests_pass_through_the_lot():
 _PER_ENTRY = """
 import gc, tracemalloc
 from helpers import make_core
-from yieldproxy.parking import Entry
+from yieldproxy.lot.parking import Entry
 
 core = make_core()
 core.state.hold("api")

@@ -6,7 +6,7 @@ import pytest
 from twisted.internet.defer import Deferred
 
 from helpers import Core, config_with, make_pool_core
-from yieldproxy.parking import Entry, Refused
+from yieldproxy.lot.parking import Entry, Refused
 
 
 def admit(core: Core, cls="batch", path="/api/embed", model="all-minilm", method="POST") -> tuple[Entry, Deferred]:

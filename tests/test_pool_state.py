@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from yieldproxy.state import ALL, TooManyHolds, UnknownScope, YieldState
+from yieldproxy.lot.state import ALL, TooManyHolds, UnknownScope, YieldState
 
 
 def pool_state(clock=None, **kwargs) -> YieldState:

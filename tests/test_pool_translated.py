@@ -18,8 +18,8 @@ from twisted.internet.task import Clock
 
 from helpers import Core, advance_through, clock_cooperator, config_with, make_pool_core, pool_config
 from yieldproxy.control import Answer
+from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.parking import Entry
 from yieldproxy.pool.twins import TwinVerifier
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding

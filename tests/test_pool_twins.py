@@ -19,8 +19,8 @@ from twisted.python.failure import Failure
 
 from helpers import Core, advance_through, clock_cooperator, config_with, pool_config
 from yieldproxy.control import Answer, ControlTimeout
+from yieldproxy.lot.parking import Entry, Refused
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.parking import Entry, Refused
 from yieldproxy.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding

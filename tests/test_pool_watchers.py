@@ -11,8 +11,8 @@ from test_handover import FakeOllama
 from test_pool_routing import admit, finish
 from yieldproxy.config import HandoverConfig
 from yieldproxy.handover import Handover
+from yieldproxy.lot.state import ALL
 from yieldproxy.service import build, subscribe_handover
-from yieldproxy.state import ALL
 
 
 def test_a_members_state_file_yields_it_alone_and_the_global_one_all(tmp_path):

@@ -30,7 +30,7 @@ from twisted.web.server import NOT_DONE_YET, Site
 from helpers import Entry, config_with, in_thread, make_core, start_stack, wait_for
 from inmemory import Rig, answered
 from rawhttp import LogCapture, ScriptedBackend, counter_by, exchange, parse_response, port_of, recording_stack, request_bytes
-from yieldproxy.parking import Refused
+from yieldproxy.lot.parking import Refused
 from yieldproxy.sim import expected_embedding
 
 TIMEOUT = 60

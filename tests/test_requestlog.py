@@ -233,7 +233,7 @@ async def test_twistd_with_log_format_json_logs_json_lines():
     records = [json.loads(line) for line in lines]  # every line parses
     texts = [r.get("text", "") for r in records]
     assert any("starting up" in t for t in texts)
-    yielded = [r for r in records if r.get("namespace") == "yieldproxy.state" and r.get("source") == "test"]
+    yielded = [r for r in records if r.get("namespace") == "yieldproxy.lot.state" and r.get("source") == "test"]
     assert yielded and yielded[0]["reason"] == "json check"
     [tags] = [r for r in records if r.get("namespace") == "yieldproxy.requestlog"]
     assert (tags["path"], tags["status"], tags["class"]) == ("/api/tags", 200, "passthrough")

@@ -27,9 +27,9 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from yieldproxy import servers, translate
-from yieldproxy.classify import Classifier
 from yieldproxy.config import RouteRule, UpstreamConfig
 from yieldproxy.errors import ERROR_SHAPES, error_body
+from yieldproxy.lot.classify import Classifier
 from yieldproxy.servers import (
     APIS,
     BUSY,

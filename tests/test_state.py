@@ -6,8 +6,8 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import formatEvent, globalLogPublisher
 
+from yieldproxy.lot.state import MAX_HOLD_SECONDS, TooManyHolds, YieldState
 from yieldproxy.names import check_source
-from yieldproxy.state import MAX_HOLD_SECONDS, TooManyHolds, YieldState
 
 
 def test_yielded_while_any_source_holds():

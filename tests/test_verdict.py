@@ -23,10 +23,10 @@ from helpers import config_with
 from inmemory import Answer, Rig, answered
 from rawhttp import LogCapture, counter_total
 from yieldproxy.holdstore import HoldStore, keep_holds
+from yieldproxy.lot.state import YieldState
 from yieldproxy.served import IN_USE_AFTER, MAX_MODELS, WRITE_DELAY, RecordKeeper, ServedRecord
 from yieldproxy.servers.base import PROBE_TEXT, ModelCall
 from yieldproxy.sim import OOM_ERROR, UNKNOWN_ERROR, expected_embedding
-from yieldproxy.state import YieldState
 from yieldproxy.succession import Setup, Succession
 
 MODEL = "all-minilm"

@@ -32,11 +32,11 @@ from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
 from test_chaos import MemoryBurst
 from yieldproxy.health import UpstreamHealth
+from yieldproxy.lot.parking import Entry
+from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.parking import Entry
 from yieldproxy.served import ServedRecord
 from yieldproxy.servers.base import ModelCall
-from yieldproxy.state import YieldState
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import MAX_PROBES, VERDICT_SECONDS, OutageWatcher
 from yieldproxy.watchers.signals import SignalWatcher, StopSignals

@@ -41,13 +41,13 @@ from .edge.hosts import HostPolicy, cross_site
 from .edge.site import ProxySite
 from .errors import listener_error_body
 from .fallback import NotNow
-from .gate import Gate
+from .lot.gate import Gate
+from .lot.parking import ParkingLot
+from .lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 from .names import check_source
 from .observe.history import History
 from .observe.metrics import CONTENT_TYPE_LATEST, Metrics
-from .parking import ParkingLot
 from .pool.routing import Pool
-from .state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 
 _log = Logger()
 

@@ -12,7 +12,7 @@ stops.  Its :meth:`Drain.stopService`:
 * waits until nothing is parked and nothing is in flight (at the primary or
   the fallback), each told by an event, not polled: the lot and the
   replayers fire their waiters when they empty (:meth:`ParkingLot.when_empty`,
-  :meth:`~yieldproxy.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
+  :meth:`~yieldproxy.lot.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
 * gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
   answered 503, what is in flight is left to finish as the process ends;
 * stops the pool's drainers for good;
@@ -33,9 +33,9 @@ from twisted.internet.defer import Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from .gate import Gate
-from .parking import ParkingLot
-from .state import YieldState
+from .lot.gate import Gate
+from .lot.parking import ParkingLot
+from .lot.state import YieldState
 
 log = Logger()
 

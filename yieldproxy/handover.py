@@ -38,10 +38,10 @@ from twisted.python.failure import Failure
 
 from .config import HandoverConfig
 from .control import ControlTimeout
+from .lot.replay import Replayer
+from .lot.state import DEFAULT_MEMBER, Hold, YieldState
 from .names import TROUBLE_SOURCES, canonical_model
 from .observe.metrics import Metrics
-from .replay import Replayer
-from .state import DEFAULT_MEMBER, Hold, YieldState
 
 log = Logger()
 

@@ -17,7 +17,7 @@ meanwhile.  After a reboot (or from a file without them) a time is read
 relative to ``written_at``: a lease has at most what it had left when the
 file was written, less the time the wall clock says has passed since, so a
 wall clock that went back never stretches a lease.  At start a lease that ran
-out meanwhile is gone (:meth:`~yieldproxy.state.YieldState.restore`).
+out meanwhile is gone (:meth:`~yieldproxy.lot.state.YieldState.restore`).
 
 What is not: the holds of the watchers that find their truth again by
 themselves, ``outage`` (the probe), ``loading`` (a member stuck loading its
@@ -85,8 +85,8 @@ from twisted.logger import Logger
 
 from .clock import WallClock, boot_id, is_monotonic, wall_clock
 from .config import Config
+from .lot.state import ALL, MAX_HOLD_SECONDS, Hold, YieldState
 from .names import COMMAND_SOURCE, FILE_SOURCE, LOADING_SOURCE, OUTAGE_SOURCE, RESTART_SOURCE, check_source
-from .state import ALL, MAX_HOLD_SECONDS, Hold, YieldState
 
 __all__ = [
     "HoldStore", "Loaded", "MARKER_SUFFIX", "PERSISTED_FORMAT", "VERSION", "holds_path", "keep_holds",

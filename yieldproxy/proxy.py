@@ -31,17 +31,6 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from werkzeug.exceptions import NotFound
 
-from .classify import (
-    MODEL_LOADING_PATHS,
-    PASSTHROUGH,
-    UNLOAD_PATHS,
-    BadBody,
-    Classifier,
-    api_family,
-    header_class,
-    is_loopback,
-    is_unload,
-)
 from .config import Config, proxy_max_connections
 from .edge.capacity import Connections
 from .edge.hosts import HostPolicy
@@ -57,10 +46,21 @@ from .forward import (
     UpstreamAnswer,
     write_answer,
 )
-from .gate import Gate
+from .lot.classify import (
+    MODEL_LOADING_PATHS,
+    PASSTHROUGH,
+    UNLOAD_PATHS,
+    BadBody,
+    Classifier,
+    api_family,
+    header_class,
+    is_loopback,
+    is_unload,
+)
+from .lot.gate import Gate
+from .lot.parking import LEFT, Entry, HandedOver, Refused
 from .observe.metrics import Metrics
 from .observe.requestlog import CLIENT_GONE, log_request
-from .parking import LEFT, Entry, HandedOver, Refused
 from .pool.lists import UNION_PATHS, union_list
 from .pool.member import Member
 from .pool.members import answer_headers, served_outcome
@@ -359,7 +359,7 @@ class ProxyApp:
         confirmed on the whole body.  While the GPU is yielded, two refinements
         keep Ollama from touching it: model pulls and builds wait (as ``long``)
         instead of passing through, and a true unload request (see
-        :func:`~yieldproxy.classify.is_unload`, decided only on a small body
+        :func:`~yieldproxy.lot.classify.is_unload`, decided only on a small body
         read whole) passes through instead of waiting, since it only frees
         memory.  In a pool, "yielded" is said of the member such a request
         would go to.

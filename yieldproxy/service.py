@@ -40,10 +40,13 @@ from .drain import Drain
 from .edge.listener import CannotListen, Listener
 from .fallback import EmbedBackend, Fallback
 from .forward import Upstream
-from .gate import Gate
 from .handover import Handover
 from .health import Judge, UpstreamHealth
 from .holdstore import HoldStore, keep_holds
+from .lot.gate import Gate
+from .lot.parking import ParkingLot
+from .lot.replay import Replayer
+from .lot.state import ALL, YieldState, transition_logger
 from .names import BUILTIN_SOURCES
 from .observe.history import History, snapshot_reader
 from .observe.metrics import (
@@ -54,16 +57,13 @@ from .observe.metrics import (
     pool_families,
     source_label,
 )
-from .parking import ParkingLot
 from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
 from .pool.models import ModelDiscovery
 from .pool.routing import Pool, any_member, make_members
 from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
-from .replay import Replayer
 from .served import SECTION, RecordKeeper
 from .servers import ModelCall
-from .state import ALL, YieldState, transition_logger
 from .succession import Setup, Succession
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 

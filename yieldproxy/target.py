@@ -77,7 +77,7 @@ class Target:
 
     @property
     def api_path(self) -> bytes:
-        """The decoded path as bytes (for :func:`yieldproxy.classify.api_family`)."""
+        """The decoded path as bytes (for :func:`yieldproxy.lot.classify.api_family`)."""
         return self.path.encode("utf-8")
 
 

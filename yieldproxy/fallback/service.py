@@ -23,9 +23,9 @@ from twisted.python.failure import Failure
 
 from ..clock import same
 from ..config import FallbackConfig
+from ..lot.parking import Entry
 from ..names import canonical_model
 from ..observe.metrics import Metrics, fallback_families
-from ..parking import Entry
 from ..pool.members import FALLBACK_MEMBER
 from ..translate import BackendError, EmbedRequest
 from ..vectors import Verification, compare

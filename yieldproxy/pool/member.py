@@ -57,11 +57,11 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..health import UpstreamHealth
+from ..lot.replay import Replayer
+from ..lot.state import YieldState
 from ..names import LOADING_SOURCE, TROUBLE_SOURCES
-from ..replay import Replayer
 from ..servers import NOT_READY as SAYS_NOT_READY, UP
 from ..servers.base import ModelCall
-from ..state import YieldState
 from ..verdict import NOT_CONNECTED
 from .members import MemberSpec
 from .models import ModelCatalogue

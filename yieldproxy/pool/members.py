@@ -18,9 +18,9 @@ from urllib.parse import urlsplit, urlunsplit
 import attrs
 
 from ..config import Config
+from ..lot.state import DEFAULT_MEMBER
 from ..names import CLASS_NAMES
 from ..servers import Server, server
-from ..state import DEFAULT_MEMBER
 
 #: The member an enabled ``[fallback]`` becomes.
 FALLBACK_MEMBER = "fallback"

@@ -1,7 +1,7 @@
 """The pool: which members a request may go to, and which one takes it now.
 
 **Eligible** (decided once per request, at admission, and kept on its
-:class:`~yieldproxy.parking.Entry`): the members whose api serves the
+:class:`~yieldproxy.lot.parking.Entry`): the members whose api serves the
 request's route natively (in the dialect of the first that knows it; any
 member for a route none knows), that may serve its class (``classes``), and
 that serve its model (``models``, ``model_map`` or the discovered list); when
@@ -19,7 +19,7 @@ never on a guess) and its class, and the body can be translated faithfully
 member's own embedding route (:attr:`~yieldproxy.servers.Server.embed_path`,
 the route its twin verification uses) and the answer comes back in the
 caller's shape (:mod:`yieldproxy.translated`).  Such members are listed in
-:attr:`~yieldproxy.parking.Routing.translated`.  Like any member other than
+:attr:`~yieldproxy.lot.parking.Routing.translated`.  Like any member other than
 the model's reference, it serves only as a verified twin; and it is the
 reference only when no member serving the model speaks every translated
 route natively (:func:`reference_rank`): a CPU copy on Infinity is checked
@@ -33,7 +33,7 @@ standby member (``use = "when_others_yielded"``) only while no eligible
 a whole burst).  None: the request parks.
 
 **The drain**: each member has its own drainer (a
-:class:`~yieldproxy.replay.Replayer` with its ``replay_concurrency``) that
+:class:`~yieldproxy.lot.replay.Replayer` with its ``replay_concurrency``) that
 lets out the next parked entry it may take (:meth:`Pool.may_take`), in the
 lot's drain order, while the member is available; it is woken when the
 member becomes available, when an entry it could take parks, and when a
@@ -62,13 +62,13 @@ from twisted.logger import Logger
 from ..clock import same
 from ..config import Config
 from ..health import Judge, UpstreamHealth
+from ..lot.parking import STANDBY_ONLY, Entry, ParkingLot, Routing
+from ..lot.replay import Replayer
+from ..lot.state import ALL, YieldState
 from ..names import PASSTHROUGH
 from ..observe.metrics import Metrics
-from ..parking import STANDBY_ONLY, Entry, ParkingLot, Routing
-from ..replay import Replayer
 from ..served import ServedRecord
 from ..servers import ModelCall, Server, native_apis, server
-from ..state import ALL, YieldState
 from ..translate import EMBED_ROUTES
 from .member import Member
 from .members import MemberSpec, member_server
@@ -102,7 +102,7 @@ def reference_rank(api: str) -> int:
 
 
 def route_kind(path: str | None, cls: str) -> str:
-    """``embedding``, ``generation`` or ``other`` (:data:`yieldproxy.parking.ROUTE_KINDS`)."""
+    """``embedding``, ``generation`` or ``other`` (:data:`yieldproxy.lot.parking.ROUTE_KINDS`)."""
     if cls == PASSTHROUGH or path is None:
         return "other"
     return "embedding" if path.rsplit("/", 1)[-1] in _EMBEDDING_ROUTES else "generation"
@@ -111,7 +111,7 @@ def route_kind(path: str | None, cls: str) -> str:
 class _Taker:
     """``may_take(name, entry)`` as the lot's ``accepts``: its answer depends only on the entry's
     routing and the member its last attempt failed on, so the lot asks once per kind of entry
-    (``by_routing``, parking.py) and a long line it refuses costs a few calls, not one each."""
+    (``by_routing``, lot/parking.py) and a long line it refuses costs a few calls, not one each."""
 
     by_routing = True
     __slots__ = ("_may_take", "_name")

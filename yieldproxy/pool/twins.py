@@ -53,8 +53,8 @@ from ..config import VerificationConfig
 from ..control import ControlTimeout
 from ..edge.h1client import H1Error
 from ..forward import describe_failure
+from ..lot.parking import Entry
 from ..names import canonical_model
-from ..parking import Entry
 from ..translate import (
     BackendError,
     EmbedRequest,

@@ -34,8 +34,8 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..holdstore import NOT_KEPT
+from ..lot.state import ALL, Hold, YieldState
 from ..pool.twins import TwinCheck
-from ..state import ALL, Hold, YieldState
 from .claims import ClaimedAtCommit, PidFile
 from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .signals import HoldSignals, StopNoted, unblock

@@ -72,12 +72,12 @@ from twisted.logger import Logger
 from ..control import Answer, UpstreamControl
 from ..evidence import ALONE, evidence_for, follow_ups
 from ..health import UpstreamHealth
+from ..lot.state import ALL, DEFAULT_MEMBER, YieldState
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
 from ..observe.metrics import Metrics
 from ..servers import GPU, NOT_READY, UP
 from ..servers.base import ModelCall
 from ..servers.ollama import is_gpu_failure, minimal_call
-from ..state import ALL, DEFAULT_MEMBER, YieldState
 from ..verdict import CONNECTION_REASONS, OUTAGE_REASONS
 
 log = Logger()

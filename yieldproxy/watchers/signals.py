@@ -33,9 +33,9 @@ from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
+from ..lot.state import YieldState
 from ..names import SIGNAL_SOURCE
 from ..observe.metrics import Metrics
-from ..state import YieldState
 
 log = Logger()
 

@@ -27,9 +27,9 @@ import attrs
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .callbacks import call_each
-from .clock import same
-from .names import OWN_SOURCES, check_source, name_set, name_tuple
+from ..callbacks import call_each
+from ..clock import same
+from ..names import OWN_SOURCES, check_source, name_set, name_tuple
 
 log = Logger()
 

@@ -6,7 +6,7 @@ abandoned by a client that went away (its Deferred was cancelled), or
 answered at shutdown.  Order is by arrival sequence number, so a request that
 failed mid-flight and comes back keeps its original place.
 
-The lot is drained by one drainer per pool member (see replay.py and
+The lot is drained by one drainer per pool member (see lot/replay.py and
 pool/routing.py), each taking only the entries its member may serve now.
 :meth:`ParkingLot.release_next` takes that choice as a predicate and keeps
 the one drain order for every member; the entry it lets out says which
@@ -32,7 +32,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .observe.metrics import Metrics
+from ..observe.metrics import Metrics
 
 log = Logger()
 

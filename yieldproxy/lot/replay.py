@@ -29,7 +29,7 @@ from twisted.internet.task import CooperativeTask, Cooperator, TaskDone, TaskSto
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .observe.metrics import Metrics
+from ..observe.metrics import Metrics
 from .parking import Entry, ParkingLot
 from .state import YieldState
 

@@ -25,11 +25,11 @@ from typing import Iterable
 
 import attrs
 
-from .config import RouteRule
-from .names import CLASS_NAMES, PASSTHROUGH, name_tuple
-from .servers import Server, server
-from .servers.gojson import BadBody
-from .servers.ollama import MODEL_LOADING_PATHS, UNLOAD_PATHS, api_family, is_unload
+from ..config import RouteRule
+from ..names import CLASS_NAMES, PASSTHROUGH, name_tuple
+from ..servers import Server, server
+from ..servers.gojson import BadBody
+from ..servers.ollama import MODEL_LOADING_PATHS, UNLOAD_PATHS, api_family, is_unload
 
 __all__ = [
     "BadBody",

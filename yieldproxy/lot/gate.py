@@ -19,9 +19,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from .config import ClassConfig
-from .names import LOADING_SOURCE, OUTAGE_SOURCE
-from .observe.metrics import Metrics
+from ..config import ClassConfig
+from ..names import LOADING_SOURCE, OUTAGE_SOURCE
+from ..observe.metrics import Metrics
 from .parking import RELEASED, Entry, ParkingLot, Refused, Routing, hold_bound
 from .replay import Replayer
 from .state import YieldState
