@@ -11,7 +11,6 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, VerificationConfig
-from yieldproxy.health import UpstreamHealth
 from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import Entry, ParkingLot
 from yieldproxy.lot.replay import Replayer
@@ -19,6 +18,7 @@ from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.service import build_core, one_step_cooperator
+from yieldproxy.upstream.health import UpstreamHealth
 
 
 def clock_cooperator(clock: Clock) -> Cooperator:

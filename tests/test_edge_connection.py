@@ -219,7 +219,7 @@ def test_a_slow_request_gets_408_at_its_read_deadline():
 
 
 def test_a_full_client_transport_shows_in_write_blocked_and_pauses_the_producer():
-    """forward.Attempt reads ``write_blocked`` to know the client's transport is full (then it registers
+    """attempt.Attempt reads ``write_blocked`` to know the client's transport is full (then it registers
     as the client's producer and counts what waits in memory against the client buffer bounds)."""
     held = _Held()
     wire = Wire(held)

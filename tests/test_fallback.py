@@ -34,15 +34,6 @@ from twisted.web.server import NOT_DONE_YET, Site
 from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, start_stack, wait_for
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, ConfigError, FallbackConfig, from_dict
-from yieldproxy.fallback import (
-    RETRY_AFTER_ERROR_SECONDS,
-    EmbedBackend,
-    Fallback,
-    NotNow,
-    compare,
-    format_table,
-)
-from yieldproxy.forward import Upstream
 from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import ParkingLot
 from yieldproxy.lot.replay import Replayer
@@ -51,7 +42,16 @@ from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy import ProxyApp
 from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
-from yieldproxy.translate import BackendError, EmbedRequest, Embeddings
+from yieldproxy.upstream.attempt import Upstream
+from yieldproxy.upstream.fallback import (
+    RETRY_AFTER_ERROR_SECONDS,
+    EmbedBackend,
+    Fallback,
+    NotNow,
+    compare,
+    format_table,
+)
+from yieldproxy.upstream.translation import BackendError, EmbedRequest, Embeddings
 
 MODEL = "all-minilm"
 TIMEOUT = 30

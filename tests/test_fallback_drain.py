@@ -23,7 +23,6 @@ from twisted.internet.task import Clock
 from helpers import clock_cooperator, config_with
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
-from yieldproxy.fallback import Fallback
 from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import ParkingLot
 from yieldproxy.lot.replay import Replayer
@@ -32,7 +31,8 @@ from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy import ProxyApp
 from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, expected_embedding
-from yieldproxy.translate import BackendError, Embeddings
+from yieldproxy.upstream.fallback import Fallback
+from yieldproxy.upstream.translation import BackendError, Embeddings
 
 MODEL = "all-minilm"
 BATCH = {"class": "batch"}

@@ -18,11 +18,11 @@ from twisted.python.failure import Failure
 
 from helpers import config_with, make_core, start_stack, wait_for
 from yieldproxy.config import HandoverConfig
-from yieldproxy.control import Answer, ControlTimeout
-from yieldproxy.handover import Handover, listed_models, loaded_models
 from yieldproxy.lot.parking import Entry
 from yieldproxy.names import canonical_model as canonical
 from yieldproxy.service import subscribe_handover
+from yieldproxy.upstream.control import Answer, ControlTimeout
+from yieldproxy.upstream.vram import Handover, listed_models, loaded_models
 
 TIMEOUT = 30
 

@@ -1,4 +1,4 @@
-"""The upstream hop on the lean client (forward.py on edge/h1client.py): what is about the wire.
+"""The upstream hop on the lean client (upstream/attempt.py on edge/h1client.py): what is about the wire.
 
 A request reaches the upstream more than once only as a retry the proxy
 counts: the client never resends on its own, not even an idempotent request

@@ -19,7 +19,9 @@ from twisted.web.http_headers import Headers
 
 from helpers import config_with, make_core, make_pool_core
 from yieldproxy.edge.h1client import ResponseIncomplete
-from yieldproxy.forward import (
+from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
+from yieldproxy.names import LOADING_SOURCE
+from yieldproxy.upstream.attempt import (
     ANSWER_MOVES,
     AWAITING,
     CLIENT_MOVES,
@@ -36,10 +38,8 @@ from yieldproxy.forward import (
     RelayBroken,
     RetryableFailure,
 )
-from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
-from yieldproxy.names import LOADING_SOURCE
-from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
-from yieldproxy.verdict import Reason
+from yieldproxy.upstream.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
+from yieldproxy.upstream.verdict import Reason
 
 # -- the tables ---------------------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Health:
         return d
 
     def answer(self, code: int, body: bytes = b"") -> None:
-        from yieldproxy.control import Answer as ControlAnswer
+        from yieldproxy.upstream.control import Answer as ControlAnswer
 
         self.calls[-1].callback(ControlAnswer(code, body))
 

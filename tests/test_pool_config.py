@@ -8,7 +8,7 @@ import pytest
 
 from helpers import pool_config
 from yieldproxy.config import Config, ConfigError, from_dict
-from yieldproxy.pool.members import legacy_member, member_specs, url_warnings
+from yieldproxy.upstream.pool.members import legacy_member, member_specs, url_warnings
 
 
 def parse(text: str):

@@ -16,11 +16,11 @@ from twisted.web.resource import Resource
 
 from helpers import config_with, make_pool_core, pool_config
 from inmemory import Rig, answered
-from yieldproxy.control import Answer, UpstreamControl
 from yieldproxy.lot.parking import Entry
 from yieldproxy.names import LOADING_SOURCE, OUTAGE_SOURCE
 from yieldproxy.servers import NOT_READY, server
 from yieldproxy.sim.llamacpp import LOADING_BODY
+from yieldproxy.upstream.control import Answer, UpstreamControl
 
 LOADING = json.dumps(LOADING_BODY).encode()
 MODEL = "qwen2.5-0.5b-instruct"

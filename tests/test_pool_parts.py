@@ -6,10 +6,10 @@ import json
 
 from twisted.internet.defer import Deferred, fail, succeed
 
-from yieldproxy.control import Answer
-from yieldproxy.pool.lists import union_list
-from yieldproxy.pool.models import ModelCatalogue
-from yieldproxy.pool.rename import renamed_body
+from yieldproxy.upstream.control import Answer
+from yieldproxy.upstream.pool.lists import union_list
+from yieldproxy.upstream.pool.models import ModelCatalogue
+from yieldproxy.upstream.pool.rename import renamed_body
 
 
 def test_patterns_and_mapped_names_decide_without_a_list():

@@ -18,10 +18,10 @@ from twisted.internet.task import Clock
 
 from helpers import advance_through, clock_cooperator, config_with, pool_config
 from test_pool_twins import FakeControl
-from yieldproxy.control import Answer
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
+from yieldproxy.upstream.control import Answer
 
 MODEL = "all-minilm"
 
@@ -127,8 +127,8 @@ def test_a_translated_request_answered_404_before_the_prefix_is_known_is_asked_o
     from twisted.web.test.requesthelper import DummyRequest
 
     from test_pool_translated import FakeUpstream
-    from yieldproxy.translate import parse_request
-    from yieldproxy.translated import TranslatedAttempt
+    from yieldproxy.upstream.translated_attempt import TranslatedAttempt
+    from yieldproxy.upstream.translation import parse_request
 
     clock = Clock()
     _, heart = prefixed_heart(clock, PrefixedInfinity())

@@ -279,7 +279,7 @@ def test_a_pool_of_one_reads_as_the_one_upstream_did():
 
 def test_a_drainer_walks_only_the_requests_its_member_may_take(monkeypatch):
     """A thousand requests parked for a yielded member cost the other member's drain nothing per release."""
-    from yieldproxy.pool.routing import Pool
+    from yieldproxy.upstream.pool.routing import Pool
 
     looked = []
     may_take = Pool.may_take
@@ -306,7 +306,7 @@ def test_a_drainer_walks_only_the_requests_its_member_may_take(monkeypatch):
 
 
 def test_a_standby_member_does_not_look_through_the_lot_while_the_always_ones_drain_it(monkeypatch):
-    from yieldproxy.pool.routing import Pool
+    from yieldproxy.upstream.pool.routing import Pool
 
     looked = []
     may_take = Pool.may_take

@@ -24,10 +24,10 @@ from twisted.internet.defer import Deferred, ensureDeferred, succeed
 
 from helpers import admin, config_with, start_pool_stack, wait_for
 from inmemory import Rig, answered
-from yieldproxy.control import Answer
-from yieldproxy.pool.models import ModelCatalogue, ModelDiscovery
 from yieldproxy.servers import server
 from yieldproxy.sim import expected_embedding, expected_relevance, expected_reply
+from yieldproxy.upstream.control import Answer
+from yieldproxy.upstream.pool.models import ModelCatalogue, ModelDiscovery
 
 TEI_MODEL = "BAAI/bge-small-en-v1.5"
 LLAMA_MODEL = "qwen2.5-0.5b"

@@ -1,8 +1,8 @@
-"""Embeddings translated across dialects in the pool, on a Clock (pool/routing.py, pool/twins.py).
+"""Embeddings translated across dialects in the pool, on a Clock (upstream/pool/routing.py, upstream/pool/twins.py).
 
 An Ollama client's ``/api/embed`` may go to a member that serves the model
 but not that route (an OpenAI-compatible, Infinity or TEI CPU copy), the
-request and answer translated (translated.py); never chat or generation,
+request and answer translated (upstream/translated_attempt.py); never chat or generation,
 only a model the member is known to serve, and only as a verified twin of
 the model's reference, which is an Ollama member whenever one serves the
 model.  The real-socket half is tests/test_pool_translated_real.py.
@@ -17,12 +17,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from helpers import Core, advance_through, clock_cooperator, config_with, make_pool_core, pool_config
-from yieldproxy.control import Answer
 from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.pool.twins import TwinVerifier
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
+from yieldproxy.upstream.control import Answer
+from yieldproxy.upstream.pool.twins import TwinVerifier
 
 MODEL = "all-minilm"
 DESKTOP = {"name": "desktop", "models": (MODEL, "llama3.2")}
@@ -209,12 +209,12 @@ def test_an_unverified_translated_member_never_takes_an_embedding():
     r.stop()
 
 
-# -- the translated attempt (translated.py) ------------------------------------------------------
+# -- the translated attempt (upstream/translated_attempt.py) ------------------------------------------------------
 
 
 @attrs.define(eq=False)
 class FakeUpstream:
-    """An :class:`~yieldproxy.forward.Upstream` whose client records each request and lets the test answer it."""
+    """An :class:`~yieldproxy.upstream.attempt.Upstream` whose client records each request and lets the test answer it."""
 
     url: str = "http://cpu:7997"
     sent: list = attrs.Factory(list)
@@ -243,8 +243,8 @@ def translated_attempt(route="/api/embed", api="openai", **body):
     from twisted.web.test.requesthelper import DummyRequest
 
     from yieldproxy.servers import server
-    from yieldproxy.translate import parse_request
-    from yieldproxy.translated import TranslatedAttempt
+    from yieldproxy.upstream.translated_attempt import TranslatedAttempt
+    from yieldproxy.upstream.translation import parse_request
 
     clock, upstream, request = Clock(), FakeUpstream(), DummyRequest([b""])
     wanted = parse_request(route, json.dumps({"model": MODEL, "input": ["a", "b"], "prompt": "a", **body}).encode())
@@ -272,7 +272,7 @@ def test_a_translated_attempt_sends_the_members_shape_and_name_and_answers_in_th
 
 
 def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_shape():
-    from yieldproxy.forward import RetryableFailure
+    from yieldproxy.upstream.attempt import RetryableFailure
 
     # A 503 (busy, in an OpenAI-compatible server's words): retryable, and the answer kept for the
     # caller is in Ollama's shape.

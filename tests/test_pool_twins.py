@@ -1,4 +1,4 @@
-"""Twin verification on a Clock (pool/twins.py): a member serves a model's embeddings only while verified.
+"""Twin verification on a Clock (upstream/pool/twins.py): a member serves a model's embeddings only while verified.
 
 Two members serve ``all-minilm``; ``a`` is its reference (first in config
 order), ``b`` a twin.  Each member's control client is a fake that answers
@@ -18,12 +18,12 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from helpers import Core, advance_through, clock_cooperator, config_with, pool_config
-from yieldproxy.control import Answer, ControlTimeout
 from yieldproxy.lot.parking import Entry, Refused
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
 from yieldproxy.service import build_heart
 from yieldproxy.sim import expected_embedding
+from yieldproxy.upstream.control import Answer, ControlTimeout
+from yieldproxy.upstream.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
 
 MODEL = "all-minilm"
 INTERVAL = 600.0
@@ -324,7 +324,7 @@ def test_an_embedding_waiting_for_its_reference_does_not_hold_back_the_twins_cha
 def test_model_names_from_requests_cannot_crowd_out_a_real_model():
     """With patterns like "*", requests may name any number of models: the oldest named are forgotten
     to make room (never a configured one), so a real model named later is still verified."""
-    from yieldproxy.pool.twins import MAX_MODELS
+    from yieldproxy.upstream.pool.twins import MAX_MODELS
 
     r = rig(serves=("*",))
     r.run()

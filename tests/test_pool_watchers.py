@@ -10,9 +10,9 @@ from helpers import make_pool_core, pool_config
 from test_handover import FakeOllama
 from test_pool_routing import admit, finish
 from yieldproxy.config import HandoverConfig
-from yieldproxy.handover import Handover
 from yieldproxy.lot.state import ALL
 from yieldproxy.service import build, subscribe_handover
+from yieldproxy.upstream.vram import Handover
 
 
 def test_a_members_state_file_yields_it_alone_and_the_global_one_all(tmp_path):

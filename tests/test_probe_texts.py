@@ -8,7 +8,7 @@ a pair twins (tests/test_llamacpp_real.py proves it with the real servers).
 from __future__ import annotations
 
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS, FallbackConfig, VerificationConfig
-from yieldproxy.vectors import LONG_TEXT_CHARS, compare
+from yieldproxy.upstream.vectors import LONG_TEXT_CHARS, compare
 
 
 def test_the_defaults_of_the_fallback_and_of_twin_verification_include_two_long_texts():

@@ -26,7 +26,7 @@ from twisted.internet import defer, task
 from twisted.internet.error import ConnectionRefusedError
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
-from yieldproxy import servers, translate
+from yieldproxy import servers
 from yieldproxy.config import RouteRule, UpstreamConfig
 from yieldproxy.errors import ERROR_SHAPES, error_body
 from yieldproxy.lot.classify import Classifier
@@ -53,6 +53,7 @@ from yieldproxy.sim import BUSY_ERROR, OOM_ERROR, SimOllama, expected_embedding
 from yieldproxy.sim.infinity import OOM_MESSAGE as INFINITY_OOM
 from yieldproxy.sim.llamacpp import COMPUTE_ERROR, LOADING_BODY
 from yieldproxy.sim.tei import BACKEND_ERROR
+from yieldproxy.upstream import translation
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS_MD = ROOT / "docs" / "servers.md"
@@ -614,18 +615,18 @@ def test_the_sims_model_list_health_and_full_queue_are_read(api):
 @pytest.mark.parametrize("api, prefix", [("ollama", ""), ("openai", ""), ("tei", ""), ("infinity", ""),
                                          ("infinity", "/v1"), ("llamacpp", "")])
 def test_a_translated_embedding_request_is_answered_at_the_embed_path(api, prefix):
-    """translate.py's body in the server's shape, sent to its embed_path, reads back as the right vectors."""
+    """upstream/translation.py's body in the server's shape, sent to its embed_path, reads back as the right vectors."""
     clock = task.Clock()
     sim = SimOllama(clock, api="ollama" if api == "openai" else api, dim=8, models=("all-minilm",))
     stub = StubTreq(sim.resource())
     s = server(api).with_prefix(prefix)
     for route, body in [("embed", {"model": "all-minilm", "input": ["a", "b"]}),
                         ("v1", {"model": "all-minilm", "input": ["a", "b"]})]:
-        request = translate.parse_request({"embed": "/api/embed", "v1": "/v1/embeddings"}[route], _j(body))
-        _, payload = translate.backend_request(request, s.embed_shape, "all-minilm")
+        request = translation.parse_request({"embed": "/api/embed", "v1": "/v1/embeddings"}[route], _j(body))
+        _, payload = translation.backend_request(request, s.embed_shape, "all-minilm")
         code, raw = _settle(clock, stub, stub.post(URL + s.embed_path, data=payload,
                                                    headers={"content-type": ["application/json"]}))
-        vectors = translate.parse_response(request, s.embed_shape, code, raw).vectors
+        vectors = translation.parse_response(request, s.embed_shape, code, raw).vectors
         for vector, text in zip(vectors, "ab", strict=True):
             assert list(vector) == pytest.approx(expected_embedding(text, "all-minilm", 8), abs=1e-6)
     assert clock.getDelayedCalls() == []

@@ -159,8 +159,8 @@ def test_the_twins_verifications_go_over_for_the_same_upstreams_only():
     """A verified twin stays verified in the new process when its name and URL (and its reference's) are the
     same; one whose URL changed is verified again there."""
     from helpers import pool_config
-    from yieldproxy.pool.twins import TwinCheck
     from yieldproxy.succession import Setup, Succession
+    from yieldproxy.upstream.pool.twins import TwinCheck
 
     def succession(config):
         rig = Rig(config)

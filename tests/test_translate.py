@@ -17,7 +17,7 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from yieldproxy.translate import (
+from yieldproxy.upstream.translation import (
     BackendError,
     EmbedRequest,
     Embeddings,

@@ -6,7 +6,7 @@ Each case of the issue, with a backend that answers per model (the simulated Oll
 calls never answer, a model that loads for minutes, a broken model called first after a start and after
 a reload, a record filled with spellings of one model, a model that fails alone in GPU words; and what
 still is an outage (the model it served fails too, several models fail, the operator's probe model
-fails), and that a broken model cannot keep an outage hold.  The record itself (served.py) and how it is
+fails), and that a broken model cannot keep an outage hold.  The record itself (upstream/served.py) and how it is
 kept in the holds file are checked at the end.
 """
 
@@ -24,10 +24,10 @@ from inmemory import Answer, Rig, answered
 from rawhttp import LogCapture, counter_total
 from yieldproxy.holdstore import HoldStore, keep_holds
 from yieldproxy.lot.state import YieldState
-from yieldproxy.served import IN_USE_AFTER, MAX_MODELS, WRITE_DELAY, RecordKeeper, ServedRecord
 from yieldproxy.servers.base import PROBE_TEXT, ModelCall
 from yieldproxy.sim import OOM_ERROR, UNKNOWN_ERROR, expected_embedding
 from yieldproxy.succession import Setup, Succession
+from yieldproxy.upstream.served import IN_USE_AFTER, MAX_MODELS, WRITE_DELAY, RecordKeeper, ServedRecord
 
 MODEL = "all-minilm"
 TIMEOUT = 60
@@ -403,7 +403,7 @@ def test_a_members_own_probe_model_and_route():
     rig.stop()
 
 
-# -- the record itself (served.py) ---------------------------------------------------------------------------
+# -- the record itself (upstream/served.py) ---------------------------------------------------------------------------
 
 
 def record(clock=None) -> ServedRecord:

@@ -1,4 +1,4 @@
-"""The verdict on a failed attempt, as a table (yieldproxy/verdict.py): every row is facts -> verdict, and why.
+"""The verdict on a failed attempt, as a table (yieldproxy/upstream/verdict.py): every row is facts -> verdict, and why.
 
 Pure: no clock, no rig.  The behaviour each verdict stands for is checked end to end where it
 happens (test_proxy_app, test_pool_busy, test_pool_not_ready, test_outage, test_verdict,
@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 from yieldproxy.servers.base import BUSY, CALLER, GPU, NOT_READY, OK, UPSTREAM
-from yieldproxy.verdict import (
+from yieldproxy.upstream.verdict import (
     CONNECTION_REASONS,
     COUNTED,
     MAYBE_THE_CALLERS,
@@ -165,13 +165,13 @@ def test_each_reason_is_its_metric_label_as_docs_metrics_md_lists_it():
 
 def test_the_verdict_module_stays_pure():
     """No I/O, no clock, no logging: it imports only enum, attrs and the servers' vocabulary."""
-    tree = ast.parse((ROOT / "yieldproxy" / "verdict.py").read_text())
+    tree = ast.parse((ROOT / "yieldproxy" / "upstream" / "verdict.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
-    assert imported == {"__future__", "enum", "attrs", ".servers.base"}
+    assert imported == {"__future__", "enum", "attrs", "..servers.base"}
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     assert not names & {"log", "Logger", "print", "open", "reactor"}

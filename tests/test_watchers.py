@@ -31,12 +31,12 @@ from inmemory import Rig, answered
 from rawhttp import LogCapture
 from test_burst import Burst, assert_clean
 from test_chaos import MemoryBurst
-from yieldproxy.health import UpstreamHealth
 from yieldproxy.lot.parking import Entry
 from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.served import ServedRecord
 from yieldproxy.servers.base import ModelCall
+from yieldproxy.upstream.health import UpstreamHealth
+from yieldproxy.upstream.served import ServedRecord
 from yieldproxy.watchers.command import CommandWatcher
 from yieldproxy.watchers.outage import MAX_PROBES, VERDICT_SECONDS, OutageWatcher
 from yieldproxy.watchers.signals import SignalWatcher, StopSignals

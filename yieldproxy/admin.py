@@ -40,14 +40,14 @@ from .edge.capacity import QUICK_ROOM, Connections
 from .edge.hosts import HostPolicy, cross_site
 from .edge.site import ProxySite
 from .errors import listener_error_body
-from .fallback import NotNow
 from .lot.gate import Gate
 from .lot.parking import ParkingLot
 from .lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 from .names import check_source
 from .observe.history import History
 from .observe.metrics import CONTENT_TYPE_LATEST, Metrics
-from .pool.routing import Pool
+from .upstream.fallback import NotNow
+from .upstream.pool.routing import Pool
 
 _log = Logger()
 

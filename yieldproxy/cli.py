@@ -3,7 +3,7 @@
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
 says what happened (see :data:`EPILOG`).  ``demo`` lives in demo.py,
-``check-fallback`` in fallback/check.py, ``sim`` in the sim package.
+``check-fallback`` in upstream/fallback/check.py, ``sim`` in the sim package.
 
 Only :func:`main` and the command functions it starts touch the global
 reactor (through :func:`twisted.internet.task.react`); importing this module
@@ -683,7 +683,7 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         raise SystemExit(ops_files_command(args.dir, args.force))
 
     if args.command == "check-fallback":
-        from .fallback import check_command
+        from .upstream.fallback import check_command
 
         raise SystemExit(check_command(getattr(args, "config", None)))
 

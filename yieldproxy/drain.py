@@ -73,7 +73,7 @@ class Drain(Service):
     _state: YieldState
     _gate: Gate
     _lot: ParkingLot
-    #: The pool (pool/routing.py): its drainers are stopped once the drain is over.
+    #: The pool (upstream/pool/routing.py): its drainers are stopped once the drain is over.
     _replayer: "Stoppable"
     #: Every target requests may be in flight at (the members' drainers first).
     _targets: Sequence[InFlight]

@@ -30,7 +30,7 @@ again (another part's record, a newer version's).
 
 Other parts may keep a section of their own in the same file, a top-level
 key beside ``holds`` (:meth:`HoldStore.keep_section`): the record of the
-models each upstream served (served.py) is the ``served`` section.  Each is
+models each upstream served (upstream/served.py) is the ``served`` section.  Each is
 written with the holds and handed back at start to its owner, who reads it
 tolerantly; a section never makes the file refused.
 

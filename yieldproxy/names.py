@@ -25,7 +25,7 @@ COMMAND_SOURCE = "command"
 OUTAGE_SOURCE = "outage"
 WATCHER_SOURCES = (FILE_SOURCE, SIGNAL_SOURCE, COMMAND_SOURCE, OUTAGE_SOURCE)
 #: A pool member's own hold when it stays not ready past ``upstream.not_ready_max_seconds``
-#: (pool/member.py): a key apart from the outage watcher's, so neither ends the other's hold.
+#: (upstream/pool/member.py): a key apart from the outage watcher's, so neither ends the other's hold.
 LOADING_SOURCE = "loading"
 #: Holds the proxy takes for an upstream's own trouble, not a GPU lent away: the upstream
 #: reads ``outage`` under them alone, and no VRAM handover follows them.

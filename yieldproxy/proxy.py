@@ -12,7 +12,7 @@ Each request ends in exactly one outcome: relayed from the upstream, or an
 explicit error in its API's shape (400/413/502/503/504...).  A client that
 goes away while parked leaves the lot at once and is never sent upstream.
 
-With a pool of upstreams (pool/routing.py) each attempt runs on the member
+With a pool of upstreams (upstream/pool/routing.py) each attempt runs on the member
 the gate or a member's drainer chose; a retryable failure sends the request
 back to its place in the lot, where another eligible member may take it;
 once bytes reach the client it never moves.
@@ -37,15 +37,6 @@ from .edge.hosts import HostPolicy
 from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
 from .edge.site import ProxySite
 from .errors import listener_error_body, stream_error_chunk, write_error
-from .forward import (
-    Attempt,
-    ClientBuffers,
-    ClientTooSlow,
-    RelayBroken,
-    RetryableFailure,
-    UpstreamAnswer,
-    write_answer,
-)
 from .lot.classify import (
     MODEL_LOADING_PATHS,
     PASSTHROUGH,
@@ -61,18 +52,27 @@ from .lot.gate import Gate
 from .lot.parking import LEFT, Entry, HandedOver, Refused
 from .observe.metrics import Metrics
 from .observe.requestlog import CLIENT_GONE, log_request
-from .pool.lists import UNION_PATHS, union_list
-from .pool.member import Member
-from .pool.members import answer_headers, served_outcome
-from .pool.rename import renamed_body
-from .pool.routing import Pool
 from .proxyresource import ProxyResource
 from .servers import ModelCall
 from .servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
 from .target import BadTarget, Target, parse_target
-from .translate import Untranslatable, parse_request
-from .translated import TranslatedAttempt
-from .verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
+from .upstream.attempt import (
+    Attempt,
+    ClientBuffers,
+    ClientTooSlow,
+    RelayBroken,
+    RetryableFailure,
+    UpstreamAnswer,
+    write_answer,
+)
+from .upstream.pool.lists import UNION_PATHS, union_list
+from .upstream.pool.member import Member
+from .upstream.pool.members import answer_headers, served_outcome
+from .upstream.pool.rename import renamed_body
+from .upstream.pool.routing import Pool
+from .upstream.translated_attempt import TranslatedAttempt
+from .upstream.translation import Untranslatable, parse_request
+from .upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
 
 log = Logger()
 
@@ -494,7 +494,7 @@ class ProxyApp:
                     return answered
                 continue
             # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not):
-            # its record of served models is the evidence of its outage verdicts (served.py).
+            # its record of served models is the evidence of its outage verdicts (upstream/served.py).
             member.health.served(self._failed_call(target, entry, body, member) if 200 <= status < 300 else None)
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
@@ -527,7 +527,7 @@ class ProxyApp:
         return failed_call(target, body)
 
     def _translated_attempt(self, request, target: Target, entry: Entry, body: bytes, member: Member, extra):
-        """The attempt on a member that serves this embedding route only translated (translated.py).
+        """The attempt on a member that serves this embedding route only translated (upstream/translated_attempt.py).
 
         The body was read the same way at admission (:func:`_translatable`), so it reads again.
         """
@@ -554,7 +554,7 @@ class ProxyApp:
     ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now, as the verdict says.
 
-        The verdict (yieldproxy/verdict.py, its table in its docstring) is
+        The verdict (yieldproxy/upstream/verdict.py, its table in its docstring) is
         the policy; this gathers the facts it rests on, asks for the ones it
         asks for (the pool, when an answer said busy; the outage judge, the
         member's health, which may probe), and does what it returns: the
@@ -565,7 +565,7 @@ class ProxyApp:
         parks the request behind its hold uncounted; a request that fails
         alone ends after ``upstream.max_attempts`` counted attempts, with
         the upstream's own answer (its GPU words) or a 502/504 naming its
-        model when the watcher judged that model failing alone (failing.py);
+        model when the watcher judged that model failing alone (upstream/failing.py);
         a 5xx in words no list has gets the upstream's answer once no outage
         explains it, and one whose words blame the caller at once.
         """
@@ -617,7 +617,7 @@ class ProxyApp:
         """Do what the verdict on a failed attempt says: :data:`_RETRY`, or the answer written."""
         if decided is Verdict.STANDBY:
             # The fallback's errors are never shown: back to its place in the lot, not counted
-            # against the request, and not given to the fallback again (pool/routing.py).
+            # against the request, and not given to the fallback again (upstream/pool/routing.py).
             entry.failed_on = member.name
             entry.forgiven += 1
             return _RETRY
@@ -671,7 +671,7 @@ class ProxyApp:
 
     def _failing_alone(self, entry: Entry, member: Member) -> str | None:
         """"model X fails alone on upstream Y (evidence)" when the outage watcher judged the request's model
-        failing alone there (failing.py), else None: what its log lines and its 502/504 say."""
+        failing alone there (upstream/failing.py), else None: what its log lines and its 502/504 say."""
         if not entry.model:
             return None
         own = member.catalogue.own_name(entry.model) or entry.model

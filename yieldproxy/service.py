@@ -12,9 +12,9 @@ stopped (docs/architecture.md):
 1. the admin listener (it answers until the very end);
 2. the upstream clients' connection pools (closed once nothing uses them);
 3. the fallback's verification (when enabled), the twin verification of a pool of
-   several (pool/twins.py), each upstream's model list (pool/models.py);
+   several (upstream/pool/twins.py), each upstream's model list (upstream/pool/models.py);
 4. the history sampling, then the record of what each upstream served
-   (served.py: written with the holds, a last time after the drain);
+   (upstream/served.py: written with the holds, a last time after the drain);
 5. the drain (drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
 6. the watchers, then the VRAM handovers (their holds stay when they stop);
@@ -35,13 +35,8 @@ from twisted.logger import Logger
 from .admin import AdminApp
 from .clock import WallClock, same, wall_clock
 from .config import Config
-from .control import UpstreamControl
 from .drain import Drain
 from .edge.listener import CannotListen, Listener
-from .fallback import EmbedBackend, Fallback
-from .forward import Upstream
-from .handover import Handover
-from .health import Judge, UpstreamHealth
 from .holdstore import HoldStore, keep_holds
 from .lot.gate import Gate
 from .lot.parking import ParkingLot
@@ -57,14 +52,19 @@ from .observe.metrics import (
     pool_families,
     source_label,
 )
-from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
-from .pool.models import ModelDiscovery
-from .pool.routing import Pool, any_member, make_members
-from .pool.twins import TwinVerifier
 from .proxy import ProxyApp
-from .served import SECTION, RecordKeeper
 from .servers import ModelCall
 from .succession import Setup, Succession
+from .upstream.attempt import Upstream
+from .upstream.control import UpstreamControl
+from .upstream.fallback import EmbedBackend, Fallback
+from .upstream.health import Judge, UpstreamHealth
+from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
+from .upstream.pool.models import ModelDiscovery
+from .upstream.pool.routing import Pool, any_member, make_members
+from .upstream.pool.twins import TwinVerifier
+from .upstream.served import SECTION, RecordKeeper
+from .upstream.vram import Handover
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = [
@@ -119,7 +119,7 @@ class Proxy:
     pool: Pool
     #: Which members may serve which embedding models (a pool of several; None: a pool of one).
     twins: TwinVerifier | None = None
-    #: What each upstream served (served.py): kept with the holds, carried over by a reload.
+    #: What each upstream served (upstream/served.py): kept with the holds, carried over by a reload.
     records: RecordKeeper | None = None
 
 
@@ -159,7 +159,7 @@ def build_heart(
     ``clients(spec)`` gives each member its request and control clients
     (None: clock-only, none).  With an enabled ``[fallback]``,
     ``fallback_backends`` are its verification's two sides (the primary's
-    and the fallback's :class:`~yieldproxy.fallback.EmbedBackend`).  With
+    and the fallback's :class:`~yieldproxy.upstream.fallback.EmbedBackend`).  With
     ``twins``, a pool of several upstreams gets its twin verification (not
     started); ``twin_ok`` replaces the twin check (tests).
     """
@@ -325,7 +325,7 @@ def build(
     )
     state.observe(history.state_changed)
 
-    # What each upstream served: the evidence of its outage verdicts, kept with the holds (served.py).
+    # What each upstream served: the evidence of its outage verdicts, kept with the holds (upstream/served.py).
     records = RecordKeeper.of(
         reactor, ((m.name, m.spec.url, m.health.record) for m in pool.members),
         (lambda: holds.save(state.holds)) if holds is not None else None,

@@ -222,11 +222,11 @@ def makeService(options: Options):
     from .clock import run_on_monotonic
     from .holdstore import HoldStore, holds_path
     from .limits import fit_fd_limit
-    from .pool.members import url_warnings
     from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
     from .service import YieldProxyService, build
     from .succession import ClaimedAtCommit, Inheritance, Setup, own_command
     from .succession.wire import BadFrame
+    from .upstream.pool.members import url_warnings
     from .watchers.signals import StopSignals
 
     # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires

@@ -1,7 +1,7 @@
 """The gate: decides, for each request, go now (and to which upstream), park, or refuse with reasons.
 
 It ties the yield state, the parking lot and the pool (its members and
-their drainers, pool/routing.py) together, the pool as :class:`Upstreams`
+their drainers, upstream/pool/routing.py) together, the pool as :class:`Upstreams`
 (what the gate asks of it: the lot imports nothing of the upstream's), and is the only place that knows
 a class's policy and hold bound.  It also keeps the
 recent upstream service time, from which honest ``Retry-After`` values come,
@@ -38,7 +38,7 @@ def _whole_seconds(seconds: float) -> int:
 
 
 class Upstream(Protocol):
-    """What the gate reads of one upstream of the pool (pool/member.py's ``Member``)."""
+    """What the gate reads of one upstream of the pool (upstream/pool/member.py's ``Member``)."""
 
     @property
     def name(self) -> str: ...
@@ -50,7 +50,7 @@ class Upstream(Protocol):
 
 
 class Upstreams(Protocol):
-    """What the gate asks of the pool (pool/routing.py's ``Pool``): where a request may go, and the pool's state."""
+    """What the gate asks of the pool (upstream/pool/routing.py's ``Pool``): where a request may go, and the pool's state."""
 
     @property
     def members(self) -> Sequence[Upstream]: ...

@@ -7,7 +7,7 @@ answered at shutdown.  Order is by arrival sequence number, so a request that
 failed mid-flight and comes back keeps its original place.
 
 The lot is drained by one drainer per pool member (see lot/replay.py and
-pool/routing.py), each taking only the entries its member may serve now.
+upstream/pool/routing.py), each taking only the entries its member may serve now.
 :meth:`ParkingLot.release_next` takes that choice as a predicate and keeps
 the one drain order for every member; the entry it lets out says which
 member it went to (``released_to``).
@@ -89,7 +89,7 @@ ENTRY_MOVES: dict[Stay, frozenset[Stay]] = {
 class Routing:
     """What decides where a request may go: its model, its route's kind, the members eligible for it.
 
-    Decided once at admission (pool/routing.py) and shared by every request
+    Decided once at admission (upstream/pool/routing.py) and shared by every request
     with the same route, class and model, so a parked request carries one
     reference, not three.  Whether a member is available is not part of it:
     that changes while the request waits.
@@ -105,7 +105,7 @@ class Routing:
     #: ``always`` member may ever take it (counted as :data:`STANDBY_ONLY` in the lot).
     standby_only: bool = False
     #: The eligible members that serve it only in another dialect: an embedding request
-    #: translated into their own embedding route and back (pool/routing.py).
+    #: translated into their own embedding route and back (upstream/pool/routing.py).
     translated: frozenset[str] = frozenset()
 
 

@@ -10,7 +10,7 @@ A step that must finish before the lot is let out after a yield (the VRAM
 handover's model preload) passes a Deferred to :meth:`Replayer.hold_release_until`;
 until it fires the lot stays parked and new requests join its tail.
 
-A replayer drains the lot into one *target*, a pool member (pool/routing.py
+A replayer drains the lot into one *target*, a pool member (upstream/pool/routing.py
 builds one per member, with the member's ``replay_concurrency``): it is told
 which entries the member may take (``accepts``) and when it takes work
 (``is_open``: the member is available).  Each release takes the next entry

@@ -263,7 +263,7 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
     return [active, age, expected]
 
 
-#: The ``state`` label values of ``yieldproxy_upstream_state`` (pool/member.py's ``MEMBER_STATES``).
+#: The ``state`` label values of ``yieldproxy_upstream_state`` (upstream/pool/member.py's ``MEMBER_STATES``).
 UPSTREAM_STATES = ("available", "yielded", "outage", "unreachable", "not_ready", "handing_over")
 
 

@@ -106,7 +106,7 @@ def log_request(
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
     # The pool member its last attempt went to (a pool of several), and whether it answered in another
-    # dialect, translated (translated.py): each only when it is so.
+    # dialect, translated (upstream/translated_attempt.py): each only when it is so.
     upstream = getattr(request, "served_by", None)
     translated = getattr(request, "translated_by", None)
     # The event Logger.emit would make, handed to its observer directly: emit

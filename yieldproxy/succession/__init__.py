@@ -35,7 +35,7 @@ from twisted.logger import Logger
 from .. import __version__
 from ..holdstore import NOT_KEPT
 from ..lot.state import ALL, Hold, YieldState
-from ..pool.twins import TwinCheck
+from ..upstream.pool.twins import TwinCheck
 from .claims import ClaimedAtCommit, PidFile
 from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .signals import HoldSignals, StopNoted, unblock

@@ -1,9 +1,9 @@
 """What an upstream is known to serve: the record an outage verdict rests on (issue 24).
 
 An outage of a whole upstream must rest on evidence about its GPU, not about
-the one model a failing request named (watchers/outage.py, evidence.py): the
+the one model a failing request named (watchers/outage.py, upstream/evidence.py): the
 outage probe asks for a model the upstream is *known* to serve.  This record
-is that knowledge, one per upstream (its :class:`~yieldproxy.health.UpstreamHealth`
+is that knowledge, one per upstream (its :class:`~yieldproxy.upstream.health.UpstreamHealth`
 owns it), and a client can neither fill it nor empty it:
 
 * **Only what the upstream served enters it**: a model call answered 2xx
@@ -47,9 +47,9 @@ from twisted.application.service import Service
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from .callbacks import call_each
-from .names import canonical_model
-from .servers.base import ModelCall
+from ..callbacks import call_each
+from ..names import canonical_model
+from ..servers.base import ModelCall
 
 log = Logger()
 

@@ -13,7 +13,7 @@ or whose verification is older than ``fallback.max_verification_age_seconds``
 is not used: its requests park as they would without a fallback, and
 ``/status``, the log and the metrics say why.
 
-The fallback is a pool member (pool/members.py ``fallback_member``): a
+The fallback is a pool member (upstream/pool/members.py ``fallback_member``): a
 standby one, used while the primary is yielded, that serves the mapped
 embedding models translated, at most ``fallback.concurrency`` at once.
 Beyond that a request it may serve parks *in line for it*: its drainer lets
@@ -23,10 +23,11 @@ left, as ever.  When the fallback fails on a request, that request goes back
 to its place in the lot and waits for the primary; it is not given to the
 fallback again.  A caller never sees a fallback error.
 
-The package: :mod:`.backend` (the embedding client), :mod:`.service` (its
-verification on a timer, its twin check and its counts),
+The package: :mod:`.backend` (the embedding client), :mod:`.contract` (the
+``[fallback]``'s contract over its member: its verification on a timer, its
+twin check and its counts),
 :mod:`.check` (``yieldproxy check-fallback``); the comparison of vectors is
-:mod:`yieldproxy.vectors`, shared with the pool's twin verification.
+:mod:`yieldproxy.upstream.vectors`, shared with the pool's twin verification.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 from ..vectors import ProbeRow, Verification, compare
 from .backend import EmbedBackend
 from .check import check, check_command, format_table
-from .service import RETRY_AFTER_ERROR_SECONDS, Fallback, NotNow
+from .contract import RETRY_AFTER_ERROR_SECONDS, Fallback, NotNow
 
 __all__ = [
     "RETRY_AFTER_ERROR_SECONDS", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",

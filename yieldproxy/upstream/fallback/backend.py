@@ -6,9 +6,9 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from ..edge.h1client import H1Error
-from ..forward import Upstream, describe_failure, failure_reason
-from ..translate import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
+from ...edge.h1client import H1Error
+from ..attempt import Upstream, describe_failure, failure_reason
+from ..translation import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
 from ..verdict import Reason
 
 #: The header lines of an embedding call.

@@ -13,13 +13,13 @@ Two facts, each with this one owner:
   as "still loading its model" (llama.cpp's 503 ``Loading model``).  It is
   no outage: whoever reads such an answer says so here
   (:meth:`UpstreamHealth.not_ready`), and the pool member that listens
-  (pool/member.py) stops taking requests until its health reads up.  A
+  (upstream/pool/member.py) stops taking requests until its health reads up.  A
   model call answered (:meth:`UpstreamHealth.served`) is what shows it has
   loaded: the member's bound on "not ready" runs until then.
 * **what it serves**: the models it answered 2xx (:attr:`UpstreamHealth.record`,
-  served.py), the evidence an outage verdict rests on, kept across restarts
+  upstream/served.py), the evidence an outage verdict rests on, kept across restarts
   and reloads; and the models judged failing *alone*
-  (:attr:`UpstreamHealth.failing`, failing.py), for ``/status`` and their callers.
+  (:attr:`UpstreamHealth.failing`, upstream/failing.py), for ``/status`` and their callers.
 
 The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
 the outage watcher registers as the judge and as a listener while it runs,
@@ -35,10 +35,10 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from .callbacks import call_each
+from ..callbacks import call_each
+from ..servers.base import ModelCall
 from .failing import FailingModels
 from .served import ServedRecord
-from .servers.base import ModelCall
 
 log = Logger()
 

@@ -10,15 +10,15 @@ allow, so a server answers in its own words.  Whether a member is available
 is not part of it: that changes while the request waits.
 
 **Translated embeddings**: an embedding request on one of the routes
-:mod:`yieldproxy.translate` reads (Ollama's ``/api/embed`` and
+:mod:`yieldproxy.upstream.translation` reads (Ollama's ``/api/embed`` and
 ``/api/embeddings``, OpenAI's ``/v1/embeddings``) is also eligible for a
 member whose api does not serve that route natively, when the member is
 known to serve the model (its ``models``, ``model_map`` or discovered list:
 never on a guess) and its class, and the body can be translated faithfully
-(:func:`yieldproxy.translate.parse_request`).  Its attempt goes to the
+(:func:`yieldproxy.upstream.translation.parse_request`).  Its attempt goes to the
 member's own embedding route (:attr:`~yieldproxy.servers.Server.embed_path`,
 the route its twin verification uses) and the answer comes back in the
-caller's shape (:mod:`yieldproxy.translated`).  Such members are listed in
+caller's shape (:mod:`yieldproxy.upstream.translated_attempt`).  Such members are listed in
 :attr:`~yieldproxy.lot.parking.Routing.translated`.  Like any member other than
 the model's reference, it serves only as a verified twin; and it is the
 reference only when no member serving the model speaks every translated
@@ -59,17 +59,17 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
-from ..clock import same
-from ..config import Config
+from ...clock import same
+from ...config import Config
+from ...lot.parking import STANDBY_ONLY, Entry, ParkingLot, Routing
+from ...lot.replay import Replayer
+from ...lot.state import ALL, YieldState
+from ...names import PASSTHROUGH
+from ...observe.metrics import Metrics
+from ...servers import ModelCall, Server, native_apis, server
 from ..health import Judge, UpstreamHealth
-from ..lot.parking import STANDBY_ONLY, Entry, ParkingLot, Routing
-from ..lot.replay import Replayer
-from ..lot.state import ALL, YieldState
-from ..names import PASSTHROUGH
-from ..observe.metrics import Metrics
 from ..served import ServedRecord
-from ..servers import ModelCall, Server, native_apis, server
-from ..translate import EMBED_ROUTES
+from ..translation import EMBED_ROUTES
 from .member import Member
 from .members import MemberSpec, member_server
 from .models import ModelCatalogue
@@ -375,7 +375,7 @@ class Pool:
                 "classes": list(m.spec.classes),
                 "models": m.catalogue.names(),
                 "models_discovered": not m.catalogue.static and m.catalogue.discovered is not None,
-                # What its outage verdicts rest on (served.py), and the models judged failing alone (failing.py).
+                # What its outage verdicts rest on (upstream/served.py), and the models judged failing alone (upstream/failing.py).
                 "served_models": [e.model for e in m.health.record.recent()],
                 "failing_models": m.health.failing.as_json(now, shown),
             }
@@ -457,7 +457,7 @@ def make_members(
     for index, spec in enumerate(specs):
         upstream, control = clients(spec) if clients is not None else (None, None)
         described = member_server(spec.api, base_url=spec.fallback)
-        # What it serves is kept only for calls an outage probe can make again (served.py).
+        # What it serves is kept only for calls an outage probe can make again (upstream/served.py).
         record = ServedRecord(clock, functools.partial(_probeable, described))
         drainer = Replayer(
             clock, lot, state, metrics, cooperator,

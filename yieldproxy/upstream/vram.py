@@ -36,12 +36,12 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .config import HandoverConfig
+from ..config import HandoverConfig
+from ..lot.replay import Replayer
+from ..lot.state import DEFAULT_MEMBER, Hold, YieldState
+from ..names import TROUBLE_SOURCES, canonical_model
+from ..observe.metrics import Metrics
 from .control import ControlTimeout
-from .lot.replay import Replayer
-from .lot.state import DEFAULT_MEMBER, Hold, YieldState
-from .names import TROUBLE_SOURCES, canonical_model
-from .observe.metrics import Metrics
 
 log = Logger()
 
@@ -74,7 +74,7 @@ class Handover(Service):
     _clock: IReactorTime
     _state: YieldState
     _replayer: Replayer
-    #: An :class:`~yieldproxy.control.UpstreamControl` (or anything with its ``request``).
+    #: An :class:`~yieldproxy.upstream.control.UpstreamControl` (or anything with its ``request``).
     _control: Any
     _metrics: Metrics
     config: HandoverConfig = attrs.Factory(HandoverConfig)

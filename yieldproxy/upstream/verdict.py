@@ -4,7 +4,7 @@ Pure: no I/O, no clock, no logging, nothing kept.  The proxy app's attempt
 loop (proxy.py) gathers the facts, asks :func:`verdict` and does what it
 says (the metrics, the log lines, the answer); the replayer's pace follows
 :func:`slows_replay`.  The probe itself is the outage watcher's
-(watchers/outage.py, on evidence.py's table): the verdict only says when to
+(watchers/outage.py, on upstream/evidence.py's table): the verdict only says when to
 ask it (:attr:`Verdict.ASK_JUDGE`), and is asked again with its answer.
 
 **The reasons** (:class:`Reason`) are the metric labels of
@@ -58,7 +58,7 @@ import enum
 
 import attrs
 
-from .servers.base import BUSY, CALLER, GPU, NOT_READY
+from ..servers.base import BUSY, CALLER, GPU, NOT_READY
 
 
 class Reason(enum.StrEnum):

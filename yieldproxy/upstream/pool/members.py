@@ -17,10 +17,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
-from ..config import Config
-from ..lot.state import DEFAULT_MEMBER
-from ..names import CLASS_NAMES
-from ..servers import Server, server
+from ...config import Config
+from ...lot.state import DEFAULT_MEMBER
+from ...names import CLASS_NAMES
+from ...servers import Server, server
 
 #: The member an enabled ``[fallback]`` becomes.
 FALLBACK_MEMBER = "fallback"
@@ -128,7 +128,7 @@ def fallback_member(config: Config) -> tuple[MemberSpec, ...]:
     the models ``fallback.models`` maps (each under its mapped name), at most
     ``fallback.concurrency`` at once, each attempt bounded by
     ``fallback.timeout_seconds``.  Its verification is the fallback's own
-    (:class:`~yieldproxy.fallback.Fallback`: the pool's twin check for it).
+    (:class:`~yieldproxy.upstream.fallback.Fallback`: the pool's twin check for it).
     """
     fc = config.fallback
     if not fc.enabled:

@@ -56,12 +56,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from ...lot.replay import Replayer
+from ...lot.state import YieldState
+from ...names import LOADING_SOURCE, TROUBLE_SOURCES
+from ...servers import NOT_READY as SAYS_NOT_READY, UP
+from ...servers.base import ModelCall
 from ..health import UpstreamHealth
-from ..lot.replay import Replayer
-from ..lot.state import YieldState
-from ..names import LOADING_SOURCE, TROUBLE_SOURCES
-from ..servers import NOT_READY as SAYS_NOT_READY, UP
-from ..servers.base import ModelCall
 from ..verdict import NOT_CONNECTED
 from .members import MemberSpec
 from .models import ModelCatalogue
@@ -122,9 +122,9 @@ class Member:
     catalogue: ModelCatalogue
     #: Releases the lot into it, under its ``replay_concurrency``; its in-flight count.
     drainer: Replayer
-    #: Its client for requests (:class:`~yieldproxy.forward.Upstream`); None in clock-only tests.
+    #: Its client for requests (:class:`~yieldproxy.upstream.attempt.Upstream`); None in clock-only tests.
     upstream: Any = None
-    #: Its control-plane client (:class:`~yieldproxy.control.UpstreamControl`); None in clock-only tests.
+    #: Its control-plane client (:class:`~yieldproxy.upstream.control.UpstreamControl`); None in clock-only tests.
     control: Any = None
     #: The first and the longest wait between checks of an unreachable member.
     recheck_seconds: float = 0.5

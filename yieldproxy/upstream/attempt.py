@@ -39,8 +39,8 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
-from .edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
-from .servers.ollama import SERVER as OLLAMA
+from ..edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
+from ..servers.ollama import SERVER as OLLAMA
 from .verdict import Reason, judged_reason, status_reason
 
 log = Logger()
@@ -94,10 +94,10 @@ class UpstreamAnswer:
 class RetryableFailure(Exception):
     """The attempt failed before anything reached the client; it may be retried.
 
-    ``reason`` is a :class:`~yieldproxy.verdict.Reason` (a metric label).
+    ``reason`` is a :class:`~yieldproxy.upstream.verdict.Reason` (a metric label).
     ``answer`` is the upstream's own answer when it gave one (a 5xx), for the
     caller to relay if it gives up; ``words``, what its server read in it
-    (``Server.judge``), for the verdict (yieldproxy/verdict.py).
+    (``Server.judge``), for the verdict (yieldproxy/upstream/verdict.py).
     """
 
     def __init__(self, reason: str, detail: str, answer: UpstreamAnswer | None = None, words: str | None = None):
@@ -110,7 +110,7 @@ class RetryableFailure(Exception):
 
 def raise_judged(code: int, judged: str, detail: str, answer: UpstreamAnswer) -> None:
     """Raise the :class:`RetryableFailure` an error answer judged ``judged`` by its server is, if any
-    (:func:`~yieldproxy.verdict.judged_reason`); a 4xx that is the caller's raises nothing: it is relayed."""
+    (:func:`~yieldproxy.upstream.verdict.judged_reason`); a 4xx that is the caller's raises nothing: it is relayed."""
     reason = judged_reason(code, judged)
     if reason is None:
         return

@@ -24,8 +24,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from ..names import canonical_model
-from ..periodic import every
+from ...names import canonical_model
+from ...periodic import every
 
 log = Logger()
 

@@ -6,7 +6,7 @@ error.  So in a pool an embedding request for model M goes only to M's
 *reference* (the first member in config order that serves M, among those
 whose api serves every embedding route natively when one of them serves M:
 see below) or to a *twin*: another member serving M whose vectors were verified equal to the
-reference's, the way the CPU fallback is verified (yieldproxy/vectors.py): the probe
+reference's, the way the CPU fallback is verified (yieldproxy/upstream/vectors.py): the probe
 texts embedded on both, the same dimension and a cosine of at least
 ``verification.min_cosine`` per text after L2 normalisation.  A twin whose
 last verification failed, that was never verified, or whose verification is
@@ -32,7 +32,7 @@ available (checked again before each call): a pair whose reference or twin
 is yielded, handing over or unreachable is postponed, and checked again a
 few seconds later (no request is sent until both are back).  Each call is
 bounded by ``verification.timeout_seconds`` (``Deferred.addTimeout`` on the
-injected reactor, in :class:`~yieldproxy.control.UpstreamControl`).
+injected reactor, in :class:`~yieldproxy.upstream.control.UpstreamControl`).
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from ..clock import same
-from ..config import VerificationConfig
+from ...clock import same
+from ...config import VerificationConfig
+from ...edge.h1client import H1Error
+from ...lot.parking import Entry
+from ...names import canonical_model
+from ..attempt import describe_failure
 from ..control import ControlTimeout
-from ..edge.h1client import H1Error
-from ..forward import describe_failure
-from ..lot.parking import Entry
-from ..names import canonical_model
-from ..translate import (
+from ..translation import (
     BackendError,
     EmbedRequest,
     Embeddings,

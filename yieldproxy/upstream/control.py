@@ -1,7 +1,7 @@
 """Control-plane calls to the upstream: health probes, ``/api/ps``, model loads and unloads.
 
 These are the proxy's own small requests, not forwarded traffic, so they get
-their own client (:class:`~yieldproxy.forward.Upstream`, the same lean
+their own client (:class:`~yieldproxy.upstream.attempt.Upstream`, the same lean
 HTTP/1.1 client as the hop) that keeps no connection for reuse: a probe
 during an outage must not pick up a stale pooled connection, and the
 forwarding pool's limits stay for callers.  Each call has a timeout on the
@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 import attrs
 from twisted.internet.defer import Deferred, fail
 
-from .edge.h1client import Collector
-from .forward import Upstream
+from ..edge.h1client import Collector
+from .attempt import Upstream
 
 #: A control call that takes longer than this is given up (unless the caller says otherwise).
 DEFAULT_TIMEOUT = 10.0

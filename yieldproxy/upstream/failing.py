@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import attrs
 
-from .clock import same
-from .names import canonical_model
-from .servers.base import ModelCall
+from ..clock import same
+from ..names import canonical_model
+from ..servers.base import ModelCall
 
 #: Models noted per upstream, at most.
 MAX_FAILING = 32

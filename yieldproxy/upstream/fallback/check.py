@@ -6,11 +6,11 @@ from typing import Mapping
 
 from twisted.internet.defer import Deferred
 
-from ..forward import Upstream
-from ..observe.metrics import Metrics
+from ...observe.metrics import Metrics
+from ..attempt import Upstream
 from ..vectors import Verification, _short, _width
 from .backend import EmbedBackend
-from .service import Fallback
+from .contract import Fallback
 
 
 def format_table(verifications: Mapping[str, Verification], min_cosine: float) -> str:
@@ -60,7 +60,7 @@ def check_command(config_path: str | None) -> int:
 
     from twisted.internet import task
 
-    from ..config import ConfigError, load
+    from ...config import ConfigError, load
 
     try:
         config = load(config_path)

@@ -14,13 +14,13 @@ In this order, the first that applies:
 1. The request named no model: probe the health path (as before).
 2. The operator named a probe model (``upstream.probe_model``, or the
    member's own ``probe_model``): probe that model.
-3. The upstream served another model (its record, served.py): probe the
+3. The upstream served another model (its record, upstream/served.py): probe the
    one it served most recently.  Its failure is an outage; its pass says
    the failing model fails alone.
 4. The only model it is known to serve is the failing one: probe it (the
    GPU held it before; a single-model upstream has no other evidence).
 5. The connection itself failed (refused, could not connect, reset:
-   :data:`~yieldproxy.verdict.CONNECTION_REASONS`): probe
+   :data:`~yieldproxy.upstream.verdict.CONNECTION_REASONS`): probe
    the health path; that says nothing about any model.
 6. Other models failed too, lately: probe the failing call itself; its
    failure is an outage (several models fail), its pass says it fails alone.
@@ -28,7 +28,7 @@ In this order, the first that applies:
    nobody else parks (:data:`ALONE`).
 
 It is the outage judge's table, apart from the verdict on a failed attempt
-(verdict.py): that verdict only says when to ask the judge.
+(upstream/verdict.py): that verdict only says when to ask the judge.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Sequence
 
 import attrs
 
-from .names import canonical_model
-from .servers.base import ModelCall
+from ..names import canonical_model
+from ..servers.base import ModelCall
 from .verdict import CONNECTION_REASONS
 
 #: Probe :attr:`Evidence.call` (None: the health path): a failure is an outage, a pass says the failure is the call's own.

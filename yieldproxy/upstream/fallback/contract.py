@@ -1,6 +1,6 @@
 """The legacy ``[fallback]``'s own part: its verification on a timer, and its contract's counts.
 
-The fallback is served as a pool member (pool/members.py ``fallback_member``:
+The fallback is served as a pool member (upstream/pool/members.py ``fallback_member``:
 a standby member that answers mapped embeddings translated, at most
 ``fallback.concurrency`` at once, drained from the one lot like any member).
 What stays here is what only ``[fallback]`` promises (docs/fallback.md):
@@ -21,13 +21,13 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from ..clock import same
-from ..config import FallbackConfig
-from ..lot.parking import Entry
-from ..names import canonical_model
-from ..observe.metrics import Metrics, fallback_families
+from ...clock import same
+from ...config import FallbackConfig
+from ...lot.parking import Entry
+from ...names import canonical_model
+from ...observe.metrics import Metrics, fallback_families
 from ..pool.members import FALLBACK_MEMBER
-from ..translate import BackendError, EmbedRequest
+from ..translation import BackendError, EmbedRequest
 from ..vectors import Verification, compare
 from .backend import EmbedBackend
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from .clock import same
-from .translate import cosine, l2_normalise
+from ..clock import same
+from .translation import cosine, l2_normalise
 
 #: A probe text longer than this (in characters: about 250 word pieces of English)
 #: may pass a server's truncation limit: when only such texts differ, the reason says so.

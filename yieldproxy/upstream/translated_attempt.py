@@ -2,19 +2,19 @@
 
 An Ollama client's ``/api/embed`` may go to a member that has no such route
 (an Infinity, TEI or OpenAI-compatible CPU copy) when the pool made it
-eligible (pool/routing.py: it serves the model, and as a twin only once
-verified).  The request is read into :mod:`yieldproxy.translate`'s neutral
+eligible (upstream/pool/routing.py: it serves the model, and as a twin only once
+verified).  The request is read into :mod:`yieldproxy.upstream.translation`'s neutral
 form, sent to the member's own embedding route
 (:attr:`~yieldproxy.servers.Server.embed_path`, the one its twin
 verification uses) under the member's name for the model, and its answer
 read back and written in the caller's shape, naming the caller's model.
 
-It stands in for :class:`~yieldproxy.forward.Attempt` in the proxy's attempt
+It stands in for :class:`~yieldproxy.upstream.attempt.Attempt` in the proxy's attempt
 loop and fails the same ways, so retries, outcomes, metrics and timeouts are
-the proxy's as ever: :class:`~yieldproxy.forward.RetryableFailure` for a
+the proxy's as ever: :class:`~yieldproxy.upstream.attempt.RetryableFailure` for a
 connection failure, a timeout, a 502/503, the member's GPU failure (its
 server's own judge), a busy answer, any other 5xx (judged by the proxy as
-for an :class:`~yieldproxy.forward.Attempt`: :func:`~yieldproxy.forward.raise_judged`)
+for an :class:`~yieldproxy.upstream.attempt.Attempt`: :func:`~yieldproxy.upstream.attempt.raise_judged`)
 or an answer that cannot be read (``bad_answer``).  Any other error status is
 relayed at once with the member's message in the caller's error shape.  Nothing reaches the client before the member's whole
 answer is in and read (embedding answers are small and never streamed), so
@@ -30,11 +30,11 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from .edge.h1client import H1Error, Response
-from .errors import error_body
-from .forward import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason, raise_judged
-from .servers import Server
-from .translate import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
+from ..edge.h1client import H1Error, Response
+from ..errors import error_body
+from ..servers import Server
+from .attempt import RetryableFailure, Upstream, UpstreamAnswer, describe_failure, failure_reason, raise_judged
+from .translation import BackendError, EmbedRequest, backend_request, client_response, error_message, parse_response
 from .verdict import Reason, status_reason
 
 #: The header lines of the translated request (the caller's belong to the caller's server).
@@ -47,7 +47,7 @@ _JSON = b"application/json; charset=utf-8"
 class TranslatedAttempt:
     """One try of an embedding request on a member of another dialect (see the module docstring).
 
-    The same surface as :class:`~yieldproxy.forward.Attempt` for the proxy:
+    The same surface as :class:`~yieldproxy.upstream.attempt.Attempt` for the proxy:
     ``run()`` fires with the status written to the client once the answer is
     complete; the client then has it all (it was written in one piece).
     """
@@ -82,7 +82,7 @@ class TranslatedAttempt:
         #: False: no error answer of the member is ever relayed (the legacy fallback's rule): each is a
         #: retryable failure, so the request goes back to its place in the lot.
         self._relay_errors = relay_errors
-        #: The member (:class:`~yieldproxy.pool.member.Member`) when its server may be mounted under an API
+        #: The member (:class:`~yieldproxy.upstream.pool.member.Member`) when its server may be mounted under an API
         #: prefix: a 404 while its prefix is not known is asked once more under the other one.
         self._prefixed = prefixed
         #: The prefix asked after a 404 (None: the first call, or none asked).
