@@ -254,7 +254,7 @@ def test_a_full_client_transport_shows_in_write_blocked_and_pauses_the_producer(
 
 
 def test_a_request_says_when_its_client_went_away():
-    """proxyresource.py reads ``gone`` to tell a handler's end from a client's leaving."""
+    """proxy/resource.py reads ``gone`` to tell a handler's end from a client's leaving."""
     held = _Held()
     wire = Wire(held)
     wire.send(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n")

@@ -39,7 +39,7 @@ from yieldproxy.lot.parking import ParkingLot
 from yieldproxy.lot.replay import Replayer
 from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
-from yieldproxy.proxy import ProxyApp
+from yieldproxy.proxy.handler import ProxyApp
 from yieldproxy.service import build_heart
 from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
 from yieldproxy.upstream.attempt import Upstream

@@ -197,7 +197,7 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
 
 
 def test_a_target_is_read_once_and_a_bad_one_is_refused_every_time():
-    from yieldproxy.target import BadTarget, parse_target
+    from yieldproxy.proxy.target import BadTarget, parse_target
 
     parse_target.cache_clear()
     first = parse_target(b"/api/%65mbed?x=1")

@@ -328,9 +328,9 @@ def test_a_failed_translated_attempt_is_probed_on_the_members_own_route_and_name
     """The outage probe after a failure tests the call that failed: the member's embedding route, its model name."""
     from twisted.internet.testing import MemoryReactorClock
 
+    from yieldproxy.proxy.target import parse_target
     from yieldproxy.servers import ModelCall
     from yieldproxy.service import build
-    from yieldproxy.target import parse_target
 
     config = pool_config(DESKTOP, {**CPU, "api": "infinity", "model_map": {MODEL: "minilm-cpu"}})
     proxy = build(MemoryReactorClock(), config)

@@ -240,7 +240,7 @@ async def test_twistd_with_log_format_json_logs_json_lines():
     assert any(t == "Server Shut Down." for t in texts)
 
 
-# -- the call sites in proxy.py, on a Clock through the proxy listener's own site -------------
+# -- the call sites in proxy/handler.py, on a Clock through the proxy listener's own site -------------
 
 
 def test_every_proxied_request_ends_in_one_log_line():
@@ -340,7 +340,7 @@ def test_in_a_pool_each_request_line_names_the_upstream_that_served_it():
     from helpers import clock_cooperator, config_with, pool_config
     from inmemory import MemoryUpstream
     from yieldproxy.observe.metrics import Metrics
-    from yieldproxy.proxy import ProxyApp
+    from yieldproxy.proxy.handler import ProxyApp
     from yieldproxy.service import build_heart
     from yieldproxy.sim import SimOllama
 

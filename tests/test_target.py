@@ -7,7 +7,7 @@ from urllib.parse import unquote_to_bytes
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from yieldproxy.target import BadTarget, parse_target
+from yieldproxy.proxy.target import BadTarget, parse_target
 
 SETTINGS = settings(max_examples=500, deadline=None, database=None)
 

@@ -52,7 +52,7 @@ from .observe.metrics import (
     pool_families,
     source_label,
 )
-from .proxy import ProxyApp
+from .proxy.handler import ProxyApp
 from .servers import ModelCall
 from .succession import Setup, Succession
 from .upstream.attempt import Upstream

@@ -54,7 +54,7 @@ class ProxyRequest(Request):
     too_large = False
     #: Set once the body was refused because the listener's receiving budget is used up (a 503).
     receiving_full = False
-    #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
+    #: The handler's Deferred while it runs (proxy/resource.py), cancelled if the client goes away:
     #: what a ``notifyFinish`` errback did, without a Deferred more per request.
     handler = None
     #: Set when the client went away before the answer was done (the resource reads it).

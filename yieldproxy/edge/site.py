@@ -8,7 +8,7 @@ instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
 :class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
 
 Everything about how bytes from a client become a request lives in this
-package; what the proxy does with the request is proxy.py's.  A hostile or
+package; what the proxy does with the request is proxy/handler.py's.  A hostile or
 broken client must not be able to make the proxy buffer without bound, wait
 without bound, or forward anything it did not parse itself, so:
 

@@ -8,7 +8,7 @@ not know gets ``proxy.unknown_route_class`` (``interactive`` by default):
 during a yield it parks, since nothing says it leaves the GPU alone.  Rules
 match on method, path or path prefix, and optionally on the model named in
 the JSON body; the first rule that matches wins.  Paths are the decoded
-canonical paths of :mod:`yieldproxy.target`; bodies are read as Ollama reads
+canonical paths of :mod:`yieldproxy.proxy.target`; bodies are read as Ollama reads
 them (:mod:`yieldproxy.servers.gojson`).
 
 The route tables are the servers' (one module per server, one source of

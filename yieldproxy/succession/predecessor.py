@@ -614,7 +614,7 @@ class Predecessor:
         records: list[tuple[Any, bytes]] = []
 
         def take(request, entry, body: bytes) -> Deferred[bool] | None:
-            """Called by the request's waiter (proxy.py) with what only it holds: the request and its body."""
+            """Called by the request's waiter (proxy/handler.py) with what only it holds: the request and its body."""
             exported = export_parked(request, body)
             if exported is None:
                 return None  # the client went away meanwhile: nothing to send on

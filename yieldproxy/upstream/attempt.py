@@ -297,7 +297,7 @@ class Upstream:
     def target(self, target: bytes) -> bytes:
         """The request target sent upstream for a canonical one (``target.Target.raw``).
 
-        The target has no dot segments (target.py removes them), so it can
+        The target has no dot segments (proxy/target.py removes them), so it can
         never climb out of the upstream URL's path prefix.
         """
         if not target.startswith(b"/"):

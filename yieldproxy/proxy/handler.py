@@ -1,7 +1,7 @@
 """The proxy listener's request handling: classify, gate, park, and forward to a pool member.
 
 The listener (:class:`~yieldproxy.edge.site.ProxySite`) hands each request
-to :class:`~yieldproxy.proxyresource.ProxyResource`, which calls
+to :class:`~yieldproxy.proxy.resource.ProxyResource`, which calls
 :meth:`ProxyApp._handle` directly for a canonical path; only an odd path
 (one Klein's router must decode) goes through the Klein app here, whose
 error handler answers what it cannot route.  When the client goes away the
@@ -31,13 +31,13 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from werkzeug.exceptions import NotFound
 
-from .config import Config, proxy_max_connections
-from .edge.capacity import Connections
-from .edge.hosts import HostPolicy
-from .edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
-from .edge.site import ProxySite
-from .errors import listener_error_body, stream_error_chunk, write_error
-from .lot.classify import (
+from ..config import Config, proxy_max_connections
+from ..edge.capacity import Connections
+from ..edge.hosts import HostPolicy
+from ..edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
+from ..edge.site import ProxySite
+from ..errors import listener_error_body, stream_error_chunk, write_error
+from ..lot.classify import (
     MODEL_LOADING_PATHS,
     PASSTHROUGH,
     UNLOAD_PATHS,
@@ -48,15 +48,13 @@ from .lot.classify import (
     is_loopback,
     is_unload,
 )
-from .lot.gate import Gate
-from .lot.parking import LEFT, Entry, HandedOver, Refused
-from .observe.metrics import Metrics
-from .observe.requestlog import CLIENT_GONE, log_request
-from .proxyresource import ProxyResource
-from .servers import ModelCall
-from .servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
-from .target import BadTarget, Target, parse_target
-from .upstream.attempt import (
+from ..lot.gate import Gate
+from ..lot.parking import LEFT, Entry, HandedOver, Refused
+from ..observe.metrics import Metrics
+from ..observe.requestlog import CLIENT_GONE, log_request
+from ..servers import ModelCall
+from ..servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
+from ..upstream.attempt import (
     Attempt,
     ClientBuffers,
     ClientTooSlow,
@@ -65,14 +63,16 @@ from .upstream.attempt import (
     UpstreamAnswer,
     write_answer,
 )
-from .upstream.pool.lists import UNION_PATHS, union_list
-from .upstream.pool.member import Member
-from .upstream.pool.members import answer_headers, served_outcome
-from .upstream.pool.rename import renamed_body
-from .upstream.pool.routing import Pool
-from .upstream.translated_attempt import TranslatedAttempt
-from .upstream.translation import Untranslatable, parse_request
-from .upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
+from ..upstream.pool.lists import UNION_PATHS, union_list
+from ..upstream.pool.member import Member
+from ..upstream.pool.members import answer_headers, served_outcome
+from ..upstream.pool.rename import renamed_body
+from ..upstream.pool.routing import Pool
+from ..upstream.translated_attempt import TranslatedAttempt
+from ..upstream.translation import Untranslatable, parse_request
+from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
+from .resource import ProxyResource
+from .target import BadTarget, Target, parse_target
 
 log = Logger()
 
@@ -187,7 +187,7 @@ class ProxyApp:
         return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
     def resource(self) -> ProxyResource:
-        """The listener's resource: the handler called directly, Klein's router for odd paths (proxyresource.py)."""
+        """The listener's resource: the handler called directly, Klein's router for odd paths (proxy/resource.py)."""
         return ProxyResource(self._handle, self.app.resource(), self._internal_error)
 
     def _internal_error(self, request) -> bytes:
@@ -250,7 +250,7 @@ class ProxyApp:
         """
         request.started_at = self._clock.seconds()
         # One canonical target, to classify and to forward: the upstream sees
-        # exactly the path the class was decided on (target.py).
+        # exactly the path the class was decided on (proxy/target.py).
         try:
             target = parse_target(request.uri)
         except BadTarget as e:

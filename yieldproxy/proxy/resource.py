@@ -6,7 +6,7 @@ Klein does per request (an ``IKleinRequest`` adapter and a werkzeug
 on a path it would match anyway, and it is held for as long as the request
 is: during a long yield, thousands of parked requests each kept about 2 KB
 of it (issue 11).  So a path already in canonical form (the one
-:func:`yieldproxy.target.parse_target` takes as it is: safe bytes, single
+:func:`yieldproxy.proxy.target.parse_target` takes as it is: safe bytes, single
 slashes, no dot segment, no trailing slash), which Klein's branch route on
 ``/`` always matches, goes to the handler here, with Klein's own handling
 of the outcome:
