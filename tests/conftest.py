@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (Tests that spawn twistd use the installed copy; `make test` installs it first.)
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-# Real processes (twistd, the CLI) keep their holds under $XDG_STATE_HOME (yieldproxy/holdstore.py):
+# Real processes (twistd, the CLI) keep their holds under $XDG_STATE_HOME (yieldproxy/lifecycle/holdstore.py):
 # this run's own directory, not the user's, and no systemd StateDirectory= inherited.
 _STATE_HOME = tempfile.mkdtemp(prefix="yieldproxy-tests-state-")
 atexit.register(shutil.rmtree, _STATE_HOME, True)

@@ -3,7 +3,7 @@
     python tests/fdlimit_proxy.py NOFILE UPSTREAM_URL
 
 Sets RLIMIT_NOFILE (soft and hard) to NOFILE, fits the config to it as
-``tap.makeService`` does (:func:`yieldproxy.limits.fit_fd_limit`), starts the
+``tap.makeService`` does (:func:`yieldproxy.lifecycle.limits.fit_fd_limit`), starts the
 service on ephemeral ports and prints ``ready proxy=PORT cap=N``; serves until
 stdin closes (the test's end).
 """
@@ -22,7 +22,7 @@ def main() -> None:
 
     from helpers import EPHEMERAL, listening_url
     from yieldproxy.config import Config
-    from yieldproxy.limits import fit_fd_limit
+    from yieldproxy.lifecycle.limits import fit_fd_limit
     from yieldproxy.service import build
 
     config = Config().with_overrides(

@@ -272,7 +272,7 @@ class Rig:
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);
         a new Clock by default (a MemoryReactorClock with ``watchers`` or ``members``).
-    :param holds: a :class:`~yieldproxy.holdstore.HoldStore` that keeps the holds across rigs (a restart).
+    :param holds: a :class:`~yieldproxy.lifecycle.holdstore.HoldStore` that keeps the holds across rigs (a restart).
     :param wall: the wall clock (``build``'s ``wall``): the Clock itself by default, a stepping one to test steps.
     :param members: a pool instead of one upstream: dicts of ``[[upstreams]]``
         keys, each with a ``name``; a member's own sim options under its

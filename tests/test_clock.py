@@ -18,7 +18,7 @@ from helpers import embedded
 from inmemory import Rig, answered
 from yieldproxy.cli import format_status
 from yieldproxy.clock import WallClock, is_monotonic, run_on_monotonic, wall_clock
-from yieldproxy.holdstore import HoldStore, keep_holds
+from yieldproxy.lifecycle.holdstore import HoldStore, keep_holds
 from yieldproxy.lot.state import YieldState
 
 MODEL = "all-minilm"

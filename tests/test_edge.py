@@ -739,7 +739,7 @@ def test_whole_requests_past_the_kept_room_wait_their_turn_for_it_a_second_at_mo
 
 
 def test_a_stop_waits_for_the_answers_still_buffered_to_reach_their_sockets():
-    """The stop's last step (drain.py): a connection whose answer bytes have not all reached its socket yet (the
+    """The stop's last step (lifecycle/drain.py): a connection whose answer bytes have not all reached its socket yet (the
     503s just written) is closed once they are out, and the stop waits for that close; one with nothing left to
     write, or whose request is still being served, is neither closed nor waited for.  The reactor's end would
     drop the buffered bytes: a bare close."""

@@ -1,4 +1,4 @@
-"""The holds file (holdstore.py): every hold written when it changes, read back at start, on a Clock."""
+"""The holds file (lifecycle/holdstore.py): every hold written when it changes, read back at start, on a Clock."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from helpers import embedded
 from inmemory import Rig, answered
 from rawhttp import LogCapture
 from yieldproxy.config import Config, ConfigError, MemberConfig, from_dict
-from yieldproxy.holdstore import PERSISTED_FORMAT, VERSION, HoldStore, holds_path, keep_holds
+from yieldproxy.lifecycle.holdstore import PERSISTED_FORMAT, VERSION, HoldStore, holds_path, keep_holds
 from yieldproxy.lot.state import ALL, Hold, YieldState
 
 MODEL = "all-minilm"
@@ -482,7 +482,7 @@ class CountingWriter:
         if self.failing is not None:
             raise self.failing
         self.writes += 1
-        from yieldproxy.holdstore import _write_atomically
+        from yieldproxy.lifecycle.holdstore import _write_atomically
 
         _write_atomically(path, data)
 
@@ -624,9 +624,9 @@ def test_no_file_and_no_marker_is_nothing_held_even_where_nothing_can_be_written
 
 def test_a_reloads_new_process_restores_the_file_it_will_write_only_from_the_commit(tmp_path):
     """A reload's new process reads the holds file at start and writes it only from the commit (the old
-    process keeps it until then: succession/claims.py).  Not writing it yet is no failed write: the file is
+    process keeps it until then: lifecycle/succession/claims.py).  Not writing it yet is no failed write: the file is
     not doubted, no ``restart`` hold is taken, and the claim writes what the holds are by then."""
-    from yieldproxy.succession.claims import ClaimedAtCommit
+    from yieldproxy.lifecycle.succession.claims import ClaimedAtCommit
 
     path = tmp_path / "holds.json"
     clock, state, _ = started(path, at=1000)

@@ -11,7 +11,7 @@ from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 
 from helpers import config_with
 from yieldproxy.config import Config, from_dict, proxy_max_connections
-from yieldproxy.limits import RESERVE, fd_budget, fit_fd_limit
+from yieldproxy.lifecycle.limits import RESERVE, fd_budget, fit_fd_limit
 
 NOFILE = resource.RLIMIT_NOFILE
 INFINITY = resource.RLIM_INFINITY

@@ -411,7 +411,7 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
 
 def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one_will_not_have_it():
     """A reload hands a parked entry over (handed); the new process dies before the commit: the entry parks
-    here again, ahead of one that came after it (succession/predecessor.py takes the rest back)."""
+    here again, ahead of one that came after it (lifecycle/succession/predecessor.py takes the rest back)."""
     from yieldproxy.lot.parking import HANDED, HandedOver
 
     core = make_core()

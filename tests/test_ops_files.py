@@ -373,7 +373,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 
 def test_systemd_unit_is_notify_with_a_watchdog_and_keeps_holds_in_its_state_directory():
-    """Type=notify (READY=1 from sdnotify.py), a watchdog the reactor feeds, restarts on failure, holds in StateDirectory=."""
+    """Type=notify (READY=1 from lifecycle/sdnotify.py), a watchdog the reactor feeds, restarts on failure, holds in StateDirectory=."""
     settings = dict(
         line.split("=", 1) for line in UNIT.read_text(encoding="utf-8").splitlines()
         if "=" in line and not line.startswith("#")

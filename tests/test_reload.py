@@ -35,9 +35,9 @@ from twisted.internet.protocol import ProcessProtocol, Protocol
 from helpers import embedded, free_port, in_thread, sleep, until_healthy, wait_for
 from rawhttp import RawClient, request_bytes
 from test_twistd import TWISTD
+from yieldproxy.lifecycle.succession.predecessor import WIND_DOWN_STEP
 from yieldproxy.sim import SimOllama, expected_embedding
 from yieldproxy.sim.content import expected_reply, messages_prompt
-from yieldproxy.succession.predecessor import WIND_DOWN_STEP
 
 # Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -84,7 +84,7 @@ def end(pid: int) -> None:
             return
 
 
-#: The copy's succession/moments.py: at the moment a test names (``Proxy.at``), once, a process is
+#: The copy's lifecycle/succession/moments.py: at the moment a test names (``Proxy.at``), once, a process is
 #: signalled: ``kill`` (SIGKILL) or ``term`` (SIGTERM) the process passing it, ``term-parent`` its parent
 #: (the old process, for a moment of the new one), ``signals-parent`` SIGHUP, SIGUSR1 and SIGUSR2 to it;
 #: ``usr1`` SIGUSR1 to the process passing it.
@@ -128,7 +128,7 @@ class Proxy:
         self.site = tmp_path / "site"
         shutil.copytree(os.path.join(CHECKOUT, "yieldproxy"), self.site / "yieldproxy",
                         ignore=shutil.ignore_patterns("__pycache__"))
-        (self.site / "yieldproxy" / "succession" / "moments.py").write_text(ACTING_MOMENTS)
+        (self.site / "yieldproxy" / "lifecycle" / "succession" / "moments.py").write_text(ACTING_MOMENTS)
         self.plan = tmp_path / "moment.json"
         self.config = tmp_path / "yieldproxy.toml"
         self.config.write_text(config)
@@ -159,7 +159,7 @@ class Proxy:
         await until_healthy(reactor, self.admin, lambda: self.child.exited.called, self.child.text)
 
     def at(self, moment: str, action: str) -> None:
-        """At ``moment`` of the next reload (succession/moments.py), once, do ``action`` (see ACTING_MOMENTS)."""
+        """At ``moment`` of the next reload (lifecycle/succession/moments.py), once, do ``action`` (see ACTING_MOMENTS)."""
         for leftover in (self.plan.with_name(self.plan.name + ".taken"), self.plan.with_name(self.plan.name + ".acted")):
             leftover.unlink(missing_ok=True)
         self.plan.write_text(json.dumps({"moment": moment, "action": action}))
@@ -676,7 +676,7 @@ async def test_a_new_process_the_old_one_gives_up_on_is_reaped_not_left_a_zombie
     proxy = Proxy(tmp_path, await sim.listen())
     try:
         await proxy.start()
-        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
+        takeover = proxy.site / "yieldproxy" / "lifecycle" / "succession" / "takeover.py"
         said = '"type": "ready", "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL,'
         assert said in takeover.read_text()
         takeover.write_text(takeover.read_text().replace(said, said.replace("PROTOCOL", "99")))
@@ -704,7 +704,7 @@ async def test_a_reload_goes_on_when_the_client_that_asked_for_it_goes_away(tmp_
         pending = [embed(proxy, f"kept {i}") for i in range(10)]
         await proxy.until_parked(10)
         # The new process takes 3 s to say it serves, once the whole lot is there.
-        takeover = proxy.site / "yieldproxy" / "succession" / "takeover.py"
+        takeover = proxy.site / "yieldproxy" / "lifecycle" / "succession" / "takeover.py"
         head = "    def _serve(self) -> None:\n"
         marker = tmp_path / "lot-taken"
         takeover.write_text(takeover.read_text().replace(

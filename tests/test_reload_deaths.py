@@ -4,7 +4,7 @@ Real ``twistd -n yieldproxy`` processes (test_reload.Proxy) in front of the
 simulated Ollama, which counts every text it embeds.  A thousand clients
 (tests/crowd.py: one thread, raw sockets) park an embedding each while the
 GPU is yielded, and a new client arrives every 10 ms throughout.  At a moment
-of the handover the test names (succession/moments.py: the copy of the
+of the handover the test names (lifecycle/succession/moments.py: the copy of the
 package the processes run signals one of them there), a process dies or is
 stopped:
 

@@ -1,4 +1,4 @@
-"""systemd's notify protocol (yieldproxy/sdnotify.py) against a fake notify socket: a bound AF_UNIX datagram socket."""
+"""systemd's notify protocol (yieldproxy/lifecycle/sdnotify.py) against a fake notify socket: a bound AF_UNIX datagram socket."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 from twisted.logger import formatEvent
 
 from rawhttp import LogCapture
-from yieldproxy.sdnotify import Notifier, Ready, Watchdog, monotonic_usec, watchdog_seconds
+from yieldproxy.lifecycle.sdnotify import Notifier, Ready, Watchdog, monotonic_usec, watchdog_seconds
 
 
 class FakeNotifySocket:
@@ -82,14 +82,14 @@ def test_a_failing_socket_is_logged_once_per_run_of_failures_and_never_raises(no
     with LogCapture() as logs:
         assert [gone.notify("WATCHDOG=1") for _ in range(5)] == [False] * 5
         assert Notifier("vsock:2:1234").notify("READY=1") is False
-    lines = [formatEvent(e) for e in logs.events if e.get("log_namespace") == "yieldproxy.sdnotify"]
+    lines = [formatEvent(e) for e in logs.events if e.get("log_namespace") == "yieldproxy.lifecycle.sdnotify"]
     assert len(lines) == 2, lines
     assert "no-such-socket" in lines[0] and "vsock:2:1234" in lines[1]
     # Back again: it says so once, and sends.
     gone.socket_name = notify_socket.name
     with LogCapture() as logs:
         assert gone.notify("WATCHDOG=1")
-    assert [formatEvent(e) for e in logs.events if e.get("log_namespace") == "yieldproxy.sdnotify"] == [
+    assert [formatEvent(e) for e in logs.events if e.get("log_namespace") == "yieldproxy.lifecycle.sdnotify"] == [
         f"systemd notify socket {notify_socket.name!r} reachable again"
     ]
     assert notify_socket.received() == ["WATCHDOG=1"]

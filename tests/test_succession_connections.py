@@ -1,4 +1,4 @@
-"""The seam a reload writes a connection down and makes it again through (succession/connections.py).
+"""The seam a reload writes a connection down and makes it again through (lifecycle/succession/connections.py).
 
 On real sockets in this process: the proxy of this checkout (helpers.start_stack), a raw keep-alive client
 in a thread.  What a new HTTP edge must keep when it takes this module over: a connection written down is
@@ -15,8 +15,8 @@ from twisted.internet import reactor
 
 from helpers import config_with, in_thread, start_stack, wait_for
 from rawhttp import RawClient, request_bytes
+from yieldproxy.lifecycle.succession.connections import export_idle, idle_connections, make_again
 from yieldproxy.sim import expected_embedding
-from yieldproxy.succession.connections import export_idle, idle_connections, make_again
 
 MODEL = "all-minilm"
 

@@ -1,4 +1,4 @@
-"""The handover's frames and records (succession/wire.py): sans-IO, so they are checked here byte by byte."""
+"""The handover's frames and records (lifecycle/succession/wire.py): sans-IO, so they are checked here byte by byte."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from helpers import config_with
 from inmemory import Rig
-from yieldproxy.succession.wire import (
+from yieldproxy.lifecycle.succession.wire import (
     BATCH_FDS,
     HEADER,
     BadFrame,
@@ -94,7 +94,7 @@ def test_reload_needs_the_admin_token_and_json_and_a_proxy_started_by_twistd():
 def test_the_new_process_takes_the_holds_as_they_were_and_drops_those_the_old_one_ended():
     """``restore`` (the ``state`` frame): a carried hold keeps its start and lease end; a caller's hold the
     holds file still had but the old process ended meanwhile ends; a watcher's own hold is left to its watcher."""
-    from yieldproxy.succession import Setup, Succession
+    from yieldproxy.lifecycle.succession import Setup, Succession
 
     rig = Rig(config_with())
     clock, state = rig.clock, rig.proxy.state
@@ -159,7 +159,7 @@ def test_the_twins_verifications_go_over_for_the_same_upstreams_only():
     """A verified twin stays verified in the new process when its name and URL (and its reference's) are the
     same; one whose URL changed is verified again there."""
     from helpers import pool_config
-    from yieldproxy.succession import Setup, Succession
+    from yieldproxy.lifecycle.succession import Setup, Succession
     from yieldproxy.upstream.pool.twins import TwinCheck
 
     def succession(config):

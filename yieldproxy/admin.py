@@ -241,11 +241,11 @@ class AdminApp:
     sections: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict, converter=_read_only)
     #: The CPU fallback (``fallback.Fallback``), for ``POST /fallback/verify``; None when disabled.
     fallback: Any = None
-    #: ``POST /reload``: hand over to a new process (succession/); None where the proxy cannot (not run by twistd).
+    #: ``POST /reload``: hand over to a new process (lifecycle/succession/); None where the proxy cannot (not run by twistd).
     reload: Callable[[], Any] | None = None
     #: The wall clock, for the times ``/status`` and the page show (None: the elapsed clock's times, as they are).
     wall: WallClock | None = None
-    #: Why the holds are not this process's to change now (a reload handed them over), or None (succession/).
+    #: Why the holds are not this process's to change now (a reload handed them over), or None (lifecycle/succession/).
     holds_elsewhere: Callable[[], str | None] | None = None
     #: The admin listener's open connections, capped apart from the proxy's (``admin.max_connections``).
     connections: Connections = attrs.field(init=False)
@@ -467,7 +467,7 @@ class AdminApp:
             return denied
         if self.reload is None:
             return _json(request, {"error": "this proxy cannot reload: it was not started by twistd"}, 501)
-        from .succession import ReloadBusy, ReloadRefused, ReloadUnavailable
+        from .lifecycle.succession import ReloadBusy, ReloadRefused, ReloadUnavailable
 
         def failed(failure):
             code = (

@@ -518,7 +518,7 @@ class Config:
     #: What is kept across restarts (the holds file).
     state: StateConfig = attrs.Factory(StateConfig)
     #: The ``section.key`` names the file or the command line set (not compared: the same values are
-    #: the same config).  Defaults sized to the machine (limits.py) give way only where the operator
+    #: the same config).  Defaults sized to the machine (lifecycle/limits.py) give way only where the operator
     #: set nothing; a setting given that cannot be met is warned about.
     explicit: frozenset[str] = attrs.field(default=frozenset(), eq=False, repr=False, metadata={"section": False})
 

@@ -30,7 +30,7 @@ LOADING_SOURCE = "loading"
 #: Holds the proxy takes for an upstream's own trouble, not a GPU lent away: the upstream
 #: reads ``outage`` under them alone, and no VRAM handover follows them.
 TROUBLE_SOURCES = (OUTAGE_SOURCE, LOADING_SOURCE)
-#: The hold a start takes when the holds file of the last run was refused (holdstore.py):
+#: The hold a start takes when the holds file of the last run was refused (lifecycle/holdstore.py):
 #: when in doubt, no work goes to a GPU that may be taken.
 RESTART_SOURCE = "restart"
 #: Sources of holds the proxy takes itself: never refused by ``admin.max_holds``.

@@ -15,7 +15,7 @@ stopped (docs/architecture.md):
    several (upstream/pool/twins.py), each upstream's model list (upstream/pool/models.py);
 4. the history sampling, then the record of what each upstream served
    (upstream/served.py: written with the holds, a last time after the drain);
-5. the drain (drain.py: parked requests answered or released, in-flight ones
+5. the drain (lifecycle/drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
 6. the watchers, then the VRAM handovers (their holds stay when they stop);
 7. the proxy listener (the first to stop: no new connections).
@@ -35,9 +35,10 @@ from twisted.logger import Logger
 from .admin import AdminApp
 from .clock import WallClock, same, wall_clock
 from .config import Config
-from .drain import Drain
 from .edge.listener import CannotListen, Listener
-from .holdstore import HoldStore, keep_holds
+from .lifecycle.drain import Drain
+from .lifecycle.holdstore import HoldStore, keep_holds
+from .lifecycle.succession import Setup, Succession
 from .lot.gate import Gate
 from .lot.parking import ParkingLot
 from .lot.replay import Replayer
@@ -54,7 +55,6 @@ from .observe.metrics import (
 )
 from .proxy.handler import ProxyApp
 from .servers import ModelCall
-from .succession import Setup, Succession
 from .upstream.attempt import Upstream
 from .upstream.control import UpstreamControl
 from .upstream.fallback import EmbedBackend, Fallback
@@ -244,10 +244,10 @@ def build(
     client of ``proxy.upstream``; tests on a Clock give one that reaches an
     in-memory resource).  Start ``proxy.service`` to listen and run the
     watchers; stop it to drain and close.  ``succession`` (tap.py gives
-    one) lets it reload by handing over to a new process (succession/),
+    one) lets it reload by handing over to a new process (lifecycle/succession/),
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
-    crashes (holdstore.py); without it, a hold lasts as long as the process.
+    crashes (lifecycle/holdstore.py); without it, a hold lasts as long as the process.
     Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
     the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
     for what people read (``/status``, the page, the history), by default

@@ -17,8 +17,8 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
+from .lifecycle.succession.takeover import ENV, refuse
 from .observe.requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
-from .succession.takeover import ENV, refuse
 
 log = Logger()
 
@@ -104,7 +104,7 @@ class Options(usage.Options):
     pidfile: str | None = None
 
     def _set_succession(self) -> None:
-        """What a reload needs of twistd's own options (succession/claims.py).
+        """What a reload needs of twistd's own options (lifecycle/succession/claims.py).
 
         The pidfile names the process that serves.  A process a reload started
         runs twistd without one (its twistd would refuse to start beside the
@@ -220,19 +220,19 @@ def makeService(options: Options):
     from twisted.internet import reactor
 
     from .clock import run_on_monotonic
-    from .holdstore import HoldStore, holds_path
-    from .limits import fit_fd_limit
-    from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
+    from .lifecycle.holdstore import HoldStore, holds_path
+    from .lifecycle.limits import fit_fd_limit
+    from .lifecycle.sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
+    from .lifecycle.succession import ClaimedAtCommit, Inheritance, Setup, own_command
+    from .lifecycle.succession.wire import BadFrame
     from .service import YieldProxyService, build
-    from .succession import ClaimedAtCommit, Inheritance, Setup, own_command
-    from .succession.wire import BadFrame
     from .upstream.pool.members import url_warnings
     from .watchers.signals import StopSignals
 
     # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires
     # no parked request (clock.py).  Times people read stay wall-clock (build's default beside it).
     run_on_monotonic(reactor)
-    # Started by a reload: the running process's listening sockets come first (succession/).
+    # Started by a reload: the running process's listening sockets come first (lifecycle/succession/).
     try:
         inheritance = Inheritance.from_environment(os.environ)
     except (BadFrame, OSError, ValueError) as e:

@@ -29,7 +29,7 @@ OVER_CAPACITY_RETRY_AFTER = 2
 #: at it the listener stops accepting until one is done (see :class:`Connections`).
 MAX_REFUSING = 64
 #: Connections a listener keeps past its cap for requests that come whole at once (the admin
-#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (limits.py).
+#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (lifecycle/limits.py).
 QUICK_ROOM = 8
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0

@@ -653,7 +653,7 @@ class ServerConnection(Protocol):
         """Until :meth:`thaw` (or the end): nothing of it moves here.  It reads nothing (the client's bytes wait
         in the socket), its deadline does not run (the time it has left is kept), and the cap does not close
         it to make room.  A reload's old process does this to a connection it has written down for the new
-        one, until that one has it (succession/connections.py)."""
+        one, until that one has it (lifecycle/succession/connections.py)."""
         if self._frozen is not None or self.state is CLOSED:
             return
         self._frozen = (self._deadline_kind, self.deadline_in, not self._reading_paused)

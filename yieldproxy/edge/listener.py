@@ -106,7 +106,7 @@ class Listener(Service):
         self._reactor = reactor
         self._endpoint = serverFromString(reactor, description)
         self._factory = factory
-        #: A listening socket of the process this one replaces (succession/): ``(fd, family)``,
+        #: A listening socket of the process this one replaces (lifecycle/succession/): ``(fd, family)``,
         #: adopted instead of binding, and not accepting until :meth:`resume`.
         self._inherited = inherited
         #: The listening port while running (its ``getHost()`` says where a port 0 ended up).
@@ -198,7 +198,7 @@ class Listener(Service):
             port.startReading()  # type: ignore[attr-defined]
 
     def release(self) -> None:
-        """Forget the port without closing the socket for the process that took it over (succession/)."""
+        """Forget the port without closing the socket for the process that took it over (lifecycle/succession/)."""
         port, self.port = self.port, None
         self._unregister()
         if port is not None:

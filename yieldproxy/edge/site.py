@@ -137,7 +137,7 @@ class ProxySite(Site):
 
     def connection_for(self, addr: Any = None) -> ServerConnection:
         """A connection, whatever the cap: for one accepted already (let in past the cap, or handed over by a
-        reload: succession/)."""
+        reload: lifecycle/succession/)."""
         return ServerConnection(self)
 
     def log(self, request):

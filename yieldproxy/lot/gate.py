@@ -171,7 +171,7 @@ class Gate:
             raise
 
     def number_adopted(self, entry: Entry) -> None:
-        """Place a request adopted from the process this one replaced (succession/) ahead of every arrival here."""
+        """Place a request adopted from the process this one replaced (lifecycle/succession/) ahead of every arrival here."""
         self._lot.number_adopted(entry)
 
     def explain(self, refusal: Refused, entry: Entry | None = None) -> Refused:

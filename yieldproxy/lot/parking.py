@@ -62,7 +62,7 @@ class Stay(enum.Enum):
     PARKED = "parked"
     #: Let out to a member (by its drainer, or by the gate at once): its attempt runs there.
     RELEASED = "released"
-    #: Out of the lot with its client, for a reload's new process to take on (succession/): it ends there
+    #: Out of the lot with its client, for a reload's new process to take on (lifecycle/succession/): it ends there
     #: once that process has it, or parks here again, in its place, when it will not.
     HANDED = "handed"
     #: Out of the lot for good: expired, abandoned, refused at shutdown, or taken on by a new process.
@@ -214,7 +214,7 @@ class Refused(Exception):
 
 
 class HandedOver(Exception):
-    """The entry left the lot with its client for the process that replaces this one (succession/): it
+    """The entry left the lot with its client for the process that replaces this one (lifecycle/succession/): it
     ends there, so here it gets no answer at all.
 
     Whoever waits on the entry (the proxy app, which holds its request and
@@ -284,7 +284,7 @@ class ParkingLot:
 
     #: The next arrival's :attr:`Entry.seq`.
     _next_seq: int = 0
-    #: The next place of a request adopted from the process this one replaced (succession/): ahead of
+    #: The next place of a request adopted from the process this one replaced (lifecycle/succession/): ahead of
     #: every arrival here (it arrived before them), after those adopted before it.
     _next_adopted: int = -(2**62)
 

@@ -188,7 +188,7 @@ class YieldState:
     def on_holds_changed(self, callback: Callable[[list[Hold]], object]) -> None:
         """Call ``callback(holds)`` after any hold is taken, renewed, restored or ends, with every hold then.
 
-        For the holds file (holdstore.py): called after the observers of the
+        For the holds file (lifecycle/holdstore.py): called after the observers of the
         same change, so what they set off is not held up by a write.
         """
         self._on_holds_changed.append(callback)
@@ -251,7 +251,7 @@ class YieldState:
         return hold
 
     def restore(self, holds: Iterable[Hold]) -> list[Hold]:
-        """Put back holds of an earlier run (holdstore.py), each as it was: its start, its ends, its lease.
+        """Put back holds of an earlier run (lifecycle/holdstore.py), each as it was: its start, its ends, its lease.
 
         A hold whose lease ran out meanwhile is gone; a hold of an upstream
         the pool no longer has is dropped (both logged).  Neither the source

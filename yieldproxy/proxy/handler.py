@@ -306,7 +306,7 @@ class ProxyApp:
         return self._gated(request, target, entry, body)
 
     def adopt(self, channel, carried, connection: dict, data: bytes) -> None:
-        """A parked request handed over by the process this one replaced (succession/): its connection
+        """A parked request handed over by the process this one replaced (lifecycle/succession/): its connection
         (``channel``, adopted) is taken up as it was there (``connection``: edge/connection.py's
         ``snapshot``), ``data`` (the request as its client sent it) is read on it as any request is, and
         ``carried`` gives it back its class, its place in line, its arrival and its deadline."""
@@ -416,7 +416,7 @@ class ProxyApp:
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             except HandedOver as handed:
-                # Taken, with its connection, by the process that replaces this one (succession/): it ends
+                # Taken, with its connection, by the process that replaces this one (lifecycle/succession/): it ends
                 # there once that process has it (True), or parks here again, in its place (False).
                 outcome = handed.take(request, entry, body)
                 if outcome is None or await outcome:

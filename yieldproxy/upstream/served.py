@@ -24,8 +24,8 @@ owns it), and a client can neither fill it nor empty it:
   llama.cpp) churns only the entries that are not in use, so the models in
   real use stay.
 * **It survives restarts and reloads**: it is written with the holds
-  (holdstore.py, the ``served`` section of the holds file: :class:`RecordKeeper`)
-  and carried to a reload's new process (succession/).  Read back tolerantly:
+  (lifecycle/holdstore.py, the ``served`` section of the holds file: :class:`RecordKeeper`)
+  and carried to a reload's new process (lifecycle/succession/).  Read back tolerantly:
   a section that is absent or malformed gives an empty record (logged), never
   a refused holds file.
 
@@ -239,7 +239,7 @@ SECTION = "served"
 
 @attrs.define(eq=False, slots=False)
 class RecordKeeper(Service):
-    """Writes every upstream's record into the holds file (holdstore.py) when one changes, and reads them back.
+    """Writes every upstream's record into the holds file (lifecycle/holdstore.py) when one changes, and reads them back.
 
     The section is ``{"<upstream>": {"url": ..., "models": [...]}}``; an
     upstream whose URL changed since it was written starts with an empty

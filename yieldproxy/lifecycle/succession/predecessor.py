@@ -63,8 +63,8 @@ from twisted.internet.defer import Deferred, TimeoutError, succeed
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
-from .. import __version__
-from ..edge.sockets import family_of
+from ... import __version__
+from ...edge.sockets import family_of
 from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link

@@ -7,7 +7,7 @@
   commits, and removes it when it stops unless it handed over in its turn.
   The old process lets twistd know the file is not its to remove any more
   (:meth:`PidFile.give_up`).
-* **The holds file** (holdstore.py) is read by the new process at its start
+* **The holds file** (lifecycle/holdstore.py) is read by the new process at its start
   (so that what it does before the commit, such as its twins' verification,
   knows what is held), but not written before its commit
   (:class:`ClaimedAtCommit`): until then the old process owns the holds and

@@ -33,9 +33,9 @@ from twisted.internet.defer import Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from .lot.gate import Gate
-from .lot.parking import ParkingLot
-from .lot.state import YieldState
+from ..lot.gate import Gate
+from ..lot.parking import ParkingLot
+from ..lot.state import YieldState
 
 log = Logger()
 

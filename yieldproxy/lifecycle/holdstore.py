@@ -83,10 +83,10 @@ import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from .clock import WallClock, boot_id, is_monotonic, wall_clock
-from .config import Config
-from .lot.state import ALL, MAX_HOLD_SECONDS, Hold, YieldState
-from .names import COMMAND_SOURCE, FILE_SOURCE, LOADING_SOURCE, OUTAGE_SOURCE, RESTART_SOURCE, check_source
+from ..clock import WallClock, boot_id, is_monotonic, wall_clock
+from ..config import Config
+from ..lot.state import ALL, MAX_HOLD_SECONDS, Hold, YieldState
+from ..names import COMMAND_SOURCE, FILE_SOURCE, LOADING_SOURCE, OUTAGE_SOURCE, RESTART_SOURCE, check_source
 
 __all__ = [
     "HoldStore", "Loaded", "MARKER_SUFFIX", "PERSISTED_FORMAT", "VERSION", "holds_path", "keep_holds",

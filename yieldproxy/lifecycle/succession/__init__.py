@@ -32,10 +32,10 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from .. import __version__
+from ... import __version__
+from ...lot.state import ALL, Hold, YieldState
+from ...upstream.pool.twins import TwinCheck
 from ..holdstore import NOT_KEPT
-from ..lot.state import ALL, Hold, YieldState
-from ..upstream.pool.twins import TwinCheck
 from .claims import ClaimedAtCommit, PidFile
 from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .signals import HoldSignals, StopNoted, unblock
@@ -51,7 +51,7 @@ __all__ = [
 log = Logger()
 
 #: Holds the successor's own watchers find again for themselves (the file, the command, the outage and
-#: loading probes): the same that a restart does not keep (holdstore.py).
+#: loading probes): the same that a restart does not keep (lifecycle/holdstore.py).
 NOT_CARRIED = NOT_KEPT
 
 
@@ -203,7 +203,7 @@ class Succession(Service):
             )
         elif phase is Phase.HANDED_OVER:
             # The holds are the new process's now: no lease runs out here (and the holds file, which
-            # the new process claimed, is not written from here either: holdstore.py).
+            # the new process claimed, is not written from here either: lifecycle/holdstore.py).
             self._state.stop()
             self._pidfile.give_up()
             self._stops.unwatch()

@@ -25,8 +25,8 @@ from typing import Callable
 import attrs
 from twisted.logger import Logger
 
-from .config import CONNECTION_HEADROOM, Config, proxy_max_connections
-from .edge.capacity import MAX_REFUSING
+from ..config import CONNECTION_HEADROOM, Config, proxy_max_connections
+from ..edge.capacity import MAX_REFUSING
 
 log = Logger()
 

@@ -41,8 +41,8 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from .. import __version__
-from ..edge.sockets import nonblocking_cloexec
+from ... import __version__
+from ...edge.sockets import nonblocking_cloexec
 from . import moments
 from .connections import make_again
 from .link import Link, LinkClosed, adopt_link

@@ -1,6 +1,6 @@
 """The one place a reload writes a client's connection down and makes it again: the HTTP edge's side.
 
-Everything succession/ does to a connection goes through here, on what the
+Everything lifecycle/succession/ does to a connection goes through here, on what the
 edge's connection offers for it (edge/connection.py: ``snapshot``,
 ``resume``, ``freeze``, ``thaw``, ``read_ahead``, ``unsent``):
 
@@ -33,8 +33,8 @@ import attrs
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from ..edge.connection import FRESH as FRESH_STATE, IDLE
-from ..edge.sockets import duplicate, let_go
+from ...edge.connection import FRESH as FRESH_STATE, IDLE
+from ...edge.sockets import duplicate, let_go
 from .wire import request_bytes
 
 __all__ = [
