@@ -28,7 +28,7 @@ import attrs
 import pytest
 
 from yieldproxy import cli, config as config_module
-from yieldproxy.admin import AdminApp
+from yieldproxy.admin.api import AdminApp
 from yieldproxy.config import Config, load
 from yieldproxy.observe.metrics import Metrics
 

@@ -404,7 +404,7 @@ def test_an_odd_admin_path_gets_a_404_not_a_500(path):
 
 
 def test_a_bug_in_an_admin_route_is_a_500_with_its_traceback_logged(monkeypatch):
-    from yieldproxy.admin import AdminApp
+    from yieldproxy.admin.api import AdminApp
 
     def broken(self):
         raise RuntimeError("a bug in status()")

@@ -42,7 +42,7 @@ from rawhttp import (
     recording_stack,
     request_bytes,
 )
-from yieldproxy import admin as admin_module
+from yieldproxy.admin import api as admin_module
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy

@@ -33,7 +33,7 @@ SDIST_MUST_HAVE = [
     "etc/yieldproxy.toml", "etc/systemd/yieldproxy.service", "etc/prometheus/yieldproxy-rules.yml",
     "bench/README.md", "bench/soak.py",
     "tests/conftest.py", "tests/helpers.py", "tests/rawhttp.py", "tests/test_docs.py",
-    "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/static/index.html",
+    "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/admin/static/index.html",
 ]
 #: Tracked files that are the repository's, not the release's (CI's scripts are released:
 #: the docs name them, and tests/test_docs.py checks that what they name exists).
@@ -91,7 +91,7 @@ def _sdist_names(path: Path) -> set[str]:
 
 
 def test_build_gives_no_warnings(artefacts):
-    """Issue 13: yieldproxy.static used to be "absent from the packages configuration"."""
+    """Issue 13: yieldproxy.admin.static used to be "absent from the packages configuration"."""
     for kind, (_, output) in artefacts.items():
         warnings = [line for line in output.splitlines() if "warn" in line.lower() or line.startswith("!!")]
         assert warnings == [], f"{kind}:\n{output}"
@@ -146,7 +146,7 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
         example = wheel.read("yieldproxy/etc/yieldproxy.toml").decode("utf-8")
     assert example == (ROOT / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
     for name in ("index.html", "status.css", "status.js"):
-        assert f"yieldproxy/static/{name}" in names
+        assert f"yieldproxy/admin/static/{name}" in names
     assert "twisted/plugins/yieldproxy_plugin.py" in names
     # Every module and static file of the source, subpackages too (a new one must be in setup.cfg).
     source = [

@@ -32,7 +32,7 @@ from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
-from .admin import AdminApp
+from .admin.api import AdminApp
 from .clock import WallClock, same, wall_clock
 from .config import Config
 from .edge.listener import CannotListen, Listener

@@ -33,21 +33,21 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.server import Site
 
-from . import __version__
-from .clock import WallClock, same
-from .config import Config
-from .edge.capacity import QUICK_ROOM, Connections
-from .edge.hosts import HostPolicy, cross_site
-from .edge.site import ProxySite
-from .errors import listener_error_body
-from .lot.gate import Gate
-from .lot.parking import ParkingLot
-from .lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
-from .names import check_source
-from .observe.history import History
-from .observe.metrics import CONTENT_TYPE_LATEST, Metrics
-from .upstream.fallback import NotNow
-from .upstream.pool.routing import Pool
+from .. import __version__
+from ..clock import WallClock, same
+from ..config import Config
+from ..edge.capacity import QUICK_ROOM, Connections
+from ..edge.hosts import HostPolicy, cross_site
+from ..edge.site import ProxySite
+from ..errors import listener_error_body
+from ..lot.gate import Gate
+from ..lot.parking import ParkingLot
+from ..lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
+from ..names import check_source
+from ..observe.history import History
+from ..observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from ..upstream.fallback import NotNow
+from ..upstream.pool.routing import Pool
 
 _log = Logger()
 
@@ -63,7 +63,7 @@ ADMIN_QUICK_SECONDS = 0.5
 #: Retry-After, in seconds, of a hold change refused because a reload handed the holds to a new process.
 HOLDS_MOVED_RETRY_AFTER = 1
 
-#: The status page's files in ``yieldproxy/static/``, with their content types.
+#: The status page's files in ``yieldproxy/admin/static/``, with their content types.
 #: Only these are served: nothing else in the package is reachable.
 STATIC_FILES = {
     "index.html": b"text/html; charset=utf-8",
@@ -467,7 +467,7 @@ class AdminApp:
             return denied
         if self.reload is None:
             return _json(request, {"error": "this proxy cannot reload: it was not started by twistd"}, 501)
-        from .lifecycle.succession import ReloadBusy, ReloadRefused, ReloadUnavailable
+        from ..lifecycle.succession import ReloadBusy, ReloadRefused, ReloadUnavailable
 
         def failed(failure):
             code = (

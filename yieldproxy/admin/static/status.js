@@ -276,7 +276,7 @@
       detail += " (" + away.join(", ") + ")";
     }
     setState(status.state, detail);
-    $("summary").hidden = true; // the static first view (admin.py first_view): the cards say it all now
+    $("summary").hidden = true; // the static first view (admin/api.py first_view): the cards say it all now
     $("updated").textContent = "updated " + clock(now) + " · version " + status.version;
 
     const parked = $("parked");
