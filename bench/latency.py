@@ -2,7 +2,7 @@
 
 One run, side by side, against the same backend:
 
-* the simulated Ollama (``python -m yieldproxy.sim --latency 0 --parallel 64``)
+* the simulated Ollama (``python -m yieldproxy.tools.sim --latency 0 --parallel 64``)
   in its own process, a yieldproxy in front of it in another, and the *floor*
   in a third: a minimal Klein + ``twisted.web.client.Agent`` pass-through
   (``_floor.py``: persistent pool, TCP_NODELAY both ways, no parking), what

@@ -186,7 +186,7 @@ async def start_stack(
     requests that fail on their own; outage detection has its own tests.
     """
     from yieldproxy.service import build
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = None
     if upstream is None:
@@ -373,7 +373,7 @@ async def start_pool_stack(
     verified from the start, and it returns once that is done (or could not run).
     """
     from yieldproxy.service import build
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sims = {}
     tables = []

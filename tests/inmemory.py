@@ -53,7 +53,7 @@ from zope.interface import implementer
 
 from yieldproxy.config import Config, MemberConfig
 from yieldproxy.service import build
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 from yieldproxy.upstream.attempt import Upstream
 from yieldproxy.upstream.translation import BackendError, client_response, parse_request
 
@@ -268,7 +268,7 @@ class Rig:
         ``upstream.detect_outages`` is turned off, as :func:`helpers.start_stack` does.
     :param upstream: a resource, or a protocol factory such as
         ``rawhttp.RecordingBackend``, to use as the upstream instead of a new
-        :class:`~yieldproxy.sim.SimOllama` (then :attr:`sim` is None).
+        :class:`~yieldproxy.tools.sim.SimOllama` (then :attr:`sim` is None).
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);
         a new Clock by default (a MemoryReactorClock with ``watchers`` or ``members``).

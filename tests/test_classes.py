@@ -10,7 +10,7 @@ from test_parking import finish, park, released
 from yieldproxy.config import RouteRule
 from yieldproxy.lot.classify import BadBody, Classifier, is_unload, runs_no_model
 from yieldproxy.servers.gojson import read_request
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 
 # -- classification -----------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """
-Tests for :mod:`yieldproxy.cli`, the ``yieldproxy`` command.
+Tests for :mod:`yieldproxy.tools.cli`, the ``yieldproxy`` command.
 
-The command runs in this process (:func:`run_cli`: :func:`yieldproxy.cli.main`
+The command runs in this process (:func:`run_cli`: :func:`yieldproxy.tools.cli.main`
 with its output captured and its command run on the test's reactor) against
 the admin app of a real proxy listening on 127.0.0.1 (or a unix socket) in
 the same reactor.  A few run as real processes, where the process is the
@@ -32,9 +32,9 @@ from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
 from twisted.python.failure import Failure
 
 from helpers import release_every_hold
-from yieldproxy import cli, demo
 from yieldproxy.config import Config
 from yieldproxy.service import build
+from yieldproxy.tools import cli, demo
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-admin-token-0123456789"
@@ -69,7 +69,7 @@ def _exit_status(code: object) -> int:
 
 @attrs.define
 class OnThisReactor:
-    """``react`` for :func:`yieldproxy.cli.main` in a test: the command runs on the test's running reactor
+    """``react`` for :func:`yieldproxy.tools.cli.main` in a test: the command runs on the test's running reactor
     (not a new one, which ``task.react`` would start); :attr:`finished` fires with its exit status, as
     ``task.react`` would have exited with it."""
 
@@ -351,7 +351,7 @@ async def test_sim_on_a_taken_port_is_one_line() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = await run_process(sys.executable, "-m", "yieldproxy.cli", "sim", "--port", str(port))
+        r = await run_process(sys.executable, "-m", "yieldproxy.tools.cli", "sim", "--port", str(port))
     assert (r.code, r.out) == (1, ""), r
     assert r.err == (
         f"yieldproxy sim: --port {port}: cannot listen on 127.0.0.1:{port}: "
@@ -473,7 +473,7 @@ def test_format_status_sanitises_and_aligns() -> None:
 
 
 def test_no_reactor_at_import() -> None:
-    code = "import sys, yieldproxy.cli; sys.exit('twisted.internet.reactor' in sys.modules)"
+    code = "import sys, yieldproxy.tools.cli; sys.exit('twisted.internet.reactor' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
 
 
@@ -524,7 +524,7 @@ def test_bounded_turns_a_cancelled_request_into_a_timeout_on_the_clock():
     from twisted.trial.unittest import SynchronousTestCase
     from twisted.web.client import ResponseNeverReceived
 
-    from yieldproxy.adminclient import bounded
+    from yieldproxy.tools.admin_api import bounded
 
     check = SynchronousTestCase()
     clock = Clock()

@@ -1,4 +1,4 @@
-"""The broker library (yieldproxy/client.py) against real proxies on 127.0.0.1.
+"""The broker library (yieldproxy/tools/broker.py) against real proxies on 127.0.0.1.
 
 The clients are blocking (urllib) or run their own asyncio loop, so each runs
 in a worker thread while the reactor serves: a proxy of this checkout built
@@ -18,7 +18,7 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from helpers import free_port, in_thread, start_stack
-from yieldproxy.client import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
+from yieldproxy.tools.broker import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
 
 TOKEN = "broker-test-token-0123456789"
 LEASE = 1.5
@@ -83,7 +83,7 @@ async def test_a_short_lease_held_longer_stays_held_and_ends_on_exit():
 @pytest_twisted.ensureDeferred
 async def test_a_real_twistd_process_keeps_the_hold_and_the_exception_resumes():
     from test_twistd import start_service
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = SimOllama(reactor)
     sim_port = await sim.listen()
@@ -238,7 +238,7 @@ async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "yieldproxy.client" in block]
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "yieldproxy.tools.broker" in block]
     assert len([line for line in code.splitlines() if line.strip()]) == 3, code
     stack = await start_stack(reactor)
     seen = []
@@ -255,7 +255,7 @@ async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
 
 def test_a_renewal_a_whole_lease_late_marks_the_hold_lost(monkeypatch):
     """The renewing thread did not run for a lease (a suspended process): the hold lapsed, even if it is back."""
-    import yieldproxy.client as client
+    import yieldproxy.tools.broker as client
 
     class Answering:
         timeout = 10.0
@@ -350,7 +350,7 @@ def test_a_renewal_cut_mid_answer_or_answered_in_garbage_is_an_error_and_the_ren
 def test_a_hold_entered_again_starts_afresh(monkeypatch):
     """A Hold used for a second block, more than a lease after the first ended, is not lost: it was taken anew
     (the first block's last renewal and its failed renewal belong to that block)."""
-    import yieldproxy.client as client
+    import yieldproxy.tools.broker as client
 
     calls = []
     failing = []

@@ -27,10 +27,11 @@ from pathlib import Path
 import attrs
 import pytest
 
-from yieldproxy import cli, config as config_module
+from yieldproxy import config as config_module
 from yieldproxy.admin.api import AdminApp
 from yieldproxy.config import Config, load
 from yieldproxy.observe.metrics import Metrics
+from yieldproxy.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "etc" / "yieldproxy.toml"
@@ -300,7 +301,7 @@ def _check_options(words: list[str], known: dict[str, bool], what: str) -> list[
 
 
 def _yieldproxy_problems(args: list[str]) -> list[str]:
-    from yieldproxy.sim.command import build_parser as sim_parser
+    from yieldproxy.tools.sim.command import build_parser as sim_parser
 
     parser = cli.build_parser()
     common = _argparse_options(parser)

@@ -41,7 +41,7 @@ from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy.handler import ProxyApp
 from yieldproxy.service import build_heart
-from yieldproxy.sim import SimOllama, decode_base64_f32, expected_embedding
+from yieldproxy.tools.sim import SimOllama, decode_base64_f32, expected_embedding
 from yieldproxy.upstream.attempt import Upstream
 from yieldproxy.upstream.fallback import (
     RETRY_AFTER_ERROR_SECONDS,
@@ -706,7 +706,7 @@ async def test_disabled_fallback_in_status_and_admin():
 
 def check_fallback(config_path):
     return subprocess.run(
-        [sys.executable, "-m", "yieldproxy.cli", "check-fallback", "--config", str(config_path)],
+        [sys.executable, "-m", "yieldproxy.tools.cli", "check-fallback", "--config", str(config_path)],
         capture_output=True, text=True, timeout=60,
     )
 

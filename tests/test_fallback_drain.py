@@ -30,7 +30,7 @@ from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy.handler import ProxyApp
 from yieldproxy.service import build_heart
-from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim import SimOllama, expected_embedding
 from yieldproxy.upstream.fallback import Fallback
 from yieldproxy.upstream.translation import BackendError, Embeddings
 

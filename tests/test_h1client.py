@@ -918,7 +918,7 @@ async def scripted_server(script):
 
 @pytest_twisted.ensureDeferred
 async def test_real_keep_alive_reuse_against_the_sim():
-    from yieldproxy.sim import SimOllama, expected_embedding
+    from yieldproxy.tools.sim import SimOllama, expected_embedding
 
     reactor = _reactor()
     sim = SimOllama(reactor)
@@ -1071,7 +1071,7 @@ async def test_real_a_request_goes_out_at_once_on_a_connection_with_nothing_wait
 
 @pytest_twisted.ensureDeferred
 async def test_real_chunked_stream_arrives_piece_by_piece():
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     reactor = _reactor()
     sim = SimOllama(reactor, chunk_delay=0.05, chunks=6)

@@ -28,7 +28,7 @@ from yieldproxy.lot import classify
 from yieldproxy.lot.classify import PASSTHROUGH, Classifier
 from yieldproxy.observe.requestlog import log_request
 from yieldproxy.service import build
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 
 class Counting:

@@ -20,7 +20,7 @@ from twisted.logger import LogLevel, capturedLogs
 from helpers import config_with
 from inmemory import MemoryUpstream
 from yieldproxy.service import YieldProxyService, build
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 MODEL = "all-minilm"
 

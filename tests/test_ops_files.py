@@ -392,7 +392,7 @@ def test_systemd_unit_is_notify_with_a_watchdog_and_keeps_holds_in_its_state_dir
 
 def _ops_files(capsys, *args: str) -> tuple[int, str, str]:
     """``yieldproxy ops-files ARGS`` in this process: exit status, stdout, stderr."""
-    from yieldproxy import cli
+    from yieldproxy.tools import cli
 
     with pytest.raises(SystemExit) as exit:
         cli.main(["ops-files", *args])
@@ -411,7 +411,7 @@ def _tree(directory: Path) -> dict[str, bytes]:
 
 def test_ops_files_lists_every_file_of_etc():
     """A new file in etc/ must be written out too (and shipped: tests/test_packaging.py checks the wheel)."""
-    from yieldproxy.opsfiles import OPS_FILES
+    from yieldproxy.tools.opsfiles import OPS_FILES
 
     assert sorted(OPS_FILES) == sorted(_etc_files())
 

@@ -35,7 +35,7 @@ from test_burst import Burst, assert_clean
 from test_chaos import MemoryBurst
 from yieldproxy.servers.base import PROBE_TEXT
 from yieldproxy.servers.ollama import GPU_FAILURE_PREFIXES, is_gpu_failure
-from yieldproxy.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
+from yieldproxy.tools.sim import LOAD_OOM_ERROR, OOM_ERROR, template_error
 
 TIMEOUT = 60
 

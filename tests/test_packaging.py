@@ -173,13 +173,13 @@ def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path)
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(unpacked)
-    code = "import sys, yieldproxy.cli as c; print(c.__file__, file=sys.stderr); c.main(sys.argv[1:])"
+    code = "import sys, yieldproxy.tools.cli as c; print(c.__file__, file=sys.stderr); c.main(sys.argv[1:])"
     result = subprocess.run(
         [sys.executable, "-c", code, "ops-files", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stderr.strip() == str(unpacked / "yieldproxy" / "cli.py")
+    assert result.stderr.strip() == str(unpacked / "yieldproxy" / "tools" / "cli.py")
     written = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     etc = {p.relative_to(ROOT / "etc").as_posix(): p.read_bytes() for p in (ROOT / "etc").rglob("*") if p.is_file()}
     assert written == etc

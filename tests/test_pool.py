@@ -19,7 +19,7 @@ from twisted.internet import reactor
 
 from helpers import admin, config_with, embedded, in_thread, start_pool_stack, wait_for
 from test_burst import Burst
-from yieldproxy.sim import expected_embedding, expected_embedding_f32, expected_reply
+from yieldproxy.tools.sim import expected_embedding, expected_embedding_f32, expected_reply
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from helpers import config_with
 from inmemory import Rig, answered
 from rawhttp import counter_total
-from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt
+from yieldproxy.tools.sim import expected_embedding, expected_reply, messages_prompt
 
 CHAT = "llama3.2"
 #: Member a serves one request at a time and queues none: one call of its own fills it.

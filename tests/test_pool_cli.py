@@ -7,7 +7,7 @@ from twisted.internet import reactor
 
 from helpers import start_pool_stack
 from test_cli import run_cli
-from yieldproxy.cli import format_status
+from yieldproxy.tools.cli import format_status
 
 
 def test_status_prints_a_row_per_upstream_of_a_pool():

@@ -35,7 +35,7 @@ from twisted.internet import reactor
 
 from helpers import in_thread, start_pool_stack
 from test_callers import require
-from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt
+from yieldproxy.tools.sim import expected_embedding, expected_reply, messages_prompt
 
 EMBED_MODEL = "all-minilm"
 CHAT_MODEL = "llama3.2"

@@ -19,7 +19,7 @@ from inmemory import Rig, answered
 from yieldproxy.lot.parking import Entry
 from yieldproxy.names import LOADING_SOURCE, OUTAGE_SOURCE
 from yieldproxy.servers import NOT_READY, server
-from yieldproxy.sim.llamacpp import LOADING_BODY
+from yieldproxy.tools.sim.llamacpp import LOADING_BODY
 from yieldproxy.upstream.control import Answer, UpstreamControl
 
 LOADING = json.dumps(LOADING_BODY).encode()
@@ -219,7 +219,7 @@ def test_a_pool_of_one_ollama_counts_503_attempts_as_it_always_did():
 
 def llama_rig(load_seconds: float, **upstream) -> tuple[Rig, object]:
     """A pool of one llama.cpp member, its requests and its health checks reaching the sim in memory."""
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     config = pool_config(
         {"name": "llama", "api": "llamacpp", "url": "http://upstream.invalid"},

@@ -20,7 +20,7 @@ from helpers import advance_through, clock_cooperator, config_with, pool_config
 from test_pool_twins import FakeControl
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 from yieldproxy.upstream.control import Answer
 
 MODEL = "all-minilm"

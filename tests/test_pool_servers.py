@@ -25,7 +25,7 @@ from twisted.internet.defer import Deferred, ensureDeferred, succeed
 from helpers import admin, config_with, start_pool_stack, wait_for
 from inmemory import Rig, answered
 from yieldproxy.servers import server
-from yieldproxy.sim import expected_embedding, expected_relevance, expected_reply
+from yieldproxy.tools.sim import expected_embedding, expected_relevance, expected_reply
 from yieldproxy.upstream.control import Answer
 from yieldproxy.upstream.pool.models import ModelCatalogue, ModelDiscovery
 

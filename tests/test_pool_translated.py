@@ -20,7 +20,7 @@ from helpers import Core, advance_through, clock_cooperator, config_with, make_p
 from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 from yieldproxy.upstream.control import Answer
 from yieldproxy.upstream.pool.twins import TwinVerifier
 

@@ -21,7 +21,7 @@ from helpers import Core, advance_through, clock_cooperator, config_with, pool_c
 from yieldproxy.lot.parking import Entry, Refused
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 from yieldproxy.upstream.control import Answer, ControlTimeout
 from yieldproxy.upstream.pool.twins import POSTPONED_RECHECK_SECONDS, TwinVerifier
 

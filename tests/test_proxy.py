@@ -28,7 +28,7 @@ from twisted.web.server import NOT_DONE_YET, Site
 
 from helpers import config_with, in_thread, start_stack
 from inmemory import Rig, answered
-from yieldproxy.sim import expected_embedding, expected_reply
+from yieldproxy.tools.sim import expected_embedding, expected_reply
 
 TIMEOUT = 30
 

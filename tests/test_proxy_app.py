@@ -17,7 +17,7 @@ from twisted.internet.task import Clock
 from helpers import config_with
 from inmemory import MemoryUpstream
 from yieldproxy.service import build
-from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim import SimOllama, expected_embedding
 
 MODEL = "all-minilm"
 

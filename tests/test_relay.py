@@ -31,7 +31,7 @@ from helpers import Entry, config_with, in_thread, make_core, start_stack, wait_
 from inmemory import Rig, answered
 from rawhttp import LogCapture, ScriptedBackend, counter_by, exchange, parse_response, port_of, recording_stack, request_bytes
 from yieldproxy.lot.parking import Refused
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 
 TIMEOUT = 60
 MiB = 1024 * 1024

@@ -36,8 +36,8 @@ from helpers import embedded, free_port, in_thread, sleep, until_healthy, wait_f
 from rawhttp import RawClient, request_bytes
 from test_twistd import TWISTD
 from yieldproxy.lifecycle.succession.predecessor import WIND_DOWN_STEP
-from yieldproxy.sim import SimOllama, expected_embedding
-from yieldproxy.sim.content import expected_reply, messages_prompt
+from yieldproxy.tools.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim.content import expected_reply, messages_prompt
 
 # Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -476,7 +476,7 @@ def cli(proxy: Proxy, *args: str) -> subprocess.CompletedProcess:
     """``yieldproxy ARGS`` of the "installed" copy."""
     env = {**os.environ, "PYTHONPATH": str(proxy.site)}
     return subprocess.run(
-        [sys.executable, "-c", "from yieldproxy.cli import main; main()", *args, "--admin", proxy.admin],
+        [sys.executable, "-c", "from yieldproxy.tools.cli import main; main()", *args, "--admin", proxy.admin],
         capture_output=True, text=True, timeout=TIMEOUT, env=env,
     )
 
@@ -808,7 +808,7 @@ async def test_hold_changes_through_reloads_are_applied_by_the_serving_process_o
     keep-alive client takes and ends holds of its own in a loop, through three reloads: no renewal fails and
     the lease never lapses, every change answered 200 is in every later answer (whichever process gives it),
     and nothing parked reaches the GPU until the last hold ends, then each once."""
-    from yieldproxy.client import Admin
+    from yieldproxy.tools.broker import Admin
 
     sim = SimOllama(reactor, latency=0.0, parallel=8)
     proxy = Proxy(tmp_path, await sim.listen())

@@ -38,7 +38,7 @@ from crowd import Crowd
 from helpers import embedded, in_thread, wait_for
 from rawhttp import request_bytes
 from test_reload import MODEL, Proxy, children_of, embed_body, gone
-from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim import SimOllama, expected_embedding
 
 pytestmark = pytest.mark.heavy
 

@@ -210,7 +210,7 @@ def test_plugin_options_alone_accept_log_format():
 async def test_twistd_with_log_format_json_logs_json_lines():
     """A real ``twistd -n yieldproxy --log-format json``: every stdout line is a JSON object."""
     from test_twistd import start_service  # the same launcher as the service tests
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = SimOllama(reactor)
     sim_port = await sim.listen()
@@ -342,7 +342,7 @@ def test_in_a_pool_each_request_line_names_the_upstream_that_served_it():
     from yieldproxy.observe.metrics import Metrics
     from yieldproxy.proxy.handler import ProxyApp
     from yieldproxy.service import build_heart
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     clock = Clock()
     config = pool_config(

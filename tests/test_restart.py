@@ -24,7 +24,7 @@ from twisted.internet.protocol import DatagramProtocol
 
 from helpers import ChildOutput, embedded, free_port, sleep, until_healthy, wait_for
 from test_twistd import TWISTD
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 # Real twistd processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy

@@ -49,10 +49,10 @@ from yieldproxy.servers import (
     server,
     tei as tei_mod,
 )
-from yieldproxy.sim import BUSY_ERROR, OOM_ERROR, SimOllama, expected_embedding
-from yieldproxy.sim.infinity import OOM_MESSAGE as INFINITY_OOM
-from yieldproxy.sim.llamacpp import COMPUTE_ERROR, LOADING_BODY
-from yieldproxy.sim.tei import BACKEND_ERROR
+from yieldproxy.tools.sim import BUSY_ERROR, OOM_ERROR, SimOllama, expected_embedding
+from yieldproxy.tools.sim.infinity import OOM_MESSAGE as INFINITY_OOM
+from yieldproxy.tools.sim.llamacpp import COMPUTE_ERROR, LOADING_BODY
+from yieldproxy.tools.sim.tei import BACKEND_ERROR
 from yieldproxy.upstream import translation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -556,7 +556,7 @@ def _model_calls(api: str, sim: SimOllama) -> list[tuple[str, str, dict]]:
 
 
 def _sim_serves(sim: SimOllama, path: str) -> bool:
-    from yieldproxy.sim.server import APIS as SIM_API_TABLE
+    from yieldproxy.tools.sim.server import APIS as SIM_API_TABLE
 
     return SIM_API_TABLE[sim.api].route(path, "POST") is not None
 

@@ -1,5 +1,5 @@
 """
-Tests for :mod:`yieldproxy.sim`, the simulated Ollama backend.
+Tests for :mod:`yieldproxy.tools.sim`, the simulated Ollama backend.
 
 Three layers: pure functions (plain tests); the resource in memory, driven by
 a :class:`~twisted.internet.task.Clock` through ``StubTreq`` (no reactor, no
@@ -26,8 +26,8 @@ from twisted.internet import defer, task, threads
 from twisted.internet.error import ConnectionLost, ConnectionRefusedError
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
 
-from yieldproxy import sim as simmod
-from yieldproxy.sim import (
+from yieldproxy.tools import sim as simmod
+from yieldproxy.tools.sim import (
     BUSY_ERROR,
     MODES,
     OOM_ERROR,
@@ -705,7 +705,7 @@ async def test_reset_aborts_in_flight_and_new_requests() -> None:
 @pytest_twisted.ensureDeferred
 async def test_command_line_prints_port() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "yieldproxy.sim", "--port", "0", "--latency", "0.01", "--parallel", "2", "--dim", "8"],
+        [sys.executable, "-m", "yieldproxy.tools.sim", "--port", "0", "--latency", "0.01", "--parallel", "2", "--dim", "8"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -735,7 +735,7 @@ async def test_command_line_prints_port() -> None:
 def test_no_reactor_at_import() -> None:
     """Importing the sim must not install or touch the global reactor."""
     code = (
-        "import sys, yieldproxy.sim; "
+        "import sys, yieldproxy.tools.sim; "
         "sys.exit('twisted.internet.reactor' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
@@ -746,7 +746,7 @@ def test_no_reactor_at_import() -> None:
 # ---------------------------------------------------------------------------
 # The other servers it plays: TEI, Infinity, llama.cpp (docs/servers.md).
 
-from yieldproxy.sim import (  # noqa: E402
+from yieldproxy.tools.sim import (  # noqa: E402
     cosine,
     expected_labels,
     expected_relevance,
@@ -1053,7 +1053,7 @@ def test_llamacpp_loads_at_start_and_after_refuse_or_reset_on_a_clock() -> None:
 @pytest_twisted.ensureDeferred
 async def test_command_line_plays_another_server(api: str, path: str, body: Any) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "yieldproxy.sim", "--port", "0", "--api", api, "--model", "bge", "--dim", "8"],
+        [sys.executable, "-m", "yieldproxy.tools.sim", "--port", "0", "--api", api, "--model", "bge", "--dim", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     timer = threading.Timer(20, proc.kill)

@@ -16,7 +16,7 @@ from twisted.internet import reactor
 from helpers import config_with, in_thread, start_stack, wait_for
 from rawhttp import RawClient, request_bytes
 from yieldproxy.lifecycle.succession.connections import export_idle, idle_connections, make_again
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 
 MODEL = "all-minilm"
 

@@ -13,9 +13,9 @@ from twisted.logger import capturedLogs, formatEvent
 
 from helpers import config_with, make_pool_core
 from inmemory import Rig
-from yieldproxy.cli import format_status
 from yieldproxy.names import LOADING_SOURCE, OUTAGE_SOURCE
 from yieldproxy.observe.metrics import UPSTREAM_STATES, pool_families
+from yieldproxy.tools.cli import format_status
 from yieldproxy.upstream.control import UpstreamControl
 from yieldproxy.watchers.outage import OutageWatcher, UpstreamProbe
 

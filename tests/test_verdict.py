@@ -26,7 +26,7 @@ from yieldproxy.lifecycle.holdstore import HoldStore, keep_holds
 from yieldproxy.lifecycle.succession import Setup, Succession
 from yieldproxy.lot.state import YieldState
 from yieldproxy.servers.base import PROBE_TEXT, ModelCall
-from yieldproxy.sim import OOM_ERROR, UNKNOWN_ERROR, expected_embedding
+from yieldproxy.tools.sim import OOM_ERROR, UNKNOWN_ERROR, expected_embedding
 from yieldproxy.upstream.served import IN_USE_AFTER, MAX_MODELS, WRITE_DELAY, RecordKeeper, ServedRecord
 
 MODEL = "all-minilm"

@@ -246,7 +246,7 @@ def test_signal_handlers_stay_through_the_stop_and_uninstall_puts_back_the_previ
 @pytest_twisted.ensureDeferred
 async def test_sigusr1_and_sigusr2_to_a_twistd_process(tmp_path):
     from test_twistd import start_service
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     config = tmp_path / "y.toml"
     config.write_text("[watchers]\nsignals = true\n")

@@ -5,7 +5,7 @@ with ``POST /yield`` and ``POST /resume`` on the admin API (docs/admin-api.md);
 this module does that for it, with the standard library only (no Twisted, no
 reactor), synchronously (:class:`Admin`) or under asyncio (:class:`AsyncAdmin`)::
 
-    from yieldproxy.client import Admin
+    from yieldproxy.tools.broker import Admin
 
     with Admin("http://127.0.0.1:11436").hold("game", "steam: Cyberpunk 2077", lease_seconds=60):
         run_the_game()
@@ -32,11 +32,11 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from .text import printable
+from ..text import printable
 
 __all__ = ["Admin", "AsyncAdmin", "Hold", "AsyncHold", "AdminError", "AdminUnreachable", "read_answer"]
 
-log = logging.getLogger("yieldproxy.client")
+log = logging.getLogger("yieldproxy.tools.broker")
 
 #: Seconds each admin call may take.
 DEFAULT_TIMEOUT = 10.0
@@ -67,7 +67,7 @@ class AdminUnreachable(AdminError):
 def read_answer(code: int, raw: bytes, where: str, token_given: bool, keys: tuple[str, ...] = ("state",)) -> dict:
     """The JSON object of an admin API answer, or :class:`AdminError` saying what went wrong.
 
-    Shared by this module and the CLI's client (adminclient.py).  A 200 must
+    Shared by this module and the CLI's client (tools/admin_api.py).  A 200 must
     carry one of ``keys`` (``/status``, ``/yield`` and ``/resume`` answer with
     the status, which has ``state``); anything else is an error, with the
     server's message when it sent one.

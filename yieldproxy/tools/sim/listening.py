@@ -18,7 +18,7 @@ from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from ..edge.tcp import set_no_delay
+from ...edge.tcp import set_no_delay
 
 
 class _TrackedConnection(ProtocolWrapper):

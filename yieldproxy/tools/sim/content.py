@@ -9,7 +9,7 @@ import re
 import struct
 from typing import Any, Iterable, Sequence
 
-from ..names import canonical_model
+from ...names import canonical_model
 
 DEFAULT_EMBED_MODEL = "all-minilm"
 DEFAULT_CHAT_MODEL = "llama3.2"

@@ -1,4 +1,4 @@
-"""The command line: ``python -m yieldproxy.sim`` and ``yieldproxy sim``."""
+"""The command line: ``python -m yieldproxy.tools.sim`` and ``yieldproxy sim``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _port(text: str) -> int:
     return port
 
 
-def build_parser(prog: str = "python -m yieldproxy.sim") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m yieldproxy.tools.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -70,7 +70,7 @@ def _run(reactor: Any, args: argparse.Namespace, prog: str) -> defer.Deferred[No
     A port that cannot be bound (in use, say) ends it with one line naming
     the option, and exit status 1.
     """
-    from ..edge.listen_errors import interface_at_fault, why_cannot_listen
+    from ...edge.listen_errors import interface_at_fault, why_cannot_listen
 
     sim = SimOllama(reactor, **_settings(args))
     forever: defer.Deferred[None] = defer.Deferred()
@@ -91,8 +91,8 @@ def _run(reactor: Any, args: argparse.Namespace, prog: str) -> defer.Deferred[No
     return sim.listen(args.port, args.interface).addCallbacks(bound, cannot_listen)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m yieldproxy.sim") -> None:
-    """``python -m yieldproxy.sim`` (``prog`` names it in messages): the only place that uses the global reactor."""
+def main(argv: Sequence[str] | None = None, prog: str = "python -m yieldproxy.tools.sim") -> None:
+    """``python -m yieldproxy.tools.sim`` (``prog`` names it in messages): the only place that uses the global reactor."""
     from twisted.internet import task
     from twisted.logger import (
         FilteringLogObserver,

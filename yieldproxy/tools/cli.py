@@ -2,7 +2,7 @@
 
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
-says what happened (see :data:`EPILOG`).  ``demo`` lives in demo.py,
+says what happened (see :data:`EPILOG`).  ``demo`` lives in tools/demo.py,
 ``check-fallback`` in upstream/fallback/check.py, ``sim`` in the sim package.
 
 Only :func:`main` and the command functions it starts touch the global
@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 import attrs
 from twisted.internet import defer, task
 
-from .adminclient import (
+from ..text import printable
+from .admin_api import (
     EXIT_ERROR,
     EXIT_OK,
     EXIT_UNREACHABLE,
@@ -37,7 +38,6 @@ from .adminclient import (
     AdminTarget,
     CliError,
 )
-from .text import printable
 
 __all__ = [
     "EXIT_ERROR", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
@@ -191,7 +191,7 @@ class Settings:
 
 def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Settings:
     """Options beat the environment, which beats the config file, which beats the defaults."""
-    from .config import ConfigError, load, read_read_token, read_token
+    from ..config import ConfigError, load, read_read_token, read_token
 
     config = None
     config_path = getattr(args, "config", None)
@@ -464,7 +464,7 @@ def _count(text: str) -> int:
 
 def _source(text: str) -> str:
     """``--source``: the admin API's own rule for source names (names.check_source)."""
-    from .names import check_source
+    from ..names import check_source
 
     try:
         return check_source(text)
@@ -558,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "sim", add_help=False,
         help="run a simulated Ollama (try: yieldproxy sim --help)",
-        description="Run the simulated Ollama backend (the same as python -m yieldproxy.sim).",
+        description="Run the simulated Ollama backend (the same as python -m yieldproxy.tools.sim).",
     )
 
     sub.add_parser(
@@ -607,11 +607,11 @@ def example_config() -> str:
     """
     import importlib.resources
 
-    packaged = importlib.resources.files(__package__).joinpath("etc", "yieldproxy.toml")
+    packaged = importlib.resources.files("yieldproxy").joinpath("etc", "yieldproxy.toml")
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
     try:
-        return (Path(__file__).resolve().parent.parent / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
+        return (Path(__file__).resolve().parents[2] / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
     except OSError:
         raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)")
 
@@ -683,7 +683,7 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         raise SystemExit(ops_files_command(args.dir, args.force))
 
     if args.command == "check-fallback":
-        from .upstream.fallback import check_command
+        from ..upstream.fallback import check_command
 
         raise SystemExit(check_command(getattr(args, "config", None)))
 

@@ -20,7 +20,8 @@ from twisted.internet import defer, task
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 
-from .adminclient import (
+from ..text import printable
+from .admin_api import (
     EXIT_ERROR,
     EXIT_OK,
     AdminClient,
@@ -31,7 +32,6 @@ from .adminclient import (
     why_unreachable,
 )
 from .sim import SimOllama, expected_embedding
-from .text import printable
 
 #: The demo's embedding model; the sim answers any name, deterministically.
 DEMO_MODEL = "all-minilm"
@@ -213,8 +213,8 @@ async def _start(reactor, args: argparse.Namespace, line: _Line) -> _Run:
     from treq.client import HTTPClient
     from twisted.internet.endpoints import TCP4ServerEndpoint
 
-    from .config import Config
-    from .service import build
+    from ..config import Config
+    from ..service import build
 
     watch = _Watch(started=reactor.seconds())
 

@@ -15,7 +15,7 @@ import importlib.resources
 import sys
 from pathlib import Path
 
-from .adminclient import EXIT_ERROR, EXIT_OK, CliError
+from .admin_api import EXIT_ERROR, EXIT_OK, CliError
 
 #: Every file of etc/, as a path under it (tests/test_ops_files.py checks none is missing).
 OPS_FILES = (
@@ -31,11 +31,11 @@ OPS_FILES = (
 
 def ops_file(name: str) -> bytes:
     """The content of one of :data:`OPS_FILES`: the package's copy, else the source checkout's."""
-    packaged = importlib.resources.files(__package__).joinpath("etc", *name.split("/"))
+    packaged = importlib.resources.files("yieldproxy").joinpath("etc", *name.split("/"))
     if packaged.is_file():
         return packaged.read_bytes()
     try:
-        return (Path(__file__).resolve().parent.parent / "etc" / name).read_bytes()
+        return (Path(__file__).resolve().parents[2] / "etc" / name).read_bytes()
     except OSError:
         raise CliError(f"etc/{name} is missing from this installation") from None
 

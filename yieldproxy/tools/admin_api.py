@@ -1,8 +1,8 @@
 """
 A client of the admin API, and what its callers share: errors with exit statuses, bounded calls.
 
-Both ``yieldproxy status/yield/resume`` (cli.py) and ``yieldproxy demo``
-(demo.py) talk to an admin API; neither should have to import the other to
+Both ``yieldproxy status/yield/resume`` (tools/cli.py) and ``yieldproxy demo``
+(tools/demo.py) talk to an admin API; neither should have to import the other to
 do so.  Every call here is bounded by a timeout and turns "nothing answered"
 into a :class:`CliError` that says why, with the exit status that goes with it.
 """
@@ -19,8 +19,8 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, Respon
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from .client import AdminError, read_answer
-from .edge.tcp import set_no_delay
+from ..edge.tcp import set_no_delay
+from .broker import AdminError, read_answer
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -195,7 +195,7 @@ class AdminClient:
         return response.code, await response.content()
 
     def _decode(self, code: int, raw: bytes) -> dict:
-        """The answer as :func:`yieldproxy.client.read_answer` reads it (the broker library's), with the CLI's hints."""
+        """The answer as :func:`yieldproxy.tools.broker.read_answer` reads it (the broker library's), with the CLI's hints."""
         try:
             return read_answer(code, raw, self.target.describe(), self._token is not None, keys=("state", "reloaded"))
         except AdminError as e:
