@@ -91,7 +91,7 @@ def _sdist_names(path: Path) -> set[str]:
 
 
 def test_build_gives_no_warnings(artefacts):
-    """Issue 13: yieldproxy.admin.static used to be "absent from the packages configuration"."""
+    """Issue 13: yieldproxy.static (admin/static/ now) used to be "absent from the packages configuration"."""
     for kind, (_, output) in artefacts.items():
         warnings = [line for line in output.splitlines() if "warn" in line.lower() or line.startswith("!!")]
         assert warnings == [], f"{kind}:\n{output}"
@@ -163,6 +163,16 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
     with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
         assert [n for n, p in etc.items() if wheel.read(f"yieldproxy/etc/{n}") != p.read_bytes()] == []
     assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/", ".ci/"))]
+
+
+def test_the_artefacts_carry_the_version_the_package_says(artefacts):
+    """The version is written once, in yieldproxy/__init__.py (setup.cfg: ``attr:``); both artefacts carry it."""
+    version = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "yieldproxy" / "__init__.py").read_text(), re.M).group(1)
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        assert f"\nVersion: {version}\n" in wheel.read(metadata).decode("utf-8")
+    assert artefacts["sdist"][0].name == f"yieldproxy-{version}.tar.gz"
+    assert artefacts["wheel"][0].name.startswith(f"yieldproxy-{version}-")
 
 
 def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path):
