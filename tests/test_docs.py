@@ -408,7 +408,7 @@ def test_linked_pages_and_cited_tests_exist():
         for target in re.findall(r"\]\(([^)#\s:]+)(?:#[^)]*)?\)", text):
             if not (page.parent / target).exists():
                 problems.append(f"{page.relative_to(ROOT)}: link to {target}, which does not exist")
-        for path in re.findall(r"(?<![\w/.])(tests/test_\w+\.py)", text):
+        for path in re.findall(r"(?<![\w/.])(tests/(?:\w+/)*test_\w+\.py)", text):
             if not (ROOT / path).exists():
                 problems.append(f"{page.relative_to(ROOT)}: {path} does not exist")
     assert problems == []

@@ -19,6 +19,6 @@ connection.
 
 Layer 4.  The layers below (the core, servers/, observe/) it may import, but it
 imports none of them: only the standard library, attrs, twisted and
-zope.interface (``tests/test_edge_reader.py`` checks it), so that it can be
+zope.interface (``tests/edge/test_edge_reader.py`` checks it), so that it can be
 read, tested and fuzzed alone.
 """

@@ -15,7 +15,7 @@ is refused; the chunks are removed, and any other coding (``gzip, chunked``)
 stays on the body, named in :attr:`ResponseParser.codings` for the relay to
 send on (never de-chunked and relabelled as a plain body).  Whatever the input, it raises
 nothing but :class:`ParseError` and never loops without consuming input
-(``tests/test_h1client.py`` fuzzes it).
+(``tests/edge/test_h1client.py`` fuzzes it).
 
 Its field lines and chunked bodies are read by the code it shares with the
 request reader (:mod:`yieldproxy.edge.h1wire`), in its lenient temper.

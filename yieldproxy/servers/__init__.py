@@ -16,7 +16,7 @@ Layer 1: it may import the core's names, text, clock, periodic and callbacks
 For a pool of several apis (the members' apis, in config order):
 
 * :func:`route_class` classifies a route by the first api that knows it.  The
-  servers never disagree on a route they share (``tests/test_servers.py``
+  servers never disagree on a route they share (``tests/servers/test_servers.py``
   checks every shared route), so the order never changes a class.
 * :func:`native_apis` says which apis may serve a route: those that know it in
   the same dialect as the first api that knows it.  Dialects differ where

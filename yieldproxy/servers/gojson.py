@@ -36,7 +36,7 @@ bodies).  :func:`scan_model` finds only the ``model`` of a large body without
 building it (used by ``[[routes]]`` model rules): it skips what it does not
 need with C-speed string operations and gives the same answer as
 :func:`read_request` on every valid JSON object (a Hypothesis property in
-``tests/test_gojson.py`` checks this).
+``tests/servers/test_gojson.py`` checks this).
 """
 
 from __future__ import annotations

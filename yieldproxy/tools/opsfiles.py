@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .admin_api import EXIT_ERROR, EXIT_OK, CliError
 
-#: Every file of etc/, as a path under it (tests/test_ops_files.py checks none is missing).
+#: Every file of etc/, as a path under it (tests/observe/test_ops_files.py checks none is missing).
 OPS_FILES = (
     "yieldproxy.toml",
     "systemd/yieldproxy.service",

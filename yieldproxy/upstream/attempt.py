@@ -190,7 +190,7 @@ class _CodedHeaders(Headers):
     length by setting ``Transfer-Encoding: chunked`` over any value set
     before: here that value becomes ``gzip, chunked`` (chunked last, RFC
     9112 6.1).  A client that gets no chunking (HTTP/1.0) gets the codings
-    alone, its body read until the close.  ``tests/test_relay.py`` fails if
+    alone, its body read until the close.  ``tests/proxy/test_relay.py`` fails if
     a Twisted release writes the head another way.
     """
 

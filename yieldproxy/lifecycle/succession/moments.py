@@ -1,7 +1,7 @@
 """Named moments of a handover, where the tests of real processes act.
 
 Each side calls :func:`reached` as it passes one of :data:`MOMENTS`; here it
-does nothing.  tests/test_handover_deaths.py starts the proxy from a copy of
+does nothing.  tests/lifecycle/test_reload.py starts the proxy from a copy of
 the package whose ``reached`` kills or stops a process at the moment a test
 names, so that a death "at any moment of the handover" is a moment chosen,
 not a race won.

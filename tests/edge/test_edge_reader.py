@@ -7,7 +7,7 @@ byte fed read or waiting) are checked by ``readercases.drive`` throughout.
 The rules themselves, with the words of each refusal, are
 ``readercases.RULES`` (the listener's answers from before the edge was the
 proxy's own); the fuzzers are
-``tests/test_edge_reader_fuzz.py``.
+``tests/edge/test_edge_reader_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from yieldproxy.edge.reader import (
     RequestReader,
 )
 
-EDGE = Path(__file__).resolve().parent.parent / "yieldproxy" / "edge"
+EDGE = Path(__file__).resolve().parents[2] / "yieldproxy" / "edge"
 #: What can happen to a reader: an event's kind, or one of these two.
 HAPPENINGS = {"bytes", "start_next"} | {cls.__name__ for cls in (
     RequestHead, ChunkAnnounced, BodyData, EndOfMessage, Refusal, Incomplete, Closed)}

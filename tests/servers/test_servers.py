@@ -55,7 +55,7 @@ from yieldproxy.tools.sim.llamacpp import COMPUTE_ERROR, LOADING_BODY
 from yieldproxy.tools.sim.tei import BACKEND_ERROR
 from yieldproxy.upstream import translation
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVERS_MD = ROOT / "docs" / "servers.md"
 CLASSES = ("interactive", "batch", "long", PASSTHROUGH)
 
@@ -282,7 +282,7 @@ def _llamacpp(message: str, kind: str, code: int) -> bytes:
 CUDA = "CUDA error: out of memory"
 
 JUDGED = [
-    # -- Ollama: its runner prefixes (tests/test_outage.py has the rest), its full queue.
+    # -- Ollama: its runner prefixes (tests/watchers/test_outage.py has the rest), its full queue.
     ("ollama", 200, b'{"embeddings": []}', OK),
     ("ollama", 500, _ollama(OOM_ERROR), GPU),
     ("ollama", 500, _openai(OOM_ERROR), GPU),
@@ -401,7 +401,7 @@ def test_no_judge_reads_a_gpu_failure_from_words_a_caller_can_send():
     substrings is an out-of-memory to Ollama itself (llm/status.go ``IsOutOfMemoryMessage``),
     wherever the words stand, so a quoted input can read so too.  Such words are evidence,
     never an outage: the probe, whose text is the proxy's, decides that
-    (tests/test_outage.py::test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds).
+    (tests/watchers/test_outage.py::test_a_template_naming_ollamas_oom_words_is_retried_alone_and_never_holds).
     """
     words = [OOM_ERROR, BACKEND_ERROR, COMPUTE_ERROR, INFINITY_OOM, "unhealthy", "CUDA", "Backend", "gpu"]
     for api in APIS:

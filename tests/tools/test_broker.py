@@ -237,7 +237,7 @@ async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "from yieldproxy import Admin" in block]
     assert len([line for line in code.splitlines() if line.strip()]) == 3, code
     stack = await start_stack(reactor)

@@ -1,6 +1,6 @@
-"""A proxy in its own process under a given open-file limit, as twistd starts it (tests/test_limits.py).
+"""A proxy in its own process under a given open-file limit, as twistd starts it (tests/lifecycle/test_limits.py).
 
-    python tests/fdlimit_proxy.py NOFILE UPSTREAM_URL
+    python tests/lifecycle/fdlimit_proxy.py NOFILE UPSTREAM_URL
 
 Sets RLIMIT_NOFILE (soft and hard) to NOFILE, fits the config to it as
 ``tap.makeService`` does (:func:`yieldproxy.lifecycle.limits.fit_fd_limit`), starts the

@@ -15,7 +15,7 @@
   why; where it takes what h11 refuses, :data:`LOOSER_BY_DESIGN` does (each
   is checked to be so: a case that stopped being one fails).
 
-More examples: ``YIELDPROXY_FUZZ_EXAMPLES=5000 pytest tests/test_edge_reader_fuzz.py``.
+More examples: ``YIELDPROXY_FUZZ_EXAMPLES=5000 pytest tests/edge/test_edge_reader_fuzz.py``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from yieldproxy.config import Config
 from yieldproxy.service import build
 from yieldproxy.tools import cli, demo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-admin-token-0123456789"
 TIMEOUT = 30.0
 #: The console script pip installed next to this Python.

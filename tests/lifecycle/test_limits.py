@@ -15,7 +15,7 @@ from yieldproxy.lifecycle.limits import RESERVE, fd_budget, fit_fd_limit
 
 NOFILE = resource.RLIMIT_NOFILE
 INFINITY = resource.RLIM_INFINITY
-UNIT = Path(__file__).resolve().parent.parent / "etc" / "systemd" / "yieldproxy.service"
+UNIT = Path(__file__).resolve().parents[2] / "etc" / "systemd" / "yieldproxy.service"
 
 
 class Limits:
@@ -172,7 +172,7 @@ async def test_at_the_cap_fitted_to_the_open_file_limit_every_client_gets_an_ans
     cap = fd_budget(Config(), lambda which: (nofile, nofile), lambda which, limits: None).max_connections
     assert cap < 100
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1]), str(here.parent), str(here)]))
     child = subprocess.Popen(
         [sys.executable, str(here / "fdlimit_proxy.py"), str(nofile), f"http://127.0.0.1:{port}"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,

@@ -43,7 +43,7 @@ from yieldproxy.tools.sim.content import expected_reply, messages_prompt
 pytestmark = pytest.mark.heavy
 
 TIMEOUT = 60
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "all-minilm"
 
 

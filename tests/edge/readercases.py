@@ -11,7 +11,7 @@ took.  What it returns, :class:`Outcome`, is the same however the input is cut
 splits.
 
 :data:`RULES` is every rule of the reader with an input that breaks it and the
-answer: ``tests/test_edge_reader.py`` checks the reader gives it.  Each
+answer: ``tests/edge/test_edge_reader.py`` checks the reader gives it.  Each
 answer is the one the listener gave before the edge was the proxy's own
 (Twisted's HTTPChannel with httpserver.py's hardening; a test fed both the
 same bytes until that channel was gone), or names why it differs.

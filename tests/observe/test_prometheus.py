@@ -31,7 +31,7 @@ TOKEN = "prometheus-test-token-0123456789"
 #: What Prometheus is given: admin.read_token_file's token.
 READ_TOKEN = "prometheus-read-only-token-0123456789"
 PARKED = 5
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RULES = os.path.join(ROOT, "etc", "prometheus", "yieldproxy-rules.yml")
 
 

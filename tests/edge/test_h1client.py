@@ -1203,7 +1203,7 @@ async def test_real_refused_connection():
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-#: Examples per fuzz test; raise it for a longer hunt: YIELDPROXY_FUZZ_EXAMPLES=6000 pytest tests/test_h1client.py -k fuzz
+#: Examples per fuzz test; raise it for a longer hunt: YIELDPROXY_FUZZ_EXAMPLES=6000 pytest tests/edge/test_h1client.py -k fuzz
 FUZZ = settings(
     max_examples=int(os.environ.get("YIELDPROXY_FUZZ_EXAMPLES", "400")),
     deadline=None,

@@ -1,6 +1,6 @@
 """The one-line causes of listeners that cannot start (the cases a real process cannot easily stage).
 
-The common cases run for real in tests/test_twistd.py and tests/test_cli.py.
+The common cases run for real in tests/test_twistd.py and tests/tools/test_cli.py.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from yieldproxy.watchers.outage import MAX_PROBES, VERDICT_SECONDS, OutageWatche
 from yieldproxy.watchers.signals import SignalWatcher, StopSignals
 from yieldproxy.watchers.state_file import StateFileWatcher, parse_content
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "etc" / "probes" / "nvidia-game-probe.sh"
 TIMEOUT = 30
 

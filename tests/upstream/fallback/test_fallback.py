@@ -439,7 +439,7 @@ def test_at_most_concurrency_at_once_the_rest_wait_in_line():
     core.backend.hold = True
     served = [core.serve(input=[f"t{i}"]) for i in range(3)]
     # The third is admitted as usual (it parks), in line for the fallback: its
-    # drainer serves it when a slot frees (tests/test_fallback_drain.py).
+    # drainer serves it when a slot frees (tests/upstream/fallback/test_fallback_drain.py).
     assert served[2][1].result is False
     assert core.fallback.waiting == 1 and len(core.lot) == 1  # the third alone is in line for it
     assert core.fallback.inflight == 2 and len(core.backend.calls) == 1 + 2  # verification's, then two

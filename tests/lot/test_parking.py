@@ -567,8 +567,8 @@ def test_a_parked_entry_costs_the_lot_about_half_a_kilobyte():
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
     result = subprocess.run(
         [sys.executable, "-c", _PER_ENTRY], capture_output=True, text=True, env=env, timeout=120, check=False
     )

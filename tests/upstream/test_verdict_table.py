@@ -32,7 +32,7 @@ from yieldproxy.upstream.verdict import (
     verdict,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 R, V = Reason, Verdict
 
 

@@ -4,7 +4,7 @@ On a Clock: the pool core (a member's not-ready state, its checks, the
 bound that makes it an outage), and the proxy app in memory in front of the
 llama.cpp sim (an attempt judged not ready is not counted, the request is
 replayed on the member once its health reads up).  The real-socket cousin is
-in tests/test_pool_servers.py.
+in tests/upstream/pool/test_pool_servers.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from helpers import required_tool
 from yieldproxy.observe.metrics import Metrics, hold_families, oldest_parked_family, pool_families
