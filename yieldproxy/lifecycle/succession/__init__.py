@@ -18,6 +18,10 @@ reload, snapshots and restores the state that crosses over, refuses the
 signals and the admin API's hold changes that the process without the holds
 must not take (signals.py), and hands the pidfile and the holds file over at
 the commit (claims.py).
+
+Part of lifecycle/ (layer 9): it may import what lifecycle/ may (the proxy's
+parked requests and the edge's connections go over through them), and the rest
+of lifecycle/.
 """
 
 from __future__ import annotations

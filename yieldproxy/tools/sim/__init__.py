@@ -46,6 +46,9 @@ owns), :mod:`.api` (what a server's API is made of), :mod:`.ollama` and
 :mod:`.ollama_requests` (Ollama's routes, answers and request checks),
 :mod:`.tei`, :mod:`.infinity`, :mod:`.llamacpp` (the other servers' APIs),
 :mod:`.openai` (OpenAI's shapes), :mod:`.command` (the command line).
+
+Part of tools/ (layer 12): it may import any layer below (it takes the core's
+names and the edge's TCP and listen-error helpers); nothing in the proxy imports it.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ The package: :mod:`.backend` (the embedding client), :mod:`.contract` (the
 twin check and its counts),
 :mod:`.check` (``yieldproxy check-fallback``); the comparison of vectors is
 :mod:`yieldproxy.upstream.vectors`, shared with the pool's twin verification.
+
+Part of upstream/ (layer 6): it may import what upstream/ may, and the rest of upstream/.
 """
 
 from __future__ import annotations

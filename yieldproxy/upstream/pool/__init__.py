@@ -8,4 +8,6 @@
 * :mod:`.twins`: which members may serve a model's embeddings (its reference, verified twins);
 * :mod:`.lists`: ``GET /api/tags`` and ``/v1/models`` as the union of the members' lists;
 * :mod:`.rename`: a body's model renamed to the one a member serves it as.
+
+Part of upstream/ (layer 6): it may import what upstream/ may, and the rest of upstream/.
 """
