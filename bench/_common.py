@@ -171,10 +171,10 @@ class Children:
 
 
 def start_sim(children: Children, *extra: str, name: str = "sim") -> tuple[Child, int]:
-    """The simulated Ollama (``python -m yieldproxy.sim``) on a free port."""
+    """The simulated Ollama (``python -m yieldproxy.tools.sim``) on a free port."""
     child = children.start(
         name,
-        [PYTHON, "-m", "yieldproxy.sim", "--port", "0", "--latency", "0", "--parallel", "64", *extra],
+        [PYTHON, "-m", "yieldproxy.tools.sim", "--port", "0", "--latency", "0", "--parallel", "64", *extra],
     )
     m = child.wait_line(r"listening on 127\.0\.0\.1:(\d+)")
     return child, int(m.group(1))

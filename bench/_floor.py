@@ -11,7 +11,7 @@ upstream's ``Content-Length`` kept.  It prints one line::
 
     ready floor=PORT pid=PID
 
-then serves until SIGTERM.  ``--client lean`` puts :mod:`yieldproxy.h1client`
+then serves until SIGTERM.  ``--client lean`` puts :mod:`yieldproxy.edge.h1client`
 in place of the Agent (the same Klein front), to show what that client saves.
 """
 
@@ -105,10 +105,10 @@ def agent_floor(reactor, host: str, port: int):
 
 
 def lean_floor(reactor, host: str, port: int):
-    """The same Klein front, forwarding with :mod:`yieldproxy.h1client` instead of the Agent."""
+    """The same Klein front, forwarding with :mod:`yieldproxy.edge.h1client` instead of the Agent."""
     from klein import Klein
 
-    from yieldproxy.h1client import H1Pool
+    from yieldproxy.edge.h1client import H1Pool
 
     response_skip = HOP_BY_HOP - {b"content-length"}  # the raw Content-Length is relayed as it is
 
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--upstream-port", type=int, required=True, help="the backend on 127.0.0.1")
     p.add_argument("--client", choices=("agent", "lean"), default="agent",
-                   help="agent: twisted.web.client.Agent (the floor); lean: yieldproxy.h1client")
+                   help="agent: twisted.web.client.Agent (the floor); lean: yieldproxy.edge.h1client")
     args = p.parse_args(argv)
 
     from twisted.internet import epollreactor

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
 
     import yieldproxy
     from yieldproxy.config import Config, load
-    from yieldproxy.requestlog import text_file_observer
+    from yieldproxy.observe.requestlog import text_file_observer
     from yieldproxy.service import build
 
     # Log as `twistd -n yieldproxy` would (its text observer at --log-level,

@@ -12,7 +12,7 @@ proxy.  Printed:
   and its imports, during which the old process still serves.
 * ``handover``: from the new process's ``ready`` to its ``committed``
   (the old process's log line): the lot goes over while the old process
-  still accepts and serves (succession/predecessor.py's two phases).
+  still accepts and serves (lifecycle/succession/predecessor.py's two phases).
 * ``accepting paused``: the commit's round trip, while neither process
   accepts and new connections wait in the listening socket's backlog.
 * ``client pause``: the longest ``GET /api/version`` round trip during the
@@ -24,7 +24,7 @@ proxy.  Printed:
     .venv/bin/python bench/handover.py [--parked 1000 10000]
 
 10,000 parked needs more than 20,000 descriptors in the proxy (it budgets
-two a connection, limits.py): where the hard limit is lower, the proxy
+two a connection, lifecycle/limits.py): where the hard limit is lower, the proxy
 takes fewer connections, the rest are answered 503 at once, and the row
 says how many parked.
 """

@@ -4,7 +4,7 @@ A rule with ``models`` makes the proxy find the model in every body on its
 route; it used to parse the whole body with ``json.loads`` on the reactor
 thread, and every other request waited meanwhile (finding 8 of issue 10:
 about 2 s for 30 MB).  Now a body over 64 KiB is scanned for its top-level
-``model`` key instead (``yieldproxy/gojson.py``).
+``model`` key instead (``yieldproxy/servers/gojson.py``).
 
 The proxy (``--config`` with the rule) and the backend (``_stamp_backend.py``,
 which answers every request at once) each run in their own process.  For

@@ -2,7 +2,7 @@
 
 One run, side by side, against the same backend:
 
-* the simulated Ollama (``python -m yieldproxy.sim --latency 0 --parallel 64``)
+* the simulated Ollama (``python -m yieldproxy.tools.sim --latency 0 --parallel 64``)
   in its own process, a yieldproxy in front of it in another, and the *floor*
   in a third: a minimal Klein + ``twisted.web.client.Agent`` pass-through
   (``_floor.py``: persistent pool, TCP_NODELAY both ways, no parking), what
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per wrk round")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, write stats here")
     p.add_argument("--floor-h1", action="store_true",
-                   help="also measure the floor's Klein front on yieldproxy.h1client (the proxy's client) "
+                   help="also measure the floor's Klein front on yieldproxy.edge.h1client (the proxy's client) "
                         "instead of the Agent")
     p.add_argument("--context-latency", type=float, default=0.02,
                    help="also measure c=16 throughput with this backend latency (s; 0: skip)")
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     print(f"proxy code: {proxy.src}; sim, proxy and floor each in its own process; {os.cpu_count()} cores")
     print("floor: a minimal Klein + Agent pass-through (bench/_floor.py: persistent pool, TCP_NODELAY, no parking)")
     if args.floor_h1:
-        print("floor-h1: the floor's Klein front on yieldproxy.h1client, the proxy's client (bench/_floor.py --client lean)")
+        print("floor-h1: the floor's Klein front on yieldproxy.edge.h1client, the proxy's client (bench/_floor.py --client lean)")
     print(f"{'':34}" + "".join(f"{side:>10}" for side in ports))
     print(f"c=1 ({c1['pairs']} rounds of one call each way, order rotated)")
     for q in ("p50", "p99", "mean"):

@@ -2,7 +2,7 @@
 
 One run, side by side:
 
-* three simulated Ollamas (``python -m yieldproxy.sim --latency 0 --parallel 64``),
+* three simulated Ollamas (``python -m yieldproxy.tools.sim --latency 0 --parallel 64``),
   each in its own process, the same settings;
 * ``pool1``: a yieldproxy whose ``[[upstreams]]`` is the first sim alone;
   ``pool3``: another whose ``[[upstreams]]`` are the three (every member serves

@@ -1,6 +1,6 @@
 """Soak: hours of mixed traffic through one proxy process, a yield every minute; does anything leak?
 
-The simulated Ollama (``python -m yieldproxy.sim``) and a yieldproxy
+The simulated Ollama (``python -m yieldproxy.tools.sim``) and a yieldproxy
 (``_proxy_runner.py``, the checkout's code) each run in their own process.
 This process drives them with:
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(BENCH.parent))  # the checkout's yieldproxy (for the expe
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH", "")]))
 
 from _common import Children, Conn, HTTPError, admin_call, get, header, post, rss_bytes, start_proxy, start_sim, verdict  # noqa: E402
-from yieldproxy.sim import expected_embedding, expected_reply, messages_prompt  # noqa: E402
+from yieldproxy.tools.sim import expected_embedding, expected_reply, messages_prompt  # noqa: E402
 
 MB = 1024 * 1024
 MODEL = "all-minilm"

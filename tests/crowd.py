@@ -1,7 +1,7 @@
 """Many HTTP clients at once on raw sockets, one request each, served by one thread.
 
 For the tests of real processes that park a thousand requests and keep more
-arriving through reloads (tests/test_reload_deaths.py): each client connects
+arriving through reloads (tests/lifecycle/test_reload_deaths.py): each client connects
 (non-blocking), sends its request, and reads until its answer is whole or its
 connection ends.  Its :class:`Outcome` says which: an answer (its status,
 ``Retry-After`` and body), ``refused`` (nothing listened: the connection was

@@ -11,14 +11,14 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, VerificationConfig
-from yieldproxy.gate import Gate
-from yieldproxy.health import UpstreamHealth
-from yieldproxy.metrics import Metrics
-from yieldproxy.parking import Entry, ParkingLot
-from yieldproxy.replay import Replayer
+from yieldproxy.lot.gate import Gate
+from yieldproxy.lot.parking import Entry, ParkingLot
+from yieldproxy.lot.replay import Replayer
+from yieldproxy.lot.state import YieldState
+from yieldproxy.observe.metrics import Metrics
 from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.service import build_core, one_step_cooperator
-from yieldproxy.state import YieldState
+from yieldproxy.upstream.health import UpstreamHealth
 
 
 def clock_cooperator(clock: Clock) -> Cooperator:
@@ -186,7 +186,7 @@ async def start_stack(
     requests that fail on their own; outage detection has its own tests.
     """
     from yieldproxy.service import build
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = None
     if upstream is None:
@@ -373,7 +373,7 @@ async def start_pool_stack(
     verified from the start, and it returns once that is done (or could not run).
     """
     from yieldproxy.service import build
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sims = {}
     tables = []

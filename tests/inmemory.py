@@ -52,10 +52,10 @@ from twisted.web.server import NOT_DONE_YET, Site
 from zope.interface import implementer
 
 from yieldproxy.config import Config, MemberConfig
-from yieldproxy.forward import Upstream
 from yieldproxy.service import build
-from yieldproxy.sim import SimOllama
-from yieldproxy.translate import BackendError, client_response, parse_request
+from yieldproxy.tools.sim import SimOllama
+from yieldproxy.upstream.attempt import Upstream
+from yieldproxy.upstream.translation import BackendError, client_response, parse_request
 
 #: A bound on the rounds of one :meth:`Rig.turn`: more means something loops without end.
 _MAX_ROUNDS = 10_000
@@ -159,7 +159,7 @@ class RawPeer(Protocol):
 
 
 class MemoryUpstream(Upstream):
-    """The proxy's upstream client (:class:`yieldproxy.forward.Upstream`) reaching ``upstream`` in memory.
+    """The proxy's upstream client (:class:`yieldproxy.upstream.attempt.Upstream`) reaching ``upstream`` in memory.
 
     ``upstream`` is a resource (served by a plain ``Site``) or a protocol
     factory of its own (``rawhttp.RecordingBackend``, which keeps the exact
@@ -182,7 +182,7 @@ class EmbedResource(Resource):
 
     It answers Ollama's ``/api/embed`` and ``/api/embeddings`` and OpenAI's
     ``/v1/embeddings`` (or ``/embeddings``, under an OpenAI base URL) in each
-    route's shape; the fake's :class:`~yieldproxy.translate.BackendError` is
+    route's shape; the fake's :class:`~yieldproxy.upstream.translation.BackendError` is
     a 500, and an answer the fake holds back is held back on the wire too.
     """
 
@@ -268,11 +268,11 @@ class Rig:
         ``upstream.detect_outages`` is turned off, as :func:`helpers.start_stack` does.
     :param upstream: a resource, or a protocol factory such as
         ``rawhttp.RecordingBackend``, to use as the upstream instead of a new
-        :class:`~yieldproxy.sim.SimOllama` (then :attr:`sim` is None).
+        :class:`~yieldproxy.tools.sim.SimOllama` (then :attr:`sim` is None).
     :param reactor: the clock, a :class:`~twisted.internet.testing.MemoryReactorClock`
         to start and stop ``proxy.service`` itself (its listeners listen on it);
         a new Clock by default (a MemoryReactorClock with ``watchers`` or ``members``).
-    :param holds: a :class:`~yieldproxy.holdstore.HoldStore` that keeps the holds across rigs (a restart).
+    :param holds: a :class:`~yieldproxy.lifecycle.holdstore.HoldStore` that keeps the holds across rigs (a restart).
     :param wall: the wall clock (``build``'s ``wall``): the Clock itself by default, a stepping one to test steps.
     :param members: a pool instead of one upstream: dicts of ``[[upstreams]]``
         keys, each with a ``name``; a member's own sim options under its

@@ -17,7 +17,7 @@ from twisted.internet import reactor
 from helpers import config_with, in_thread, start_stack, wait_for
 from rawhttp import counter_total
 from yieldproxy.servers.base import PROBE_TEXT
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 
 MODEL = "all-minilm"
 

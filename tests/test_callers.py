@@ -27,7 +27,7 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from helpers import config_with, in_thread, start_stack, wait_for
-from yieldproxy.sim import expected_embedding, expected_embedding_f32
+from yieldproxy.tools.sim import expected_embedding, expected_embedding_f32
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy

@@ -48,7 +48,7 @@ from inmemory import Rig, answered
 from rawhttp import LogCapture, counter_by, counter_total, parse_response, port_of, request_bytes
 from test_burst import Burst, assert_clean
 from test_twistd import TWISTD
-from yieldproxy.sim import expected_embedding
+from yieldproxy.tools.sim import expected_embedding
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -202,7 +202,7 @@ def test_burst_through_yields_flapping_every_100ms():
 
 SIM_CHILD = r"""
 import json, sys
-from yieldproxy import sim
+from yieldproxy.tools import sim
 
 _answer = sim.SimOllama._answer_batch
 
@@ -219,7 +219,7 @@ sim.main(sys.argv[1:])
 
 
 class SimChild(ProcessProtocol):
-    """``python -m yieldproxy.sim`` in a child process (wrapped to report each embedded text)."""
+    """``python -m yieldproxy.tools.sim`` in a child process (wrapped to report each embedded text)."""
 
     def __init__(self):
         self.buffer = b""
@@ -496,7 +496,7 @@ async def _status(admin: str) -> dict:
 @pytest_twisted.ensureDeferred
 async def test_sigterm_with_requests_parked_and_in_flight(tmp_path):
     """twistd gets SIGTERM: parked answered 503 at once, in flight finish, a clean exit, no traceback."""
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = SimOllama(reactor, latency=1.5, parallel=8)
     sim_port = await sim.listen()
@@ -537,7 +537,7 @@ async def test_sigterm_cuts_what_is_still_in_flight_after_the_shutdown_timeout(t
     """What is *not* promised: past proxy.shutdown_timeout_seconds, an unfinished answer is cut.  As the process
     ends, its connections close in no set order: the client's first (it sees a close), or the upstream's (the
     attempt fails, and the client reads the 503 of a proxy shutting down, sent at once); never the answer."""
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     sim = SimOllama(reactor, latency=20.0, parallel=8)
     sim_port = await sim.listen()
@@ -607,7 +607,7 @@ def test_every_guarantee_names_a_test_that_exists():
     import re
 
     page = open(os.path.join(CHECKOUT, "docs", "guarantees.md"), encoding="utf-8").read()
-    cited = set(re.findall(r"tests/(\w+\.py)::(\w+)", page))
+    cited = set(re.findall(r"tests/((?:\w+/)*\w+\.py)::(\w+)", page))
     assert len(cited) >= 40
     missing = []
     names_in: dict[str, set[str]] = {}  # each test file parsed once, not once per citation

@@ -16,10 +16,10 @@ from twisted.internet.task import Clock
 
 from helpers import embedded
 from inmemory import Rig, answered
-from yieldproxy.cli import format_status
 from yieldproxy.clock import WallClock, is_monotonic, run_on_monotonic, wall_clock
-from yieldproxy.holdstore import HoldStore, keep_holds
-from yieldproxy.state import YieldState
+from yieldproxy.lifecycle.holdstore import HoldStore, keep_holds
+from yieldproxy.lot.state import YieldState
+from yieldproxy.tools.cli import format_status
 
 MODEL = "all-minilm"
 #: A wall clock that is not the elapsed one: the Clock starts at 0, the wall at this (2026).

@@ -20,7 +20,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import ChildOutput, free_port, sleep, until_healthy, wait_for
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 pytestmark = pytest.mark.heavy
 

@@ -181,7 +181,7 @@ def test_the_config_knows_which_keys_were_set_and_compares_by_values_only():
 
 
 def test_probe_model_and_path_are_each_upstreams_default_and_its_own_key_wins():
-    from yieldproxy.pool.members import member_specs
+    from yieldproxy.upstream.pool.members import member_specs
 
     config = from_dict({
         "upstream": {"probe_model": "all-minilm", "probe_path": "/api/embed"},

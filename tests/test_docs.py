@@ -4,7 +4,7 @@
 * every configuration key appears in ``etc/yieldproxy.toml`` and in
   ``docs/configuration.md``;
 * every admin route (with each of its methods) appears in ``docs/admin-api.md``;
-* every metric a fresh :class:`~yieldproxy.metrics.Metrics` exports appears in
+* every metric a fresh :class:`~yieldproxy.observe.metrics.Metrics` exports appears in
   ``docs/metrics.md``;
 * every command the README and the docs show runs as shown: ``yieldproxy``
   subcommands and options, ``twistd`` and plugin options, a pid file for each
@@ -27,10 +27,11 @@ from pathlib import Path
 import attrs
 import pytest
 
-from yieldproxy import cli, config as config_module
-from yieldproxy.admin import AdminApp
+from yieldproxy import config as config_module
+from yieldproxy.admin.api import AdminApp
 from yieldproxy.config import Config, load
-from yieldproxy.metrics import Metrics
+from yieldproxy.observe.metrics import Metrics
+from yieldproxy.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "etc" / "yieldproxy.toml"
@@ -300,7 +301,7 @@ def _check_options(words: list[str], known: dict[str, bool], what: str) -> list[
 
 
 def _yieldproxy_problems(args: list[str]) -> list[str]:
-    from yieldproxy.sim.command import build_parser as sim_parser
+    from yieldproxy.tools.sim.command import build_parser as sim_parser
 
     parser = cli.build_parser()
     common = _argparse_options(parser)
@@ -407,7 +408,7 @@ def test_linked_pages_and_cited_tests_exist():
         for target in re.findall(r"\]\(([^)#\s:]+)(?:#[^)]*)?\)", text):
             if not (page.parent / target).exists():
                 problems.append(f"{page.relative_to(ROOT)}: link to {target}, which does not exist")
-        for path in re.findall(r"(?<![\w/.])(tests/test_\w+\.py)", text):
+        for path in re.findall(r"(?<![\w/.])(tests/(?:\w+/)*test_\w+\.py)", text):
             if not (ROOT / path).exists():
                 problems.append(f"{page.relative_to(ROOT)}: {path} does not exist")
     assert problems == []

@@ -19,7 +19,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import ChildOutput, free_port, wait_for
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "embedding.md"

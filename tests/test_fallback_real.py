@@ -413,7 +413,7 @@ def _shape(value: object) -> object:
 @pytest_twisted.ensureDeferred
 async def test_the_sim_answers_in_the_real_infinitys_shapes(infinity):
     """``yieldproxy sim --api infinity`` next to the real server: same statuses, same JSON shapes, same errors."""
-    from yieldproxy.sim import SimOllama
+    from yieldproxy.tools.sim import SimOllama
 
     real = infinity[0]
     sim = SimOllama(reactor, api="infinity", models=(MODEL,))

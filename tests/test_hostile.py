@@ -42,7 +42,7 @@ from rawhttp import (
     recording_stack,
     request_bytes,
 )
-from yieldproxy import admin as admin_module
+from yieldproxy.admin import api as admin_module
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
@@ -99,7 +99,7 @@ async def test_absolute_uri_and_connect_never_reach_another_host():
         upstream_host = stack.proxy.upstream.url.removeprefix("http://").encode()
         for index in range(2):
             assert stack.echo.header_values(index, b"host") == [upstream_host]
-        # ...and reaches the upstream as a path, its slashes collapsed (target.py).
+        # ...and reaches the upstream as a path, its slashes collapsed (proxy/target.py).
         assert stack.echo.heads[1].split(b"\r\n")[0] == b"GET /" + target + b"/api/tags HTTP/1.1"
         with pytest.raises(BlockingIOError):
             decoy.accept()

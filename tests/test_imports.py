@@ -89,9 +89,9 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_no_import_cycles() -> None:
     modules = _modules()
-    assert "yieldproxy.cli" in modules and "yieldproxy.sim.server" in modules
+    assert "yieldproxy.tools.cli" in modules and "yieldproxy.tools.sim.server" in modules
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert "yieldproxy.adminclient" in graph["yieldproxy.demo"]
+    assert "yieldproxy.tools.admin_api" in graph["yieldproxy.tools.demo"]
     assert _cycles(graph) == []
 
 

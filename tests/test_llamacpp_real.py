@@ -45,7 +45,7 @@ from test_burst import Burst
 from test_fallback_real import _same_vector, running_infinity
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, LONG_PROBE_TEXTS
 from yieldproxy.servers import BUSY, CALLER, NOT_READY, OK, UP, server
-from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim import SimOllama, expected_embedding
 
 # Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy

@@ -26,13 +26,13 @@ from helpers import admin, config_with, in_thread, sleep, start_stack, wait_for
 from rawhttp import counter_by, counter_total
 from test_burst import Burst
 from yieldproxy.config import UpstreamConfig
-from yieldproxy.sim import DEFAULT_CHAT_MODEL, expected_embedding, expected_reply, messages_prompt
+from yieldproxy.tools.sim import DEFAULT_CHAT_MODEL, expected_embedding, expected_reply, messages_prompt
 
 # Real sockets and processes for many seconds: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy
 
 EMBED_MODEL = "all-minilm"
-#: The ways a backend fails, as the sim's modes (yieldproxy/sim/modes.py) play them.
+#: The ways a backend fails, as the sim's modes (yieldproxy/tools/sim/modes.py) play them.
 KINDS = {
     "refuse": "refuse",
     "reset": "reset",

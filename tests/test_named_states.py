@@ -18,7 +18,10 @@ from twisted.internet.task import Clock
 from twisted.web.http_headers import Headers
 
 from helpers import config_with, make_core, make_pool_core
-from yieldproxy.forward import (
+from yieldproxy.edge.h1client import ResponseIncomplete
+from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
+from yieldproxy.names import LOADING_SOURCE
+from yieldproxy.upstream.attempt import (
     ANSWER_MOVES,
     AWAITING,
     CLIENT_MOVES,
@@ -35,11 +38,8 @@ from yieldproxy.forward import (
     RelayBroken,
     RetryableFailure,
 )
-from yieldproxy.h1client import ResponseIncomplete
-from yieldproxy.names import LOADING_SOURCE
-from yieldproxy.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
-from yieldproxy.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
-from yieldproxy.verdict import Reason
+from yieldproxy.upstream.pool.member import CONDITION_MOVES, NOT_READY, REFUSING, SERVING, STUCK, UNANSWERED, Condition
+from yieldproxy.upstream.verdict import Reason
 
 # -- the tables ---------------------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Health:
         return d
 
     def answer(self, code: int, body: bytes = b"") -> None:
-        from yieldproxy.control import Answer as ControlAnswer
+        from yieldproxy.upstream.control import Answer as ControlAnswer
 
         self.calls[-1].callback(ControlAnswer(code, body))
 
@@ -411,8 +411,8 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
 
 def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one_will_not_have_it():
     """A reload hands a parked entry over (handed); the new process dies before the commit: the entry parks
-    here again, ahead of one that came after it (succession/predecessor.py takes the rest back)."""
-    from yieldproxy.parking import HANDED, HandedOver
+    here again, ahead of one that came after it (lifecycle/succession/predecessor.py takes the rest back)."""
+    from yieldproxy.lot.parking import HANDED, HandedOver
 
     core = make_core()
     core.state.hold("api", "game")

@@ -33,7 +33,7 @@ SDIST_MUST_HAVE = [
     "etc/yieldproxy.toml", "etc/systemd/yieldproxy.service", "etc/prometheus/yieldproxy-rules.yml",
     "bench/README.md", "bench/soak.py",
     "tests/conftest.py", "tests/helpers.py", "tests/rawhttp.py", "tests/test_docs.py",
-    "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/static/index.html",
+    "twisted_plugins/yieldproxy_plugin.py", "yieldproxy/__init__.py", "yieldproxy/admin/static/index.html",
 ]
 #: Tracked files that are the repository's, not the release's (CI's scripts are released:
 #: the docs name them, and tests/test_docs.py checks that what they name exists).
@@ -91,7 +91,7 @@ def _sdist_names(path: Path) -> set[str]:
 
 
 def test_build_gives_no_warnings(artefacts):
-    """Issue 13: yieldproxy.static used to be "absent from the packages configuration"."""
+    """Issue 13: yieldproxy.static (admin/static/ now) used to be "absent from the packages configuration"."""
     for kind, (_, output) in artefacts.items():
         warnings = [line for line in output.splitlines() if "warn" in line.lower() or line.startswith("!!")]
         assert warnings == [], f"{kind}:\n{output}"
@@ -146,7 +146,7 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
         example = wheel.read("yieldproxy/etc/yieldproxy.toml").decode("utf-8")
     assert example == (ROOT / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
     for name in ("index.html", "status.css", "status.js"):
-        assert f"yieldproxy/static/{name}" in names
+        assert f"yieldproxy/admin/static/{name}" in names
     assert "twisted/plugins/yieldproxy_plugin.py" in names
     # Every module and static file of the source, subpackages too (a new one must be in setup.cfg).
     source = [
@@ -165,6 +165,16 @@ def test_wheel_carries_the_package_data_and_the_license(artefacts):
     assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/", ".ci/"))]
 
 
+def test_the_artefacts_carry_the_version_the_package_says(artefacts):
+    """The version is written once, in yieldproxy/__init__.py (setup.cfg: ``attr:``); both artefacts carry it."""
+    version = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "yieldproxy" / "__init__.py").read_text(), re.M).group(1)
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        assert f"\nVersion: {version}\n" in wheel.read(metadata).decode("utf-8")
+    assert artefacts["sdist"][0].name == f"yieldproxy-{version}.tar.gz"
+    assert artefacts["wheel"][0].name.startswith(f"yieldproxy-{version}-")
+
+
 def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path):
     """yieldproxy ops-files run from the wheel alone (no source tree near it) writes etc/ of the source."""
     unpacked = tmp_path / "wheel"
@@ -173,13 +183,13 @@ def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path)
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(unpacked)
-    code = "import sys, yieldproxy.cli as c; print(c.__file__, file=sys.stderr); c.main(sys.argv[1:])"
+    code = "import sys, yieldproxy.tools.cli as c; print(c.__file__, file=sys.stderr); c.main(sys.argv[1:])"
     result = subprocess.run(
         [sys.executable, "-c", code, "ops-files", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stderr.strip() == str(unpacked / "yieldproxy" / "cli.py")
+    assert result.stderr.strip() == str(unpacked / "yieldproxy" / "tools" / "cli.py")
     written = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     etc = {p.relative_to(ROOT / "etc").as_posix(): p.read_bytes() for p in (ROOT / "etc").rglob("*") if p.is_file()}
     assert written == etc

@@ -23,7 +23,7 @@ from twisted.internet import reactor
 
 from helpers import EPHEMERAL, in_thread, listening_url, pool_config, wait_for
 from test_fallback_real import _same_vector, running_infinity
-from yieldproxy.sim import SimOllama, expected_embedding
+from yieldproxy.tools.sim import SimOllama, expected_embedding
 
 # Real processes for half a minute or more: scripts/test starts this module first (conftest.py).
 pytestmark = pytest.mark.heavy

@@ -23,7 +23,7 @@ from twisted.internet import reactor
 from twisted.logger import globalLogPublisher
 
 from helpers import admin, embedded, in_thread, start_pool_stack, wait_for
-from yieldproxy.sim import OOM_ERROR, expected_embedding, expected_reply, messages_prompt
+from yieldproxy.tools.sim import OOM_ERROR, expected_embedding, expected_reply, messages_prompt
 
 MODEL = "all-minilm"
 TIMEOUT = 30.0

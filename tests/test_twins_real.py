@@ -15,7 +15,7 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from helpers import admin, embedded, in_thread, start_pool_stack, wait_for
-from yieldproxy.sim import (
+from yieldproxy.tools.sim import (
     expected_embedding,
     expected_embedding_f32,
     expected_reply,

@@ -20,7 +20,7 @@ import treq
 from twisted.internet import reactor
 
 from helpers import ChildOutput, free_port, sleep, until_healthy, wait_for
-from yieldproxy.sim import SimOllama
+from yieldproxy.tools.sim import SimOllama
 
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
 TIMEOUT = 30
@@ -144,7 +144,7 @@ def test_a_listener_that_cannot_start_is_one_line(case, taken_port, tmp_path):
     # its own "admin listening on"; and the proxy site's own "starting on" line, for a unix socket),
     # and the error (and, where the machine's hard limit is below what the defaults need, the
     # open-file line).
-    lines = [text for text in output.splitlines() if "[yieldproxy.limits#" not in text]
+    lines = [text for text in output.splitlines() if "[yieldproxy.lifecycle.limits#" not in text]
     assert len(lines) <= 7, output
 
 

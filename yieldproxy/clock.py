@@ -17,7 +17,7 @@ the proxy's, treq's, each ``LoopingCall``, is immune to wall steps both
 ways.  Calls already pending are moved onto the new clock with the time
 they had left.  ``CLOCK_MONOTONIC`` is one clock for the whole machine until
 it boots again: a reload's two processes read the same one, so the times
-the handover carries mean the same in both (succession/).
+the handover carries mean the same in both (lifecycle/succession/).
 
 Times shown to people (``since``, ``expires_at``, ``expected_end`` in
 ``/status``, the status page, the history, the holds file) stay wall-clock:

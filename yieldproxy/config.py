@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from .names import CLASS_NAMES, ROUTE_CLASSES
+from .names import CLASS_NAMES, ROUTE_CLASSES, check_source
 
 POLICIES = ("park", "reject", "fallback")
 TRUST_MODES = ("loopback", "always", "never")
@@ -78,8 +78,6 @@ def _host_patterns(instance, attribute, value):
 
 def _source_names(instance, attribute, value):
     for name in value:
-        from .state import check_source
-
         try:
             check_source(name)
         except ValueError as e:
@@ -520,7 +518,7 @@ class Config:
     #: What is kept across restarts (the holds file).
     state: StateConfig = attrs.Factory(StateConfig)
     #: The ``section.key`` names the file or the command line set (not compared: the same values are
-    #: the same config).  Defaults sized to the machine (limits.py) give way only where the operator
+    #: the same config).  Defaults sized to the machine (lifecycle/limits.py) give way only where the operator
     #: set nothing; a setting given that cannot be met is warned about.
     explicit: frozenset[str] = attrs.field(default=frozenset(), eq=False, repr=False, metadata={"section": False})
 

@@ -7,6 +7,7 @@ spelt.  It imports nothing from the package, so any module may import it.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 #: The classes a parkable request may have (config.py gives each its policy and bounds).
@@ -24,12 +25,12 @@ COMMAND_SOURCE = "command"
 OUTAGE_SOURCE = "outage"
 WATCHER_SOURCES = (FILE_SOURCE, SIGNAL_SOURCE, COMMAND_SOURCE, OUTAGE_SOURCE)
 #: A pool member's own hold when it stays not ready past ``upstream.not_ready_max_seconds``
-#: (pool/member.py): a key apart from the outage watcher's, so neither ends the other's hold.
+#: (upstream/pool/member.py): a key apart from the outage watcher's, so neither ends the other's hold.
 LOADING_SOURCE = "loading"
 #: Holds the proxy takes for an upstream's own trouble, not a GPU lent away: the upstream
 #: reads ``outage`` under them alone, and no VRAM handover follows them.
 TROUBLE_SOURCES = (OUTAGE_SOURCE, LOADING_SOURCE)
-#: The hold a start takes when the holds file of the last run was refused (holdstore.py):
+#: The hold a start takes when the holds file of the last run was refused (lifecycle/holdstore.py):
 #: when in doubt, no work goes to a GPU that may be taken.
 RESTART_SOURCE = "restart"
 #: Sources of holds the proxy takes itself: never refused by ``admin.max_holds``.
@@ -37,6 +38,28 @@ OWN_SOURCES = (*WATCHER_SOURCES, LOADING_SOURCE, RESTART_SOURCE)
 #: The sources yieldproxy itself uses: the watchers, the default of ``POST /yield``,
 #: the restart hold and the demo.  Metrics name them; other sources count as ``other``.
 BUILTIN_SOURCES = ("api", *OWN_SOURCES, "demo")
+#: How long a hold source may be (:func:`check_source`).
+MAX_SOURCE_LENGTH = 64
+_SOURCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_source(source: object) -> str:
+    """``source`` if it is a valid hold source, else :class:`ValueError` saying why.
+
+    Letters, digits, ``.``, ``_`` and ``-``, starting with a letter or a digit,
+    at most 64 characters: safe in a log line, a metric label and a terminal.
+    """
+    if not isinstance(source, str):
+        raise ValueError("source must be a string")
+    if not source:
+        raise ValueError("source must not be empty")
+    if len(source) > MAX_SOURCE_LENGTH:
+        raise ValueError(f"source is longer than {MAX_SOURCE_LENGTH} characters")
+    if not _SOURCE.fullmatch(source):
+        raise ValueError(
+            "source may hold only letters, digits, '.', '_' and '-', and must start with a letter or a digit"
+        )
+    return source
 
 
 #: Ollama's defaults for the parts a model name leaves out (``types/model/name.go``, ``DefaultName``).

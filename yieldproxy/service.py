@@ -12,10 +12,10 @@ stopped (docs/architecture.md):
 1. the admin listener (it answers until the very end);
 2. the upstream clients' connection pools (closed once nothing uses them);
 3. the fallback's verification (when enabled), the twin verification of a pool of
-   several (pool/twins.py), each upstream's model list (pool/models.py);
+   several (upstream/pool/twins.py), each upstream's model list (upstream/pool/models.py);
 4. the history sampling, then the record of what each upstream served
-   (served.py: written with the holds, a last time after the drain);
-5. the drain (drain.py: parked requests answered or released, in-flight ones
+   (upstream/served.py: written with the holds, a last time after the drain);
+5. the drain (lifecycle/drain.py: parked requests answered or released, in-flight ones
    given ``proxy.shutdown_timeout_seconds``);
 6. the watchers, then the VRAM handovers (their holds stay when they stop);
 7. the proxy listener (the first to stop: no new connections).
@@ -32,20 +32,20 @@ from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
 
-from .admin import AdminApp
+from .admin.api import AdminApp
 from .clock import WallClock, same, wall_clock
 from .config import Config
-from .control import UpstreamControl
-from .drain import Drain
-from .fallback import EmbedBackend, Fallback
-from .forward import Upstream
-from .gate import Gate
-from .handover import Handover
-from .health import Judge, UpstreamHealth
-from .history import History, snapshot_reader
-from .holdstore import HoldStore, keep_holds
-from .listener import CannotListen, Listener
-from .metrics import (
+from .edge.listener import CannotListen, Listener
+from .lifecycle.drain import Drain
+from .lifecycle.holdstore import HoldStore, keep_holds
+from .lifecycle.succession import Setup, Succession
+from .lot.gate import Gate
+from .lot.parking import ParkingLot
+from .lot.replay import Replayer
+from .lot.state import ALL, YieldState, transition_logger
+from .names import BUILTIN_SOURCES
+from .observe.history import History, snapshot_reader
+from .observe.metrics import (
     Metrics,
     connection_families,
     hold_families,
@@ -53,18 +53,18 @@ from .metrics import (
     pool_families,
     source_label,
 )
-from .names import BUILTIN_SOURCES
-from .parking import ParkingLot
-from .pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
-from .pool.models import ModelDiscovery
-from .pool.routing import Pool, any_member, make_members
-from .pool.twins import TwinVerifier
-from .proxy import ProxyApp
-from .replay import Replayer
-from .served import SECTION, RecordKeeper
+from .proxy.handler import ProxyApp
 from .servers import ModelCall
-from .state import ALL, YieldState, transition_logger
-from .succession import Setup, Succession
+from .upstream.attempt import Upstream
+from .upstream.control import UpstreamControl
+from .upstream.fallback import EmbedBackend, Fallback
+from .upstream.health import Judge, UpstreamHealth
+from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
+from .upstream.pool.models import ModelDiscovery
+from .upstream.pool.routing import Pool, any_member, make_members
+from .upstream.pool.twins import TwinVerifier
+from .upstream.served import SECTION, RecordKeeper
+from .upstream.vram import Handover
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = [
@@ -119,7 +119,7 @@ class Proxy:
     pool: Pool
     #: Which members may serve which embedding models (a pool of several; None: a pool of one).
     twins: TwinVerifier | None = None
-    #: What each upstream served (served.py): kept with the holds, carried over by a reload.
+    #: What each upstream served (upstream/served.py): kept with the holds, carried over by a reload.
     records: RecordKeeper | None = None
 
 
@@ -159,7 +159,7 @@ def build_heart(
     ``clients(spec)`` gives each member its request and control clients
     (None: clock-only, none).  With an enabled ``[fallback]``,
     ``fallback_backends`` are its verification's two sides (the primary's
-    and the fallback's :class:`~yieldproxy.fallback.EmbedBackend`).  With
+    and the fallback's :class:`~yieldproxy.upstream.fallback.EmbedBackend`).  With
     ``twins``, a pool of several upstreams gets its twin verification (not
     started); ``twin_ok`` replaces the twin check (tests).
     """
@@ -244,10 +244,10 @@ def build(
     client of ``proxy.upstream``; tests on a Clock give one that reaches an
     in-memory resource).  Start ``proxy.service`` to listen and run the
     watchers; stop it to drain and close.  ``succession`` (tap.py gives
-    one) lets it reload by handing over to a new process (succession/),
+    one) lets it reload by handing over to a new process (lifecycle/succession/),
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
-    crashes (holdstore.py); without it, a hold lasts as long as the process.
+    crashes (lifecycle/holdstore.py); without it, a hold lasts as long as the process.
     Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
     the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
     for what people read (``/status``, the page, the history), by default
@@ -325,7 +325,7 @@ def build(
     )
     state.observe(history.state_changed)
 
-    # What each upstream served: the evidence of its outage verdicts, kept with the holds (served.py).
+    # What each upstream served: the evidence of its outage verdicts, kept with the holds (upstream/served.py).
     records = RecordKeeper.of(
         reactor, ((m.name, m.spec.url, m.health.record) for m in pool.members),
         (lambda: holds.save(state.holds)) if holds is not None else None,

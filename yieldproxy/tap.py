@@ -17,8 +17,8 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
-from .requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
-from .succession.takeover import ENV, refuse
+from .lifecycle.succession.takeover import ENV, refuse
+from .observe.requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 
 log = Logger()
 
@@ -104,7 +104,7 @@ class Options(usage.Options):
     pidfile: str | None = None
 
     def _set_succession(self) -> None:
-        """What a reload needs of twistd's own options (succession/claims.py).
+        """What a reload needs of twistd's own options (lifecycle/succession/claims.py).
 
         The pidfile names the process that serves.  A process a reload started
         runs twistd without one (its twistd would refuse to start beside the
@@ -141,8 +141,8 @@ class Options(usage.Options):
         is parsed) when it builds its logger, before it calls
         :func:`makeService`, so this is the one clean place to choose the
         observer: ``twistd -n yieldproxy --log-format json`` is exactly
-        ``twistd -n --logger yieldproxy.requestlog.json_observer yieldproxy``; the
-        least level is part of that name (:func:`~yieldproxy.requestlog.observer_name`).
+        ``twistd -n --logger yieldproxy.observe.requestlog.json_observer yieldproxy``; the
+        least level is part of that name (:func:`~yieldproxy.observe.requestlog.observer_name`).
         """
         fmt = self["log-format"]
         if fmt not in LOG_FORMATS:
@@ -220,19 +220,19 @@ def makeService(options: Options):
     from twisted.internet import reactor
 
     from .clock import run_on_monotonic
-    from .holdstore import HoldStore, holds_path
-    from .limits import fit_fd_limit
-    from .pool.members import url_warnings
-    from .sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
+    from .lifecycle.holdstore import HoldStore, holds_path
+    from .lifecycle.limits import fit_fd_limit
+    from .lifecycle.sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
+    from .lifecycle.succession import ClaimedAtCommit, Inheritance, Setup, own_command
+    from .lifecycle.succession.wire import BadFrame
     from .service import YieldProxyService, build
-    from .succession import ClaimedAtCommit, Inheritance, Setup, own_command
-    from .succession.wire import BadFrame
+    from .upstream.pool.members import url_warnings
     from .watchers.signals import StopSignals
 
     # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires
     # no parked request (clock.py).  Times people read stay wall-clock (build's default beside it).
     run_on_monotonic(reactor)
-    # Started by a reload: the running process's listening sockets come first (succession/).
+    # Started by a reload: the running process's listening sockets come first (lifecycle/succession/).
     try:
         inheritance = Inheritance.from_environment(os.environ)
     except (BadFrame, OSError, ValueError) as e:

@@ -29,7 +29,7 @@ OVER_CAPACITY_RETRY_AFTER = 2
 #: at it the listener stops accepting until one is done (see :class:`Connections`).
 MAX_REFUSING = 64
 #: Connections a listener keeps past its cap for requests that come whole at once (the admin
-#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (limits.py).
+#: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (lifecycle/limits.py).
 QUICK_ROOM = 8
 #: Seconds between two log lines about refused connections.
 REFUSAL_LOG_INTERVAL = 10.0
@@ -100,7 +100,7 @@ class Connections:
     _idle: dict = attrs.Factory(dict)
     _last_log: float | None = None
     _refused_since_log: int = 0
-    #: The listeners serving these connections (listener.py), held back while too many are being refused.
+    #: The listeners serving these connections (edge/listener.py), held back while too many are being refused.
     _listeners: list = attrs.Factory(list)
     _held_back: bool = False
     #: Connections accepted that have not sent a byte yet (not reclaimable, but a reload hands them over).

@@ -359,7 +359,7 @@ class ServerConnection(Protocol):
 
     @property
     def write_blocked(self) -> bool:
-        """The client reads nothing for now: what is written waits in memory (forward.py registers then)."""
+        """The client reads nothing for now: what is written waits in memory (upstream/attempt.py registers then)."""
         return bool(self.writer is not None and self.writer.blocked)
 
     @property
@@ -653,7 +653,7 @@ class ServerConnection(Protocol):
         """Until :meth:`thaw` (or the end): nothing of it moves here.  It reads nothing (the client's bytes wait
         in the socket), its deadline does not run (the time it has left is kept), and the cap does not close
         it to make room.  A reload's old process does this to a connection it has written down for the new
-        one, until that one has it (succession/connections.py)."""
+        one, until that one has it (lifecycle/succession/connections.py)."""
         if self._frozen is not None or self.state is CLOSED:
             return
         self._frozen = (self._deadline_kind, self.deadline_in, not self._reading_paused)
@@ -732,7 +732,7 @@ def _one_transfer_encoding(given: Any) -> list[tuple[bytes, bytes]]:
     """An answer's header pairs as Twisted before 25 gives them, with one ``Transfer-Encoding``.
 
     That Twisted puts its own ``Transfer-Encoding: chunked`` first and the request's headers after it,
-    so a body relayed in its codings (forward.py: ``gzip``) would go out with two such headers, the
+    so a body relayed in its codings (upstream/attempt.py: ``gzip``) would go out with two such headers, the
     chunking named before the coding it wraps.  One header, the codings in the order they were applied
     and ``chunked`` last (RFC 9112 6.1), as Twisted 25 and later write it.
     """

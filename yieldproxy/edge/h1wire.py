@@ -1,4 +1,4 @@
-"""HTTP/1.1 framing shared by the request reader (:mod:`.reader`) and the upstream response parser (:mod:`yieldproxy.h1parse`).
+"""HTTP/1.1 framing shared by the request reader (:mod:`.reader`) and the upstream response parser (:mod:`yieldproxy.edge.h1parse`).
 
 Field lines (``name: value``), Content-Length values, chunk-size lines and
 the decoding state of a chunked body.  The two parsers read the same wire

@@ -6,7 +6,7 @@ more) or :data:`PAUSED` (the request ended: answer it, then
 :meth:`~RequestReader.start_next`).  No clock, no transport, no logging: the
 connection owns time and resources; this owns the rules, which are the ones
 the proxy listener always had (Twisted's HTTPChannel with the hardening the
-proxy once put on top of it; ``tests/readercases.py`` lists them, and where
+proxy once put on top of it; ``tests/edge/readercases.py`` lists them, and where
 they differ on purpose):
 
 * lines end in CRLF: a bare LF ending a request line, header line, chunk line

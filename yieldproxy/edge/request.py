@@ -13,7 +13,7 @@ come from here instead, before the resource sees anything:
 * a ``Host`` that is not valid UTF-8, or more than one, and a path that is not
   UTF-8 once percent-decoded, are 400s: Klein logs a traceback for each such
   request, and a client could fill the log with them;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`) is a
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`) is a
   403, so a web page cannot reach the listener through DNS rebinding.
 
 Form bodies are never parsed (a proxy forwards bodies as they are):
@@ -54,7 +54,7 @@ class ProxyRequest(Request):
     too_large = False
     #: Set once the body was refused because the listener's receiving budget is used up (a 503).
     receiving_full = False
-    #: The handler's Deferred while it runs (proxyresource.py), cancelled if the client goes away:
+    #: The handler's Deferred while it runs (proxy/resource.py), cancelled if the client goes away:
     #: what a ``notifyFinish`` errback did, without a Deferred more per request.
     handler = None
     #: Set when the client went away before the answer was done (the resource reads it).

@@ -8,7 +8,7 @@ instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
 :class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
 
 Everything about how bytes from a client become a request lives in this
-package; what the proxy does with the request is proxy.py's.  A hostile or
+package; what the proxy does with the request is proxy/handler.py's.  A hostile or
 broken client must not be able to make the proxy buffer without bound, wait
 without bound, or forward anything it did not parse itself, so:
 
@@ -31,7 +31,7 @@ without bound, or forward anything it did not parse itself, so:
 * a connection that waits for its next request longer than the keep-alive
   timeout (the Site's ``timeout``) is closed;
 * form bodies are never parsed, and ``CONNECT`` is answered 405;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.hosts.HostPolicy`)
+* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`)
   gets 403 (DNS rebinding);
 * at most ``connections.limit`` connections are open
   (:class:`~yieldproxy.edge.capacity.Connections`): past it, the oldest idle
@@ -115,7 +115,7 @@ class ProxySite(Site):
         #: Seconds a client may read nothing of its answer (None: the keep-alive timeout).
         self.stall_timeout = stall_timeout
         self.connections = connections
-        #: Which ``Host`` values it answers (a :class:`~yieldproxy.hosts.HostPolicy`; None: any).
+        #: Which ``Host`` values it answers (a :class:`~yieldproxy.edge.hosts.HostPolicy`; None: any).
         self.host_policy = host_policy
         #: The first request's read timeout counts from the accept, not from its first byte.
         self.read_from_accept = read_from_accept
@@ -137,7 +137,7 @@ class ProxySite(Site):
 
     def connection_for(self, addr: Any = None) -> ServerConnection:
         """A connection, whatever the cap: for one accepted already (let in past the cap, or handed over by a
-        reload: succession/)."""
+        reload: lifecycle/succession/)."""
         return ServerConnection(self)
 
     def log(self, request):

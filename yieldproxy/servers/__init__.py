@@ -7,12 +7,16 @@ frozen value read from that server's own source (docs/servers.md): its
 routes with their class and dialect, how its error answers and its health
 answers read, its model list, its minimal model call, where translated
 embeddings go and the shape of the proxy's own errors on its routes.  Pure
-data and functions: no I/O, no reactor.
+data and functions: no I/O, no reactor.  :mod:`.gojson` reads a request
+body the way Ollama's Go server reads it.
+
+Layer 1: it may import the core's names, text, clock, periodic and callbacks
+(and the standard library, attrs, twisted), nothing else of the package's.
 
 For a pool of several apis (the members' apis, in config order):
 
 * :func:`route_class` classifies a route by the first api that knows it.  The
-  servers never disagree on a route they share (``tests/test_servers.py``
+  servers never disagree on a route they share (``tests/servers/test_servers.py``
   checks every shared route), so the order never changes a class.
 * :func:`native_apis` says which apis may serve a route: those that know it in
   the same dialect as the first api that knows it.  Dialects differ where

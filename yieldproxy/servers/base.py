@@ -15,7 +15,7 @@ The pool asks a member's description, by its ``api``:
 * the smallest model call that tests what a failed call needed
   (:attr:`Server.minimal_call`), for outage probes;
 * where an embedding request translated for it goes (:attr:`Server.embed_path`
-  in :mod:`yieldproxy.translate`'s :attr:`Server.embed_shape`);
+  in :mod:`yieldproxy.upstream.translation`'s :attr:`Server.embed_shape`);
 * the shape of the proxy's own error bodies on its routes
   (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`).
 
@@ -201,7 +201,7 @@ class Server:
     #: None (the outage probe then uses the health route).
     minimal_call: Callable[[ModelCall], MinimalCall | None]
     #: The body shape an embedding request translated for it takes: ``ollama``
-    #: or ``openai`` (:func:`yieldproxy.translate.backend_request`'s ``api``).
+    #: or ``openai`` (:func:`yieldproxy.upstream.translation.backend_request`'s ``api``).
     embed_shape: str
     #: Where that translated request goes, relative to the member URL.
     embed_path: str

@@ -144,7 +144,7 @@ UNLOAD_PATHS = frozenset({"/api/generate", "/api/chat"})
 def is_unload(method: str, path: str, request: Any) -> bool:
     """True for a request Ollama answers by unloading a model, without loading one.
 
-    ``request`` is a :class:`yieldproxy.gojson.GoRequest`.  Ollama's
+    ``request`` is a :class:`yieldproxy.servers.gojson.GoRequest`.  Ollama's
     server/routes.go at fb30760996871fa9460115c753afd2c60d4ab0f7:
     ``GenerateHandler`` expires the runner when ``req.Prompt == "" &&
     req.KeepAlive != nil && req.KeepAlive.Duration == 0`` (line 404) and
@@ -155,7 +155,7 @@ def is_unload(method: str, path: str, request: Any) -> bool:
     ``scheduleRunner`` before anything else (lines 854, 1072): with
     ``keep_alive: 0`` and no input they *load* the model, so they are never
     an unload.  ``keep_alive`` is an ``api.Duration`` (api/types.go,
-    ``Duration.UnmarshalJSON``), read by :func:`yieldproxy.gojson.go_duration`.
+    ``Duration.UnmarshalJSON``), read by :func:`yieldproxy.servers.gojson.go_duration`.
     A request with any field Go could not decode is not an unload (Ollama
     refuses it; parking it is the safe side).
     """

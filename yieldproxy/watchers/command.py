@@ -28,10 +28,10 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from ..metrics import Metrics
+from ..lot.state import ALL, YieldState
 from ..names import COMMAND_SOURCE
+from ..observe.metrics import Metrics
 from ..periodic import every
-from ..state import ALL, YieldState
 
 log = Logger()
 

@@ -1,7 +1,7 @@
 """Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
-The upstream's health (health.py) hands every failed attempt of the outage
-kinds (:data:`~yieldproxy.verdict.OUTAGE_REASONS`: refused, connect, reset,
+The upstream's health (upstream/health.py) hands every failed attempt of the outage
+kinds (:data:`~yieldproxy.upstream.verdict.OUTAGE_REASONS`: refused, connect, reset,
 timeout, stall, gpu_error, status_503, and a 5xx in words no list has) to
 :meth:`OutageWatcher.judge` (the composition root gives the health its
 watcher's judge when it makes it), which answers with a verdict while the
@@ -15,9 +15,9 @@ the failure?
   configuration error (wrong URL or port), not an outage; its callers keep
   getting a fast 502.
 * Otherwise a **probe** decides, on evidence about the GPU, never on the
-  model the failing request alone named (evidence.py has the table): the
+  model the failing request alone named (upstream/evidence.py has the table): the
   operator's probe model (``upstream.probe_model``), else a model the
-  upstream served lately (its record, served.py, kept across restarts and
+  upstream served lately (its record, upstream/served.py, kept across restarts and
   reloads), else the failing model itself when it is the only one the
   upstream is known to serve, else the health path when the connection
   itself failed, else the failing call when other models fail too.  With no
@@ -40,7 +40,7 @@ words): a model known to work decides whether the upstream is down.
 While the hold lasts, the watcher probes with a growing interval
 (``health_interval_seconds`` doubling up to ``health_max_interval_seconds``),
 in turn, the call that confirmed it and the other models the upstream served
-(:func:`~yieldproxy.evidence.follow_ups`; the operator's probe model alone
+(:func:`~yieldproxy.upstream.evidence.follow_ups`; the operator's probe model alone
 when one is named), and ends the hold on the first probe that passes: a
 broken model can never keep it.  The lot is then replayed, paced, as after
 any yield.  An outage that model calls revealed ends only when such a model call works again, never
@@ -54,7 +54,7 @@ probed quickly again.
 A probe whose answer the server reads as *not ready* (llama.cpp's 503
 "Loading model") is no outage: the upstream is loading its model.  The probe
 says so to the upstream's health (its pool member stops taking requests
-until its health reads up, pool/member.py), no hold is taken, and the
+until its health reads up, upstream/pool/member.py), no hold is taken, and the
 failures waiting on it are not counted.  A held outage stays held until a
 probe reads up.
 """
@@ -69,16 +69,16 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from ..control import Answer, UpstreamControl
-from ..evidence import ALONE, evidence_for, follow_ups
-from ..health import UpstreamHealth
-from ..metrics import Metrics
+from ..lot.state import ALL, DEFAULT_MEMBER, YieldState
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
+from ..observe.metrics import Metrics
 from ..servers import GPU, NOT_READY, UP
 from ..servers.base import ModelCall
 from ..servers.ollama import is_gpu_failure, minimal_call
-from ..state import ALL, DEFAULT_MEMBER, YieldState
-from ..verdict import CONNECTION_REASONS, OUTAGE_REASONS
+from ..upstream.control import Answer, UpstreamControl
+from ..upstream.evidence import ALONE, evidence_for, follow_ups
+from ..upstream.health import UpstreamHealth
+from ..upstream.verdict import CONNECTION_REASONS, OUTAGE_REASONS
 
 log = Logger()
 

@@ -13,7 +13,7 @@ ends: a graceful stop lasts up to ``proxy.shutdown_timeout_seconds``, and
 the default action of SIGUSR1 and SIGUSR2 is to end the process (exit 138,
 every in-flight client losing its answer).  A signal during the stop still
 takes or ends the hold, which the holds file keeps for the next start
-(holdstore.py): a game that starts while the proxy restarts is not
+(lifecycle/holdstore.py): a game that starts while the proxy restarts is not
 forgotten.  :meth:`SignalWatcher.uninstall` puts the previous handlers back,
 for an application that hosts the proxy and goes on without it.
 
@@ -33,9 +33,9 @@ from twisted.application.service import Service
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 
-from ..metrics import Metrics
+from ..lot.state import YieldState
 from ..names import SIGNAL_SOURCE
-from ..state import YieldState
+from ..observe.metrics import Metrics
 
 log = Logger()
 
@@ -53,7 +53,7 @@ class SignalWatcher(Service):
     start_signal: int = signal.SIGUSR1
     stop_signal: int = signal.SIGUSR2
     _previous: dict = attrs.Factory(dict)
-    #: Why the holds are not this process's to change now (a reload: succession/), or None.  Asked as each
+    #: Why the holds are not this process's to change now (a reload: lifecycle/succession/), or None.  Asked as each
     #: signal is handled, not as it comes: one that came just before the holds went over is refused too.
     holds_elsewhere: Callable[[], str | None] | None = None
 

@@ -25,10 +25,10 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from ..metrics import Metrics
+from ..lot.state import ALL, MAX_HOLD_SECONDS, YieldState
 from ..names import FILE_SOURCE
+from ..observe.metrics import Metrics
 from ..periodic import every
-from ..state import ALL, MAX_HOLD_SECONDS, YieldState
 
 log = Logger()
 

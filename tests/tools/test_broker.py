@@ -1,0 +1,409 @@
+"""The broker library (yieldproxy/tools/broker.py) against real proxies on 127.0.0.1.
+
+The clients are blocking (urllib) or run their own asyncio loop, so each runs
+in a worker thread while the reactor serves: a proxy of this checkout built
+in-process by ``service.build`` (helpers.start_stack), and, for the lease,
+a real ``twistd -n yieldproxy`` process.  Lease renewal is real time: a 1.5 s
+lease held for two and a half leases and at least six renewals (the proxy's
+lease runs on its reactor's real clock, so the renewals must be real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from helpers import free_port, in_thread, start_stack
+from yieldproxy.tools.broker import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
+
+TOKEN = "broker-test-token-0123456789"
+LEASE = 1.5
+#: A hold lasts this many leases, and at least RENEWALS renewals.
+HELD = 2.5
+RENEWALS = 6
+
+
+def holds_of(admin: Admin) -> list[tuple[str, str | None]]:
+    return [(h["source"], h.get("upstream")) for h in admin.status()["holds"]]
+
+
+def hold_for_a_while(admin: Admin) -> dict:
+    """Hold for two and a half leases and six renewals; what the proxy said during and after."""
+    seen: dict = {}
+    with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
+        seen["taken"] = holds_of(admin)
+        held_long_enough(hold, time.monotonic())
+        status = admin.status()
+        seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
+        seen["state"] = status["state"]
+        seen["renewals"], seen["error"], seen["lost"] = hold.renewals, hold.error, hold.lost
+    seen["after"] = holds_of(admin)
+    seen["state_after"] = admin.status()["state"]
+    return seen
+
+
+def held_long_enough(hold, since: float) -> None:
+    """Wait (in the holding thread) until HELD leases have passed and the hold was renewed RENEWALS times."""
+    deadline = since + 10 * HELD * LEASE
+    while time.monotonic() < deadline and (hold.renewals < RENEWALS or time.monotonic() - since < HELD * LEASE):
+        time.sleep(0.02)
+
+
+async def async_held_long_enough(hold, since: float) -> None:
+    """:func:`held_long_enough` for asyncio."""
+    deadline = since + 10 * HELD * LEASE
+    while time.monotonic() < deadline and (hold.renewals < RENEWALS or time.monotonic() - since < HELD * LEASE):
+        await asyncio.sleep(0.02)
+
+
+def check_held(seen: dict) -> None:
+    assert seen["taken"] == [("broker", None)]
+    # Two and a half leases in, still held, its lease renewed within the last third or so.
+    [(source, left)] = seen["late"]
+    assert source == "broker" and 0 < left <= LEASE, seen
+    assert seen["state"] == "yielded"
+    assert seen["renewals"] >= RENEWALS and seen["error"] is None and not seen["lost"], seen
+    assert seen["after"] == [] and seen["state_after"] != "yielded", seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_short_lease_held_longer_stays_held_and_ends_on_exit():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        seen = await in_thread(reactor, hold_for_a_while, Admin(stack.admin_url, token=TOKEN), timeout=30)
+        check_held(seen)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_twistd_process_keeps_the_hold_and_the_exception_resumes():
+    from test_twistd import start_service
+    from yieldproxy.tools.sim import SimOllama
+
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, _, admin_url = await start_service(sim_port)
+    try:
+        admin = Admin(admin_url)
+        check_held(await in_thread(reactor, hold_for_a_while, admin, timeout=30))
+
+        def fail_inside() -> list:
+            with pytest.raises(RuntimeError, match="the game crashed"):
+                with admin.hold("broker", "a game", lease_seconds=LEASE, upstream=None):
+                    assert holds_of(admin) == [("broker", None)]
+                    raise RuntimeError("the game crashed")
+            return holds_of(admin)
+
+        assert await in_thread(reactor, fail_inside, timeout=30) == []
+    finally:
+        process.signalProcess("TERM")
+        await protocol.ended.addTimeout(30, reactor)
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_hold_ends_on_an_exception():
+    stack = await start_stack(reactor)
+    try:
+        admin = Admin(stack.admin_url)
+
+        def fail_inside() -> list:
+            with pytest.raises(ValueError):
+                with admin.hold("broker", "transcode", lease_seconds=600) as hold:
+                    assert stack.proxy.state.yielded and hold.renewals == 0
+                    raise ValueError("boom")
+            return holds_of(admin)
+
+        assert await in_thread(reactor, fail_inside, timeout=30) == []
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+def run_async(coroutine_function, *args):
+    """Run an asyncio program of its own (as a broker would), in the calling thread."""
+    return asyncio.run(asyncio.wait_for(coroutine_function(*args), 30))
+
+
+async def async_hold(url: str) -> dict:
+    admin = AsyncAdmin(url, token=TOKEN)
+    seen: dict = {}
+    async with admin.hold("broker", "a game", lease_seconds=LEASE) as hold:
+        seen["taken"] = [(h["source"], h.get("upstream")) for h in (await admin.status())["holds"]]
+        await async_held_long_enough(hold, time.monotonic())
+        status = await admin.status()
+        seen["late"] = [(h["source"], h["expires_at"] - status["now"]) for h in status["holds"]]
+        seen["state"] = status["state"]
+        seen["renewals"], seen["error"], seen["lost"] = hold.renewals, hold.error, hold.lost
+    status = await admin.status()
+    seen["after"] = [(h["source"], h.get("upstream")) for h in status["holds"]]
+    seen["state_after"] = status["state"]
+    try:
+        async with admin.hold("broker", "again", lease_seconds=LEASE):
+            raise KeyError("crash")
+    except KeyError:
+        pass
+    seen["after_exception"] = (await admin.status())["holds"]
+    return seen
+
+
+@pytest_twisted.ensureDeferred
+async def test_asyncio_hold_renews_and_ends_on_exit_and_on_an_exception():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        seen = await in_thread(reactor, run_async, async_hold, stack.admin_url, timeout=40)
+        check_held(seen)
+        assert seen["after_exception"] == []
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_renewal_is_reported_and_resuming_is_still_tried():
+    """The admin listener goes away mid-hold: errors reported, lost after a lease, the exit says it could not resume."""
+    stack = await start_stack(reactor)
+    listener = stack.proxy.service.getServiceNamed("admin")
+    errors: list = []
+    stopped = []
+
+    def hold_while_it_goes() -> dict:
+        admin = Admin(stack.admin_url, timeout=1)
+        hold = admin.hold("broker", "a game", lease_seconds=LEASE, on_error=lambda h, e: errors.append(e))
+        with pytest.raises(AdminUnreachable, match="connection refused"):
+            with hold:
+                reactor.callFromThread(lambda: stopped.append(listener.stopService()))
+                # Until the renewals have failed for a whole lease (bounded).
+                deadline = time.monotonic() + 10 * LEASE
+                while not hold.lost and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        return {"error": hold.error, "lost": hold.lost}
+
+    try:
+        seen = await in_thread(reactor, hold_while_it_goes, timeout=30)
+        assert isinstance(seen["error"], AdminUnreachable) and seen["lost"], seen
+        assert errors and all(isinstance(e, AdminUnreachable) for e in errors)
+    finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_clear_errors():
+    stack = await start_stack(reactor, token=TOKEN)
+    try:
+        def calls() -> list[AdminError]:
+            out = []
+            for call in (
+                lambda: Admin(stack.admin_url).status(),
+                lambda: Admin(stack.admin_url, token="wrong").yield_gpu("broker"),
+                lambda: Admin(stack.admin_url, token=TOKEN).yield_gpu("broker", upstream="nowhere"),
+                lambda: Admin(stack.admin_url, token=TOKEN).yield_gpu("bad source!"),
+                lambda: Admin(f"http://127.0.0.1:{free_port()}").status(),
+                lambda: Admin(stack.proxy_url).status(),
+            ):
+                with pytest.raises(AdminError) as caught:
+                    call()
+                out.append(caught.value)
+            return out
+
+        missing, wrong, upstream, source, nobody, proxy = await in_thread(reactor, calls, timeout=30)
+        assert missing.status == 401 and "(no token was given)" in missing.message
+        assert wrong.status == 401 and "(the token given was refused)" in wrong.message
+        assert upstream.status == 400 and upstream.server_message.startswith("unknown upstream 'nowhere'")
+        assert source.status == 400 and "source may hold only" in source.message
+        assert isinstance(nobody, AdminUnreachable) and nobody.status is None
+        assert "connection refused" in nobody.message
+        # The proxy listener passes /status on to Ollama (here the sim), which has no such route.
+        assert proxy.status == 404 and proxy.message.endswith("answered 404: 404 page not found")
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+def test_read_answer_needs_the_admin_apis_shape():
+    assert read_answer(200, b'{"state": "available"}', "x", False) == {"state": "available"}
+    with pytest.raises(AdminError, match="not the admin API: <html>"):
+        read_answer(200, b"<html>", "x", False)
+    with pytest.raises(AdminError, match=r"answered 409: too many holds\\x1b"):
+        read_answer(409, b'{"error": "too many holds\\u001b"}', "x", False)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_readmes_three_lines_hold_the_gpu_while_the_block_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "from yieldproxy import Admin" in block]
+    assert len([line for line in code.splitlines() if line.strip()]) == 3, code
+    stack = await start_stack(reactor)
+    seen = []
+    try:
+        program = code.replace("http://127.0.0.1:11436", stack.admin_url)
+        assert program != code
+        play = lambda: seen.append([(h.source, h.reason) for h in stack.proxy.state.holds])  # noqa: E731
+        await in_thread(reactor, exec, program, {"play": play}, timeout=30)
+        assert seen == [[("game", "steam: Cyberpunk 2077")]]
+        assert not stack.proxy.state.yielded
+    finally:
+        await stack.stop()
+
+
+def test_a_renewal_a_whole_lease_late_marks_the_hold_lost(monkeypatch):
+    """The renewing thread did not run for a lease (a suspended process): the hold lapsed, even if it is back."""
+    import yieldproxy.tools.broker as client
+
+    class Answering:
+        timeout = 10.0
+
+        def yield_gpu(self, *args, **kwargs):
+            return {"state": "yielded"}
+
+    times = iter([100.0, 101.5, 104.0])
+    monkeypatch.setattr(client.time, "monotonic", lambda: next(times))
+    hold = client.Hold(Answering(), "broker", "a game", lease_seconds=2)
+    hold._take()
+    hold._renew_once()
+    assert (hold.lost, hold.renewals) == (False, 1)
+    hold._renew_once()
+    assert (hold.lost, hold.renewals, hold.error) == (True, 2, None)
+
+
+class _ScriptedAdmin:
+    """A stdlib admin 'API' on 127.0.0.1 that answers each connection with the next scripted bytes (then a good one)."""
+
+    GOOD = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 20\r\nconnection: close\r\n\r\n{"state": "yielded"}'
+
+    def __init__(self, script: list[bytes]):
+        import socket
+        import threading
+
+        self.script = list(script)
+        self.paths: list[bytes] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data:
+                        got = conn.recv(65536)
+                        if not got:
+                            break
+                        data += got
+                    self.paths.append(data.split(b" ", 2)[1] if data.count(b" ") >= 2 else b"")
+                    conn.sendall(self.script.pop(0) if self.script else self.GOOD)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_a_renewal_cut_mid_answer_or_answered_in_garbage_is_an_error_and_the_renewals_go_on():
+    """http.client's own errors (a body cut short, a status line that is not HTTP) are no OSError: they
+    killed the renewing thread, so the hold was never renewed again and nothing said so."""
+    admin_api = _ScriptedAdmin([
+        _ScriptedAdmin.GOOD,  # the take
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"state\"",  # cut short: IncompleteRead
+        b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP: BadStatusLine
+    ])
+    errors: list = []
+    try:
+        hold = Admin(admin_api.url, timeout=2).hold(
+            "broker", "a game", lease_seconds=0.6, on_error=lambda h, e: errors.append(e),
+        )
+        with hold:
+            deadline = time.monotonic() + 10
+            while hold.renewals < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            alive = hold._thread is not None and hold._thread.is_alive()
+        assert alive and hold.renewals >= 3, (hold.renewals, errors)
+        assert len(errors) == 2 and all(isinstance(e, AdminUnreachable) for e in errors), errors
+        assert hold.error is None and not hold.lost
+        assert admin_api.paths[-1] == b"/resume"
+    finally:
+        admin_api.close()
+
+
+def test_a_hold_entered_again_starts_afresh(monkeypatch):
+    """A Hold used for a second block, more than a lease after the first ended, is not lost: it was taken anew
+    (the first block's last renewal and its failed renewal belong to that block)."""
+    import yieldproxy.tools.broker as client
+
+    calls = []
+    failing = []
+
+    class Answering:
+        timeout = 10.0
+
+        def yield_gpu(self, *args, **kwargs):
+            calls.append("yield")
+            if failing:
+                raise client.AdminUnreachable("cannot reach the admin API: connection refused")
+            return {"state": "yielded"}
+
+        def resume(self, *args, **kwargs):
+            calls.append("resume")
+            return {"state": "available"}
+
+    now = [100.0]
+    monkeypatch.setattr(client.time, "monotonic", lambda: now[0])
+    hold = client.Hold(Answering(), "broker", "a game", lease_seconds=2)
+    with hold:
+        failing.append(True)
+        hold._renew_once()  # what the renewing thread does: this renewal fails
+        failing.clear()
+    assert isinstance(hold.error, client.AdminUnreachable) and not hold.lost
+    now[0] = 110.0  # the next game, ten seconds (five leases) later
+    with hold:
+        assert (hold.lost, hold.error, hold.renewed_at) == (False, None, 110.0)
+    assert calls == ["yield", "yield", "resume", "yield", "resume"]
+
+    async def under_asyncio() -> tuple:
+        async with client.AsyncHold(hold) as again:
+            return again.lost, again.renewed_at
+
+    now[0] = 120.0
+    assert asyncio.run(under_asyncio()) == (False, 120.0)
+
+
+def test_a_503_with_retry_after_is_asked_again_after_it_while_the_timeout_allows():
+    """The proxy answers 503 with Retry-After when it cannot take the call now (a reload handing the holds
+    to a new process; too many admin connections): the call is made again after that many seconds, and its
+    answer is the call's; past the timeout the 503 is the call's error, as before."""
+    moved = (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 0\r\ncontent-type: application/json\r\n"
+             b"content-length: 40\r\n\r\n" + b'{"error": "handed the holds over: ask"}\n')
+    admin_api = _ScriptedAdmin([moved, moved])
+    try:
+        answer = Admin(admin_api.url, timeout=5).yield_gpu("broker", for_seconds=60)
+        assert answer["state"] == "yielded" and admin_api.paths == [b"/yield"] * 3
+        late = moved.replace(b"retry-after: 0", b"retry-after: 30")
+        admin_api.script[:] = [late]
+        with pytest.raises(AdminError) as refused:
+            Admin(admin_api.url, timeout=2).resume("broker")
+        assert refused.value.status == 503 and "handed the holds over" in refused.value.message
+        assert admin_api.paths[3:] == [b"/resume"]  # not asked again: 30 s is past its 2 s
+    finally:
+        admin_api.close()

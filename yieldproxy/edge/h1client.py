@@ -1,0 +1,910 @@
+"""A lean HTTP/1.1 client for the upstream hop: persistent connections to one server.
+
+``twisted.web.client.Agent`` is general: it parses a URI per request, builds
+a ``Headers`` object, a request object, a body producer protocol, a response
+with its own state machine and several Deferreds, and parses the answer
+line by line.  A reverse proxy talks to one upstream and relays bytes; the
+profile of the proxy shows the Agent among the largest costs per request
+(``bench/latency.py`` measures it against the same Klein front).  This module
+does the same hop with one object per request and one Deferred:
+
+* :class:`H1Pool`: the connections to one upstream.  Persistent, bounded
+  (``max_connections``: requests beyond it wait their turn, FIFO) or not
+  (``None``); at most ``max_idle`` idle ones are kept (the oldest is closed
+  past it), reused last-in first-out (the warmest), and closed after
+  ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
+  Before an idle connection is reused, its socket is polled (``poll(2)``,
+  no wait) for an end or bytes the reactor has not handled yet: a connection
+  the upstream closed while idle is dropped *before* a byte is written to
+  it, and the request goes on another one: not a retry, nothing was sent.
+* :meth:`H1Pool.request` writes the request in one write (small bodies),
+  sent at once when the connection has nothing waiting (:func:`write_now`),
+  and streams the answer to a handler as it arrives: the head to
+  ``response_started``, the body to ``body_received``; the Deferred fires
+  with the :class:`Response` once the body is complete.  The response is an
+  ``IPushProducer`` for as long as its exchange lasts: a relay registers it
+  on the client's request, and a slow client pauses the upstream socket.
+* :class:`~yieldproxy.edge.h1parse.ResponseParser` (edge/h1parse.py) reads the
+  answers: status line, headers (repeats and order kept),
+  ``Content-Length``, chunked bodies (extensions and trailers skipped), read
+  until close (HTTP/1.0, or no length), interim 1xx skipped, no body for
+  ``HEAD``, 204 and 304; anything else malformed is :class:`BadResponse`.
+* A connection goes back to the pool only after a complete response that
+  allows it (HTTP/1.1 without ``Connection: close``, never HTTP/1.0 whatever
+  its ``Connection`` says; framed by length or chunks, nothing sent beyond it).  A
+  cancelled request (the client went away, the caller's timeout) or a timed
+  out one aborts its connection, which is never reused.
+
+States.  As ``twisted.web._newclient``'s ``HTTP11ClientProtocol._state``, each
+connection and each exchange is in one named state, changed in one place
+per transition, and what an event does depends on it (never on a set of
+flags that could disagree):
+
+* a connection (:attr:`H1Connection.state`): ``IDLE`` (free, reusable: in
+  the pool's idle list, or just made) -> ``BUSY`` (carrying one exchange)
+  -> ``IDLE`` again after a complete response that allows reuse, else
+  ``CLOSING`` (never reused: being closed or aborted) -> ``LOST``.  Bytes
+  that arrive ``IDLE`` (nobody asked) close it; bytes that arrive
+  ``CLOSING`` or ``LOST`` are dropped.
+* an exchange (:attr:`_Exchange.state`): ``NEW`` -> ``WAITING`` (for a free
+  connection, in order) or ``CONNECTING`` (a connection is being made for
+  it) -> ``SENT`` (written on a connection; its answer arrives there) ->
+  ``DONE`` (answered, failed or cancelled: every later event is ignored).
+  ``STOPPING``: its consumer stopped it (``Response.stopProducing``) and
+  its connection is being aborted; it fails with ``CancelledError`` once
+  the connection is gone.  A stale connection (below) sends it from
+  ``SENT`` back to ``CONNECTING``.
+
+Failures (each an :class:`H1Error` with a ``reason`` that is a metric label of
+``forward.classify_failure``): :class:`ConnectFailed` (``refused`` or
+``connect``), :class:`ResponseNeverReceived` (``reset``: the connection ended
+after the request was written and before any byte of the answer),
+:class:`ResponseIncomplete` (``reset``: it ended mid-answer),
+:class:`ResponseTimeout` (``timeout``: no response head within the request's
+``timeout``), :class:`BadResponse` (``bad_response``), :class:`PoolClosed`.
+Each carries ``request_sent``, ``reused`` and ``retried``.
+
+The stale connection.  A server closes idle keep-alive connections when it
+likes (Go's ``IdleTimeout``, a restart); a request written on a pooled
+connection just as the server closed it sees the connection end with no
+answer.  The client sends it once more, on a *fresh* connection, only when
+all of these hold:
+
+* not one byte of the response arrived: nothing reached the caller, so the
+  retry is invisible to it except in time;
+* the connection was *reused* from the pool: a close on a connection made
+  for this request is the server failing, not staleness, and is reported;
+* the connection ended (closed or reset), it did not time out and was not
+  cancelled: a timed-out request may still be running upstream;
+* the request may be sent twice: its method is idempotent (``GET``,
+  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``) and the caller did
+  not say ``replayable=False``, or the caller said ``replayable=True``.  An idle-close race is harmless to retry, but the same
+  picture (connection closed, no answer) also follows a server that read the
+  request and then died; sending a POST again is then a duplicate, which only
+  the caller can accept (an Ollama embedding is deterministic: only GPU time
+  is lost) and must count: ``Response.retried`` and ``H1Error.retried`` say
+  it happened.  The proxy's hop says ``replayable=False``: every duplicate
+  it sends is a retry it counts itself;
+* it was not retried already: once per request.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from ipaddress import ip_address
+from typing import Any, Callable, Iterable, Literal, Protocol as TypingProtocol
+
+from twisted.internet import error as ierror, tcp
+from twisted.internet.defer import CancelledError, Deferred, gatherResults, succeed
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from .h1parse import ParseError, ResponseParser
+from .tcp import set_no_delay
+
+#: Methods whose effect is the same sent once or twice (RFC 9110 9.2.2).
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+#: Methods that always send a Content-Length (0 when there is no body).
+_BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+#: Bodies up to this size go out in the same write as the head.
+SMALL_BODY = 64 * 1024
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+class H1Error(Exception):
+    """A request that got no complete response; ``reason`` is its metric label."""
+
+    reason = "reset"
+
+    def __init__(self, message: str, *, request_sent: bool = False, reused: bool = False, retried: bool = False):
+        super().__init__(message)
+        #: The request was written to the connection (the server may have seen it).
+        self.request_sent = request_sent
+        #: The connection came from the pool (it had served a request before).
+        self.reused = reused
+        #: The request was sent a second time after a stale connection (see the module docstring).
+        self.retried = retried
+
+
+class ConnectFailed(H1Error):
+    """No connection to the upstream: ``refused``, or ``connect`` (timeout, no route, DNS)."""
+
+    def __init__(self, message: str, reason: str = "connect", **kw: Any):
+        super().__init__(message, **kw)
+        self.reason = reason
+
+
+class ResponseNeverReceived(H1Error):
+    """The connection ended after the request was written, before any byte of a response."""
+
+
+class ResponseIncomplete(H1Error):
+    """The connection ended part-way through the response."""
+
+
+class ResponseTimeout(H1Error):
+    """No response head within the request's timeout; the connection was aborted."""
+
+    reason = "timeout"
+
+
+class BadResponse(H1Error):
+    """The upstream sent something that is not an HTTP/1.x response."""
+
+    reason = "bad_response"
+
+
+class PoolClosed(H1Error):
+    """The pool was closed before the request could be sent."""
+
+    reason = "closed"
+
+
+# -- states -----------------------------------------------------------------------------------------
+
+# A connection's (H1Connection.state); see the module docstring.
+IDLE = "IDLE"
+BUSY = "BUSY"
+CLOSING = "CLOSING"
+LOST = "LOST"
+
+# An exchange's (_Exchange.state).
+NEW = "NEW"
+WAITING = "WAITING"
+CONNECTING = "CONNECTING"
+SENT = "SENT"
+STOPPING = "STOPPING"
+DONE = "DONE"
+
+
+# -- the response and the exchange ----------------------------------------------------------------
+
+
+class ResponseHandler(TypingProtocol):
+    """Where a response goes as it arrives (a relay, or :class:`Collector`)."""
+
+    def response_started(self, response: "Response") -> None: ...
+
+    def body_received(self, data: bytes) -> None: ...
+
+
+class Collector:
+    """A handler that keeps the body, up to ``limit`` bytes, in ``response.body``."""
+
+    __slots__ = ("_parts", "_size", "_limit", "_response")
+
+    def __init__(self, limit: int | None = None):
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._response: Response | None = None
+
+    def response_started(self, response: "Response") -> None:
+        self._response = response
+        response.body = b""
+
+    def body_received(self, data: bytes) -> None:
+        if self._limit is not None:
+            room = self._limit - self._size
+            if room <= 0:
+                return
+            data = data[:room]
+        self._parts.append(data)
+        self._size += len(data)
+        if self._response is not None:
+            self._response.body = b"".join(self._parts) if len(self._parts) > 1 else data
+
+
+@implementer(IPushProducer)
+class Response:
+    """A response head, and the producer of its body while its exchange lasts.
+
+    ``headers`` are the raw lines, in order, repeats kept, names as sent
+    (``Content-Length`` and ``Transfer-Encoding`` included: a relay drops the
+    hop-by-hop ones).  ``length`` is the body's length when the upstream
+    framed it with ``Content-Length`` (0 for no body), else None.
+    ``pauseProducing``/``resumeProducing`` pause the upstream socket;
+    ``stopProducing`` abandons the request: its connection is aborted, and
+    the Deferred fails with ``CancelledError`` when the connection is gone.
+    All three do nothing once the exchange is over.
+    """
+
+    __slots__ = ("version", "code", "phrase", "headers", "length", "codings", "body", "retried", "_exchange")
+
+    def __init__(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None,
+                 exchange: "_Exchange", codings: bytes | None = None):
+        self.version = version
+        self.code = code
+        self.phrase = phrase
+        self.headers = headers
+        self.length = length
+        #: The transfer codings the body still carries (``b"gzip"`` of ``gzip, chunked``: the
+        #: chunks are removed, not the rest), for a relay to send on; None when none.
+        self.codings = codings
+        #: The body, when the handler was a :class:`Collector` (the default).
+        self.body: bytes | None = None
+        #: The request was sent a second time after a stale connection.
+        self.retried = exchange.retried
+        self._exchange: _Exchange | None = exchange
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (any case), or None."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    def pauseProducing(self) -> None:
+        ex = self._exchange
+        if ex is not None and ex.conn is not None:
+            ex.conn.pause()
+
+    def resumeProducing(self) -> None:
+        ex = self._exchange
+        if ex is not None and ex.conn is not None:
+            ex.conn.resume()
+
+    def stopProducing(self) -> None:
+        ex = self._exchange
+        if ex is None or ex.state is not SENT:
+            return
+        conn = ex.conn
+        assert conn is not None  # SENT: on a connection
+        # The consumer is gone (its connection was lost): drop the upstream
+        # connection; the request fails with CancelledError once it is gone,
+        # not from within the consumer's own connectionLost (as with a
+        # transport registered as producer, which closes on a later turn).
+        ex.state = STOPPING
+        conn.abort()
+
+
+class _Exchange:
+    """One request and its way to a response: the only per-request object besides the Response.
+
+    ``state`` is one of ``NEW``, ``WAITING``, ``CONNECTING``, ``SENT``,
+    ``STOPPING``, ``DONE`` (module docstring); ``conn`` is its connection while ``SENT``
+    or ``STOPPING``.
+    """
+
+    __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
+                 "reused", "retried", "response", "state")
+
+    def __init__(self, method: bytes, data: bytes, body: bytes, handler: ResponseHandler, replayable: bool,
+                 canceller: Callable[["_Exchange"], None]):
+        self.method = method
+        #: The head (with a small body appended); ``body`` holds a large body apart.
+        self.data = data
+        self.body = body
+        self.handler = handler
+        self.deferred: Deferred = Deferred(lambda d: canceller(self))
+        self.replayable = replayable
+        self.timer: IDelayedCall | None = None
+        self.conn: H1Connection | None = None
+        self.reused = False
+        self.retried = False
+        self.response: Response | None = None
+        self.state = NEW
+
+
+# -- one connection ------------------------------------------------------------------------------
+
+
+class H1Connection(Protocol):
+    """One persistent connection: runs one exchange at a time, then goes back to its pool.
+
+    ``state`` is one of ``IDLE``, ``BUSY``, ``CLOSING``, ``LOST`` (module
+    docstring); ``exchange`` is the one it carries while ``BUSY``, and the
+    one being stopped while ``CLOSING`` after ``Response.stopProducing``.
+    """
+
+    #: Set by ``makeConnection``: a TCP (or TLS) transport, its own push producer too.
+    transport: Any
+
+    def __init__(self, pool: "H1Pool"):
+        self._pool = pool
+        self._parser = ResponseParser(self)
+        self.exchange: _Exchange | None = None
+        #: When it last went back to the pool (``reactor.seconds()``).
+        self.idle_since = 0.0
+        self.state = IDLE
+        #: The upstream socket is paused for a slow consumer (a producer's flag, not a state).
+        self._paused = False
+        #: Requests this connection has carried.
+        self.served = 0
+        #: For :meth:`still_open`: a poll object on the socket (False: no socket to poll).
+        self._poller: select.poll | Literal[False] | None = None
+        #: Fired when the connection is gone (the pool's close waits on these).
+        self.when_lost: list[Deferred] = []
+        #: Every byte written so far went out at once (:func:`write_now`): the transport holds none.
+        self._direct = True
+
+    def connectionMade(self) -> None:
+        set_no_delay(self.transport)
+
+    # -- the exchange -----------------------------------------------------------
+
+    def start(self, ex: _Exchange) -> None:
+        """Send ``ex``'s request on this (``IDLE``) connection."""
+        self.state = BUSY
+        self.exchange = ex
+        ex.state = SENT
+        ex.conn = self
+        ex.reused = self.served > 0
+        self.served += 1
+        self._parser.start(ex.method == b"HEAD")
+        if self._direct:
+            self._direct = write_now(self.transport, ex.data)
+        else:
+            self.transport.write(ex.data)
+        if ex.body:
+            self._direct = False
+            self.transport.write(ex.body)
+
+    def still_open(self) -> bool:
+        """False when the socket has ended, failed, or holds unread bytes (checked without reading).
+
+        The reactor may not have handled the upstream's close of an idle
+        connection yet (it arrived during this turn); the kernel has.  A
+        transport without a socket (TLS, tests) is taken as open.
+        """
+        poller = self._poller
+        if poller is None:
+            get_handle = getattr(self.transport, "getHandle", None)
+            sock = get_handle() if get_handle is not None else None
+            if not isinstance(sock, socket.socket):
+                self._poller = False
+                return True
+            # A poll object of its own: one poll(2) call, no exception, per check.
+            poller = self._poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+        elif poller is False:
+            return True
+        # Readable: the end, an error, or bytes nobody asked for.
+        return not poller.poll(0)
+
+    def pause(self) -> None:
+        if not self._paused and self.state is not LOST:
+            self._paused = True
+            self.transport.pauseProducing()
+
+    def resume(self) -> None:
+        if self._paused and self.state is not LOST:
+            self._paused = False
+            self.transport.resumeProducing()
+
+    def close(self) -> None:
+        """Close the connection once what was written is sent (``IDLE`` or ``BUSY`` -> ``CLOSING``)."""
+        if self.state is IDLE or self.state is BUSY:
+            self.state = CLOSING
+            self.transport.loseConnection()
+
+    def abort(self) -> None:
+        """Drop the connection now; it is never reused (-> ``CLOSING``, unless ``LOST`` already)."""
+        self._parser.halt()
+        if self.state is not LOST:
+            self.state = CLOSING
+            self.transport.abortConnection()
+
+    def dataReceived(self, data: bytes) -> None:
+        state = self.state
+        if state is not BUSY:
+            if state is IDLE:
+                # Nothing was asked: a confused upstream. CLOSING or LOST: bytes after the end, dropped.
+                self.close()
+            return
+        try:
+            self._parser.feed(data)
+        except ParseError as e:
+            ex = self.exchange
+            self.abort()
+            if ex is not None:
+                self._pool._fail(ex, BadResponse(str(e), request_sent=True, reused=ex.reused, retried=ex.retried))
+
+    # -- parser events ------------------------------------------------------------
+
+    def on_head(self, version: bytes, code: int, phrase: bytes, headers: list, length: int | None) -> None:
+        ex = self.exchange
+        assert ex is not None  # the parser runs only during an exchange
+        if ex.timer is not None:
+            # The timeout covers the wait for the head; a long body is not cut.
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        ex.response = response = Response(version, code, phrase, headers, length, ex, self._parser.codings)
+        try:
+            ex.handler.response_started(response)
+        except BaseException:
+            self._handler_failed(ex, Failure())
+
+    def on_body(self, data: bytes) -> None:
+        ex = self.exchange
+        try:
+            ex.handler.body_received(data)  # type: ignore[union-attr]  # the parser runs only during an exchange
+        except BaseException:
+            assert ex is not None
+            self._handler_failed(ex, Failure())
+
+    def on_end(self, keep_alive: bool) -> None:
+        ex = self.exchange
+        assert ex is not None  # the parser runs only during an exchange
+        self.exchange = None
+        ex.conn = None
+        if self._paused and self.state is not LOST:
+            self._paused = False
+            self.transport.resumeProducing()
+        if self.state is BUSY:
+            if keep_alive and not self._parser.extra:
+                self.state = IDLE
+                self._pool._release(self)
+            else:
+                self.close()
+        self._pool._succeed(ex)
+
+    def _handler_failed(self, ex: _Exchange, failure: Failure) -> None:
+        """The handler raised: the exchange fails with its error, the connection is dropped."""
+        if self.exchange is ex:
+            self.exchange = None
+            ex.conn = None
+            self.abort()
+            self._pool._fail(ex, failure)
+
+    # -- the end ---------------------------------------------------------------------
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self.state = LOST
+        # Leave the count first, so a retry can have a fresh connection in its place.
+        self._pool._connection_lost(self)
+        ex = self.exchange
+        clean = reason is None or reason.check(ierror.ConnectionDone) is not None
+        if ex is not None and not self._parser.feed_eof(clean):
+            self.exchange = None
+            ex.conn = None
+            self._parser.halt()
+            self._pool._lost(ex, self._parser.received, reason)
+        waiters, self.when_lost = self.when_lost, []
+        for d in waiters:
+            d.callback(None)
+
+
+def write_now(transport: Any, data: bytes) -> bool:
+    """Send ``data`` on a TCP ``transport`` at once (``writeSomeData``), what the socket does not take through
+    ``transport.write``; True when all of it went out at once.
+
+    A TCP transport buffers every write until the reactor's next turn finds
+    the socket writable: a write costs two ``epoll_ctl`` calls and a turn of
+    the reactor before the ``send``.  A request goes out in one write, so it
+    is sent here.  Only for a connection whose every byte so far went out
+    this way (the caller keeps that fact, :attr:`H1Connection._direct`): once
+    a write was left to the transport, it may still hold bytes, and a direct
+    send would pass them.  Anything else (TLS, a test's transport, a closing
+    connection) takes the transport's own way.
+    """
+    if isinstance(transport, tcp.Connection) and transport.connected and not transport.disconnecting:
+        sent = transport.writeSomeData(data)
+        if isinstance(sent, int) and sent > 0:
+            if sent == len(data):
+                return True
+            data = data[sent:]
+    transport.write(data)
+    return False
+
+
+class _ConnectionFactory(Factory):
+    noisy = False
+
+    def __init__(self, pool: "H1Pool"):
+        self._pool = pool
+
+    def buildProtocol(self, addr: Any) -> H1Connection:
+        return H1Connection(self._pool)
+
+
+# -- the pool ------------------------------------------------------------------------------------
+
+
+def client_endpoint(reactor: Any, host: str, port: int, timeout: float = 30.0) -> IStreamClientEndpoint:
+    """A plain TCP endpoint for an IP literal; ``HostnameEndpoint`` only for names.
+
+    HostnameEndpoint waits its ``attemptDelay`` (0.3 s) before reporting a
+    refused connection, which would slow every retry during an outage.
+    """
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return HostnameEndpoint(reactor, host, port, timeout=timeout)
+    if address.version == 6:
+        return TCP6ClientEndpoint(reactor, host, port, timeout=timeout)
+    return TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
+
+
+class H1Pool:
+    """Persistent HTTP/1.1 connections to one upstream, and requests over them.
+
+    :param reactor: the reactor (its ``callLater`` runs the timers; a Clock in tests).
+    :param host: the upstream's host (an IP literal, or a name), for the
+        connections and the ``Host`` header.
+    :param port: its port.
+    :param max_connections: connections open at once (busy, idle and being
+        made); a request beyond that waits for one to be free, in order.
+        None: no bound (each request that finds no idle connection opens one).
+    :param max_idle: idle connections kept for reuse; past it the oldest is
+        closed (None: ``max_connections``).
+    :param idle_timeout: seconds an idle connection is kept (None: no limit).
+    :param endpoint: how to connect (TLS, a unix socket, a test's endpoint);
+        by default TCP to ``host``:``port``.
+    """
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        host: str,
+        port: int,
+        *,
+        max_connections: int | None = 64,
+        max_idle: int | None = None,
+        idle_timeout: float | None = 60.0,
+        connect_timeout: float = 30.0,
+        endpoint: IStreamClientEndpoint | None = None,
+        host_header: bytes | None = None,
+    ):
+        if max_connections is not None and max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        if max_idle is None:
+            max_idle = max_connections
+        elif max_idle < 0:
+            raise ValueError("max_idle must be at least 0")
+        self._reactor = reactor
+        self._endpoint = endpoint if endpoint is not None else client_endpoint(reactor, host, port, connect_timeout)
+        self.max_connections = max_connections
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        if host_header is None:
+            name = f"[{host}]" if ":" in host else host
+            host_header = (name if port == 80 else f"{name}:{port}").encode("idna" if not name.isascii() else "ascii")
+        self._head_start = b" HTTP/1.1\r\nHost: " + host_header + b"\r\n"
+        self._factory = _ConnectionFactory(self)
+        #: Idle connections, the most recently used last.
+        self._idle: list[H1Connection] = []
+        #: Requests waiting for a connection, in order.
+        self._waiting: list[_Exchange] = []
+        #: Connections open or being opened.
+        self._count = 0
+        self._closed = False
+        #: The one timer that closes idle connections past ``idle_timeout`` (see :meth:`_sweep`).
+        self._sweeper: IDelayedCall | None = None
+
+    # -- public -----------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+        body: bytes = b"",
+        handler: ResponseHandler | None = None,
+        *,
+        timeout: float | None = None,
+        replayable: bool | None = None,
+    ) -> Deferred:
+        """Send a request; a Deferred firing with the :class:`Response` once its body is complete.
+
+        :param target: the request target (``/path?query``), sent as it is.
+        :param headers: header lines, sent as given; the client writes
+            ``Host`` and ``Content-Length`` itself (so these must not be among
+            them, nor ``Transfer-Encoding``).
+        :param handler: gets the head and the body as they arrive; by
+            default a :class:`Collector` keeps the body in ``response.body``.
+        :param timeout: seconds to wait for the response head (connecting
+            and waiting for a free connection included); then the request
+            fails with :class:`ResponseTimeout` and its connection is aborted.
+        :param replayable: True: the request may be sent again after a stale
+            connection even if its method is not idempotent; False: never,
+            whatever its method; None: if its method is idempotent (see the
+            module docstring).
+
+        Cancelling the Deferred (or ``stopProducing`` on the response)
+        abandons the request: its connection is aborted, never reused.
+        """
+        parts = [method, b" ", target, self._head_start]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        lines = 2 + len(parts) // 4 - 1
+        if body or method in _BODY_METHODS:
+            parts += (b"Content-Length: ", b"%d" % len(body), b"\r\n")
+            lines += 1
+        parts.append(b"\r\n")
+        head = b"".join(parts)
+        # One CRLF per line and no other CR, LF or NUL: nothing can smuggle a line in.
+        if (
+            head.count(b"\r\n") != lines + 1
+            or head.count(b"\r") != lines + 1
+            or head.count(b"\n") != lines + 1
+            or b"\0" in head
+            or b" " in target
+            or not target
+        ):
+            raise ValueError("CR, LF, NUL or space in a request line or header")
+        if replayable is None:
+            replayable = method in IDEMPOTENT
+        if len(body) <= SMALL_BODY:
+            ex = _Exchange(method, head + body if body else head, b"", handler or Collector(), replayable, self._cancel)
+        else:
+            ex = _Exchange(method, head, body, handler or Collector(), replayable, self._cancel)
+        if timeout is not None:
+            ex.timer = self._reactor.callLater(timeout, self._timed_out, ex, timeout)
+        self._dispatch(ex)
+        return ex.deferred
+
+    def close(self) -> Deferred:
+        """Close the idle connections and refuse new requests; busy ones close when done.
+
+        Fires when the idle connections are closed.
+        """
+        self._closed = True
+        self._stop_sweeper()
+        for ex in self._waiting[:]:
+            self._fail(ex, PoolClosed("the upstream client was closed"))
+        waits = []
+        for conn in self._idle[:]:
+            self._drop_idle(conn)
+            done: Deferred = Deferred()
+            conn.when_lost.append(done)
+            waits.append(done)
+            conn.close()
+        return gatherResults(waits).addCallback(lambda _: None) if waits else succeed(None)
+
+    def stats(self) -> dict[str, int]:
+        """Open, idle and waiting counts (for tests and status)."""
+        return {"open": self._count, "idle": len(self._idle), "waiting": len(self._waiting)}
+
+    # -- getting a connection ---------------------------------------------------------------------
+
+    def _dispatch(self, ex: _Exchange) -> None:
+        """Send ``ex`` on an idle connection, a new one, or queue it."""
+        if self._closed:
+            self._fail(ex, PoolClosed("the upstream client was closed"))
+            return
+        if not ex.retried:
+            idle = self._idle
+            while idle:
+                conn = idle.pop()
+                if conn.state is not IDLE:
+                    continue
+                if not conn.still_open():
+                    # Closed by the upstream (or written to) while idle: nothing was sent on it.
+                    conn.close()
+                    continue
+                conn.start(ex)
+                return
+        bound = self.max_connections
+        if bound is not None and self._count >= bound and ex.retried and self._idle:
+            # A retry wants a fresh connection: make room by closing the oldest idle one.
+            oldest = self._idle[0]
+            self._drop_idle(oldest)
+            oldest.close()
+        if bound is None or self._count < bound:
+            self._connect(ex)
+        else:
+            ex.state = WAITING
+            self._waiting.append(ex)
+
+    def _connect(self, ex: _Exchange | None) -> None:
+        self._count += 1
+        if ex is not None:
+            ex.state = CONNECTING
+        d = self._endpoint.connect(self._factory)
+
+        def connected(conn: H1Connection) -> None:
+            if ex is not None and ex.state is CONNECTING:
+                conn.start(ex)
+            else:
+                self._release(conn)  # made for a request that left (DONE)
+
+        def failed(f: Failure) -> None:
+            self._count -= 1
+            if ex is not None and ex.state is CONNECTING:
+                self._fail(ex, _connect_error(f.value))
+            self._kick()
+
+        d.addCallbacks(connected, failed)
+
+    def _release(self, conn: H1Connection) -> None:
+        """A connection is free (``IDLE``: after a complete response, or made for a request that left)."""
+        if conn.state is not IDLE:
+            return
+        if self._closed:
+            conn.close()
+            return
+        while self._waiting:
+            ex = self._waiting.pop(0)
+            if ex.state is DONE:
+                continue
+            if ex.retried:
+                # It wants a fresh connection: trade this one for a new one.
+                # (The closing one is counted until it is gone: one over the bound, briefly.)
+                conn.close()
+                self._connect(ex)
+                return
+            conn.start(ex)
+            return
+        idle = self._idle
+        if self.max_idle is not None and len(idle) >= self.max_idle:
+            # Room for this one (the warmest): the oldest idle one goes, as the Agent's pool does.
+            if not idle:
+                conn.close()
+                return
+            oldest = idle[0]
+            self._drop_idle(oldest)
+            oldest.close()
+        idle.append(conn)
+        if self.idle_timeout is not None:
+            conn.idle_since = self._reactor.seconds()
+            if self._sweeper is None:
+                self._sweeper = self._reactor.callLater(self.idle_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for ``idle_timeout``; wait for the next one to be.
+
+        One timer per pool rather than one per connection each time it goes
+        back to the pool: the idle list is in the order connections came
+        back (reuse takes the last), so the oldest are first.
+        """
+        self._sweeper = None
+        idle = self._idle
+        now = self._reactor.seconds()
+        timeout = self.idle_timeout
+        assert timeout is not None  # no sweeper without a timeout
+        while idle and idle[0].idle_since + timeout <= now:
+            idle.pop(0).close()
+        if idle:
+            self._sweeper = self._reactor.callLater(idle[0].idle_since + timeout - now, self._sweep)
+
+    def _stop_sweeper(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and sweeper.active():
+            sweeper.cancel()
+
+    def _drop_idle(self, conn: H1Connection) -> None:
+        idle = self._idle
+        if conn in idle:
+            idle.remove(conn)
+            if not idle:
+                self._stop_sweeper()
+
+    def _connection_lost(self, conn: H1Connection) -> None:
+        self._count -= 1
+        self._drop_idle(conn)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Room for a connection: open one for the first waiting request."""
+        while self._waiting and not self._closed and (
+            self.max_connections is None or self._count < self.max_connections
+        ):
+            ex = self._waiting.pop(0)
+            if ex.state is not DONE:
+                self._connect(ex)
+
+    # -- ends of an exchange ------------------------------------------------------------------------
+
+    def _succeed(self, ex: _Exchange) -> None:
+        if ex.state is DONE:
+            return
+        ex.state = DONE
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        response = ex.response
+        if response is not None:
+            response._exchange = None
+        ex.deferred.callback(response)
+
+    def _fail(self, ex: _Exchange, error: BaseException | Failure) -> None:
+        if ex.state is DONE:
+            return
+        waiting = ex.state is WAITING
+        ex.state = DONE
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        if waiting:
+            self._waiting.remove(ex)
+        if ex.response is not None:
+            ex.response._exchange = None
+        ex.deferred.errback(error)
+
+    def _lost(self, ex: _Exchange, received: bool, reason: Failure | None) -> None:
+        """The connection of ``ex`` ended before its response did."""
+        if ex.state is DONE:
+            return
+        if ex.state is STOPPING:
+            self._fail(ex, CancelledError("the response's consumer stopped it"))
+            return
+        what = type(reason.value).__name__ if reason is not None else "closed"
+        if not received:
+            if ex.reused and ex.replayable and not ex.retried:
+                # The stale connection: once more on a fresh one (module docstring).
+                ex.retried = True
+                self._dispatch(ex)
+                return
+            error: H1Error = ResponseNeverReceived(
+                f"the upstream closed the connection before answering ({what})",
+                request_sent=True, reused=ex.reused, retried=ex.retried,
+            )
+        else:
+            error = ResponseIncomplete(
+                f"the upstream closed the connection mid-response ({what})",
+                request_sent=True, reused=ex.reused, retried=ex.retried,
+            )
+        self._fail(ex, error)
+
+    def _cancel(self, ex: _Exchange) -> None:
+        """Canceller: the caller gave up; abort its connection (the Deferred fails with CancelledError)."""
+        if ex.state is DONE:
+            return
+        waiting = ex.state is WAITING
+        ex.state = DONE
+        if ex.timer is not None:
+            if ex.timer.active():
+                ex.timer.cancel()
+            ex.timer = None
+        if waiting:
+            self._waiting.remove(ex)
+        if ex.response is not None:
+            ex.response._exchange = None
+        conn = ex.conn
+        if conn is not None:
+            conn.exchange = None
+            ex.conn = None
+            conn.abort()
+        # A connection being made for it is kept: it joins the pool when made.
+
+    def _timed_out(self, ex: _Exchange, seconds: float) -> None:
+        ex.timer = None
+        if ex.state is DONE:
+            return
+        conn = ex.conn
+        if conn is not None:
+            conn.exchange = None
+            ex.conn = None
+            conn.abort()
+        sent = conn is not None
+        self._fail(ex, ResponseTimeout(
+            f"no response from the upstream within {seconds:g}s",
+            request_sent=sent, reused=ex.reused, retried=ex.retried,
+        ))
+
+
+def _connect_error(e: BaseException) -> ConnectFailed:
+    if isinstance(e, ierror.ConnectionRefusedError):
+        return ConnectFailed(f"connection refused ({e})", "refused")
+    return ConnectFailed(f"could not connect ({type(e).__name__}: {e})", "connect")

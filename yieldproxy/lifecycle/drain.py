@@ -1,0 +1,123 @@
+"""The graceful stop's middle: settle the parked and in-flight requests, within a bound.
+
+A child of the proxy's service, stopped after the proxy listener (no new
+connections) and the watchers (their holds stay: a yielded GPU stays
+yielded), and before the upstream clients close and the admin listener
+stops.  Its :meth:`Drain.stopService`:
+
+* makes the gate refuse every request from then on (a request coming back
+  after a failed attempt too);
+* answers every parked request 503 at once if the GPU is yielded (it will
+  not be back in time), else lets the lot drain as usual;
+* waits until nothing is parked and nothing is in flight (at the primary or
+  the fallback), each told by an event, not polled: the lot and the
+  replayers fire their waiters when they empty (:meth:`ParkingLot.when_empty`,
+  :meth:`~yieldproxy.lot.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
+* gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
+  answered 503, what is in flight is left to finish as the process ends;
+* stops the pool's drainers for good;
+* and waits (at most :data:`FLUSH_SECONDS`) for the answers still buffered in
+  the proxy's transports to reach their sockets, each such connection closed
+  then: the process ends right after, and the reactor's end drops what a
+  transport still holds (a 503 written just now would reach its client as a
+  bare close).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import attrs
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from ..lot.gate import Gate
+from ..lot.parking import ParkingLot
+from ..lot.state import YieldState
+
+log = Logger()
+
+#: The longest the stop waits for answers written already to reach their sockets (a client that reads
+#: nothing holds its connection no longer than this).
+FLUSH_SECONDS = 5.0
+
+
+class Stoppable(Protocol):
+    """What stops releasing for good when the drain is over (the pool's drainers)."""
+
+    def stop(self) -> None: ...
+
+
+class Outgoing(Protocol):
+    """A listener's connections (edge/capacity.py's Connections): what they still have to write, waited for."""
+
+    def flushed(self) -> Deferred[None]: ...
+
+
+class InFlight(Protocol):
+    """Where admitted requests go (the primary's replayer, the fallback): what is in flight there."""
+
+    @property
+    def inflight(self) -> int: ...
+
+    def when_idle(self) -> Deferred[None]: ...
+
+
+@attrs.define(eq=False, slots=False)
+class Drain(Service):
+    """Settles the parked and in-flight requests when the proxy stops."""
+
+    _clock: IReactorTime
+    _state: YieldState
+    _gate: Gate
+    _lot: ParkingLot
+    #: The pool (upstream/pool/routing.py): its drainers are stopped once the drain is over.
+    _replayer: "Stoppable"
+    #: Every target requests may be in flight at (the members' drainers first).
+    _targets: Sequence[InFlight]
+    #: ``proxy.shutdown_timeout_seconds``.
+    timeout: float = 30.0
+    #: The proxy listener's connections: the answers written to them are waited for (see the module docstring).
+    outgoing: Sequence[Outgoing] = ()
+
+    name = "drain"  # type: ignore[assignment]  # Twisted types Service.name as None
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]  # Twisted leaves it unannotated
+        return Deferred.fromCoroutine(self._drain())
+
+    async def _drain(self) -> None:
+        self._gate.stop_admitting()
+        # A parked request whose every upstream is held cannot be served before the proxy is gone.
+        count = self._gate.refuse_held_parked("the proxy is shutting down while the GPU is yielded")
+        if count:
+            log.info("shutdown: answered {count} parked requests with 503", count=count)
+        try:
+            await Deferred.fromCoroutine(self._settled()).addTimeout(self.timeout, self._clock)
+        except TimeoutError:
+            left = self._gate.refuse_all_parked("the proxy is shutting down")
+            log.warn(
+                "shutdown: {inflight} requests still in flight after {timeout:g}s; {left} parked answered with 503",
+                inflight=sum(target.inflight for target in self._targets), timeout=self.timeout, left=left,
+            )
+        self._replayer.stop()
+        self._state.stop()
+        if self.outgoing:
+            try:
+                await DeferredList([o.flushed() for o in self.outgoing]).addTimeout(FLUSH_SECONDS, self._clock)
+            except TimeoutError:
+                log.warn("shutdown: answers still unwritten after {timeout:g}s; their connections end with the process",
+                         timeout=FLUSH_SECONDS)
+
+    def settled(self) -> bool:
+        """Nothing parked, nothing in flight."""
+        return not self._lot and not any(target.inflight for target in self._targets)
+
+    async def _settled(self) -> None:
+        """Wait for each to empty in turn, until all are empty at once (a failed attempt may park again)."""
+        while not self.settled():
+            await self._lot.when_empty()
+            for target in self._targets:
+                await target.when_idle()

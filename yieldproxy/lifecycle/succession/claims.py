@@ -1,0 +1,108 @@
+"""The files one process owns at a time, and that change hands at a reload's commit: the pidfile and the holds file.
+
+* **The pidfile** twistd was given (``--pidfile``, ``twistd.pid`` by
+  default) names the process that serves.  A process a reload started runs
+  twistd with no pidfile of its own (tap.py: its twistd would refuse to start
+  beside the running one's), writes the file (:meth:`PidFile.take`) when it
+  commits, and removes it when it stops unless it handed over in its turn.
+  The old process lets twistd know the file is not its to remove any more
+  (:meth:`PidFile.give_up`).
+* **The holds file** (lifecycle/holdstore.py) is read by the new process at its start
+  (so that what it does before the commit, such as its twins' verification,
+  knows what is held), but not written before its commit
+  (:class:`ClaimedAtCommit`): until then the old process owns the holds and
+  writes every change; the new one's first write, at the commit, claims it,
+  and the old one writes it no more.  A new process that never commits never
+  wrote it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Iterable
+
+import attrs
+from twisted.logger import Logger
+
+log = Logger()
+
+
+@attrs.define(eq=False)
+class PidFile:
+    """The pidfile of this proxy (None: it has none)."""
+
+    path: str | None
+    #: Tells twistd not to remove the file as it exits (it names another process then).
+    _keep_at_exit: Callable[[], None] = lambda: None
+    #: This process wrote it (a process a reload started): it removes it at its end, unless it handed over.
+    _mine: bool = False
+
+    def take(self) -> None:
+        """Name this process in the file (at the commit of a process a reload started), atomically."""
+        if self.path is None:
+            return
+        directory = os.path.dirname(self.path) or "."
+        try:
+            fd, temporary = tempfile.mkstemp(dir=directory, prefix=".pidfile-")
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(temporary, self.path)
+        except OSError as e:
+            log.error("reload: cannot write the pidfile {path} ({error}); it still names the old process",
+                      path=self.path, error=e.strerror or str(e))
+            return
+        self._mine = True
+
+    def give_up(self) -> None:
+        """Another process names itself in the file now: this one leaves it as it is at its end."""
+        self._mine = False
+        self._keep_at_exit()
+
+    def remove_if_mine(self) -> None:
+        """At this process's end: remove the file if this process wrote it and it still names it."""
+        if not self._mine or self.path is None:
+            return
+        self._mine = False
+        try:
+            with open(self.path) as f:
+                named = int(f.read().strip() or 0)
+            if named == os.getpid():
+                os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
+
+
+class ClaimedAtCommit:
+    """A holds file (holdstore.HoldStore) read now and written only from :meth:`claim` on.
+
+    Until then each change is only remembered; :meth:`claim` writes the last one (the first write is the
+    claim).  Everything else is the store's own."""
+
+    def __init__(self, store: Any):
+        self._store = store
+        self._claimed = False
+        self._latest: list | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def save(self, holds: Iterable[Any]) -> bool:
+        """Write ``holds`` once claimed; before, remember them: the file is the old process's to keep, and
+        as current as it writes it (True: no start here doubts it for not being written)."""
+        if self._claimed:
+            return bool(self._store.save(holds))
+        self._latest = list(holds)
+        return True
+
+    def set_aside(self) -> Any:
+        """Not before the claim: the file is still the old process's to keep."""
+        return self._store.set_aside() if self._claimed else None
+
+    def claim(self) -> None:
+        """This process owns the holds now: write them (the claim), and every change from now on."""
+        if self._claimed:
+            return
+        self._claimed = True
+        if self._latest is not None:
+            self._store.save(self._latest)

@@ -1,0 +1,835 @@
+"""The running process's side of a reload: start a successor, hand everything over in two phases, finish, go.
+
+A reload (SIGHUP, ``POST /reload``, ``yieldproxy reload``) starts a fresh
+process with this one's command line: the *installed* code, so an upgrade
+underneath is what runs next.  That process reads and validates the config
+as any start does; a refusal comes back as one line (:class:`ReloadRefused`)
+and this one keeps running, nothing dropped.  Otherwise, once it says
+``ready``, the handover runs in two phases, so that each connection, each
+parked request and the holds have one owner at every instant:
+
+1. **Prepare.**  This process owns everything and goes on serving: it
+   accepts, it answers hold changes, it lets requests out of its lot.  It
+   writes each parked request down (its connection, the request as the
+   client sent it, what it pipelined behind it, its place and deadline) and
+   sends it (connections.py); its own copy is only *paused*: not read, no
+   timer, out of the lot.  The new
+   process only holds what comes (a descriptor and bytes): it reads no byte
+   of it, writes none, sends nothing upstream, accepts nothing.  Rounds go on
+   while the lot keeps filling, each waited for until the new process has
+   it all.
+2. **Commit.**  In one reactor turn this process stops accepting, sends what
+   parked since and every idle keep-alive connection (paused likewise),
+   takes from then on every request it reads
+   away from its apps (connections.divert: it is handed over with its
+   connection instead of answered), and sends ``commit`` with the holds and
+   the twins' verifications.  The new process answers ``committed``, and
+   acts on it only once that frame has left it (link.flushed): it takes the
+   holds, claims the holds file and the pidfile, accepts, and makes every
+   connection it holds again.  This process, reading ``committed``, lets go
+   of its copies, forgets the listening sockets, and names the new process
+   to systemd.
+
+Until ``committed`` the new process can die or be stopped at any moment at
+no cost: this process sees the link end without ``committed`` and takes
+everything back (:meth:`Predecessor._take_back`: each parked request parks
+again in its place, each connection is read again, the diverted requests are
+answered here), accepts again, and says so in one line.  A stop of this
+process during the reload stops the new one too (``abort`` before the commit:
+it lets go of what it holds and exits, and this process's own stop answers
+the lot, 503 with ``Retry-After``; SIGTERM after it: the new process's stop
+answers what it took).
+
+After the commit this process finishes what is in flight: those answers
+complete here, nothing is sent upstream twice.  Each connection that becomes
+idle, each request it reads and each request that parks again (a failed
+attempt) goes to the new process as it comes; what its own predecessor still
+sends it (two reloads in a row) is passed on.  Once nothing is left, and no
+process before it is left to send it anything, it stops.  If the new process
+is gone first, what is left here is answered 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import subprocess
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+from twisted.internet.defer import Deferred, TimeoutError, succeed
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+
+from ... import __version__
+from ...edge.sockets import family_of
+from . import moments
+from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
+from .link import Link, adopt_link
+from .signals import blocked_in_children
+from .takeover import ENV
+from .wire import BATCH_FDS, PROTOCOL, Carried, cut, encode, pack
+
+log = Logger()
+
+#: How often the exit of a successor not yet serving is looked for.
+CHILD_POLL_SECONDS = 0.05
+#: How often the winding-down process looks for connections gone idle (and written out).
+WIND_DOWN_STEP = 0.05
+#: The longest the old process stays after a handover, finishing what is in flight (each request
+#: has its own bounds well below this).
+WIND_DOWN_MAX_SECONDS = 3600.0
+#: Rounds of the prepare phase at most: each sends what parked or went idle during the last one.
+PREPARE_ROUNDS = 4
+#: A round that sent no more than this many is the last before the commit (whose own tail is smaller still).
+SMALL_ROUND = BATCH_FDS
+#: Seconds a stopping process waits for the new process it told to stop to be gone (its copies of the
+#: listening sockets closed) before it ends it.
+ABORT_SECONDS = 10.0
+#: Seconds a process stopped during a reload waits for the new process, which had committed and stops too
+#: (its own stop answers what it took, within its proxy.shutdown_timeout_seconds).
+STOP_BOTH_SECONDS = 120.0
+
+
+class ReloadRefused(Exception):
+    """The new process refused to start (its config, its options): the one line it gave."""
+
+
+class ReloadFailed(Exception):
+    """The new process did not take over; this one keeps everything and goes on."""
+
+
+class ReloadBusy(Exception):
+    """A reload is under way already, or this process has handed over."""
+
+
+class ReloadUnavailable(Exception):
+    """This process cannot start a successor (how it was started does not allow it): the reason."""
+
+
+class Phase(enum.Enum):
+    """Where this process is in handing over (see the module docstring)."""
+
+    IDLE = "idle"
+    STARTING = "starting"
+    PREPARING = "preparing"
+    COMMITTING = "committing"
+    HANDED_OVER = "handed_over"
+
+
+class _Successor:
+    """The successor as a child process: :attr:`ended` fires with how it exited, while it is watched.
+
+    Started with :class:`subprocess.Popen` (vfork, descriptors closed by
+    ``close_range``), not ``spawnProcess``, whose fork and descriptor walk
+    held this process's reactor for seconds with thousands of connections
+    open (bench/handover.py), and with the handover's signals blocked
+    (signals.py).  Its exit is polled while it is watched (Twisted reaps only
+    the processes it started itself).
+    """
+
+    def __init__(self, reactor, command: Sequence[str], env: dict[str, str], fd: int):
+        with blocked_in_children():
+            self.popen = subprocess.Popen(list(command), env=env, pass_fds=(fd,), close_fds=True)
+        self.pid = self.popen.pid
+        self.ended: Deferred[Any] = Deferred()
+        self._watch = LoopingCall(self._poll)
+        self._watch.clock = reactor
+        self._watch.start(CHILD_POLL_SECONDS, now=False)
+
+    def _poll(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            self.forget()
+            self.ended.callback(f"status {code}" if code >= 0 else f"signal {-code}")
+
+    def forget(self) -> None:
+        """Stop watching (it took over: its exit is its own business now)."""
+        if self._watch.running:
+            self._watch.stop()
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM): its own stop answers what it took, as any stop does."""
+        if self.popen.poll() is None:
+            try:
+                self.popen.terminate()
+            except OSError:
+                pass
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                self.popen.kill()
+            except OSError:
+                pass
+
+
+def _within(d: Deferred, seconds: float, clock) -> Deferred:
+    """``d``'s result, or a TimeoutError after ``seconds``, without cancelling ``d`` itself."""
+    waiter: Deferred = Deferred()
+
+    def settle(result: Any) -> Any:
+        if not waiter.called:
+            waiter.callback(result)
+        return result
+
+    d.addCallback(settle)
+    return waiter.addTimeout(seconds, clock)
+
+
+@attrs.define(eq=False, repr=False)
+class Predecessor:
+    """Hands this process over to a successor (see the module docstring)."""
+
+    _reactor: Any
+    #: The command that starts a successor (this process's own command line).
+    command: Sequence[str]
+    environ: dict[str, str]
+    #: ``proxy`` and ``admin``: the listeners.
+    _listeners: dict[str, Any]
+    #: ``proxy`` and ``admin``: each listener's open connections (their idle ones go over).
+    _connections: dict[str, Any]
+    _lot: Any
+    _pool: Any
+    #: ``snapshot()``: the holds and twins the successor restores (a JSON-able dict).
+    _snapshot: Callable[[], dict[str, Any]]
+    #: Ends this process (the reactor's stop, from tap.py).
+    _stop: Callable[[], None]
+    #: ``notify(*lines)``: systemd's notify socket (sdnotify), or nothing.
+    _notify: Callable[..., Any] = lambda *lines: None
+    #: Seconds the successor has to start and say ``ready``, and then each time to say it took a batch.
+    timeout: float = 60.0
+    #: Why this process cannot reload at all (None: it can).
+    unavailable: str | None = None
+    #: The gate: after the handover, if the new process is gone, what is left here is refused (503).
+    _gate: Any = None
+    #: Told of every change of :attr:`phase` (the succession's signals, pidfile, holds).
+    _on_phase: Callable[[Phase], None] = lambda phase: None
+    #: Whether the process before this one (two reloads in a row) may still send it connections.
+    _predecessor_alive: Callable[[], bool] = lambda: False
+    phase: Phase = Phase.IDLE
+    _link: Link | None = None
+    _waiting: dict[str, Deferred] = attrs.Factory(dict)
+    #: Descriptors sent, by frame id, until the successor says it has them.
+    _unacked: dict[int, list[int]] = attrs.Factory(dict)
+    #: Waiting for the successor to have every frame sent so far.
+    _taken_waiters: list[Deferred] = attrs.Factory(list)
+    _frames: int = 0
+    _wind_down: LoopingCall | None = None
+    _successor_pid: int | None = None
+    #: The new process while a reload is under way.
+    _child: _Successor | None = None
+    #: Fires (with why) when this process is told to stop during a reload.
+    _stop_asked: Deferred | None = None
+    #: This process was told to stop while a reload was under way.
+    _stopping: bool = False
+    #: A SIGTERM or SIGINT came during the reload (set by the signal handler itself: :meth:`stop_signalled`),
+    #: before the stop it starts reaches this object.
+    _stop_signalled: bool = False
+    #: Stopped during the reload after the new process committed: it was asked to stop too, and this one
+    #: waits for it (it is still systemd's main process).
+    _stopping_both: bool = False
+    #: Fires when the reload under way ends, whichever way.
+    _reload_over: Deferred | None = None
+    #: When the successor last said anything (a large lot is waited for while it keeps taking it).
+    _last_heard: float = 0.0
+    #: What went over before the commit, still held (paused) here: parked requests with their waiters...
+    _pending_parked: list[tuple[Exported, Deferred[bool]]] = attrs.Factory(list)
+    #: ...and connections.
+    _pending_connections: list[Exported] = attrs.Factory(list)
+    #: Requests read while the commit's outcome is awaited: sent on after it, or answered here.
+    _queued: list[Any] = attrs.Factory(list)
+    #: Requests read after the commit, to send on at the reactor's next turn.
+    _outgoing: list[Any] = attrs.Factory(list)
+    _undivert: Callable[[], None] | None = None
+    #: Holds the lot's release from the commit on (for good once handed over).
+    _frozen: Deferred | None = None
+    _parked_flush: Any = None
+    sent_parked: int = 0
+    sent_connections: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        # After the handover a request that parks again (a failed attempt) goes over as it parks.
+        when_parked = getattr(self._lot, "when_parked", None)
+        if when_parked is not None:
+            when_parked(self._parked_again)
+
+    @property
+    def handed_over(self) -> bool:
+        return self.phase is Phase.HANDED_OVER
+
+    @property
+    def successor_pid(self) -> int | None:
+        return self._successor_pid
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        try:
+            self._on_phase(phase)
+        except Exception:
+            log.failure("reload: reacting to the handover's {phase} failed", phase=phase.value)
+
+    async def reload(self) -> dict[str, Any]:
+        """Start a successor and hand over to it; the outcome, or :class:`ReloadRefused`/``Failed``/``Busy``."""
+        if self.unavailable is not None:
+            raise ReloadUnavailable(self.unavailable)
+        if self.handed_over:
+            raise ReloadBusy(f"this process (pid {os.getpid()}) has handed over to pid {self._successor_pid} already")
+        if self.phase is not Phase.IDLE:
+            raise ReloadBusy("a reload is under way already")
+        if self._stopping:
+            raise ReloadBusy("this process is stopping")
+        self._set_phase(Phase.STARTING)
+        self._reload_over = Deferred()
+        self._stop_asked = Deferred()
+        began = self._reactor.seconds()
+        self._notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        try:
+            return await self._reload(began)
+        except BaseException:
+            if self.phase is not Phase.IDLE:
+                self._set_phase(Phase.IDLE)
+            self._notify("READY=1", f"STATUS=serving (version {__version__}; the last reload failed)")
+            raise
+        finally:
+            over, self._reload_over = self._reload_over, None
+            over.callback(None)
+
+    async def _reload(self, began: float) -> dict[str, Any]:
+        self.sent_parked = self.sent_connections = 0
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # systemd's watchdog is the successor's to feed once it is the main process: not bound to this pid.
+        environ = {k: v for k, v in self.environ.items() if k != "WATCHDOG_PID"}
+        try:
+            self._send_listeners(ours)
+            child = _Successor(self._reactor, self.command, {**environ, ENV: str(theirs.fileno())}, theirs.fileno())
+        except OSError as e:
+            ours.close()
+            raise ReloadFailed(f"cannot start the new process ({self.command[0]}): {e}") from None
+        finally:
+            theirs.close()
+        self._child = child
+        self._successor_pid = child.pid
+        self._waiting = {kind: Deferred() for kind in ("ready", "refused", "committed", "aborting")}
+        self._last_heard = self._reactor.seconds()
+        link = self._link = adopt_link(self._reactor, ours, self._message)
+        try:
+            ready = await self._wait(self._waiting["ready"])
+            if ready.get("protocol") != PROTOCOL:
+                raise ReloadFailed(
+                    f"the new process speaks handover protocol {ready.get('protocol')!r}, not {PROTOCOL}"
+                )
+        except BaseException:
+            self._give_up(kill=not self._stopping)
+            raise
+        handing = self._reactor.seconds()
+        self._set_phase(Phase.PREPARING)
+        moments.reached("preparing")
+        try:
+            await self._prepare(link)
+            if self._stop_signalled:
+                raise ReloadFailed("this process was told to stop")
+            paused_at = self._reactor.seconds()
+            self._commit(link)
+            await self._wait(self._waiting["committed"], committing=True)
+            committed_at = self._reactor.seconds()
+        except Exception as e:
+            if not isinstance(e, (ReloadFailed, ReloadRefused)):
+                log.failure("reload: handing over failed")
+            aborting = self._waiting["aborting"]
+            self._give_up(kill=not (self._stopping or self._stop_signalled) and not aborting.called)
+            parked, connections = self._take_back()
+            raise ReloadFailed(
+                f"{e}; this process took back the {parked} parked requests and {connections} connections it had "
+                f"sent"
+            ) from None
+        self._handed_over(child, link, ready.get("version"), ready.get("listeners"))
+        now = self._reactor.seconds()
+        outcome = {
+            "reloaded": True,
+            "old_pid": os.getpid(),
+            "old_version": __version__,
+            "pid": ready.get("pid"),
+            "version": ready.get("version"),
+            "parked_handed_over": self.sent_parked,
+            "connections_handed_over": self.sent_connections,
+            "seconds": round(now - began, 3),
+            # From "ready" to "committed": while the lot goes over (this process serving meanwhile).
+            "handover_seconds": round(committed_at - handing, 3),
+            # From the commit to "committed": while no process accepted a connection.
+            "paused_seconds": round(committed_at - paused_at, 3),
+        }
+        log.info(
+            "reload: handed over to pid {pid} (version {version}): {parked} parked requests, {connections} idle "
+            "connections, in {seconds:.3f}s (the handover itself {handover:.3f}s, accepting paused {paused:.3f}s); "
+            "finishing {inflight} requests in flight here, then exiting",
+            pid=outcome["pid"], version=outcome["version"], parked=self.sent_parked,
+            connections=self.sent_connections, seconds=outcome["seconds"], handover=outcome["handover_seconds"],
+            paused=outcome["paused_seconds"], inflight=self._pool.inflight,
+        )
+        if self._stopping_both:
+            # Told to stop before it named the new process: a stop is a stop, of both.
+            log.warn("reload: this process was told to stop during the reload: pid {pid} stops too", pid=child.pid)
+            child.terminate()
+            self._end_wind_down()
+        return outcome
+
+    # -- the two phases -----------------------------------------------------------------------
+
+    async def _prepare(self, link: Link) -> None:
+        """Send the lot, round after round, each waited for until the successor holds it all, until a round is
+        small (what comes next is the commit's tail).  The idle connections go with the tail: until then their
+        clients are served here (one sent now would wait, unread, until the commit)."""
+        for _ in range(PREPARE_ROUNDS):
+            sent = await self._send_lot(link)
+            await self._wait(self._all_taken())
+            if sent <= SMALL_ROUND:
+                return
+
+    async def _send_lot(self, link: Link) -> int:
+        """The lot, a batch at a time, in line order, the reactor turning between batches."""
+        entries = self._lot.entries()
+        sent = 0
+        for start in range(0, len(entries), BATCH_FDS):
+            if self._stop_asked is None or self._stop_asked.called or link.closed.called:
+                break
+            # One that left meanwhile (its client went, its time ran out, a release) is passed over.
+            sent += self._send_parked(link, entries[start:start + BATCH_FDS], pending=True)
+            await deferLater(self._reactor, 0, lambda: None)
+        return sent
+
+    def _commit(self, link: Link) -> None:
+        """The commit, in one reactor turn (see the module docstring)."""
+        for listener in self._listeners.values():
+            listener.pause()
+        self._frozen = Deferred()
+        for member in self._pool.members:
+            member.drainer.hold_release_until(self._frozen)
+        self._undivert = divert((listener.factory for listener in self._listeners.values()), self._diverted)
+        self._set_phase(Phase.COMMITTING)
+        self._send_parked(link, None, pending=True)
+        self._send_connections(link, pending=True)
+        link.send({"type": "commit", **self._snapshot()})
+
+    def _handed_over(self, child: _Successor, link: Link, version: Any, taken: Any) -> None:
+        """``committed``: what this process held for the successor is the successor's."""
+        moments.reached("committed")
+        # A stop that came during the reload, even this very moment, is a stop of both: the new process is
+        # asked to stop too (and this one, still systemd's main process, waits for it).
+        self._stopping_both = self._stopping or self._stop_signalled
+        for exported, waiter in self._pending_parked:
+            exported.let_go()
+            waiter.callback(True)
+        for exported in self._pending_connections:
+            exported.let_go()
+        self._pending_parked.clear()
+        self._pending_connections.clear()
+        self._set_phase(Phase.HANDED_OVER)
+        if not self._stopping_both:
+            child.forget()
+        for listener in self._listeners.values():
+            if not isinstance(taken, list) or listener.key in taken:
+                listener.release()  # the successor's now
+            else:
+                # It listens elsewhere now: closed here (what waits in the backlog is accepted, and goes over).
+                listener.close()
+        queued, self._queued = self._queued, []
+        self._outgoing.extend(queued)
+        self._flush_outgoing()
+        # What parked again while the outcome was awaited (a failed attempt).
+        self._send_parked(link, None, pending=False)
+        if not self._stopping_both:
+            self._notify(f"MAINPID={child.pid}", "READY=1", f"STATUS=serving (version {version})")
+        link.closed.addCallback(self._successor_gone)
+        self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
+        self._wind_down.clock = self._reactor
+        self._wind_down.start(WIND_DOWN_STEP, now=False).addErrback(
+            lambda f: log.failure("reload: winding down failed", f)
+        )
+
+    def _take_back(self) -> tuple[int, int]:
+        """The successor will not commit: everything it was sent is served here again, as it was."""
+        parked = len(self._pending_parked)
+        connections = len(self._pending_connections)
+        pending, self._pending_parked = self._pending_parked, []
+        for exported, waiter in pending:
+            exported.resume()
+            waiter.callback(False)  # its waiter parks it again, in its place
+        for exported in self._pending_connections:
+            exported.resume()
+        self._pending_connections.clear()
+        if self._undivert is not None:
+            self._undivert()
+            self._undivert = None
+        if self._frozen is not None:
+            frozen, self._frozen = self._frozen, None
+            frozen.callback(None)
+        for listener in self._listeners.values():
+            listener.resume()
+        self._set_phase(Phase.IDLE)
+        queued, self._queued = self._queued, []
+        for request in queued:
+            serve_here(request)
+        return parked, connections
+
+    def _give_up(self, kill: bool) -> None:
+        """The successor will not take over: it is told to let go (``abort``) or ended (``kill``: nothing of
+        ours is lost with it), and the link closes.
+
+        It is still watched until its exit is seen: that reaps it (forgotten, it would stay a zombie)."""
+        if self._link is not None:
+            self._link.send({"type": "abort"})
+            self._link.close()
+        if kill and self._child is not None:
+            self._child.kill()
+        for fds in self._unacked.values():
+            for fd in fds:
+                os.close(fd)
+        self._unacked.clear()
+        self._fire_taken()
+
+    # -- the link ---------------------------------------------------------------------------
+
+    def _send_listeners(self, sock: socket.socket) -> None:
+        """The first frame, sent before the successor starts: the listening sockets, by key and endpoint."""
+        items, fds = [], []
+        for listener in self._listeners.values():
+            port = listener.port
+            if port is None:
+                continue
+            items.append({"key": listener.key, "description": listener.description, "family": family_of(port)})
+            fds.append(os.dup(port.fileno()))
+        frame = encode(
+            {"type": "listeners", "protocol": PROTOCOL, "pid": os.getpid(), "version": __version__,
+             "listeners": items, "fds": len(fds)}
+        )
+        try:
+            socket.send_fds(sock, [frame], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _message(self, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        self._last_heard = self._reactor.seconds()
+        kind = message["type"]
+        if kind == "took":
+            for fd in self._unacked.pop(int(message.get("id") or 0), []):
+                os.close(fd)
+            if not self._unacked:
+                self._fire_taken()
+            return
+        waiting = self._waiting.get(kind)
+        if waiting is not None and not waiting.called:
+            waiting.callback(message)
+
+    def _all_taken(self) -> Deferred:
+        """Fires once the successor has said it has every frame sent so far."""
+        if not self._unacked:
+            return succeed(None)
+        waiter: Deferred = Deferred()
+        self._taken_waiters.append(waiter)
+        return waiter
+
+    def _fire_taken(self) -> None:
+        waiters, self._taken_waiters = self._taken_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    async def _wait(self, what: Deferred, committing: bool = False) -> Any:
+        """``what``'s result, unless the handover fails first: the successor refuses, stops, exits or says
+        nothing for :attr:`timeout`, or this process is told to stop.
+
+        ``committing``: ``commit`` was sent, so only the link's end decides (it comes after every frame the
+        successor sent, ``committed`` included): neither its exit nor this process's stop does, and a
+        successor silent too long is killed, its link's end awaited.
+        """
+        assert self._link is not None and self._child is not None
+        link, child = self._link, self._child
+        outcome: Deferred[Any] = Deferred()
+
+        def settle(result: tuple[str, Any]) -> Any:
+            """Fire the wait with the first of what may come; pass each result on (later waits read it again)."""
+            if not outcome.called:
+                outcome.callback(result)
+            return result[1]
+
+        what.addCallback(lambda value: settle(("ok", value)))
+        self._waiting["refused"].addCallback(lambda m: settle(("refused", m)))
+        self._waiting["aborting"].addCallback(lambda m: settle(("aborting", m)))
+        link.closed.addCallback(lambda _: settle(("closed", None)))
+        if not committing:
+            child.ended.addCallback(lambda status: settle(("ended", status)))
+            if self._stop_asked is not None:
+                self._stop_asked.addCallback(lambda why: settle(("stopping", why)))
+        killed = False
+        while True:
+            try:
+                kind, value = await _within(outcome, self.timeout, self._reactor)
+                break
+            except TimeoutError:
+                if killed or self._reactor.seconds() - self._last_heard < self.timeout:
+                    continue
+                if not committing:
+                    raise ReloadFailed(f"the new process said nothing for {self.timeout:g}s") from None
+                log.error("reload: the new process (pid {pid}) said nothing for {seconds:g}s after the commit; "
+                          "ending it", pid=child.pid, seconds=self.timeout)
+                child.kill()
+                killed = True
+        if kind == "ok":
+            return value
+        if kind == "refused":
+            raise ReloadRefused(str(value.get("error", "refused")))
+        if kind == "aborting":
+            raise ReloadFailed(f"the new process (pid {child.pid}) stopped before it took over ({value.get('why')})")
+        if kind == "stopping":
+            raise ReloadFailed("this process was told to stop")
+        if kind == "ended":
+            raise ReloadFailed(f"the new process (pid {child.pid}) exited ({value}) before it took over")
+        # The link closed first: the exit is on its way (its status says more).
+        try:
+            status = await _within(child.ended, 5, self._reactor)
+        except TimeoutError:
+            status = "still running"
+        refused: Any = self._waiting["refused"]
+        if refused.called:
+            raise ReloadRefused(str(refused.result.get("error", "refused")))
+        raise ReloadFailed(f"the new process (pid {child.pid}) ended the handover ({status}) before it took over")
+
+    def _send(self, link: Link, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        self._frames += 1
+        self._unacked[self._frames] = fds
+        link.send({**message, "id": self._frames}, blob, fds)
+
+    # -- what is handed over -------------------------------------------------------------------
+
+    def _send_parked(self, link: Link, entries: list | None, pending: bool) -> int:
+        """Parked requests (``entries``, default every one), with their connections; each leaves this lot.
+
+        ``pending`` (before the commit): each stays here, paused, its waiter waiting for the commit's
+        outcome.  Otherwise (after it) each is gone from here as it is sent."""
+        records: list[tuple[Any, bytes]] = []
+
+        def take(request, entry, body: bytes) -> Deferred[bool] | None:
+            """Called by the request's waiter (proxy/handler.py) with what only it holds: the request and its body."""
+            exported = export_parked(request, body)
+            if exported is None:
+                return None  # the client went away meanwhile: nothing to send on
+            now = self._reactor.seconds()
+            carried = Carried(
+                cls=entry.cls, started_at=request.started_at, max_wait=entry.max_wait, attempts=entry.attempts,
+                forgiven=entry.forgiven,
+                parked_seconds=entry.parked_seconds + (now - entry.parked_at if entry.parked_at is not None else 0.0),
+                first_parked=entry.first_parked, deadline=entry.deadline, bound_by_caller=entry.bound_by_caller,
+                failed_on=entry.failed_on,
+            )
+            records.append((
+                {**carried.as_json(), "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                exported.data,
+            ))
+            exported.data = b""  # the frame has it: not held twice while the commit is awaited
+            if not pending:
+                exported.let_go()
+                return None
+            waiter: Deferred[bool] = Deferred()
+            self._pending_parked.append((exported, waiter))
+            return waiter
+
+        began = time.monotonic()
+        for entry in self._lot.entries() if entries is None else entries:
+            self._lot.hand_over(entry, take)
+        if records:
+            log.debug("reload: took {count} parked requests out in {ms:.1f} ms", count=len(records),
+                      ms=(time.monotonic() - began) * 1000)
+        self._send_records(link, "parked", records)
+        self.sent_parked += len(records)
+        return len(records)
+
+    def _send_connections(self, link: Link, pending: bool) -> int:
+        """Every connection of both listeners waiting for its next request (keep-alive) that can go now."""
+        records: list[tuple[Any, bytes]] = []
+        for name, connections in self._connections.items():
+            for channel in idle_connections(connections):
+                exported = export_idle(channel)
+                if exported is None:
+                    continue
+                records.append((
+                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                    exported.data,
+                ))
+                exported.data = b""
+                if pending:
+                    self._pending_connections.append(exported)
+                else:
+                    exported.let_go()
+        self._send_records(link, "connections", records)
+        self.sent_connections += len(records)
+        return len(records)
+
+    def _send_records(self, link: Link, kind: str, records: list[tuple[Any, bytes]]) -> None:
+        for batch in cut(records):
+            fds = [record.pop("fd") for record, _ in batch]
+            packed, blob = pack(batch)
+            self._send(link, {"type": kind, "records": packed}, blob, fds)
+
+    def _diverted(self, request) -> None:
+        """A request read after the commit (connections.divert): the successor's to answer, with its connection."""
+        if self.phase is Phase.COMMITTING:
+            self._queued.append(request)  # the commit's outcome first
+        elif self.phase is Phase.HANDED_OVER and self._link is not None and not self._link.closed.called:
+            self._outgoing.append(request)
+            if len(self._outgoing) == 1:
+                # At the reactor's next turn: what the client pipelined behind it is buffered by then.
+                self._reactor.callLater(0, self._flush_outgoing)
+        else:
+            serve_here(request)  # no successor to take it (it is gone): answered here
+
+    def _flush_outgoing(self) -> None:
+        requests, self._outgoing = self._outgoing, []
+        link = self._link
+        if link is None or link.closed.called:
+            for request in requests:
+                serve_here(request)
+            return
+        records: list[tuple[Any, bytes]] = []
+        listener_of = {id(listener.factory): name for name, listener in self._listeners.items()}
+        for request in requests:
+            exported = export_unhandled(request)
+            if exported is None:
+                continue  # the client went away
+            name = listener_of.get(id(request.site), "proxy")
+            records.append((
+                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
+                    exported.data,
+                ))
+            exported.let_go()
+        self._send_records(link, "connections", records)
+        self.sent_connections += len(records)
+
+    def relay(self, message: dict[str, Any], blob: bytes, fds: list[int]) -> bool:
+        """After the handover, what this process's own predecessor still sends (two reloads in a row) goes
+        straight on to the successor; False when there is none to take it."""
+        link = self._link
+        if not self.handed_over or link is None or link.closed.called:
+            return False
+        self._send(link, {"type": message["type"], "records": message.get("records", [])}, blob, fds)
+        return True
+
+    def _parked_again(self) -> None:
+        """A request parked (lot.when_parked): after the handover, it goes over at the reactor's next turn."""
+        if self.handed_over and self._parked_flush is None:
+            self._parked_flush = self._reactor.callLater(0, self._send_parked_again)
+
+    def _send_parked_again(self) -> None:
+        self._parked_flush = None
+        link = self._link
+        if self.handed_over and link is not None and not link.closed.called:
+            self._send_parked(link, None, pending=False)
+
+    def _successor_gone(self, _: object) -> None:
+        """The new process is gone after the handover (it stopped, or died): nothing more can go to it, so what
+        is left here is answered 503 with Retry-After, and idle connections are closed."""
+        if self._wind_down is None:
+            return
+        for fds in self._unacked.values():
+            for fd in fds:
+                os.close(fd)
+        self._unacked.clear()
+        if self._undivert is not None:
+            self._undivert()
+            self._undivert = None
+        if self._gate is not None:
+            self._gate.stop_admitting()
+            refused = self._gate.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
+        else:
+            refused = 0
+        log.warn("reload: the new process (pid {pid}) is gone; this process (pid {me}) answers what is left here "
+                 "({refused} parked) with 503 and stops", pid=self._successor_pid, me=os.getpid(), refused=refused)
+
+    def _wind_down_step(self, since: float) -> None:
+        """After the handover: send what went idle; stop once nothing is left here."""
+        link = self._link
+        if link is not None and not link.closed.called:
+            self._send_parked(link, None, pending=False)
+            self._send_connections(link, pending=False)
+        else:
+            for connections in self._connections.values():
+                for channel in idle_connections(connections):
+                    channel.loseConnection()
+        left = (
+            len(self._lot) + self._pool.inflight + sum(c.open for c in self._connections.values())
+            + len(self._outgoing)
+        )
+        before = self._predecessor_alive()
+        overdue = self._reactor.seconds() - since > WIND_DOWN_MAX_SECONDS
+        if (left or before) and not overdue:
+            return
+        if left:
+            log.warn("reload: still {left} requests or connections here after {seconds:g}s; stopping anyway",
+                     left=left, seconds=WIND_DOWN_MAX_SECONDS)
+        self._end_wind_down()
+        log.info("reload: nothing left in this process (pid {pid}): it stops", pid=os.getpid())
+        try:
+            self._stop()
+        except Exception:
+            log.failure("reload: stopping this process failed")
+
+    def _end_wind_down(self) -> None:
+        """No more winding down: this process stops (the link's end is its own doing, not the successor's)."""
+        wind_down, self._wind_down = self._wind_down, None
+        if wind_down is not None and wind_down.running:
+            wind_down.stop()
+        if self._link is not None:
+            self._link.close()
+
+    # -- a stop ----------------------------------------------------------------------------------
+
+    def stop_signalled(self) -> None:
+        """A SIGTERM or SIGINT has come (called by the signal handler itself: it only notes it): a reload under
+        way does not commit, or if it has, the new process stops too."""
+        self._stop_signalled = True
+
+    def stop(self) -> Deferred[None]:
+        """This process stops (its winding down is over, or it was told to).
+
+        During a reload, a stop is a stop of both: before the commit the new process is told to let go
+        (``abort``) and this process takes everything back, its own stop answering it; the Deferred fires
+        once the new process is gone (its copies of the listening sockets closed).  Once the commit is sent
+        its outcome is awaited first; if the new process committed, it is asked to stop (SIGTERM), and its
+        own stop answers what it took.  After the handover, only this process stops."""
+        if self._reload_over is None:
+            self._end_wind_down()
+            return succeed(None)
+        self._stopping = True
+        child = self._child
+        if self.phase is not Phase.COMMITTING:
+            if self._link is not None and not self._link.closed.called:
+                self._link.send({"type": "abort"})
+            log.warn("reload: this process stops while pid {pid} was taking over: that one lets go and stops too",
+                     pid=self._successor_pid)
+            if self._stop_asked is not None and not self._stop_asked.called:
+                self._stop_asked.callback("stopping")
+        return Deferred.fromCoroutine(self._stopped_with(child, self._reload_over))
+
+    async def _stopped_with(self, child: _Successor | None, over: Deferred) -> None:
+        done: Deferred[None] = Deferred()
+
+        def ended(result: Any) -> Any:
+            done.callback(None)
+            return result
+
+        over.addBoth(ended)
+        await done
+        if child is None or (self.handed_over and not self._stopping_both):
+            return
+        bound = STOP_BOTH_SECONDS if self.handed_over else ABORT_SECONDS
+        try:
+            await _within(child.ended, bound, self._reactor)
+        except TimeoutError:
+            log.warn("reload: pid {pid} did not stop within {seconds:g}s; ending it", pid=child.pid,
+                     seconds=bound)
+            child.kill()
+

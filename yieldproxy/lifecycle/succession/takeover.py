@@ -1,0 +1,410 @@
+"""The successor's side: a process started by a reload takes over its predecessor's sockets and lot.
+
+Started by the running process with ``$YIELDPROXY_SUCCESSION_FD`` naming
+its end of a unix socket, it reads (blocking, before its reactor runs) the
+predecessor's listening sockets (:class:`Inheritance`), adopts the ones
+whose endpoint is unchanged, paused, and builds and starts its service as
+any start does.  Its config was validated by its own start (the new code's
+rules): a refusal goes back to the predecessor as one line
+(:func:`refuse`), which keeps running.
+
+Then (:class:`TakeOver`) it says ``ready``, and the handover's two phases
+run (predecessor.py):
+
+* **before the commit** it only *holds* what comes (each parked request's
+  and each connection's descriptor and bytes): it reads none of them,
+  writes to none, sends nothing upstream and accepts nothing, so that its
+  death or stop at any moment costs nothing: the predecessor still has every
+  one of them.  Stopped now (SIGTERM), or told to (``abort``), or left by a
+  predecessor that gave up on it, it closes what it holds (the connections
+  live on in the predecessor), lets go of the listening sockets without
+  closing them for the predecessor, and exits;
+* **at the commit** it answers ``committed``, and only once that frame has
+  left it (its predecessor reads it even if this process dies next) it takes
+  the holds, claims the holds file and the pidfile, accepts, and makes every
+  connection it holds again (a parked request parks in its place, ahead of
+  what arrives here, with its arrival and deadline; the lot is let out once
+  all are in);
+* **after it**, what the predecessor still sends (a connection gone idle, a
+  request read there, a failed attempt) is made again at once, or passed on
+  if this process has handed over in its turn.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable, MutableMapping
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from ... import __version__
+from ...edge.sockets import nonblocking_cloexec
+from . import moments
+from .connections import make_again
+from .link import Link, LinkClosed, adopt_link
+from .wire import BATCH_FDS, PROTOCOL, BadFrame, Carried, Decoder, encode, unpack
+
+log = Logger()
+
+#: The environment variable naming the successor's end of the handover's socket.
+ENV = "YIELDPROXY_SUCCESSION_FD"
+#: Seconds the successor waits for its predecessor's first frame (it is sent before the successor starts).
+FIRST_FRAME_SECONDS = 30.0
+
+
+def _read_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
+    """One whole frame from a blocking socket, with the descriptors that came with it."""
+    decoder = Decoder()
+    fds: list[int] = []
+    while True:
+        data, received, _flags, _address = socket.recv_fds(sock, 1 << 16, 64)
+        fds.extend(received)
+        if not data:
+            raise BadFrame("the running process closed the handover's socket")
+        for message, blob in decoder.feed(data):
+            return message, blob, fds
+
+
+@attrs.define(eq=False)
+class Inheritance:
+    """What a process started by a reload gets from the one it replaces, before it starts."""
+
+    sock: socket.socket
+    #: ``key`` (``proxy.listen``, ``admin.listen``) -> (endpoint description, descriptor, family).
+    listeners: dict[str, tuple[str, int, int]]
+    #: The predecessor's pid and version.
+    pid: int
+    version: str
+    #: The keys of the listening sockets this process took (its endpoint unchanged); the others it bound anew.
+    taken: list[str] = attrs.Factory(list)
+
+    @classmethod
+    def from_environment(cls, environ: MutableMapping[str, str], timeout: float = FIRST_FRAME_SECONDS) -> "Inheritance | None":
+        """The inheritance ``environ`` names (the variable is removed: this process's own successor gets its own),
+        or None for a plain start.  Raises :class:`BadFrame` if the predecessor sent no usable first frame."""
+        raw = environ.pop(ENV, None)
+        if raw is None:
+            return None
+        sock = socket.socket(fileno=int(raw))
+        sock.settimeout(timeout)
+        message, _blob, fds = _read_frame(sock)
+        if message.get("type") != "listeners" or message.get("protocol") != PROTOCOL:
+            for fd in fds:
+                os.close(fd)
+            raise BadFrame(f"expected the listeners of protocol {PROTOCOL}, got {message.get('type')!r}")
+        listeners = {}
+        for item, fd in zip(message.get("listeners", []), fds):
+            nonblocking_cloexec(fd)
+            listeners[str(item["key"])] = (str(item["description"]), fd, int(item["family"]))
+        return cls(sock, listeners, int(message["pid"]), str(message["version"]))
+
+    def listening(self, key: str, description: str) -> tuple[int, int] | None:
+        """The predecessor's socket for ``key`` when its endpoint is ``description`` (unchanged), else None."""
+        found = self.listeners.get(key)
+        if found is None or found[0] != description:
+            return None
+        del self.listeners[key]
+        self.taken.append(key)
+        return found[1], found[2]
+
+    def close_unused(self) -> None:
+        """Close the sockets of listeners whose endpoint changed (this process bound its own)."""
+        for _description, fd, _family in self.listeners.values():
+            os.close(fd)
+        self.listeners.clear()
+
+
+def refuse(environ: MutableMapping[str, str], why: str) -> bool:
+    """Tell the predecessor this process will not start (its config or options are refused), in one line.
+
+    True when there was a predecessor to tell (it logs the line and keeps running).
+    """
+    raw = environ.get(ENV)
+    if raw is None:
+        return False
+    try:
+        with socket.socket(fileno=int(raw)) as sock:
+            sock.settimeout(5)
+            sock.sendall(encode({"type": "refused", "error": why, "fds": 0}))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@attrs.define(eq=False)
+class _Held:
+    """A parked request or a connection come before the commit: its descriptor and bytes, untouched."""
+
+    kind: str
+    record: dict[str, Any]
+    data: bytes
+    fd: int
+
+
+@attrs.define(eq=False, repr=False)
+class TakeOver:
+    """Takes over what the predecessor hands over (see the module docstring)."""
+
+    _reactor: Any
+    _inheritance: Inheritance
+    #: ``proxy`` and ``admin``: the listeners (their sites serve the connections made again).
+    _listeners: dict[str, Any]
+    #: ``adopt(channel, carried, connection, data)`` of the proxy app.
+    _adopt: Callable[[Any, Carried, dict[str, Any], bytes], None]
+    #: ``restore(message)``: holds and twins as the predecessor had them.
+    _restore: Callable[[dict[str, Any]], None]
+    #: The pool: its drainers let the lot out once every parked request that came is in it.
+    _pool: Any = None
+    #: At the commit: the holds file and the pidfile become this process's.
+    _claim: Callable[[], None] = lambda: None
+    #: ``relay(message, blob, fds)``: passes a frame on to this process's own successor, if it has handed
+    #: over in its turn (two reloads in a row); False when it has not.
+    _relay: Callable[[dict[str, Any], bytes, list[int]], bool] = lambda message, blob, fds: False
+    #: Ends this process (told to by the predecessor, or left by it before the commit).
+    _stop_process: Callable[[], None] = lambda: None
+    #: Told once this process serves (everything it held is in).
+    _on_serving: Callable[[], None] = lambda: None
+    #: The holds as the holds file has them now (a predecessor that died before the commit sent none).
+    _holds_from_file: Callable[[], None] = lambda: None
+    started_at: float = attrs.field(factory=time.time)
+    adopted: int = 0
+    connections: int = 0
+    #: ``waiting`` (for the commit), ``committed`` (making what it held again), ``serving``, ``aborted``.
+    state: str = "waiting"
+    _link: Link | None = None
+    _held: list[_Held] = attrs.Factory(list)
+    #: How many of :attr:`_held` (its first ones) are connections.
+    _connections_held: int = 0
+    #: Holds the lot's release while what was held is made again.
+    _adopting: Deferred | None = None
+
+    @property
+    def done(self) -> bool:
+        """Everything the predecessor held is in (or the takeover is over)."""
+        return self.state in ("serving", "aborted")
+
+    @property
+    def committed(self) -> bool:
+        return self.state in ("committed", "serving")
+
+    @property
+    def linked(self) -> bool:
+        """The predecessor is still there and may send more (two reloads in a row keep this process on)."""
+        return self._link is not None and not self._link.closed.called
+
+    def start(self) -> None:
+        """Say ``ready`` to the predecessor (this process is up, its listeners adopted and paused)."""
+        self._inheritance.close_unused()
+        self._link = adopt_link(self._reactor, self._inheritance.sock, self._message)
+        self._link.closed.addCallback(self._lost)
+        self._link.send({
+            "type": "ready", "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL,
+            "listeners": list(self._inheritance.taken),
+        })
+
+    def _message(self, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        kind = message["type"]
+        if kind in ("parked", "connections"):
+            if self.committed and self._relay(message, blob, fds):
+                self._ack(message)
+                return
+            self._take(kind, message, blob, fds)
+            self._ack(message)
+            if kind == "parked" and self.state == "waiting":
+                moments.reached("held")
+        elif kind == "commit":
+            self._commit(message)
+        elif kind == "abort":
+            if self._abort(f"pid {self._inheritance.pid}, which this process was to replace, stops"):
+                self._stop_process()
+        else:
+            for fd in fds:
+                os.close(fd)
+            raise BadFrame(f"unknown frame {kind!r}")
+
+    def _take(self, kind: str, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
+        records = list(unpack(message.get("records", []), blob))
+        if len(records) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise BadFrame(f"{len(records)} {kind} records with {len(fds)} descriptors")
+        held = [_Held(kind, record, data, fd) for (record, data), fd in zip(records, fds)]
+        if self.state == "waiting":
+            # Not a byte read, not a byte written: the predecessor has them too.  Connections first: their
+            # clients (a keep-alive one, one just accepted) are about to send, the parked ones wait anyway.
+            if kind == "connections":
+                self._held[self._connections_held:self._connections_held] = held
+                self._connections_held += len(held)
+            else:
+                self._held.extend(held)
+        elif self.state == "aborted":
+            for item in held:
+                os.close(item.fd)
+        else:
+            for item in held:
+                self._make_again(item)
+
+    def _make_again(self, item: _Held) -> None:
+        """A connection held (or sent after the commit) made again here, going on with its bytes."""
+        try:
+            if item.kind == "parked":
+                record = dict(item.record)
+                family = int(record.pop("family"))
+                connection = _connection(record.pop("connection", None))
+                carried = Carried.from_json(record)
+                site = self._listeners["proxy"].factory
+                make_again(self._reactor, site, item.fd, family, item.data, connection=connection,
+                           feed=lambda channel, state, data: self._adopt(channel, carried, state, data))
+                self.adopted += 1
+            else:
+                listener = self._listeners[str(item.record["listener"])]
+                make_again(self._reactor, listener.factory, item.fd, int(item.record["family"]), item.data,
+                           connection=_connection(item.record.get("connection")))
+                self.connections += 1
+        except (BadFrame, KeyError, TypeError, ValueError) as e:
+            log.error("reload: a {kind} record from pid {pid} is not one ({why}); its connection is closed",
+                      kind=item.kind, pid=self._inheritance.pid, why=str(e))
+            try:
+                os.close(item.fd)
+            except OSError:
+                pass
+
+    def _ack(self, message: dict[str, Any]) -> None:
+        """The predecessor may close its copies of the descriptors of frame ``id`` now."""
+        assert self._link is not None
+        self._link.send({"type": "took", "id": message.get("id")})
+
+    # -- the commit ----------------------------------------------------------------------------
+
+    def _commit(self, message: dict[str, Any]) -> None:
+        """``commit``: say ``committed``, and act on it once that has left this process."""
+        if self.state != "waiting":
+            return  # stopping already: the predecessor reads no ``committed`` and keeps everything
+        assert self._link is not None
+        self.state = "committed"
+        moments.reached("commit")
+        self._link.send({"type": "committed", "pid": os.getpid(), "version": __version__})
+        self._link.flushed(self._reactor).addCallbacks(
+            lambda _: self._act(message), lambda failure: self._unsent(failure, message),
+        )
+
+    def _unsent(self, failure, message: dict[str, Any]) -> None:
+        """The link ended before ``committed`` left: the predecessor is gone, or ended the handover."""
+        failure.trap(LinkClosed)
+        if os.getppid() != self._inheritance.pid:
+            self._act(message)  # it died: no one else has these connections
+        else:
+            self.state = "waiting"
+            if self._abort(f"pid {self._inheritance.pid} ended the handover before it read the commit"):
+                self._stop_process()
+
+    def _act(self, message: dict[str, Any] | None) -> None:
+        """This process owns everything now: the holds first, then accepting, then what it held, made again."""
+        if message is not None:
+            self._restore(message)
+        else:
+            self._holds_from_file()
+        self._adopting = Deferred()
+        if self._pool is not None:
+            for member in self._pool.members:
+                member.drainer.hold_release_until(self._adopting)
+        for listener in self._listeners.values():
+            listener.resume()
+        # Then the holds file (its write waits on the disk: new connections need not) and the pidfile; a
+        # change made meanwhile is written with the claim.
+        self._claim()
+        self._make_some()
+
+    def _make_some(self) -> None:
+        """What was held, a batch at a time (the reactor turning between: arrivals are accepted meanwhile)."""
+        batch, self._held = self._held[:BATCH_FDS], self._held[BATCH_FDS:]
+        began = time.monotonic()
+        for item in batch:
+            self._make_again(item)
+        if batch:
+            log.debug("reload: made {count} connections again in {ms:.1f} ms", count=len(batch),
+                      ms=(time.monotonic() - began) * 1000)
+        if self._held:
+            self._reactor.callLater(0, self._make_some)
+            return
+        self._serve()
+
+    def _serve(self) -> None:
+        if self.state != "committed":
+            return
+        self.state = "serving"
+        adopting, self._adopting = self._adopting, None
+        if adopting is not None:
+            adopting.callback(None)
+        log.info(
+            "reload: took over from pid {pid} (version {old}): {parked} parked requests, {connections} connections; "
+            "now serving as pid {me} (version {version})",
+            pid=self._inheritance.pid, old=self._inheritance.version, parked=self.adopted,
+            connections=self.connections, me=os.getpid(), version=__version__,
+        )
+        self._on_serving()
+
+    # -- letting go ---------------------------------------------------------------------------
+
+    def _abort(self, why: str) -> bool:
+        """Before the commit: let go of everything (the predecessor keeps it) and say so; True if it did."""
+        if self.state != "waiting":
+            return False
+        self.state = "aborted"
+        for listener in self._listeners.values():
+            if listener.key in self._inheritance.taken:
+                listener.release()  # not closed: the listening sockets stay the predecessor's
+            else:
+                listener.close()  # one this process bound itself (its endpoint changed)
+        held, self._held = self._held, []
+        for item in held:
+            os.close(item.fd)
+        log.warn("reload: {why} before it took over from pid {pid}: this process (pid {me}) lets go of the {count} "
+                 "connections it held (pid {pid} keeps them) and stops", why=why, me=os.getpid(), count=len(held),
+                 pid=self._inheritance.pid)
+        if self.linked:
+            assert self._link is not None
+            self._link.send_now({"type": "aborting", "why": why})
+            self._link.close()
+        return True
+
+    def _lost(self, _: object) -> None:
+        """The predecessor closed the link: it exited, or it gave up on this process before the commit."""
+        if self.state != "waiting":
+            return
+        if os.getppid() == self._inheritance.pid:
+            if self._abort(f"pid {self._inheritance.pid} ended the handover"):
+                self._stop_process()
+            return
+        log.warn("reload: the process this one replaces (pid {pid}) died during the handover; this one takes over "
+                 "the {count} connections it held, with the holds the holds file has", pid=self._inheritance.pid,
+                 count=len(self._held))
+        self.state = "committed"
+        self._act(None)
+
+    def stop(self) -> None:
+        """This process stops: before the commit it lets go of everything; after it, what is still held is
+        made again at once (the stop answers it, as it answers what is parked); the link ends."""
+        if self.state == "waiting":
+            self._abort("this process was told to stop (SIGTERM or SIGINT)")
+        elif self.state == "committed" and self._held:
+            held, self._held = self._held, []
+            for item in held:
+                self._make_again(item)
+            self._serve()
+        if self._link is not None:
+            self._link.close()
+
+
+def _connection(value: Any) -> dict[str, Any] | None:
+    """A connection as data from a record (edge/connection.py's ``snapshot``); BadFrame if it is not one."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("state"), str):
+        raise BadFrame(f"a connection's record that is not one: {value!r}"[:200])
+    return value
+

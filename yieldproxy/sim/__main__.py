@@ -1,5 +1,0 @@
-"""``python -m yieldproxy.sim``."""
-
-from .command import main
-
-main()

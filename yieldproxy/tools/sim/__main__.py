@@ -1,0 +1,5 @@
+"""``python -m yieldproxy.tools.sim``."""
+
+from .command import main
+
+main()

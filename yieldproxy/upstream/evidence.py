@@ -1,0 +1,123 @@
+"""Which evidence judges a failed model call: the decision table of the outage verdict (issue 24).
+
+Pure: no I/O, no clock, no logging.  The outage watcher (watchers/outage.py)
+asks :func:`evidence_for` what to probe when a call fails in a way an
+outage may explain (refused, a timeout, a stall, a 5xx, the server's GPU
+words), and :func:`follow_ups` what to probe while the ``outage`` hold lasts.
+The rule is that an outage of the *whole* upstream rests on evidence about
+its GPU, never on the one model a failing request named: that model may be
+stuck loading, too big for the GPU or broken, and a hold taken on its word
+would park everyone for as long as it fails, which may be for ever.
+
+In this order, the first that applies:
+
+1. The request named no model: probe the health path (as before).
+2. The operator named a probe model (``upstream.probe_model``, or the
+   member's own ``probe_model``): probe that model.
+3. The upstream served another model (its record, upstream/served.py): probe the
+   one it served most recently.  Its failure is an outage; its pass says
+   the failing model fails alone.
+4. The only model it is known to serve is the failing one: probe it (the
+   GPU held it before; a single-model upstream has no other evidence).
+5. The connection itself failed (refused, could not connect, reset:
+   :data:`~yieldproxy.upstream.verdict.CONNECTION_REASONS`): probe
+   the health path; that says nothing about any model.
+6. Other models failed too, lately: probe the failing call itself; its
+   failure is an outage (several models fail), its pass says it fails alone.
+7. Otherwise nothing is known: the failure is the call's own, no probe,
+   nobody else parks (:data:`ALONE`).
+
+It is the outage judge's table, apart from the verdict on a failed attempt
+(upstream/verdict.py): that verdict only says when to ask the judge.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from ..names import canonical_model
+from ..servers.base import ModelCall
+from .verdict import CONNECTION_REASONS
+
+#: Probe :attr:`Evidence.call` (None: the health path): a failure is an outage, a pass says the failure is the call's own.
+PROBE = "probe"
+#: Nothing is known about the GPU: the failure is the call's own, no probe.
+ALONE = "alone"
+#: The models probed in turn while an outage hold lasts, at most (each probe may load its model).
+MAX_FOLLOW_UPS = 3
+
+
+@attrs.frozen
+class Evidence:
+    """What judges a failure: :data:`PROBE` a call (None: the health path), or :data:`ALONE`; and why, in words."""
+
+    action: str
+    call: ModelCall | None = None
+    why: str = ""
+
+
+def _same(a: ModelCall, model: str) -> bool:
+    return canonical_model(a.model) == canonical_model(model)
+
+
+def evidence_for(
+    reason: str,
+    call: ModelCall | None,
+    *,
+    operator: ModelCall | None = None,
+    known: Sequence[ModelCall] = (),
+    others_failing: Sequence[str] = (),
+) -> Evidence:
+    """What judges a failure of ``call`` for ``reason`` (see the module docstring for the table).
+
+    ``operator``: the operator's probe model's call, if one is named.
+    ``known``: the calls of the models the upstream served, the most recently
+    served first.  ``others_failing``: the names of other models judged
+    failing lately on this upstream.
+    """
+    if call is None:
+        return Evidence(PROBE, None, "the request named no model: the health path")
+    if operator is not None:
+        return Evidence(PROBE, operator, "the operator's probe model")
+    others = [k for k in known if not _same(k, call.model)]
+    if others:
+        return Evidence(PROBE, others[0], "a model it served lately")
+    own = next((k for k in known if _same(k, call.model)), None)
+    if own is not None:
+        return Evidence(PROBE, own, "the only model it is known to serve")
+    if reason in CONNECTION_REASONS:
+        return Evidence(PROBE, None, "the connection failed: the health path")
+    if others_failing:
+        return Evidence(PROBE, call, f"other models fail too ({', '.join(sorted(others_failing))})")
+    return Evidence(ALONE, None, "no model is known to work on this upstream to probe with")
+
+
+def follow_ups(
+    confirmed: ModelCall | None,
+    *,
+    operator: ModelCall | None = None,
+    known: Sequence[ModelCall] = (),
+    failing: Sequence[ModelCall] = (),
+) -> tuple[ModelCall | None, ...]:
+    """The calls probed in turn while the outage hold ``confirmed``'s probe took lasts; the first that passes ends it.
+
+    The operator's probe model alone when one is named; else the confirming
+    call, then the other models the upstream served, the most recent first
+    (or, when it served none, the other models that failed), at most
+    :data:`MAX_FOLLOW_UPS`: one model that stays broken cannot keep the hold
+    while another it served works again.  An outage the health path
+    confirmed is probed there.
+    """
+    if confirmed is None:
+        return (None,)
+    if operator is not None:
+        return (operator,)
+    calls: list[ModelCall] = [confirmed]
+    for other in (known or failing):
+        if len(calls) >= MAX_FOLLOW_UPS:
+            break
+        if not any(_same(c, other.model) for c in calls):
+            calls.append(other)
+    return tuple(calls)

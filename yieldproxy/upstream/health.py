@@ -1,0 +1,144 @@
+"""What the proxy knows about one upstream's health, kept in one place.
+
+Two facts, each with this one owner:
+
+* **reachable**: the upstream has answered since the proxy started (a
+  request, or a probe).  Until then a refused connection is a configuration
+  error (a wrong URL, a backend not started yet), answered 502 at once, and
+  not an outage worth waiting out.
+* **the outage verdict** on a failed attempt: does a recognised outage
+  explain it?  The upstream's outage watcher decides while it runs
+  (watchers/outage.py); without one, no failure is forgiven.
+* **not ready**: an answer (a request's, or a probe's) that its server reads
+  as "still loading its model" (llama.cpp's 503 ``Loading model``).  It is
+  no outage: whoever reads such an answer says so here
+  (:meth:`UpstreamHealth.not_ready`), and the pool member that listens
+  (upstream/pool/member.py) stops taking requests until its health reads up.  A
+  model call answered (:meth:`UpstreamHealth.served`) is what shows it has
+  loaded: the member's bound on "not ready" runs until then.
+* **what it serves**: the models it answered 2xx (:attr:`UpstreamHealth.record`,
+  upstream/served.py), the evidence an outage verdict rests on, kept across restarts
+  and reloads; and the models judged failing *alone*
+  (:attr:`UpstreamHealth.failing`, upstream/failing.py), for ``/status`` and their callers.
+
+The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
+the outage watcher registers as the judge and as a listener while it runs,
+and marks the upstream reachable when its probes get an answer.  With an
+upstream pool (issue 12) each upstream gets its own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+
+from ..callbacks import call_each
+from ..servers.base import ModelCall
+from .failing import FailingModels
+from .served import ServedRecord
+
+log = Logger()
+
+#: ``judge(reason, call)``: a Deferred firing True when an outage explains the failure.
+Judge = Callable[[str, ModelCall | None], "Deferred[bool]"]
+
+
+@attrs.define(eq=False)
+class UpstreamHealth:
+    """Reachability and outage verdicts of one upstream."""
+
+    #: The upstream's URL, for log lines.
+    url: str
+    #: True once the upstream has answered since the proxy started.
+    reachable: bool = False
+    #: Decides the verdicts (its outage watcher's ``judge``, given by the composition root;
+    #: None: no failure is forgiven).
+    _judge: Judge | None = None
+    _listeners: list[Callable[[str | None], None]] = attrs.Factory(list)
+    _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
+    _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
+    _unanswered_listeners: list[Callable[[str], None]] = attrs.Factory(list)
+    #: The models it answered 2xx (:meth:`served`), kept across restarts and reloads.
+    record: ServedRecord = attrs.Factory(ServedRecord)
+    #: The models judged failing alone (the outage watcher notes them; a 2xx ends each note).
+    failing: FailingModels = attrs.Factory(FailingModels)
+
+    def answered(self) -> None:
+        """The upstream answered (a request or a probe): it is reachable from now on."""
+        self.reachable = True
+
+    def not_ready(self, why: str, call: ModelCall | None = None) -> None:
+        """It answered, and its server says it is not ready yet (loading its model): tell who listens.
+
+        ``call``: the model call that was answered so (None: its health path, or not known).
+        """
+        self.answered()
+        call_each(log, "upstream not-ready listener failed", self._not_ready_listeners, why, call)
+
+    def when_not_ready(self, listener: Callable[[str, ModelCall | None], None]) -> None:
+        """Call ``listener(why, call)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
+        self._not_ready_listeners.append(listener)
+
+    def served(self, call: ModelCall | None = None) -> None:
+        """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
+        whoever waits for its model to have loaded hears it (:meth:`when_served`).
+
+        ``call``: the call it answered 2xx, kept in :attr:`record` (and its model fails no more); None
+        for any other answer (an error relayed to its sender, a 404 for a model it lacks), which shows
+        the upstream answers, not that the call works.
+        """
+        self.report(None)
+        if call is not None:
+            self.record.served(call)
+            if self.failing:
+                self.failing.served(call.model)
+        call_each(log, "upstream served listener failed", self._served_listeners)
+
+    def unanswered(self, why: str) -> None:
+        """A probe could not reach it (refused, no answer in time): while it has never answered,
+        whoever listens hears it (its pool member then reads ``unreachable``)."""
+        if self.reachable:
+            return
+        call_each(log, "upstream unanswered listener failed", self._unanswered_listeners, why)
+
+    def when_unanswered(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(why)`` when a probe could not reach it before it ever answered (see :meth:`unanswered`)."""
+        self._unanswered_listeners.append(listener)
+
+    def when_served(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` each time a model call is answered (see :meth:`served`)."""
+        self._served_listeners.append(listener)
+
+    def report(self, failure_reason: str | None, call: ModelCall | None = None) -> Deferred[bool]:
+        """How an attempt went (any class, passthrough too): None for an answer, else the failure's reason.
+
+        For a failure, the Deferred fires with the verdict: True when a
+        recognised outage explains it, so the attempt does not count against
+        the request; False when the request failed on its own (or nothing
+        judges outages).  ``call`` says what failed (a
+        :class:`~yieldproxy.servers.base.ModelCall`, or None), so the judge can
+        weigh it against what the upstream is known to serve.  The Deferred never fails; cancelling
+        it only stops waiting.
+        """
+        if failure_reason is None:
+            self.answered()
+        call_each(log, "upstream health listener failed", self._listeners, failure_reason)
+        if failure_reason is None or self._judge is None:
+            return succeed(False)
+        try:
+            return self._judge(failure_reason, call)
+        except Exception:
+            log.failure("outage judge failed")
+            return succeed(False)
+
+    def listen(self, listener: Callable[[str | None], None]) -> None:
+        """Call ``listener(failure_reason)`` with every attempt's result, until :meth:`forget`."""
+        self._listeners.append(listener)
+
+    def forget(self, listener: Callable[[str | None], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+

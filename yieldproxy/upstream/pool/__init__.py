@@ -1,0 +1,13 @@
+"""The upstream pool (issue 12): several upstreams, each with its own yield state, one lot draining into them.
+
+* :mod:`.members`: each ``[[upstreams]]`` table (or the legacy
+  ``proxy.upstream``) with its defaults resolved;
+* :mod:`.models`: which models a member serves, configured or discovered;
+* :mod:`.member`: one member as it runs (available or not, in flight);
+* :mod:`.routing`: the pool: eligibility, the choice at admission, the drain;
+* :mod:`.twins`: which members may serve a model's embeddings (its reference, verified twins);
+* :mod:`.lists`: ``GET /api/tags`` and ``/v1/models`` as the union of the members' lists;
+* :mod:`.rename`: a body's model renamed to the one a member serves it as.
+
+Part of upstream/ (layer 6): it may import what upstream/ may, and the rest of upstream/.
+"""

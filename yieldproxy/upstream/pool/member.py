@@ -1,0 +1,465 @@
+"""One upstream of the pool as it runs: whether it takes requests now, and what it has in flight.
+
+A member is *available* when no hold applies to it (its own, or one of all
+members), it is not handing over (a model preload after its yield holds its
+drainer), and it is not known unreachable.  Passing over is for pools of
+several only: a member whose attempts are refused before it ever answered
+(a wrong address, a server not started yet) is passed over and checked
+again on a growing interval, while the others serve; a pool of one answers
+such attempts 502 at once, as a single upstream always did.
+
+Whatever the pool, a member that has not answered since the proxy started
+and could not be reached (its outage watcher's probe at start, another
+probe, or an attempt: :meth:`UpstreamHealth.unanswered`) *reads*
+``unreachable`` (:attr:`Member.never_answered`: ``/status``, the metrics,
+the status page, ``yieldproxy status``), one line says so, and it is
+checked again on the same growing interval until it answers.  A pool of one
+still sends it its requests (each gets its 502 at once): only its state
+tells the truth sooner.
+
+A member is also not available while it is *not ready*: its server said it
+is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
+or a probe: :meth:`UpstreamHealth.not_ready`).  That is no outage and no
+failed try: its health path is checked on the same growing interval until it
+reads up, then its drainer starts.  One not ready for longer than
+``upstream.not_ready_max_seconds`` is treated as down: it takes a hold of
+its own (source ``loading``, :data:`~yieldproxy.names.LOADING_SOURCE`, of its
+outage watcher's scope; it reads ``outage``), so a server stuck loading holds
+nobody without bound.  In any pool, a pool of one included; Ollama never
+answers "not ready", so a pool of one in front of Ollama is as it always was.
+
+The bound cannot be dodged: it runs from the first "loading" answer until a
+model call is answered (:meth:`UpstreamHealth.served`), not until its health
+reads up.  A server whose health says up while its model route keeps
+answering "loading" is let back in when its health reads up, and is held
+once the run of such answers reaches the bound.  Then only a model call
+ends the hold: the minimal call (the server's ``minimal_call``) of the
+last call that answered "loading", when one is known, else its health path.
+
+What the member itself knows against it is one named state,
+:attr:`Member.condition` (:class:`Condition`), changed in one place along
+:data:`CONDITION_MOVES`.  Its holds and its drainer's held release are
+others' facts (the yield state's, the drainer's), and whether it has answered
+since the start is its health's: ``unreachable`` is a refusing member that
+has not answered since.  The run of "loading" answers the bound measures is
+data beside the state: it goes on while the member serves again, until a
+model call is answered.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from ...lot.replay import Replayer
+from ...lot.state import YieldState
+from ...names import LOADING_SOURCE, TROUBLE_SOURCES
+from ...servers import NOT_READY as SAYS_NOT_READY, UP
+from ...servers.base import ModelCall
+from ..health import UpstreamHealth
+from ..verdict import NOT_CONNECTED
+from .members import MemberSpec
+from .models import ModelCatalogue
+
+log = Logger()
+
+#: What ``/status`` says of a member (and the ``state`` label of its metrics).
+MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable", "not_ready")
+
+
+class Condition(enum.Enum):
+    """What a member itself knows against taking requests (:attr:`Member.condition`)."""
+
+    #: Nothing: it takes requests whenever nothing holds it.
+    SERVING = "serving"
+    #: It could not be reached and had not answered since the start: it reads unreachable
+    #: (a pool of one still sends it its requests) and is checked again until it answers.
+    UNANSWERED = "unanswered"
+    #: Attempts were refused before it ever answered: passed over, it reads unreachable, and is
+    #: checked again until it answers.
+    REFUSING = "refusing"
+    #: Its server says it is still loading its model: passed over until its health reads up.
+    NOT_READY = "not_ready"
+    #: Not ready for ``not_ready_max_seconds``: its own ``loading`` hold, until a model call works
+    #: (or someone else ends that hold).
+    STUCK = "stuck"
+
+
+SERVING, UNANSWERED, REFUSING = Condition.SERVING, Condition.UNANSWERED, Condition.REFUSING
+NOT_READY, STUCK = Condition.NOT_READY, Condition.STUCK
+
+#: Every move a member's condition may make; any other is a bug (:meth:`Member._to` raises).
+CONDITION_MOVES: dict[Condition, frozenset[Condition]] = {
+    # A probe or an attempt that could not reach it; refused attempts; a "loading" answer.
+    SERVING: frozenset({UNANSWERED, REFUSING, NOT_READY}),
+    # Refused attempts; a "loading" answer (it answers, so it is reachable); a check answered.
+    UNANSWERED: frozenset({REFUSING, NOT_READY, SERVING}),
+    REFUSING: frozenset({NOT_READY, SERVING}),
+    # Past the bound; its health reads up (or a model call is answered).
+    NOT_READY: frozenset({STUCK, SERVING}),
+    # A model call works (or its hold ended elsewhere); its hold ended elsewhere and it loads again.
+    STUCK: frozenset({SERVING, NOT_READY}),
+}
+
+
+@attrs.define(eq=False)
+class Member:
+    """A pool member: its spec, its client, its health, its models and its drainer."""
+
+    spec: MemberSpec
+    #: Its place in config order (ties in the choice go to the first).
+    index: int
+    _clock: IReactorTime
+    _state: YieldState
+    #: What the pool knows of its kind of server (:mod:`.apis`).
+    server: Any
+    health: UpstreamHealth
+    catalogue: ModelCatalogue
+    #: Releases the lot into it, under its ``replay_concurrency``; its in-flight count.
+    drainer: Replayer
+    #: Its client for requests (:class:`~yieldproxy.upstream.attempt.Upstream`); None in clock-only tests.
+    upstream: Any = None
+    #: Its control-plane client (:class:`~yieldproxy.upstream.control.UpstreamControl`); None in clock-only tests.
+    control: Any = None
+    #: The first and the longest wait between checks of an unreachable member.
+    recheck_seconds: float = 0.5
+    recheck_max_seconds: float = 10.0
+    #: Bound on one check of its health path (``upstream.health_timeout_seconds``).
+    check_timeout_seconds: float = 2.0
+    #: Called when it becomes available again after being unreachable (the pool wakes its drainers).
+    on_reachable: Callable[[], None] = lambda: None
+    #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
+    not_ready_max_seconds: float = 300.0
+    #: The scope of the ``loading`` hold it takes when stuck not ready: its outage watcher's (None: its name).
+    outage_scope: str | None = None
+    #: How the request log names it on the requests it served (None: a pool of one's lines name no
+    #: upstream, as a single upstream's never did).
+    log_name: str | None = None
+    #: What it knows against itself (:data:`CONDITION_MOVES`).
+    condition: Condition = attrs.field(default=SERVING, init=False)
+    #: Since when it is :attr:`Condition.NOT_READY` (for its log line).
+    _not_ready_since: float = 0.0
+    #: Since the first "loading" answer that no answered model call followed: what the bound measures.
+    _loading_since: float | None = None
+    #: The last "loading" answer: a run of them goes on while they come closer than the bound.
+    _last_loading: float = 0.0
+    #: The last model call that answered "loading" (its minimal call ends a stuck hold).
+    _loading_call: ModelCall | None = None
+    _stuck_timer: IDelayedCall | None = None
+    _recheck: IDelayedCall | None = None
+    _recheck_delay: float = 0.0
+    _checking: Deferred | None = None
+    _stopped: bool = False
+    #: Its API prefix was found (where its model list or a call answered): a 404 is then its server's word.
+    _prefix_known: bool = False
+
+    def _to(self, new: Condition) -> None:
+        """Its condition moves to ``new``: the one place it does, along :data:`CONDITION_MOVES`."""
+        if new not in CONDITION_MOVES[self.condition]:
+            raise RuntimeError(f"upstream {self.name} cannot go from {self.condition.value} to {new.value}")
+        self.condition = new
+
+    def follow(self) -> tuple[tuple[Callable[[Callable[..., None]], None], Callable[..., None]], ...]:
+        """What it follows of its health, as (subscribe, listener) pairs: the composition root
+        (``service.build_heart``) subscribes them; the constructor subscribes nothing."""
+        return (
+            (self.health.when_not_ready, self.became_not_ready),
+            (self.health.when_served, self.served),
+            (self.health.listen, self._attempt_result),
+            (self.health.when_unanswered, self._not_there),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def inflight(self) -> int:
+        return self.drainer.inflight
+
+    @property
+    def unreachable(self) -> bool:
+        """Passed over: attempts were refused and it has not answered since the proxy started."""
+        return self.condition is REFUSING and not self.health.reachable
+
+    @property
+    def never_answered(self) -> bool:
+        """It reads ``unreachable``: it could not be reached, and has not answered since the proxy started."""
+        condition = self.condition
+        return (condition is REFUSING or condition is UNANSWERED) and not self.health.reachable
+
+    @property
+    def not_ready(self) -> bool:
+        """Its server said it is still loading its model, and its health has not read up since."""
+        return self.condition is NOT_READY
+
+    def prefixes_after_404(self, tried: str) -> tuple[str, ...]:
+        """Where else an embedding call answered 404 at ``tried`` may be asked, the prefixes in order: the
+        one it has now if that moved while the call was out (its model-list reader found it), else, while
+        its prefix is not known, every other API prefix its server may be mounted under (Infinity's
+        ``--url-prefix``). Once the prefix is known, a 404 at it is its server's answer: nowhere else."""
+        server = self.server
+        prefixes = [p for p in server.url_prefixes if server.with_prefix(p).embed_path != tried]
+        now = [p for p in prefixes if server.with_prefix(p).embed_path == server.embed_path]
+        if self._prefix_known:
+            return tuple(now)
+        return (*now, *(p for p in prefixes if p not in now))
+
+    def found_prefix(self, prefix: str) -> None:
+        """Its server answered under ``prefix``: every call to it (verification, translated embeddings,
+        its model list) goes there from now on."""
+        self._prefix_known = True
+        if self.server.with_prefix(prefix).embed_path != self.server.embed_path:
+            log.info("upstream {member} serves its API under {prefix}", member=self.name, prefix=prefix or "/")
+            self.server = self.server.with_prefix(prefix)
+
+    def held(self) -> bool:
+        """Some hold applies to it (its own, or one of every member)."""
+        return self._state.yielded_for(self.spec.name)
+
+    def available(self) -> bool:
+        """True when it takes requests now."""
+        condition = self.condition
+        return not (
+            self._state.yielded_for(self.spec.name) or self.drainer.release_held or condition is NOT_READY
+            or (condition is REFUSING and not self.health.reachable)
+        )
+
+    def state_name(self) -> str:
+        """One of :data:`MEMBER_STATES`."""
+        if self._state.yielded_for(self.spec.name):
+            holds = self._state.holds_for(self.spec.name)
+            return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
+        if self.drainer.release_held:
+            return "handing_over"
+        if self.never_answered:
+            return "unreachable"
+        if self.condition is NOT_READY:
+            return "not_ready"
+        return "available"
+
+    # -- unreachable ------------------------------------------------------------------
+
+    def _attempt_result(self, reason: str | None) -> None:
+        """Every attempt's result (a listener of its health): one that could not connect before it
+        ever answered makes it read unreachable."""
+        if reason in NOT_CONNECTED and not self.health.reachable:
+            self._not_there(reason)
+
+    def _not_there(self, why: str) -> None:
+        """It could not be reached and never answered: it reads unreachable until it answers; say so once.
+
+        Only said of a member that has not answered, so never of one not ready (a "loading" answer
+        is an answer); one refusing already is checked again already.
+        """
+        if self.condition is not SERVING or self._stopped:
+            return
+        self._to(UNANSWERED)
+        log.warn(
+            "upstream {name} ({url}) does not answer ({why}): it reads unreachable until it answers "
+            "(checked again every few seconds); requests sent to it fail until then",
+            name=self.name, url=self.spec.url, why=why,
+        )
+        self._recheck_delay = self.recheck_seconds
+        self._schedule_recheck()
+
+    def refused(self) -> None:
+        """An attempt could not connect, and it never answered: pass it over until a check gets an answer."""
+        condition = self.condition
+        if condition is REFUSING and self._recheck is not None:
+            return
+        if condition is SERVING:
+            log.warn(
+                "upstream {name} ({url}) refuses connections and has not answered since the start: "
+                "passing it over, the other upstreams serve; checking it again every few seconds",
+                name=self.name, url=self.spec.url,
+            )
+        if condition is not REFUSING:
+            self._to(REFUSING)
+        self._recheck_delay = self.recheck_seconds
+        self._schedule_recheck()
+
+    # -- not ready ---------------------------------------------------------------------
+
+    def became_not_ready(self, why: str, call: ModelCall | None = None) -> None:
+        """Its server says it is still loading its model: pass it over and check its health until it reads up.
+
+        ``call``: the model call that said so (None: its health path, or not known).
+        """
+        if self._stopped or self._stuck_held():
+            return
+        now = self._clock.seconds()
+        if call is not None:
+            self._loading_call = call
+        if self._loading_since is None or now - self._last_loading > self.not_ready_max_seconds:
+            self._loading_since = now
+        self._last_loading = now
+        if self.condition is not NOT_READY:
+            log.warn(
+                "upstream {name} ({url}) is not ready ({why}): passing it over, its attempts not counted; "
+                "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s "
+                "until a model call is answered)",
+                name=self.name, url=self.spec.url, why=why, bound=self.not_ready_max_seconds,
+            )
+            self._to(NOT_READY)
+            self._not_ready_since = now
+            self._recheck_delay = self.recheck_seconds
+            if self._recheck is not None and self._recheck.active():
+                self._recheck.cancel()  # a refused member's longer wait: look again soon
+                self._recheck = None
+        if now - self._loading_since >= self.not_ready_max_seconds:
+            # Its health read up in between, but its model route still loads: the bound ran out.
+            self._stuck_for_too_long()
+            return
+        if self._stuck_timer is None:
+            self._stuck_timer = self._clock.callLater(
+                self._loading_since + self.not_ready_max_seconds - now, self._stuck_for_too_long
+            )
+        self._schedule_recheck()
+
+    def served(self) -> None:
+        """A model call was answered: it has loaded; the bound starts afresh at the next "loading" answer."""
+        if self._stopped:
+            return
+        if self._waits_for_health():
+            self._ready()
+        self._loading_since = None
+        self._loading_call = None
+        self._cancel_stuck_timer()
+
+    def _cancel_stuck_timer(self) -> None:
+        if self._stuck_timer is not None and self._stuck_timer.active():
+            self._stuck_timer.cancel()
+        self._stuck_timer = None
+
+    def _stuck_held(self) -> bool:
+        """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
+        then it serves again)."""
+        if self.condition is STUCK and self._state.hold_of(LOADING_SOURCE, self._scope) is None:
+            self._to(SERVING)
+        return self.condition is STUCK
+
+    @property
+    def _scope(self) -> str:
+        return self.outage_scope if self.outage_scope is not None else self.name
+
+    def _stuck_for_too_long(self) -> None:
+        """Not ready for ``not_ready_max_seconds``: treated as down, its ``loading`` hold until a model call works."""
+        self._stuck_timer = None
+        if self.condition is not NOT_READY or self._loading_since is None or self._stopped:
+            # Its health reads up meanwhile: the next "loading" answer ends the run (became_not_ready).
+            return
+        seconds = self._clock.seconds() - self._loading_since
+        log.warn(
+            "upstream {name} ({url}) is still not ready after {seconds:.0f}s (upstream.not_ready_max_seconds): "
+            "treating it as down, a hold (source loading) until {what} works",
+            name=self.name, url=self.spec.url, seconds=seconds, what=self._recovery_what(),
+        )
+        self._to(STUCK)
+        self._recheck_delay = self.recheck_seconds
+        self._state.hold(LOADING_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
+        self._schedule_recheck()
+
+    def _recovery_call(self):
+        """The minimal call whose answer ends a stuck hold, or None (its health path does)."""
+        if self._loading_call is None:
+            return None
+        return self.server.minimal_call(self._loading_call)
+
+    def _recovery_what(self) -> str:
+        call = self._recovery_call()
+        return "its health path" if call is None else f"a call of {call[1]}"
+
+    def _ready(self) -> None:
+        """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
+        took for a stuck load ends), its drainer starts."""
+        was = self.condition
+        self._to(SERVING)
+        if was is STUCK:
+            self._loading_since = None
+            self._cancel_stuck_timer()
+            log.info("upstream {name} ({url}) works again: ending its loading hold", name=self.name, url=self.spec.url)
+            self._state.release(LOADING_SOURCE, self._scope)
+        else:
+            log.info(
+                "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
+                name=self.name, url=self.spec.url, seconds=self._clock.seconds() - self._not_ready_since,
+            )
+        # Its "Loading model" answers were no failures of a working server: no backoff after them.
+        self.drainer.reset_backoff()
+        self.on_reachable()
+
+    def _waits_for_health(self) -> bool:
+        return self.condition is NOT_READY or self._stuck_held()
+
+    def stop(self) -> None:
+        """The proxy stops: no more checks."""
+        self._stopped = True
+        self._cancel_stuck_timer()
+        if self._recheck is not None and self._recheck.active():
+            self._recheck.cancel()
+        self._recheck = None
+        if self._checking is not None:
+            self._checking.cancel()
+
+    def _schedule_recheck(self) -> None:
+        if self._stopped or self._checking is not None:
+            return  # a check in flight schedules the next one when it ends
+        if self._recheck is None or not self._recheck.active():
+            self._recheck = self._clock.callLater(self._recheck_delay, self._check)
+            self._recheck_delay = min(self.recheck_max_seconds, self._recheck_delay * 2)
+
+    def _check(self) -> None:
+        self._recheck = None
+        waits = self._waits_for_health()
+        if not self.never_answered and not waits:
+            self._reachable()
+            return
+        if self.control is None:
+            self._schedule_recheck()
+            return
+        model_call = self._recovery_call() if self._stuck_held() else None
+        if model_call is not None:
+            # Its health said up while its model route loaded: only a model call tells.
+            method, path, body = model_call
+            d = self._checking = self.control.request(method, path, body, timeout=self.check_timeout_seconds)
+        else:
+            d = self._checking = self.control.request("GET", self.spec.health_path, timeout=self.check_timeout_seconds)
+
+        def answered(answer) -> None:
+            self.health.answered()  # any answer: it is there (an outage is the outage watcher's business)
+            if self._waits_for_health():
+                # Not ready (or stuck so): only its health reading up (a model call, when stuck on one) ends that.
+                if model_call is not None:
+                    up = self.server.judge(answer.code, answer.body) != SAYS_NOT_READY
+                elif self._stuck_held() and self._recovery_call() is not None:
+                    up = False  # a health check sent before it was held stuck: only a model call tells now
+                else:
+                    up = self.server.judge_health(answer.code, answer.body) == UP
+                if up:
+                    self._ready()
+                else:
+                    self._schedule_recheck()
+            self._reachable()
+
+        def failed(failure) -> None:
+            condition = self.condition
+            if condition is REFUSING or condition is UNANSWERED or self._waits_for_health():
+                self._schedule_recheck()
+
+        def done(result):
+            self._checking = None
+            return result
+
+        d.addBoth(done).addCallbacks(answered, failed)
+
+    def _reachable(self) -> None:
+        if self.condition is REFUSING or self.condition is UNANSWERED:
+            self._to(SERVING)
+            log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
+            self.on_reachable()

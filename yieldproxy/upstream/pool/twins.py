@@ -1,0 +1,517 @@
+"""Twin verification: which members may serve a model's embeddings besides its reference.
+
+Two copies of "the same" embedding model do not always give the same
+vectors, and vectors from another model poison a vector store without any
+error.  So in a pool an embedding request for model M goes only to M's
+*reference* (the first member in config order that serves M, among those
+whose api serves every embedding route natively when one of them serves M:
+see below) or to a *twin*: another member serving M whose vectors were verified equal to the
+reference's, the way the CPU fallback is verified (yieldproxy/upstream/vectors.py): the probe
+texts embedded on both, the same dimension and a cosine of at least
+``verification.min_cosine`` per text after L2 normalisation.  A twin whose
+last verification failed, that was never verified, or whose verification is
+older than ``verification.max_verification_age_seconds`` serves no
+embedding of M; chat and generation are never restricted.
+
+A member that serves an embedding route only translated (an Infinity, TEI
+or OpenAI-compatible CPU copy taking an Ollama client's ``/api/embed``, see
+:mod:`.routing`) is never the reference while a member that speaks every
+embedding route natively (an Ollama) serves M: the vectors the callers'
+stores hold came from the server they talk to, and a translated copy must
+prove itself against it (:func:`~.routing.reference_rank`).  Only when no
+such member serves M is the first member serving it the reference, as ever.
+
+Which models: ``verification.models`` and each member's ``model_map`` names
+from the start, and any model an embedding request names for a twin (after
+its first such request: until then its twins do not serve it).  Each
+(twin, model) pair is verified again every
+``verification.verify_interval_seconds``, sooner after an error.
+
+A verification runs a model on both members, so it runs only while both are
+available (checked again before each call): a pair whose reference or twin
+is yielded, handing over or unreachable is postponed, and checked again a
+few seconds later (no request is sent until both are back).  Each call is
+bounded by ``verification.timeout_seconds`` (``Deferred.addTimeout`` on the
+injected reactor, in :class:`~yieldproxy.upstream.control.UpstreamControl`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Callable, Sequence
+
+import attrs
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from ...clock import same
+from ...config import VerificationConfig
+from ...edge.h1client import H1Error
+from ...lot.parking import Entry
+from ...names import canonical_model
+from ..attempt import describe_failure
+from ..control import ControlTimeout
+from ..translation import (
+    BackendError,
+    EmbedRequest,
+    Embeddings,
+    backend_request,
+    parse_response,
+)
+from ..vectors import compare
+from ..verdict import Reason
+from .member import Member
+from .routing import reference_rank
+
+log = Logger()
+
+#: ``yieldproxy_twin_verifications_total`` results.
+RESULTS = ("ok", "mismatch", "error")
+#: What ``/status`` says of a (member, model) pair.
+TWIN_STATES = ("reference", "verified", "mismatch", "error", "stale", "unverified")
+#: After a verification that could not run (a side's error or timeout), try again this soon.
+RETRY_AFTER_ERROR_SECONDS = 60.0
+#: While a pair waits for both sides to be available, look again this often (no request is sent).
+POSTPONED_RECHECK_SECONDS = 5.0
+#: At most this many models are verified (a pattern like ``*`` would let requests name any number).
+MAX_MODELS = 256
+#: Answers with the probe texts' vectors may be large (10 texts of 4096 floats are about 1 MB).
+MAX_ANSWER_BYTES = 32 * 1024 * 1024
+
+
+class Postponed(Exception):
+    """A side of a verification became unavailable between its calls: the pair waits, no call is sent."""
+
+
+@attrs.frozen
+class TwinCheck:
+    """The last verification of one twin for one model."""
+
+    reference: str
+    result: str
+    at: float
+    worst_cosine: float | None = None
+    dimension: int | None = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.result == "ok"
+
+
+@attrs.define(eq=False, slots=False)
+class TwinVerifier(Service):
+    """Verifies every twin of every known embedding model, on a timer; :meth:`twin_ok` is the pool's check."""
+
+    _clock: IReactorTime
+    _members: Sequence[Member]
+    _config: VerificationConfig
+    #: Called when a pair becomes verified (the pool's drainers look again at what is parked).
+    _on_verified: Callable[[], None] = lambda: None
+    #: The last verification of each pair, by (member name, canonical model).
+    checks: dict[tuple[str, str], TwinCheck] = attrs.field(init=False, factory=dict)
+    #: The models verified: canonical name -> the name first seen.
+    _models: dict[str, str] = attrs.field(init=False, factory=dict)
+    #: When each pair is next due (absent: now).
+    _due_at: dict[tuple[str, str], float] = attrs.field(init=False, factory=dict)
+    #: Each model's reference by canonical name (None: no member is known to serve it); dropped on list changes.
+    _references: dict[str, str | None] = attrs.field(init=False, factory=dict)
+    #: Models named by requests with fewer than two members serving them (nothing to verify).
+    _untwinned: set[str] = attrs.field(init=False, factory=set)
+    _canonical: dict[str, str] = attrs.field(init=False, factory=dict)
+    _counts: collections.Counter = attrs.field(init=False, factory=collections.Counter)
+    _timer: IDelayedCall | None = attrs.field(init=False, default=None)
+    _verifying: Deferred | None = attrs.field(init=False, default=None)
+    _again: bool = attrs.field(init=False, default=False)
+    _postponed: bool = attrs.field(init=False, default=False)
+    _full_logged: bool = attrs.field(init=False, default=False)
+    #: The models verified because the config names them (``verification.models``, ``model_map``): never dropped.
+    _pinned: set[str] = attrs.field(init=False, factory=set)
+    _by_name: dict[str, Member] = attrs.field(init=False)
+
+    name = "twins"  # type: ignore[assignment]  # Twisted types Service.name as None
+
+    def __attrs_post_init__(self) -> None:
+        self._by_name = {m.name: m for m in self._members}
+        for model in self._config.models:
+            self._models.setdefault(self._key(model), model)
+        for member in self._members:
+            for model in member.catalogue.model_map:
+                self._models.setdefault(self._key(model), model)
+        self._pinned = set(self._models)
+
+    # -- the pool's check ----------------------------------------------------------------
+
+    def twin_ok(self, member: Member, entry: Entry) -> bool:
+        """May ``member`` serve ``entry`` now: anything but an embedding, or the model's reference or a fresh twin."""
+        if entry.kind != "embedding":
+            return True
+        model = entry.model
+        if not model:
+            return bool(entry.eligible) and member.name == entry.eligible[0]
+        key = self._key(model)
+        reference = self._reference(key, model)
+        if reference is None:
+            # No member is known to serve it (lists not read yet): the first eligible one answers alone.
+            return bool(entry.eligible) and member.name == entry.eligible[0]
+        if member.name == reference:
+            return True
+        check = self.checks.get((member.name, key))
+        if (
+            check is not None and check.result == "ok" and check.reference == reference
+            and self._clock.seconds() - check.at <= self._config.max_verification_age_seconds
+        ):
+            return True
+        if key not in self._models:
+            self._track(key, model)
+        return False
+
+    def _key(self, model: str) -> str:
+        """The canonical name (``all-minilm`` is ``all-minilm:latest``), remembered: the check runs per choice."""
+        key = self._canonical.get(model)
+        if key is None:
+            if len(self._canonical) >= 4 * MAX_MODELS:
+                self._canonical.clear()
+            key = self._canonical[model] = canonical_model(model)
+        return key
+
+    def _reference(self, key: str, model: str) -> str | None:
+        """The first member serving ``model`` of the lowest :func:`reference_rank` (config order), or None."""
+        if key in self._references:
+            return self._references[key]
+        ranked = sorted(self._members, key=lambda m: reference_rank(m.spec.api))  # stable: config order
+        found = next((m.name for m in ranked if m.catalogue.serves(model)), None)
+        if len(self._references) >= 4 * MAX_MODELS:
+            self._references.clear()
+        self._references[key] = found
+        return found
+
+    def _twins(self, key: str, model: str) -> list[Member]:
+        """The members serving ``model`` other than its reference, in config order."""
+        reference = self._reference(key, model)
+        return [m for m in self._members if m.name != reference and m.catalogue.serves(model)] if reference else []
+
+    def _track(self, key: str, model: str) -> None:
+        """An embedding request named ``model`` for a twin: verify its twins from now on."""
+        if key in self._untwinned:
+            return
+        if not self._twins(key, model):
+            if len(self._untwinned) >= 4 * MAX_MODELS:
+                self._untwinned.clear()
+            self._untwinned.add(key)
+            return
+        if len(self._models) >= MAX_MODELS and not self._forget_oldest_named():
+            if not self._full_logged:
+                self._full_logged = True
+                log.warn(
+                    "twin verification: {n} models are verified already; the twins of {model} are not "
+                    "verified, so its embeddings go to its reference only",
+                    n=len(self._models), model=model,
+                )
+            return
+        self._models[key] = model
+        self._soon()
+
+    def _forget_oldest_named(self) -> bool:
+        """Make room: forget the model requests named first (names from requests are anyone's to
+        invent; one still in use is tracked again at its next request). False: all are configured."""
+        oldest = next((key for key in self._models if key not in self._pinned), None)
+        if oldest is None:
+            return False
+        del self._models[oldest]
+        for pair in [pair for pair in self.checks if pair[1] == oldest]:
+            del self.checks[pair]
+            self._due_at.pop(pair, None)
+        return True
+
+    def lists_changed(self) -> None:
+        """A member's model list changed: references and twins may have moved."""
+        self._references.clear()
+        self._untwinned.clear()
+        self._soon()
+
+    # -- the timer -------------------------------------------------------------------------
+    # A callLater chain, not a fixed loop (periodic.py): it wakes when the next pair is
+    # due, at once when a new model is seen, and every few seconds while a pair waits
+    # for both sides to be available.
+
+    def startService(self) -> None:
+        super().startService()
+        self._schedule(0)
+
+    def stopService(self) -> None:
+        super().stopService()
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._verifying is not None:
+            self._verifying.cancel()
+
+    def _soon(self) -> None:
+        """Run a pass now (or right after the one running)."""
+        if not self.running:
+            return
+        if self._verifying is not None:
+            self._again = True
+        else:
+            self._schedule(0)
+
+    def _schedule(self, delay: float) -> None:
+        if self._timer is not None and self._timer.active():
+            if self._timer.getTime() <= self._clock.seconds() + delay:
+                return
+            self._timer.cancel()
+        self._timer = self._clock.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if not self.running or self._verifying is not None:
+            return
+        d = self._verifying = Deferred.fromCoroutine(self.verify_due())
+
+        def failed(failure) -> None:
+            if not failure.check(CancelledError):
+                log.failure("twin verification failed unexpectedly; it runs again soon", failure)
+
+        def done(_) -> None:
+            self._verifying = None
+            delay = self._next_delay()
+            if self.running and delay is not None:
+                self._schedule(delay)
+
+        d.addErrback(failed).addBoth(done)
+
+    def _next_delay(self) -> float | None:
+        """Until the next pair is due (None: none is; a new model or list wakes it)."""
+        if self._again:
+            self._again = False
+            return 0.0
+        now = self._clock.seconds()
+        delays = [
+            due - now
+            for key, model in self._models.items()
+            for twin in self._twins(key, model)
+            if (due := self._due_at.get((twin.name, key), now)) > now
+        ]
+        if self._postponed:  # overdue pairs wait for both sides: look again a little later
+            delays.append(POSTPONED_RECHECK_SECONDS)
+        return min(delays) if delays else None
+
+    # -- verification ----------------------------------------------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """Nothing is running, and no pair is due whose reference and twin are both available now."""
+        if self._verifying is not None:
+            return False
+        now = self._clock.seconds()
+        for key, model in self._models.items():
+            reference = self._by_name.get(self._reference(key, model) or "")
+            if reference is None or not reference.available():
+                continue
+            for twin in self._twins(key, model):
+                if twin.available() and self._due_at.get((twin.name, key), now) <= now:
+                    return False
+        return True
+
+    async def verify_due(self) -> None:
+        """Verify every pair that is due and whose two sides are available; postpone the others."""
+        self._postponed = False
+        for key, model in list(self._models.items()):
+            reference = self._by_name.get(self._reference(key, model) or "")
+            if reference is None:
+                continue
+            expected: Embeddings | None = None
+            for twin in self._twins(key, model):
+                now = self._clock.seconds()
+                if self._due_at.get((twin.name, key), now) > now:
+                    continue
+                if not (reference.available() and twin.available()):
+                    self._postponed = True
+                    continue
+                if expected is None:
+                    try:
+                        expected = await self._embed(reference, model)
+                    except Postponed:
+                        self._postponed = True
+                        continue
+                    except BackendError as e:
+                        failed = TwinCheck(reference.name, "error", now, reason=f"{reference.name}: {e.detail}")
+                        self._record(twin, key, model, failed)
+                        continue
+                if not twin.available():  # it was taken while the reference answered
+                    self._postponed = True
+                    continue
+                try:
+                    got = await self._embed(twin, model)
+                except Postponed:
+                    self._postponed = True
+                    continue
+                except BackendError as e:
+                    at = self._clock.seconds()
+                    failed = TwinCheck(reference.name, "error", at, reason=f"{twin.name}: {e.detail}")
+                    self._record(twin, key, model, failed)
+                    continue
+                texts = self._config.probe_texts
+                v = compare(
+                    model, model, texts, expected.vectors, got.vectors, self._config.min_cosine, self._clock.seconds(),
+                    sides=(reference.name, twin.name),
+                )
+                reason = v.reason
+                dimension = len(got.vectors[0]) if got.vectors else None
+                self._record(
+                    twin, key, model,
+                    TwinCheck(reference.name, "ok" if v.ok else "mismatch", v.at, v.worst_cosine, dimension, reason),
+                )
+
+    def _embed(self, member: Member, model: str) -> Deferred[Embeddings]:
+        """The probe texts' vectors from ``member`` (its own name for ``model``, its embed route and shape)."""
+        if member.control is None:
+            raise BackendError("error", f"{member.name} has no client")
+        own = member.catalogue.own_name(model) or model
+        probe = EmbedRequest("embed", own, tuple(self._config.probe_texts))
+        shape = member.server.embed_shape
+        _, body = backend_request(probe, shape, own)
+        return Deferred.fromCoroutine(self._call(member, probe, shape, json.loads(body)))
+
+    async def _call(self, member: Member, probe: EmbedRequest, shape: str, body: dict) -> Embeddings:
+        try:
+            path = member.server.embed_path
+            answer = await self._post(member, path, body)
+            if answer.code == 404:
+                answer = await self._under_another_prefix(member, path, body) or answer
+        except ControlTimeout as e:
+            raise BackendError(Reason.TIMEOUT, str(e)) from None
+        except H1Error as e:
+            raise BackendError("error", describe_failure(e, member.spec.url)) from None
+        except (CancelledError, Postponed):
+            raise
+        except Exception as e:
+            raise BackendError("error", f"{member.spec.url} failed: {type(e).__name__}: {e}") from None
+        embeddings = parse_response(probe, shape, answer.code, answer.body)
+        if len(embeddings.vectors) != len(probe.inputs):
+            raise BackendError(
+                Reason.BAD_ANSWER, f"{len(embeddings.vectors)} vectors for {len(probe.inputs)} probe texts"
+            )
+        return embeddings
+
+    def _post(self, member: Member, path: str, body: dict) -> Deferred:
+        return member.control.request(
+            "POST", path, body, timeout=self._config.timeout_seconds, max_body=MAX_ANSWER_BYTES,
+        )
+
+    async def _under_another_prefix(self, member: Member, tried: str, body: dict):
+        """After a 404 at ``tried``: the answer under another API prefix its server may be mounted under
+        (:meth:`Member.prefixes_after_404`), which the member then keeps for every call; None if none
+        answers. Each call waits for the member to be available, as every verification call does
+        (:class:`Postponed` if it is not)."""
+        for prefix in member.prefixes_after_404(tried):
+            if not member.available():
+                raise Postponed(member.name)
+            answer = await self._post(member, member.server.with_prefix(prefix).embed_path, body)
+            if answer.code != 404:
+                member.found_prefix(prefix)
+                return answer
+        return None
+
+    def _record(self, twin: Member, key: str, model: str, check: TwinCheck) -> None:
+        pair = (twin.name, key)
+        before = self.checks.get(pair)
+        self.checks[pair] = check
+        self._counts[(twin.name, check.result)] += 1
+        interval = self._config.verify_interval_seconds
+        if check.result == "error":  # no answer is no verdict: try again sooner
+            interval = min(interval, RETRY_AFTER_ERROR_SECONDS)
+        self._due_at[pair] = check.at + interval
+        if check.ok:
+            if before is None or not before.ok:
+                log.info(
+                    "upstream {twin} verified as a twin of {reference} for {model}: worst cosine {worst:.6f}; "
+                    "it serves {model}'s embeddings",
+                    twin=twin.name, reference=check.reference, model=model, worst=check.worst_cosine,
+                )
+            self._on_verified()
+        elif before is None or before.result != check.result or before.reason != check.reason:
+            log.warn(
+                "upstream {twin} NOT verified as a twin of {reference} for {model} ({result}): {reason}; "
+                "{model}'s embeddings do not go to it",
+                twin=twin.name, reference=check.reference, model=model, result=check.result, reason=check.reason,
+            )
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def state_of(self, name: str, key: str, reference: str) -> str:
+        """One of :data:`TWIN_STATES` for member ``name`` and a model (canonical ``key``)."""
+        if name == reference:
+            return "reference"
+        check = self.checks.get((name, key))
+        if check is None or check.reference != reference:
+            return "unverified"
+        if check.ok and self._clock.seconds() - check.at > self._config.max_verification_age_seconds:
+            return "stale"
+        return "verified" if check.ok else check.result
+
+    def status(self, name: str, shown: Callable[[float], float] = same) -> dict[str, dict]:
+        """The ``twins`` of member ``name``'s ``/status`` row: per model it serves, its state and last check
+        (its time given to ``shown``)."""
+        now = self._clock.seconds()
+        member = self._by_name[name]
+        out = {}
+        for key, model in self._models.items():
+            reference = self._reference(key, model)
+            if reference is None or not member.catalogue.serves(model):
+                continue
+            check = self.checks.get((name, key)) if name != reference else None
+            out[model] = {
+                "state": self.state_of(name, key, reference),
+                "reference": reference,
+                "verified_at": None if check is None else shown(check.at),
+                "age_seconds": None if check is None else max(0.0, now - check.at),
+                "worst_cosine": None if check is None else check.worst_cosine,
+                "dimension": None if check is None else check.dimension,
+                "reason": None if check is None or not check.reason else check.reason,
+            }
+        return out
+
+    def with_twins(self, rows: list[dict], shown: Callable[[float], float] = same) -> list[dict]:
+        """``/status``'s ``upstreams`` rows with each one's ``twins``."""
+        return [{**row, "twins": self.status(row["name"], shown)} for row in rows]
+
+    def metric_families(self):
+        """``yieldproxy_twin_verified``, ``_twin_min_cosine`` and ``_twin_verifications_total``, read at scrape time."""
+        verified = GaugeMetricFamily(
+            "yieldproxy_twin_verified",
+            "1 while this upstream may serve this model's embeddings as a twin of its reference (its last "
+            "verification passed and is recent enough), else 0.",
+            labels=["upstream", "model"],
+        )
+        worst = GaugeMetricFamily(
+            "yieldproxy_twin_min_cosine",
+            "The lowest cosine between this upstream's vectors and the reference's over the probe texts, "
+            "at its last verification.",
+            labels=["upstream", "model"],
+        )
+        total = CounterMetricFamily(
+            "yieldproxy_twin_verifications",
+            "Twin verifications by upstream and result: ok, mismatch (vectors differ), error (no usable answer).",
+            labels=["upstream", "result"],
+        )
+        for key, model in self._models.items():
+            reference = self._reference(key, model)
+            for twin in self._twins(key, model):
+                serves = self.state_of(twin.name, key, reference) == "verified"
+                verified.add_metric([twin.name, model], 1 if serves else 0)
+                check = self.checks.get((twin.name, key))
+                if check is not None and check.worst_cosine is not None:
+                    worst.add_metric([twin.name, model], check.worst_cosine)
+        for member in self._members:
+            for result in RESULTS:
+                total.add_metric([member.name, result], self._counts[(member.name, result)])
+        return [verified, worst, total]
+
+
+__all__ = ["RESULTS", "TWIN_STATES", "TwinCheck", "TwinVerifier"]
