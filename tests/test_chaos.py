@@ -201,18 +201,31 @@ def test_burst_through_yields_flapping_every_100ms():
 # -- 2. the backend killed and restarted -------------------------------------------------------
 
 SIM_CHILD = r"""
-import json, sys
+import json, sys, threading
 from yieldproxy.tools import sim
 
 _answer = sim.SimOllama._answer_batch
+withholding = threading.Event()
+
+def _read_commands():
+    # "WITHHOLD" on stdin: from now on every batch is taken and never answered (a backend mid-work).
+    for line in sys.stdin:
+        if line.strip() == "WITHHOLD":
+            withholding.set()
+            print("WITHHOLDING", flush=True)
 
 def _answer_and_tell(self, job):
+    if withholding.is_set():
+        for text in job.texts:
+            print("WITHHELD " + json.dumps(text), flush=True)
+        return
     # Told before answering: a text the parent hears about may have died unanswered
     # (so counting it can only make the duplicate check stricter).
     for text in job.texts:
         print("EMBEDDED " + json.dumps(text), flush=True)
     _answer(self, job)
 
+threading.Thread(target=_read_commands, daemon=True).start()
 sim.SimOllama._answer_batch = _answer_and_tell
 sim.main(sys.argv[1:])
 """
@@ -224,6 +237,8 @@ class SimChild(ProcessProtocol):
     def __init__(self):
         self.buffer = b""
         self.embedded: list[str] = []
+        self.withheld: list[str] = []
+        self.withholding: Deferred = Deferred()
         self.listening: Deferred = Deferred()
         self.ended: Deferred = Deferred()
         self.stderr = b""
@@ -235,6 +250,10 @@ class SimChild(ProcessProtocol):
             text = line.decode()
             if text.startswith("EMBEDDED "):
                 self.embedded.append(json.loads(text[len("EMBEDDED "):]))
+            elif text.startswith("WITHHELD "):
+                self.withheld.append(json.loads(text[len("WITHHELD "):]))
+            elif text == "WITHHOLDING" and not self.withholding.called:
+                self.withholding.callback(None)
             elif text.startswith("listening on") and not self.listening.called:
                 self.listening.callback(text)
 
@@ -276,6 +295,10 @@ async def test_backend_killed_and_restarted_mid_burst_under_a_yield():
         with LogCapture() as logs:
             running = in_thread(reactor, burst.run, timeout=TIMEOUT)
             await wait_for(reactor, lambda: burst.done >= 100, timeout=30)
+            # The backend takes requests and answers none, so the kill is sure to catch one mid-work.
+            first.write(b"WITHHOLD\n")
+            await first_child.withholding.addTimeout(10, reactor)
+            await wait_for(reactor, lambda: first_child.withheld, timeout=10)
             stack.proxy.state.hold("broker", "backend restart", expected_seconds=5)
             first.signalProcess("KILL")
             await first_child.ended.addTimeout(10, reactor)
