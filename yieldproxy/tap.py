@@ -243,19 +243,19 @@ def makeService(options: Options):
     config = fit_fd_limit(options.config)
     for warning in url_warnings(config):
         log.warn("{warning}", warning=warning)
-    holds: HoldStore | ClaimedAtCommit = HoldStore(reactor, holds_path(config, os.environ))
-    if inheritance is not None:
-        # Read now, written from the commit on: until then the running process owns the holds (claims.py).
-        holds = ClaimedAtCommit(holds)
+    store = HoldStore(reactor, holds_path(config, os.environ))
+    # Read now, written from the commit on: until then the running process owns the holds (claims.py).
+    claimed = ClaimedAtCommit(store) if inheritance is not None else None
     setup = Setup(
         own_command(), dict(os.environ), reactor.stop, inheritance,
         notify=notifier.notify, unavailable=_cannot_reload(options),
         pidfile=options.pidfile, keep_pidfile=options.keep_pidfile,
-        holds=holds if inheritance is not None else None,
+        holds=claimed,
     )
     proxy = build(
         reactor, config, token=options.token, read_token=options.read_token, succession=setup,
-        holds=cast(HoldStore, holds),  # the same reads and writes (claims.ClaimedAtCommit)
+        # ClaimedAtCommit: the store's own reads and writes, its writes from the commit on.
+        holds=cast(HoldStore, claimed) if claimed is not None else store,
     )
     # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long
     # drain included); READY=1 once everything runs, the listeners bound (a process a reload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from helpers import config_with
@@ -18,6 +19,7 @@ from yieldproxy.lifecycle.succession.wire import (
     request_bytes,
     unpack,
 )
+from yieldproxy.lot.parking import Standing
 
 
 def test_frames_come_out_whole_however_the_bytes_are_cut():
@@ -74,10 +76,17 @@ def test_batches_are_cut_by_descriptors_and_by_bytes():
 
 
 def test_what_a_parked_request_carries_is_checked():
-    carried = Carried(cls="batch", started_at=1.0, max_wait=5.0, attempts=1, deadline=601.0, failed_on="gpu")
+    standing = Standing(cls="batch", max_wait=5.0, attempts=1, deadline=601.0, failed_on="gpu")
+    carried = Carried(started_at=1.0, standing=standing)
     assert Carried.from_json(carried.as_json()) == carried
+    # One flat object per request on the wire.
+    assert carried.as_json() == {"started_at": 1.0, **attrs.asdict(standing)}
     with pytest.raises(BadFrame):
         Carried.from_json({**carried.as_json(), "surprise": 1})
+    with pytest.raises(BadFrame):
+        Carried.from_json({"cls": "batch"})
+    with pytest.raises(BadFrame):
+        Carried.from_json({"started_at": 1.0})
     with pytest.raises(BadFrame):
         Carried.from_json({"started_at": 1.0})
 
@@ -136,7 +145,8 @@ def test_an_adopted_request_parks_ahead_of_arrivals_with_its_arrival_and_deadlin
     channel.makeConnection(transport)
     now = clock.seconds()
     carried = Carried(
-        cls="interactive", started_at=now - 100, parked_seconds=99.0, first_parked=now - 99, deadline=now + 20,
+        started_at=now - 100,
+        standing=Standing(cls="interactive", parked_seconds=99.0, first_parked=now - 99, deadline=now + 20),
     )
     body = b'{"model": "all-minilm", "input": "from the old process"}'
     rig.proxy.proxy_app.adopt(

@@ -6,7 +6,7 @@ import pytest
 from twisted.internet.defer import CancelledError
 
 from helpers import clock_cooperator, config_with, make_core
-from yieldproxy.lot.parking import Entry, Refused
+from yieldproxy.lot.parking import Entry, Refused, Routing, Standing
 from yieldproxy.lot.replay import Replayer
 
 
@@ -43,6 +43,29 @@ def finish(core, outcome, failed=False):
     assert "released_at" in outcome
     core.gate.finished(failed=failed, seconds=0.01)
 
+
+
+def test_a_standing_is_every_field_a_parked_request_has_earned_written_and_taken_up_in_one_place():
+    """What a reload carries (lifecycle/succession/wire.py) is one record: an entry taken up from it writes
+    the same record again, every field set (a field added to one side only fails here)."""
+    import attrs
+
+    earned = {
+        "cls": "long", "max_wait": 30.0, "attempts": 2, "forgiven": 3, "parked_seconds": 12.5,
+        "first_parked": 100.0, "deadline": 700.0, "bound_by_caller": True, "failed_on": "gpu-b",
+    }
+    assert set(earned) == {f.name for f in attrs.fields(Standing)}
+    standing = Standing(**earned)
+    routing = Routing(eligible=("gpu-a", "gpu-b"), model="m", kind="embedding")
+    entry = Entry.resumed(standing, size=10, api="openai", routing=routing)
+    assert (entry.size, entry.api, entry.routing, entry.was_parked) == (10, "openai", routing, True)
+    assert entry.standing(now=0.0) == standing
+    # Parked since 110: the stay it is in counts up to when it is written.
+    entry.parked_at = 110.0
+    assert entry.standing(now=114.0).parked_seconds == 16.5
+    # A member that may not serve it here is no longer the one it "failed on".
+    elsewhere = Entry.resumed(standing, size=10, api="ollama", routing=Routing(eligible=("gpu-a",)))
+    assert elsewhere.failed_on is None
 
 def test_available_and_empty_goes_at_once():
     core = make_core()

@@ -16,7 +16,8 @@ Where an entry is, is one named state (:attr:`Entry.state`, :class:`Stay`),
 changed in one place along :data:`ENTRY_MOVES`: parked means
 :attr:`Stay.PARKED`, and the Deferred it waits on is what that state holds.
 How long it may stay is :func:`hold_bound`, the gate's budget and the lot's
-deadline alike.
+deadline alike.  What it has earned in line is one record, :class:`Standing`:
+the lot writes it, a reload carries it, the new process parks it again from it.
 """
 
 from __future__ import annotations
@@ -109,6 +110,30 @@ class Routing:
     translated: frozenset[str] = frozenset()
 
 
+@attrs.frozen
+class Standing:
+    """What a request has earned in line: its class and bound, its tries, its time parked.
+
+    The one record of a parked request that outlives its entry: written by
+    :meth:`Entry.standing`, carried across a reload (lifecycle/succession/wire.py),
+    and parked again from (:meth:`Entry.resumed`) in the new process, so each
+    field is copied in one place.  Times are the reactor's clock.
+    """
+
+    cls: str
+    #: The caller's X-Yield-Max-Wait, if any.
+    max_wait: float | None = None
+    attempts: int = 0
+    forgiven: int = 0
+    #: Seconds parked so far (the stay it is in counted up to when it was written).
+    parked_seconds: float = 0.0
+    first_parked: float | None = None
+    deadline: float | None = None
+    bound_by_caller: bool = False
+    #: The member its last attempt failed on (another takes it first, if it still may serve it).
+    failed_on: str | None = None
+
+
 @attrs.define(eq=False)
 class Entry:
     """One request as the gate and the lot see it."""
@@ -140,7 +165,7 @@ class Entry:
     bound_by_caller: bool = False
     parked_at: float | None = None
     #: The pool member whose drainer let it out of the lot last, or the member the gate
-    #: sent it to; None: a pool of one's member.
+    #: sent it to (None: not let out yet, or let out with no target named).
     released_to: str | None = None
     #: Its model, route kind and eligible pool members, decided once at admission
     #: (one shared value for every request alike: see :class:`Routing`).
@@ -156,6 +181,27 @@ class Entry:
 
     def __lt__(self, other: "Entry") -> bool:
         return self.seq < other.seq
+
+    def standing(self, now: float) -> Standing:
+        """What it has earned in line at ``now`` (its stay in the lot counted up to then)."""
+        parked = self.parked_seconds + (now - self.parked_at if self.parked_at is not None else 0.0)
+        return Standing(
+            cls=self.cls, max_wait=self.max_wait, attempts=self.attempts, forgiven=self.forgiven,
+            parked_seconds=parked, first_parked=self.first_parked, deadline=self.deadline,
+            bound_by_caller=self.bound_by_caller, failed_on=self.failed_on,
+        )
+
+    @classmethod
+    def resumed(cls, standing: Standing, *, size: int, api: str, routing: Routing) -> "Entry":
+        """An entry that takes up ``standing`` where another process left it, for ``routing`` here: it
+        counts as parked (its outcome is a replay), and ``failed_on`` stays only if that member may serve it."""
+        failed_on = standing.failed_on if standing.failed_on in routing.eligible else None
+        return cls(
+            cls=standing.cls, size=size, api=api, max_wait=standing.max_wait, routing=routing,
+            attempts=standing.attempts, forgiven=standing.forgiven, parked_seconds=standing.parked_seconds,
+            was_parked=True, deadline=standing.deadline, first_parked=standing.first_parked,
+            bound_by_caller=standing.bound_by_caller, failed_on=failed_on,
+        )
 
     def move(self, new: Stay) -> None:
         """It moves to ``new``: the one place it does (the lot's and the gate's moves), along :data:`ENTRY_MOVES`."""
@@ -574,7 +620,7 @@ class ParkingLot:
         d.errback(refusal)
         self._tell_empty()
 
-    def hand_over(self, entry: Entry, take: Callable[..., None]) -> None:
+    def hand_over(self, entry: Entry, take: Callable[..., Deferred[bool] | None]) -> None:
         """Take ``entry`` out without an answer: its Deferred fails with :class:`HandedOver`, whose waiter
         gives ``take`` the request (it goes, with its client's connection, to the process that replaced
         this one)."""

@@ -319,18 +319,11 @@ class ProxyApp:
     def _adopted(self, request, target: Target, body: bytes, api: str, carried):
         """An adopted request (:meth:`adopt`) parks again as it was, for the members eligible for it here."""
         request.started_at = carried.started_at
-        cls = carried.cls
+        cls = carried.standing.cls
         routing = self._routing(request, target, body, cls, _model_of(body))
         if not routing.eligible:
             return self._no_upstream(request, target, api, cls)
-        failed_on = carried.failed_on if carried.failed_on in routing.eligible else None
-        entry = Entry(
-            cls=cls, size=len(body) + _head_size(request), api=api, max_wait=carried.max_wait, routing=routing,
-            attempts=carried.attempts,
-            forgiven=carried.forgiven, parked_seconds=carried.parked_seconds, was_parked=True,
-            deadline=carried.deadline, first_parked=carried.first_parked, bound_by_caller=carried.bound_by_caller,
-            failed_on=failed_on,
-        )
+        entry = Entry.resumed(carried.standing, size=len(body) + _head_size(request), api=api, routing=routing)
         self._gate.number_adopted(entry)
         return self._gated(request, target, entry, body)
 

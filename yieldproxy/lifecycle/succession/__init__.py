@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.application.service import Service
@@ -45,6 +45,16 @@ from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRef
 from .signals import HoldSignals, StopNoted, unblock
 from .takeover import ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
+
+if TYPE_CHECKING:
+    from ...edge.capacity import Connections
+    from ...edge.listener import Listener
+    from ...lot.gate import Gate
+    from ...lot.parking import ParkingLot
+    from ...proxy.handler import ProxyApp
+    from ...upstream.pool.routing import Pool
+    from ...upstream.pool.twins import TwinVerifier
+    from ...upstream.served import RecordKeeper
 
 __all__ = [
     "ENV", "Carried", "ClaimedAtCommit", "Inheritance", "ReloadBusy", "ReloadFailed", "ReloadRefused",
@@ -88,7 +98,7 @@ class Setup:
     #: Tells twistd not to remove the pidfile as this process exits (it handed it over).
     keep_pidfile: Callable[[], None] = lambda: None
     #: The holds file of a process a reload started, written from its commit on (claims.ClaimedAtCommit).
-    holds: Any = None
+    holds: ClaimedAtCommit | None = None
 
 
 @attrs.define(eq=False, slots=False, repr=False)
@@ -98,18 +108,18 @@ class Succession(Service):
     _reactor: Any
     setup: Setup
     #: ``proxy`` and ``admin``: the listeners.
-    _listeners: dict[str, Any]
+    _listeners: dict[str, Listener]
     #: ``proxy`` and ``admin``: their open connections.
-    _connections: dict[str, Any]
-    _proxy_app: Any
-    _lot: Any
-    _pool: Any
+    _connections: dict[str, Connections]
+    _proxy_app: ProxyApp
+    _lot: ParkingLot
+    _pool: Pool
     _state: YieldState
-    _twins: Any = None
+    _twins: TwinVerifier | None = None
     #: What each upstream served (served.RecordKeeper): the evidence of its outage verdicts crosses over too.
-    _records: Any = None
+    _records: RecordKeeper | None = None
     #: The gate: after a handover whose new process is gone, what is left here is refused.
-    _gate: Any = None
+    _gate: Gate | None = None
     _predecessor: Predecessor = attrs.field(init=False)
     _takeover: TakeOver | None = attrs.field(init=False, default=None)
     _previous_handler: Any = None

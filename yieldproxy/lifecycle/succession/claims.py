@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import attrs
 from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    from ..holdstore import HoldStore
 
 log = Logger()
 
@@ -79,7 +82,7 @@ class ClaimedAtCommit:
     Until then each change is only remembered; :meth:`claim` writes the last one (the first write is the
     claim).  Everything else is the store's own."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: HoldStore):
         self._store = store
         self._claimed = False
         self._latest: list | None = None

@@ -56,7 +56,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.internet.defer import Deferred, TimeoutError, succeed
@@ -71,6 +71,13 @@ from .link import Link, adopt_link
 from .signals import blocked_in_children
 from .takeover import ENV
 from .wire import BATCH_FDS, PROTOCOL, Carried, cut, encode, pack
+
+if TYPE_CHECKING:
+    from ...edge.capacity import Connections
+    from ...edge.listener import Listener
+    from ...lot.gate import Gate
+    from ...lot.parking import ParkingLot
+    from ...upstream.pool.routing import Pool
 
 log = Logger()
 
@@ -188,11 +195,11 @@ class Predecessor:
     command: Sequence[str]
     environ: dict[str, str]
     #: ``proxy`` and ``admin``: the listeners.
-    _listeners: dict[str, Any]
+    _listeners: dict[str, Listener]
     #: ``proxy`` and ``admin``: each listener's open connections (their idle ones go over).
-    _connections: dict[str, Any]
-    _lot: Any
-    _pool: Any
+    _connections: dict[str, Connections]
+    _lot: ParkingLot
+    _pool: Pool
     #: ``snapshot()``: the holds and twins the successor restores (a JSON-able dict).
     _snapshot: Callable[[], dict[str, Any]]
     #: Ends this process (the reactor's stop, from tap.py).
@@ -204,7 +211,7 @@ class Predecessor:
     #: Why this process cannot reload at all (None: it can).
     unavailable: str | None = None
     #: The gate: after the handover, if the new process is gone, what is left here is refused (503).
-    _gate: Any = None
+    _gate: Gate | None = None
     #: Told of every change of :attr:`phase` (the succession's signals, pidfile, holds).
     _on_phase: Callable[[Phase], None] = lambda phase: None
     #: Whether the process before this one (two reloads in a row) may still send it connections.
@@ -500,7 +507,7 @@ class Predecessor:
             if port is None:
                 continue
             items.append({"key": listener.key, "description": listener.description, "family": family_of(port)})
-            fds.append(os.dup(port.fileno()))
+            fds.append(os.dup(port.fileno()))  # type: ignore[attr-defined]  # a TCP or UNIX port: a descriptor
         frame = encode(
             {"type": "listeners", "protocol": PROTOCOL, "pid": os.getpid(), "version": __version__,
              "listeners": items, "fds": len(fds)}
@@ -618,14 +625,7 @@ class Predecessor:
             exported = export_parked(request, body)
             if exported is None:
                 return None  # the client went away meanwhile: nothing to send on
-            now = self._reactor.seconds()
-            carried = Carried(
-                cls=entry.cls, started_at=request.started_at, max_wait=entry.max_wait, attempts=entry.attempts,
-                forgiven=entry.forgiven,
-                parked_seconds=entry.parked_seconds + (now - entry.parked_at if entry.parked_at is not None else 0.0),
-                first_parked=entry.first_parked, deadline=entry.deadline, bound_by_caller=entry.bound_by_caller,
-                failed_on=entry.failed_on,
-            )
+            carried = Carried(started_at=request.started_at, standing=entry.standing(self._reactor.seconds()))
             records.append((
                 {**carried.as_json(), "family": exported.family, "connection": exported.connection, "fd": exported.fd},
                 exported.data,

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator
 
 import attrs
 
+from ...lot.parking import Standing
+
 #: The frame header: the JSON's length, the blob's length.
 HEADER = struct.Struct(">II")
 #: The largest JSON part of a frame (a batch of a few hundred records is far below it).
@@ -105,41 +107,32 @@ def request_bytes(
 
 @attrs.frozen
 class Carried:
-    """What a parked request keeps across the handover, beside the request itself.
+    """What a parked request keeps across the handover, beside the request itself: when it arrived, and
+    its :class:`~yieldproxy.lot.parking.Standing` in line (written flat, one object per request).
 
     Times are the reactor's clock (``reactor.seconds()``): the machine's
     monotonic clock (clock.py), one clock for both processes on one boot, so
     a deadline stays where it was, whatever the wall clock does meanwhile.
     """
 
-    cls: str
     #: When the request arrived (its log line's duration counts from here).
     started_at: float
-    #: The caller's X-Yield-Max-Wait, if any.
-    max_wait: float | None = None
-    attempts: int = 0
-    forgiven: int = 0
-    #: Seconds parked so far, up to the handover.
-    parked_seconds: float = 0.0
-    first_parked: float | None = None
-    deadline: float | None = None
-    bound_by_caller: bool = False
-    #: The member its last attempt failed on (another takes it first, if it still exists).
-    failed_on: str | None = None
+    standing: Standing
 
     def as_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        return {"started_at": self.started_at, **attrs.asdict(self.standing)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Carried":
-        fields = {f.name for f in attrs.fields(cls)}
-        unknown = set(data) - fields
+        fields = {f.name for f in attrs.fields(Standing)}
+        unknown = set(data) - fields - {"started_at"}
         if unknown:
             raise BadFrame(f"unknown fields in a parked request's record: {sorted(unknown)}")
+        fields_given = {k: v for k, v in data.items() if k != "started_at"}
         try:
-            return cls(**data)
-        except TypeError as e:
-            raise BadFrame(f"a parked request's record: {e}") from None
+            return cls(started_at=data["started_at"], standing=Standing(**fields_given))
+        except (KeyError, TypeError) as e:
+            raise BadFrame(f"a parked request's record: {e!r}") from None
 
 
 def cut(records: list[tuple[Any, bytes]]) -> Iterator[list[tuple[Any, bytes]]]:
