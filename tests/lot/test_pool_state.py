@@ -132,7 +132,7 @@ def test_max_holds_counts_each_source_and_scope():
 
 
 def test_a_pool_of_one_reads_as_before():
-    """The legacy proxy.upstream is a pool of one named default: a hold of it is the GPU's."""
+    """proxy.upstream is the one member, default: a hold of it is the GPU's."""
     clock = Clock()
     state = YieldState(clock)
     assert state.members == ("default",)
