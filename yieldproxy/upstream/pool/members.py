@@ -1,11 +1,11 @@
 """The pool's members as they run: each ``[[upstreams]]`` table with every default resolved.
 
 A config without ``[[upstreams]]`` has one upstream, named ``default``, made
-of ``proxy.upstream`` and the global sections (:func:`default_member`), so a
-config written before ``[[upstreams]]`` existed keeps its meaning.  An enabled ``[fallback]`` is a second member of that pool,
-named ``fallback``: a standby one (``use = "when_others_yielded"``) that
-serves the mapped embedding models of the ``fallback``-policy classes, only
-translated and only while its verification holds (:func:`fallback_member`,
+of ``proxy.upstream`` and the global sections (:func:`default_member`).  An
+enabled ``[fallback]`` is a second member of that pool, named ``fallback``:
+a standby one (``use = "when_others_yielded"``) that serves the mapped
+embedding models of the ``fallback``-policy classes, only translated and
+only while its verification holds (:func:`fallback_member`,
 docs/fallback.md).  Keys a ``[[upstreams]]`` table leaves out take the global
 sections' values (``[replay]``, ``[upstream]``, ``[handover]``); the global
 ``[watchers]`` hold every member (their holds name no member).
