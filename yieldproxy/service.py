@@ -42,7 +42,7 @@ from .lifecycle.succession import Setup, Succession
 from .lot.gate import Gate
 from .lot.parking import ParkingLot
 from .lot.replay import Replayer
-from .lot.state import ALL, YieldState, transition_logger
+from .lot.state import YieldState, transition_logger
 from .names import BUILTIN_SOURCES
 from .observe.history import History, snapshot_reader
 from .observe.metrics import (
@@ -59,7 +59,7 @@ from .upstream.attempt import Upstream
 from .upstream.control import UpstreamControl
 from .upstream.fallback import EmbedBackend, Fallback
 from .upstream.health import Judge, UpstreamHealth
-from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs
+from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs, pool_shape
 from .upstream.pool.models import ModelDiscovery
 from .upstream.pool.routing import Pool, any_member, make_members
 from .upstream.pool.twins import TwinVerifier
@@ -96,10 +96,10 @@ class Proxy:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
-    #: The first member's drainer (a pool of one's: the one upstream's replayer).
+    #: The first member's drainer (with ``proxy.upstream``: its replayer).
     replayer: Replayer
     gate: Gate
-    #: The first member's client (a pool of one's: the client of ``proxy.upstream``).
+    #: The first member's client (with ``proxy.upstream``: its client).
     upstream: Upstream
     #: Whether the first member answered since start, and the outage verdicts on its failures.
     health: UpstreamHealth
@@ -115,9 +115,9 @@ class Proxy:
     fallback: Fallback | None
     #: What runs all of the above: start it, and stop it, as twistd does.
     service: YieldProxyService
-    #: The upstreams (``[[upstreams]]``, or ``proxy.upstream`` as a pool of one), with their drainers.
+    #: The upstreams (``[[upstreams]]``, or ``proxy.upstream`` as the member ``default``), with their drainers.
     pool: Pool
-    #: Which members may serve which embedding models (a pool of several; None: a pool of one).
+    #: Which members may serve which embedding models (several upstreams; None: one upstream).
     twins: TwinVerifier | None = None
     #: What each upstream served (upstream/served.py): kept with the holds, carried over by a reload.
     records: RecordKeeper | None = None
@@ -134,7 +134,7 @@ class Heart:
     lot: ParkingLot
     pool: Pool
     gate: Gate
-    #: The legacy ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
+    #: The ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
     fallback: Fallback | None = None
     #: The twin verification of a pool of several upstreams (with ``twins``).
     twins: TwinVerifier | None = None
@@ -166,9 +166,12 @@ def build_heart(
     if cooperator is None:
         cooperator = one_step_cooperator(reactor)
     specs = member_specs(config)
+    # What their number decides, decided once (members.py): read below, never counted again.
+    shape = pool_shape(specs)
     state = YieldState(
         reactor, max_holds=config.admin.max_holds,
         members=[spec.name for spec in specs], standby={spec.name for spec in specs if spec.standby},
+        names_members=shape.names_members,
     )
     lot = ParkingLot(
         reactor,
@@ -190,9 +193,11 @@ def build_heart(
         )
     # The members and their drainers, then the pool they form (its routing decides, when asked,
     # what each drainer takes).
-    members = make_members(reactor, state, lot, metrics, cooperator, config, specs, clients, lambda: pool, judges)
+    members = make_members(
+        reactor, state, lot, metrics, cooperator, config, specs, shape, clients, lambda: pool, judges,
+    )
     verifier = None
-    if twins and sum(not m.spec.fallback for m in members) > 1:
+    if twins and not shape.one_upstream:
         # Embeddings go to a model's reference or its verified twins.
         verifier = TwinVerifier(reactor, members, config.verification, lambda: pool.kick())
         for member in members:
@@ -200,7 +205,7 @@ def build_heart(
         metrics.watch(verifier.metric_families)
     if twin_ok is None:
         twin_ok = fallback.twin_ok if fallback is not None else verifier.twin_ok if verifier is not None else any_member
-    pool = Pool(reactor, state, lot, members, twin_ok=twin_ok)
+    pool = Pool(reactor, state, lot, members, twin_ok=twin_ok, shape=shape)
     gate = Gate(
         reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
         on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
@@ -240,8 +245,8 @@ def build(
 ) -> Proxy:
     """Make and connect every part of a proxy on ``reactor`` (a real reactor or a Clock); nothing runs yet.
 
-    ``upstream`` replaces the first member's client (a pool of one's: the
-    client of ``proxy.upstream``; tests on a Clock give one that reaches an
+    ``upstream`` replaces the first member's client (with ``proxy.upstream``:
+    its client; tests on a Clock give one that reaches an
     in-memory resource).  Start ``proxy.service`` to listen and run the
     watchers; stop it to drain and close.  ``succession`` (tap.py gives
     one) lets it reload by handing over to a new process (lifecycle/succession/),
@@ -317,7 +322,7 @@ def build(
     watchers = tuple(_watchers(reactor, config, state, metrics, pool))
     outage_watchers.update((w.member, w) for w in watchers if isinstance(w, OutageWatcher))
     handovers = tuple(_handovers(reactor, config, state, metrics, pool))
-    handover = handovers[0] if len(handovers) == 1 and _alone(pool) else None
+    handover = handovers[0] if len(handovers) == 1 and pool.shape.one_upstream else None
     discovery = tuple(_discovery(reactor, config, pool))
     history = History(
         reactor, snapshot_reader(gate, lot, pool, config.classes, metrics), tuple(config.classes),
@@ -402,17 +407,12 @@ def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
     return lambda: reloaders[0].reload()
 
 
-def _alone(pool: Pool) -> bool:
-    """One upstream, beside at most the legacy fallback: it has no model lists to read and no twins,
-    and its holds and handover read as a single upstream's always did."""
-    return sum(not m.spec.fallback for m in pool.members) == 1
-
-
 def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Service]:
     """The watchers ``config.watchers``, each member's keys and outage detection enable, not started.
 
     The global ones hold every member (scope ``*``); a member's own hold it
-    alone.  In a pool of one the outage hold is a hold of all, as it always was.
+    alone, but its outage hold is of the scope ``pool.shape`` gives it (``*``
+    with one upstream: members.py's ``PoolShape.hold_scope``).
     """
     w, up = config.watchers, config.upstream
     # inotify needs a reactor that watches file descriptors; a Clock only polls.
@@ -432,7 +432,7 @@ def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Servi
             )
         )
     for member in pool.members:
-        spec, scope = member.spec, (ALL if _alone(pool) else member.name)
+        spec, scope = member.spec, pool.shape.hold_scope(member.name)
         if spec.state_file:
             watchers.append(
                 StateFileWatcher(
@@ -478,7 +478,7 @@ def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Hand
             )
             handover = Handover(
                 reactor, state, member.drainer, member.control, metrics, settings, member=member.name,
-                per_member=not _alone(pool),
+                per_member=not pool.shape.one_upstream,
             )
             subscribe_handover(state, handover)
             handovers.append(handover)
@@ -492,12 +492,12 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
 
 
 def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
-    """A model-list reader for each member without ``models``, in pools of several (a pool of one has no
-    choice to make, verifies no twin and translates nothing: it only relays); and for every member whose
+    """A model-list reader for each member without ``models``, in pools of several upstreams (one upstream
+    has no choice to make, verifies no twin and translates nothing: it only relays); and for every member whose
     server may be mounted under an API prefix (Infinity's ``--url-prefix``), one that finds the prefix
     where its list answers, even where its models are given in config: every call the proxy makes to it
     (verification, translated embeddings) goes under that prefix."""
-    if _alone(pool):
+    if pool.shape.one_upstream:
         return []
     readers = []
     for member in pool.members:
@@ -554,7 +554,7 @@ def _status_sections(
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
         "fallback": (lambda: fallback.status(shown())) if fallback is not None else lambda: {"enabled": False},
     }
-    if handovers and _alone(pool):
+    if handovers and pool.shape.one_upstream:
         sections["handover"] = handovers[0].status
     elif handovers:
         sections["handover"] = lambda: {h.member: h.status() for h in handovers}

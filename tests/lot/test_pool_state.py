@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from twisted.internet.task import Clock
+from twisted.logger import capturedLogs, formatEvent
 
 from yieldproxy.lot.state import ALL, TooManyHolds, UnknownScope, YieldState
 
@@ -35,6 +36,16 @@ def test_a_hold_without_an_upstream_holds_every_member_but_the_standby_ones():
     assert not state.yielded_for("cpu")
     state.hold("api", "maintenance", scope="cpu")
     assert state.yielded_for("cpu")
+
+
+def test_each_member_gets_its_own_log_lines_only_when_the_pool_names_its_members():
+    for names_members, lines in ((True, ["upstream desktop yielded", "upstream desktop available"]), (False, [])):
+        state = pool_state(names_members=names_members)
+        with capturedLogs() as events:
+            state.hold("file", scope="desktop")
+            state.release("file", "desktop")
+        said = [formatEvent(e).split(":")[0] for e in events if formatEvent(e).startswith("upstream ")]
+        assert said == lines
 
 
 def test_member_observers_see_each_flip_once():
@@ -121,7 +132,7 @@ def test_max_holds_counts_each_source_and_scope():
 
 
 def test_a_pool_of_one_reads_as_before():
-    """The legacy proxy.upstream is a pool of one named default: a hold of it is the GPU's."""
+    """proxy.upstream is the one member, default: a hold of it is the GPU's."""
     clock = Clock()
     state = YieldState(clock)
     assert state.members == ("default",)

@@ -11,8 +11,8 @@ format with two tempers:
   allows, nothing else (no space before the ``;``), and trailer lines must be
   field lines;
 * *lenient* (an answer from the upstream, which the proxy relays): blanks
-  before the ``;`` are allowed and trailer lines are skipped unread, as h1parse
-  always did.
+  before the ``;`` are allowed and trailer lines are skipped unread (h1parse's
+  rules).
 
 Whatever the bytes, the code here raises nothing but :class:`WireError`,
 whose :attr:`~WireError.rule` says which rule the bytes broke: each parser

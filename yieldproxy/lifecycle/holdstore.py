@@ -22,7 +22,7 @@ out meanwhile is gone (:meth:`~yieldproxy.lot.state.YieldState.restore`).
 What is not: the holds of the watchers that find their truth again by
 themselves, ``outage`` (the probe), ``loading`` (a member stuck loading its
 model: its health checks), ``file`` (the state file) and ``command`` (the
-command).  They re-assert on start as they always did, and
+command).  They re-assert on start by themselves, and
 a hold restored from a watcher that is no longer configured would never
 end.  ``signal`` holds are kept: nothing re-reads a signal.  Top-level keys
 this version does not know are kept as they were when the file is written

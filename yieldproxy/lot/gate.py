@@ -54,6 +54,9 @@ class Upstreams(Protocol):
 
     @property
     def members(self) -> Sequence[Upstream]: ...
+    #: Whether what is said of the pool names its members (upstream/pool/members.py's ``PoolShape``).
+    @property
+    def names_members(self) -> bool: ...
     @property
     def inflight(self) -> int: ...
     @property
@@ -89,7 +92,7 @@ class Gate:
     #: Set when the proxy stops (:meth:`stop_admitting`): every request is refused from then on.
     shutting_down: bool = False
     #: Told of each new request's admission: ``(entry, member it went to at once or None,
-    #: the reason it was refused or None)`` (the legacy fallback counts why it did not serve one).
+    #: the reason it was refused or None)`` (the ``[fallback]`` counts why it did not serve one).
     on_arrival: Callable[[Entry, str | None, str | None], None] = lambda entry, member, refused: None
 
     @property
@@ -205,9 +208,8 @@ class Gate:
         it (held, unreachable, not a verified twin...): the pool as a whole
         may be far from yielded.
         """
-        # The one place the member count decides this message: a pool of one's speaks of the GPU
-        # and the upstream, as a single upstream's always did.
-        if entry is not None and len(self.pool.members) > 1:
+        # With one member the message speaks of the GPU and the upstream.
+        if entry is not None and self.pool.names_members:
             return self._why_no_member(entry)
         if self._state.yielded:
             sources = sorted({hold.source for hold in self._state.holds})

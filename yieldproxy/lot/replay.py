@@ -55,10 +55,10 @@ class Replayer:
     accepts: Callable[[Entry], bool] = attrs.field(kw_only=True)
     #: Whether the target takes work now (its member is available and some entry waits for it).
     is_open: Callable[[], bool] = attrs.field(kw_only=True)
-    #: Log the end of a drain ("lot drained: now available"): the proxy-wide state of a pool of one,
-    #: which its one drainer's end is (service.build_heart decides, by the member count).
+    #: Log the end of a drain ("lot drained: now available"): with one member, the end of its drainer's
+    #: drain is the proxy-wide state's (``PoolShape.names_members``, upstream/pool/members.py, decides).
     says_drained: bool = attrs.field(kw_only=True, default=False)
-    #: After a failure, one request at a time until an answer comes back (the legacy fallback's rule).
+    #: After a failure, one request at a time until an answer comes back (the ``[fallback]`` member's rule).
     cautious: bool = False
     #: Requests sent to the target and not yet done (direct and replayed alike).
     inflight: int = 0

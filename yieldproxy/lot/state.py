@@ -10,8 +10,8 @@ hold may carry a lease (``for_seconds``): it ends by itself unless renewed,
 so a broker that dies mid-yield cannot park requests forever.
 
 :attr:`YieldState.yielded` is the proxy-wide "the GPU is yielded": every
-member that is not standby is held.  For a pool of one (the legacy
-``proxy.upstream``) that is exactly "any source holds the GPU".
+member that is not standby is held.  With one upstream (``proxy.upstream``,
+the member ``default``) that is exactly "any source holds the GPU".
 
 Sources are names a caller chose, so they are bounded: a conservative
 character set and length (:func:`~yieldproxy.names.check_source`: nothing that can forge a log
@@ -41,7 +41,7 @@ MAX_HOLD_SECONDS = 7 * 24 * 3600.0
 DEFAULT_MAX_HOLDS = 32
 #: The scope of a hold that names no member: every member but the standby ones.
 ALL = "*"
-#: The one member of a pool made from the legacy ``proxy.upstream``.
+#: The member made from ``proxy.upstream`` (a config without ``[[upstreams]]``).
 DEFAULT_MEMBER = "default"
 
 
@@ -111,6 +111,9 @@ class YieldState:
     members: tuple[str, ...] = attrs.field(default=(DEFAULT_MEMBER,), converter=name_tuple)
     #: Members a hold scoped :data:`ALL` leaves alone (``use = "when_others_yielded"``).
     standby: frozenset[str] = attrs.field(default=frozenset(), converter=name_set)
+    #: Each member taken or given back gets its own log line (the pool's shape decides:
+    #: ``PoolShape.names_members``, upstream/pool/members.py); False: the proxy-wide lines only.
+    names_members: bool = False
     _member_observers: list[Callable[[str, bool], None]] = attrs.Factory(list)
     #: Holds scoped to each member, and holds scoped :data:`ALL`: ``yielded_for`` in O(1).
     _scoped: dict[str, int] = attrs.Factory(dict)
@@ -382,7 +385,7 @@ class YieldState:
 
     def _member_states(self, scope: str) -> dict[str, bool]:
         """Whether each member a hold of ``scope`` touches is held now (compared after the change)."""
-        if not self._member_observers and len(self.members) == 1:
+        if not self._member_observers and not self.names_members:
             return {}
         return {member: self.yielded_for(member) for member in self.affected(scope)}
 
@@ -393,7 +396,7 @@ class YieldState:
             is_now = self.yielded_for(member)
             if is_now == was:
                 continue
-            if len(self.members) > 1:
+            if self.names_members:
                 if is_now:
                     self._member_since[member] = now
                     log.info(
@@ -458,7 +461,8 @@ def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], Non
 
 
 def _upstream(scope: str) -> str:
-    """`` upstream=NAME`` for a hold of one member, nothing for a hold of all: log lines of a pool of one stay as they were."""
+    """`` upstream=NAME`` for a hold of one member, nothing for a hold of all (a hold of one upstream's own
+    watchers is one of all: its lines name no upstream)."""
     return "" if scope == ALL else f" upstream={scope}"
 
 

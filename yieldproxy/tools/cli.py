@@ -314,7 +314,7 @@ def format_status(status: dict) -> str:
 def format_upstreams(upstreams: list) -> list[str]:
     """A row per upstream of a pool: its state, who holds it, what it has in flight and waiting, its models.
 
-    Nothing for a pool of one (the lines above say it all).
+    Nothing for one upstream (the lines above say it all).
     """
     if len(upstreams) < 2:
         return []

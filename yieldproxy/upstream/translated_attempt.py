@@ -79,7 +79,7 @@ class TranslatedAttempt:
         self._timeout = timeout
         self._extra_headers = extra_headers
         self._member = member
-        #: False: no error answer of the member is ever relayed (the legacy fallback's rule): each is a
+        #: False: no error answer of the member is ever relayed (the ``[fallback]`` member's rule): each is a
         #: retryable failure, so the request goes back to its place in the lot.
         self._relay_errors = relay_errors
         #: The member (:class:`~yieldproxy.upstream.pool.member.Member`) when its server may be mounted under an API

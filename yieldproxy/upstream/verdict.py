@@ -11,13 +11,13 @@ ask it (:attr:`Verdict.ASK_JUDGE`), and is asked again with its answer.
 ``yieldproxy_upstream_failures_total`` and ``yieldproxy_upstream_attempts_total``
 (docs/metrics.md), spelt here once; a :class:`Reason` is the ``str`` it
 names, so a label, a log line and a comparison with the word are the same.
-A translated embedding attempt on the legacy fallback, whose error answers
+A translated embedding attempt on the ``[fallback]`` member, whose error answers
 are never shown, fails with ``status_<code>`` for any code
 (:func:`status_reason`).
 
 **The verdict**, in this order, the first that applies:
 
-1. The member is the legacy fallback (a standby whose errors are never
+1. The member is the ``[fallback]`` one (a standby whose errors are never
    shown): back in line uncounted, and not given to it again
    (:attr:`Verdict.STANDBY`).
 2. Before the outage judge is asked:
@@ -160,7 +160,7 @@ def gateway_status(reason: str) -> int:
 class Verdict(enum.Enum):
     """What becomes of a request whose attempt failed before anything reached its client."""
 
-    #: The legacy fallback's errors are never shown: back in line, not counted, not given to it again.
+    #: The ``[fallback]`` member's errors are never shown: back in line, not counted, not given to it again.
     STANDBY = "standby"
     #: Its server is still loading its model: the member is not ready; back in line, not counted.
     NOT_READY = "not_ready"
@@ -206,7 +206,7 @@ class Facts:
     words: str | None = None
     #: The answer's status; None when it gave no answer.
     code: int | None = None
-    #: The member's errors are never shown (the legacy fallback's standby member).
+    #: The member's errors are never shown (the ``[fallback]``'s standby member).
     standby: bool = False
     #: A hold covers the member (``YieldState``; read again once the judge has answered).
     held: bool = False

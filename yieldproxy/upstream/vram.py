@@ -91,11 +91,12 @@ class Handover(Service):
 
     name = "handover"  # type: ignore[assignment]  # Twisted types Service.name as None
 
-    #: Named after its member (``handover:NAME``); None: when the pool has several members.
-    per_member: bool | None = None
+    #: Named after its member (``handover:NAME``): one of several upstreams' (the pool's shape
+    #: decides: ``PoolShape.one_upstream``, upstream/pool/members.py; ``service.build`` gives it).
+    per_member: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.per_member if self.per_member is not None else len(self._state.members) > 1:
+        if self.per_member:
             self.name = f"handover:{self.member}"
 
     def member_changed(self, member: str, yielded: bool) -> None:

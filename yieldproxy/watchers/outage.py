@@ -131,7 +131,7 @@ class UpstreamProbe:
     Any answer to a model call shows the upstream is reachable (it answered),
     even one that says it is down.  ``server`` is what is known of the
     upstream's kind of server (yieldproxy/servers): its minimal calls and how its
-    answers read; None: Ollama's, as a single upstream always was.
+    answers read; None: Ollama's.
     """
 
     _control: UpstreamControl
@@ -224,7 +224,8 @@ class OutageWatcher(Service):
     _pending: dict = attrs.Factory(dict)
     #: Probes that passed lately, by target (a model's canonical name; None: the health path): when.
     _passed: dict = attrs.Factory(dict)
-    #: The scope of its ``outage`` hold: its member's name, or ``*`` in a pool of one (as it always was).
+    #: The scope of its ``outage`` hold: its member's name, or ``*`` with one upstream
+    #: (``PoolShape.hold_scope``, upstream/pool/members.py; ``service.build`` gives it).
     scope: str = ALL
     #: The pool member it watches: the holds on it are what "yielded" means here.
     member: str = DEFAULT_MEMBER

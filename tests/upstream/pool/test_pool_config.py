@@ -8,7 +8,8 @@ import pytest
 
 from helpers import pool_config
 from yieldproxy.config import Config, ConfigError, from_dict
-from yieldproxy.upstream.pool.members import legacy_member, member_specs, url_warnings
+from yieldproxy.lot.state import ALL
+from yieldproxy.upstream.pool.members import default_member, member_specs, pool_shape, url_warnings
 
 
 def parse(text: str):
@@ -52,8 +53,28 @@ def test_two_members_with_every_default_resolved():
 def test_no_upstreams_is_a_pool_of_one_named_default_from_proxy_upstream():
     config = parse('[proxy]\nupstream = "http://gpu:11434"\n[upstream]\nhealth_path = "/"\n')
     (only,) = member_specs(config)
-    assert only == legacy_member(config)
+    assert only == default_member(config)
     assert (only.name, only.url, only.api, only.health_path) == ("default", "http://gpu:11434", "ollama", "/")
+
+
+def test_what_the_number_of_members_decides_is_decided_from_them():
+    """More than one member (the [fallback] counts) names them; one upstream beside at most the [fallback] holds all."""
+    fallback = {"enabled": True, "url": "http://127.0.0.1:7997/v1", "api": "openai", "models": {"m": "m"}}
+    shapes = {
+        "proxy.upstream": pool_shape(member_specs(from_dict({}))),
+        "with [fallback]": pool_shape(member_specs(from_dict({"fallback": fallback}))),
+        "one [[upstreams]]": pool_shape(member_specs(pool_config({"name": "a"}))),
+        "two [[upstreams]]": pool_shape(member_specs(pool_config({"name": "a"}, {"name": "b"}))),
+    }
+    assert {k: (s.names_members, s.one_upstream) for k, s in shapes.items()} == {
+        "proxy.upstream": (False, True),
+        "with [fallback]": (True, True),
+        "one [[upstreams]]": (False, True),
+        "two [[upstreams]]": (True, False),
+    }
+    assert [(s.hold_scope("a"), s.log_name("a")) for s in shapes.values()] == [
+        (ALL, None), (ALL, "a"), (ALL, None), ("a", "a"),
+    ]
 
 
 def test_proxy_upstream_and_upstreams_together_name_both_keys():

@@ -56,7 +56,7 @@ def test_each_ollama_member_unloads_and_preloads_on_its_own_yields():
         member = pool.member(name)
         handover = Handover(
             core.clock, core.state, member.drainer, fakes[name], core.metrics,
-            HandoverConfig(unload_on_yield=True, preload_models=("llama3",)), member=name,
+            HandoverConfig(unload_on_yield=True, preload_models=("llama3",)), member=name, per_member=True,
         )
         subscribe_handover(core.state, handover)
         handover.startService()

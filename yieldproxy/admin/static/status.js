@@ -356,7 +356,7 @@
       .join(", ");
   }
 
-  // One row per upstream of a pool; a pool of one shows none (the badge says it all).
+  // One row per upstream of a pool; one upstream shows none (the badge says it all).
   function renderUpstreamChoice(upstreams) {
     const select = $("hold-upstream");
     const names = upstreams.map((u) => u.name);

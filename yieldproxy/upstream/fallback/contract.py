@@ -1,4 +1,4 @@
-"""The legacy ``[fallback]``'s own part: its verification on a timer, and its contract's counts.
+"""The ``[fallback]``'s own part: its verification on a timer, and its contract's counts.
 
 The fallback is served as a pool member (upstream/pool/members.py ``fallback_member``:
 a standby member that answers mapped embeddings translated, at most

@@ -1,7 +1,8 @@
 """The upstream pool (issue 12): several upstreams, each with its own yield state, one lot draining into them.
 
-* :mod:`.members`: each ``[[upstreams]]`` table (or the legacy
-  ``proxy.upstream``) with its defaults resolved;
+* :mod:`.members`: each ``[[upstreams]]`` table (or ``proxy.upstream``, and
+  an enabled ``[fallback]``) with its defaults resolved, and what the number
+  of members decides (:class:`~.members.PoolShape`);
 * :mod:`.models`: which models a member serves, configured or discovered;
 * :mod:`.member`: one member as it runs (available or not, in flight);
 * :mod:`.routing`: the pool: eligibility, the choice at admission, the drain;

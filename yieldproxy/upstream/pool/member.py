@@ -5,17 +5,17 @@ members), it is not handing over (a model preload after its yield holds its
 drainer), and it is not known unreachable.  Passing over is for pools of
 several only: a member whose attempts are refused before it ever answered
 (a wrong address, a server not started yet) is passed over and checked
-again on a growing interval, while the others serve; a pool of one answers
-such attempts 502 at once, as a single upstream always did.
+again on a growing interval, while the others serve; when no other member
+may take the request, such attempts are answered 502 at once.
 
 Whatever the pool, a member that has not answered since the proxy started
 and could not be reached (its outage watcher's probe at start, another
 probe, or an attempt: :meth:`UpstreamHealth.unanswered`) *reads*
 ``unreachable`` (:attr:`Member.never_answered`: ``/status``, the metrics,
 the status page, ``yieldproxy status``), one line says so, and it is
-checked again on the same growing interval until it answers.  A pool of one
-still sends it its requests (each gets its 502 at once): only its state
-tells the truth sooner.
+checked again on the same growing interval until it answers.  Requests no
+other member may take still go to it (each gets its 502 at once): only its
+state tells the truth sooner.
 
 A member is also not available while it is *not ready*: its server said it
 is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
@@ -25,8 +25,8 @@ reads up, then its drainer starts.  One not ready for longer than
 ``upstream.not_ready_max_seconds`` is treated as down: it takes a hold of
 its own (source ``loading``, :data:`~yieldproxy.names.LOADING_SOURCE`, of its
 outage watcher's scope; it reads ``outage``), so a server stuck loading holds
-nobody without bound.  In any pool, a pool of one included; Ollama never
-answers "not ready", so a pool of one in front of Ollama is as it always was.
+nobody without bound.  In any pool, one upstream included; Ollama never
+answers "not ready", so none of this happens in front of Ollama.
 
 The bound cannot be dodged: it runs from the first "loading" answer until a
 model call is answered (:meth:`UpstreamHealth.served`), not until its health
@@ -78,7 +78,7 @@ class Condition(enum.Enum):
     #: Nothing: it takes requests whenever nothing holds it.
     SERVING = "serving"
     #: It could not be reached and had not answered since the start: it reads unreachable
-    #: (a pool of one still sends it its requests) and is checked again until it answers.
+    #: (requests no other member may take still go to it) and is checked again until it answers.
     UNANSWERED = "unanswered"
     #: Attempts were refused before it ever answered: passed over, it reads unreachable, and is
     #: checked again until it answers.
@@ -137,8 +137,8 @@ class Member:
     not_ready_max_seconds: float = 300.0
     #: The scope of the ``loading`` hold it takes when stuck not ready: its outage watcher's (None: its name).
     outage_scope: str | None = None
-    #: How the request log names it on the requests it served (None: a pool of one's lines name no
-    #: upstream, as a single upstream's never did).
+    #: How the request log names it on the requests it served (None: it names no upstream:
+    #: ``PoolShape.log_name``, members.py).
     log_name: str | None = None
     #: What it knows against itself (:data:`CONDITION_MOVES`).
     condition: Condition = attrs.field(default=SERVING, init=False)

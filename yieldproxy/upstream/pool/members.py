@@ -1,24 +1,30 @@
 """The pool's members as they run: each ``[[upstreams]]`` table with every default resolved.
 
-A config without ``[[upstreams]]`` is a pool of one, named ``default``, made
-of ``proxy.upstream`` and the global sections, so every legacy config keeps
-its meaning.  An enabled ``[fallback]`` is a second member of that pool,
-named ``fallback``: a standby one (``use = "when_others_yielded"``) that
-serves the mapped embedding models of the ``fallback``-policy classes, only
-translated and only while its verification holds (:func:`fallback_member`,
+A config without ``[[upstreams]]`` has one upstream, named ``default``, made
+of ``proxy.upstream`` and the global sections (:func:`default_member`).  An
+enabled ``[fallback]`` is a second member of that pool, named ``fallback``:
+a standby one (``use = "when_others_yielded"``) that serves the mapped
+embedding models of the ``fallback``-policy classes, only translated and
+only while its verification holds (:func:`fallback_member`,
 docs/fallback.md).  Keys a ``[[upstreams]]`` table leaves out take the global
 sections' values (``[replay]``, ``[upstream]``, ``[handover]``); the global
 ``[watchers]`` hold every member (their holds name no member).
+
+What the pool's make-up decides (whether lines name members, what a
+member's own holds hold) is decided here, once, from the members
+(:func:`pool_shape`): the parts that act on it read :class:`PoolShape`
+rather than count members.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
 from ...config import Config
-from ...lot.state import DEFAULT_MEMBER
+from ...lot.state import ALL, DEFAULT_MEMBER
 from ...names import CLASS_NAMES
 from ...servers import Server, server
 
@@ -54,7 +60,7 @@ class MemberSpec:
     rate: float | None = None
     #: Its own bound on an attempt (0: the class's or ``upstream.attempt_timeout_seconds``).
     attempt_timeout_seconds: float = 0.0
-    #: The legacy ``[fallback]`` (:func:`fallback_member`): it serves embeddings only translated,
+    #: The ``[fallback]`` member (:func:`fallback_member`): it serves embeddings only translated,
     #: its url is an API base URL, its errors are never shown (a request it fails goes back to its
     #: place and is not given to it again), and its answers say so (:func:`answer_headers`).
     fallback: bool = False
@@ -73,7 +79,7 @@ class MemberSpec:
 def member_specs(config: Config) -> tuple[MemberSpec, ...]:
     """The members of ``config``'s pool, in config order."""
     if not config.upstreams:
-        return (legacy_member(config), *fallback_member(config))
+        return (default_member(config), *fallback_member(config))
     handover = config.handover
     specs = []
     for m in config.upstreams:
@@ -103,8 +109,8 @@ def member_specs(config: Config) -> tuple[MemberSpec, ...]:
     return tuple(specs)
 
 
-def legacy_member(config: Config) -> MemberSpec:
-    """``proxy.upstream`` as the one member of a pool, with the global settings as they always were."""
+def default_member(config: Config) -> MemberSpec:
+    """``proxy.upstream`` as the member ``default``, with the global sections' settings."""
     return MemberSpec(
         name=DEFAULT_MEMBER,
         url=config.proxy.upstream,
@@ -118,6 +124,37 @@ def legacy_member(config: Config) -> MemberSpec:
         probe_path=config.upstream.probe_path,
         unload_on_yield=config.handover.unload_on_yield,
         preload_models=config.handover.preload_models,
+    )
+
+
+@attrs.frozen
+class PoolShape:
+    """What the number of members decides, decided once from them (:func:`pool_shape`)."""
+
+    #: More than one member (the ``[fallback]`` one counts): each member's yields get their own log
+    #: line, the request log names the member that served, a request that expired is told what kept
+    #: each member from it, and no drainer's end of drain is the proxy's "now available".  False:
+    #: the proxy-wide lines (the GPU, the upstream) are the only ones.
+    names_members: bool
+    #: One upstream beside at most the ``[fallback]`` member: the holds its own watchers take (and
+    #: its stuck-loading hold) hold all (:data:`~yieldproxy.lot.state.ALL`), it has no model list to
+    #: read and no twins to verify, and its VRAM handover is the proxy's ``handover``.
+    one_upstream: bool
+
+    def hold_scope(self, name: str) -> str:
+        """The scope of the holds member ``name``'s own watchers take: its name, or every member's."""
+        return ALL if self.one_upstream else name
+
+    def log_name(self, name: str) -> str | None:
+        """How the request log names member ``name`` on the requests it served (None: it names none)."""
+        return name if self.names_members else None
+
+
+def pool_shape(specs: Sequence[MemberSpec]) -> PoolShape:
+    """The :class:`PoolShape` of a pool of ``specs`` (:func:`member_specs`)."""
+    return PoolShape(
+        names_members=len(specs) > 1,
+        one_upstream=sum(not spec.fallback for spec in specs) == 1,
     )
 
 
@@ -162,7 +199,7 @@ def member_server(api: str, base_url: bool = False) -> Server:
 
 
 def answer_headers(spec: MemberSpec, own_model: str) -> tuple[tuple[bytes, bytes], ...]:
-    """The headers of an answer that say who gave it: the legacy fallback's (docs/fallback.md)."""
+    """The headers of an answer that say who gave it: the ``[fallback]`` member's (docs/fallback.md)."""
     if not spec.fallback:
         return ()
     return ((b"x-yield-served-by", b"fallback"), (b"x-yield-fallback-model", own_model.encode("utf-8")))
@@ -186,7 +223,7 @@ def url_warnings(config: Config) -> list[str]:
     if config.upstreams:
         urls = [(f"upstreams[{i}].url", m.url, m.api) for i, m in enumerate(config.upstreams)]
     else:
-        urls = [("proxy.upstream", config.proxy.upstream, legacy_member(config).api)]
+        urls = [("proxy.upstream", config.proxy.upstream, default_member(config).api)]
     warnings = []
     for key, url, api in urls:
         parts = urlsplit(url)

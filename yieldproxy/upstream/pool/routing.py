@@ -44,8 +44,8 @@ Embedding requests go only to a model's reference or a verified twin
 (issue 12): that check is :attr:`Pool.twin_ok`, applied at each choice and
 release since a verification can go stale; the twin verification
 (:mod:`.twins`, made from the members before the pool, in
-``service.build_heart``) gives it.  Without it (a pool of one, clock-only
-pools) every eligible member serves; the legacy fallback's verification is
+``service.build_heart``) gives it.  Without it (one upstream, clock-only
+pools) every eligible member serves; the ``[fallback]``'s verification is
 the check for its member.
 """
 
@@ -63,7 +63,7 @@ from ...clock import same
 from ...config import Config
 from ...lot.parking import STANDBY_ONLY, Entry, ParkingLot, Routing
 from ...lot.replay import Replayer
-from ...lot.state import ALL, YieldState
+from ...lot.state import YieldState
 from ...names import PASSTHROUGH
 from ...observe.metrics import Metrics
 from ...servers import ModelCall, Server, native_apis, server
@@ -71,7 +71,7 @@ from ..health import Judge, UpstreamHealth
 from ..served import ServedRecord
 from ..translation import EMBED_ROUTES
 from .member import Member
-from .members import MemberSpec, member_server
+from .members import MemberSpec, PoolShape, member_server
 from .models import ModelCatalogue
 
 log = Logger()
@@ -125,7 +125,7 @@ class _Taker:
 
 
 def any_member(member: Member, entry: Entry) -> bool:
-    """The twin check of a pool without twin verification (a pool of one): every eligible member may serve."""
+    """The twin check of a pool without twin verification (one upstream): every eligible member may serve."""
     return True
 
 
@@ -141,6 +141,8 @@ class Pool:
     #: ``twin_ok(member, entry)``: may ``member`` serve ``entry`` now (an embedding: the
     #: model's reference or a verified twin).  See the module docstring.
     twin_ok: Callable[[Member, Entry], bool] = any_member
+    #: What its number of members decides (members.py's :func:`~.members.pool_shape`).
+    shape: PoolShape = attrs.field(kw_only=True)
     _by_name: dict[str, Member] = attrs.field(init=False)
     _apis: tuple[str, ...] = attrs.field(init=False)
     _cache: dict = attrs.Factory(dict)
@@ -156,12 +158,17 @@ class Pool:
     # -- what a request may use -----------------------------------------------------------
 
     def member(self, name: str | None) -> Member:
-        """The member ``name`` (None: the first, where a pool of one's requests go)."""
+        """The member ``name`` (None: the first)."""
         return self.members[0] if name is None else self._by_name[name]
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
+
+    @property
+    def names_members(self) -> bool:
+        """Whether what is said of the pool names its members (:attr:`PoolShape.names_members`)."""
+        return self.shape.names_members
 
     def routing(
         self, method: str | None, path: str | None, cls: str, model: str | None, translatable: bool = True
@@ -193,7 +200,7 @@ class Pool:
 
     def _eligible(self, method, path, cls, model, translatable=True) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The eligible members, and those of them that get the request translated."""
-        # The legacy fallback serves nothing natively: translated embeddings only (members.py).
+        # The [fallback] member serves nothing natively: translated embeddings only (members.py).
         members: Iterable[Member] = [m for m in self.members if not m.spec.fallback]
         others: list[Member] = []
         if path is not None:
@@ -385,7 +392,7 @@ class Pool:
     def metric_rows(self) -> list[tuple[str, bool, int, int, int, str, tuple[str, ...]]]:
         """``(upstream, available, inflight, holds, waiting, state, hold sources)`` per member, for
         :func:`~yieldproxy.observe.metrics.pool_families` (one that never answered is not available there, though
-        a pool of one still sends it requests to fail at once)."""
+        with no other upstream the proxy still sends it requests to fail at once)."""
         rows = []
         for m in self.members:
             holds = self._state.holds_for(m.name)
@@ -438,20 +445,19 @@ def _drainer_open(pool: Callable[[], Pool], name: str) -> bool:
 
 def make_members(
     clock: IReactorTime, state: YieldState, lot: ParkingLot, metrics: Metrics, cooperator: Cooperator,
-    config: Config, specs: Sequence[MemberSpec], clients: Callable[[MemberSpec], tuple[Any, Any]] | None,
+    config: Config, specs: Sequence[MemberSpec], shape: PoolShape,
+    clients: Callable[[MemberSpec], tuple[Any, Any]] | None,
     pool: Callable[[], Pool], judges: Callable[[str], Judge | None] | None = None,
 ) -> tuple[Member, ...]:
     """Each member of ``specs`` with its drainer, health and catalogue (for ``service.build_heart``).
 
+    ``shape`` is what their number decides (:func:`~.members.pool_shape`).
     ``pool()`` is the pool they will form (made after them): its routing
     decides what each drainer takes and when it is open, read when asked.
     ``clients(spec)`` gives each its request and control clients (None: neither).
     ``judges(name)`` gives a member's health the judge of its failures (its
     outage watcher's; None, or no ``judges``: no failure is forgiven).
     """
-    several = len(specs) > 1
-    # One upstream beside at most the legacy fallback: its holds are every member's, as they always were.
-    alone = sum(not spec.fallback for spec in specs) == 1
     up, replay = config.upstream, config.replay
     members = []
     for index, spec in enumerate(specs):
@@ -466,12 +472,12 @@ def make_members(
             backoff_seconds=up.retry_backoff_seconds,
             backoff_max_seconds=up.retry_backoff_max_seconds,
             cautious=spec.fallback,
-            # A pool of one drains as a pool of three: what its member may take, while it is available.
+            # It lets out what its member may take, while its member is available.
             target=spec.name,
             accepts=_Taker(lambda name, entry: pool().may_take(name, entry), spec.name),
             is_open=functools.partial(_drainer_open, pool, spec.name),
-            # A pool of one's drainer ending its drain is the proxy's "now available" (its log line).
-            says_drained=not several,
+            # With one member, its drainer ending its drain is the proxy's "now available" (its log line).
+            says_drained=not shape.names_members,
         )
         members.append(
             Member(
@@ -483,9 +489,9 @@ def make_members(
                 check_timeout_seconds=up.health_timeout_seconds,
                 on_reachable=lambda: pool().kick(),
                 not_ready_max_seconds=up.not_ready_max_seconds,
-                # The scope of its outage watcher's hold: a pool of one's is every member's, as it always was.
-                outage_scope=ALL if alone else spec.name,
-                log_name=spec.name if several else None,
+                # The scope of its outage watcher's hold (and of its own stuck-loading one).
+                outage_scope=shape.hold_scope(spec.name),
+                log_name=shape.log_name(spec.name),
             )
         )
     return tuple(members)
