@@ -323,7 +323,7 @@ class ParkingLot:
     #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
     _waiting: dict[str, int] = attrs.Factory(dict)
     #: Per member, per class, per kind of request (:func:`_kind`), the entries it is eligible
-    #: for, in arrival order: a line per pool member (a pool of one has one), split by kind of
+    #: for, in arrival order: a line per pool member (one upstream alone has one), split by kind of
     #: request, so a member's drainer looks only at the first entry of each kind it is eligible
     #: for, never along a line of entries it may not take (parking stays O(1) per request: issue 16).
     _lines: dict[str, dict[str, dict[tuple[int, str | None], list[Entry]]]] = attrs.Factory(dict)

@@ -141,7 +141,7 @@ class ProxyApp:
     #: The upstreams: each attempt runs on a member, reported to its health (reachability, outage verdicts).
     _pool: Pool
     _metrics: Metrics
-    #: Told of every attempt as it ends: ``(member, entry, outcome)`` (the legacy fallback counts its own).
+    #: Told of every attempt as it ends: ``(member, entry, outcome)`` (the ``[fallback]`` counts its own).
     _on_attempt: Callable[[Member, Entry, str], None] = lambda member, entry, outcome: None
     _classifier: Classifier = attrs.field(init=False)
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
@@ -769,7 +769,7 @@ class ProxyApp:
         return answer
 
     def _route_held(self, method: str, path: str, model: str | None) -> bool:
-        """Whether the member a request that runs no model would go to is yielded (the GPU, for a pool of one)."""
+        """Whether the member a request that runs no model would go to is yielded (the GPU, with one upstream)."""
         return self._pool.passthrough_member(method, path, model).held()
 
     # -- outcomes -------------------------------------------------------------
