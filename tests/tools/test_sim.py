@@ -603,12 +603,17 @@ async def test_parallel_cap_over_sockets() -> None:
     try:
         t0 = _reactor().seconds()
         texts = [f"text {i}" for i in range(10)]
-        results = await _within(
-            defer.gatherResults(
-                [defer.ensureDeferred(server.post_json("/api/embed", {"model": "all-minilm", "input": t})) for t in texts],
-                consumeErrors=True,
-            )
+        # The first two answers wait until all ten are in (however slowly a busy machine sends them).
+        server.sim.hold("/api/embed")
+        answers = defer.gatherResults(
+            [defer.ensureDeferred(server.post_json("/api/embed", {"model": "all-minilm", "input": t})) for t in texts],
+            consumeErrors=True,
         )
+        while server.sim.in_flight < 10:
+            await _sleep(0.01)
+            assert _reactor().seconds() - t0 < TIMEOUT, server.sim.in_flight
+        server.sim.release()
+        results = await _within(answers)
         elapsed = _reactor().seconds() - t0
         assert [body["embeddings"][0] for _, body in results] == [expected_embedding(t) for t in texts]
         assert server.sim.peak_in_flight == 10
