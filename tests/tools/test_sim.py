@@ -609,9 +609,7 @@ async def test_parallel_cap_over_sockets() -> None:
             [defer.ensureDeferred(server.post_json("/api/embed", {"model": "all-minilm", "input": t})) for t in texts],
             consumeErrors=True,
         )
-        while server.sim.in_flight < 10:
-            await _sleep(0.01)
-            assert _reactor().seconds() - t0 < TIMEOUT, server.sim.in_flight
+        await _until(lambda: server.sim.in_flight == 10)
         server.sim.release()
         results = await _within(answers)
         elapsed = _reactor().seconds() - t0
