@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from twisted.internet.defer import CancelledError
 
@@ -44,12 +45,9 @@ def finish(core, outcome, failed=False):
     core.gate.finished(failed=failed, seconds=0.01)
 
 
-
 def test_a_standing_is_every_field_a_parked_request_has_earned_written_and_taken_up_in_one_place():
     """What a reload carries (lifecycle/succession/wire.py) is one record: an entry taken up from it writes
     the same record again, every field set (a field added to one side only fails here)."""
-    import attrs
-
     earned = {
         "cls": "long", "max_wait": 30.0, "attempts": 2, "forgiven": 3, "parked_seconds": 12.5,
         "first_parked": 100.0, "deadline": 700.0, "bound_by_caller": True, "failed_on": "gpu-b",
