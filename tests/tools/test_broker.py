@@ -21,7 +21,9 @@ from helpers import free_port, in_thread, start_stack
 from yieldproxy.tools.broker import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
 
 TOKEN = "broker-test-token-0123456789"
-LEASE = 1.5
+#: Short, so a test sees several renewals; long enough that a renewal thread a busy machine wakes a second late
+#: still renews in time (the client counts a lease as lost once a whole one passed between two renewals).
+LEASE = 3.0
 #: A hold lasts this many leases, and at least RENEWALS renewals.
 HELD = 2.5
 RENEWALS = 6
