@@ -158,3 +158,19 @@ def test_a_hold_kept_from_before_the_start_says_so_in_status(tmp_path):
     holds = get(rig, "/status").json()["holds"]
     assert [(h["source"], h["since"], h["restored"]) for h in holds] == [("game", 1000, True), ("broker", 1100, False)]
 
+
+def test_the_served_page_warns_of_a_kept_hold_before_any_script_runs(tmp_path):
+    """``GET /`` without a token comes with the state filled in: a kept hold is the warning there too, escaped."""
+    path = tmp_path / "holds.json"
+    clock = clock_at(1000)
+    rig = Rig(reactor=clock, holds=HoldStore(clock, path))
+    rig.call("POST", rig.admin_url + "/yield", json={"source": "game", "reason": "<b>boss</b> fight"})
+    fresh = rig.call("GET", rig.admin_url + "/").text()
+    assert '<div id="restored" class="banner restored" role="alert" hidden></div>' in fresh
+    clock = clock_at(1100)
+    rig = Rig(reactor=clock, holds=HoldStore(clock, path))
+    page = rig.call("GET", rig.admin_url + "/").text()
+    warning = page.split('<div id="restored"', 1)[1].split("</div>", 1)[0]
+    assert "hidden" not in warning.split(">", 1)[0] and "Kept from before the proxy started" in warning
+    assert '<code class="resume-command">yieldproxy resume --source game</code>' in warning
+    assert "&lt;b&gt;boss&lt;/b&gt; fight" in warning and "<b>" not in warning
