@@ -10,7 +10,6 @@
   const POLL_MS = 2000;
   const TOKEN_KEY = "yieldproxy.admin-token";
   const SVG_NS = "http://www.w3.org/2000/svg";
-  const MIN_WINDOW = 60; // seconds: a fresh proxy's few samples still get a readable chart
   const CLASS_ORDER = ["interactive", "batch", "long"];
   const WAITING_SHOWN = 10; // parked requests listed; the rest are counted ("and K more")
 
