@@ -761,6 +761,19 @@ def test_a_model_route_serves_only_the_models_it_has_and_404s_others_in_ollamas_
     assert clock.getDelayedCalls() == []
 
 
+def test_a_model_name_typo_reaches_the_caller_through_the_proxy_in_ollamas_words() -> None:
+    """What a user with a typo meets: the proxy passes the sim's 404 on as it is, no retry, no outage."""
+    from inmemory import Rig
+
+    rig = Rig()
+    answer = rig.result(rig.post("/api/embed", {"model": "all-minlm", "input": "x"}))
+    assert (answer.code, answer.json()) == (404, {"error": 'model "all-minlm" not found, try pulling it first'})
+    answer = rig.result(rig.post("/v1/chat/completions", {"model": "lama3.2", "messages": [{"role": "user", "content": "x"}]}))
+    assert answer.code == 404 and answer.json()["error"]["message"] == "model 'lama3.2' not found"
+    assert rig.sim.requests_total["/api/embed"] == 1 and not rig.proxy.state.yielded
+    assert rig.call("GET", rig.admin_url + "/status").json()["upstreams"][0]["failing_models"] == []
+
+
 def test_tags_and_show_describe_the_models_it_has_and_404_another() -> None:
     clock = task.Clock()
     sim = SimOllama(clock, models=("all-minilm", "llama3.2"))
