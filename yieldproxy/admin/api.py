@@ -310,7 +310,7 @@ class AdminApp:
     _pool: Pool
     _metrics: Metrics
     token: str | None = None
-    #: A token that opens the reading routes only (``GET /status``, ``/metrics``, ``/history``).
+    #: A token that opens the reading routes only (``GET /status``, ``/parked``, ``/metrics``, ``/history``).
     read_token: str | None = None
     #: The last hour of samples for the status page's chart (``GET /history``).
     history: History | None = None
@@ -417,7 +417,7 @@ class AdminApp:
             if self._token_given(request, self.read_token):
                 return _json(
                     request,
-                    {"error": "this token may only read (GET /status, /metrics, /history); "
+                    {"error": "this token may only read (GET /status, /parked, /metrics, /history); "
                               "changes need the admin token (admin.token_file)"},
                     403,
                 )
