@@ -170,11 +170,16 @@ class Children:
             print(f"child logs kept in {self.logdir}", file=sys.stderr)
 
 
+#: The models the benchmarks' simulated Ollama has (it answers any other name 404, as Ollama does).
+SIM_MODELS = ("nomic-embed-text", "all-minilm", "llama3.2")
+
+
 def start_sim(children: Children, *extra: str, name: str = "sim") -> tuple[Child, int]:
-    """The simulated Ollama (``python -m yieldproxy.tools.sim``) on a free port."""
+    """The simulated Ollama (``python -m yieldproxy.tools.sim``) on a free port, with :data:`SIM_MODELS`."""
+    models = [arg for model in SIM_MODELS for arg in ("--model", model)] if "--model" not in extra else []
     child = children.start(
         name,
-        [PYTHON, "-m", "yieldproxy.tools.sim", "--port", "0", "--latency", "0", "--parallel", "64", *extra],
+        [PYTHON, "-m", "yieldproxy.tools.sim", "--port", "0", "--latency", "0", "--parallel", "64", *models, *extra],
     )
     m = child.wait_line(r"listening on 127\.0\.0\.1:(\d+)")
     return child, int(m.group(1))

@@ -174,6 +174,21 @@ def listening_url(proxy, name: str) -> str:
     return f"http://127.0.0.1:{proxy.service.getServiceNamed(name).port.getHost().port}"
 
 
+#: The models a test's simulated Ollama has (the fixtures' sims, unless a test names its own): every name
+#: the tests send through one.  The sim, as Ollama, answers any other name 404 (tools/sim: ``models``).
+TEST_MODELS = (
+    "all-minilm", "llama3.2", "nomic-embed-text", "m", "x", "y", "a", "b", "e", "small", "big", "huge", "broken",
+    "stuck", "late", "other", "any", "anything", "whatever", "named", "alias", "inner", "llama3", "llama3:70b",
+    "all-minilm:v2", "all-minilm:q4_0", "bge-m3", "bert", "minilm-l6", "minilm-cpu", "m-cpu", "bulk-embed", "fuzz-a", "text-embed",
+    "text-embedding-3-small", "sentence-transformers/all-MiniLM-L6-v2",
+)
+
+
+def with_test_models(options: dict) -> dict:
+    """A sim's options with :data:`TEST_MODELS` unless they name its models."""
+    return options if "models" in options else {**options, "models": TEST_MODELS}
+
+
 async def start_stack(
     reactor, config: Config | None = None, upstream: str | None = None, token=None, watchers: bool = False,
     read_token=None, history_interval: float = 1.0, **sim_options,
@@ -190,7 +205,7 @@ async def start_stack(
 
     sim = None
     if upstream is None:
-        sim = SimOllama(reactor, **sim_options)
+        sim = SimOllama(reactor, **with_test_models(sim_options))
         port = await sim.listen()
         upstream = f"http://127.0.0.1:{port}"
     config = (config or Config()).with_overrides(**{"proxy.upstream": upstream}, **EPHEMERAL)
@@ -379,7 +394,7 @@ async def start_pool_stack(
     tables = []
     for member in members:
         member = dict(member)
-        options = {**sim_options, **member.pop("sim", {})}
+        options = with_test_models({**sim_options, **member.pop("sim", {})})
         sim = SimOllama(reactor, **options)
         port = await sim.listen()
         sims[member["name"]] = sim

@@ -51,6 +51,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Site
 from zope.interface import implementer
 
+from helpers import with_test_models
 from yieldproxy.config import Config, MemberConfig
 from yieldproxy.service import build
 from yieldproxy.tools.sim import SimOllama
@@ -300,7 +301,7 @@ class Rig:
             self.upstream = None
             config = self._pool(config, members, sim_options)
         else:
-            self.sim = SimOllama(self.clock, **sim_options) if upstream is None else None
+            self.sim = SimOllama(self.clock, **with_test_models(sim_options)) if upstream is None else None
             self.upstream = MemoryUpstream(upstream if upstream is not None else self.sim.resource(), self.clock)
         if not watchers:
             config = config.with_overrides(**{"upstream.detect_outages": False})
@@ -324,7 +325,7 @@ class Rig:
         for i, member in enumerate(members):
             member = dict(member)
             resource = member.pop("upstream", None)
-            options = {**sim_options, **member.pop("sim", {})}
+            options = with_test_models({**sim_options, **member.pop("sim", {})})
             if resource is None:
                 sim = self.sims[member["name"]] = SimOllama(self.clock, **options)
                 resource = sim.resource()

@@ -36,7 +36,8 @@ TIMEOUT = 30
 #: and more each on a loaded machine (30 s cancelled them mid-test, emptying the lot).
 PARKED_TIMEOUT = 150
 TOKEN = "page-test-token-0123456789"
-WIDTH, HEIGHT = 1200, 800
+#: Tall enough for the cards, who waits, the holds and the chart in one screenshot.
+WIDTH, HEIGHT = 1200, 1100
 #: Colours from status.css: the yield band and the batch line.
 YIELD_BAND = (0xFF, 0xD8, 0xD3)
 BATCH = (0xD4, 0x57, 0x0B)
@@ -244,6 +245,26 @@ async def test_page_shows_the_yield_its_hold_and_draws_it():
         assert dom.by_id("parked-interactive")["data-count"] == "0"
         assert dom.by_id("inflight")["text"] == "0"
 
+        # Who waits: every parked request, in arrival order, with its route, model, client and bound.
+        assert dom.by_id("waiting-section").get("hidden") is None
+        # (The six were sent at once: their order is the order they came in.)
+        waiting = dom.with_class("parked-request")
+        assert [w["data-position"] for w in waiting] == ["1", "2", "3", "4", "5", "6"]
+        assert sorted(w["data-class"] for w in waiting) == ["batch"] * 4 + ["long"] * 2
+        expected = {
+            "batch": ("/api/embed", "all-minilm", "10 min 0 s (hold bound)"),
+            "long": ("/api/generate", "m", "1 h 0 min (hold bound)"),
+        }
+        cells = zip(dom.with_class("route"), dom.with_class("model"), dom.with_class("bound"))
+        assert [(r["text"], m["text"], b["text"]) for r, m, b in cells] == [expected[w["data-class"]] for w in waiting]
+        assert all(re.fullmatch(r"127\.0\.0\.1:\d+", e["text"]) for e in dom.with_class("client"))
+        assert dom.by_id("waiting-more").get("hidden") is not None
+        # No hold is older than the proxy: no warning.
+        assert dom.by_id("restored").get("hidden") is not None
+        # The one upstream's strip says what it is.
+        # (Its text, then its tooltip's.)
+        assert [e["text"] for e in dom.with_class("strip-name")] == ["upstream" "the upstream (proxy.upstream): its state over time"]
+
         # The chart: one yield band, reaching the right edge (still yielded), and parked lines that rose.
         bands = dom.with_class("yield-band")
         assert len(bands) == 1
@@ -283,8 +304,8 @@ async def test_page_shows_the_yield_its_hold_and_draws_it():
         # The screenshot taken while yielded: the band and the batch line are drawn.
         width, height, rows = read_png(png)
         assert (width, height) == (WIDTH, HEIGHT)
-        # The chart sits in the lower part of the page, under the cards and the holds table.
-        top, bottom = 280, 650
+        # The chart sits in the lower part of the page, under the cards, who waits and the holds table.
+        top, bottom = 280, HEIGHT
         band = count_pixels(rows, top, bottom, near(YIELD_BAND, 4))
         line = count_pixels(rows, top, bottom, near(BATCH, 30))
         ink = count_pixels(rows, top, bottom, lambda r, g, b: r + g + b < 600)
@@ -292,6 +313,55 @@ async def test_page_shows_the_yield_its_hold_and_draws_it():
         assert line > 100, f"batch line barely visible: {line} pixels"
         assert ink > 1000, f"chart looks empty: {ink} dark pixels"
     finally:
+        await stack.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_page_warns_of_a_hold_kept_from_the_last_run_and_counts_who_waits_past_the_list():
+    """A restart keeps holds: one older than the process is a warning that names it and the command that ends it.
+    Twelve parked: the first ten listed, "and 2 more".  The time axis starts where the proxy did, and the
+    in-flight line is drawn over the parked ones (at zero they all lie on the axis)."""
+    from yieldproxy.lot.state import Hold
+
+    chromium_path()
+    stack = await start_stack(reactor, history_interval=0.2)
+    pending = []
+    try:
+        started = stack.proxy.admin_app.started_at
+        # What the holds file puts back at start-up (lifecycle/holdstore.py): a hold from an hour ago, no lease.
+        stack.proxy.state.restore([Hold("game", "boss fight", since=started - 3600)])
+        pending += [
+            treq.post(stack.proxy_url + "/api/embed", json={"model": "all-minilm", "input": f"t{i}"}, persistent=False)
+            .addTimeout(PARKED_TIMEOUT, reactor)
+            for i in range(12)
+        ]
+        await wait_for(reactor, lambda: len(stack.proxy.lot) == 12)
+        at = len(stack.proxy.history)
+        await wait_for(reactor, lambda: len(stack.proxy.history) >= at + 3)
+        shot = os.environ.get("YIELDPROXY_KEEP_SCREENSHOT")
+        dom = Dom((await chromium(stack.admin_url + "/", "--dump-dom")).decode("utf-8"))
+        if shot:
+            await chromium(stack.admin_url + "/", f"--screenshot={shot}.restored.png")
+
+        warning = dom.by_id("restored")
+        assert warning.get("hidden") is None and warning["role"] == "alert"
+        assert "Kept from before the proxy started" in warning["text"]
+        [line] = dom.with_class("restored-hold")
+        assert line["data-source"] == "game" and "boss fight" in line["text"] and "no lease" in line["text"]
+        assert [e["text"] for e in dom.with_class("resume-command")] == ["yieldproxy resume --source game"]
+
+        assert len(dom.with_class("parked-request")) == 10
+        more = dom.by_id("waiting-more")
+        assert more.get("hidden") is None and more["text"] == "and 2 more" and more["data-more"] == "2"
+
+        chart = dom.by_id("chart")
+        assert float(chart["data-t0"]) >= started - 0.5, (chart["data-t0"], started)
+        lines = [e for e in dom.elements if e["tag"] == "path" and e.get("id", "").endswith("-line")]
+        assert lines[-1]["id"] == "inflight-line"
+    finally:
+        release_every_hold(stack.proxy.state)
+        for d in pending:
+            await d
         await stack.stop()
 
 

@@ -1074,7 +1074,7 @@ async def test_real_chunked_stream_arrives_piece_by_piece():
     from yieldproxy.tools.sim import SimOllama
 
     reactor = _reactor()
-    sim = SimOllama(reactor, chunk_delay=0.05, chunks=6)
+    sim = SimOllama(reactor, chunk_delay=0.05, chunks=6, models=("llama3",))
     port = await sim.listen()
     pool = H1Pool(reactor, "127.0.0.1", port)
     arrivals = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 import treq
+from hypothesis import given, settings, strategies as st
 from treq.client import HTTPClient
 from treq.testing import StubTreq
 from twisted.internet import defer, task, threads
@@ -44,6 +46,8 @@ from yieldproxy.tools.sim import (
 
 URL = "http://sim.invalid"
 TIMEOUT = 5.0
+#: The models these tests' Ollama sims have: the default ones, and the short names the tests send.
+MODELS = ("all-minilm", "llama3.2", "m", "e")
 
 
 # ---------------------------------------------------------------------------
@@ -153,7 +157,7 @@ def _fired(d: defer.Deferred[Any]) -> bool:
 
 def test_parallel_cap_and_fifo_on_a_clock() -> None:
     clock = task.Clock()
-    sim = SimOllama(clock, latency=1.0, per_item_latency=0.5, parallel=2)
+    sim = SimOllama(clock, models=MODELS, latency=1.0, per_item_latency=0.5, parallel=2)
     stub = StubTreq(sim.resource())
     ds = [_post(stub, "/api/embed", {"model": "all-minilm", "input": [f"t{i}"]}) for i in range(5)]
     stub.flush()
@@ -187,7 +191,7 @@ def test_parallel_cap_and_fifo_on_a_clock() -> None:
 def test_a_held_path_waits_for_release_and_others_go_on() -> None:
     """``hold`` keeps a due answer (its slot too) until ``release``; a path not held is answered as usual."""
     clock = task.Clock()
-    sim = SimOllama(clock, latency=1.0, parallel=2)
+    sim = SimOllama(clock, models=MODELS, latency=1.0, parallel=2)
     stub = StubTreq(sim.resource())
     sim.hold("/api/embed")
     held = _post(stub, "/api/embed", {"model": "all-minilm", "input": ["kept"]})
@@ -205,7 +209,7 @@ def test_a_held_path_waits_for_release_and_others_go_on() -> None:
 
 def test_max_queue_answers_busy_like_ollama() -> None:
     clock = task.Clock()
-    sim = SimOllama(clock, latency=1.0, parallel=1, max_queue=1)
+    sim = SimOllama(clock, models=MODELS, latency=1.0, parallel=1, max_queue=1)
     stub = StubTreq(sim.resource())
     ds = [_post(stub, "/api/embed", {"model": "m", "input": str(i)}) for i in range(3)]
     stub.flush()
@@ -221,7 +225,7 @@ def test_max_queue_answers_busy_like_ollama() -> None:
 def test_model_load_ps_and_unload_on_a_clock() -> None:
     clock = task.Clock()
     clock.advance(1_700_000_000)
-    sim = SimOllama(clock, latency=0.5, load_seconds=2.0)
+    sim = SimOllama(clock, models=MODELS, latency=0.5, load_seconds=2.0)
     stub = StubTreq(sim.resource())
     # Two requests during one load share it.
     d1 = _post(stub, "/api/embed", {"model": "all-minilm", "input": "a"})
@@ -273,7 +277,7 @@ def test_model_load_ps_and_unload_on_a_clock() -> None:
 
 def test_errors_in_each_api_shape() -> None:
     clock = task.Clock()
-    sim = SimOllama(clock)
+    sim = SimOllama(clock, models=MODELS)
     stub = StubTreq(sim.resource())
     code, body = _json_of(stub, _post(stub, "/api/embed", {"input": "x"}))
     assert code == 400 and body == {"error": "model is required"}
@@ -312,7 +316,7 @@ def test_errors_in_each_api_shape() -> None:
 
 def test_embedding_routes_in_memory() -> None:
     clock = task.Clock()
-    sim = SimOllama(clock, dim=64)
+    sim = SimOllama(clock, models=MODELS, dim=64)
     stub = StubTreq(sim.resource())
     _, body = _json_of(stub, _post(stub, "/api/embeddings", {"model": "all-minilm", "prompt": "legacy"}))
     assert body == {"embedding": expected_embedding("legacy", dim=64)}
@@ -342,7 +346,7 @@ class _BrokenSim(SimOllama):
 
 def test_a_failing_step_answers_in_the_routes_shape() -> None:
     clock = task.Clock()
-    sim = _BrokenSim(clock, latency=1.0)
+    sim = _BrokenSim(clock, models=MODELS, latency=1.0)
     stub = StubTreq(sim.resource())
     ollama = _post(stub, "/api/embed", {"model": "m", "input": "x"})
     openai = _post(stub, "/v1/embeddings", {"model": "m", "input": "x"})
@@ -364,7 +368,7 @@ def test_a_failing_step_answers_in_the_routes_shape() -> None:
 
 def test_hang_then_stop_leaves_no_timer() -> None:
     clock = task.Clock()
-    sim = SimOllama(clock, latency=1.0, load_seconds=1.0)
+    sim = SimOllama(clock, models=MODELS, latency=1.0, load_seconds=1.0)
     stub = StubTreq(sim.resource())
     # One request is being served (waiting on the load); then hang: new ones
     # are accepted and never answered, and hold no timer.
@@ -398,7 +402,7 @@ def test_hang_then_stop_leaves_no_timer() -> None:
 def test_stall_sends_the_head_and_first_bytes_then_nothing() -> None:
     """``stall``: a whole answer's head (its full length) and first bytes, a stream's first line; then nothing."""
     clock = task.Clock()
-    sim = SimOllama(clock, latency=1.0)
+    sim = SimOllama(clock, models=MODELS, latency=1.0)
     sim.set_mode("stall")
     stub = StubTreq(sim.resource())
     embed = _post(stub, "/api/embed", {"model": "all-minilm", "input": "a"})
@@ -461,7 +465,7 @@ class _Server:
     """A listening sim plus a treq client on its own pool; both closed in ``close``."""
 
     def __init__(self, **settings: Any) -> None:
-        self.sim = SimOllama(_reactor(), **settings)
+        self.sim = SimOllama(_reactor(), **({"models": MODELS} | settings if "api" not in settings else settings))
         self.pool = HTTPConnectionPool(_reactor(), persistent=True)
         self.pool.maxPersistentPerHost = 20
         self.http = HTTPClient(Agent(_reactor(), pool=self.pool))
@@ -703,6 +707,123 @@ async def test_reset_aborts_in_flight_and_new_requests() -> None:
         assert server.sim.texts_embedded == {}
     finally:
         await server.close()
+
+
+# ---------------------------------------------------------------------------
+# The models it has, as Ollama has models (issue 32, item 7).
+
+#: Each model route: a body that runs the model, and Ollama's 404 for a model it does not have (v0.12.0
+#: server/routes.go: the embed routes through handleScheduleError, the others from their own lookup).
+_PULL_FIRST = 'model "{}" not found, try pulling it first'
+_NOT_FOUND = "model '{}' not found"
+_MODEL_ROUTES = {
+    "/api/embed": ({"input": "x"}, _PULL_FIRST),
+    "/api/embeddings": ({"prompt": "x"}, _PULL_FIRST),
+    "/v1/embeddings": ({"input": "x"}, _PULL_FIRST),
+    "/api/chat": ({"messages": [{"role": "user", "content": "hi"}], "stream": False}, _NOT_FOUND),
+    "/api/generate": ({"prompt": "p", "stream": False}, _NOT_FOUND),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}]}, _NOT_FOUND),
+    "/v1/completions": ({"prompt": "p"}, _NOT_FOUND),
+}
+_HAS = ("all-minilm", "llama3.2:8b", "me/private:v1")
+#: Names to try: the models it has in other spellings, near misses, and others.
+_NAMES = st.one_of(
+    st.sampled_from([
+        "all-minilm", "ALL-MiniLM:Latest", "registry.ollama.ai/library/all-minilm:latest", "all-minilm:v2",
+        "llama3.2", "llama3.2:8B", "LLAMA3.2:8b", "me/private:v1", "private:v1", "you/private:v1", "gmae",
+    ]),
+    st.from_regex(r"([a-z]{1,4}/)?[a-z][a-z0-9.-]{0,8}(:[a-z0-9]{1,4})?", fullmatch=True),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(path=st.sampled_from(sorted(_MODEL_ROUTES)), name=_NAMES, mode=st.sampled_from(["ok", "error500"]))
+def test_a_model_route_serves_only_the_models_it_has_and_404s_others_in_ollamas_words(
+    path: str, name: str, mode: str
+) -> None:
+    """Every model route, every spelling: served when the name is one of its models as Ollama compares
+    names, else Ollama's 404 in the route's shape, whatever the mode (Ollama looks the model up first)."""
+    clock = task.Clock()
+    sim = SimOllama(clock, models=_HAS, mode=mode)
+    stub = StubTreq(sim.resource())
+    extra, words = _MODEL_ROUTES[path]
+    code, body = _json_of(stub, _post(stub, path, {"model": name, **extra}))
+    has = canonical_model(name) in {canonical_model(m) for m in _HAS}
+    if not has:
+        assert code == 404, body
+        if path.startswith("/v1/"):
+            assert body["error"]["message"] == words.format(name) and body["error"]["type"] == "not_found_error"
+        else:
+            assert body == {"error": words.format(name)}
+        assert sim.texts_embedded == {} and sim.loaded_models() == []
+    else:
+        assert code == (200 if mode == "ok" else 500), body
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_model_name_typo_reaches_the_caller_through_the_proxy_in_ollamas_words() -> None:
+    """What a user with a typo meets: the proxy passes the sim's 404 on as it is, no retry, no outage."""
+    from inmemory import Rig
+
+    rig = Rig()
+    answer = rig.result(rig.post("/api/embed", {"model": "all-minlm", "input": "x"}))
+    assert (answer.code, answer.json()) == (404, {"error": 'model "all-minlm" not found, try pulling it first'})
+    answer = rig.result(rig.post("/v1/chat/completions", {"model": "lama3.2", "messages": [{"role": "user", "content": "x"}]}))
+    assert answer.code == 404 and answer.json()["error"]["message"] == "model 'lama3.2' not found"
+    assert rig.sim.requests_total["/api/embed"] == 1 and not rig.proxy.state.yielded
+    assert rig.call("GET", rig.admin_url + "/status").json()["upstreams"][0]["failing_models"] == []
+
+
+def test_tags_and_show_describe_the_models_it_has_and_404_another() -> None:
+    clock = task.Clock()
+    sim = SimOllama(clock, models=("all-minilm", "llama3.2"))
+    stub = StubTreq(sim.resource())
+    tags = [m["name"] for m in _json_of(stub, stub.get(URL + "/api/tags"))[1]["models"]]
+    assert tags == ["all-minilm:latest", "llama3.2:latest"]
+    code, body = _json_of(stub, _post(stub, "/api/show", {"model": "ALL-MINILM"}))
+    assert code == 200 and body["capabilities"] == ["embedding"] and body["details"]["family"] == "bert"
+    code, body = _json_of(stub, _post(stub, "/api/show", {"name": "llama3.2"}))
+    assert code == 200 and body["capabilities"] == ["completion"]
+    assert _json_of(stub, _post(stub, "/api/show", {"model": "gmae"})) == (404, {"error": "model 'gmae' not found"})
+    assert _json_of(stub, _post(stub, "/api/show", {})) == (400, {"error": "model is required"})
+    assert _json_of(stub, _post(stub, "/api/show", b"")) == (400, {"error": "missing request body"})
+    # Served a model it lacks, it learns nothing: /api/tags still lists its own.
+    assert _json_of(stub, _post(stub, "/api/embed", {"model": "gmae", "input": "x"}))[0] == 404
+    sim.add_model("gmae")
+    assert _json_of(stub, _post(stub, "/api/embed", {"model": "gmae", "input": "x"}))[0] == 200
+    tags = [m["name"] for m in _json_of(stub, stub.get(URL + "/api/tags"))[1]["models"]]
+    assert tags == ["all-minilm:latest", "llama3.2:latest", "gmae:latest"]
+    assert clock.getDelayedCalls() == []
+
+
+def test_the_servers_of_one_model_still_serve_it_whatever_the_name() -> None:
+    """TEI, Infinity and llama.cpp serve their one model whatever the request names: no 404 there."""
+    clock = task.Clock()
+    sim = SimOllama(clock, api="infinity", models=("bge-small",))
+    stub = StubTreq(sim.resource())
+    assert _json_of(stub, _post(stub, "/embeddings", {"model": "anything", "input": ["x"]}))[0] == 200
+
+
+def test_help_shows_every_default_and_model_replaces_the_default_list() -> None:
+    from yieldproxy.tools.sim.command import build_parser
+
+    parser = build_parser("yieldproxy sim")
+    text = parser.format_help()
+    # Each option's own entry in the list of options: from its line to the next option's.
+    entries = {
+        m.group(1): " ".join(m.group(2).split())
+        for m in re.finditer(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", text.split("options:", 1)[1], re.M | re.S)
+    }
+    expected = {
+        "--port": "11434", "--interface": "127.0.0.1", "--latency": "0.0", "--per-item-latency": "0.0",
+        "--parallel": "4", "--chunk-delay": "0.0", "--chunks": "5", "--dim": "384", "--load-seconds": "0.0",
+        "--mode": "ok", "--api": "ollama", "--model": "all-minilm llama3.2",
+    }
+    assert set(entries) == set(expected)  # and -h, --help
+    for option, default in expected.items():
+        assert entries[option].endswith(f"(default: {default})"), (option, entries[option])
+    assert tuple(parser.parse_args([]).models) == ("all-minilm", "llama3.2")
+    assert tuple(parser.parse_args(["--model", "bge-m3", "--model", "qwen3"]).models) == ("bge-m3", "qwen3")
 
 
 @pytest_twisted.ensureDeferred

@@ -41,7 +41,7 @@ from ..edge.hosts import HostPolicy, cross_site
 from ..edge.site import ProxySite
 from ..errors import listener_error_body
 from ..lot.gate import Gate
-from ..lot.parking import ParkingLot
+from ..lot.parking import ParkingLot, Waiting
 from ..lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 from ..names import check_source
 from ..observe.history import History
@@ -95,6 +95,34 @@ def _static_file(name: str) -> bytes:
 _BADGE = b'<span id="state" class="state state-unknown" data-state="unknown">connecting\xe2\x80\xa6</span>'
 _DETAIL = b'<span id="state-detail"></span>'
 _SUMMARY = b'<p id="summary" class="summary"></p>'
+_RESTORED = b'<div id="restored" class="banner restored" role="alert" hidden></div>'
+
+
+def restored_warning(holds: list[dict]) -> str:
+    """The warning about holds older than the process (``restored``), as status.js writes it: empty when none.
+
+    Someone who restarted the proxy to reset it finds it still yielded; this
+    says which hold does it and the command that ends it.  Escaped: sources
+    and reasons are caller-written text.
+    """
+    kept = [h for h in holds if h.get("restored")]
+    if not kept:
+        return _RESTORED.decode("ascii")
+    lines = []
+    for h in kept:
+        where = "the GPU" if h.get("upstream") is None else h["upstream"]
+        command = f"yieldproxy resume --source {h['source']}" + (
+            "" if h.get("upstream") is None else f" --upstream {h['upstream']}")
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(h["since"]))
+        lines.append(
+            f'<p class="restored-hold" data-source="{html.escape(h["source"])}">'
+            f'{html.escape(h["source"])} holds {html.escape(where)} since {since} '
+            f'({html.escape(h["reason"] or "no reason given")}). End it: '
+            f'<code class="resume-command">{html.escape(command)}</code></p>'
+        )
+    head = "a hold yields" if len(kept) == 1 else f"{len(kept)} holds yield"
+    return (f'<div id="restored" class="banner restored" role="alert"><strong>Kept from before the proxy started: '
+            f'{head} the GPU until it ends.</strong>{"".join(lines)}</div>')
 
 
 def _state_detail(status: dict) -> str:
@@ -131,8 +159,10 @@ def first_view(page: bytes, status: dict | None, now: float) -> bytes:
                       for h in status["holds"])
             + time.strftime(" (as of %H:%M:%S UTC)", time.gmtime(now))
         )
+    restored = restored_warning(status["holds"]) if status is not None else _RESTORED.decode("ascii")
     return (
         page.replace(_BADGE, badge.encode("utf-8"))
+        .replace(_RESTORED, restored.encode("utf-8"))
         .replace(_DETAIL, f'<span id="state-detail">{html.escape(detail)}</span>'.encode("utf-8"))
         .replace(_SUMMARY, f'<p id="summary" class="summary">{html.escape(summary)}</p>'.encode("utf-8"))
     )
@@ -215,6 +245,53 @@ def parse_yield(body: dict, upstreams: tuple[str, ...] = ("default",)) -> dict:
     }
 
 
+#: ``GET /parked``: entries in a page when ``limit`` is not given, and the most one page holds.
+DEFAULT_PARKED_PAGE = 50
+MAX_PARKED_PAGE = 500
+
+
+def _count_arg(request, name: str, default: int, least: int, most: int | None) -> int:
+    """A whole-number query argument between ``least`` and ``most``, or :class:`BadRequest` saying so."""
+    raw = request.args.get(name.encode("ascii"))
+    if not raw:
+        return default
+    text = raw[-1].decode("latin-1")
+    if not text.isascii() or not text.isdigit() or int(text) < least or most is not None and int(text) > most:
+        limits = f"from {least} to {most}" if most is not None else f"{least} or more"
+        raise BadRequest(f"{name} must be a whole number {limits}, not {text[:40]!r}")
+    return int(text)
+
+
+def client_text(address: Any) -> str | None:
+    """A client's address as people write it: ``host:port``, ``[v6]:port``, ``unix`` (a unix socket's peer)."""
+    if address is None:
+        return None
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    if host is not None and port is not None:
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if type(address).__name__ == "UNIXAddress":
+        return "unix"
+    return str(address)[:100]
+
+
+def parked_json(waiting: Waiting) -> dict[str, Any]:
+    """One parked request as ``GET /parked`` lists it (docs/admin-api.md)."""
+    return {
+        "position": waiting.position,
+        "class_position": waiting.class_position,
+        "class": waiting.cls,
+        "route": waiting.route,
+        "model": waiting.model,
+        "upstreams": list(waiting.eligible),
+        "client": client_text(waiting.client),
+        "waited_seconds": round(waiting.waited, 3),
+        "bound_seconds": round(waiting.bound, 3),
+        "bound_by": "X-Yield-Max-Wait" if waiting.bound_by_caller else "hold_seconds",
+        "remaining_seconds": round(waiting.remaining, 3),
+        "attempts": waiting.tries,
+    }
+
+
 def _read_only(sections: Mapping[str, Callable[[], Any]]) -> Mapping[str, Callable[[], Any]]:
     """A read-only view of the status sections (typed, for the attrs converter)."""
     return MappingProxyType(sections)
@@ -233,7 +310,7 @@ class AdminApp:
     _pool: Pool
     _metrics: Metrics
     token: str | None = None
-    #: A token that opens the reading routes only (``GET /status``, ``/metrics``, ``/history``).
+    #: A token that opens the reading routes only (``GET /status``, ``/parked``, ``/metrics``, ``/history``).
     read_token: str | None = None
     #: The last hour of samples for the status page's chart (``GET /history``).
     history: History | None = None
@@ -284,7 +361,9 @@ class AdminApp:
         shown = self.shown()
         status = {
             "state": self._gate.state_name,
-            "holds": [h.as_json(shown) for h in self._state.holds],
+            # A hold older than this process came from before it: the holds file kept it across a
+            # restart (or a reload handed it over); the page says so, and how to end it.
+            "holds": [{**h.as_json(shown), "restored": h.since < self.started_at} for h in self._state.holds],
             "expected_end": None if end is None else shown(end),
             "expected_remaining_seconds": None if end is None else max(0.0, end - now),
             "parked": parked,
@@ -338,7 +417,7 @@ class AdminApp:
             if self._token_given(request, self.read_token):
                 return _json(
                     request,
-                    {"error": "this token may only read (GET /status, /metrics, /history); "
+                    {"error": "this token may only read (GET /status, /parked, /metrics, /history); "
                               "changes need the admin token (admin.token_file)"},
                     403,
                 )
@@ -382,6 +461,30 @@ class AdminApp:
             except ValueError:
                 return _json(request, {"error": "since must be a number (a sample's t)"}, 400)
         return _json(request, self.history.as_json(since), indent=None)
+
+    @app.route("/parked", methods=["GET"])
+    def get_parked(self, request):
+        """Who waits: the parked requests in arrival order, a page at a time (``limit``, ``offset``)."""
+        denied = self._guard(request)
+        if denied:
+            return denied
+        try:
+            limit = _count_arg(request, "limit", DEFAULT_PARKED_PAGE, 1, MAX_PARKED_PAGE)
+            offset = _count_arg(request, "offset", 0, 0, None)
+        except BadRequest as e:
+            return _json(request, {"error": str(e)}, 400)
+        shown_now = self.shown()(self._clock.seconds())
+        page = self._lot.waiting(offset, limit)
+        total = len(self._lot)
+        end = offset + len(page)
+        return _json(request, {
+            "total": total,
+            "offset": offset,
+            "limit": limit,
+            "next_offset": end if end < total else None,
+            "now": shown_now,
+            "parked": [parked_json(w) for w in page],
+        })
 
     @app.route("/", methods=["GET", "HEAD"])
     def page(self, request):

@@ -172,6 +172,10 @@ class Entry:
     routing: Routing | None = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
+    #: The path it asked for and its client's address (an ``IAddress``), for people who read the lot
+    #: (:meth:`ParkingLot.waiting`): references to what its request holds anyway, never decided on.
+    route: str | None = None
+    client: Any = None
     #: Where it is (:data:`ENTRY_MOVES`).
     state: Stay = attrs.field(default=NEW, init=False)
     #: What it waits on while :attr:`Stay.PARKED`.
@@ -192,7 +196,9 @@ class Entry:
         )
 
     @classmethod
-    def resumed(cls, standing: Standing, *, size: int, api: str, routing: Routing) -> "Entry":
+    def resumed(
+        cls, standing: Standing, *, size: int, api: str, routing: Routing, route: str | None = None, client: Any = None,
+    ) -> "Entry":
         """An entry that takes up ``standing`` where another process left it, for ``routing`` here: it
         counts as parked (its outcome is a replay), and ``failed_on`` stays only if that member may serve it."""
         failed_on = standing.failed_on if standing.failed_on in routing.eligible else None
@@ -200,7 +206,7 @@ class Entry:
             cls=standing.cls, size=size, api=api, max_wait=standing.max_wait, routing=routing,
             attempts=standing.attempts, forgiven=standing.forgiven, parked_seconds=standing.parked_seconds,
             was_parked=True, deadline=standing.deadline, first_parked=standing.first_parked,
-            bound_by_caller=standing.bound_by_caller, failed_on=failed_on,
+            bound_by_caller=standing.bound_by_caller, failed_on=failed_on, route=route, client=client,
         )
 
     def move(self, new: Stay) -> None:
@@ -235,6 +241,32 @@ class Entry:
         """
         if self._lot is not None:
             self._lot._abandon(self)
+
+
+@attrs.frozen
+class Waiting:
+    """One parked request as a reader sees it (the admin API's ``GET /parked``): a copy, nothing to change."""
+
+    #: Its place in arrival order over the whole lot, from 1.
+    position: int
+    #: Its place in its class's line, from 1: the order it drains in (FIFO within a class).
+    class_position: int
+    cls: str
+    route: str | None
+    model: str | None
+    #: The pool members that may serve it, in config order.
+    eligible: tuple[str, ...]
+    #: Its client's address (an ``IAddress``), or None.
+    client: Any
+    #: Seconds since it first parked (its hold bound counts from then).
+    waited: float
+    #: Its hold bound: seconds it may wait in all, and whether its caller's ``X-Yield-Max-Wait`` set it.
+    bound: float
+    bound_by_caller: bool
+    #: Seconds left before it expires.
+    remaining: float
+    #: Failed attempts so far, counted or forgiven.
+    tries: int
 
 
 class Refused(Exception):
@@ -404,6 +436,31 @@ class ParkingLot:
     def entries(self) -> list[Entry]:
         """Every parked entry, in arrival order (for status and tests)."""
         return sorted(e for queue in self._queues.values() for e in queue)
+
+    def waiting(self, offset: int = 0, limit: int = 50) -> list[Waiting]:
+        """The parked entries from ``offset`` (in arrival order), at most ``limit`` of them, as readers see them.
+
+        Walks the classes' lines merged by arrival, up to ``offset + limit``
+        entries: the cost is bounded by the page asked for, not the lot.
+        """
+        now = self._clock.seconds()
+        seen: dict[str, int] = {}
+        page: list[Waiting] = []
+        for position, entry in enumerate(heapq.merge(*self._queues.values()), start=1):
+            seen[entry.cls] = seen.get(entry.cls, 0) + 1
+            if position <= offset:
+                continue
+            if len(page) >= limit:
+                break
+            first = entry.first_parked if entry.first_parked is not None else now
+            deadline = entry.deadline if entry.deadline is not None else now
+            page.append(Waiting(
+                position=position, class_position=seen[entry.cls], cls=entry.cls, route=entry.route,
+                model=entry.model, eligible=entry.eligible, client=entry.client, waited=max(0.0, now - first),
+                bound=deadline - first, bound_by_caller=entry.bound_by_caller,
+                remaining=max(0.0, deadline - now), tries=entry.tries,
+            ))
+        return page
 
     @property
     def parked_bytes(self) -> int:

@@ -302,7 +302,10 @@ class ProxyApp:
         if not routing.eligible:
             return self._no_upstream(request, target, api, cls)
         # Headers are held while parked too: they count against parking.max_parked_bytes.
-        entry = Entry(cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing)
+        entry = Entry(
+            cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing,
+            route=target.path, client=request.getClientAddress(),
+        )
         return self._gated(request, target, entry, body)
 
     def adopt(self, channel, carried, connection: dict, data: bytes) -> None:
@@ -323,7 +326,10 @@ class ProxyApp:
         routing = self._routing(request, target, body, cls, _model_of(body))
         if not routing.eligible:
             return self._no_upstream(request, target, api, cls)
-        entry = Entry.resumed(carried.standing, size=len(body) + _head_size(request), api=api, routing=routing)
+        entry = Entry.resumed(
+            carried.standing, size=len(body) + _head_size(request), api=api, routing=routing,
+            route=target.path, client=request.getClientAddress(),
+        )
         self._gate.number_adopted(entry)
         return self._gated(request, target, entry, body)
 

@@ -33,7 +33,7 @@ from .admin_api import (
 )
 from .sim import SimOllama, expected_embedding
 
-#: The demo's embedding model; the sim answers any name, deterministically.
+#: The demo's embedding model, one of the models the sim has by default (it answers deterministically).
 DEMO_MODEL = "all-minilm"
 #: The demo source's hold; a distinct name so it cannot end a real broker's hold.
 DEMO_SOURCE = "demo"

@@ -31,7 +31,16 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import EPHEMERAL, clock_cooperator, config_with, in_thread, listening_url, start_stack, wait_for
+from helpers import (
+    EPHEMERAL,
+    TEST_MODELS,
+    clock_cooperator,
+    config_with,
+    in_thread,
+    listening_url,
+    start_stack,
+    wait_for,
+)
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, ConfigError, FallbackConfig, from_dict
 from yieldproxy.lot.gate import Gate
@@ -481,7 +490,7 @@ def test_a_caller_that_leaves_is_counted_abandoned():
 
 async def fallback_stack(fallback_model=MODEL, token=None, **fallback):
     """A proxy on a primary sim, with a second sim as its verified-or-not OpenAI-shaped fallback."""
-    twin = SimOllama(reactor, latency=0.005)
+    twin = SimOllama(reactor, latency=0.005, models=TEST_MODELS)
     port = await twin.listen()
     settings = {
         **ENABLED, "url": f"http://127.0.0.1:{port}/v1", "models": {MODEL: fallback_model},
@@ -549,9 +558,9 @@ async def test_a_graceful_stop_lets_the_fallback_finish_and_answers_its_line_503
     """Stopping during a yield: what the fallback is serving finishes before the stop ends; the line gets 503."""
     from yieldproxy.service import build
 
-    twin = SimOllama(reactor, latency=1.0)
+    twin = SimOllama(reactor, latency=1.0, models=TEST_MODELS)
     twin_port = await twin.listen()
-    sim = SimOllama(reactor)
+    sim = SimOllama(reactor, models=TEST_MODELS)
     sim_port = await sim.listen()
     config = config_with(
         proxy={"upstream": f"http://127.0.0.1:{sim_port}"},
@@ -714,7 +723,7 @@ def check_fallback(config_path):
 @pytest.mark.parametrize("fallback_model, code", [(MODEL, 0), ("nomic-embed-text", 1)])
 @pytest_twisted.ensureDeferred
 async def test_check_fallback_command(tmp_path, fallback_model, code):
-    primary, twin = SimOllama(reactor), SimOllama(reactor)
+    primary, twin = SimOllama(reactor, models=TEST_MODELS), SimOllama(reactor, models=TEST_MODELS)
     try:
         p, t = await primary.listen(), await twin.listen()
         config = tmp_path / "yieldproxy.toml"

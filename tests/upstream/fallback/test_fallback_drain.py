@@ -20,7 +20,7 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
-from helpers import clock_cooperator, config_with
+from helpers import TEST_MODELS, clock_cooperator, config_with
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
 from yieldproxy.lot.gate import Gate
@@ -163,7 +163,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
     config = attrs.evolve(config or config_with(classes={"batch": {"policy": "fallback"}}), fallback=fc)
     metrics = Metrics()
     cooperator = clock_cooperator(clock)
-    sim = SimOllama(clock)
+    sim = SimOllama(clock, models=TEST_MODELS)
     upstream = wire = MemoryUpstream(sim.resource(), clock)
     twin = Twin()
     twin_wire = MemoryUpstream(EmbedResource(twin), clock)

@@ -10,8 +10,8 @@
   const POLL_MS = 2000;
   const TOKEN_KEY = "yieldproxy.admin-token";
   const SVG_NS = "http://www.w3.org/2000/svg";
-  const MIN_WINDOW = 60; // seconds: a fresh proxy's few samples still get a readable chart
   const CLASS_ORDER = ["interactive", "batch", "long"];
+  const WAITING_SHOWN = 10; // parked requests listed; the rest are counted ("and K more")
 
   const $ = (id) => document.getElementById(id);
 
@@ -23,6 +23,7 @@
     classes: CLASS_ORDER.slice(),
     upstreams: [], // names, in /status order: each sample has each one's state
     serverNow: null,
+    startedAt: null, // /status started_at: the chart's time axis starts no earlier (unless history is older)
     wallOffset: null, // GET /history's wall_offset: when it changes, every t has moved
     status: null,
     timer: null,
@@ -165,13 +166,17 @@
     if (page.waitingForToken) return;
     try {
       const since = page.lastT === null ? "" : "?since=" + encodeURIComponent(page.lastT);
-      const [status, hist] = await Promise.all([getJSON("status"), getJSON("history" + since)]);
+      const [status, hist, parked] = await Promise.all([
+        getJSON("status"), getJSON("history" + since), getJSON("parked?limit=" + WAITING_SHOWN),
+      ]);
       showError("");
       addHistory(hist);
       renderLost(hist.lost);
       renderLegend();
       page.status = status;
+      page.startedAt = status.started_at;
       renderStatus(status);
+      renderWaiting(parked);
       renderChart();
     } catch (e) {
       if (e instanceof Unauthorized) {
@@ -319,8 +324,68 @@
     }
     $("holds").hidden = holds.length === 0;
     $("no-holds").hidden = holds.length !== 0;
+    renderRestored(holds, now);
     renderUpstreams(status.upstreams || []);
     renderFailing(status.upstreams || [], now);
+  }
+
+  // Holds older than this process: the holds file kept them across a restart (or a reload handed them
+  // over). Someone who restarted the proxy to reset it finds it still yielded: say so, and how to end each.
+  function renderRestored(holds, now) {
+    const box = $("restored");
+    box.replaceChildren();
+    const kept = holds.filter((h) => h.restored);
+    box.hidden = kept.length === 0;
+    if (!kept.length) return;
+    box.append(el("strong", "", "Kept from before the proxy started: "
+      + (kept.length === 1 ? "a hold yields" : kept.length + " holds yield") + " the GPU until it ends."));
+    for (const hold of kept) {
+      const line = el("p", "restored-hold");
+      line.dataset.source = hold.source;
+      const where = hold.upstream == null ? "the GPU" : hold.upstream;
+      const lease = hold.expires_at == null ? "no lease: it stays until resumed" : "its lease ends in " + duration(hold.expires_at - now);
+      line.append(
+        document.createTextNode(hold.source + " holds " + where + " since " + clock(hold.since) + " ("
+          + (hold.reason || "no reason given") + "; " + lease + "). End it: "),
+        el("code", "resume-command", "yieldproxy resume --source " + hold.source
+          + (hold.upstream == null ? "" : " --upstream " + hold.upstream)),
+        document.createTextNode(" or Resume below."),
+      );
+      box.append(line);
+    }
+  }
+
+  // Who waits: the first parked requests in arrival order (GET /parked), and how many more.
+  function renderWaiting(parked) {
+    const body = $("waiting-body");
+    body.replaceChildren();
+    const rows = parked.parked || [];
+    $("waiting-section").hidden = parked.total === 0;
+    const upstreams = (page.status && page.status.upstreams) || [];
+    for (const p of rows) {
+      const row = el("tr", "parked-request");
+      row.dataset.position = String(p.position);
+      row.dataset.class = p.class;
+      const bound = duration(p.bound_seconds) + (p.bound_by === "X-Yield-Max-Wait" ? " (X-Yield-Max-Wait)" : " (hold bound)");
+      const cls = el("td", "class");
+      cls.append(el("span", "swatch swatch-" + p.class), document.createTextNode(" " + p.class));
+      row.append(
+        el("td", "num position", p.position + (p.class_position !== p.position ? " (" + p.class_position + ")" : "")),
+        cls,
+        el("td", "route", p.route || "—"),
+        el("td", "model", p.model || "—"),
+        el("td", "upstream", upstreams.length > 1 ? p.upstreams.join(", ") : "the upstream"),
+        el("td", "client", p.client || "—"),
+        el("td", "num waited", duration(p.waited_seconds)),
+        el("td", "num bound", bound),
+        el("td", "num left", duration(p.remaining_seconds)),
+      );
+      body.append(row);
+    }
+    const more = parked.total - rows.length;
+    $("waiting-more").hidden = more <= 0;
+    $("waiting-more").dataset.more = String(Math.max(0, more));
+    $("waiting-more").textContent = more > 0 ? "and " + more + " more" : "";
   }
 
   // The models judged to fail alone on each upstream (no outage: its own callers get its errors).
@@ -518,7 +583,8 @@
     const STRIP = 16;
     const strips = page.upstreams.length ? 8 + STRIP * page.upstreams.length : 0;
     const height = 300 + strips;
-    const m = { left: 44, right: 14, top: 12, bottom: 26 + strips };
+    // Room on the left for the strips' labels ("upstream", or a member's name) when there are strips.
+    const m = { left: strips ? 64 : 44, right: 14, top: 12, bottom: 26 + strips };
     const w = width - m.left - m.right;
     const h = height - m.top - m.bottom;
     chart.setAttribute("viewBox", "0 0 " + width + " " + height);
@@ -530,8 +596,12 @@
     const samples = page.samples;
     const windowSeconds = Number($("window").value);
     const first = samples.length ? samples[0].t : now;
-    const span = Math.min(windowSeconds, Math.max(MIN_WINDOW, now - first));
-    const t0 = now - span;
+    // The axis starts at the window's start, but not before the proxy started (or its oldest sample, if
+    // that is older): no stretch of time drawn that the proxy never saw.
+    const began = Math.min(first, page.startedAt == null ? first : page.startedAt);
+    const t0 = Math.max(now - windowSeconds, Math.min(began, now - 1));
+    const span = now - t0;
+    chart.dataset.t0 = String(t0);
     const visible = samples.filter((s) => s.t >= t0 - page.interval);
     chart.dataset.samples = String(visible.length);
 
@@ -593,10 +663,6 @@
       return d;
     };
     const lines = svg("g", { id: "lines" });
-    lines.append(svg("path", {
-      id: "inflight-line", class: "inflight-line", d: stepPath((s) => s.inflight),
-      "data-max": Math.max(0, ...visible.map((s) => s.inflight)),
-    }));
     for (const cls of page.classes) {
       lines.append(svg("path", {
         id: "parked-" + cls + "-line",
@@ -606,14 +672,25 @@
         d: stepPath((s) => s.parked[cls] || 0),
       }));
     }
+    // In flight last, on top: at zero every line lies on the axis, and its dashes stay visible over them.
+    lines.append(svg("path", {
+      id: "inflight-line", class: "inflight-line", d: stepPath((s) => s.inflight),
+      "data-max": Math.max(0, ...visible.map((s) => s.inflight)),
+    }));
     chart.append(lines);
 
     // Each upstream's state over time: one strip each, under the time axis.
     const states = svg("g", { id: "upstream-strips" });
+    // One upstream (proxy.upstream) is the member named "default": its strip says "upstream".
+    const single = page.upstreams.length === 1 && page.upstreams[0] === "default";
     page.upstreams.forEach((name, i) => {
       const top = m.top + h + 26 + i * STRIP;
       const row = svg("g", { class: "upstream-strip", "data-upstream": name });
-      row.append(svg("text", { class: "tick strip-name", x: m.left - 6, y: top + 10, "text-anchor": "end" }, name.slice(0, 7)));
+      const label = svg("text", { class: "tick strip-name", x: m.left - 6, y: top + 10, "text-anchor": "end" },
+        single ? "upstream" : name.slice(0, 8));
+      label.append(svg("title", {}, single ? "the upstream (proxy.upstream): its state over time"
+        : "upstream " + name + ": its state over time"));
+      row.append(label);
       for (const [state, a, b] of stateRuns(visible, (s) => (s.upstreams || {})[name], now, gap)) {
         if (b < t0 || state === undefined) continue;
         const rect = svg("rect", {

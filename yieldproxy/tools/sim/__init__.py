@@ -78,11 +78,12 @@ from .models import parse_keep_alive
 from .modes import MODES
 from .ollama import BUSY_ERROR, LOAD_OOM_ERROR, OOM_ERROR, SIM_VERSION, UNKNOWN_ERROR
 from .ollama_requests import template_error
-from .server import APIS, SimOllama
+from .server import APIS, DEFAULT_MODELS, SimOllama
 
 __all__ = [
     "APIS",
     "BUSY_ERROR",
+    "DEFAULT_MODELS",
     "DEFAULT_CHAT_MODEL",
     "DEFAULT_EMBED_MODEL",
     "LOAD_OOM_ERROR",

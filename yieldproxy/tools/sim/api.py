@@ -43,6 +43,7 @@ KINDS = ("batch", "generate", "info", "probe")
 FAILURES = (
     "bad_request",  # the caller's input is wrong (the message says how)
     "not_found",  # no such path
+    "model_not_found",  # no such model (the message is its name as the request gave it)
     "method",  # the path exists, not with this method
     "busy",  # the queue is full
     "outage",  # the GPU failed (mode ``error500``)

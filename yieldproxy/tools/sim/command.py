@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from twisted.internet import defer
 
 from .modes import MODES
-from .server import APIS, SimOllama
+from .server import APIS, DEFAULT_MODELS, SimOllama
 
 
 def _port(text: str) -> int:
@@ -22,16 +22,35 @@ def _port(text: str) -> int:
     return port
 
 
+class _Names(tuple):
+    """The model names of ``--model``, shown as a person types them (``--help``'s default)."""
+
+    def __str__(self) -> str:
+        return " ".join(self)
+
+
+class _AppendModel(argparse.Action):
+    """``--model NAME``, repeatable: the names given replace the default list, they do not add to it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest)
+        names = () if current is self.default else tuple(current)
+        setattr(namespace, self.dest, _Names((*names, values)))
+
+
 def build_parser(prog: str = "python -m yieldproxy.tools.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description=(
             "A simulated Ollama backend, or TEI, Infinity or llama.cpp's server with --api "
-            "(deterministic answers, outage modes)."
+            "(deterministic answers, outage modes).  As Ollama, it serves the models it has "
+            "(--model) and answers any other name 404, as a model never pulled."
         ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--port", type=_port, default=11434, help="TCP port, 0 for any free one (default 11434)")
-    p.add_argument("--interface", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=11434, help="TCP port, 0 for any free one")
+    p.add_argument("--interface", default="127.0.0.1", help="address to listen on")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per model request")
     p.add_argument("--per-item-latency", type=float, default=0.0, help="extra seconds per input text")
     p.add_argument("--parallel", type=int, default=4, help="requests served at once (OLLAMA_NUM_PARALLEL)")
@@ -41,10 +60,10 @@ def build_parser(prog: str = "python -m yieldproxy.tools.sim") -> argparse.Argum
     p.add_argument("--load-seconds", type=float, default=0.0, help="model load time")
     p.add_argument("--mode", choices=MODES, default="ok", help="initial outage mode")
     p.add_argument("--api", choices=tuple(APIS), default="ollama",
-                   help="the server to play: its routes, answers and errors (default ollama)")
-    p.add_argument("--model", dest="models", action="append", metavar="NAME",
-                   help="a model it has (repeat for more); TEI, Infinity and llama.cpp serve the first "
-                        "(default all-minilm, then llama3.2)")
+                   help="the server to play: its routes, answers and errors")
+    p.add_argument("--model", dest="models", action=_AppendModel, metavar="NAME", default=_Names(DEFAULT_MODELS),
+                   help="a model it has (repeat for more: they replace the default list); Ollama lists, shows and "
+                        "serves these and answers any other name 404; TEI, Infinity and llama.cpp serve the first")
     return p
 
 
@@ -60,7 +79,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "load_seconds": args.load_seconds,
         "mode": args.mode,
         "api": args.api,
-        **({"models": tuple(args.models)} if args.models else {}),
+        "models": tuple(args.models),
     }
 
 

@@ -104,6 +104,10 @@ class ModelStore:
         """Every model the server has, in the order it learnt them."""
         return list(self._known)
 
+    def has(self, name: str) -> bool:
+        """True when the server has the model ``name`` (a canonical name: ``content.canonical_model``)."""
+        return name in self._known
+
     def loaded(self) -> list[LoadedModel]:
         """The models loaded now (what ``/api/ps`` lists)."""
         self.prune()

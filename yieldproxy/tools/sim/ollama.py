@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import math
 from typing import Any
 
 from twisted.web.server import Request
 
 from . import ollama_requests, openai
-from .api import NDJSON, SSE, Api, Reply, Route, Sim, dumps
-from .content import count_tokens, expected_embedding
+from .api import NDJSON, SSE, Api, BadRequest, Reply, Route, Sim, dumps
+from .content import canonical_model, count_tokens, expected_embedding
 from .jobs import Job
 from .models import FOREVER, LoadedModel
+from .ollama_requests import EMBED_OPS
 
 SIM_VERSION = "0.12.0-sim"
 
@@ -50,6 +52,7 @@ _ROUTES: dict[str, Route] = {
     "/api/version": Route(("GET", "HEAD"), "info", "ollama", "version"),
     "/api/tags": Route(("GET", "HEAD"), "info", "ollama", "tags"),
     "/api/ps": Route(("GET", "HEAD"), "info", "ollama", "ps"),
+    "/api/show": Route(("POST",), "info", "ollama", "show"),
     "/v1/models": Route(("GET", "HEAD"), "info", "openai", "v1_models"),
     "/_sim/stats": Route(("GET", "HEAD"), "info", "ollama", "stats"),
 }
@@ -64,6 +67,25 @@ _FAILURES: dict[str, tuple[int, str]] = {
     "load_oom": (500, LOAD_OOM_ERROR),
     "internal": (500, "sim internal error"),
 }
+
+
+def go_quote(text: str) -> str:
+    """``text`` as Go's ``%q`` writes it (double quotes, backslash escapes) for the texts JSON escapes alike."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def model_not_found(op: str, model: str) -> str:
+    """Ollama's 404 words for a model it does not have, as each handler writes them (v0.12.0, ``server/routes.go``).
+
+    The embed routes look the model up when they schedule its runner:
+    ``handleScheduleError`` (line 2110) says ``model "X" not found, try pulling it first``.
+    ``GenerateHandler`` (185), ``ChatHandler`` (1740) and ``ShowHandler`` (967) look it
+    up first: ``model 'X' not found``.  ``X`` is the name as the request gave it.  The
+    ``/v1/`` routes run the same handlers, their words in OpenAI's error object.
+    """
+    if op in EMBED_OPS:
+        return f"model {go_quote(model)} not found, try pulling it first"
+    return f"model '{model}' not found"
 
 
 def iso(t: float) -> str:
@@ -128,6 +150,38 @@ def _ps_entry(sim: Sim, model: LoadedModel) -> dict[str, Any]:
     return entry
 
 
+def _show(sim: Sim, request: Request) -> Reply:
+    """``POST /api/show``: a model the server has, described; Ollama's 400 and 404 otherwise
+    (v0.12.0 ``server/routes.go`` ``ShowHandler``, 942-975: ``model``, else ``name``)."""
+    try:
+        body = ollama_requests.read_json(request)
+    except BadRequest as e:
+        return Reply(400, dumps({"error": str(e)}))
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        return Reply(400, dumps({"error": "model is required"}))
+    key = canonical_model(name)
+    if not sim.store.has(key):
+        return Reply(404, dumps({"error": model_not_found("show", name)}))
+    details, _ = _model_details(key)
+    family = details["family"]
+    embedding = family == "bert"
+    return Reply(200, dumps({
+        "license": "",
+        "modelfile": f"# Modelfile of the simulated {key}\nFROM {key}\n",
+        "parameters": "",
+        "template": "" if embedding else "{{ .Prompt }}",
+        "details": details,
+        "model_info": {
+            "general.architecture": family,
+            f"{family}.context_length": sim.context_length,
+            f"{family}.embedding_length": sim.dim,
+        },
+        "capabilities": ["embedding"] if embedding else ["completion"],
+        "modified_at": iso(0),
+    }))
+
+
 def _durations(sim: Sim, job: Job) -> dict[str, Any]:
     """The timing fields of Ollama's final chat/generate object."""
     return {
@@ -159,6 +213,8 @@ class OllamaApi(Api):
         code, text = _FAILURES.get(failure, (400, message))
         if failure == "template":
             code, text = 500, message
+        elif failure == "model_not_found":
+            code, text = 404, model_not_found(job.route.op if job is not None else "", message)
         if style == "ollama":
             return Reply(code, dumps({"error": text}))
         return Reply(code, dumps(openai.error_body(code, text)))
@@ -179,6 +235,8 @@ class OllamaApi(Api):
             body = {"models": [_model_entry(name) for name in sim.store.known()]}
         elif op == "ps":
             body = {"models": [_ps_entry(sim, m) for m in sim.store.loaded()]}
+        elif op == "show":
+            return _show(sim, request)
         else:
             body = {
                 "object": "list",

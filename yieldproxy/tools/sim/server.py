@@ -32,6 +32,9 @@ from .tei import TEI
 #: The servers the sim can play (``api``), by the name ``--api`` takes.
 APIS: dict[str, Api] = {api.name: api for api in (OLLAMA, TEI, INFINITY, LLAMACPP)}
 
+#: The models a sim has when not told: the demo's embedding model and a chat model.
+DEFAULT_MODELS = (DEFAULT_EMBED_MODEL, DEFAULT_CHAT_MODEL)
+
 #: The modes one model may be in (:meth:`SimOllama.set_model_mode`).
 _MODEL_MODES = ("ok", "hang", "error500", "error500_unknown")
 
@@ -41,6 +44,7 @@ STALL_BYTES = 16
 #: The outcome a request refused by the sim itself ends with, per failure.
 _OUTCOMES = {
     "not_found": "not_found",
+    "model_not_found": "not_found",
     "method": "bad_request",
     "busy": "busy",
     "outage": "error500",
@@ -91,9 +95,12 @@ class SimOllama:
     :param max_num_ctx: the largest ``options.num_ctx`` whose load fits in
         (simulated) VRAM; a request asking for more fails alone with
         :data:`LOAD_OOM_ERROR`, as a real one does (0: no limit).
-    :param models: model names ``/api/tags`` lists from the start; the
-        servers that serve one model (every ``api`` but ``ollama``) serve the
-        first and answer with its name whatever the request names.
+    :param models: the models the server has (the default: :data:`DEFAULT_MODELS`).  Ollama lists
+        them (``/api/tags``, ``/v1/models``), describes them (``/api/show``) and serves them; a model
+        route or ``/api/show`` naming another gets Ollama's 404 (``model "X" not found, try pulling it
+        first`` and the like, :func:`.ollama.model_not_found`), as a model never pulled does.  The
+        servers that serve one model (every ``api`` but ``ollama``) serve the first and answer with
+        its name whatever the request names.
     :param api: the server to play: ``ollama`` (the default), ``tei``
         (text-embeddings-inference), ``infinity`` or ``llamacpp``; each with
         its own routes, answers and error shapes (docs/servers.md).  For
@@ -116,9 +123,7 @@ class SimOllama:
     context_length: int = attrs.field(default=512, validator=_at_least_one)
     max_queue: int = attrs.field(default=512, validator=_non_negative)
     max_num_ctx: int = attrs.field(default=0, validator=_non_negative)
-    models: tuple[str, ...] = attrs.field(
-        default=(DEFAULT_EMBED_MODEL, DEFAULT_CHAT_MODEL), converter=tuple
-    )
+    models: tuple[str, ...] = attrs.field(default=DEFAULT_MODELS, converter=tuple)
     api: str = attrs.field(default="ollama", validator=attrs.validators.in_(tuple(APIS)))
     history_size: int = attrs.field(default=10_000, validator=_at_least_one)
     _mode: str = attrs.field(
@@ -249,6 +254,15 @@ class SimOllama:
     def reset_peak(self) -> None:
         """Start the peaks afresh from what is in flight now."""
         self._scheduler.reset_peak()
+
+    def has_model(self, key: str) -> bool:
+        """True when a request for the model ``key`` (canonical) is served: a model of ``models``, or any name
+        for a server that serves its one model whatever the request names (every ``api`` but ``ollama``)."""
+        return not self._flavour.loads_on_demand or self.store.has(key)
+
+    def add_model(self, name: str) -> None:
+        """The server has ``name`` from now on (``ollama pull`` done): listed, and served."""
+        self.store.know(canonical_model(name))
 
     def loaded_models(self) -> list[str]:
         """Canonical names of the models loaded now (what ``/api/ps`` lists)."""
@@ -450,6 +464,9 @@ class SimOllama:
             return self._fail(request, record, style, e.kind, str(e))
         record.model = job.model
         record.texts = len(job.texts)
+        if not self.has_model(job.key):
+            # Ollama looks the model up before it schedules anything: a model it does not have is a 404 in any mode.
+            return self._fail(request, record, style, "model_not_found", job.model, job)
         if mode == "ok":
             # This one model may fail while the others are served.
             mode = self.model_modes.get(job.key, "ok")
@@ -531,7 +548,6 @@ class SimOllama:
     def _serve(self, job: Job) -> None:
         """A slot is free: load the model if need be, then do the work."""
         self.store.prune()
-        self.store.know(job.key)
         self.store.load(job.key, job, functools.partial(self._model_ready, job))
 
     def _model_ready(self, job: Job) -> None:
