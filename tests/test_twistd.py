@@ -281,3 +281,136 @@ async def test_the_start_says_which_listener_is_which_and_catches_an_upstream_ur
         process.signalProcess("TERM")
         await protocol.ended.addTimeout(TIMEOUT, reactor)
         await sim.stop()
+
+
+# -- a proxy run in a terminal (lifecycle/hangup.py) -----------------------------------------------------------
+
+
+def run_twistd_in_a_terminal(*args, **env: str) -> tuple[object, ChildOutput]:
+    """``twistd -n yieldproxy ARGS`` on a pseudo-terminal of its own, as a shell in a terminal window starts it: the
+    terminal is its stdin, stdout and stderr, and its controlling terminal (closing it is ``loseConnection``)."""
+    protocol = ChildOutput()
+    environ = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "INVOCATION_ID")}
+    process = reactor.spawnProcess(
+        protocol, TWISTD, [TWISTD, "-n", "--pidfile=", "yieldproxy", *args],
+        env={**environ, "PYTHONUNBUFFERED": "1", **env}, usePTY=True,
+    )
+    return process, protocol
+
+
+async def start_in_a_terminal(sim_port: int, **env: str):
+    proxy_port, admin_port = free_port(), free_port()
+    process, protocol = run_twistd_in_a_terminal(
+        "--upstream", f"http://127.0.0.1:{sim_port}",
+        "--listen", f"tcp:{proxy_port}:interface=127.0.0.1",
+        "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
+        **env,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    await until_healthy(
+        reactor, admin, lambda: protocol.ended.called, lambda: protocol.output.decode(errors="replace"), tries=200,
+    )
+    return process, protocol, proxy_port, admin_port
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def end_every_process_on(port: int) -> None:
+    """End every process this test started for the admin listener on ``port``: the first, and any new process a
+    reload started (no child of this one), found by its command line."""
+    import signal
+
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                mine = f"tcp:{port}:interface=127.0.0.1".encode() in f.read()
+        except (OSError, ValueError):
+            continue
+        if mine and entry.isdigit():
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.kill(int(entry), sig)
+                except ProcessLookupError:
+                    break
+
+
+@pytest_twisted.ensureDeferred
+async def test_closing_its_terminal_stops_the_proxy_and_answers_what_is_parked():
+    """The terminal closed: no process left serving (a reload took the hang-up for one and a new process, with no
+    terminal, served on), the parked requests answered as a stop answers them; and a reload asked of a proxy in
+    a terminal is refused in one line that says how to restart it."""
+    from yieldproxy.tools.admin_api import AdminClient, AdminTarget, CliError
+
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy_port, admin_port = await start_in_a_terminal(sim_port)
+    admin, proxy = f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{proxy_port}"
+    try:
+        await treq.post(admin + "/yield", json={"reason": "game"}, persistent=False).addTimeout(TIMEOUT, reactor)
+        parked = [
+            treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": f"p{i}"}, persistent=False)
+            .addTimeout(TIMEOUT, reactor)
+            for i in range(2)
+        ]
+
+        async def status():
+            return await (await treq.get(admin + "/status", persistent=False)).json()
+
+        for _ in range(100):
+            if (await status())["parked_total"] == 2:
+                break
+            await sleep(reactor, 0.05)
+        client = AdminClient(reactor, AdminTarget(admin), None, TIMEOUT)
+        with pytest.raises(CliError) as refused:
+            await client.reload()
+        assert "runs in a terminal" in refused.value.message and "restart it instead" in refused.value.message
+        assert "\n" not in refused.value.message
+        assert (await status())["pid"] == process.pid
+
+        process.loseConnection()  # the terminal window closed
+        for d in parked:
+            response = await d
+            assert response.code == 503
+            assert "shutting down" in (await response.json())["error"]
+        code = await protocol.ended.addTimeout(TIMEOUT, reactor)
+        assert code == 0, protocol.output
+        assert not listening(proxy_port) and not listening(admin_port)
+        assert sim.requests_total.get("/api/embed", 0) == 0
+    finally:
+        end_every_process_on(admin_port)
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_hangup_of_a_service_reloads_even_with_a_terminal(tmp_path):
+    """Told to notify systemd (a ``Type=notify`` unit), SIGHUP is a reload as before: a new process serves."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy_port, admin_port = await start_in_a_terminal(sim_port, NOTIFY_SOCKET=str(tmp_path / "notify"))
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        process.signalProcess("HUP")
+        new = None
+        for _ in range(300):
+            try:
+                new = (await (await treq.get(admin + "/status", persistent=False).addTimeout(5, reactor)).json())["pid"]
+            except Exception:
+                new = None
+            if new not in (None, process.pid):
+                break
+            await sleep(reactor, 0.1)
+        assert new not in (None, process.pid), protocol.output
+        # The old process exits (the new one keeps the terminal open, so only its exit is seen).
+        await wait_for(reactor, lambda: not os.path.exists(f"/proc/{process.pid}"), timeout=TIMEOUT)
+        assert listening(proxy_port)
+    finally:
+        end_every_process_on(admin_port)
+        process.loseConnection()
+        notify.close()
+        await sim.stop()

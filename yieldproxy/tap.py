@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from typing import cast
 
@@ -39,6 +40,15 @@ class Options(usage.Options):
         ["log-format", None, "text", "Log format: text (twistd's own) or json (one JSON object per line)."],
         ["log-level", None, "info", "Least level logged: debug, info, warn or error."],
     ]
+
+    def opt_version(self) -> None:
+        """Print yieldproxy's version (and Twisted's) and exit."""
+        from twisted import __version__ as twisted_version
+
+        from . import __version__
+
+        print(f"yieldproxy {__version__} (Twisted {twisted_version})")
+        raise SystemExit(0)
 
     def parseOptions(self, options=None):
         """Under twistd, a usage or config error is one line on stderr and exit status 1.
@@ -216,10 +226,24 @@ def _cannot_reload(options: Options) -> str | None:
     return None
 
 
+def _terminal(options: Options) -> str | None:
+    """Which standard stream is a terminal, when this proxy runs as a terminal program (lifecycle/hangup.py).
+
+    Only under twistd: a service built without it keeps its embedder's signals.
+    """
+    from .lifecycle.hangup import terminal_of
+
+    parent = getattr(options, "parent", None)
+    if parent is None:
+        return None
+    return terminal_of(os.environ, daemonizes=not parent.get("nodaemon"), reloaded=ENV in os.environ)
+
+
 def makeService(options: Options):
     from twisted.internet import reactor
 
     from .clock import run_on_monotonic
+    from .lifecycle.hangup import HangupStops, why_no_reload
     from .lifecycle.holdstore import HoldStore, holds_path
     from .lifecycle.limits import fit_fd_limit
     from .lifecycle.sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
@@ -246,9 +270,12 @@ def makeService(options: Options):
     store = HoldStore(reactor, holds_path(config, os.environ))
     # Read now, written from the commit on: until then the running process owns the holds (claims.py).
     claimed = ClaimedAtCommit(store) if inheritance is not None else None
+    # In a terminal, SIGHUP is the terminal hanging up: the stop, and no reload (lifecycle/hangup.py).
+    terminal = _terminal(options)
     setup = Setup(
         own_command(), dict(os.environ), reactor.stop, inheritance,
-        notify=notifier.notify, unavailable=_cannot_reload(options),
+        notify=notifier.notify, signals=terminal is None,
+        unavailable=_cannot_reload(options) or (why_no_reload(terminal, os.getpid()) if terminal else None),
         pidfile=options.pidfile, keep_pidfile=options.keep_pidfile,
         holds=claimed,
     )
@@ -269,6 +296,10 @@ def makeService(options: Options):
             notifier, status=f"serving on {config.proxy.listen}, admin on {config.admin.listen}",
             ready=inheritance is None,
         ),
-        # The first to stop: a second SIGTERM during the stop is logged, not a second stop.
-        StopSignals(cast(IReactorFromThreads, reactor), config.proxy.shutdown_timeout_seconds),
+        *([HangupStops(cast(IReactorFromThreads, reactor), reactor.stop)] if terminal else []),
+        # The first to stop: a second SIGTERM (or hang-up) during the stop is logged, not a second stop.
+        StopSignals(
+            cast(IReactorFromThreads, reactor), config.proxy.shutdown_timeout_seconds,
+            stop_signals=(signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if terminal else ())),
+        ),
     ])
