@@ -317,6 +317,10 @@ def _yieldproxy_problems(args: list[str]) -> list[str]:
     command = args[i]
     if command not in subparsers.choices:
         return [f"yieldproxy has no command {command!r}"]
+    if command == "serve":  # twistd -n --pidfile= yieldproxy [options]: the plugin's options
+        from yieldproxy.tap import Options
+
+        return _check_options(args[i + 1:], _usage_options(Options()), "yieldproxy serve")
     sub = sim_parser() if command == "sim" else subparsers.choices[command]
     return _check_options(args[i + 1:], _argparse_options(sub), f"yieldproxy {command}")
 

@@ -414,3 +414,58 @@ async def test_a_hangup_of_a_service_reloads_even_with_a_terminal(tmp_path):
         process.loseConnection()
         notify.close()
         await sim.stop()
+
+
+def test_twistd_yieldproxy_version_names_yieldproxy(twistd_parses):
+    from twisted import __version__ as twisted_version
+
+    from yieldproxy import __version__
+
+    parsed = twistd_parses("--version")
+    assert parsed.returncode == 0, parsed
+    assert parsed.stdout == f"yieldproxy {__version__} (Twisted {twisted_version})\n", parsed
+
+
+#: The ``yieldproxy`` console script pip installed next to this Python.
+YIELDPROXY = os.path.join(os.path.dirname(sys.executable), "yieldproxy")
+
+
+@pytest_twisted.ensureDeferred
+async def test_yieldproxy_serve_starts_the_proxy_in_the_foreground():
+    """``yieldproxy serve [options]`` is ``twistd -n --pidfile= yieldproxy [options]``: it serves, and stops on SIGTERM."""
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    proxy_port, admin_port = free_port(), free_port()
+    protocol = ChildOutput()
+    process = reactor.spawnProcess(
+        protocol, YIELDPROXY,
+        [YIELDPROXY, "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
+         "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--admin", f"tcp:{admin_port}:interface=127.0.0.1"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        await until_healthy(
+            reactor, f"http://127.0.0.1:{admin_port}", lambda: protocol.ended.called,
+            lambda: protocol.output.decode(errors="replace"), tries=200,
+        )
+        response = await treq.post(
+            f"http://127.0.0.1:{proxy_port}/api/embed", json={"model": "all-minilm", "input": "a"}, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert response.code == 200
+        process.signalProcess("TERM")
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+        assert b"Server Shut Down." in protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
+
+
+def test_yieldproxy_serve_says_a_usage_error_in_one_line():
+    result = subprocess.run([YIELDPROXY, "serve", "--listen", "24445"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result
+    assert result.stdout == "", result
+    assert result.stderr.strip().splitlines() == [
+        "twistd yieldproxy: proxy.listen: not a valid endpoint (Unknown endpoint type: '24445'): '24445'; "
+        "did you mean 'tcp:24445'? (add ':interface=127.0.0.1' to listen on this machine only)"
+    ], result

@@ -398,6 +398,15 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> 
     assert "usage:" in capsys.readouterr().err
 
 
+def test_version_is_yieldproxy_s(capsys: pytest.CaptureFixture) -> None:
+    from yieldproxy import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"yieldproxy {__version__}\n"
+
+
 def test_help_documents_exit_codes(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.main(["--help"])

@@ -1,4 +1,4 @@
-"""The ``yieldproxy`` command: status, yield, resume, a self-contained demo, a sim, the example config.
+"""The ``yieldproxy`` command: serve, status, yield, resume, a self-contained demo, a sim, the example config.
 
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 from urllib.parse import urlsplit
 
 import attrs
@@ -74,6 +74,7 @@ the token (when the proxy has admin.token_file set), the first of:
   option that takes the token itself, so it cannot leak through ps.
 
 examples:
+  yieldproxy serve --upstream http://127.0.0.1:11434   # start it here
   yieldproxy status
   yieldproxy yield --for 600 --reason "fine-tuning run" --source trainer
   yieldproxy resume --source trainer
@@ -491,11 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="yieldproxy",
-        description="Talk to a running yieldproxy through its admin API, or try it without Ollama.",
+        description="Start yieldproxy, talk to a running one through its admin API, or try it without Ollama.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
@@ -556,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 60 + the yield + 20 ms a text)")
 
     sub.add_parser(
+        "serve", add_help=False,
+        help="start the proxy in the foreground (try: yieldproxy serve --help)",
+        description="Start the proxy in this terminal: twistd -n --pidfile= yieldproxy [options].",
+    )
+
+    sub.add_parser(
         "sim", add_help=False,
         help="run a simulated Ollama (try: yieldproxy sim --help)",
         description="Run the simulated Ollama backend (the same as python -m yieldproxy.tools.sim).",
@@ -567,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Print the commented example configuration, etc/yieldproxy.toml of the source, which "
             "sets every key to its default.  Save it, keep what you change, and start the proxy "
             "with it: yieldproxy example-config > yieldproxy.toml; "
-            "twistd -n --pidfile= yieldproxy --config yieldproxy.toml"
+            "yieldproxy serve --config yieldproxy.toml"
         ),
     )
 
@@ -597,6 +605,36 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                        help="the proxy's TOML config, with its [fallback] section")
     return parser
+
+
+def version_line() -> str:
+    """``yieldproxy --version``: this package's version (``twistd yieldproxy --version`` says it too)."""
+    from .. import __version__
+
+    return f"yieldproxy {__version__}"
+
+
+def twistd_command() -> list[str]:
+    """How to run twistd with this interpreter: the ``twistd`` script installed beside ``yieldproxy`` (or the
+    interpreter), else twistd's own entry point through this interpreter."""
+    for directory in (os.path.dirname(os.path.abspath(sys.argv[0])), os.path.dirname(sys.executable)):
+        candidate = os.path.join(directory, "twistd")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return [candidate]
+    return [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"]
+
+
+def serve(options: Sequence[str]) -> NoReturn:
+    """``yieldproxy serve [options]``: the proxy in the foreground, twistd being the engine (this process
+    becomes ``twistd -n --pidfile= yieldproxy [options]``: signals, reloads and exit status are twistd's)."""
+    command = [*twistd_command(), "-n", "--pidfile=", "yieldproxy", *options]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(command[0], command)
+    except OSError as e:
+        print(f"yieldproxy serve: cannot start twistd ({command[0]}): {e.strerror}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
 
 
 def example_config() -> str:
@@ -661,6 +699,8 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":
+        serve(extra)
     if args.command == "sim":
         from .sim import main as sim_main
 
