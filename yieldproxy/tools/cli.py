@@ -13,6 +13,7 @@ does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TextIO, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -40,12 +41,14 @@ from .admin_api import (
 )
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
+    "EXIT_ERROR", "EXIT_NO_HOLD", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
     "admin_target_from_endpoint", "admin_target_from_option", "build_parser", "format_one_line",
     "format_status", "main", "resolve_settings",
 ]
 
 DEFAULT_ADMIN = "http://127.0.0.1:11436"
+#: ``resume`` ended no hold: the source (or its hold of that upstream) held nothing.
+EXIT_NO_HOLD = 5
 
 EPILOG = """\
 exit status:
@@ -56,6 +59,8 @@ exit status:
   3  the admin API could not be reached: nothing listening at the
      address, or no answer within --timeout seconds
   4  only with "status --exit-code": the GPU is yielded now
+  5  only with "resume": the source held nothing, so nothing ended
+     (a misspelt --source?); the line names the holds there are
 
 where the admin API is:
   --admin URL, else $YIELDPROXY_ADMIN, else admin.listen of --config FILE
@@ -413,8 +418,29 @@ async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) 
 async def _resume_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
     client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
     status = await client.release(args.source, args.upstream)
+    if status.get("holds_ended") == 0:  # absent from a proxy older than the field: nothing to tell
+        print(f"yieldproxy: {nothing_to_resume(status, args.source or 'api', args.upstream)}", file=sys.stderr)
+        return EXIT_NO_HOLD
     print(format_one_line(status))
     return EXIT_OK
+
+
+def nothing_to_resume(status: dict, source: str, upstream: str | None) -> str:
+    """The one line for a resume that ended nothing: the holds there are, and the nearest source to the one typed."""
+    import difflib
+
+    holds = status.get("holds") or []
+    named = [
+        printable(str(h.get("source", "")), 64) + (f" (upstream {printable(str(h['upstream']), 64)})" if h.get("upstream") else "")
+        for h in holds
+    ]
+    what = f"no hold of source {source!r}" + (f" on upstream {upstream!r}" if upstream else "") + " to end"
+    if not holds:
+        return f"{what}; no hold is taken (state: {status.get('state', '?')})"
+    sources = sorted({str(h.get("source", "")) for h in holds})
+    nearest = difflib.get_close_matches(source, sources, n=1)
+    hint = f"; did you mean --source {nearest[0]}?" if nearest and nearest[0] != source else ""
+    return f"{what}; the holds are: {', '.join(named)}{hint}"
 
 
 #: Seconds ``yieldproxy reload`` waits by default: a new process starts, and a large lot goes over.
@@ -688,6 +714,61 @@ def _run_demo(reactor, args: argparse.Namespace, finished: list):
     return defer.Deferred.fromCoroutine(run())
 
 
+class _ReaderMayLeave:
+    """The command's stdout: when its reader goes away (``yieldproxy status | head -3``), the rest of the output
+    goes nowhere, quietly, and the command ends with the status it would have had.
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises :class:`BrokenPipeError` wherever it happens: in
+    a ``print``, or in the flush as the interpreter exits (a traceback, and exit 1 or 120).  This catches it on
+    every write and flush, and points the descriptor at ``/dev/null`` as the Python docs' recipe for SIGPIPE
+    does, so that no later flush fails again.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_nowhere()
+
+    def _to_nowhere(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """sys.stdout as :class:`_ReaderMayLeave` meanwhile, when it is a real file (not a test's capture)."""
+    stream = sys.stdout
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    wrapped = _ReaderMayLeave(stream)
+    sys.stdout = cast(TextIO, wrapped)
+    try:
+        yield
+    finally:
+        wrapped.flush()
+        sys.stdout = stream
+
+
 def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task.react) -> None:
     """The ``yieldproxy`` console script.
 
@@ -696,7 +777,11 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         (the default) does; the tests give one that runs the command on
         their own, already running, reactor.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with _reader_may_leave():
+        _main(list(sys.argv[1:] if argv is None else argv), react)
+
+
+def _main(argv: list[str], react: Callable[..., None]) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "serve":
