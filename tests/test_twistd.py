@@ -469,3 +469,35 @@ def test_yieldproxy_serve_says_a_usage_error_in_one_line():
         "twistd yieldproxy: proxy.listen: not a valid endpoint (Unknown endpoint type: '24445'): '24445'; "
         "did you mean 'tcp:24445'? (add ':interface=127.0.0.1' to listen on this machine only)"
     ], result
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_restart_warns_of_each_hold_it_kept_and_how_to_end_it(tmp_path):
+    """Restarted to "reset" it, the proxy is still yielded: each kept hold is a warning at start, with its resume."""
+    config = tmp_path / "yieldproxy.toml"
+    config.write_text(f'[state]\nholds_file = "{tmp_path / "holds.json"}"\n')
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    try:
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            response = await treq.post(admin + "/yield", json={"reason": "steam", "source": "game", "for_seconds": 600},
+                                       persistent=False).addTimeout(TIMEOUT, reactor)
+            assert response.code == 200
+            await response.content()
+            assert b"kept from the last run" not in protocol.output
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            lines = protocol.output.decode(errors="replace").splitlines()
+            [warning] = [line for line in lines if "kept from the last run" in line]
+            assert "#warn]" in warning, warning
+            assert ("still yielded: the hold of source game (reason 'steam', lease ends in " in warning
+                    and "'yieldproxy resume --source game' ends it" in warning), warning
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+    finally:
+        await sim.stop()

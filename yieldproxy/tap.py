@@ -10,7 +10,7 @@ import os
 import re
 import signal
 import sys
-from typing import cast
+from typing import Iterable, cast
 
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IReactorFromThreads
@@ -19,6 +19,7 @@ from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
 from .lifecycle.succession.takeover import ENV, refuse
+from .lot.state import ALL, Hold
 from .observe.requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 
 log = Logger()
@@ -226,6 +227,20 @@ def _cannot_reload(options: Options) -> str | None:
     return None
 
 
+def say_kept_holds(holds: Iterable[Hold], now: float) -> None:
+    """One warning per hold a start kept from the last run, saying how to end it: a restart does not reset the
+    yield state (docs/operating.md), and someone who restarted the proxy to unstick it must learn so at once."""
+    for hold in holds:
+        upstream = "" if hold.scope == ALL else f" --upstream {hold.scope}"
+        lease = "" if hold.expires_at is None else f", lease ends in {max(0.0, hold.expires_at - now):.0f}s"
+        log.warn(
+            "still yielded: the hold of source {source}{on} (reason {reason!r}{lease}) is kept from the last run; "
+            "'yieldproxy resume --source {source}{upstream}' ends it",
+            source=hold.source, on="" if hold.scope == ALL else f" on upstream {hold.scope}",
+            reason=hold.reason, lease=lease, upstream=upstream,
+        )
+
+
 def _terminal(options: Options) -> str | None:
     """Which standard stream is a terminal, when this proxy runs as a terminal program (lifecycle/hangup.py).
 
@@ -284,6 +299,8 @@ def makeService(options: Options):
         # ClaimedAtCommit: the store's own reads and writes, its writes from the commit on.
         holds=cast(HoldStore, claimed) if claimed is not None else store,
     )
+    if inheritance is None:
+        say_kept_holds(proxy.state.holds, reactor.seconds())
     # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long
     # drain included); READY=1 once everything runs, the listeners bound (a process a reload
     # started leaves it to its predecessor, which sends MAINPID= with it); STOPPING=1 as the
