@@ -26,6 +26,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given, strategies as st
 
 from yieldproxy import config as config_module
 from yieldproxy.admin.api import AdminApp
@@ -105,6 +106,21 @@ def example_sections() -> dict[str, str]:
 
 def test_example_loads_and_equals_the_defaults():
     assert load(EXAMPLE) == Config()
+
+
+@given(hard=st.integers(min_value=256, max_value=2_000_000), soft_share=st.floats(min_value=0.0, max_value=1.0))
+def test_the_example_starts_as_the_defaults_do_at_any_open_file_limit(hard, soft_share):
+    """Used as it is, the example is the defaults at start too: a key it sets to a value the start would size
+    (parking.max_parked) counts as asked for, and warned "the parked queue can never fill" where the defaults
+    are sized in silence."""
+    from yieldproxy.lifecycle.limits import fd_budget
+
+    soft = max(64, int(hard * soft_share))
+
+    def budget(config):
+        return fd_budget(config, lambda _: (soft, hard), lambda _, limits: None)
+
+    assert budget(load(EXAMPLE)) == budget(Config())
 
 
 # -- (b) every key is in the example and in configuration.md ----------------------------------

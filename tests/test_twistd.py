@@ -9,6 +9,7 @@ failing to), logging and signals run a real ``twistd`` process.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -501,3 +502,37 @@ async def test_a_restart_warns_of_each_hold_it_kept_and_how_to_end_it(tmp_path):
             await protocol.ended.addTimeout(TIMEOUT, reactor)
     finally:
         await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_first_screen_of_the_example_config_is_where_it_listens_and_nothing_else(tmp_path):
+    """``yieldproxy example-config`` used as it is: no warning, no open-file line, no ``Starting factory <... at
+    0x...>`` per listener (nor its ``Stopping factory``) in a start, a request and a stop."""
+    from yieldproxy.tools.cli import example_config
+
+    config = tmp_path / "yieldproxy.toml"
+    config.write_text(example_config())
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    try:
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            response = await treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": "a"},
+                                       persistent=False).addTimeout(TIMEOUT, reactor)
+            assert response.code == 200
+            await response.content()
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+    finally:
+        await sim.stop()
+    lines = protocol.output.decode(errors="replace").splitlines()
+    assert not [line for line in lines if re.search(r"#(warn|error|critical)\]|Traceback|object at 0x", line)], lines
+    first_screen = lines[:next(i for i, line in enumerate(lines) if "proxy listening on" in line) + 1]
+    said = [re.sub(r"^\S+ \[[^]]+\] ", "", line) for line in first_screen]
+    # twistd's two lines (its version, its reactor), then each listener's two.
+    assert len(said) == 6 and said[0].startswith("twistd ") and said[1].startswith("reactor class: "), said
+    assert [re.sub(r"\d+", "N", text.split(" (", 1)[0]) for text in said[2:]] == [
+        "ProxySite starting on N", "admin listening on N.N.N.N:N", "ProxySite starting on N",
+        "proxy listening on N.N.N.N:N",
+    ], said
