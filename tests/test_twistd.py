@@ -368,7 +368,8 @@ async def test_closing_its_terminal_stops_the_proxy_and_answers_what_is_parked()
         client = AdminClient(reactor, AdminTarget(admin), None, TIMEOUT)
         with pytest.raises(CliError) as refused:
             await client.reload()
-        assert "runs in a terminal" in refused.value.message and "restart it instead" in refused.value.message
+        assert "answered 501: this proxy" in refused.value.message and "runs in a terminal" in refused.value.message
+        assert "restart it instead" in refused.value.message
         assert "\n" not in refused.value.message
         assert (await status())["pid"] == process.pid
 
