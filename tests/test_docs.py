@@ -18,6 +18,8 @@ here until it is documented.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import os
 import re
 import shlex
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given, strategies as st
 
 from yieldproxy import config as config_module
 from yieldproxy.admin.api import AdminApp
@@ -105,6 +108,21 @@ def example_sections() -> dict[str, str]:
 
 def test_example_loads_and_equals_the_defaults():
     assert load(EXAMPLE) == Config()
+
+
+@given(hard=st.integers(min_value=256, max_value=2_000_000), soft_share=st.floats(min_value=0.0, max_value=1.0))
+def test_the_example_starts_as_the_defaults_do_at_any_open_file_limit(hard, soft_share):
+    """Used as it is, the example is the defaults at start too: a key it sets to a value the start would size
+    (parking.max_parked) counts as asked for, and warned "the parked queue can never fill" where the defaults
+    are sized in silence."""
+    from yieldproxy.lifecycle.limits import fd_budget
+
+    soft = max(64, int(hard * soft_share))
+
+    def budget(config):
+        return fd_budget(config, lambda _: (soft, hard), lambda _, limits: None)
+
+    assert budget(load(EXAMPLE)) == budget(Config())
 
 
 # -- (b) every key is in the example and in configuration.md ----------------------------------
@@ -317,6 +335,10 @@ def _yieldproxy_problems(args: list[str]) -> list[str]:
     command = args[i]
     if command not in subparsers.choices:
         return [f"yieldproxy has no command {command!r}"]
+    if command == "serve":  # twistd -n --pidfile= yieldproxy [options]: the plugin's options
+        from yieldproxy.tap import Options
+
+        return _check_options(args[i + 1:], _usage_options(Options()), "yieldproxy serve")
     sub = sim_parser() if command == "sim" else subparsers.choices[command]
     return _check_options(args[i + 1:], _argparse_options(sub), f"yieldproxy {command}")
 
@@ -412,3 +434,163 @@ def test_linked_pages_and_cited_tests_exist():
             if not (ROOT / path).exists():
                 problems.append(f"{page.relative_to(ROOT)}: {path} does not exist")
     assert problems == []
+
+
+# -- the error messages the docs quote are the code's --------------------------------------------------------
+
+
+#: Where a template has a value, or a quote leaves something out (``...``, ``N``, ``M``).
+ANY = "\x00"
+
+
+def _template(node: ast.expr) -> str | None:
+    """A string literal of the code as a pattern: each ``{value}`` of an f-string is :data:`ANY`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            part.value if isinstance(part, ast.Constant) and isinstance(part.value, str) else ANY
+            for part in node.values
+        )
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def code_templates() -> list[str]:
+    """Every string the package's code writes, as a pattern (:func:`_template`)."""
+    found = []
+    for path in sorted((ROOT / "yieldproxy").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                text = _template(node)
+                if text and " " in text:
+                    found.append(text)
+    return sorted(set(found))
+
+
+#: How a config error is composed (config.py): the file, the key, then the key's own message.
+CONFIG_ERROR = re.compile(r"^\S+\.toml: [\w.\[\]]+: ")
+
+
+def _quoted(message: str) -> str:
+    """A message as a page quotes it, as a pattern: what it leaves out (``...``) or stands for (``N``) is ANY;
+    a config error's file and key are the composition's (:data:`CONFIG_ERROR`)."""
+    message = CONFIG_ERROR.sub(ANY, message.replace("\\\"", "\""))
+    message = re.sub(r"\s*\.\.\.\s*", ANY, message)
+    return re.sub(r"\b[NM]\b", ANY, message)
+
+
+def could_be(a: str, b: str) -> bool:
+    """Whether some text fits both patterns (each :data:`ANY` any text, the rest as it is)."""
+    seen, todo = set(), [(0, 0)]
+    while todo:
+        i, j = todo.pop()
+        if (i, j) in seen:
+            continue
+        seen.add((i, j))
+        if i == len(a) and j == len(b):
+            return True
+        if i < len(a) and a[i] == ANY:
+            todo += [(i + 1, j)] + ([(i, j + 1)] if j < len(b) else [])
+        if j < len(b) and b[j] == ANY:
+            todo += [(i, j + 1)] + ([(i + 1, j)] if i < len(a) else [])
+        if i < len(a) and j < len(b) and a[i] == b[j] != ANY:
+            todo.append((i + 1, j + 1))
+    return False
+
+
+def _literal_runs(pattern: str) -> list[str]:
+    return [run for run in pattern.split(ANY) if run]
+
+
+def matching_templates(quote: str, templates: list[str]) -> list[str]:
+    """The code's templates that could write the quoted message (one sharing its longest literal run first)."""
+    words = [w for run in _literal_runs(quote) for w in [run.split()] if len(w) >= 3]
+    shingles = {" ".join(run[i:i + 3]) for run in words for i in range(len(run) - 2)}
+    candidates = [
+        t for t in templates
+        if any(s in t for s in shingles) or any(len(r.split()) >= 2 and r.strip() in quote for r in _literal_runs(t))
+    ]
+    return [t for t in candidates if could_be(quote, t)]
+
+
+#: Placeholders in the docs for "some message", no message of their own.
+PLACEHOLDERS = {"...", "<message>", "MESSAGE"}
+
+
+def documented_messages() -> list[tuple[str, str]]:
+    """``(page, message)``: every error message the pages quote in an ``{"error": ...}`` (or OpenAI ``message``)
+    body, and every one in the Message column of admin-api.md's table of the proxy's own errors."""
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for message in re.findall(r'"(?:error|message)": "((?:[^"\\\n]|\\.)*)"', text):
+            if message not in PLACEHOLDERS:
+                found.append((page.relative_to(ROOT).as_posix(), message))
+    for code, messages in proxy_error_table().items():
+        found += [("docs/admin-api.md", m) for m in messages]
+    return found
+
+
+def proxy_error_table() -> dict[str, list[str]]:
+    """admin-api.md's table of the proxy's own errors: each reason (``code``) and the messages its row quotes."""
+    text = ADMIN_MD.read_text(encoding="utf-8")
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and re.fullmatch(r"`\w+`", cells[1]) and re.match(r"\d", cells[0]):
+            rows.setdefault(cells[1].strip("`"), []).extend(re.findall(r"`([^`]+)`", cells[2]))
+    assert "shutdown" in rows and "queue_full" in rows, "admin-api.md: the table of the proxy's own errors moved"
+    return rows
+
+
+@pytest.mark.parametrize("page, message", documented_messages())
+def test_a_quoted_error_message_is_one_the_code_writes(page, message):
+    """Quoted in full (or with ``...`` for what it leaves out), a message must be one some string of the code
+    can write whole: a quote that ends early (``the proxy is shutting down``, where the code says ``... while
+    the GPU is yielded``) or says it in other words fails."""
+    assert matching_templates(_quoted(message), code_templates()), f"{page}: no code writes {message!r}"
+
+
+def _refusals() -> list[tuple[str, str]]:
+    """``(reason, message)`` of every refusal the code makes with a literal message: ``Refused("reason", ...)``
+    of the lot, and the gate's ``refuse_*_parked(...)`` (the reason ``shutdown``)."""
+    found = []
+    for path in sorted((ROOT / "yieldproxy").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            args = node.args
+            if name == "Refused" and len(args) >= 2 and isinstance(args[0], ast.Constant):
+                message = _template(args[1])
+                if message is not None and isinstance(args[0].value, str):
+                    found.append((args[0].value, message))
+            elif name in ("refuse_all_parked", "refuse_held_parked") and args:
+                message = _template(args[0])
+                if message is not None:
+                    found.append(("shutdown", message))
+    return sorted(set(found))
+
+
+def test_every_refusal_with_a_message_of_its_own_is_in_the_table_under_its_reason():
+    """The other way round: each message the lot or a stop answers a request with is in admin-api.md's table, in
+    the row of its reason (``code``)."""
+    assert ("shutdown", "the proxy is shutting down while the GPU is yielded") in _refusals()
+    table = proxy_error_table()
+    missing = [
+        f"{reason}: {message!r}" for reason, message in _refusals()
+        if not any(could_be(_quoted(quoted), message) for quoted in table.get(reason, []))
+    ]
+    assert missing == [], "admin-api.md's table of the proxy's own errors lacks these (reason: message)"
+
+
+def test_the_message_check_tells_a_quote_that_ends_early_or_differs_from_one_the_code_writes():
+    templates = code_templates()
+    for written in ("the proxy is shutting down while the GPU is yielded", "the proxy is shutting down",
+                    "the proxy is shutting down while ...", "unknown field(s): foo",
+                    "/etc/yieldproxy/yieldproxy.toml: replay.rate: must be >= 0, got -1.0"):
+        assert matching_templates(_quoted(written), templates), written
+    for never in ("the proxy is shutting down now", "the proxy shuts down", "unknown fields: foo",
+                  "parked queue is full (10000 requests parked)"):
+        assert not matching_templates(_quoted(never), templates), never

@@ -194,3 +194,55 @@ def test_the_wheels_ops_files_command_writes_its_own_copies(artefacts, tmp_path)
     etc = {p.relative_to(ROOT / "etc").as_posix(): p.read_bytes() for p in (ROOT / "etc").rglob("*") if p.is_file()}
     assert written == etc
     assert (out / "probes" / "nvidia-game-probe.sh").stat().st_mode & 0o111
+
+
+def _metadata(artefacts) -> dict[str, tuple[object, str]]:
+    """Each artefact's core metadata (the wheel's METADATA, the sdist's PKG-INFO), parsed, and its description."""
+    import email.parser
+
+    found = {}
+    with zipfile.ZipFile(artefacts["wheel"][0]) as wheel:
+        [name] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        found["wheel"] = wheel.read(name).decode("utf-8")
+    with tarfile.open(artefacts["sdist"][0]) as tar:
+        [member] = [m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")]
+        found["sdist"] = tar.extractfile(member).read().decode("utf-8")
+    parsed = {}
+    for kind, text in found.items():
+        message = email.parser.Parser().parsestr(text)
+        parsed[kind] = (message, message.get_payload() or message.get("Description", ""))
+    return parsed
+
+
+def test_the_metadata_is_what_an_index_shows(artefacts):
+    """What PyPI (and twine check) reads: the README as a Markdown description, the classifiers a search
+    filters on (one per Python version the floor and CI say, the OS it is tested on), the Python floor."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    floor = re.search(r"^python_requires = >=(3\.\d+)$", (ROOT / "setup.cfg").read_text(), re.M).group(1)
+    for kind, (message, description) in _metadata(artefacts).items():
+        assert message["Description-Content-Type"] == "text/markdown", kind
+        assert description.strip() == readme.strip(), kind
+        assert message["Requires-Python"] == f">={floor}", kind
+        classifiers = message.get_all("Classifier")
+        for wanted in ("Framework :: Twisted", f"Programming Language :: Python :: {floor}",
+                       "Programming Language :: Python :: 3 :: Only", "Operating System :: POSIX :: Linux",
+                       "Topic :: Internet :: Proxy Servers"):
+            assert wanted in classifiers, (kind, wanted)
+        assert [c for c in classifiers if c.startswith("Development Status :: ")], kind
+        try:
+            from trove_classifiers import classifiers as known
+        except ImportError:
+            continue
+        assert sorted(set(classifiers) - known) == [], kind
+
+
+def test_twine_check_passes(artefacts):
+    """``twine check --strict`` on both, as an upload would run it (where twine is installed: the release's
+    tools, docs/operating.md, not the test extra's)."""
+    pytest.importorskip("twine", reason="twine is not installed (pip install twine to run the release check)")
+    result = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(artefacts["sdist"][0]), str(artefacts["wheel"][0])],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("PASSED") == 2, result.stdout

@@ -9,6 +9,7 @@ failing to), logging and signals run a real ``twistd`` process.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -281,3 +282,258 @@ async def test_the_start_says_which_listener_is_which_and_catches_an_upstream_ur
         process.signalProcess("TERM")
         await protocol.ended.addTimeout(TIMEOUT, reactor)
         await sim.stop()
+
+
+# -- a proxy run in a terminal (lifecycle/hangup.py) -----------------------------------------------------------
+
+
+def run_twistd_in_a_terminal(*args, **env: str) -> tuple[object, ChildOutput]:
+    """``twistd -n yieldproxy ARGS`` on a pseudo-terminal of its own, as a shell in a terminal window starts it: the
+    terminal is its stdin, stdout and stderr, and its controlling terminal (closing it is ``loseConnection``)."""
+    protocol = ChildOutput()
+    environ = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "INVOCATION_ID")}
+    process = reactor.spawnProcess(
+        protocol, TWISTD, [TWISTD, "-n", "--pidfile=", "yieldproxy", *args],
+        env={**environ, "PYTHONUNBUFFERED": "1", **env}, usePTY=True,
+    )
+    return process, protocol
+
+
+async def start_in_a_terminal(sim_port: int, **env: str):
+    proxy_port, admin_port = free_port(), free_port()
+    process, protocol = run_twistd_in_a_terminal(
+        "--upstream", f"http://127.0.0.1:{sim_port}",
+        "--listen", f"tcp:{proxy_port}:interface=127.0.0.1",
+        "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
+        **env,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    await until_healthy(
+        reactor, admin, lambda: protocol.ended.called, lambda: protocol.output.decode(errors="replace"), tries=200,
+    )
+    return process, protocol, proxy_port, admin_port
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def end_every_process_on(port: int) -> None:
+    """End every process this test started for the admin listener on ``port``: the first, and any new process a
+    reload started (no child of this one), found by its command line."""
+    import signal
+
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                mine = f"tcp:{port}:interface=127.0.0.1".encode() in f.read()
+        except (OSError, ValueError):
+            continue
+        if mine and entry.isdigit():
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.kill(int(entry), sig)
+                except ProcessLookupError:
+                    break
+
+
+@pytest_twisted.ensureDeferred
+async def test_closing_its_terminal_stops_the_proxy_and_answers_what_is_parked():
+    """The terminal closed: no process left serving (a reload took the hang-up for one and a new process, with no
+    terminal, served on), the parked requests answered as a stop answers them; and a reload asked of a proxy in
+    a terminal is refused in one line that says how to restart it."""
+    from yieldproxy.tools.admin_api import AdminClient, AdminTarget, CliError
+
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy_port, admin_port = await start_in_a_terminal(sim_port)
+    admin, proxy = f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{proxy_port}"
+    try:
+        await treq.post(admin + "/yield", json={"reason": "game"}, persistent=False).addTimeout(TIMEOUT, reactor)
+        parked = [
+            treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": f"p{i}"}, persistent=False)
+            .addTimeout(TIMEOUT, reactor)
+            for i in range(2)
+        ]
+
+        async def status():
+            return await (await treq.get(admin + "/status", persistent=False)).json()
+
+        for _ in range(100):
+            if (await status())["parked_total"] == 2:
+                break
+            await sleep(reactor, 0.05)
+        client = AdminClient(reactor, AdminTarget(admin), None, TIMEOUT)
+        with pytest.raises(CliError) as refused:
+            await client.reload()
+        assert "answered 501: this proxy" in refused.value.message and "runs in a terminal" in refused.value.message
+        assert "restart it instead" in refused.value.message
+        assert "\n" not in refused.value.message
+        assert (await status())["pid"] == process.pid
+
+        process.loseConnection()  # the terminal window closed
+        for d in parked:
+            response = await d
+            assert response.code == 503
+            assert "shutting down" in (await response.json())["error"]
+        code = await protocol.ended.addTimeout(TIMEOUT, reactor)
+        assert code == 0, protocol.output
+        assert not listening(proxy_port) and not listening(admin_port)
+        assert sim.requests_total.get("/api/embed", 0) == 0
+    finally:
+        end_every_process_on(admin_port)
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_hangup_of_a_service_reloads_even_with_a_terminal(tmp_path):
+    """Told to notify systemd (a ``Type=notify`` unit), SIGHUP is a reload as before: a new process serves."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    process, protocol, proxy_port, admin_port = await start_in_a_terminal(sim_port, NOTIFY_SOCKET=str(tmp_path / "notify"))
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        process.signalProcess("HUP")
+        new = None
+        for _ in range(300):
+            try:
+                new = (await (await treq.get(admin + "/status", persistent=False).addTimeout(5, reactor)).json())["pid"]
+            except Exception:
+                new = None
+            if new not in (None, process.pid):
+                break
+            await sleep(reactor, 0.1)
+        assert new not in (None, process.pid), protocol.output
+        # The old process exits (the new one keeps the terminal open, so only its exit is seen).
+        await wait_for(reactor, lambda: not os.path.exists(f"/proc/{process.pid}"), timeout=TIMEOUT)
+        assert listening(proxy_port)
+    finally:
+        end_every_process_on(admin_port)
+        process.loseConnection()
+        notify.close()
+        await sim.stop()
+
+
+def test_twistd_yieldproxy_version_names_yieldproxy(twistd_parses):
+    from twisted import __version__ as twisted_version
+
+    from yieldproxy import __version__
+
+    parsed = twistd_parses("--version")
+    assert parsed.returncode == 0, parsed
+    assert parsed.stdout == f"yieldproxy {__version__} (Twisted {twisted_version})\n", parsed
+
+
+#: The ``yieldproxy`` console script pip installed next to this Python.
+YIELDPROXY = os.path.join(os.path.dirname(sys.executable), "yieldproxy")
+
+
+@pytest_twisted.ensureDeferred
+async def test_yieldproxy_serve_starts_the_proxy_in_the_foreground():
+    """``yieldproxy serve [options]`` is ``twistd -n --pidfile= yieldproxy [options]``: it serves, and stops on SIGTERM."""
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    proxy_port, admin_port = free_port(), free_port()
+    protocol = ChildOutput()
+    process = reactor.spawnProcess(
+        protocol, YIELDPROXY,
+        [YIELDPROXY, "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
+         "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--admin", f"tcp:{admin_port}:interface=127.0.0.1"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        await until_healthy(
+            reactor, f"http://127.0.0.1:{admin_port}", lambda: protocol.ended.called,
+            lambda: protocol.output.decode(errors="replace"), tries=200,
+        )
+        response = await treq.post(
+            f"http://127.0.0.1:{proxy_port}/api/embed", json={"model": "all-minilm", "input": "a"}, persistent=False,
+        ).addTimeout(TIMEOUT, reactor)
+        assert response.code == 200
+        process.signalProcess("TERM")
+        assert await protocol.ended.addTimeout(TIMEOUT, reactor) in (0, "SIGTERM"), protocol.output
+        assert b"Server Shut Down." in protocol.output
+    finally:
+        if not protocol.ended.called:
+            process.signalProcess("KILL")
+        await sim.stop()
+
+
+def test_yieldproxy_serve_says_a_usage_error_in_one_line():
+    result = subprocess.run([YIELDPROXY, "serve", "--listen", "24445"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result
+    assert result.stdout == "", result
+    assert result.stderr.strip().splitlines() == [
+        "twistd yieldproxy: proxy.listen: not a valid endpoint (Unknown endpoint type: '24445'): '24445'; "
+        "did you mean 'tcp:24445'? (add ':interface=127.0.0.1' to listen on this machine only)"
+    ], result
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_restart_warns_of_each_hold_it_kept_and_how_to_end_it(tmp_path):
+    """Restarted to "reset" it, the proxy is still yielded: each kept hold is a warning at start, with its resume."""
+    config = tmp_path / "yieldproxy.toml"
+    config.write_text(f'[state]\nholds_file = "{tmp_path / "holds.json"}"\n')
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    try:
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            response = await treq.post(admin + "/yield", json={"reason": "steam", "source": "game", "for_seconds": 600},
+                                       persistent=False).addTimeout(TIMEOUT, reactor)
+            assert response.code == 200
+            await response.content()
+            assert b"kept from the last run" not in protocol.output
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            lines = protocol.output.decode(errors="replace").splitlines()
+            [warning] = [line for line in lines if "kept from the last run" in line]
+            assert "#warn]" in warning, warning
+            assert ("still yielded: the hold of source game (reason 'steam', lease ends in " in warning
+                    and "'yieldproxy resume --source game' ends it" in warning), warning
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+    finally:
+        await sim.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_first_screen_of_the_example_config_is_where_it_listens_and_nothing_else(tmp_path):
+    """``yieldproxy example-config`` used as it is: no warning, no open-file line, no ``Starting factory <... at
+    0x...>`` per listener (nor its ``Stopping factory``) in a start, a request and a stop."""
+    from yieldproxy.tools.cli import example_config
+
+    config = tmp_path / "yieldproxy.toml"
+    config.write_text(example_config())
+    sim = SimOllama(reactor)
+    sim_port = await sim.listen()
+    try:
+        process, protocol, proxy, admin = await start_service(sim_port, "--config", str(config))
+        try:
+            response = await treq.post(proxy + "/api/embed", json={"model": "all-minilm", "input": "a"},
+                                       persistent=False).addTimeout(TIMEOUT, reactor)
+            assert response.code == 200
+            await response.content()
+        finally:
+            process.signalProcess("TERM")
+            await protocol.ended.addTimeout(TIMEOUT, reactor)
+    finally:
+        await sim.stop()
+    lines = protocol.output.decode(errors="replace").splitlines()
+    assert not [line for line in lines if re.search(r"#(warn|error|critical)\]|Traceback|object at 0x", line)], lines
+    first_screen = lines[:next(i for i, line in enumerate(lines) if "proxy listening on" in line) + 1]
+    said = [re.sub(r"^\S+ \[[^]]+\] ", "", line) for line in first_screen]
+    # twistd's two lines (its version, its reactor), then each listener's two.
+    assert len(said) == 6 and said[0].startswith("twistd ") and said[1].startswith("reactor class: "), said
+    assert [re.sub(r"\d+", "N", text.split(" (", 1)[0]) for text in said[2:]] == [
+        "ProxySite starting on N", "admin listening on N.N.N.N:N", "ProxySite starting on N",
+        "proxy listening on N.N.N.N:N",
+    ], said

@@ -8,12 +8,13 @@ process does not start.  ``etc/yieldproxy.toml`` documents every key.
 from __future__ import annotations
 
 import collections.abc
+import difflib
 import re
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import attrs
@@ -573,6 +574,14 @@ def _coerce(where: str, expected: Any, value: Any) -> Any:
     return value
 
 
+def unknown(where: str, what: str, name: str, known: Sequence[str], plural: str = "") -> ConfigError:
+    """The error for a name the config does not know: the nearest known one first, when one is near (a typo),
+    then all of them."""
+    nearest = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    return ConfigError(f"{where}: unknown {what}{hint} (known {plural or what + 's'}: {', '.join(known)})")
+
+
 def _build(cls: type, table: Any, where: str) -> Any:
     """One attrs section from its TOML table; every error names its own key."""
     if not isinstance(table, dict):
@@ -582,8 +591,7 @@ def _build(cls: type, table: Any, where: str) -> Any:
     values = {}
     for key, value in table.items():
         if key not in types:
-            known = ", ".join(sorted(types))
-            raise ConfigError(f"{where}.{key}: unknown key (known keys: {known})")
+            raise unknown(f"{where}.{key}", "key", key, sorted(types))
         value = _coerce(f"{where}.{key}", types[key], value)
         validator = fields[key].validator
         if validator is not None:
@@ -609,8 +617,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>") -> Config:
             elif name in _SECTIONS:
                 sections[name] = _build(_SECTIONS[name], table, name)
             else:
-                known = ", ".join([*_SECTIONS, "classes", "routes", "upstreams"])
-                raise ConfigError(f"{name}: unknown section (known sections: {known})")
+                raise unknown(name, "section", name, [*_SECTIONS, "classes", "routes", "upstreams"])
         if "upstreams" in data and isinstance(data.get("proxy"), dict) and "upstream" in data["proxy"]:
             raise ConfigError(
                 "proxy.upstream and [[upstreams]] are both set: proxy.upstream is the one-upstream form; "
@@ -633,7 +640,7 @@ def _classes(table: Any) -> dict[str, ClassConfig]:
     classes = _default_classes()
     for name, body in table.items():
         if name not in CLASS_NAMES:
-            raise ConfigError(f"classes.{name}: unknown class (known classes: {', '.join(CLASS_NAMES)})")
+            raise unknown(f"classes.{name}", "class", name, CLASS_NAMES, "classes")
         built = _build(ClassConfig, body, f"classes.{name}")
         # Keys the file leaves out keep the class's own default, not the generic one.
         given = body.keys()

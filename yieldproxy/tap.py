@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
-from typing import cast
+from typing import Iterable, cast
 
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IReactorFromThreads
@@ -18,6 +19,7 @@ from twisted.python import usage
 
 from .config import ConfigError, load, read_tokens
 from .lifecycle.succession.takeover import ENV, refuse
+from .lot.state import ALL, Hold
 from .observe.requestlog import LOG_FORMATS, LOG_LEVELS, observer_name
 
 log = Logger()
@@ -39,6 +41,15 @@ class Options(usage.Options):
         ["log-format", None, "text", "Log format: text (twistd's own) or json (one JSON object per line)."],
         ["log-level", None, "info", "Least level logged: debug, info, warn or error."],
     ]
+
+    def opt_version(self) -> None:
+        """Print yieldproxy's version (and Twisted's) and exit."""
+        from twisted import __version__ as twisted_version
+
+        from . import __version__
+
+        print(f"yieldproxy {__version__} (Twisted {twisted_version})")
+        raise SystemExit(0)
 
     def parseOptions(self, options=None):
         """Under twistd, a usage or config error is one line on stderr and exit status 1.
@@ -216,10 +227,38 @@ def _cannot_reload(options: Options) -> str | None:
     return None
 
 
+def say_kept_holds(holds: Iterable[Hold], now: float) -> None:
+    """One warning per hold a start kept from the last run, saying how to end it: a restart does not reset the
+    yield state (docs/operating.md), and someone who restarted the proxy to unstick it must learn so at once."""
+    for hold in holds:
+        upstream = "" if hold.scope == ALL else f" --upstream {hold.scope}"
+        lease = "" if hold.expires_at is None else f", lease ends in {max(0.0, hold.expires_at - now):.0f}s"
+        log.warn(
+            "still yielded: the hold of source {source}{on} (reason {reason!r}{lease}) is kept from the last run; "
+            "'yieldproxy resume --source {source}{upstream}' ends it",
+            source=hold.source, on="" if hold.scope == ALL else f" on upstream {hold.scope}",
+            reason=hold.reason, lease=lease, upstream=upstream,
+        )
+
+
+def _terminal(options: Options) -> str | None:
+    """Which standard stream is a terminal, when this proxy runs as a terminal program (lifecycle/hangup.py).
+
+    Only under twistd: a service built without it keeps its embedder's signals.
+    """
+    from .lifecycle.hangup import terminal_of
+
+    parent = getattr(options, "parent", None)
+    if parent is None:
+        return None
+    return terminal_of(os.environ, daemonizes=not parent.get("nodaemon"), reloaded=ENV in os.environ)
+
+
 def makeService(options: Options):
     from twisted.internet import reactor
 
     from .clock import run_on_monotonic
+    from .lifecycle.hangup import HangupStops, why_no_reload
     from .lifecycle.holdstore import HoldStore, holds_path
     from .lifecycle.limits import fit_fd_limit
     from .lifecycle.sdnotify import Notifier, Ready, Watchdog, watchdog_seconds
@@ -246,9 +285,12 @@ def makeService(options: Options):
     store = HoldStore(reactor, holds_path(config, os.environ))
     # Read now, written from the commit on: until then the running process owns the holds (claims.py).
     claimed = ClaimedAtCommit(store) if inheritance is not None else None
+    # In a terminal, SIGHUP is the terminal hanging up: the stop, and no reload (lifecycle/hangup.py).
+    terminal = _terminal(options)
     setup = Setup(
         own_command(), dict(os.environ), reactor.stop, inheritance,
-        notify=notifier.notify, unavailable=_cannot_reload(options),
+        notify=notifier.notify, signals=terminal is None,
+        unavailable=_cannot_reload(options) or (why_no_reload(terminal, os.getpid()) if terminal else None),
         pidfile=options.pidfile, keep_pidfile=options.keep_pidfile,
         holds=claimed,
     )
@@ -257,6 +299,8 @@ def makeService(options: Options):
         # ClaimedAtCommit: the store's own reads and writes, its writes from the commit on.
         holds=cast(HoldStore, claimed) if claimed is not None else store,
     )
+    if inheritance is None:
+        say_kept_holds(proxy.state.holds, reactor.seconds())
     # systemd (Type=notify): the watchdog is fed from the first start to the last stop (a long
     # drain included); READY=1 once everything runs, the listeners bound (a process a reload
     # started leaves it to its predecessor, which sends MAINPID= with it); STOPPING=1 as the
@@ -269,6 +313,10 @@ def makeService(options: Options):
             notifier, status=f"serving on {config.proxy.listen}, admin on {config.admin.listen}",
             ready=inheritance is None,
         ),
-        # The first to stop: a second SIGTERM during the stop is logged, not a second stop.
-        StopSignals(cast(IReactorFromThreads, reactor), config.proxy.shutdown_timeout_seconds),
+        *([HangupStops(cast(IReactorFromThreads, reactor), reactor.stop)] if terminal else []),
+        # The first to stop: a second SIGTERM (or hang-up) during the stop is logged, not a second stop.
+        StopSignals(
+            cast(IReactorFromThreads, reactor), config.proxy.shutdown_timeout_seconds,
+            stop_signals=(signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if terminal else ())),
+        ),
     ])

@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import pytest
 import pytest_twisted
+from hypothesis import given, strategies as st
 from twisted.internet import defer, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint, UNIXServerEndpoint
 from twisted.python.failure import Failure
@@ -197,10 +198,10 @@ async def test_yield_status_resume() -> None:
         r = await run_cli("status", "--exit-code", *admin)
         assert r.code == cli.EXIT_YIELDED == 4, r
 
-        # Resuming another source leaves the hold; the line says who still holds it.
+        # Resuming another source (api, which holds nothing) leaves the hold; the line says who holds it.
         r = await run_cli("resume", *admin)
-        assert r.code == 0, r
-        assert r.out.startswith("state: yielded | held by trainer"), r
+        assert r.code == cli.EXIT_NO_HOLD, r
+        assert "the holds are: trainer" in r.err, r
 
         r = await run_cli("resume", "--source", "trainer", *admin)
         assert r.code == 0, r
@@ -232,6 +233,84 @@ async def test_the_installed_command_runs_against_a_real_admin_api(tmp_path: Pat
         assert re.search(r"^\s+trainer\s", r.out, re.M), r.out
     finally:
         await server.close()
+
+
+async def run_into_a_closed_pipe(*command: str, env: dict[str, str]) -> Result:
+    """A real command whose stdout is a pipe nobody reads any more (``| head`` after its lines): its exit status
+    and stderr."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("YIELDPROXY_")}
+    full_env.update(env)
+
+    def run() -> subprocess.CompletedProcess:
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            return subprocess.run(list(command), stdout=write, stderr=subprocess.PIPE, text=True, env=full_env,
+                                  timeout=25)
+        finally:
+            os.close(write)
+
+    done = await threads.deferToThread(run).addTimeout(30, _reactor())
+    return Result(done.returncode, "", done.stderr)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reader_that_goes_away_ends_the_output_quietly_with_the_command_s_own_status() -> None:
+    """``yieldproxy status | head -3``: no BrokenPipeError traceback; the exit status is the command's, whether the
+    write fails at once (unbuffered) or in the last flush (a pipe's block buffer)."""
+    server = await AdminServer().start()
+    try:
+        server.proxy.state.hold("game", "steam")
+        commands = [
+            (("status",), 0), (("status", "--json"), 0), (("status", "--exit-code"), cli.EXIT_YIELDED),
+            (("--help",), 0), (("--version",), 0), (("example-config",), 0),
+            (("yield", "--source", "trainer"), 0), (("resume", "--source", "trainer"), 0),
+        ]
+        for unbuffered in ("1", ""):
+            for args, status in commands:
+                r = await run_into_a_closed_pipe(
+                    str(INSTALLED), *args, env={"YIELDPROXY_ADMIN": server.url, "PYTHONUNBUFFERED": unbuffered},
+                )
+                assert (r.code, r.err) == (status, ""), (args, unbuffered, r)
+        assert [h.source for h in server.proxy.state.holds] == ["game"]
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_resuming_a_source_that_holds_nothing_exits_5_naming_the_holds() -> None:
+    """``yieldproxy resume --source gmae`` (for game) exited 0 in silence, and the real hold stayed."""
+    server = await AdminServer().start()
+    try:
+        admin = ("--admin", server.url)
+        server.proxy.state.hold("game", "steam")
+        r = await run_cli("resume", "--source", "gmae", *admin)
+        assert (r.code, r.out) == (cli.EXIT_NO_HOLD, ""), r
+        assert r.err == "yieldproxy: no hold of source 'gmae' to end; the holds are: game; did you mean --source game?\n"
+        assert server.proxy.state.yielded
+        r = await run_cli("resume", "--source", "game", *admin)
+        assert r.code == 0 and r.out.startswith("state: available"), r
+        r = await run_cli("resume", "--source", "game", *admin)
+        assert r.code == cli.EXIT_NO_HOLD, r
+        assert r.err == "yieldproxy: no hold of source 'game' to end; no hold is taken (state: available)\n", r
+    finally:
+        await server.close()
+
+
+@given(
+    typed=st.from_regex(r"[a-z][a-z0-9._-]{0,20}", fullmatch=True),
+    held=st.lists(st.from_regex(r"[a-z][a-z0-9._-]{0,20}", fullmatch=True), max_size=4, unique=True),
+    upstream=st.sampled_from([None, "desktop"]),
+)
+def test_the_nothing_to_resume_line_is_one_line_naming_every_hold(typed, held, upstream) -> None:
+    status = {"state": "yielded" if held else "available",
+              "holds": [{"source": h, "upstream": None} for h in held]}
+    line = cli.nothing_to_resume(status, typed, upstream)
+    assert "\n" not in line and repr(typed) in line
+    assert all(h in line for h in held)
+    assert ("no hold is taken" in line) == (not held)
+    if upstream:
+        assert f"on upstream {upstream!r}" in line
 
 
 @pytest_twisted.ensureDeferred
@@ -396,6 +475,15 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> 
         cli.main(argv)
     assert exited.value.code == cli.EXIT_USAGE == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_version_is_yieldproxy_s(capsys: pytest.CaptureFixture) -> None:
+    from yieldproxy import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"yieldproxy {__version__}\n"
 
 
 def test_help_documents_exit_codes(capsys: pytest.CaptureFixture) -> None:

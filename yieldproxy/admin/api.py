@@ -547,15 +547,18 @@ class AdminApp:
             return _json(request, {"error": str(e)}, 400)
         if scope == ALL:
             # No upstream named: every hold of the source ends, whichever upstream it holds.
-            self._state.release_source(source)
-        elif not self._state.release(source, scope) and self._covered(source, scope):
-            return _json(
-                request,
-                {"error": f"source {source} holds every upstream (its hold named none): resume it without "
-                          f"upstream, or yield the others by name first"},
-                409,
-            )
-        return _json(request, self.status())
+            ended = self._state.release_source(source)
+        else:
+            ended = int(self._state.release(source, scope))
+            if not ended and self._covered(source, scope):
+                return _json(
+                    request,
+                    {"error": f"source {source} holds every upstream (its hold named none): resume it without "
+                              f"upstream, or yield the others by name first"},
+                    409,
+                )
+        # How many holds this call ended: 0 says the source held nothing (a typo, or ended already).
+        return _json(request, {**self.status(), "holds_ended": ended})
 
     def _covered(self, source: str, scope: str) -> bool:
         """True when ``source``'s hold of every upstream holds ``scope`` (a resume of ``scope`` alone cannot end it)."""

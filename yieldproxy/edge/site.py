@@ -85,6 +85,9 @@ class ProxySite(Site):
     """
 
     displayTracebacks = False
+    #: Twisted's "Starting factory <... object at 0x...>" on every start and stop says nothing an operator can use
+    #: (the listener says where it listens).
+    noisy = False
     linger_seconds = LINGER_SECONDS
     reader_limits = Limits(max_head_bytes=MAX_HEADER_BYTES, max_line_bytes=MAX_HEADER_BYTES, max_headers=MAX_HEADERS)
 

@@ -11,8 +11,9 @@ what fits, instead of failing later under load.
 
 The defaults fit the machine: where the operator set neither
 ``proxy.max_connections`` nor ``parking.max_parked``, a limit too low for
-10,000 parked requests sizes both to it, in one info line (a machine whose
-hard limit is 20,000 is no mistake).  A warning is for what the operator
+10,000 parked requests sizes both to it, in one debug line (a machine whose
+hard limit is 20,000 is no mistake, and a line at every start would be noise:
+``/status`` shows the sizes in its config summary).  A warning is for what the operator
 asked for and cannot have: an explicit ``proxy.max_connections`` or
 ``parking.max_parked`` (or a class's ``max_parked``) the limit cannot meet.
 """
@@ -136,12 +137,12 @@ def fit_fd_limit(
     """:func:`fd_budget`, logged; ``config`` with the connection cap that fits."""
     budget = fd_budget(config, getrlimit, setrlimit)
     if budget.soft != budget.soft_before:
-        log.info(
+        log.debug(
             "open-file limit raised from {before} to {after} (hard limit {hard})",
             before=budget.soft_before, after=budget.soft, hard=_text(budget.hard),
         )
     if budget.sized:
-        log.info(
+        log.debug(
             "the open-file limit is {soft} (hard limit {hard}): the defaults are sized to it, {sized}; "
             "raise LimitNOFILE= (ulimit -n) for more, or set proxy.max_connections and parking.max_parked",
             soft=_text(budget.soft), hard=_text(budget.hard), sized=budget.sized,

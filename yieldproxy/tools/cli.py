@@ -1,4 +1,4 @@
-"""The ``yieldproxy`` command: status, yield, resume, a self-contained demo, a sim, the example config.
+"""The ``yieldproxy`` command: serve, status, yield, resume, a self-contained demo, a sim, the example config.
 
 ``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
 for people and for scripts: every call has a timeout, and the exit status
@@ -13,6 +13,7 @@ does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TextIO, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -40,12 +41,14 @@ from .admin_api import (
 )
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
+    "EXIT_ERROR", "EXIT_NO_HOLD", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
     "admin_target_from_endpoint", "admin_target_from_option", "build_parser", "format_one_line",
     "format_status", "main", "resolve_settings",
 ]
 
 DEFAULT_ADMIN = "http://127.0.0.1:11436"
+#: ``resume`` ended no hold: the source (or its hold of that upstream) held nothing.
+EXIT_NO_HOLD = 5
 
 EPILOG = """\
 exit status:
@@ -56,6 +59,8 @@ exit status:
   3  the admin API could not be reached: nothing listening at the
      address, or no answer within --timeout seconds
   4  only with "status --exit-code": the GPU is yielded now
+  5  only with "resume": the source held nothing, so nothing ended
+     (a misspelt --source?); the line names the holds there are
 
 where the admin API is:
   --admin URL, else $YIELDPROXY_ADMIN, else admin.listen of --config FILE
@@ -74,6 +79,7 @@ the token (when the proxy has admin.token_file set), the first of:
   option that takes the token itself, so it cannot leak through ps.
 
 examples:
+  yieldproxy serve --upstream http://127.0.0.1:11434   # start it here
   yieldproxy status
   yieldproxy yield --for 600 --reason "fine-tuning run" --source trainer
   yieldproxy resume --source trainer
@@ -412,8 +418,29 @@ async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) 
 async def _resume_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
     client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
     status = await client.release(args.source, args.upstream)
+    if status.get("holds_ended") == 0:  # absent from a proxy older than the field: nothing to tell
+        print(f"yieldproxy: {nothing_to_resume(status, args.source or 'api', args.upstream)}", file=sys.stderr)
+        return EXIT_NO_HOLD
     print(format_one_line(status))
     return EXIT_OK
+
+
+def nothing_to_resume(status: dict, source: str, upstream: str | None) -> str:
+    """The one line for a resume that ended nothing: the holds there are, and the nearest source to the one typed."""
+    import difflib
+
+    holds = status.get("holds") or []
+    named = [
+        printable(str(h.get("source", "")), 64) + (f" (upstream {printable(str(h['upstream']), 64)})" if h.get("upstream") else "")
+        for h in holds
+    ]
+    what = f"no hold of source {source!r}" + (f" on upstream {upstream!r}" if upstream else "") + " to end"
+    if not holds:
+        return f"{what}; no hold is taken (state: {status.get('state', '?')})"
+    sources = sorted({str(h.get("source", "")) for h in holds})
+    nearest = difflib.get_close_matches(source, sources, n=1)
+    hint = f"; did you mean --source {nearest[0]}?" if nearest and nearest[0] != source else ""
+    return f"{what}; the holds are: {', '.join(named)}{hint}"
 
 
 #: Seconds ``yieldproxy reload`` waits by default: a new process starts, and a large lot goes over.
@@ -491,11 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="yieldproxy",
-        description="Talk to a running yieldproxy through its admin API, or try it without Ollama.",
+        description="Start yieldproxy, talk to a running one through its admin API, or try it without Ollama.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
@@ -556,6 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 60 + the yield + 20 ms a text)")
 
     sub.add_parser(
+        "serve", add_help=False,
+        help="start the proxy in the foreground (try: yieldproxy serve --help)",
+        description="Start the proxy in this terminal: twistd -n --pidfile= yieldproxy [options].",
+    )
+
+    sub.add_parser(
         "sim", add_help=False,
         help="run a simulated Ollama (try: yieldproxy sim --help)",
         description="Run the simulated Ollama backend (the same as python -m yieldproxy.tools.sim).",
@@ -567,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Print the commented example configuration, etc/yieldproxy.toml of the source, which "
             "sets every key to its default.  Save it, keep what you change, and start the proxy "
             "with it: yieldproxy example-config > yieldproxy.toml; "
-            "twistd -n --pidfile= yieldproxy --config yieldproxy.toml"
+            "yieldproxy serve --config yieldproxy.toml"
         ),
     )
 
@@ -597,6 +631,36 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                        help="the proxy's TOML config, with its [fallback] section")
     return parser
+
+
+def version_line() -> str:
+    """``yieldproxy --version``: this package's version (``twistd yieldproxy --version`` says it too)."""
+    from .. import __version__
+
+    return f"yieldproxy {__version__}"
+
+
+def twistd_command() -> list[str]:
+    """How to run twistd with this interpreter: the ``twistd`` script installed beside ``yieldproxy`` (or the
+    interpreter), else twistd's own entry point through this interpreter."""
+    for directory in (os.path.dirname(os.path.abspath(sys.argv[0])), os.path.dirname(sys.executable)):
+        candidate = os.path.join(directory, "twistd")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return [candidate]
+    return [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"]
+
+
+def serve(options: Sequence[str]) -> NoReturn:
+    """``yieldproxy serve [options]``: the proxy in the foreground, twistd being the engine (this process
+    becomes ``twistd -n --pidfile= yieldproxy [options]``: signals, reloads and exit status are twistd's)."""
+    command = [*twistd_command(), "-n", "--pidfile=", "yieldproxy", *options]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(command[0], command)
+    except OSError as e:
+        print(f"yieldproxy serve: cannot start twistd ({command[0]}): {e.strerror}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
 
 
 def example_config() -> str:
@@ -650,6 +714,61 @@ def _run_demo(reactor, args: argparse.Namespace, finished: list):
     return defer.Deferred.fromCoroutine(run())
 
 
+class _ReaderMayLeave:
+    """The command's stdout: when its reader goes away (``yieldproxy status | head -3``), the rest of the output
+    goes nowhere, quietly, and the command ends with the status it would have had.
+
+    Python ignores SIGPIPE, so a write to a closed pipe raises :class:`BrokenPipeError` wherever it happens: in
+    a ``print``, or in the flush as the interpreter exits (a traceback, and exit 1 or 120).  This catches it on
+    every write and flush, and points the descriptor at ``/dev/null`` as the Python docs' recipe for SIGPIPE
+    does, so that no later flush fails again.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_nowhere()
+
+    def _to_nowhere(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """sys.stdout as :class:`_ReaderMayLeave` meanwhile, when it is a real file (not a test's capture)."""
+    stream = sys.stdout
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    wrapped = _ReaderMayLeave(stream)
+    sys.stdout = cast(TextIO, wrapped)
+    try:
+        yield
+    finally:
+        wrapped.flush()
+        sys.stdout = stream
+
+
 def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task.react) -> None:
     """The ``yieldproxy`` console script.
 
@@ -658,9 +777,15 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         (the default) does; the tests give one that runs the command on
         their own, already running, reactor.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with _reader_may_leave():
+        _main(list(sys.argv[1:] if argv is None else argv), react)
+
+
+def _main(argv: list[str], react: Callable[..., None]) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":
+        serve(extra)
     if args.command == "sim":
         from .sim import main as sim_main
 
