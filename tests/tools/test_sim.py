@@ -131,6 +131,11 @@ def _post(stub: StubTreq, path: str, body: Any) -> defer.Deferred[Any]:
     return stub.post(URL + path, data=data, headers={"content-type": ["application/json"]})
 
 
+def _flushed(stub: StubTreq, d: defer.Deferred[Any]) -> defer.Deferred[Any]:
+    stub.flush()
+    return d
+
+
 def _json_of(stub: StubTreq, d: defer.Deferred[Any]) -> tuple[int, Any]:
     """Settle an in-memory request: (status, decoded JSON)."""
     stub.flush()
@@ -293,12 +298,15 @@ def test_errors_in_each_api_shape() -> None:
     assert code == 400 and set(body["error"]) >= {"message", "type", "code"}
     code, body = _json_of(stub, _post(stub, "/v1/embeddings", {"model": "m", "input": "x", "encoding_format": "hex"}))
     assert code == 400 and body["error"]["type"] == "invalid_request_error"
-    code, body = _json_of(stub, stub.get(URL + "/api/nope"))
-    assert code == 404 and isinstance(body["error"], str)
-    code, body = _json_of(stub, stub.get(URL + "/v1/nope"))
-    assert code == 404 and "message" in body["error"]
-    code, body = _json_of(stub, stub.get(URL + "/api/embed"))
-    assert code == 405
+    # gin's own answers to an unknown path or method: plain text, on /v1/ too (checked against a real
+    # Ollama by tests/test_sim_vs_ollama_real.py).
+    for path, want in (("/api/nope", (404, b"404 page not found")), ("/v1/nope", (404, b"404 page not found")),
+                       ("/api/embed", (405, b"405 method not allowed"))):
+        answer = _result(_flushed(stub, stub.get(URL + path)))
+        content = treq.content(answer)
+        stub.flush()
+        assert (answer.code, _result(content)) == want
+        assert answer.headers.getRawHeaders("content-type") == ["text/plain"]
     assert _json_of(stub, stub.get(URL + "/api/version")) == (200, {"version": "0.12.0-sim"})
     assert sim.outcomes["bad_request"] == 8 and sim.outcomes["not_found"] == 2
 

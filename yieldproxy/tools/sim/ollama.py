@@ -194,6 +194,11 @@ def _durations(sim: Sim, job: Job) -> dict[str, Any]:
     }
 
 
+def _context(sim: Sim, job: Job) -> list[int]:
+    """The token ids a generation leaves for the next call (``context`` of ``/api/generate``'s last object)."""
+    return list(range(1, count_tokens(job.prompt) + sim.chunks + 1))
+
+
 def _usage(sim: Sim, job: Job) -> dict[str, int]:
     """OpenAI's usage block for a reply."""
     return openai.usage(count_tokens(job.prompt), sim.chunks)
@@ -211,6 +216,9 @@ class OllamaApi(Api):
 
     def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
         code, text = _FAILURES.get(failure, (400, message))
+        if failure in ("not_found", "method"):
+            # gin answers an unknown path or method itself, in plain text, before any handler or middleware.
+            return Reply(code, text.encode(), b"text/plain")
         if failure == "template":
             code, text = 500, message
         elif failure == "model_not_found":
@@ -274,6 +282,8 @@ class OllamaApi(Api):
                 body["response"] = text
             body.update({"done": True, "done_reason": "stop"})
             body.update(_durations(sim, job))
+            if op == "generate":
+                body["context"] = _context(sim, job)
             return body
         chat = op == "v1_chat"
         return openai.completion_body(
@@ -318,6 +328,8 @@ class OllamaApi(Api):
         line["done"] = done
         if done:
             line["done_reason"] = "stop"
+            if job.route.op == "generate":
+                line["context"] = _context(sim, job)
             line.update(_durations(sim, job))
         return dumps(line) + b"\n"
 

@@ -142,7 +142,7 @@ def _parse_embed(sim: Sim, job: Job, body: dict[str, Any]) -> None:
     if body.get("truncate") is False:
         for text in texts:
             if count_tokens(text) > sim.context_length:
-                raise BadRequest("input length exceeds maximum context length")
+                raise BadRequest("the input length exceeds the context length")
 
 
 #: Names a Go template may call: text/template's builtins and keywords, and
