@@ -112,8 +112,10 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     IDLE: frozenset({HEAD, LINGER, CLOSING, CLOSED}),
     # A head with a body, without one (the app has it), over the body limit (answered unread),
     # malformed (400/414/431) or too slow (408).
-    HEAD: frozenset({BODY, HANDLING, REFUSING, LINGER, CLOSED}),
-    BODY: frozenset({HANDLING, REFUSING, LINGER, CLOSED}),
+    # Closing: cut to make a place for a whole request (capacity.Connections.shed_for), or the client shut
+    # its side before its request was whole.
+    HEAD: frozenset({BODY, HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
+    BODY: frozenset({HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
     # The answer's first byte; the app closing the connection; the client gone.
     HANDLING: frozenset({WRITING, CLOSING, CLOSED}),
     # The answer is done: the next request (kept alive), or the end.
@@ -137,6 +139,8 @@ PORTABLE = frozenset({FRESH, IDLE, HANDLING})
 MAX_READ_AHEAD = 64 * 1024
 #: Seconds a refused connection keeps reading (and dropping) before it is cut.
 LINGER_SECONDS = 5.0
+#: Seconds a connection cut to make a place for a whole request has to take its 408 before it is aborted.
+SHED_SECONDS = 0.25
 #: Reason phrases Twisted's table lacks.
 _PHRASES = {431: b"Request Header Fields Too Large"}
 
@@ -152,7 +156,7 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
-        "_frozen",
+        "_frozen", "_progress_at",
     )
 
     def __init__(self, site: Any):
@@ -199,6 +203,8 @@ class ServerConnection(Protocol):
         #: While a reload hands it over (:meth:`freeze`): its deadline's kind and the time it had left, and
         #: whether it was reading.
         self._frozen: tuple[str | None, float | None, bool] | None = None
+        #: When it last made progress: a byte read, or its client read what waited (capacity.Connections.shed_for).
+        self._progress_at = 0.0
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -301,6 +307,7 @@ class ServerConnection(Protocol):
     def connectionMade(self) -> None:
         transport = self.transport
         set_no_delay(transport)
+        self._progress_at = self._clock.seconds()
         self.writer = writer_for(transport, self._clock, self._blocked, self._drained)
         if self.connections is not None:
             self.connections.opened(self)
@@ -386,6 +393,7 @@ class ServerConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         state = self.state
+        self._progress_at = self._clock.seconds()
         if state is FRESH or state is IDLE:
             self._to(HEAD)
         elif state not in READING:
@@ -474,6 +482,45 @@ class ServerConnection(Protocol):
         size, self._receiving = self._receiving, 0
         if size and self.connections is not None:
             self.connections.give_back_receiving(size)
+
+    def shed_rank(self) -> float | None:
+        """When it last made progress, if it may be cut to make a place for a whole request; else None.
+
+        It may while no whole request of it is being served: it reads a
+        request (or waits for one), lingers after a refusal, or holds an
+        answer its client does not read."""
+        state = self.state
+        if state in READING or state is LINGER:
+            return self._progress_at
+        if (state is WRITING or state is CLOSING) and self.writer is not None and self.writer.blocked:
+            return self._progress_at
+        return None
+
+    def shed(self) -> None:
+        """Cut to make a place for a whole request: a request begun gets a 408, then the connection closes
+        (aborted if it has not closed in :data:`SHED_SECONDS`)."""
+        state = self.state
+        if state is CLOSED:
+            return
+        if state is HEAD or state is BODY:
+            self.persistent = False
+            self.request = None
+            path = self._reader.target_seen or b""
+            body = self.site.error_body(
+                path.split(b"?", 1)[0], 408, "the request was not received in full while the listener was full",
+                "request_timeout",
+            )
+            self.writer.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+        if state in READING:
+            self._to(CLOSING)
+            self.writer.release()
+            self.transport.loseConnection()
+            self._expect("closing", SHED_SECONDS)
+        else:
+            self.transport.abortConnection()
 
     def _complete(self) -> None:
         """The request is in: the app has it."""
@@ -604,6 +651,7 @@ class ServerConnection(Protocol):
 
     def _drained(self) -> None:
         """The client read what waited: the request's producer goes on."""
+        self._progress_at = self._clock.seconds()
         if self._deadline_kind == "stall":
             self._expect(None)
         producer = self._producer

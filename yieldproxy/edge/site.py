@@ -132,7 +132,7 @@ class ProxySite(Site):
         ):
             # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
             promote = self.connection_for if connections.quick_seconds else None
-            return OverCapacity(connections, self.reactor, promote, self.error_body)
+            return OverCapacity(connections, self.reactor, promote, self.error_body, self.reader_limits)
         return self.connection_for(addr)
 
     def connection_for(self, addr: Any = None) -> ServerConnection:
