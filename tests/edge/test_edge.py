@@ -453,10 +453,16 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
     get 503 + Retry-After as their first bytes find no room (the budget weighs
     what has arrived, not what a head announces: issue 25), a small request
     still passes meanwhile, and the three complete normally.
+
+    The three hold back their last byte for seconds of real time: here they
+    count as progressing (no stall bound), so that the bound itself is what
+    is tried; bodies that stall giving their room to others is
+    ``test_edge_connection.py::test_stalled_uploads_never_keep_a_body_out``.
     """
     mib = 1024 * 1024
     stack = await recording_stack(config_with(proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib}))
     connections = stack.proxy.proxy_app.connections
+    connections.stall_seconds, connections.min_pace = float("inf"), 0.0
     port = port_of(stack.proxy_url)
     body = _embed_of(mib)
     head = request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % mib)], length=False)

@@ -7,13 +7,17 @@ the bytes of request bodies being received at once, all connections together
 (``proxy.max_receiving_bytes``).  :class:`OverCapacity` answers a connection
 past the cap: a 503 with ``Retry-After`` in its API's shape, never a bare close.
 
-On the admin listener a request is *whole* when the request reader has
+Two rules make both bounds hold against clients that stall on purpose:
+
+* on the admin listener a request is *whole* when the request reader has
   read its end (:class:`~yieldproxy.edge.reader.EndOfMessage`: the head, and
   the body its framing announces, chunks and trailers included), and a whole
   request that finds every place taken gets the place of the connection that
   has made the least progress (:meth:`Connections.shed_for`): one still
   reading its request, or one whose client does not read its answer, never a
-  request that came whole.
+  request that came whole;
+* a body that stalls gives its share of the receiving budget back to a body
+  that arrives (:meth:`Connections.take_receiving`): it is cut with a 408.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ MAX_HEADER_BYTES = 16384
 MAX_QUICK_BYTES = 2 * MAX_HEADER_BYTES
 #: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
 SMALL_BODY_BYTES = 64 * 1024
+#: Seconds without a byte after which a body being received is stalled: it gives its budget to a body arriving.
+RECEIVING_STALL_SECONDS = 1.0
+#: Bytes per second, on average since its first byte, below which a body being received is stalled all the
+#: same (one that sends a byte now and then to look alive).
+RECEIVING_MIN_PACE = 64 * 1024
 
 #: ``error_body(path, status, message, code)``: the JSON body of an answer the edge writes itself, in the shape
 #: of the API ``path`` belongs to (the listeners give theirs: errors.listener_error_body).
@@ -98,6 +107,12 @@ class Connections:
     receiving: int = 0
     #: A body up to this size is small: the last quarter of ``max_receiving_bytes`` is kept for such bodies.
     small_body_bytes: int = SMALL_BODY_BYTES
+    #: When a body being received is stalled (see :meth:`take_receiving`): seconds without a byte, or a pace
+    #: under this many bytes a second on average.
+    stall_seconds: float = RECEIVING_STALL_SECONDS
+    min_pace: float = RECEIVING_MIN_PACE
+    #: Bodies cut because they stalled while another needed their budget, since start.
+    cut: int = 0
     #: Connections cut to make a place for a whole request (admin listener), since start.
     shed: int = 0
     #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
@@ -121,6 +136,8 @@ class Connections:
     _waiting: dict = attrs.Factory(dict)
     #: Every open channel (a stop waits for the answers still to be written to them: :meth:`flushed`).
     _channels: dict = attrs.Factory(dict)
+    #: The channels holding bytes in the receiving budget (:meth:`take_receiving`).
+    _receivers: dict = attrs.Factory(dict)
     #: The channels cut to make a place for a whole request, until their connection is gone (:meth:`shed_for`).
     _shedding: dict = attrs.Factory(dict)
     #: The channels a stop waits to see written out and closed, and its waiter (:meth:`flushed`).
@@ -142,6 +159,7 @@ class Connections:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
         self._channels.pop(channel, None)
+        self._receivers.pop(channel, None)
         self._shedding.pop(channel, None)
         if self._flushing and self._flushing.pop(channel, 1) is None and not self._flushing:
             self._done_flushing()
@@ -270,25 +288,55 @@ class Connections:
             return True
         return False
 
-    def take_receiving(self, size: int, large: bool) -> bool:
-        """Count ``size`` more bytes of a body being received, if they fit; False if they do not.
+    def take_receiving(self, channel, size: int, large: bool, now: float) -> bool:
+        """Count ``size`` more bytes of ``channel``'s body being received, if they fit; False if they do not.
+
+        A body that has stalled never keeps the room another body needs:
+        when the bytes do not fit, the bodies being received that are stalled
+        (no byte for ``stall_seconds``, or under ``min_pace`` bytes a second
+        on average since their first byte) are cut, the slowest first, until
+        they fit (each answered 408: ``channel.cut_stalled()``).  So no mix of
+        uploads that hold back their end can refuse a body arriving: they
+        hold what they took only while they keep sending.
 
         A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters
-        of ``max_receiving_bytes``; the last quarter is kept for small ones,
-        so that uploads holding back their last byte cannot stop small
-        requests.  With nothing being received, any body fits: the budget
-        never refuses a body the body limit allows when it is alone.
+        of ``max_receiving_bytes``; the last quarter is kept for small ones
+        (that room does not wait for anything to stall).  With nothing being
+        received, any body fits: the budget never refuses a body the body
+        limit allows when it is alone.
         """
         limit = self.max_receiving_bytes
         if limit is not None and self.receiving:
             room = limit - limit // 4 if large else limit
             if self.receiving + size > room:
-                return False
+                self._cut_stalled(channel, self.receiving + size - room, now)
+                if self.receiving and self.receiving + size > room:
+                    return False
         self.receiving += size
+        self._receivers[channel] = None
         return True
 
-    def give_back_receiving(self, size: int) -> None:
+    def _cut_stalled(self, needing, short: int, now: float) -> None:
+        """Cut stalled bodies (not ``needing``'s), the slowest first, until ``short`` bytes are free."""
+        stalled = []
+        for channel in self._receivers:
+            if channel is needing:
+                continue
+            pace, silent = channel.receiving_pace(now)
+            if silent >= self.stall_seconds or pace < self.min_pace:
+                stalled.append((pace, -silent, id(channel), channel))
+        stalled.sort()
+        for _pace, _silent, _id, channel in stalled:
+            if short <= 0:
+                return
+            held = channel.receiving_held
+            self.cut += 1
+            channel.cut_stalled()
+            short -= held
+
+    def give_back_receiving(self, channel, size: int) -> None:
         self.receiving -= size
+        self._receivers.pop(channel, None)
 
     def listening(self, listener) -> None:
         """``listener`` accepts these connections: it is held back (``hold_back``/``let_in``) under a flood."""

@@ -156,7 +156,7 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
-        "_frozen", "_progress_at",
+        "_frozen", "_progress_at", "_body_started", "_body_last",
     )
 
     def __init__(self, site: Any):
@@ -205,6 +205,9 @@ class ServerConnection(Protocol):
         self._frozen: tuple[str | None, float | None, bool] | None = None
         #: When it last made progress: a byte read, or its client read what waited (capacity.Connections.shed_for).
         self._progress_at = 0.0
+        #: When the body being read began, and when its last bytes came (capacity.Connections.take_receiving).
+        self._body_started = 0.0
+        self._body_last = 0.0
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -222,7 +225,9 @@ class ServerConnection(Protocol):
                 connections.busy(self)
         self.state = new
         # Entering.
-        if new is IDLE:
+        if new is BODY:
+            self._body_started = self._body_last = self._clock.seconds()
+        elif new is IDLE:
             if self.connections is not None:
                 self.connections.idle(self)
             self._expect("keepalive", self._keepalive)
@@ -471,17 +476,38 @@ class ServerConnection(Protocol):
         if connections is not None and connections.max_receiving_bytes is not None:
             length = self._length
             large = (length if length is not None else size) > connections.small_body_bytes
-            if not connections.take_receiving(len(data), large):
+            now = self._clock.seconds()
+            if not connections.take_receiving(self, len(data), large, now):
                 self._refuse_body(too_large=False)
                 return
             self._receiving += len(data)
+            self._body_last = now
         self._body_size = size
         self._body.append(data)
 
     def _give_back_receiving(self) -> None:
         size, self._receiving = self._receiving, 0
         if size and self.connections is not None:
-            self.connections.give_back_receiving(size)
+            self.connections.give_back_receiving(self, size)
+
+    @property
+    def receiving_held(self) -> int:
+        """Bytes of its body this connection holds in the listener's receiving budget."""
+        return self._receiving
+
+    def receiving_pace(self, now: float) -> tuple[float, float]:
+        """The body's bytes a second since its first, and the seconds since its last (capacity.Connections)."""
+        elapsed = now - self._body_started
+        pace = self._receiving / elapsed if elapsed > 0 else float("inf")
+        return pace, now - self._body_last
+
+    def cut_stalled(self) -> None:
+        """Its body stalled while another needed the budget it holds: 408, and the budget given back."""
+        if self.state is BODY:
+            self._refuse(
+                408, "the request body stopped arriving while other bodies needed the room it held; send it again",
+                "request_timeout",
+            )
 
     def shed_rank(self) -> float | None:
         """When it last made progress, if it may be cut to make a place for a whole request; else None.

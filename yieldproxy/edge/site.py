@@ -39,8 +39,9 @@ without bound, or forward anything it did not parse itself, so:
   503 with ``Retry-After`` (never closed unanswered; under a flood the port
   pauses accepting);
 * the bytes of bodies being received at once, all connections together, are
-  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: past
-  it a body is answered 503 (``receiving_full``), a quarter kept for small
+  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: a
+  body that stalled is cut (408) to make room for one arriving, and past it
+  a body is answered 503 (``receiving_full``), a quarter kept for small
   bodies.
 
 After refusing, the connection lingers a moment, reading and dropping what the
