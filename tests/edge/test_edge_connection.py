@@ -453,6 +453,46 @@ def test_an_upload_that_keeps_its_pace_keeps_its_budget_and_a_stalled_one_is_cut
     assert connections.receiving == 770_000 and connections.cut == 1
 
 
+# -- the client shuts its side (a half-close) ------------------------------------------------
+
+
+def test_a_half_closed_connection_answers_what_came_whole_in_order_then_closes():
+    """``shutdown(SHUT_WR)`` after two whole requests and part of a third: two answers, then the close."""
+    wire = Wire()
+    get = b"GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    wire.send(get + get + b"GET /b HT")
+    wire.connection.readConnectionLost()
+    assert [status for status, _ in wire.answers()] == [200, 200]
+    assert wire.connection.state is State.CLOSING and wire.transport.disconnecting
+
+
+def test_a_half_closed_connection_with_its_request_parked_waits_for_its_answer():
+    """The request is the app's (parked): the half-close does not end it; its answer is written, then the close."""
+    wire = Wire(_Held())
+    wire.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\n{}")
+    wire.connection.readConnectionLost()
+    wire.clock.advance(60)
+    assert wire.connection.state is HANDLING and not wire.transport.disconnecting
+    request = wire.resource.requests[0]
+    finished = request.notifyFinish()
+    request.write(b"late")
+    request.finish()
+    assert finished.called and finished.result is None  # the request was not told its client left
+    assert wire.transport.value().startswith(b"HTTP/1.1 200 ") and b"late" in wire.transport.value()
+    assert wire.connection.state is State.CLOSING and wire.transport.disconnecting
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /a HTTP/1.1\r\nHost: loc", b"POST /a HTTP/1.1\r\nHost: l\r\nContent-Length: 9\r\n\r\n{"])
+def test_a_half_close_before_a_whole_request_closes_without_an_answer(sent):
+    connections = Connections(10, max_receiving_bytes=1024)
+    wire = Wire(connections=connections)
+    wire.send(sent)
+    wire.connection.readConnectionLost()
+    assert wire.transport.value() == b"" and wire.transport.disconnecting
+    wire.lose()
+    assert connections.open == 0 and connections.receiving == 0
+
+
 def test_a_declared_oversized_body_is_refused_before_it_is_read():
     wire = Wire(max_body_bytes=10)
     wire.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n")

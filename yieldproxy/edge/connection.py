@@ -58,13 +58,15 @@ from __future__ import annotations
 
 import enum
 import io
+import socket
 from typing import Any
 
-from twisted.internet.interfaces import ISSLTransport
+from twisted.internet.interfaces import IHalfCloseableProtocol, ISSLTransport
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
+from zope.interface import implementer
 
 from .reader import (
     NEED_DATA,
@@ -141,10 +143,15 @@ MAX_READ_AHEAD = 64 * 1024
 LINGER_SECONDS = 5.0
 #: Seconds a connection cut to make a place for a whole request has to take its 408 before it is aborted.
 SHED_SECONDS = 0.25
+#: Seconds a request may still be unanswered after its client shut its side before the client is asked whether it
+#: is still there (a parked request: see :meth:`ServerConnection.readConnectionLost`), and seconds for its reply.
+PROBE_AFTER_SECONDS = 1.0
+PROBE_SECONDS = 0.05
 #: Reason phrases Twisted's table lacks.
 _PHRASES = {431: b"Request Header Fields Too Large"}
 
 
+@implementer(IHalfCloseableProtocol)
 class ServerConnection(Protocol):
     """One HTTP/1.1 connection of a listener (see the module docstring)."""
 
@@ -156,7 +163,7 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
-        "_frozen", "_progress_at", "_body_started", "_body_last",
+        "_frozen", "_progress_at", "_body_started", "_body_last", "_read_shut", "_probe",
     )
 
     def __init__(self, site: Any):
@@ -208,6 +215,10 @@ class ServerConnection(Protocol):
         #: When the body being read began, and when its last bytes came (capacity.Connections.take_receiving).
         self._body_started = 0.0
         self._body_last = 0.0
+        #: The client shut its side (a half-close): the answer is written, then the connection closes.
+        self._read_shut = False
+        #: The check, after a half-close, that the client is still there to read its answer.
+        self._probe: Any = None
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -252,6 +263,9 @@ class ServerConnection(Protocol):
             pull, self._pull = self._pull, None
             if pull is not None and pull.active():
                 pull.cancel()
+            probe, self._probe = self._probe, None
+            if probe is not None and probe.active():
+                probe.cancel()
             if self.writer is not None:
                 self.writer.drop()
 
@@ -340,6 +354,65 @@ class ServerConnection(Protocol):
                 log.failure("a request's producer failed to stop")
         if self.connections is not None:
             self.connections.closed(self)
+
+    # -- the client shuts its side (IHalfCloseableProtocol) ------------------------------------
+
+    def readConnectionLost(self) -> None:
+        """The client shut its side of the connection (``shutdown(SHUT_WR)``, ``nc -N``, ``printf | nc -q``).
+
+        What it sent whole is answered, in order, and the connection closes
+        after the last answer; a request it had not finished never will be,
+        so the connection closes.  With its request still unanswered a
+        second later (parked), the proxy asks the client's socket whether it
+        is still there: the client's kernel answers an interim ``100
+        Continue`` with a reset when the program closed the socket rather
+        than shutting one side of it (both send the same FIN), and a client
+        gone that way leaves as before: its request is dropped, not
+        replayed."""
+        first, self._read_shut = not self._read_shut, True
+        state = self.state
+        if state is CLOSED:
+            return
+        self._reader.feed_eof()
+        if state in SERVING:
+            if state is HANDLING and first:
+                self._check_client_later()
+            return
+        if state is LINGER or state is CLOSING:
+            self.transport.loseConnection()
+            return
+        self.loseConnection()
+
+    def writeConnectionLost(self) -> None:
+        """Our side is shut (a refusal lingers: :meth:`_linger`); the linger deadline runs on."""
+
+    def _check_client_later(self) -> None:
+        request = self.request
+        handle = getattr(self.transport, "getHandle", None)
+        sock = handle() if handle is not None else None
+        if request is None or request.clientproto != b"HTTP/1.1" or not hasattr(sock, "getsockopt"):
+            return  # no interim answer for HTTP/1.0, and no socket to ask (a test's transport): answered all the same
+        self._probe = self._clock.callLater(PROBE_AFTER_SECONDS, self._ask_client, sock)
+
+    def _ask_client(self, sock: Any) -> None:
+        """An interim answer, which HTTP/1.1 clients skip (RFC 9110 15.2), to draw a reset from a client gone."""
+        self._probe = None
+        if self.state is HANDLING:
+            self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.writer.flush()
+            self._probe = self._clock.callLater(PROBE_SECONDS, self._check_client, sock)
+
+    def _check_client(self, sock: Any) -> None:
+        """A reset to the interim answer: the client closed its socket and is gone."""
+        self._probe = None
+        if self.state is not HANDLING:
+            return
+        try:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError:
+            error = 1
+        if error:
+            self.transport.abortConnection()
 
     def loseConnection(self) -> None:
         """Close once what is written has gone out (a refused connection lingers: see :meth:`_refuse`)."""
@@ -602,7 +675,7 @@ class ServerConnection(Protocol):
         transport = self.transport
         lose_write = getattr(transport, "loseWriteConnection", None)
         self._resume_reading()
-        if lose_write is None:
+        if lose_write is None or self._read_shut:
             transport.loseConnection()
         else:
             lose_write()
@@ -720,6 +793,8 @@ class ServerConnection(Protocol):
         if self._reader.read_ahead:
             self._to(HEAD)
             self._read()
+        if self._read_shut and self.state in READING:
+            self.loseConnection()  # the client shut its side: nothing more will come
 
     # -- a reload hands it over ----------------------------------------------------------------
 
