@@ -244,6 +244,34 @@ def test_a_connection_cut_for_a_whole_request_is_the_longest_silent_of_those_wit
     assert len(app.held) == 2
 
 
+def test_what_may_be_cut_for_a_whole_request():
+    """Never a whole request being served (parked, or in flight); a connection still reading its request, or
+    one whose answer its client has not taken (not all in the socket yet, or the client too slow)."""
+    clock = Clock()
+    connections = Connections(10, "admin.max_connections", reserved=1, quick_seconds=0.5)
+    app = _App()
+    site = ProxySite(app, 1000, request_read_timeout=5.0, read_from_accept=True, connections=connections, reactor=clock)
+    reading = _connect(site, clock, "127.0.0.2")
+    reading.send(_HEAD)
+    assert reading.protocol.shed_rank() == 0.0
+    clock.advance(1)
+    served = _connect(site, clock, "127.0.0.2")
+    served.send(request_bytes(b"GET", b"/held"))
+    connection = served.protocol
+    assert connection.shed_rank() is None
+    app.held[0].write(b"part of the answer")
+    assert connection.state.value == "writing" and connection.shed_rank() is None
+
+    class Unread:
+        """A writer whose socket has not taken everything (a client that reads nothing)."""
+
+        unsent, blocked = True, False
+
+    writer, connection.writer = connection.writer, Unread()
+    assert connection.shed_rank() == 1.0
+    connection.writer = writer
+
+
 @pytest.mark.parametrize(
     "payload",
     [_HEAD, _LENGTH_HEAD, _HEAD + b"2\r\n{}\r\n0\r\n"],

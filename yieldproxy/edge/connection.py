@@ -587,11 +587,14 @@ class ServerConnection(Protocol):
 
         It may while no whole request of it is being served: it reads a
         request (or waits for one), lingers after a refusal, or holds an
-        answer its client does not read."""
+        answer its client has not taken yet (bytes the socket has not taken,
+        or a client too slow: a 25 KiB status page to a client with a tiny
+        receive window would hold its place for the closing deadline)."""
         state = self.state
         if state in READING or state is LINGER:
             return self._progress_at
-        if (state is WRITING or state is CLOSING) and self.writer is not None and self.writer.blocked:
+        writer = self.writer
+        if (state is WRITING or state is CLOSING) and writer is not None and (writer.blocked or writer.unsent):
             return self._progress_at
         return None
 
