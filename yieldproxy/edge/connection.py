@@ -36,7 +36,8 @@ refusing   a request answered before its body is read    its request; what still
            (413, 503 for the receiving budget)           dropped
 linger     refused and answered: the write side is shut, the linger deadline
            what the client still sends is dropped
-closing    the last answer is being written out          a deadline for it to be read
+closing    the last answer is being written out, or a    a deadline for it to be read
+           408 (cut for a whole request: capacity.py)
 closed     gone                                          nothing
 ========== ============================================ ===================================
 
