@@ -64,7 +64,7 @@ def test_host_policy_accepts_this_machine_and_private_addresses_only():
     policy = HostPolicy("proxy.allowed_hosts", hostname="gpubox.example.lan")
     for host in (
         None, "", "localhost", "LOCALHOST:11435", "127.0.0.1", "127.0.0.1:11435", "[::1]:11436", "::1",
-        "app.localhost", "gpubox.local", "host.docker.internal", "gpubox.example.lan", "gpubox:11435",
+        "app.localhost", "host.docker.internal", "gpubox.example.lan", "gpubox:11435",
         "192.168.1.20:11435", "10.0.0.5", "172.17.0.1", "[fe80::1]", "0.0.0.0", "localhost.",
     ):
         assert policy.allows(host), host
@@ -129,6 +129,22 @@ def test_both_listeners_refuse_a_host_that_is_not_theirs():
         assert _exchange(rig, request_bytes(b"GET", b"/api/tags", [(b"Host", host)])).status == 200, host
         assert _exchange(rig, request_bytes(b"GET", b"/status", [(b"Host", host)]), admin).status == 200, host
     assert len(backend.heads) == 5
+
+
+@pytest.mark.parametrize("host", [b"gpubox.local", b"GPUBOX.local.:11436", b"printer.lan.local"])
+def test_a_name_under_local_is_refused_on_both_listeners_unless_allowed(host):
+    """Any machine on the LAN may answer mDNS for a ``.local`` name, so a page can rebind one to this machine:
+    403 on both listeners (no POST /yield); ``allowed_hosts = ["*.local"]`` accepts them on purpose."""
+    assert not HostPolicy("admin.allowed_hosts", hostname="gpubox").allows(host.decode())
+    rig = Rig()
+    admin = rig.proxy.admin_app.site()
+    refused = _exchange(rig, request_bytes(b"POST", b"/yield", [(b"Host", host), (b"Content-Type", b"application/json")], b"{}"), admin)
+    assert "admin.allowed_hosts" in json_error(refused, 403)
+    assert rig.proxy.state.holds == []
+    assert "proxy.allowed_hosts" in json_error(_exchange(rig, request_bytes(b"GET", b"/api/tags", [(b"Host", host)])), 403)
+    allowed = Rig(config_with(proxy={"allowed_hosts": ("*.local",)}, admin={"allowed_hosts": ("*.local",)}))
+    assert _exchange(allowed, request_bytes(b"GET", b"/api/tags", [(b"Host", host)])).status == 200
+    assert _exchange(allowed, request_bytes(b"GET", b"/status", [(b"Host", host)]), allowed.proxy.admin_app.site()).status == 200
 
 
 def test_allowed_hosts_adds_names():
@@ -437,10 +453,16 @@ async def test_bodies_being_received_have_one_bound_and_small_requests_still_pas
     get 503 + Retry-After as their first bytes find no room (the budget weighs
     what has arrived, not what a head announces: issue 25), a small request
     still passes meanwhile, and the three complete normally.
+
+    The three hold back their last byte for seconds of real time: here they
+    count as progressing (no stall bound), so that the bound itself is what
+    is tried; bodies that stall giving their room to others is
+    ``test_edge_connection.py::test_stalled_uploads_never_keep_a_body_out``.
     """
     mib = 1024 * 1024
     stack = await recording_stack(config_with(proxy={"max_body_bytes": mib, "max_receiving_bytes": 4 * mib}))
     connections = stack.proxy.proxy_app.connections
+    connections.stall_seconds, connections.min_pace = float("inf"), 0.0
     port = port_of(stack.proxy_url)
     body = _embed_of(mib)
     head = request_bytes(b"POST", b"/api/embed", [(b"Content-Length", b"%d" % mib)], length=False)

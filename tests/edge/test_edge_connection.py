@@ -9,8 +9,10 @@ test_edge, test_fuzz and test_limits.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
@@ -19,7 +21,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from yieldproxy.edge.capacity import Connections
+from yieldproxy.edge.capacity import SMALL_BODY_BYTES, Connections
 from yieldproxy.edge.connection import (
     BODY,
     CLOSED,
@@ -79,8 +81,8 @@ class _Transport(StringTransport):
 class Wire:
     """One connection of a site, in memory, on a Clock."""
 
-    def __init__(self, resource=None, connections=None, **site_options):
-        self.clock = Clock()
+    def __init__(self, resource=None, connections=None, clock=None, **site_options):
+        self.clock = clock if clock is not None else Clock()
         self.resource = resource if resource is not None else _Ok()
         self.site = ProxySite(
             self.resource, site_options.pop("max_body_bytes", 1000), reactor=self.clock, connections=connections,
@@ -347,6 +349,148 @@ def test_a_body_past_the_budget_is_refused_503_and_its_bytes_given_back():
     assert second.connection.state is LINGER and connections.receiving == 70_000
     first.lose()
     assert connections.receiving == 0
+
+
+_SMALL = b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1024\r\n\r\n" + b"s" * 1024
+
+#: Sizes of uploads that stall: just under and over the small line, a bit of the budget, most of it.
+_STALLED_SIZES = st.one_of(
+    st.sampled_from([SMALL_BODY_BYTES - 1, SMALL_BODY_BYTES, SMALL_BODY_BYTES + 1, 200 * 1024, 700 * 1024]),
+    st.integers(2, 1024 * 1024),
+)
+_stalled_upload = st.tuples(
+    _STALLED_SIZES,
+    st.sampled_from(["length", "chunked", "chunks"]),  # how its body is framed
+    st.integers(1, 3),  # bytes it holds back
+    st.booleans(),  # whether it sends a byte now and then, to look alive
+    st.sampled_from([0.0, 0.01, 0.2]),  # seconds before the next upload starts
+)
+
+
+def _stalled_bytes(size: int, framing: str, held_back: int) -> bytes:
+    """A request whose body is ``size`` bytes, all but the last ``held_back`` of them sent."""
+    body = b"u" * (size - held_back)
+    if framing == "length":
+        return b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % size + body
+    head = b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    if framing == "chunked":
+        return head + b"%x\r\n" % size + body
+    half = len(body) // 2
+    return head + b"%x\r\n%s\r\n" % (half, body[:half]) + b"%x\r\n" % (size - half) + body[half:]
+
+
+@settings(max_examples=int(os.environ.get("YIELDPROXY_FUZZ_EXAMPLES", "60")), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(uploads=st.lists(_stalled_upload, min_size=1, max_size=40))
+@example(uploads=[(SMALL_BODY_BYTES - 1, "length", 1, False, 0.0)] * 20)
+@example(uploads=[(700 * 1024, "chunked", 1, True, 0.0)] + [(SMALL_BODY_BYTES - 1, "chunks", 1, True, 0.01)] * 8)
+def test_stalled_uploads_never_keep_a_body_out(uploads):
+    """Any mix of uploads that hold back their end (large, small, one byte under the small line, framed by
+    Content-Length or in chunks, some sending a byte now and then to look alive): once they have stalled, every
+    small request arriving is received whole, and the budget is never passed.
+
+    Before, bodies one byte under the small line filled the quarter kept for small bodies too, and every small
+    request got 503 while they stayed open."""
+    clock = Clock()
+    limit = 1024 * 1024
+    connections = Connections(1000, max_receiving_bytes=limit)
+    open_uploads = []
+    for size, framing, held_back, alive, pause in uploads:
+        held_back = min(held_back, size - 1)
+        wire = _budget_wire(connections, clock=clock)
+        wire.send(_stalled_bytes(size, framing, held_back))
+        assert connections.receiving <= limit
+        if wire.connection.state is BODY:
+            open_uploads.append((wire, held_back - 1 if alive else 0))
+        clock.advance(pause)
+
+    def trickle() -> None:
+        """The uploads that look alive send one more byte of what they held back (never the last)."""
+        for i, (wire, left) in enumerate(open_uploads):
+            if left > 0 and wire.connection.state is BODY:
+                wire.send(b"u")
+                open_uploads[i] = (wire, left - 1)
+
+    for _ in range(8):  # two seconds: twice the stall bound
+        clock.advance(0.25)
+        trickle()
+    for _ in range(5):
+        small = _budget_wire(connections, clock=clock)
+        small.send(_SMALL)
+        assert small.connection.state is HANDLING, small.transport.value()[:200]
+        assert small.resource.requests[-1].content.read() == b"s" * 1024
+        assert connections.receiving <= limit
+        trickle()
+        clock.advance(0.25)
+
+
+def test_an_upload_that_keeps_its_pace_keeps_its_budget_and_a_stalled_one_is_cut_408():
+    """The budget is cut from the bodies that stalled, the slowest first, never from one that keeps sending at
+    pace; with every body in the budget at pace, a body past it is refused 503 as before."""
+    clock = Clock()
+    connections = Connections(100, max_receiving_bytes=1024 * 1024)
+    steady = _budget_wire(connections, clock=clock)
+    steady.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 900000\r\n\r\n" + b"a" * 300_000)
+    stalled = _budget_wire(connections, clock=clock)
+    stalled.send(_stalled_bytes(SMALL_BODY_BYTES - 1, "length", 1))
+    for _ in range(10):
+        clock.advance(0.1)
+        steady.send(b"a" * 20_000)  # 200 KB/s: at pace
+    assert connections.receiving == 500_000 + SMALL_BODY_BYTES - 2
+    # A body that needs more room than is left: the stalled one is cut (408), the steady one keeps going.
+    newcomer = _budget_wire(connections, clock=clock)
+    newcomer.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 600000\r\n\r\n" + b"n" * 250_000)
+    assert stalled.answer()[0] == 408 and stalled.connection.state is LINGER
+    assert steady.connection.state is BODY and newcomer.connection.state is BODY and connections.cut == 1
+    assert connections.receiving == 750_000
+    # Every body left is at pace: one more is refused, as the budget always did.
+    clock.advance(0.1)
+    steady.send(b"a" * 10_000)
+    newcomer.send(b"n" * 10_000)
+    late = _budget_wire(connections, clock=clock)
+    late.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 600000\r\n\r\n" + b"l" * 300_000)
+    assert late.answer()[0] == 503 and steady.connection.state is BODY and newcomer.connection.state is BODY
+    assert connections.receiving == 770_000 and connections.cut == 1
+
+
+# -- the client shuts its side (a half-close) ------------------------------------------------
+
+
+def test_a_half_closed_connection_answers_what_came_whole_in_order_then_closes():
+    """``shutdown(SHUT_WR)`` after two whole requests and part of a third: two answers, then the close."""
+    wire = Wire()
+    get = b"GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    wire.send(get + get + b"GET /b HT")
+    wire.connection.readConnectionLost()
+    assert [status for status, _ in wire.answers()] == [200, 200]
+    assert wire.connection.state is State.CLOSING and wire.transport.disconnecting
+
+
+def test_a_half_closed_connection_with_its_request_parked_waits_for_its_answer():
+    """The request is the app's (parked): the half-close does not end it; its answer is written, then the close."""
+    wire = Wire(_Held())
+    wire.send(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\n{}")
+    wire.connection.readConnectionLost()
+    wire.clock.advance(60)
+    assert wire.connection.state is HANDLING and not wire.transport.disconnecting
+    request = wire.resource.requests[0]
+    finished = request.notifyFinish()
+    request.write(b"late")
+    request.finish()
+    assert finished.called and finished.result is None  # the request was not told its client left
+    assert wire.transport.value().startswith(b"HTTP/1.1 200 ") and b"late" in wire.transport.value()
+    assert wire.connection.state is State.CLOSING and wire.transport.disconnecting
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /a HTTP/1.1\r\nHost: loc", b"POST /a HTTP/1.1\r\nHost: l\r\nContent-Length: 9\r\n\r\n{"])
+def test_a_half_close_before_a_whole_request_closes_without_an_answer(sent):
+    connections = Connections(10, max_receiving_bytes=1024)
+    wire = Wire(connections=connections)
+    wire.send(sent)
+    wire.connection.readConnectionLost()
+    assert wire.transport.value() == b"" and wire.transport.disconnecting
+    wire.lose()
+    assert connections.open == 0 and connections.receiving == 0
 
 
 def test_a_declared_oversized_body_is_refused_before_it_is_read():

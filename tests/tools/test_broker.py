@@ -11,13 +11,20 @@ lease runs on its reactor's real clock, so the renewals must be real).
 from __future__ import annotations
 
 import asyncio
+import os
+import selectors
+import socket
+import stat
+import threading
 import time
 
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from helpers import free_port, in_thread, start_stack
+from helpers import free_port, in_thread, start_stack, wait_for
+from yieldproxy.config import Config
+from yieldproxy.service import build
 from yieldproxy.tools.broker import Admin, AdminError, AdminUnreachable, AsyncAdmin, read_answer
 
 TOKEN = "broker-test-token-0123456789"
@@ -409,3 +416,81 @@ def test_a_503_with_retry_after_is_asked_again_after_it_while_the_timeout_allows
         assert admin_api.paths[3:] == [b"/resume"]  # not asked again: 30 s is past its 2 s
     finally:
         admin_api.close()
+
+
+def _flood_unix(path: str, count: int, stop, payload: bytes) -> int:
+    """``count`` connections to the unix socket ``path``, each sending ``payload`` and made again when closed,
+    until ``stop`` is set; how many were made."""
+    selector = selectors.DefaultSelector()
+    made = 0
+
+    def connect() -> None:
+        nonlocal made
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            sock.sendall(payload)
+        except OSError:
+            sock.close()
+            return
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+        made += 1
+
+    try:
+        for _ in range(count):
+            connect()
+        while not stop.is_set():
+            for key, _ in selector.select(0.05):
+                try:
+                    if key.fileobj.recv(65536):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+                connect()
+            while len(selector.get_map()) < count and not stop.is_set():
+                connect()
+    finally:
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()
+        selector.close()
+    return made
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_broker_on_the_admin_unix_socket_keeps_its_hold_through_a_flood_of_it(tmp_path):
+    """``admin.listen = "unix:PATH:mode=660"``: the socket is made with that mode, and ``Admin("unix:PATH")``
+    takes, renews and ends its hold there, while 80 connections of the same user flood the socket with heads that
+    announce a chunked body and send none (the admin listener serves whole requests first: edge/capacity.py)."""
+    from yieldproxy.tools.sim import SimOllama
+
+    path = str(tmp_path / "admin.sock")
+    sim = SimOllama(reactor)
+    port = await sim.listen()
+    config = Config().with_overrides(**{
+        "proxy.upstream": f"http://127.0.0.1:{port}", "proxy.listen": "tcp:0:interface=127.0.0.1",
+        "admin.listen": f"unix:{path}:mode=660", "upstream.detect_outages": False,
+        "admin.max_connections": 16,
+    })
+    proxy = build(reactor, config, token=TOKEN)
+    proxy.service.startService()
+    stop = threading.Event()
+    head = b"POST /yield HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    flood = in_thread(reactor, _flood_unix, path, 80, stop, head, timeout=120)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        connections = proxy.admin_app.connections
+        await wait_for(reactor, lambda: connections.refused + connections.shed > 20, timeout=20)
+        seen = await in_thread(reactor, hold_for_a_while, Admin(f"unix:{path}", token=TOKEN), timeout=60)
+        check_held(seen)
+    finally:
+        stop.set()
+        made = await flood
+        await proxy.service.stopService()
+        await sim.stop()
+    assert made > 80  # the flood went on: its connections were cut or refused, and made again
+

@@ -1,4 +1,4 @@
-"""A listener's connections: their cap, the room kept for quick requests, and the receiving budget.
+"""A listener's connections: their cap, the room kept for whole requests, and the receiving budget.
 
 :class:`Connections` counts one listener's open connections from their own
 ``connectionMade``/``connectionLost`` (so the count cannot drift), keeps the
@@ -6,18 +6,31 @@ idle keep-alive ones oldest first (the cap reclaims the oldest), and bounds
 the bytes of request bodies being received at once, all connections together
 (``proxy.max_receiving_bytes``).  :class:`OverCapacity` answers a connection
 past the cap: a 503 with ``Retry-After`` in its API's shape, never a bare close.
+
+Two rules make both bounds hold against clients that stall on purpose:
+
+* on the admin listener a request is *whole* when the request reader has
+  read its end (:class:`~yieldproxy.edge.reader.EndOfMessage`: the head, and
+  the body its framing announces, chunks and trailers included), and a whole
+  request that finds every place taken gets the place of the connection that
+  has made the least progress (:meth:`Connections.shed_for`): one still
+  reading its request, or one whose client does not read its answer, never a
+  request that came whole;
+* a body that stalls gives its share of the receiving budget back to a body
+  that arrives (:meth:`Connections.take_receiving`): it is cut with a 408.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+
+from .reader import DEFAULT_LIMITS, NEED_DATA, PAUSED, EndOfMessage, Limits, Refusal, RequestReader
 
 log = Logger()
 
@@ -35,10 +48,15 @@ QUICK_ROOM = 8
 REFUSAL_LOG_INTERVAL = 10.0
 #: Bytes of a request head at most (the reader's limit): a connection over the cap reads no more.
 MAX_HEADER_BYTES = 16384
-#: The Content-Length of a head, for :func:`_complete` (a malformed one is the connection's 400 to give).
-_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
+#: Bytes a connection past the cap may send in all (head and body) to be let in as a whole request.
+MAX_QUICK_BYTES = 2 * MAX_HEADER_BYTES
 #: A body up to this size is small: the last quarter of the receiving budget is kept for such bodies.
 SMALL_BODY_BYTES = 64 * 1024
+#: Seconds without a byte after which a body being received is stalled: it gives its budget to a body arriving.
+RECEIVING_STALL_SECONDS = 1.0
+#: Bytes per second, on average since its first byte, below which a body being received is stalled all the
+#: same (one that sends a byte now and then to look alive).
+RECEIVING_MIN_PACE = 64 * 1024
 
 #: ``error_body(path, status, message, code)``: the JSON body of an answer the edge writes itself, in the shape
 #: of the API ``path`` belongs to (the listeners give theirs: errors.listener_error_body).
@@ -89,6 +107,14 @@ class Connections:
     receiving: int = 0
     #: A body up to this size is small: the last quarter of ``max_receiving_bytes`` is kept for such bodies.
     small_body_bytes: int = SMALL_BODY_BYTES
+    #: When a body being received is stalled (see :meth:`take_receiving`): seconds without a byte, or a pace
+    #: under this many bytes a second on average.
+    stall_seconds: float = RECEIVING_STALL_SECONDS
+    min_pace: float = RECEIVING_MIN_PACE
+    #: Bodies cut because they stalled while another needed their budget, since start.
+    cut: int = 0
+    #: Connections cut to make a place for a whole request (admin listener), since start.
+    shed: int = 0
     #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
     per_peer: int | None = None
     #: Connections past ``limit`` kept for requests that come whole within ``quick_seconds`` (see
@@ -110,6 +136,10 @@ class Connections:
     _waiting: dict = attrs.Factory(dict)
     #: Every open channel (a stop waits for the answers still to be written to them: :meth:`flushed`).
     _channels: dict = attrs.Factory(dict)
+    #: The channels holding bytes in the receiving budget (:meth:`take_receiving`).
+    _receivers: dict = attrs.Factory(dict)
+    #: The channels cut to make a place for a whole request, until their connection is gone (:meth:`shed_for`).
+    _shedding: dict = attrs.Factory(dict)
     #: The channels a stop waits to see written out and closed, and its waiter (:meth:`flushed`).
     _flushing: dict = attrs.Factory(dict)
     _flushed: list = attrs.Factory(list)
@@ -129,6 +159,8 @@ class Connections:
         """A channel's connection is gone: its descriptor is free again."""
         self.open -= 1
         self._channels.pop(channel, None)
+        self._receivers.pop(channel, None)
+        self._shedding.pop(channel, None)
         if self._flushing and self._flushing.pop(channel, 1) is None and not self._flushing:
             self._done_flushing()
         if self._waiting:
@@ -180,10 +212,43 @@ class Connections:
         """Room for a request that came whole at once: the room kept for such requests, or an idle connection's."""
         return self.open < self.limit + self.reserved or self.reclaim_idle()
 
-    def wait_for_room(self, waiter) -> None:
+    def wait_for_room(self, waiter, now: float) -> None:
         """``waiter`` (an :class:`OverCapacity`) has a whole request and no room: its ``room_freed`` is called,
-        first come first served, when a connection closes."""
+        first come first served, when a connection closes; and a connection is cut for it (:meth:`shed_for`)."""
         self._waiting[waiter] = None
+        self.shed_for(now)
+
+    def shed_for(self, now: float) -> None:
+        """Cut connections that hold a place without a whole request in it, one per whole request waiting.
+
+        The one cut is the one that has made the least progress: the longest
+        since its last byte read or written (``channel.shed_rank()``: the time
+        of its last progress, None for one that may not be cut).  A
+        connection may be cut while it reads a request (its head or body is
+        not all there), lingers after a refusal, waits for its next request,
+        or holds an answer its client does not read; never while its whole
+        request is being served.  So no bytes a client can send hold a place
+        against a whole request: a request is whole only when the reader has
+        read its end.
+        """
+        while len(self._shedding) < len(self._waiting):
+            victim, oldest = None, None
+            for channel in self._channels:
+                if channel in self._shedding:
+                    continue
+                rank = getattr(channel, "shed_rank", None)
+                progress = rank() if rank is not None else None
+                if progress is not None and (oldest is None or progress < oldest):
+                    victim, oldest = channel, progress
+            if victim is None or oldest is None:
+                return
+            self._shedding[victim] = None
+            self.shed += 1
+            log.info(
+                "cut a connection that made no progress for {seconds:.1f}s to let a whole request in ({key})",
+                seconds=max(0.0, now - oldest), key=self.key,
+            )
+            victim.shed()
 
     def stop_waiting(self, waiter) -> None:
         self._waiting.pop(waiter, None)
@@ -223,25 +288,55 @@ class Connections:
             return True
         return False
 
-    def take_receiving(self, size: int, large: bool) -> bool:
-        """Count ``size`` more bytes of a body being received, if they fit; False if they do not.
+    def take_receiving(self, channel, size: int, large: bool, now: float) -> bool:
+        """Count ``size`` more bytes of ``channel``'s body being received, if they fit; False if they do not.
+
+        A body that has stalled never keeps the room another body needs:
+        when the bytes do not fit, the bodies being received that are stalled
+        (no byte for ``stall_seconds``, or under ``min_pace`` bytes a second
+        on average since their first byte) are cut, the slowest first, until
+        they fit (each answered 408: ``channel.cut_stalled()``).  So no mix of
+        uploads that hold back their end can refuse a body arriving: they
+        hold what they took only while they keep sending.
 
         A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters
-        of ``max_receiving_bytes``; the last quarter is kept for small ones,
-        so that uploads holding back their last byte cannot stop small
-        requests.  With nothing being received, any body fits: the budget
-        never refuses a body the body limit allows when it is alone.
+        of ``max_receiving_bytes``; the last quarter is kept for small ones
+        (that room does not wait for anything to stall).  With nothing being
+        received, any body fits: the budget never refuses a body the body
+        limit allows when it is alone.
         """
         limit = self.max_receiving_bytes
         if limit is not None and self.receiving:
             room = limit - limit // 4 if large else limit
             if self.receiving + size > room:
-                return False
+                self._cut_stalled(channel, self.receiving + size - room, now)
+                if self.receiving and self.receiving + size > room:
+                    return False
         self.receiving += size
+        self._receivers[channel] = None
         return True
 
-    def give_back_receiving(self, size: int) -> None:
+    def _cut_stalled(self, needing, short: int, now: float) -> None:
+        """Cut stalled bodies (not ``needing``'s), the slowest first, until ``short`` bytes are free."""
+        stalled = []
+        for channel in self._receivers:
+            if channel is needing:
+                continue
+            pace, silent = channel.receiving_pace(now)
+            if silent >= self.stall_seconds or pace < self.min_pace:
+                stalled.append((pace, -silent, id(channel), channel))
+        stalled.sort()
+        for _pace, _silent, _id, channel in stalled:
+            if short <= 0:
+                return
+            held = channel.receiving_held
+            self.cut += 1
+            channel.cut_stalled()
+            short -= held
+
+    def give_back_receiving(self, channel, size: int) -> None:
         self.receiving -= size
+        self._receivers.pop(channel, None)
 
     def listening(self, listener) -> None:
         """``listener`` accepts these connections: it is held back (``hold_back``/``let_in``) under a flood."""
@@ -283,15 +378,6 @@ class Connections:
             self._refused_since_log = 0
 
 
-def _complete(data: bytes) -> bool:
-    """Whether ``data`` holds a whole request: its head, and as many body bytes as its Content-Length says."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        return False
-    length = _CONTENT_LENGTH.search(data, 0, end + 2)
-    return length is None or len(data) - end - 4 >= int(length.group(1))
-
-
 class OverCapacity(Protocol):
     """A connection past the cap: a 503 with Retry-After in its API's shape, then closed.
 
@@ -301,18 +387,19 @@ class OverCapacity(Protocol):
     the answer rather than a reset).
 
     With ``promote`` (the admin listener, whose :class:`Connections` keeps
-    room for quick requests), a connection whose whole request comes within
+    room for whole requests), a connection whose whole request comes within
     ``quick_seconds`` is not refused if there is room kept for it: it is
     handed to a channel built by ``promote(address)``, which reads the
     request as if it had come to it, answers it with ``Connection: close``
-    and closes.  A flood of connections that send a byte and wait never
-    fills that room, and one that sends a whole request holds its place only
-    while it is answered (kept alive, a next request begun in the same
-    packet held it for the read timeout), so the operator's own calls, whole
-    in their first packet, get through.  When that room is full, a whole
-    request waits for it in line, first come first served, up to
-    :data:`OVER_CAPACITY_WAIT`: a flood of whole requests cannot crowd the
-    operator's out, since each of them is answered in turn.
+    and closes.  Whole means what the request reader says: it has read the
+    request's end (:class:`~yieldproxy.edge.reader.EndOfMessage`), the body
+    its head announces included, so a head that announces a body and sends
+    none is not whole.  A whole request holds its place only while it is
+    answered.  When every place is taken, a whole request waits in line,
+    first come first served, up to :data:`OVER_CAPACITY_WAIT`, and the
+    connection that has made the least progress is cut to make its place
+    (:meth:`Connections.shed_for`): a flood of whole requests is answered in
+    turn, and no other kind of connection keeps the operator's out.
     """
 
     #: Set by ``makeConnection``: a TCP (or unix) transport.
@@ -320,13 +407,15 @@ class OverCapacity(Protocol):
 
     def __init__(
         self, connections: Connections, clock, promote: Callable[[Any], Any] | None = None,
-        error_body: ErrorBody = plain_error_body,
+        error_body: ErrorBody = plain_error_body, limits: Limits = DEFAULT_LIMITS,
     ):
         self._connections = connections
         self._clock = clock
         self._promote = promote
         self._error_body = error_body
         self._head = b""
+        #: Reads what came, to tell a whole request (its end read) from one that only looks whole.
+        self._reader = RequestReader(limits) if promote is not None else None
         self._timer = None
         self._answered = False
         #: The next try for room, after a connection closed (:meth:`room_freed`).
@@ -346,22 +435,43 @@ class OverCapacity(Protocol):
             return
         self._head += data
         if self._in_line:
-            if len(self._head) > MAX_HEADER_BYTES:
+            if len(self._head) > MAX_QUICK_BYTES:
                 self._answer()
             return
-        if self._promote is not None and _complete(self._head):
-            if self._connections.first_in_line(self) and self._connections.make_room() and self._hand_over():
-                return
-            if getattr(self.transport, "protocol", None) is not self:
-                self._answer()  # a wrapping transport (TLS) cannot be handed over: refused as usual
-                return
-            # In line for the room kept, for a while: every request before it is answered in turn.
-            self._in_line = True
-            self._connections.wait_for_room(self)
-            self._stop_timer()
-            self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
-        elif (self._promote is None and b"\n" in self._head) or len(self._head) > MAX_HEADER_BYTES:
+        if self._reader is not None:
+            whole = self._whole(data)
+            if whole is None:
+                self._answer()  # malformed, or more than a quick request: refused as usual
+            elif whole:
+                if self._connections.first_in_line(self) and self._connections.make_room() and self._hand_over():
+                    return
+                if getattr(self.transport, "protocol", None) is not self:
+                    self._answer()  # a wrapping transport (TLS) cannot be handed over: refused as usual
+                    return
+                # In line for the room kept, for a while: every request before it is answered in turn, and a
+                # connection that holds a place without a whole request is cut for it.
+                self._in_line = True
+                self._stop_timer()
+                self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
+                self._connections.wait_for_room(self, self._clock.seconds())
+        elif b"\n" in self._head or len(self._head) > MAX_HEADER_BYTES:
             self._answer()
+
+    def _whole(self, data: bytes) -> bool | None:
+        """Whether the request is whole now (its end read by the request reader); None: it never will be here."""
+        if len(self._head) > MAX_QUICK_BYTES:
+            return None
+        reader = self._reader
+        assert reader is not None
+        reader.feed(data)
+        while True:
+            event = reader.next_event()
+            if event is NEED_DATA:
+                return False
+            if type(event) is EndOfMessage:
+                return True
+            if event is PAUSED or type(event) is Refusal:
+                return None
 
     def room_freed(self) -> None:
         """A connection closed: try for room once the reactor is through with that close."""

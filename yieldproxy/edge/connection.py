@@ -36,7 +36,8 @@ refusing   a request answered before its body is read    its request; what still
            (413, 503 for the receiving budget)           dropped
 linger     refused and answered: the write side is shut, the linger deadline
            what the client still sends is dropped
-closing    the last answer is being written out          a deadline for it to be read
+closing    the last answer is being written out, or a    a deadline for it to be read
+           408 (cut for a whole request: capacity.py)
 closed     gone                                          nothing
 ========== ============================================ ===================================
 
@@ -58,13 +59,15 @@ from __future__ import annotations
 
 import enum
 import io
+import socket
 from typing import Any
 
-from twisted.internet.interfaces import ISSLTransport
+from twisted.internet.interfaces import IHalfCloseableProtocol, ISSLTransport
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
+from zope.interface import implementer
 
 from .reader import (
     NEED_DATA,
@@ -112,8 +115,10 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     IDLE: frozenset({HEAD, LINGER, CLOSING, CLOSED}),
     # A head with a body, without one (the app has it), over the body limit (answered unread),
     # malformed (400/414/431) or too slow (408).
-    HEAD: frozenset({BODY, HANDLING, REFUSING, LINGER, CLOSED}),
-    BODY: frozenset({HANDLING, REFUSING, LINGER, CLOSED}),
+    # Closing: cut to make a place for a whole request (capacity.Connections.shed_for), or the client shut
+    # its side before its request was whole.
+    HEAD: frozenset({BODY, HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
+    BODY: frozenset({HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
     # The answer's first byte; the app closing the connection; the client gone.
     HANDLING: frozenset({WRITING, CLOSING, CLOSED}),
     # The answer is done: the next request (kept alive), or the end.
@@ -137,10 +142,17 @@ PORTABLE = frozenset({FRESH, IDLE, HANDLING})
 MAX_READ_AHEAD = 64 * 1024
 #: Seconds a refused connection keeps reading (and dropping) before it is cut.
 LINGER_SECONDS = 5.0
+#: Seconds a connection cut to make a place for a whole request has to take its 408 before it is aborted.
+SHED_SECONDS = 0.25
+#: Seconds a request may still be unanswered after its client shut its side before the client is asked whether it
+#: is still there (a parked request: see :meth:`ServerConnection.readConnectionLost`), and seconds for its reply.
+PROBE_AFTER_SECONDS = 1.0
+PROBE_SECONDS = 0.05
 #: Reason phrases Twisted's table lacks.
 _PHRASES = {431: b"Request Header Fields Too Large"}
 
 
+@implementer(IHalfCloseableProtocol)
 class ServerConnection(Protocol):
     """One HTTP/1.1 connection of a listener (see the module docstring)."""
 
@@ -152,7 +164,7 @@ class ServerConnection(Protocol):
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
-        "_frozen",
+        "_frozen", "_progress_at", "_body_started", "_body_last", "_read_shut", "_probe",
     )
 
     def __init__(self, site: Any):
@@ -199,6 +211,15 @@ class ServerConnection(Protocol):
         #: While a reload hands it over (:meth:`freeze`): its deadline's kind and the time it had left, and
         #: whether it was reading.
         self._frozen: tuple[str | None, float | None, bool] | None = None
+        #: When it last made progress: a byte read, or its client read what waited (capacity.Connections.shed_for).
+        self._progress_at = 0.0
+        #: When the body being read began, and when its last bytes came (capacity.Connections.take_receiving).
+        self._body_started = 0.0
+        self._body_last = 0.0
+        #: The client shut its side (a half-close): the answer is written, then the connection closes.
+        self._read_shut = False
+        #: The check, after a half-close, that the client is still there to read its answer.
+        self._probe: Any = None
 
     # -- the state table ---------------------------------------------------------------------
 
@@ -216,7 +237,9 @@ class ServerConnection(Protocol):
                 connections.busy(self)
         self.state = new
         # Entering.
-        if new is IDLE:
+        if new is BODY:
+            self._body_started = self._body_last = self._clock.seconds()
+        elif new is IDLE:
             if self.connections is not None:
                 self.connections.idle(self)
             self._expect("keepalive", self._keepalive)
@@ -241,6 +264,9 @@ class ServerConnection(Protocol):
             pull, self._pull = self._pull, None
             if pull is not None and pull.active():
                 pull.cancel()
+            probe, self._probe = self._probe, None
+            if probe is not None and probe.active():
+                probe.cancel()
             if self.writer is not None:
                 self.writer.drop()
 
@@ -301,6 +327,7 @@ class ServerConnection(Protocol):
     def connectionMade(self) -> None:
         transport = self.transport
         set_no_delay(transport)
+        self._progress_at = self._clock.seconds()
         self.writer = writer_for(transport, self._clock, self._blocked, self._drained)
         if self.connections is not None:
             self.connections.opened(self)
@@ -328,6 +355,65 @@ class ServerConnection(Protocol):
                 log.failure("a request's producer failed to stop")
         if self.connections is not None:
             self.connections.closed(self)
+
+    # -- the client shuts its side (IHalfCloseableProtocol) ------------------------------------
+
+    def readConnectionLost(self) -> None:
+        """The client shut its side of the connection (``shutdown(SHUT_WR)``, ``nc -N``, ``printf | nc -q``).
+
+        What it sent whole is answered, in order, and the connection closes
+        after the last answer; a request it had not finished never will be,
+        so the connection closes.  With its request still unanswered a
+        second later (parked), the proxy asks the client's socket whether it
+        is still there: the client's kernel answers an interim ``100
+        Continue`` with a reset when the program closed the socket rather
+        than shutting one side of it (both send the same FIN), and a client
+        gone that way leaves as before: its request is dropped, not
+        replayed."""
+        first, self._read_shut = not self._read_shut, True
+        state = self.state
+        if state is CLOSED:
+            return
+        self._reader.feed_eof()
+        if state in SERVING:
+            if state is HANDLING and first:
+                self._check_client_later()
+            return
+        if state is LINGER or state is CLOSING:
+            self.transport.loseConnection()
+            return
+        self.loseConnection()
+
+    def writeConnectionLost(self) -> None:
+        """Our side is shut (a refusal lingers: :meth:`_linger`); the linger deadline runs on."""
+
+    def _check_client_later(self) -> None:
+        request = self.request
+        handle = getattr(self.transport, "getHandle", None)
+        sock = handle() if handle is not None else None
+        if request is None or request.clientproto != b"HTTP/1.1" or not hasattr(sock, "getsockopt"):
+            return  # no interim answer for HTTP/1.0, and no socket to ask (a test's transport): answered all the same
+        self._probe = self._clock.callLater(PROBE_AFTER_SECONDS, self._ask_client, sock)
+
+    def _ask_client(self, sock: Any) -> None:
+        """An interim answer, which HTTP/1.1 clients skip (RFC 9110 15.2), to draw a reset from a client gone."""
+        self._probe = None
+        if self.state is HANDLING:
+            self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.writer.flush()
+            self._probe = self._clock.callLater(PROBE_SECONDS, self._check_client, sock)
+
+    def _check_client(self, sock: Any) -> None:
+        """A reset to the interim answer: the client closed its socket and is gone."""
+        self._probe = None
+        if self.state is not HANDLING:
+            return
+        try:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError:
+            error = 1
+        if error:
+            self.transport.abortConnection()
 
     def loseConnection(self) -> None:
         """Close once what is written has gone out (a refused connection lingers: see :meth:`_refuse`)."""
@@ -386,6 +472,7 @@ class ServerConnection(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         state = self.state
+        self._progress_at = self._clock.seconds()
         if state is FRESH or state is IDLE:
             self._to(HEAD)
         elif state not in READING:
@@ -463,17 +550,80 @@ class ServerConnection(Protocol):
         if connections is not None and connections.max_receiving_bytes is not None:
             length = self._length
             large = (length if length is not None else size) > connections.small_body_bytes
-            if not connections.take_receiving(len(data), large):
+            now = self._clock.seconds()
+            if not connections.take_receiving(self, len(data), large, now):
                 self._refuse_body(too_large=False)
                 return
             self._receiving += len(data)
+            self._body_last = now
         self._body_size = size
         self._body.append(data)
 
     def _give_back_receiving(self) -> None:
         size, self._receiving = self._receiving, 0
         if size and self.connections is not None:
-            self.connections.give_back_receiving(size)
+            self.connections.give_back_receiving(self, size)
+
+    @property
+    def receiving_held(self) -> int:
+        """Bytes of its body this connection holds in the listener's receiving budget."""
+        return self._receiving
+
+    def receiving_pace(self, now: float) -> tuple[float, float]:
+        """The body's bytes a second since its first, and the seconds since its last (capacity.Connections)."""
+        elapsed = now - self._body_started
+        pace = self._receiving / elapsed if elapsed > 0 else float("inf")
+        return pace, now - self._body_last
+
+    def cut_stalled(self) -> None:
+        """Its body stalled while another needed the budget it holds: 408, and the budget given back."""
+        if self.state is BODY:
+            self._refuse(
+                408, "the request body stopped arriving while other bodies needed the room it held; send it again",
+                "request_timeout",
+            )
+
+    def shed_rank(self) -> float | None:
+        """When it last made progress, if it may be cut to make a place for a whole request; else None.
+
+        It may while no whole request of it is being served: it reads a
+        request (or waits for one), lingers after a refusal, or holds an
+        answer its client has not taken yet (bytes the socket has not taken,
+        or a client too slow: a 25 KiB status page to a client with a tiny
+        receive window would hold its place for the closing deadline)."""
+        state = self.state
+        if state in READING or state is LINGER:
+            return self._progress_at
+        writer = self.writer
+        if (state is WRITING or state is CLOSING) and writer is not None and (writer.blocked or writer.unsent):
+            return self._progress_at
+        return None
+
+    def shed(self) -> None:
+        """Cut to make a place for a whole request: a request begun gets a 408, then the connection closes
+        (aborted if it has not closed in :data:`SHED_SECONDS`)."""
+        state = self.state
+        if state is CLOSED:
+            return
+        if state is HEAD or state is BODY:
+            self.persistent = False
+            self.request = None
+            path = self._reader.target_seen or b""
+            body = self.site.error_body(
+                path.split(b"?", 1)[0], 408, "the request was not received in full while the listener was full",
+                "request_timeout",
+            )
+            self.writer.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+        if state in READING:
+            self._to(CLOSING)
+            self.writer.release()
+            self.transport.loseConnection()
+            self._expect("closing", SHED_SECONDS)
+        else:
+            self.transport.abortConnection()
 
     def _complete(self) -> None:
         """The request is in: the app has it."""
@@ -529,7 +679,7 @@ class ServerConnection(Protocol):
         transport = self.transport
         lose_write = getattr(transport, "loseWriteConnection", None)
         self._resume_reading()
-        if lose_write is None:
+        if lose_write is None or self._read_shut:
             transport.loseConnection()
         else:
             lose_write()
@@ -604,6 +754,7 @@ class ServerConnection(Protocol):
 
     def _drained(self) -> None:
         """The client read what waited: the request's producer goes on."""
+        self._progress_at = self._clock.seconds()
         if self._deadline_kind == "stall":
             self._expect(None)
         producer = self._producer
@@ -646,6 +797,8 @@ class ServerConnection(Protocol):
         if self._reader.read_ahead:
             self._to(HEAD)
             self._read()
+        if self._read_shut and self.state in READING:
+            self.loseConnection()  # the client shut its side: nothing more will come
 
     # -- a reload hands it over ----------------------------------------------------------------
 

@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from twisted.web.http_headers import Headers
 
 #: Names under these suffixes never resolve through public DNS, so a web page cannot
-#: rebind them (Ollama's list: ``.localhost`` by RFC 6761, mDNS ``.local``, ``.internal``).
-LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
+#: rebind them: ``.localhost`` (RFC 6761: this machine) and ``.internal`` (names a LAN's own
+#: resolver gives).  Not ``.local``: any machine on the LAN may answer mDNS for such a name,
+#: so a page could rebind one (``admin.allowed_hosts = ["*.local"]`` accepts them on purpose).
+LOCAL_SUFFIXES = (".localhost", ".internal")
 
 
 def host_name(header: str) -> str:

@@ -39,8 +39,9 @@ without bound, or forward anything it did not parse itself, so:
   503 with ``Retry-After`` (never closed unanswered; under a flood the port
   pauses accepting);
 * the bytes of bodies being received at once, all connections together, are
-  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: past
-  it a body is answered 503 (``receiving_full``), a quarter kept for small
+  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: a
+  body that stalled is cut (408) to make room for one arriving, and past it
+  a body is answered 503 (``receiving_full``), a quarter kept for small
   bodies.
 
 After refusing, the connection lingers a moment, reading and dropping what the
@@ -135,7 +136,7 @@ class ProxySite(Site):
         ):
             # Even past MAX_REFUSING (the rest of an accept loop under way): the ports are paused by now.
             promote = self.connection_for if connections.quick_seconds else None
-            return OverCapacity(connections, self.reactor, promote, self.error_body)
+            return OverCapacity(connections, self.reactor, promote, self.error_body, self.reader_limits)
         return self.connection_for(addr)
 
     def connection_for(self, addr: Any = None) -> ServerConnection:

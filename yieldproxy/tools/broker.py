@@ -10,6 +10,11 @@ reactor), synchronously (:class:`Admin`) or under asyncio (:class:`AsyncAdmin`):
     with Admin("http://127.0.0.1:11436").hold("game", "steam: Cyberpunk 2077", lease_seconds=60):
         run_the_game()
 
+``Admin("unix:/run/yieldproxy/admin.sock")`` reaches an admin listener on a
+unix socket (``admin.listen = "unix:/run/yieldproxy/admin.sock:mode=660"``):
+the channel for a local broker that no flood of a TCP port reaches
+(docs/security.md).
+
 :meth:`Admin.hold` takes the hold with a lease (``for_seconds``), renews it in
 the background every third of the lease, and resumes when the block ends,
 however it ends.  The lease is the dead-man's switch: if the broker dies,
@@ -104,7 +109,7 @@ class Admin:
     """The admin API of one proxy, called synchronously (urllib).
 
     ``url`` is the admin listener (``http://127.0.0.1:11436`` by default in
-    the proxy's config); ``token`` the admin token, if the proxy has one
+    the proxy's config), or ``unix:PATH`` for one on a unix socket; ``token`` the admin token, if the proxy has one
     (``admin.token_file``).  Every call is bounded by ``timeout`` seconds and
     raises :class:`AdminUnreachable` or :class:`AdminError` rather than
     returning something that is not an answer.
@@ -114,6 +119,10 @@ class Admin:
         self.url = url.rstrip("/")
         self._token = token
         self.timeout = timeout
+        #: The socket's path, for ``unix:PATH``; None for an http:// URL.
+        self._unix_path = self.url[len("unix:"):] if self.url.startswith("unix:") else None
+        if self._unix_path == "":
+            raise ValueError("unix: needs a socket path, as in unix:/run/yieldproxy/admin.sock")
 
     def __repr__(self) -> str:
         return f"Admin({self.url!r})"
@@ -169,6 +178,8 @@ class Admin:
 
     def _once(self, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
         """One request: its status, its body and its Retry-After."""
+        if self._unix_path is not None:
+            return self._once_unix(self._unix_path, method, path, data, headers, timeout)
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with _OPENER.open(request, timeout=timeout) as response:
@@ -182,6 +193,41 @@ class Admin:
             raise AdminUnreachable(
                 f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
             ) from None
+
+
+    def _once_unix(self, socket_path: str, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
+        """One request over the unix socket at ``socket_path`` (``Host: localhost``, which the listener answers)."""
+        connection = _UnixConnection(socket_path, timeout)
+        try:
+            connection.request(method, path, body=data, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.read(), response.getheader("Retry-After")
+        except OSError as e:
+            raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
+        except http.client.HTTPException as e:
+            raise AdminUnreachable(
+                f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
+            ) from None
+        finally:
+            connection.close()
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """An HTTP connection to a unix socket: urllib has none."""
+
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def _seconds(retry_after: str | None) -> float | None:
