@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import Logger
 
 from ... import __version__
@@ -175,8 +175,9 @@ class Succession(Service):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        link_ended: Deferred[None] | None = None
         if self._takeover is not None:
-            self._takeover.stop()
+            link_ended = self._takeover.stop()
         stopped = self._predecessor.stop()
         if self._previous_handler is not None:
             try:
@@ -187,7 +188,9 @@ class Succession(Service):
         add_trigger = getattr(self._reactor, "addSystemEventTrigger", None)
         if add_trigger is not None:
             add_trigger("after", "shutdown", self._pidfile.remove_if_mine)
-        return stopped
+        if link_ended is None:
+            return stopped
+        return gatherResults([link_ended, stopped], consumeErrors=True).addCallback(lambda _: None)
 
     # -- who owns the holds --------------------------------------------------------------------
 
