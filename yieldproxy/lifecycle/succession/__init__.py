@@ -142,7 +142,7 @@ class Succession(Service):
             self._takeover = TakeOver(
                 self._reactor, self.setup.inheritance, self._listeners, self._proxy_app.adopt, self.restore,
                 pool=self._pool, claim=self._claim, relay=self._predecessor.relay, stop_process=self.setup.stop,
-                on_serving=self._hold_signals.restore, holds_from_file=self._holds_from_file,
+                on_serving=self._serving, holds_from_file=self._holds_from_file,
             )
 
     def startService(self) -> None:
@@ -169,6 +169,10 @@ class Succession(Service):
     def _begin(self) -> None:
         """Every handler is in: the signals that waited since this process's ``exec`` come in now."""
         if self.setup.signals:
+            if self._takeover is not None:
+                # A stop from now on is noted the instant it comes: a commit that reaches this process before the
+                # stop does is not made (the predecessor keeps everything).
+                self._stops.watch(self._takeover.stop_signalled)
             unblock()
         if self._takeover is not None and self.running:
             self._takeover.start()
@@ -227,6 +231,11 @@ class Succession(Service):
         elif phase is Phase.IDLE:
             self._hold_signals.restore()
             self._stops.unwatch()
+
+    def _serving(self) -> None:
+        """The take-over is done: this process owns the holds, its signals are its own again."""
+        self._hold_signals.restore()
+        self._stops.unwatch()
 
     def _claim(self) -> None:
         """The commit, in the new process: the holds file and the pidfile are its own now."""

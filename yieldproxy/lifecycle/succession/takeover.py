@@ -194,6 +194,9 @@ class TakeOver:
     _abort_read: bool = False
     #: The link's end before the commit is being read (liveness.py): once.
     _deciding: bool = False
+    #: A SIGTERM or SIGINT has come (noted by the signal handler itself, before the stop it starts reaches
+    #: :meth:`stop`): a commit that comes meanwhile is not made.
+    _stop_signalled: bool = False
 
     @property
     def done(self) -> bool:
@@ -203,6 +206,10 @@ class TakeOver:
     @property
     def committed(self) -> bool:
         return self.state in ("committed", "serving")
+
+    def stop_signalled(self) -> None:
+        """A SIGTERM or SIGINT has come (called by the signal handler itself: it only notes it)."""
+        self._stop_signalled = True
 
     @property
     def linked(self) -> bool:
@@ -300,8 +307,12 @@ class TakeOver:
         if self.state != "waiting":
             return  # stopping already: the predecessor reads no ``committed`` and keeps everything
         assert self._link is not None
-        self.state = "committed"
         moments.reached("commit")
+        if self._stop_signalled:
+            # Told to stop before ``committed`` is out: a stop before the commit (the predecessor keeps everything).
+            self._abort("this process was told to stop (SIGTERM or SIGINT)")
+            return
+        self.state = "committed"
         self._link.send({"type": "committed", "pid": os.getpid(), "version": __version__})
         self._link.flushed(self._reactor).addCallbacks(
             lambda _: self._owned(message), lambda failure: self._unsent(failure, message),
