@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 
 import pytest
 import pytest_twisted
@@ -314,8 +313,6 @@ async def test_whatever_moment_a_death_or_a_stop_lands_on_one_process_is_left_se
         output = proxy.child.text()
         assert "Traceback" not in output and "Unhandled" not in output, output[-5000:]
     finally:
-        if os.environ.get("H3DEBUG"):
-            print(proxy.child.text()[-12000:])
         if crowd is not None:
             crowd.close()
         proxy.stop()

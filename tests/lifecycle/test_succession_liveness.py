@@ -12,6 +12,8 @@ only once the new process has let go (predecessor.Predecessor).
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -23,11 +25,25 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 
 from helpers import sleep, wait_for
-from yieldproxy.lifecycle.succession import liveness
+from yieldproxy.lifecycle.succession import liveness, moments
 from yieldproxy.lifecycle.succession.liveness import Fate, Peer, fate
 from yieldproxy.lifecycle.succession.predecessor import Predecessor
 from yieldproxy.lifecycle.succession.takeover import Inheritance, TakeOver
 from yieldproxy.lifecycle.succession.wire import Decoder, encode
+
+
+def test_the_moments_the_tests_act_at_are_the_ones_the_code_passes():
+    """tests/lifecycle/test_reload_deaths.py acts at every moment moments.MOMENTS names: each is passed once in
+    the code, by the process it says, and no other is."""
+    package = pathlib.Path(moments.__file__).parent
+    passed = {}
+    for path in package.glob("*.py"):
+        for name in re.findall(r'moments\.reached\("([a-z-]+)"\)', path.read_text()):
+            passed.setdefault(name, []).append(path.name)
+    side = {"predecessor.py": "old", "takeover.py": "new"}
+    assert sorted(passed) == sorted(moments.MOMENTS)
+    assert all(len(files) == 1 and side[files[0]] == moments.SIDE[name] for name, files in passed.items()), passed
+    assert moments.COMMIT_POINT in moments.MOMENTS
 
 
 @pytest.mark.parametrize(("farewell_read", "ended_here", "pidfd", "expected"), [
