@@ -22,7 +22,9 @@ run (predecessor.py):
   link that ends without ``abort`` is the predecessor's death (its pidfd
   confirms it: liveness.py): what this process holds has no other owner,
   and it takes over with it;
-* **at the commit** it answers ``committed``, and only once that frame has
+* **at the commit** it answers ``committed`` (unless a stop came first: a
+  SIGTERM is noted the instant it comes, and this process lets go instead),
+  and only once that frame has
   left it (its predecessor reads it even if this process dies next) it takes
   the holds, claims the holds file and the pidfile, accepts, and makes every
   connection it holds again (a parked request parks in its place, ahead of
