@@ -84,40 +84,63 @@ def end(pid: int) -> None:
             return
 
 
-#: The copy's lifecycle/succession/moments.py: at the moment a test names (``Proxy.at``), once, a process is
-#: signalled: ``kill`` (SIGKILL) or ``term`` (SIGTERM) the process passing it, ``term-parent`` its parent
-#: (the old process, for a moment of the new one), ``signals-parent`` SIGHUP, SIGUSR1 and SIGUSR2 to it;
-#: ``usr1`` SIGUSR1 to the process passing it.
+#: Appended to the copy's lifecycle/succession/moments.py (whose MOMENTS and SIDE it keeps): at the moment a test
+#: names (``Proxy.at``), once, a process is signalled: ``kill`` (SIGKILL) or ``term`` (SIGTERM) the process
+#: passing it, ``term-parent`` its parent (the old process, for a moment of the new one), ``signals-parent``
+#: SIGHUP, SIGUSR1 and SIGUSR2 to it; ``usr1`` SIGUSR1 to the process passing it; ``kill-old``, ``kill-new``,
+#: ``term-old``, ``term-new`` the old or the new process, whichever passes the moment.  The pids of both
+#: are written down beside the plan (``Proxy.handover_pids``).
 ACTING_MOMENTS = """
-import json, os, signal
 
-MOMENTS = ("preparing", "held", "commit", "committed")
-PLAN = os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
+import json as _json, os as _os, signal as _signal
+
+_PLAN = _os.environ.get("YIELDPROXY_TEST_MOMENTS", "")
+
+
+def _new_process_of(me):
+    for entry in _os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == me and b"yieldproxy" in command:
+            return int(entry)
+    return None
 
 
 def reached(moment):
-    if not PLAN:
+    if not _PLAN:
         return
     try:
-        with open(PLAN) as f:
-            plan = json.load(f)
+        with open(_PLAN) as f:
+            plan = _json.load(f)
     except (OSError, ValueError):
         return
     if plan.get("moment") != moment:
         return
     try:
-        os.rename(PLAN, PLAN + ".taken")  # once, whichever process passes it first
+        _os.rename(_PLAN, _PLAN + ".taken")  # once, whichever process passes it first
     except OSError:
         return
-    me, parent = os.getpid(), os.getppid()
-    with open(PLAN + ".acted", "w") as f:
+    me, parent = _os.getpid(), _os.getppid()
+    old, new = (me, _new_process_of(me)) if SIDE[moment] == "old" else (parent, me)
+    with open(_PLAN + ".pids", "w") as f:
+        _json.dump({"old": old, "new": new}, f)
+    with open(_PLAN + ".acted", "w") as f:
         f.write(str(me))
     for pid, sig in {
-        "kill": [(me, signal.SIGKILL)], "term": [(me, signal.SIGTERM)], "term-parent": [(parent, signal.SIGTERM)],
-        "signals-parent": [(parent, signal.SIGHUP), (parent, signal.SIGUSR1), (parent, signal.SIGUSR2)],
-        "usr1": [(me, signal.SIGUSR1)],
+        "kill": [(me, _signal.SIGKILL)], "term": [(me, _signal.SIGTERM)], "term-parent": [(parent, _signal.SIGTERM)],
+        "signals-parent": [(parent, _signal.SIGHUP), (parent, _signal.SIGUSR1), (parent, _signal.SIGUSR2)],
+        "usr1": [(me, _signal.SIGUSR1)],
+        "kill-old": [(old, _signal.SIGKILL)], "kill-new": [(new, _signal.SIGKILL)],
+        "term-old": [(old, _signal.SIGTERM)], "term-new": [(new, _signal.SIGTERM)],
     }[plan["action"]]:
-        os.kill(pid, sig)
+        _os.kill(pid, sig)
 """
 
 
@@ -128,7 +151,8 @@ class Proxy:
         self.site = tmp_path / "site"
         shutil.copytree(os.path.join(CHECKOUT, "yieldproxy"), self.site / "yieldproxy",
                         ignore=shutil.ignore_patterns("__pycache__"))
-        (self.site / "yieldproxy" / "lifecycle" / "succession" / "moments.py").write_text(ACTING_MOMENTS)
+        moments = self.site / "yieldproxy" / "lifecycle" / "succession" / "moments.py"
+        moments.write_text(moments.read_text() + ACTING_MOMENTS)
         self.plan = tmp_path / "moment.json"
         self.config = tmp_path / "yieldproxy.toml"
         self.config.write_text(config)
@@ -160,7 +184,7 @@ class Proxy:
 
     def at(self, moment: str, action: str) -> None:
         """At ``moment`` of the next reload (lifecycle/succession/moments.py), once, do ``action`` (see ACTING_MOMENTS)."""
-        for leftover in (self.plan.with_name(self.plan.name + ".taken"), self.plan.with_name(self.plan.name + ".acted")):
+        for leftover in (self.plan.with_name(self.plan.name + suffix) for suffix in (".taken", ".acted", ".pids")):
             leftover.unlink(missing_ok=True)
         self.plan.write_text(json.dumps({"moment": moment, "action": action}))
 
@@ -168,6 +192,13 @@ class Proxy:
         """The pid that acted on the last plan, once it has."""
         try:
             return int(self.plan.with_name(self.plan.name + ".acted").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def handover_pids(self) -> dict[str, int] | None:
+        """The old and the new process of the last plan's reload, once it has been acted on."""
+        try:
+            return json.loads(self.plan.with_name(self.plan.name + ".pids").read_text())
         except (OSError, ValueError):
             return None
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from hypothesis import assume, example, given, settings, strategies as st
+from twisted.web.http_headers import Headers
 
 from helpers import config_with
 from inmemory import Rig
+from yieldproxy.edge.reader import BodyData, ChunkAnnounced, EndOfMessage, Refusal, RequestHead, RequestReader
+from yieldproxy.edge.site import ProxySite
 from yieldproxy.lifecycle.succession.wire import (
     BATCH_FDS,
     HEADER,
@@ -20,6 +24,7 @@ from yieldproxy.lifecycle.succession.wire import (
     unpack,
 )
 from yieldproxy.lot.parking import Standing
+from yieldproxy.upstream.attempt import upstream_request_headers
 
 
 def test_frames_come_out_whole_however_the_bytes_are_cut():
@@ -53,7 +58,7 @@ def test_a_request_is_sent_again_whole_with_its_length_and_without_its_framing()
     )
     head, body = data.split(b"\r\n\r\n", 1)
     assert head.split(b"\r\n") == [
-        b"POST /api/embed?x=1 HTTP/1.1", b"Host: 127.0.0.1", b"X-Twice: a", b"X-Twice: b", b"Content-Length: 14",
+        b"POST /api/embed?x=1 HTTP/1.1", b"Host:127.0.0.1", b"X-Twice:a", b"X-Twice:b", b"Content-Length:14",
     ]
     assert body == b'{"input": "x"}'
     assert request_bytes(b"GET", b"/api/tags", [], b"") == b"GET /api/tags HTTP/1.1\r\n\r\n"
@@ -228,3 +233,95 @@ def test_a_signal_handled_once_the_holds_are_another_processs_takes_no_hold():
     watcher.holds_elsewhere = lambda: None
     watcher.handle(signal.SIGUSR1)
     assert [h.source for h in rig.proxy.state.holds] == ["signal"]
+
+
+# -- a parked request sent again reads as the same request -------------------------------------------------
+
+LIMITS = ProxySite.reader_limits
+_TOKEN = st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-", min_size=1, max_size=12)
+
+
+def _read(data: bytes) -> tuple[RequestHead, bytes] | Refusal:
+    """What an edge reads from ``data`` (edge/reader.py, with the proxy listener's limits)."""
+    reader = RequestReader(LIMITS)
+    reader.feed(data)
+    head, body = None, []
+    while True:
+        event = reader.next_event()
+        if isinstance(event, Refusal):
+            return event
+        if isinstance(event, RequestHead):
+            head = event
+        elif isinstance(event, BodyData):
+            body.append(event.data)
+        elif isinstance(event, EndOfMessage):
+            assert head is not None
+            return head, b"".join(body)
+        elif not isinstance(event, ChunkAnnounced):
+            raise AssertionError(f"{event!r}: the request is not whole")
+
+
+def _request_headers(head: RequestHead) -> Headers:
+    """The headers as the edge gives them to the proxy (edge/connection.py: each line added as it came)."""
+    headers = Headers()
+    for name, value in head.headers:
+        headers.addRawHeader(name, value)
+    return headers
+
+
+def _forwarded(head: RequestHead, body: bytes) -> tuple:
+    """What the proxy sends upstream for it: its line, the headers it forwards (upstream/attempt.py), its body."""
+    return head.method, head.target, head.version, upstream_request_headers(_request_headers(head)), body
+
+
+@st.composite
+def received(draw) -> bytes:
+    """A request as a client may send it, its head up to the listener's limits: bodiless or with a body (a
+    length, chunked, with ``Expect``), headers repeated, with or without whitespace around each value."""
+    method = draw(st.sampled_from([b"POST", b"GET", b"PUT", b"DELETE"]))
+    target = b"/api/embed" + draw(st.sampled_from([b"", b"?x=1", b"?" + b"q" * 300]))
+    version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0"]))
+    framing = draw(st.sampled_from(["none", "length", "zero", "chunked"]))
+    body = draw(st.binary(min_size=1, max_size=64)) if framing in ("length", "chunked") else b""
+    framing_lines = {"none": [], "zero": [b"Content-Length: 0"], "length": [b"Content-Length: %d" % len(body)],
+                     "chunked": [b"Transfer-Encoding: chunked"]}[framing]
+    if framing != "none" and version == b"HTTP/1.1" and draw(st.booleans()):
+        framing_lines.append(b"Expect: 100-continue")
+    names = draw(st.lists(_TOKEN.map(lambda t: b"X-" + t.encode()), min_size=1, max_size=5))
+    count = draw(st.sampled_from([1, 10, LIMITS.max_headers - len(framing_lines)]))
+    spaced = draw(st.sampled_from([b"", b" ", b"  "]))
+    lines = [b"%s:%s%s" % (names[i % len(names)], spaced, b"v%d" % i) for i in range(count)]
+    # The last header brings the head to its limit, or just under it.
+    line_bytes = len(b"%s %s %s" % (method, target, version)) + sum(map(len, lines)) + sum(map(len, framing_lines))
+    room = LIMITS.max_head_bytes - line_bytes - draw(st.sampled_from([0, 1, 4, 2000]))
+    if room > len(lines[-1]):
+        lines[-1] += b"f" * min(room - len(lines[-1]), LIMITS.max_line_bytes - len(lines[-1]))
+    lines[draw(st.integers(0, len(lines) - 1)):0] = framing_lines
+    head = b"\r\n".join([b"%s %s %s" % (method, target, version), *lines]) + b"\r\n\r\n"
+    if framing == "chunked":
+        return head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    return head + body
+
+
+#: The two of the report: a bodiless POST with 100 header lines, and one whose head is 16,380 bytes.
+_HUNDRED_LINES = b"POST /api/embed HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(100)) + b"\r\n"
+_LINE = b"POST /api/embed HTTP/1.1"
+_NEAR_THE_LIMIT = _LINE + b"\r\nX-Pad: " + b"p" * (16380 - len(_LINE) - len(b"X-Pad: ")) + b"\r\n\r\n"
+
+
+@settings(max_examples=300, deadline=None)
+@example(_HUNDRED_LINES)
+@example(_NEAR_THE_LIMIT)
+@given(received())
+def test_a_request_sent_again_is_read_as_the_same_request_whatever_its_head(data):
+    """What the old process would forward, the new one forwards (nothing refused for the limits, nothing
+    added, nothing lost): the request rebuilt from what the old process read (connections._rebuilt) read
+    again as the new process reads it."""
+    old = _read(data)
+    assume(not isinstance(old, Refusal))  # the old process refused it: nothing parked, nothing sent on
+    head, body = old
+    again = request_bytes(head.method, head.target, _request_headers(head).getAllRawHeaders(), body, head.version)
+    new = _read(again)
+    assert not isinstance(new, Refusal), (new, len(again))
+    assert _forwarded(*new) == _forwarded(head, body)
+    assert (new[0].length is None) == (head.length is None and not head.chunked)

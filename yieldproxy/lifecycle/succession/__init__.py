@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.logger import Logger
 
 from ... import __version__
@@ -142,7 +142,7 @@ class Succession(Service):
             self._takeover = TakeOver(
                 self._reactor, self.setup.inheritance, self._listeners, self._proxy_app.adopt, self.restore,
                 pool=self._pool, claim=self._claim, relay=self._predecessor.relay, stop_process=self.setup.stop,
-                on_serving=self._hold_signals.restore, holds_from_file=self._holds_from_file,
+                on_serving=self._serving, holds_from_file=self._holds_from_file,
             )
 
     def startService(self) -> None:
@@ -169,14 +169,19 @@ class Succession(Service):
     def _begin(self) -> None:
         """Every handler is in: the signals that waited since this process's ``exec`` come in now."""
         if self.setup.signals:
+            if self._takeover is not None:
+                # A stop from now on is noted the instant it comes: a commit that reaches this process before the
+                # stop does is not made (the predecessor keeps everything).
+                self._stops.watch(self._takeover.stop_signalled)
             unblock()
         if self._takeover is not None and self.running:
             self._takeover.start()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        link_ended: Deferred[None] | None = None
         if self._takeover is not None:
-            self._takeover.stop()
+            link_ended = self._takeover.stop()
         stopped = self._predecessor.stop()
         if self._previous_handler is not None:
             try:
@@ -187,7 +192,9 @@ class Succession(Service):
         add_trigger = getattr(self._reactor, "addSystemEventTrigger", None)
         if add_trigger is not None:
             add_trigger("after", "shutdown", self._pidfile.remove_if_mine)
-        return stopped
+        if link_ended is None:
+            return stopped
+        return gatherResults([link_ended, stopped], consumeErrors=True).addCallback(lambda _: None)
 
     # -- who owns the holds --------------------------------------------------------------------
 
@@ -224,6 +231,11 @@ class Succession(Service):
         elif phase is Phase.IDLE:
             self._hold_signals.restore()
             self._stops.unwatch()
+
+    def _serving(self) -> None:
+        """The take-over is done: this process owns the holds, its signals are its own again."""
+        self._hold_signals.restore()
+        self._stops.unwatch()
 
     def _claim(self) -> None:
         """The commit, in the new process: the holds file and the pidfile are its own now."""

@@ -13,6 +13,12 @@ The link knows it from its transport: it is the transport's *pull* producer,
 which the transport tells (``resumeProducing``) each time it has written out
 everything it was given, descriptors included (each travels with a byte of
 the frames).
+
+How the link ends is what each side reads the other's fate from, since a
+closed socket cannot lie: :attr:`Link.ended_here` says whether this side
+ended it, and a link given a ``farewell`` frame says it before any end it
+chooses (the old process's ``abort``).  So the other side, reading the end
+without the farewell, knows the process at this end is gone (takeover.py).
 """
 
 from __future__ import annotations
@@ -44,8 +50,12 @@ OnMessage = Callable[[dict[str, Any], bytes, list[int]], None]
 class Link(Protocol):
     """One end of the handover's socket."""
 
-    def __init__(self, on_message: OnMessage):
+    def __init__(self, on_message: OnMessage, farewell: dict[str, Any] | None = None):
         self._on_message = on_message
+        #: Sent before every end this side chooses (:meth:`close`): an end without it is this process's death.
+        self._farewell = farewell
+        #: This side ended the link (:meth:`close`), rather than the other process.
+        self.ended_here = False
         self._decoder = Decoder()
         self._fds: collections.deque[int] = collections.deque()
         #: Fires (with None) when the other end is gone, or this end closed.
@@ -142,16 +152,21 @@ class Link(Protocol):
             self.closed.callback(None)
 
     def close(self) -> None:
-        """Close once what was sent is written out (a transport with a producer registered does not close)."""
+        """Say the farewell, then close once what was sent is written out (a transport with a producer
+        registered does not close); :attr:`closed` fires then."""
         transport: Any = self.transport  # a unix transport: a consumer, whose producer this link is
+        if not self.closed.called and not self.ended_here:
+            self.ended_here = True
+            if self._farewell is not None:
+                self.send(self._farewell)
         if transport is not None:
             transport.unregisterProducer()
             transport.loseConnection()
 
 
-def adopt_link(reactor, sock: socket.socket, on_message: OnMessage) -> Link:
+def adopt_link(reactor, sock: socket.socket, on_message: OnMessage, farewell: dict[str, Any] | None = None) -> Link:
     """Run ``sock`` (one end of a ``socketpair``) as a :class:`Link` on ``reactor``; ``sock`` is closed here."""
-    link = Link(on_message)
+    link = Link(on_message, farewell)
     sock.setblocking(False)
     transport = reactor.adoptStreamConnection(sock.fileno(), socket.AF_UNIX, Factory.forProtocol(lambda: link))
     sock.close()

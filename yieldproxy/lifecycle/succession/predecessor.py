@@ -321,7 +321,10 @@ class Predecessor:
         self._successor_pid = child.pid
         self._waiting = {kind: Deferred() for kind in ("ready", "refused", "committed", "aborting")}
         self._last_heard = self._reactor.seconds()
-        link = self._link = adopt_link(self._reactor, ours, self._message)
+        # Every end of the link this process chooses says ``abort`` first: an end without it is its death, and
+        # the new process then takes over what it holds (liveness.py).
+        link = self._link = adopt_link(self._reactor, ours, self._message, farewell={"type": "abort"})
+        moments.reached("started")
         try:
             ready = await self._wait(self._waiting["ready"])
             if ready.get("protocol") != PROTOCOL:
@@ -487,8 +490,7 @@ class Predecessor:
 
         It is still watched until its exit is seen: that reaps it (forgotten, it would stay a zombie)."""
         if self._link is not None:
-            self._link.send({"type": "abort"})
-            self._link.close()
+            self._link.close()  # with its farewell: abort
         if kill and self._child is not None:
             self._child.kill()
         for fds in self._unacked.values():
@@ -594,16 +596,26 @@ class Predecessor:
             raise ReloadFailed(f"the new process (pid {child.pid}) stopped before it took over ({value.get('why')})")
         if kind == "stopping":
             raise ReloadFailed("this process was told to stop")
-        if kind == "ended":
-            raise ReloadFailed(f"the new process (pid {child.pid}) exited ({value}) before it took over")
-        # The link closed first: the exit is on its way (its status says more).
+        # It exited, or the link closed: each comes after every frame it sent, read here once the link has
+        # ended (its last words say why, a refusal or an ``aborting``), and the exit's status says more.
+        status = value if kind == "ended" else "still running"
         try:
-            status = await _within(child.ended, 5, self._reactor)
+            if kind == "ended":
+                await _within(link.closed, 5, self._reactor)
+            else:
+                status = await _within(child.ended, 5, self._reactor)
         except TimeoutError:
-            status = "still running"
+            pass
         refused: Any = self._waiting["refused"]
         if refused.called:
             raise ReloadRefused(str(refused.result.get("error", "refused")))
+        aborting: Any = self._waiting["aborting"]
+        if aborting.called:
+            raise ReloadFailed(
+                f"the new process (pid {child.pid}) stopped before it took over ({aborting.result.get('why')})"
+            )
+        if kind == "ended":
+            raise ReloadFailed(f"the new process (pid {child.pid}) exited ({status}) before it took over")
         raise ReloadFailed(f"the new process (pid {child.pid}) ended the handover ({status}) before it took over")
 
     def _send(self, link: Link, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
@@ -804,7 +816,7 @@ class Predecessor:
             self._end_wind_down()
             return succeed(None)
         self._stopping = True
-        child = self._child
+        child, over = self._child, self._reload_over
         if self.phase is not Phase.COMMITTING:
             if self._link is not None and not self._link.closed.called:
                 self._link.send({"type": "abort"})
@@ -812,7 +824,8 @@ class Predecessor:
                      pid=self._successor_pid)
             if self._stop_asked is not None and not self._stop_asked.called:
                 self._stop_asked.callback("stopping")
-        return Deferred.fromCoroutine(self._stopped_with(child, self._reload_over))
+        # ``over`` as it was: the reload may end in this very call (the stop ends its wait at once).
+        return Deferred.fromCoroutine(self._stopped_with(child, over))
 
     async def _stopped_with(self, child: _Successor | None, over: Deferred) -> None:
         done: Deferred[None] = Deferred()

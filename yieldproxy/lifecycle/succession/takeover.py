@@ -15,11 +15,16 @@ run (predecessor.py):
   and each connection's descriptor and bytes): it reads none of them,
   writes to none, sends nothing upstream and accepts nothing, so that its
   death or stop at any moment costs nothing: the predecessor still has every
-  one of them.  Stopped now (SIGTERM), or told to (``abort``), or left by a
-  predecessor that gave up on it, it closes what it holds (the connections
-  live on in the predecessor), lets go of the listening sockets without
-  closing them for the predecessor, and exits;
-* **at the commit** it answers ``committed``, and only once that frame has
+  one of them.  Stopped now (SIGTERM), or told to (``abort``, which the
+  predecessor says before every end of the link it chooses), it closes what
+  it holds (the connections live on in the predecessor), lets go of the
+  listening sockets without closing them for the predecessor, and exits.  A
+  link that ends without ``abort`` is the predecessor's death (its pidfd
+  confirms it: liveness.py): what this process holds has no other owner,
+  and it takes over with it;
+* **at the commit** it answers ``committed`` (unless a stop came first: a
+  SIGTERM is noted the instant it comes, and this process lets go instead),
+  and only once that frame has
   left it (its predecessor reads it even if this process dies next) it takes
   the holds, claims the holds file and the pidfile, accepts, and makes every
   connection it holds again (a parked request parks in its place, ahead of
@@ -46,6 +51,7 @@ from ...edge.sockets import nonblocking_cloexec
 from . import moments
 from .connections import make_again
 from .link import Link, LinkClosed, adopt_link
+from .liveness import Fate, Peer, fate
 from .wire import BATCH_FDS, PROTOCOL, BadFrame, Carried, Decoder, encode, unpack
 
 log = Logger()
@@ -54,6 +60,8 @@ log = Logger()
 ENV = "YIELDPROXY_SUCCESSION_FD"
 #: Seconds the successor waits for its predecessor's first frame (it is sent before the successor starts).
 FIRST_FRAME_SECONDS = 30.0
+#: Seconds a stopping successor waits for its last frames on the link to be out.
+CLOSE_SECONDS = 5.0
 
 
 def _read_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
@@ -81,6 +89,8 @@ class Inheritance:
     version: str
     #: The keys of the listening sockets this process took (its endpoint unchanged); the others it bound anew.
     taken: list[str] = attrs.Factory(list)
+    #: The predecessor as a process (its pidfd): whether it is gone, read from what cannot lie.
+    peer: Peer | None = None
 
     @classmethod
     def from_environment(cls, environ: MutableMapping[str, str], timeout: float = FIRST_FRAME_SECONDS) -> "Inheritance | None":
@@ -100,7 +110,8 @@ class Inheritance:
         for item, fd in zip(message.get("listeners", []), fds):
             nonblocking_cloexec(fd)
             listeners[str(item["key"])] = (str(item["description"]), fd, int(item["family"]))
-        return cls(sock, listeners, int(message["pid"]), str(message["version"]))
+        pid = int(message["pid"])
+        return cls(sock, listeners, pid, str(message["version"]), peer=Peer.open(pid))
 
     def listening(self, key: str, description: str) -> tuple[int, int] | None:
         """The predecessor's socket for ``key`` when its endpoint is ``description`` (unchanged), else None."""
@@ -181,6 +192,13 @@ class TakeOver:
     _connections_held: int = 0
     #: Holds the lot's release while what was held is made again.
     _adopting: Deferred | None = None
+    #: The predecessor said ``abort``: it ended the handover, and keeps everything.
+    _abort_read: bool = False
+    #: The link's end before the commit is being read (liveness.py): once.
+    _deciding: bool = False
+    #: A SIGTERM or SIGINT has come (noted by the signal handler itself, before the stop it starts reaches
+    #: :meth:`stop`): a commit that comes meanwhile is not made.
+    _stop_signalled: bool = False
 
     @property
     def done(self) -> bool:
@@ -190,6 +208,10 @@ class TakeOver:
     @property
     def committed(self) -> bool:
         return self.state in ("committed", "serving")
+
+    def stop_signalled(self) -> None:
+        """A SIGTERM or SIGINT has come (called by the signal handler itself: it only notes it)."""
+        self._stop_signalled = True
 
     @property
     def linked(self) -> bool:
@@ -201,6 +223,7 @@ class TakeOver:
         self._inheritance.close_unused()
         self._link = adopt_link(self._reactor, self._inheritance.sock, self._message)
         self._link.closed.addCallback(self._lost)
+        moments.reached("ready")
         self._link.send({
             "type": "ready", "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL,
             "listeners": list(self._inheritance.taken),
@@ -219,6 +242,7 @@ class TakeOver:
         elif kind == "commit":
             self._commit(message)
         elif kind == "abort":
+            self._abort_read = True
             if self._abort(f"pid {self._inheritance.pid}, which this process was to replace, stops"):
                 self._stop_process()
         else:
@@ -285,22 +309,58 @@ class TakeOver:
         if self.state != "waiting":
             return  # stopping already: the predecessor reads no ``committed`` and keeps everything
         assert self._link is not None
-        self.state = "committed"
         moments.reached("commit")
+        if self._stop_signalled:
+            # Told to stop before ``committed`` is out: a stop before the commit (the predecessor keeps everything).
+            self._abort("this process was told to stop (SIGTERM or SIGINT)")
+            return
+        self.state = "committed"
         self._link.send({"type": "committed", "pid": os.getpid(), "version": __version__})
         self._link.flushed(self._reactor).addCallbacks(
-            lambda _: self._act(message), lambda failure: self._unsent(failure, message),
+            lambda _: self._owned(message), lambda failure: self._unsent(failure, message),
         )
 
+    def _owned(self, message: dict[str, Any]) -> None:
+        """``committed`` has left this process: the predecessor reads it even if this process dies next."""
+        moments.reached("acting")
+        self._act(message)
+
     def _unsent(self, failure, message: dict[str, Any]) -> None:
-        """The link ended before ``committed`` left: the predecessor is gone, or ended the handover."""
+        """The link ended before ``committed`` left: the predecessor is gone (this process acts on the commit:
+        no one else has these connections), or ended the handover (it keeps them)."""
         failure.trap(LinkClosed)
-        if os.getppid() != self._inheritance.pid:
-            self._act(message)  # it died: no one else has these connections
-        else:
-            self.state = "waiting"
-            if self._abort(f"pid {self._inheritance.pid} ended the handover before it read the commit"):
+        self.state = "waiting"  # not acted on: until the predecessor's fate is known, nothing is made again
+        self._link_ended("before it read the commit", lambda: self._act(message))
+
+    def _link_ended(self, when: str, take_over: Callable[[], None]) -> None:
+        """The link ended before this process owned anything: let go, or ``take_over`` if the predecessor is
+        gone (liveness.py).  Decided once (the flush's failure and the link's end both come here)."""
+        if self._deciding:
+            return
+        self._deciding = True
+        link, peer = self._link, self._inheritance.peer
+        verdict = fate(self._abort_read, link is not None and link.ended_here, peer is not None and peer.pidfd is not None)
+        if verdict is Fate.ASK_PIDFD:
+            assert peer is not None
+            peer.exited(self._reactor).addCallback(
+                lambda exited: self._decided(Fate.TAKE_OVER if exited else Fate.LET_GO, when, take_over)
+            )
+            return
+        self._decided(verdict, when, take_over)
+
+    def _decided(self, verdict: Fate, when: str, take_over: Callable[[], None]) -> None:
+        pid = self._inheritance.pid
+        if self.state != "waiting":
+            return  # stopped meanwhile: a stop is a stop
+        if verdict is Fate.LET_GO:
+            if self._abort(f"pid {pid} ended the handover {when}"):
                 self._stop_process()
+            return
+        log.warn("reload: the process this one replaces (pid {pid}) died during the handover ({when}); this one "
+                 "takes over the {count} connections it held, with the holds the holds file has", pid=pid, when=when,
+                 count=len(self._held))
+        self.state = "committed"
+        take_over()
 
     def _act(self, message: dict[str, Any] | None) -> None:
         """This process owns everything now: the holds first, then accepting, then what it held, made again."""
@@ -337,6 +397,8 @@ class TakeOver:
         if self.state != "committed":
             return
         self.state = "serving"
+        if self._inheritance.peer is not None:
+            self._inheritance.peer.close()
         adopting, self._adopting = self._adopting, None
         if adopting is not None:
             adopting.callback(None)
@@ -373,22 +435,17 @@ class TakeOver:
         return True
 
     def _lost(self, _: object) -> None:
-        """The predecessor closed the link: it exited, or it gave up on this process before the commit."""
+        """The link ended: before the commit, the predecessor exited, or ended the handover (liveness.py)."""
         if self.state != "waiting":
             return
-        if os.getppid() == self._inheritance.pid:
-            if self._abort(f"pid {self._inheritance.pid} ended the handover"):
-                self._stop_process()
-            return
-        log.warn("reload: the process this one replaces (pid {pid}) died during the handover; this one takes over "
-                 "the {count} connections it held, with the holds the holds file has", pid=self._inheritance.pid,
-                 count=len(self._held))
-        self.state = "committed"
-        self._act(None)
+        self._link_ended("before the commit", lambda: self._act(None))
 
-    def stop(self) -> None:
+    def stop(self) -> Deferred[None]:
         """This process stops: before the commit it lets go of everything; after it, what is still held is
-        made again at once (the stop answers it, as it answers what is parked); the link ends."""
+        made again at once (the stop answers it, as it answers what is parked); the link ends.
+
+        Fires once the link has ended (what was sent on it, ``aborting`` included, is out: the predecessor
+        reads why), or after :data:`CLOSE_SECONDS` if the predecessor reads nothing."""
         if self.state == "waiting":
             self._abort("this process was told to stop (SIGTERM or SIGINT)")
         elif self.state == "committed" and self._held:
@@ -396,8 +453,14 @@ class TakeOver:
             for item in held:
                 self._make_again(item)
             self._serve()
-        if self._link is not None:
-            self._link.close()
+        ended: Deferred[None] = Deferred()
+        if self._link is None or self._link.closed.called:
+            ended.callback(None)
+            return ended
+        self._link.closed.addCallback(lambda _: None if ended.called else ended.callback(None))
+        self._link.close()
+        timer = self._reactor.callLater(CLOSE_SECONDS, lambda: None if ended.called else ended.callback(None))
+        return ended.addCallback(lambda _: timer.cancel() if timer.active() else None)
 
 
 def _connection(value: Any) -> dict[str, Any] | None:

@@ -44,6 +44,8 @@ PROTOCOL = 3
 #: Request headers not sent again: the body is whole now (Content-Length says its size), and a
 #: ``100 Continue`` was answered already.
 _DROPPED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
+#: The headers that frame a body: a request sent with one of them is sent again with its ``Content-Length``.
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class BadFrame(Exception):
@@ -87,21 +89,31 @@ def request_bytes(
     method: bytes, uri: bytes, headers: Iterable[tuple[bytes, Iterable[bytes]]], body: bytes,
     version: bytes = b"HTTP/1.1",
 ) -> bytes:
-    """The request as a client would send it again: its line (its HTTP version kept: an HTTP/1.0 client
-    expects its connection closed after the answer), its headers (repeated ones kept), its whole body.
+    """The request as its client sent it, for the new process to read as the old one did: its line as it
+    came (its HTTP version kept: an HTTP/1.0 client expects its connection closed after the answer), its
+    headers (repeated ones kept), its whole body.
 
-    ``Content-Length`` gives the body's size (a chunked body was read whole
-    already), and ``Expect`` goes (its ``100 Continue`` was answered).
+    Never a line more nor a byte longer than what came, so that a request the old process's edge took
+    passes the same limits in the new one's (edge/reader.py: ``max_headers``, ``max_line_bytes``,
+    ``max_head_bytes``), and reads there as the same request: each header ``name:value`` (the optional
+    whitespace around a value, which no reader keeps, left out); the framing only where the client framed
+    a body: its ``Content-Length`` (or its ``Transfer-Encoding: chunked``, the body read whole already,
+    which ``Content-Length`` with fewer than 11 digits is shorter than); ``Expect`` left out (its
+    ``100 Continue`` was answered).  A request that came without a body and without a length goes
+    without them.
     """
     if version not in (b"HTTP/1.0", b"HTTP/1.1"):
         version = b"HTTP/1.1"
     lines = [b"%s %s %s" % (method, uri, version)]
+    framed = False
     for name, values in headers:
-        if name.lower() in _DROPPED:
+        lower = name.lower()
+        if lower in _DROPPED:
+            framed = framed or lower in _FRAMING
             continue
-        lines.extend(b"%s: %s" % (name, value) for value in values)
-    if body or method not in (b"GET", b"HEAD"):
-        lines.append(b"Content-Length: %d" % len(body))
+        lines.extend(b"%s:%s" % (name, value) for value in values)
+    if body or framed:
+        lines.append(b"Content-Length:%d" % len(body))
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
