@@ -44,6 +44,9 @@ pytestmark = pytest.mark.heavy
 TIMEOUT = 60.0
 #: Greedy sampling, one seed: the same prompt gives the same tokens (asked alone).
 GREEDY = {"temperature": 0.0, "seed": 7}
+#: llama-server's own keys (the openai client's ``extra_body``): the whole prompt computed every time, as
+#: the first time (a prompt partly from its cache is computed in other batches, which may change a token).
+SAME_EVERY_TIME = {"cache_prompt": False}
 PROMPTS = [
     "Name three colours.",
     "What is the capital of France?",
@@ -108,11 +111,11 @@ def stream_chat(url: str, prompt: str, into: Streamed | None = None, **extra) ->
     got = into if into is not None else Streamed()
     client = openai_client(url)
     body = {"max_tokens": 24, **GREEDY, **extra}
-    ignore_eos = body.pop("ignore_eos", None)
+    own = {**SAME_EVERY_TIME, **({"ignore_eos": body.pop("ignore_eos")} if "ignore_eos" in body else {})}
     try:
         raw = client.chat.completions.with_raw_response.create(
             model=CHAT_ALIAS, messages=[{"role": "user", "content": prompt}], stream=True,
-            extra_body={"ignore_eos": ignore_eos} if ignore_eos is not None else None, **body,
+            extra_body=own, **body,
         )
         got.headers = {k.lower(): v for k, v in raw.headers.items()}
         for chunk in raw.parse():
@@ -322,7 +325,8 @@ def plain_chat(url: str, prompt: str) -> tuple[dict, dict]:
     client = openai_client(url)
     try:
         raw = client.chat.completions.with_raw_response.create(
-            model=CHAT_ALIAS, messages=[{"role": "user", "content": prompt}], max_tokens=24, **GREEDY
+            model=CHAT_ALIAS, messages=[{"role": "user", "content": prompt}], max_tokens=24, **GREEDY,
+            extra_body=SAME_EVERY_TIME,
         )
         return json.loads(raw.text), {k.lower(): v for k, v in raw.headers.items()}
     finally:
@@ -337,7 +341,7 @@ async def test_a_chat_not_streamed_is_the_servers_own_answer_in_its_own_shape(ch
         relayed, headers = await in_thread(reactor, plain_chat, proxy.url, PROMPTS[1])
         assert shape(relayed) == shape(direct)
         assert relayed["object"] == "chat.completion" and relayed["model"] == CHAT_ALIAS
-        # The same tokens (greedy); the same counts (how much of the prompt its cache held may differ).
+        # The same tokens (greedy, the whole prompt computed each time) and the same counts.
         assert relayed["choices"] == direct["choices"]
         assert [relayed["usage"][k] for k in COUNTS] == [direct["usage"][k] for k in COUNTS]
         assert relayed["choices"][0]["message"]["content"]
