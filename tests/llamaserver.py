@@ -10,7 +10,9 @@ with ``CI`` set they fail (``.ci/run`` always builds it and exports
 ``YIELDPROXY_LLAMA_DIR``).
 
 It serves one model (its ``--alias``), is ready in well under a second, and
-until then answers every route 503 ``Loading model`` (docs/servers.md).
+until then answers every route 503 ``Loading model`` (docs/servers.md): the
+embedding model by default, or with ``chat=True`` the real chat model of
+tests/chatmodel.py (four slots of 512 tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Sequence
 import attrs
 import pytest
 
+import chatmodel
 from helpers import free_port, log_tail, skip_or_fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,19 +60,29 @@ def llama_dir() -> str:
     return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"llamacpp-{version}")
 
 
-def missing() -> str | None:
-    """Why a real llama-server cannot run here, or None."""
+def missing(chat: bool = False) -> str | None:
+    """Why a real llama-server of the embedding model (of the chat model with ``chat``) cannot run here, or None."""
     where = llama_dir()
     if not os.access(os.path.join(where, "llama-server"), os.X_OK):
         return f"no llama-server in {where}: run .ci/llama-server (builds it once, about 13 minutes) or set YIELDPROXY_LLAMA_DIR"
+    if chat:
+        return chatmodel.missing()
     if not os.path.isfile(os.path.join(where, MODEL_FILE)):
         return f"no {MODEL_FILE} in {where}: run .ci/llama-server"
     return None
 
 
-def require_llama() -> None:
-    """Skip the test when no real llama-server is here; under CI, fail it instead."""
-    skip_or_fail(missing(), "run the real llama-server tests")
+def require_llama(chat: bool = False) -> None:
+    """Skip the test when no real llama-server (or model) is here; under CI, fail it instead."""
+    skip_or_fail(missing(chat), "run the real llama-server tests")
+
+
+def model_arguments(chat: bool) -> tuple[str, ...]:
+    """What makes llama-server serve the embedding model (mean pooling), or the chat model (2048 tokens of
+    context over four slots: four chats at once)."""
+    if chat:
+        return ("-m", chatmodel.chat_model_path(), "--alias", chatmodel.CHAT_ALIAS, "-c", "2048", "-np", "4")
+    return ("-m", os.path.join(llama_dir(), MODEL_FILE), "--alias", ALIAS, "--embedding", "--pooling", "mean")
 
 
 @attrs.define(eq=False)
@@ -78,6 +91,8 @@ class LlamaServer:
 
     port: int
     extra: tuple[str, ...] = ()
+    #: Serve the chat model instead of the embedding model.
+    chat: bool = False
     workdir: str = attrs.field(factory=lambda: tempfile.mkdtemp(prefix="yieldproxy-llama-"))
     process: subprocess.Popen | None = None
     starts: int = 0
@@ -92,11 +107,9 @@ class LlamaServer:
 
     def start(self) -> "LlamaServer":
         """Start it (not waiting: see :meth:`wait_ready`)."""
-        where = llama_dir()
         command = [
-            os.path.join(where, "llama-server"), "-m", os.path.join(where, MODEL_FILE), "--alias", ALIAS,
-            "--embedding", "--pooling", "mean", "--host", "127.0.0.1", "--port", str(self.port),
-            "--threads", "1", "--no-webui", *self.extra,
+            os.path.join(llama_dir(), "llama-server"), *model_arguments(self.chat),
+            "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", "--no-webui", *self.extra,
         ]
         self.starts += 1
         with open(self.log_path, "wb") as log:
@@ -162,10 +175,10 @@ class LlamaServer:
         return [d["embedding"] for d in sorted(answer["data"], key=lambda d: d["index"])]
 
 
-def started(extra: Sequence[str] = ()) -> LlamaServer:
+def started(extra: Sequence[str] = (), chat: bool = False) -> LlamaServer:
     """A llama-server on a free port, ready; stopped (its directory removed) if it never gets ready."""
-    require_llama()
-    server = LlamaServer(free_port(), tuple(extra))
+    require_llama(chat)
+    server = LlamaServer(free_port(), tuple(extra), chat)
     try:
         server.start().wait_ready()
     except BaseException:  # pytest.fail is no Exception: no llama-server outlives the test that started it

@@ -85,10 +85,24 @@ def write_error(request: Any, api: str, status: int, message: str, code: str, re
     return error_body(api, status, message, code)
 
 
-def stream_error_chunk(content_type: bytes, api: str, message: str) -> bytes | None:
-    """The closing error in a stream's own form (NDJSON line or SSE event), if it is a stream."""
+def stream_form(content_type: bytes) -> str | None:
+    """``ndjson`` or ``sse`` for a stream the proxy can end with an error record of its own, else None."""
     if b"ndjson" in content_type:
-        return json.dumps({"error": message}).encode("utf-8") + b"\n"
+        return "ndjson"
     if b"event-stream" in content_type:
+        return "sse"
+    return None
+
+
+def stream_error_chunk(content_type: bytes, api: str, message: str) -> bytes | None:
+    """The closing error in a stream's own form (NDJSON line or SSE event), if it is a stream.
+
+    It is a whole record and must follow one: the relay writes a stream's
+    records whole (upstream/records.py), so it never lands inside half of one.
+    """
+    form = stream_form(content_type)
+    if form == "ndjson":
+        return json.dumps({"error": message}).encode("utf-8") + b"\n"
+    if form == "sse":
         return b"data: " + error_body(api, 502, message, "upstream_broken") + b"\n\n"
     return None

@@ -41,6 +41,7 @@ from zope.interface import implementer
 
 from ..edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from ..servers.ollama import SERVER as OLLAMA
+from .records import WholeRecords, whole_records
 from .verdict import Reason, judged_reason, status_reason
 
 log = Logger()
@@ -482,6 +483,8 @@ class Attempt:
         self._size = 0
         #: Bytes written since the client's transport paused us, counted in ``buffers``.
         self._buffered = 0
+        #: A stream relayed a whole record at a time (upstream/records.py); None: as it comes.
+        self._records: WholeRecords | None = None
         self._drained: Deferred | None = None
 
     def _to(self, new: Answer) -> None:
@@ -577,17 +580,30 @@ class Attempt:
             if _write_blocked(channel):
                 # The client's transport is full: from here on, what is written waits in memory.
                 self._register()
-        if state is AWAITING:
+        first = state is AWAITING
+        if first:
             # The answer is about to reach the client: from here on, no retry and no
             # attempt timeout (the stall timeout still runs).
             self._to(RELAYING)
-            assert self._response is not None  # the body comes after the response
-            self._commit(self._response)
+            response = self._response
+            assert response is not None  # the body comes after the response
+            self._commit(response)
+            content_type = next((v for k, v in response.headers if k.lower() == b"content-type"), b"")
+            self._records = whole_records(content_type, response.length, response.codings is not None)
+        records = self._records
+        if records is not None:
+            data = records.whole(data)
+            if not data and not first:
+                return  # part of a record: it goes out with the record's end
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        """Write to the client, counting what waits in memory while its transport is full."""
         if self.client is PAUSED and self._buffers is not None:
             if not self._buffers.take(len(data), self._buffered):
                 self._drop(len(data))
             self._buffered += len(data)
-        request.write(data)
+        self._request.write(data)
 
     def _judge_long(self) -> None:
         """An error body longer than what is read to judge it: a 502/503 is retried, the rest relayed whole."""
@@ -612,6 +628,10 @@ class Attempt:
             if state is AWAITING and self.client is not GONE:
                 self._to(RELAYING)
                 self._commit(response)  # an empty body
+            elif self._records is not None and self.client is not GONE:
+                rest = self._records.rest()  # the stream ended cleanly: its last bytes as they are
+                if rest:
+                    self._write(rest)
             return response.code
         finally:
             self._to(ENDED)
