@@ -152,6 +152,10 @@ class Api:
         """The answer at ``path`` while the model loads at start; None to serve it as usual."""
         return None
 
+    def refuse_origin(self, origin: str | None) -> Reply | None:
+        """The answer to a request from a browser ``Origin`` the server refuses; None to serve it."""
+        return None
+
     def style_of(self, path: str) -> str:
         """The error shape of a path that is no route (for its 404)."""
         raise NotImplementedError

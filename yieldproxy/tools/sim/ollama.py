@@ -88,6 +88,37 @@ def model_not_found(op: str, model: str) -> str:
     return f"model '{model}' not found"
 
 
+#: The Origins Ollama takes besides ``OLLAMA_ORIGINS`` (``envconfig.AllowedOrigins``, v0.24.0
+#: ``envconfig/config.go:86-109``), matched by gin-contrib/cors with its wildcards: a pattern's one ``*``
+#: stands for anything (``cors.validateWildcardOrigin``).
+DEFAULT_ORIGINS = (
+    *(
+        f"{scheme}://{host}{port}"
+        for host in ("localhost", "127.0.0.1", "0.0.0.0")
+        for port in ("", ":*")
+        for scheme in ("http", "https")
+    ),
+    "app://*",
+    "file://*",
+    "tauri://*",
+    "vscode-webview://*",
+    "vscode-file://*",
+)
+
+
+def origin_allowed(origin: str, patterns: tuple[str, ...] = DEFAULT_ORIGINS) -> bool:
+    """Whether Ollama's CORS middleware lets a browser request from ``origin`` through."""
+    for pattern in patterns:
+        if "*" not in pattern:
+            if origin == pattern:
+                return True
+            continue
+        head, _, tail = pattern.partition("*")
+        if origin.startswith(head) and origin.endswith(tail) and len(origin) >= len(head) + len(tail):
+            return True
+    return False
+
+
 def iso(t: float) -> str:
     """RFC 3339 the way Ollama writes its timestamps."""
     if math.isinf(t):
@@ -213,6 +244,12 @@ class OllamaApi(Api):
 
     def style_of(self, path: str) -> str:
         return "openai" if path.startswith("/v1/") else "ollama"
+
+    def refuse_origin(self, origin: str | None) -> Reply | None:
+        # gin-contrib/cors aborts a request from an Origin it does not allow with a bare 403, on every path.
+        if origin is None or origin_allowed(origin):
+            return None
+        return Reply(403, b"", b"")
 
     def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
         code, text = _FAILURES.get(failure, (400, message))

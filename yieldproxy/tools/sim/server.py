@@ -444,6 +444,11 @@ class SimOllama:
             if loading is not None:
                 self._finish_record(record, "loading")
                 return self._write_reply(request, loading)
+        origin = request.getHeader("origin")
+        refused = api.refuse_origin(origin)
+        if refused is not None:
+            self._finish_record(record, "bad_request")
+            return self._write_reply(request, refused)
         if route is None:
             return self._fail(request, record, style, "not_found")
         if method not in route.methods:
@@ -521,7 +526,10 @@ class SimOllama:
         """Status and headers of a whole answer; its body, for ``render`` to return."""
         if reply.code != 200:
             request.setResponseCode(reply.code)
-        request.setHeader(b"content-type", reply.content_type)
+        if reply.content_type:
+            request.setHeader(b"content-type", reply.content_type)
+        else:
+            request.defaultContentType = None  # no Content-Type at all, as Go writes an empty answer
         for name, value in reply.headers:
             request.setHeader(name, value)
         return reply.body
