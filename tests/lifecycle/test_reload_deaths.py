@@ -297,7 +297,9 @@ async def test_whatever_moment_a_death_or_a_stop_lands_on_one_process_is_left_se
             if answer.error in ("closed", "reset") and cut_off_allowed:
                 kinds["cut off"] += 1
                 continue
-            if expected == "none":
+            if expected == "none" or (len(allowed) > 1 and answer.status == 503):
+                # In the one race left_serving names, the old process may read its SIGTERM before it has
+                # handed a request over: that request gets the stop's 503, whoever is left serving.
                 assert answer.status == 503 and answer.retry_after, answer
             else:
                 assert answer.status == 200, answer
