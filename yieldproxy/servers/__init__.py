@@ -150,6 +150,8 @@ def refusal(apis: Iterable[str], asked: Asked, origins: Origins) -> Refusal | No
     the answer is the first api's, in its own words.
     """
     apis = tuple(dict.fromkeys(apis))
+    if len(apis) == 1:
+        return server(apis[0]).refuse(asked, origins)
     candidates = native_apis(apis, asked.method, asked.path) or apis
     first: Refusal | None = None
     for api in candidates:

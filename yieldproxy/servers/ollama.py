@@ -95,6 +95,7 @@ revealed is probed with a model call of the same kind (:func:`minimal_call`).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Iterable
 
@@ -235,12 +236,14 @@ def _methods(path: str) -> set[str]:
     return found
 
 
+@functools.lru_cache(maxsize=4096)
 def _route_refusal(method: str, path: str) -> Refusal | None:
     """gin's answer to a route it has no handler for: ``404 page not found``, or ``405 method not
     allowed`` with ``Allow`` when another method has the path (``HandleMethodNotAllowed``,
     server/routes.go:1247 at v0.11.4, 1870 at HEAD; gin.go:649-670 and ``serveError`` 675-690,
     v1.10.0: ``text/plain``, no newline).  ``OPTIONS`` and ``HEAD`` are left alone: a preflight or
-    Ollama's Host check may answer 204 first, and a HEAD answer has no body to compare."""
+    Ollama's Host check may answer 204 first, and a HEAD answer has no body to compare.
+    Remembered for the routes seen last (clients ask the same few again and again)."""
     if method in ("OPTIONS", "HEAD") or path.startswith("/api/experimental/"):
         return None
     methods = _methods(path)
