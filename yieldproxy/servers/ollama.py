@@ -114,6 +114,7 @@ from .base import (
     MinimalCall,
     ModelCall,
     Refusal,
+    Route,
     Server,
     json_object,
     listed_names,
@@ -215,23 +216,31 @@ def allowed_origins(configured: Iterable[str] = ()) -> Origins:
     return Origins.from_entries((*configured, *DEFAULT_ORIGINS))
 
 
-#: Routes Ollama serves that the class table leaves out on purpose (they may change
-#: without notice): known, so never answered 404 here (HEAD server/routes.go:1902-1904).
-UNCLASSIFIED_ROUTES = routes(
+#: Routes some releases since v0.11.4 serve and others do not (``server/routes.go`` at every
+#: tag from v0.11.4 to HEAD): a request to one of these paths is left to the Ollama that runs.
+#: ``/api/experimental/`` paths are left to it too (they may change without notice).
+SOME_RELEASES_ROUTES = routes(
     "ollama", "",
-    "POST /api/experimental/web_search", "POST /api/experimental/web_fetch",
-    "GET /api/experimental/model-recommendations",
+    "GET /api/status", "POST /api/me", "POST /api/signout", "DELETE /api/user/keys/<key>",
+    "POST /v1/responses", "POST /v1/messages", "POST /v1/audio/transcriptions",
+    "POST /v1/images/generations", "POST /v1/images/edits",
 )
 #: gin's method trees in the order ``GenerateRoutes`` first registers each method
 #: (``HEAD /`` first): the order of a 405's ``Allow`` (gin.go:649-666, v1.10.0).
 _TREE_ORDER = ("HEAD", "GET", "POST", "DELETE")
 
 
-def _methods(path: str) -> set[str]:
-    """The methods some route of Ollama's serves ``path`` with (any version this module knows)."""
+def _matches(route: Route, path: str) -> bool:
+    return route.path == path if route.pattern is None else route.pattern.fullmatch(path) is not None
+
+
+def _methods(path: str) -> set[str] | None:
+    """The methods every release since v0.11.4 serves ``path`` with, or None when releases differ on it."""
+    if path.startswith("/api/experimental/") or any(_matches(r, path) for r in SOME_RELEASES_ROUTES):
+        return None
     found: set[str] = set()
-    for route in (*ROUTES, *UNCLASSIFIED_ROUTES):
-        if route.path == path if route.pattern is None else route.pattern.fullmatch(path):
+    for route in ROUTES:
+        if _matches(route, path):
             found |= route.methods
     return found
 
@@ -244,10 +253,10 @@ def _route_refusal(method: str, path: str) -> Refusal | None:
     v1.10.0: ``text/plain``, no newline).  ``OPTIONS`` and ``HEAD`` are left alone: a preflight or
     Ollama's Host check may answer 204 first, and a HEAD answer has no body to compare.
     Remembered for the routes seen last (clients ask the same few again and again)."""
-    if method in ("OPTIONS", "HEAD") or path.startswith("/api/experimental/"):
+    if method in ("OPTIONS", "HEAD"):
         return None
     methods = _methods(path)
-    if method in methods:
+    if methods is None or method in methods:
         return None
     if methods:
         allow = ", ".join(m for m in _TREE_ORDER if m in methods)
