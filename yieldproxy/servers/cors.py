@@ -4,7 +4,8 @@ Ollama (``server/routes.go``, ``GenerateRoutes``) puts gin-contrib/cors
 (v1.7.2 in Ollama v0.11.4's go.mod) in front of every route, with
 ``AllowWildcard`` and ``AllowBrowserExtensions`` on and ``AllowOrigins``
 from ``envconfig.AllowedOrigins()`` (``OLLAMA_ORIGINS`` then its defaults).
-The middleware (``config.go``, ``applyCors``, v1.7.2 lines 70-99) lets a
+The middleware (v1.7.2 ``config.go``: ``applyCors`` 70-99, ``validateOrigin``
+125-141, ``validateWildcardOrigin`` 101-115; ``newCors`` 42-68) lets a
 request pass when:
 
 - it has no ``Origin`` (``Header.Get``: its first ``Origin`` line; an empty
@@ -12,19 +13,21 @@ request pass when:
 - its ``Origin`` is exactly ``http://`` or ``https://`` followed by the
   request's ``Host`` (what the upstream receives: the proxy sends its own);
 - the ``Origin`` is one of the allowed origins, compared after the allowed
-  ones were trimmed and lower-cased (``normalize``, utils.go) but the
+  ones were trimmed and lower-cased (``normalize``, utils.go:67-82) but the
   ``Origin`` itself as it came (``validateOrigin``);
 - or it matches a wildcard entry (one ``*``, the entry as written, not
-  trimmed nor lower-cased: ``parseWildcardRules``, config.go): ``*rest``
+  trimmed nor lower-cased: ``parseWildcardRules``, cors.go:143-173): ``*rest``
   matches by suffix, ``start*`` by prefix, ``start*rest`` by both
-  (``validateWildcardOrigin``); an entry ``*`` alone allows every origin.
+  (``validateWildcardOrigin``); an entry ``*`` alone allows every origin
+  (``newCors``, config.go:47-51).
 
 Any other ``Origin`` gets ``c.AbortWithStatus(http.StatusForbidden)``: a 403
 with an empty body, before routing matters (the middleware runs on the 404
 and 405 chains too).  ``cors.New`` panics on start for an entry with no
 ``*`` that does not start with an allowed scheme, or with two ``*``
-(``Validate``, ``parseWildcardRules``): :meth:`Origins.from_entries`
-refuses those with a ValueError.
+(``Validate``, cors.go:117-141; ``getAllowedSchemas`` 89-104;
+``parseWildcardRules``): :meth:`Origins.from_entries` refuses those with a
+ValueError.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Iterable
 import attrs
 
 #: Schemes an entry without ``*`` may start with (``DefaultSchemas`` and, with
-#: ``AllowBrowserExtensions``, ``ExtensionSchemas``: gin-contrib/cors config.go).
+#: ``AllowBrowserExtensions``, ``ExtensionSchemas``: gin-contrib/cors v1.7.2 config.go:22-33).
 ENTRY_SCHEMES = (
     "http://", "https://",
     "chrome-extension://", "safari-extension://", "moz-extension://", "ms-browser-extension://",

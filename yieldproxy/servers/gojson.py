@@ -564,6 +564,12 @@ def decode_error(body: bytes, struct: GoStruct) -> str | None:
     only an error whose words are certain is returned.  ``goscan.EOF`` for
     a body of white space.  Go reads the first JSON value only, so data
     after it is never an error here (unlike :func:`read_request`).
+
+    Go's ``encoding/json`` (v1, the default build): ``Decoder.Decode`` reads
+    one value (``readValue``, stream.go) and refuses its syntax first; then
+    ``decodeState.object`` binds each member in order, keeping the first
+    ``UnmarshalTypeError`` (``saveError``) and going on, the struct's name
+    and the field's JSON name added by ``addErrorContext`` (decode.go).
     """
     if len(body) > DECODE_CHECK_LIMIT:
         return None

@@ -4,7 +4,7 @@ Ollama reads a request body with ``json.NewDecoder(body).Decode(&req)``
 (gin's ``ShouldBindJSON``) and answers a body it cannot read 400 with the
 error's text.  Python's ``json`` finds the same bad bodies but says it
 differently, so :func:`syntax_error` replays Go's scanner
-(``encoding/json/scan.go``) over the bytes, one state per function there,
+(``encoding/json/scanner.go``) over the bytes, one state per function there,
 and returns the text ``Decoder.Decode`` gives: ``invalid character 'x'
 looking for beginning of value``, ``unexpected EOF`` for a body cut short,
 ``EOF`` for one with nothing but white space.  Only the first JSON value is
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-#: Go's ``maxNestingDepth`` (scan.go): deeper nesting is a syntax error.
+#: Go's ``maxNestingDepth`` (scanner.go): deeper nesting is a syntax error.
 MAX_NESTING_DEPTH = 10000
 
 #: ``Decoder.Decode``'s answer for a body of white space only (``io.EOF``).
@@ -35,7 +35,7 @@ _HEX = b"0123456789abcdefABCDEF"
 _STRING_RUN = re.compile(rb'[^"\\\x00-\x1f]+')
 _DIGIT_RUN = re.compile(rb"[0-9]+")
 
-# parse states (scan.go: parseObjectKey, parseObjectValue, parseArrayValue)
+# parse states (scanner.go: parseObjectKey, parseObjectValue, parseArrayValue)
 _OBJECT_KEY, _OBJECT_VALUE, _ARRAY_VALUE = range(3)
 
 
@@ -47,7 +47,7 @@ class _Done(Exception):
 
 
 def quote_char(c: int) -> str:
-    """Go's ``quoteChar`` (scan.go): the byte as Go prints it in a syntax error."""
+    """Go's ``quoteChar`` (scanner.go): the byte as Go prints it in a syntax error."""
     if c == 0x27:
         return "'\\''"
     if c == 0x22:
@@ -82,7 +82,7 @@ def syntax_error(body: bytes) -> str | None:
 
 
 class _Scanner:
-    """scan.go's ``scanner``, its ``step`` function a method name; ``run`` feeds it the body."""
+    """scanner.go's ``scanner``, its ``step`` function a method name; ``run`` feeds it the body."""
 
     def __init__(self, body: bytes):
         self.body = body

@@ -276,8 +276,8 @@ def _fields(*table: str, only_some: tuple[str, ...] = ()) -> dict[str, tuple[str
 
 
 _HEAD_ONLY = ("truncate", "shift", "_debug_render_only", "logprobs", "top_logprobs", "dimensions")
-#: The request structs of the model routes, every field (api/types.go: v0.11.4 lines 45-94,
-#: 96-128, 352-371, 380-391; HEAD lines 62-131, 133-170, 599-620, 631-642).  Fields only
+#: The request structs of the model routes, every field (api/types.go: v0.11.4 lines 45-93,
+#: 96-123, 352-367, 380-393; HEAD lines 62-130, 133-180, 599-618, 631-644).  Fields only
 #: HEAD has are judged only on values both versions take (v0.11.4 ignores their keys).
 #: ``messages``, ``images``, ``tools``, ``think`` have decoders of their own (``Message``,
 #: ``ImageData``, ``ThinkValue``...): never judged.
