@@ -10,7 +10,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
-from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, VerificationConfig
+from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, RouteRule, VerificationConfig
 from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import Entry, ParkingLot
 from yieldproxy.lot.replay import Replayer
@@ -107,7 +107,20 @@ def config_with(**sections) -> Config:
     return attrs.evolve(config, **changes)
 
 
-__all__ = ["Core", "make_core", "config_with", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
+def declaring(*paths: str, config: Config | None = None, cls: str = "interactive") -> Config:
+    """``config`` (the defaults if None) with ``[[routes]]`` rules naming ``paths``, in ``cls``.
+
+    For a test whose fake upstream serves routes Ollama has not: the proxy
+    answers such a route ``404 page not found`` at once, as Ollama would
+    (``servers/ollama.py``, ``refuse``), unless a rule names it.  ``cls``
+    defaults to the class an unknown route gets, so nothing else changes.
+    """
+    config = config or Config()
+    rules = tuple(RouteRule(cls=cls, path=path) for path in paths)
+    return attrs.evolve(config, routes=(*config.routes, *rules))
+
+
+__all__ = ["Core", "make_core", "config_with", "declaring", "Entry", "ClassConfig", "ParkingConfig", "ReplayConfig"]
 
 
 # -- real sockets ---------------------------------------------------------------

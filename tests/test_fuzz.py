@@ -248,7 +248,10 @@ async def test_fuzzed_requests_to_the_proxy_are_answered_without_a_500():
         assert logs.errors() == []
         assert len(stack.proxy.lot) == 0 and stack.proxy.replayer.inflight == 0
         assert stack.echo.heads, "nothing reached the upstream: the fuzzing sent only refusals"
-        assert statuses.count(200) >= 20 and sum(400 <= s < 500 for s in statuses) >= 20
+        # Few reach the upstream: a target with junk after a route is one Ollama has not, and a
+        # generated body one Go cannot decode; Ollama's 404 or 400 comes at once from the proxy
+        # (servers/ollama.py refuse).
+        assert statuses.count(200) >= 1 and sum(400 <= s < 500 for s in statuses) >= 20
         await assert_still_serving(stack)
     finally:
         await stack.stop()
@@ -535,6 +538,11 @@ def go_unloads(path: str, binding, mangled: bool) -> bool:
     return state.get("keep_alive") == "zero" and empty
 
 
+def _ollamas_bare_refusal(response) -> bool:
+    """Ollama's own 404 or 405 (gin's plain text), given at once by the proxy (servers/ollama.py refuse)."""
+    return (response.status, response.body) in ((404, b"404 page not found"), (405, b"405 method not allowed"))
+
+
 def _received_route(head: bytes) -> tuple[str, str]:
     method, target, _ = head.split(b"\r\n")[0].split(b" ")
     return method.decode(), unquote_to_bytes(target.partition(b"?")[0]).decode("utf-8")
@@ -560,12 +568,12 @@ async def test_fuzzed_disguises_during_a_yield_never_reach_the_upstream_as_a_mod
         response = exchange(port, request_bytes(method, target, body=body), timeout=10)
         assert response.status != 0 and (response.status < 500 or response.status == 503), response.raw[:300]
         if response.status >= 400 and method != b"HEAD":
-            assert "error" in response.json()
+            assert _ollamas_bare_refusal(response) or "error" in response.json(), response.raw[:300]
         received = stack.echo.heads[before:]
         if response.status == 503:
             outcomes["parked"] += 1
             assert received == []
-        elif response.status == 400:
+        elif response.status in (400, 403, 404, 405):
             outcomes["refused"] += 1
             assert received == []
         for head in received:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from .names import CLASS_NAMES, ROUTE_CLASSES, check_source
+from .servers.cors import Origins
 
 POLICIES = ("park", "reject", "fallback")
 TRUST_MODES = ("loopback", "always", "never")
@@ -77,6 +78,10 @@ def _host_patterns(instance, attribute, value):
             )
 
 
+def _origins(instance, attribute, value):
+    Origins.from_entries(value)  # ValueError naming the entry Ollama's CORS check would refuse to start with
+
+
 def _source_names(instance, attribute, value):
     for name in value:
         try:
@@ -111,6 +116,10 @@ class ProxyConfig:
     max_receiving_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
     #: Host header values accepted besides this machine's own names (docs/security.md).
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
+    #: Web origins the upstream's CORS check lets in besides its own defaults: Ollama's
+    #: ``OLLAMA_ORIGINS``, entry for entry.  A request from any other page is refused
+    #: at once with the upstream's own 403, never parked (docs/security.md).
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), validator=_origins)
 
 
 #: Connections kept beyond ``parking.max_parked`` by default: requests in flight,

@@ -26,7 +26,7 @@ from twisted.web.client import ResponseNeverReceived
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import config_with, in_thread, start_stack
+from helpers import config_with, declaring, in_thread, start_stack
 from inmemory import Rig, answered
 from yieldproxy.tools.sim import expected_embedding, expected_reply
 
@@ -302,7 +302,7 @@ async def test_unreachable_upstream_gets_a_clear_502_in_each_api_shape():
 
 
 def test_plain_upstream_500_is_relayed_not_retried():
-    rig, echo = echo_rig()
+    rig, echo = echo_rig(declaring("/fail-500"))
     response = rig.result(rig.post("/fail-500", {}, headers={"X-Yield-Class": "batch"}))
     assert response.code == 500
     assert response.json() == {"error": "model 'nope' not found"}
@@ -313,7 +313,7 @@ def test_plain_upstream_500_is_relayed_not_retried():
 
 @pytest_twisted.ensureDeferred
 async def test_failure_after_the_first_byte_ends_the_stream_in_its_own_form(echo_stack):
-    stack = await echo_stack()
+    stack = await echo_stack(declaring("/break-mid-body"))
     try:
         response = await post(stack.proxy_url + "/break-mid-body", {}, headers={"X-Yield-Class": "interactive"})
         lines = (await response.content()).splitlines()
@@ -352,7 +352,7 @@ def test_oversized_body_gets_413():
 def test_headers_hop_by_hop_stripped_repeated_kept():
     rig, echo = echo_rig()
     response = rig.call(
-        "GET", rig.proxy_url + "/api/show?x=1&y=%20",
+        "GET", rig.proxy_url + "/v1/models/x?x=1&y=%20",
         headers={
             "X-Multi": ["a", "b"],
             "Connection": "keep-alive, X-Secret-Hop",
@@ -365,7 +365,7 @@ def test_headers_hop_by_hop_stripped_repeated_kept():
     )
     record = response.json()
     headers = record["headers"]
-    assert record["uri"] == "/api/show?x=1&y=%20"
+    assert record["uri"] == "/v1/models/x?x=1&y=%20"
     assert headers["x-multi"] == ["a", "b"]
     assert headers["authorization"] == ["Bearer user-token"]
     for hop in ("x-secret-hop", "keep-alive", "proxy-authorization", "x-yield-max-wait"):
@@ -375,7 +375,7 @@ def test_headers_hop_by_hop_stripped_repeated_kept():
 
 
 def test_no_cookies_shared_between_callers():
-    rig, echo = echo_rig()
+    rig, echo = echo_rig(declaring("/set-cookie", "/other"))
     first = rig.call("GET", rig.proxy_url + "/set-cookie")
     assert first.header("set-cookie") == ["session=alice; Path=/"]
     second = rig.call("GET", rig.proxy_url + "/other")

@@ -27,7 +27,7 @@ from twisted.web.client import ResponseFailed
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from helpers import Entry, config_with, in_thread, make_core, start_stack, wait_for
+from helpers import Entry, config_with, declaring, in_thread, make_core, start_stack, wait_for
 from inmemory import Rig, answered
 from rawhttp import LogCapture, ScriptedBackend, counter_by, exchange, parse_response, port_of, recording_stack, request_bytes
 from yieldproxy.lot.parking import Refused
@@ -91,7 +91,7 @@ async def test_slow_readers_do_not_hold_the_replay_slots():
     are served as soon as the GPU is back, not expired behind the slow readers."""
     config = config_with(replay={"concurrency": 4})
     # Large enough that the kernel's socket buffers (up to 4 MiB here) cannot take it all.
-    stack = await recording_stack(config, big_size=BIG)
+    stack = await recording_stack(declaring("/big", config=config), big_size=BIG)
     port = port_of(stack.proxy_url)
     readers = []
     logs = LogCapture().__enter__()
@@ -139,7 +139,7 @@ async def test_a_client_past_its_buffer_bound_is_dropped_and_counted():
     """A client that never reads a 64 MB answer: dropped once 1 MiB waits for it; the upstream is
     stopped, the slot freed, the request counted as gone (499)."""
     config = config_with(replay={"concurrency": 1}, proxy={"slow_client_buffer_bytes": 1024 * 1024})
-    stack = await recording_stack(config)
+    stack = await recording_stack(declaring("/big", config=config))
     port = port_of(stack.proxy_url)
     reader = None
     logs = LogCapture().__enter__()
@@ -172,7 +172,7 @@ async def test_the_total_buffer_bound_drops_the_client_that_would_pass_it():
     first non-reader's answer (6 MiB or more) waits for it; the second, which would pass the total,
     is dropped; the count goes back to 0 when they are gone."""
     config = config_with(proxy={"slow_client_buffer_bytes": 12 * MiB, "slow_client_buffer_total_bytes": 11 * MiB})
-    stack = await recording_stack(config, big_size=10 * MiB)
+    stack = await recording_stack(declaring("/big", config=config), big_size=10 * MiB)
     port = port_of(stack.proxy_url)
     readers = []
     try:
@@ -265,7 +265,8 @@ async def test_a_long_error_body_reaches_the_client_whole_under_its_true_length(
     upstream = LongErrors(200_000)
     listening = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(upstream))
     stack = await start_stack(
-        reactor, config_with(upstream={"max_attempts": 1}), upstream=f"http://127.0.0.1:{listening.getHost().port}"
+        reactor, declaring("/fail", "/chunked", "/busy", config=config_with(upstream={"max_attempts": 1})),
+        upstream=f"http://127.0.0.1:{listening.getHost().port}",
     )
     stack._ports.append(listening)
     port = port_of(stack.proxy_url)

@@ -102,6 +102,10 @@ class Classifier:
             return False
         return not rule.methods or method in rule.methods
 
+    def declares(self, method: str, path: str) -> bool:
+        """True when a ``[[routes]]`` rule names this route: the operator knows it (it is never refused as unknown)."""
+        return any(self._matches(rule, method, path) for rule in self.rules)
+
     def needs_model(self, method: str, path: str) -> bool:
         """True when a rule that could match depends on the body's model name."""
         return self._route(method, path)[0]

@@ -85,6 +85,13 @@ class Metrics:
             ["class", "reason"],
             registry=r,
         )
+        self.refused_at_once_total = Counter(
+            "yieldproxy_refused_at_once",
+            "Requests the upstream would refuse at once, answered at once in its own words, never parked: "
+            "origin (its CORS check), unknown_route, bad_body.",
+            ["reason"],
+            registry=r,
+        )
         self.requests_total = Counter(
             "yieldproxy_requests",
             "Every request taken, once, by class and the status the client got (499: it went away first).",

@@ -52,8 +52,9 @@ from ..lot.gate import Gate
 from ..lot.parking import LEFT, Entry, HandedOver, Refused
 from ..observe.metrics import Metrics
 from ..observe.requestlog import CLIENT_GONE, log_request
-from ..servers import ModelCall
+from ..servers import Asked, ModelCall, Origins, Refusal, refusal
 from ..servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
+from ..servers.ollama import allowed_origins
 from ..upstream.attempt import (
     Attempt,
     ClientBuffers,
@@ -117,6 +118,19 @@ def _translatable(path: str, body: bytes) -> bool:
     return True
 
 
+def _write_refusal(request, refused: Refusal) -> bytes:
+    """Set ``request`` up to answer as the upstream would (status, headers, body byte for byte)."""
+    request.setResponseCode(refused.status)
+    headers = request.responseHeaders
+    if refused.content_type is not None:
+        headers.setRawHeaders(b"content-type", [refused.content_type])
+    for name, value in refused.headers:
+        headers.setRawHeaders(name, [value])
+    # An explicit length: a bodiless answer gets no Content-Type of Twisted's own either.
+    headers.setRawHeaders(b"content-length", [b"%d" % len(refused.body)])
+    return refused.body
+
+
 def _peer_host(request) -> str | None:
     peer = request.getClientAddress()
     return getattr(peer, "host", None)
@@ -152,6 +166,11 @@ class ProxyApp:
     _children: dict = attrs.field(init=False, factory=dict)
     #: Requests being adopted from the process this one replaced, by channel (see :meth:`adopt`).
     _carried: dict = attrs.field(init=False, factory=dict)
+    #: What the upstreams' own refusal rules need (:meth:`_refused_by_upstream`): their apis, the
+    #: origins their CORS checks allow, the Host each receives.
+    _apis: tuple[str, ...] = attrs.field(init=False)
+    _origins: Origins = attrs.field(init=False)
+    _upstream_hosts: frozenset[str] = attrs.field(init=False)
 
     app = Klein()
 
@@ -160,6 +179,11 @@ class ProxyApp:
         # [[upstreams]] keeps Ollama's table, as a single upstream always had.
         apis = tuple(dict.fromkeys(m.api for m in self._config.upstreams)) or ("ollama",)
         self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class, apis)
+        self._apis = apis
+        self._origins = allowed_origins(self._config.proxy.allowed_origins)
+        self._upstream_hosts = frozenset(
+            m.upstream.host_header for m in self._pool.members if getattr(m.upstream, "host_header", None)
+        )
         self._buffers = ClientBuffers(
             self._config.proxy.slow_client_buffer_bytes,
             self._config.proxy.slow_client_buffer_total_bytes,
@@ -269,6 +293,9 @@ class ProxyApp:
             carried = self._carried.pop(request.channel, None)
             if carried is not None:
                 return self._adopted(request, target, body, api, carried)
+        refused = self._refused_by_upstream(request, target, body)
+        if refused is not None:
+            return refused
         wanted = None
         if self._trusts_header(request):
             try:
@@ -332,6 +359,28 @@ class ProxyApp:
         )
         self._gate.number_adopted(entry)
         return self._gated(request, target, entry, body)
+
+    def _refused_by_upstream(self, request, target: Target, body: bytes) -> bytes | None:
+        """The upstream's own answer, given at once, to a request it would refuse at once; else None.
+
+        Every new request is asked once, before its class is decided and
+        before it may park (:func:`yieldproxy.servers.refusal`: the upstream's
+        CORS check, an unknown route of a server whose routes are all known, a
+        body its decoder refuses), so no web page and no typo holds a place in
+        the lot, and a caller's mistake is answered without waiting out a yield.
+        """
+        method = request.method.decode("latin-1")
+        origin = (request.requestHeaders.getRawHeaders(b"origin") or [b""])[0]
+        asked = Asked(
+            method, target.path, origin.decode("utf-8", "surrogateescape") or None, self._upstream_hosts, body,
+            declared=self._classifier.declares(method, target.path),
+        )
+        refused = refusal(self._apis, asked, self._origins)
+        if refused is None:
+            return None
+        self._metrics.refused_at_once_total.labels(refused.reason).inc()
+        self._log(request, self._classifier.classify(method, target.path), refused.status, refused.reason, None, 0)
+        return _write_refusal(request, refused)
 
     def _routing(self, request, target: Target, body: bytes, cls: str, model: str | None):
         """Which members may serve it (:meth:`Pool.routing`), for a new request and an adopted one alike."""

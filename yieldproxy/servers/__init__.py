@@ -46,10 +46,13 @@ from .base import (
     PROBE_TEXT,
     UP,
     UPSTREAM,
+    Asked,
     ModelCall,
+    Refusal,
     Route,
     Server,
 )
+from .cors import Origins
 
 __all__ = [
     "APIS",
@@ -66,10 +69,14 @@ __all__ = [
     "SERVERS",
     "UP",
     "UPSTREAM",
+    "Asked",
     "ModelCall",
+    "Origins",
+    "Refusal",
     "Route",
     "Server",
     "native_apis",
+    "refusal",
     "route_class",
     "server",
 ]
@@ -130,3 +137,26 @@ def native_apis(apis: Iterable[str], method: str, path: str) -> tuple[str, ...]:
             if own is not None and any(d == own.dialect for _, d in known):
                 dialect = own.dialect
     return tuple(api for api, d in known if d == dialect)
+
+
+def refusal(apis: Iterable[str], asked: Asked, origins: Origins) -> Refusal | None:
+    """The answer the upstream would give ``asked`` at once, when every api that could serve it refuses it.
+
+    The apis that could serve it are those that serve the route natively
+    (:func:`native_apis`), or every api of the pool for a route none knows;
+    each refuses by its own rule (:attr:`Server.refuse`).  One that would
+    take it is enough to let it in (an api whose refusals the proxy does not
+    know refuses nothing), so no request a member would take is refused;
+    the answer is the first api's, in its own words.
+    """
+    apis = tuple(dict.fromkeys(apis))
+    if len(apis) == 1:
+        return server(apis[0]).refuse(asked, origins)
+    candidates = native_apis(apis, asked.method, asked.path) or apis
+    first: Refusal | None = None
+    for api in candidates:
+        refused = server(api).refuse(asked, origins)
+        if refused is None:
+            return None
+        first = first or refused
+    return first

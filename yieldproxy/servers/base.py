@@ -17,7 +17,9 @@ The pool asks a member's description, by its ``api``:
 * where an embedding request translated for it goes (:attr:`Server.embed_path`
   in :mod:`yieldproxy.upstream.translation`'s :attr:`Server.embed_shape`);
 * the shape of the proxy's own error bodies on its routes
-  (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`).
+  (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`);
+* what it refuses at once, in its own words (:attr:`Server.refuse`), so that
+  such a request is answered at once and never waits in the lot.
 
 Every judge reads only the server's own error structure and its own words,
 and no judgement declares an outage by itself: a server that quotes the
@@ -168,6 +170,42 @@ def unique_names(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
+@attrs.frozen
+class Asked:
+    """What a server's refusal rule reads of a request, as the upstream would receive it."""
+
+    method: str
+    #: The canonical decoded path (:mod:`yieldproxy.proxy.target`): what the upstream routes on.
+    path: str
+    #: The request's first ``Origin`` value (as Go's ``Header.Get`` reads it), or None.
+    origin: str | None
+    #: The ``Host`` values the upstream may receive (the proxy sends each upstream its own).
+    hosts: frozenset[str]
+    body: bytes
+    #: A ``[[routes]]`` rule names this route: the operator knows it, so it is never refused as unknown.
+    declared: bool = False
+
+
+@attrs.frozen
+class Refusal:
+    """The answer the upstream gives at once, before it runs anything: the proxy gives it instead."""
+
+    status: int
+    #: The body, byte for byte as the upstream writes it (empty for a bare status).
+    body: bytes = b""
+    #: Its ``Content-Type``, or None when the upstream sends none.
+    content_type: bytes | None = None
+    #: Other headers the upstream sends with it (a 405's ``Allow``).
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    #: Why, for the proxy's metrics and log: ``origin``, ``unknown_route`` or ``bad_body``.
+    reason: str = "bad_body"
+
+
+def never_refuses(asked: Asked, origins: Any) -> Refusal | None:
+    """A server whose refusals the proxy does not know exactly: it refuses nothing on its behalf."""
+    return None
+
+
 def never_unload(method: str, path: str, request: Any) -> bool:
     """Servers other than Ollama have no request that only unloads a model."""
     return False
@@ -217,6 +255,11 @@ class Server:
     #: Path prefixes its API may be mounted under (Infinity's ``--url-prefix``);
     #: :meth:`with_prefix` picks one for :attr:`models_path` and :attr:`embed_path`.
     url_prefixes: tuple[str, ...] = ("",)
+    #: ``refuse(asked, origins)``: the answer the server gives this request at once, without
+    #: running anything (its CORS check, an unknown route, a body it cannot decode), or None.
+    #: ``origins`` (:class:`~.cors.Origins`) mirrors its own allowed-origins setting.
+    #: Called once per request before it may park, so a request it refuses never waits.
+    refuse: Callable[[Asked, Any], Refusal | None] = never_refuses
     _exact: dict[tuple[str, str], Route] = attrs.field(
         init=False, eq=False, repr=False, default=attrs.Factory(lambda self: self._index(), takes_self=True)
     )

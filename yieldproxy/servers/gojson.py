@@ -48,6 +48,8 @@ from typing import Any, Iterable, NoReturn
 
 import attrs
 
+from . import goscan
+
 #: Bodies up to this size are parsed whole; above it the model is scanned for.
 FULL_READ_LIMIT = 64 * 1024
 #: Nesting the scanner follows before it gives up (a 400): real requests nest a
@@ -437,3 +439,177 @@ def find_model(body: bytes) -> str | None:
     if len(body) <= FULL_READ_LIMIT:
         return read_request(body).model
     return scan_model(body)
+
+
+# -- a whole body against a route's request struct ---------------------------------------------
+
+#: Kinds of struct field :func:`decode_error` judges, by what Go's decoder does with each JSON value.
+#: ``string``, ``bool``, ``int``: the Go type (a pointer's too: Go names the type pointed to);
+#: ``map``: ``map[string]any``; ``any``: ``any``; ``raw``: ``json.RawMessage`` (takes any value);
+#: ``duration``: ``*api.Duration`` (:func:`go_duration`); ``ints``: ``[]int``;
+#: ``messages``: ``[]api.Message``; ``opaque``: a type with its own decoder or fields not followed here.
+GO_TYPES = {"string": "string", "bool": "bool", "int": "int", "map": "map[string]interface {}", "ints": "[]int",
+            "messages": "[]api.Message"}
+
+
+@attrs.frozen
+class GoStruct:
+    """A request struct as Go decodes into it: its type's name and every field, by JSON name.
+
+    ``fields`` maps a JSON name to ``(kind, everywhere)``: ``everywhere`` is
+    False for a field only some of the supported server versions have (the
+    others ignore its key), so only a value all of them take is judged.
+    """
+
+    #: The type as Go prints it (``api.EmbedRequest``).
+    name: str
+    fields: dict[str, tuple[str, bool]]
+    _folded: dict[str, str] = attrs.field(
+        init=False, eq=False, repr=False,
+        default=attrs.Factory(lambda self: {fold(n): n for n in self.fields}, takes_self=True),
+    )
+
+    def field(self, key: str) -> str | None:
+        """The field a key binds to, as Go matches it (exact name, else case-folded), or None."""
+        if key in self.fields:
+            return key
+        return self._folded.get(fold(key))
+
+
+#: :func:`_judge`'s answer for a value that decodes.
+_FINE = "fine"
+#: :func:`_judge`'s answer when the proxy cannot tell exactly what Go does with the value.
+_UNSURE = "unsure"
+
+
+def _json_kind(value: Any) -> str:
+    """The word Go's ``UnmarshalTypeError`` uses for a JSON value."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, _Pairs):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    return "number"
+
+
+def _fits_any(value: Any) -> bool:
+    """Whether Go decodes ``value`` into ``any`` without error: every number must fit a float64."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return True
+    if isinstance(value, float):
+        return not math.isinf(value)
+    if isinstance(value, int):
+        try:
+            return not math.isinf(float(value))
+        except OverflowError:
+            return False
+    if isinstance(value, _Pairs):
+        return all(_fits_any(v) for _, v in value)
+    return all(_fits_any(v) for v in value)
+
+
+def _judge(kind: str, value: Any) -> str:
+    """``_FINE``, ``_UNSURE``, or the JSON kind Go's type error names, for ``value`` into a field of ``kind``."""
+    if value is None or kind == "raw":
+        # null leaves a value as it is and sets a pointer, slice, map or interface to nil.
+        return _FINE
+    found = _json_kind(value)
+    if kind == "string":
+        return _FINE if found == "string" else found
+    if kind == "bool":
+        return _FINE if found == "bool" else found
+    if kind == "int":
+        if found == "number":
+            return _FINE if isinstance(value, int) and -(2**63) <= value < 2**63 else _UNSURE
+        return found
+    if kind == "map":
+        if found == "object":
+            return _FINE if _fits_any(value) else _UNSURE
+        return found
+    if kind == "any":
+        return _FINE if _fits_any(value) else _UNSURE
+    if kind == "duration":
+        try:
+            go_duration(value)
+        except _TypeError:
+            return _UNSURE
+        return _FINE
+    if kind == "ints":
+        if found != "array":
+            return found
+        fits = all(isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63 for v in value)
+        return _FINE if fits else _UNSURE
+    if kind == "messages":
+        if found != "array":
+            return found
+        return _FINE if not value else _UNSURE
+    return _UNSURE
+
+
+#: Bodies :func:`decode_error` reads: larger ones are not judged (they would be built whole in memory).
+DECODE_CHECK_LIMIT = FULL_READ_LIMIT
+
+_GO_SPACE = " \t\r\n"
+_FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
+
+
+def decode_error(body: bytes, struct: GoStruct) -> str | None:
+    """What ``json.NewDecoder(body).Decode(&req)`` returns for ``req`` of ``struct``, as its text, or None.
+
+    None when it decodes, and when the proxy cannot tell exactly (a body over
+    :data:`DECODE_CHECK_LIMIT`, a value of a type with its own decoder...):
+    only an error whose words are certain is returned.  ``goscan.EOF`` for
+    a body of white space.  Go reads the first JSON value only, so data
+    after it is never an error here (unlike :func:`read_request`).
+
+    Go's ``encoding/json`` (v1, the default build): ``Decoder.Decode`` reads
+    one value (``readValue``, stream.go) and refuses its syntax first; then
+    ``decodeState.object`` binds each member in order, keeping the first
+    ``UnmarshalTypeError`` (``saveError``) and going on, the struct's name
+    and the field's JSON name added by ``addErrorContext`` (decode.go).
+    """
+    if len(body) > DECODE_CHECK_LIMIT:
+        return None
+    text = body.decode("utf-8", "surrogateescape")
+    start = len(text) - len(text.lstrip(_GO_SPACE))
+    if start == len(text):
+        return goscan.EOF
+    try:
+        value, _ = _FIRST_VALUE.raw_decode(text, start)
+    except (ValueError, RecursionError):
+        # Python's parser refused it: Go's scanner says how (or, for a depth only
+        # Python's recursion limit refused, that it is fine: then not judged).
+        return goscan.syntax_error(body)
+    if not isinstance(value, _Pairs):
+        # A top-level number Python reads a prefix of (``1.``, ``2e``) is a syntax error to Go.
+        said = goscan.syntax_error(body)
+        if said is not None:
+            return said
+        if value is None:
+            return None
+        return f"json: cannot unmarshal {_json_kind(value)} into Go value of type {struct.name}"
+    return _first_type_error(value, struct)
+
+
+def _first_type_error(pairs: "_Pairs", struct: GoStruct) -> str | None:
+    """Go's error for an object's members, decoded in order into ``struct``: the first type error is kept
+    and decoding goes on (``saveError``); a type with its own decoder may stop it with another error,
+    so any value not judged here, before the first error or after it, makes the answer unsure (None)."""
+    first: str | None = None
+    for key, value in pairs:
+        name = struct.field(_go_string(key))
+        if name is None:
+            continue  # Go ignores a key no field has
+        kind, everywhere = struct.fields[name]
+        verdict = _judge(kind, value)
+        if verdict == _FINE:
+            continue
+        if verdict == _UNSURE or not everywhere:
+            return None
+        if first is None:
+            short = struct.name.rpartition(".")[2]
+            first = f"json: cannot unmarshal {verdict} into Go struct field {short}.{name} of type {GO_TYPES[kind]}"
+    return first

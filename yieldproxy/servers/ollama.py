@@ -95,8 +95,13 @@ revealed is probed with a model call of the same kind (:func:`minimal_call`).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
+from typing import Any, Iterable
 
+import attrs
+
+from . import goscan
 from .base import (
     BUSY,
     CALLER,
@@ -105,14 +110,19 @@ from .base import (
     PASSTHROUGH,
     PROBE_TEXT,
     UPSTREAM,
+    Asked,
     MinimalCall,
     ModelCall,
+    Refusal,
+    Route,
     Server,
     json_object,
     listed_names,
     routes,
     up_on_200,
 )
+from .cors import Origins
+from .gojson import GoStruct, decode_error
 
 # -- routes ----------------------------------------------------------------------
 
@@ -176,6 +186,182 @@ def error_shape(path: str) -> str:
 def api_family(path: bytes) -> str:
     """:func:`error_shape` of a raw path (bytes), as the listener has it before routing."""
     return "openai" if path.startswith(b"/v1/") else "ollama"
+
+
+# -- what Ollama refuses at once ----------------------------------------------------
+
+#: ``envconfig.AllowedOrigins()``'s defaults, after ``OLLAMA_ORIGINS``'s entries
+#: (envconfig/config.go:57-80 at v0.11.4, 86-109 at HEAD): ``http``/``https``
+#: on localhost, 127.0.0.1 and 0.0.0.0 with any port or none, and the desktop
+#: and editor schemes.
+DEFAULT_ORIGINS: tuple[str, ...] = (
+    *(
+        f"{scheme}://{host}{port}"
+        for host in ("localhost", "127.0.0.1", "0.0.0.0")
+        for port in ("", ":*")
+        for scheme in ("http", "https")
+    ),
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+)
+
+
+def allowed_origins(configured: Iterable[str] = ()) -> Origins:
+    """The origins Ollama's CORS check lets in: ``configured`` (mirroring ``OLLAMA_ORIGINS``) and its defaults.
+
+    The list is ``AllowOrigins`` of gin-contrib/cors, set in ``GenerateRoutes``
+    (server/routes.go:1219-1251 at v0.11.4, 1842-1873 at HEAD) with
+    ``AllowWildcard`` and ``AllowBrowserExtensions``; ValueError for an entry
+    that makes ``cors.New`` panic (:meth:`Origins.from_entries`).
+    """
+    return Origins.from_entries((*configured, *DEFAULT_ORIGINS))
+
+
+#: Routes some releases since v0.11.4 serve and others do not (``server/routes.go`` at every
+#: tag from v0.11.4 to HEAD): a request to one of these paths is left to the Ollama that runs.
+#: ``/api/experimental/`` paths are left to it too (they may change without notice).
+SOME_RELEASES_ROUTES = routes(
+    "ollama", "",
+    "GET /api/status", "POST /api/me", "POST /api/signout", "DELETE /api/user/keys/<key>",
+    "POST /v1/responses", "POST /v1/messages", "POST /v1/audio/transcriptions",
+    "POST /v1/images/generations", "POST /v1/images/edits",
+)
+#: gin's method trees in the order ``GenerateRoutes`` first registers each method
+#: (``HEAD /`` first): the order of a 405's ``Allow`` (gin.go:649-666, v1.10.0).
+_TREE_ORDER = ("HEAD", "GET", "POST", "DELETE")
+
+
+def _matches(route: Route, path: str) -> bool:
+    return route.path == path if route.pattern is None else route.pattern.fullmatch(path) is not None
+
+
+def _methods(path: str) -> set[str] | None:
+    """The methods every release since v0.11.4 serves ``path`` with, or None when releases differ on it."""
+    if path.startswith("/api/experimental/") or any(_matches(r, path) for r in SOME_RELEASES_ROUTES):
+        return None
+    found: set[str] = set()
+    for route in ROUTES:
+        if _matches(route, path):
+            found |= route.methods
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _route_refusal(method: str, path: str) -> Refusal | None:
+    """gin's answer to a route it has no handler for: ``404 page not found``, or ``405 method not
+    allowed`` with ``Allow`` when another method has the path (``HandleMethodNotAllowed``,
+    server/routes.go:1247 at v0.11.4, 1870 at HEAD; gin.go:649-670 and ``serveError`` 675-690,
+    v1.10.0: ``text/plain``, no newline).  ``OPTIONS`` and ``HEAD`` are left alone: a preflight or
+    Ollama's Host check may answer 204 first, and a HEAD answer has no body to compare.
+    Remembered for the routes seen last (clients ask the same few again and again)."""
+    if method in ("OPTIONS", "HEAD"):
+        return None
+    methods = _methods(path)
+    if methods is None or method in methods:
+        return None
+    if methods:
+        allow = ", ".join(m for m in _TREE_ORDER if m in methods)
+        return Refusal(405, b"405 method not allowed", b"text/plain", ((b"allow", allow.encode("ascii")),),
+                       reason="unknown_route")
+    return Refusal(404, b"404 page not found", b"text/plain", reason="unknown_route")
+
+
+def _fields(*table: str, only_some: tuple[str, ...] = ()) -> dict[str, tuple[str, bool]]:
+    """A field table written ``"kind name name..."``; ``only_some`` names fields only HEAD has."""
+    out: dict[str, tuple[str, bool]] = {}
+    for line in table:
+        kind, *names = line.split()
+        for name in names:
+            out[name] = (kind, name not in only_some)
+    return out
+
+
+_HEAD_ONLY = ("truncate", "shift", "_debug_render_only", "logprobs", "top_logprobs", "dimensions")
+#: The request structs of the model routes, every field (api/types.go: v0.11.4 lines 45-93,
+#: 96-123, 352-367, 380-393; HEAD lines 62-130, 133-180, 599-618, 631-644).  Fields only
+#: HEAD has are judged only on values both versions take (v0.11.4 ignores their keys).
+#: ``messages``, ``images``, ``tools``, ``think`` have decoders of their own (``Message``,
+#: ``ImageData``, ``ThinkValue``...): never judged.
+REQUEST_STRUCTS: dict[str, GoStruct] = {
+    "/api/generate": GoStruct("api.GenerateRequest", _fields(
+        "string model prompt suffix system template", "ints context", "bool stream raw", "raw format",
+        "duration keep_alive", "opaque images think", "map options",
+        "bool truncate shift _debug_render_only logprobs", "int top_logprobs", only_some=_HEAD_ONLY,
+    )),
+    "/api/chat": GoStruct("api.ChatRequest", _fields(
+        "string model", "messages messages", "bool stream", "raw format", "duration keep_alive",
+        "opaque tools think", "map options",
+        "bool truncate shift _debug_render_only logprobs", "int top_logprobs", only_some=_HEAD_ONLY,
+    )),
+    "/api/embed": GoStruct("api.EmbedRequest", _fields(
+        "string model", "any input", "duration keep_alive", "bool truncate", "int dimensions", "map options",
+        only_some=("dimensions",),
+    )),
+    "/api/embeddings": GoStruct("api.EmbeddingRequest", _fields(
+        "string model prompt", "duration keep_alive", "map options",
+    )),
+}
+#: Each of those handlers' answer to an empty body (``io.EOF``): server/routes.go at v0.11.4
+#: lines 141-143, 453-458, 591-593, 1511-1513; HEAD 248-250, 798-802, 1044-1046, 2444-2446.
+MISSING_BODY = "missing request body"
+
+
+def _body_refusal(path: str, body: bytes) -> Refusal | None:
+    """The 400 a model route's handler gives a body Go's decoder refuses, before it looks at the model.
+
+    ``c.ShouldBindJSON(&req)`` (gin's ``json.NewDecoder(body).Decode``) is each
+    handler's first step; any error is ``c.AbortWithStatusJSON(400,
+    gin.H{"error": err.Error()})`` (lines above): Go's own words
+    (:func:`~.gojson.decode_error`), in gin's JSON (``json.Marshal``: ``<``,
+    ``>`` and ``&`` escaped, no newline).  Only the native routes: the
+    ``/v1/`` ones decode in a middleware that HEAD puts behind a cloud check.
+    """
+    struct = REQUEST_STRUCTS.get(path)
+    if struct is None:
+        return None
+    message = decode_error(body, struct)
+    if message is None:
+        return None
+    if message == goscan.EOF:
+        message = MISSING_BODY
+    return Refusal(400, go_json({"error": message}), b"application/json; charset=utf-8")
+
+
+def go_json(value: Any) -> bytes:
+    """``value`` as Go's ``json.Marshal`` writes it (HTML characters and U+2028/9 escaped, no spaces)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(char, escape)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def refuse(asked: Asked, origins: Origins) -> Refusal | None:
+    """What Ollama answers at once, before any handler runs a model, or None.
+
+    In the order of gin's handler chain (server/routes.go:1246-1251 at
+    v0.11.4, 1869-1874 at HEAD): the CORS check first (403, empty body:
+    :class:`~.cors.Origins`), on every route, known or not; then the router
+    (404 or 405: :func:`_route_refusal`); then the handler's decode of the
+    body (400: :func:`_body_refusal`).  Past the CORS check, an allowed
+    cross-origin request's answer carries ``Vary: Origin`` and
+    ``Access-Control-Allow-Origin`` (gin-contrib/cors ``handleNormal``, config.go:93-98; ``*``
+    alone when every origin is allowed, utils.go ``generateNormalHeaders``).
+    """
+    refusal = None if asked.declared else _route_refusal(asked.method, asked.path)
+    if origins.refuses(asked.origin, asked.hosts):
+        # gin sets a 405's Allow before the chain runs (gin.go:663), so the 403 carries it too.
+        allow = refusal.headers if refusal is not None and refusal.status == 405 else ()
+        return Refusal(403, headers=allow, reason="origin")
+    if refusal is None and asked.method == "POST":
+        refusal = _body_refusal(asked.path, asked.body)
+    if refusal is None or not asked.origin:
+        return refusal
+    if any(asked.origin in (f"http://{h}", f"https://{h}") for h in asked.hosts):
+        return refusal
+    if origins.every:
+        cors: tuple[tuple[bytes, bytes], ...] = ((b"access-control-allow-origin", b"*"),)
+    else:
+        cors = ((b"vary", b"Origin"), (b"access-control-allow-origin", asked.origin.encode("utf-8", "surrogateescape")))
+    return attrs.evolve(refusal, headers=(*cors, *refusal.headers))
 
 
 # -- failures ----------------------------------------------------------------------
@@ -340,4 +526,5 @@ SERVER = Server(
     error_shape=error_shape,
     model_loading_paths=MODEL_LOADING_PATHS,
     is_unload=is_unload,
+    refuse=refuse,
 )

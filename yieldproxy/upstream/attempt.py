@@ -289,6 +289,8 @@ class Upstream:
                 endpoint = wrapClientTLS(optionsForClientTLS(self.host), endpoint)
         name = f"[{self.host}]" if ":" in self.host else self.host
         host_header = name if self.port == default_port else f"{name}:{self.port}"
+        #: The ``Host`` every request to it carries (its CORS check compares an ``Origin`` with it).
+        self.host_header = host_header
         self.client = H1Pool(
             reactor, self.host, self.port,
             max_connections=None, max_idle=max_connections, idle_timeout=idle_timeout, endpoint=endpoint,
