@@ -152,8 +152,9 @@ class Api:
         """The answer at ``path`` while the model loads at start; None to serve it as usual."""
         return None
 
-    def refuse_origin(self, origin: str | None) -> Reply | None:
-        """The answer to a request from a browser ``Origin`` the server refuses; None to serve it."""
+    def front(self, request: Request) -> Reply | None:
+        """What the server answers before any handler runs (its CORS check, its router, its body
+        decode), or None to go on."""
         return None
 
     def style_of(self, path: str) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 
 from twisted.web.server import Request
 
+from ...servers import ollama as ollama_front
+from ...servers.base import Asked
 from . import ollama_requests, openai
 from .api import NDJSON, SSE, Api, BadRequest, Reply, Route, Sim, dumps
 from .content import canonical_model, count_tokens, expected_embedding
@@ -39,6 +41,8 @@ BUSY_ERROR = "server busy, please try again.  maximum pending requests exceeded"
 """Ollama's 503 once ``OLLAMA_MAX_QUEUE`` requests wait (see ``max_queue``)."""
 
 _FINGERPRINT = "fp_ollama"
+#: Ollama's default CORS origins (no ``OLLAMA_ORIGINS``).
+_ORIGINS = ollama_front.allowed_origins()
 
 _ROUTES: dict[str, Route] = {
     "/api/embed": Route(("POST",), "batch", "ollama", "embed"),
@@ -86,37 +90,6 @@ def model_not_found(op: str, model: str) -> str:
     if op in EMBED_OPS:
         return f"model {go_quote(model)} not found, try pulling it first"
     return f"model '{model}' not found"
-
-
-#: The Origins Ollama takes besides ``OLLAMA_ORIGINS`` (``envconfig.AllowedOrigins``, v0.24.0
-#: ``envconfig/config.go:86-109``), matched by gin-contrib/cors with its wildcards: a pattern's one ``*``
-#: stands for anything (``cors.validateWildcardOrigin``).
-DEFAULT_ORIGINS = (
-    *(
-        f"{scheme}://{host}{port}"
-        for host in ("localhost", "127.0.0.1", "0.0.0.0")
-        for port in ("", ":*")
-        for scheme in ("http", "https")
-    ),
-    "app://*",
-    "file://*",
-    "tauri://*",
-    "vscode-webview://*",
-    "vscode-file://*",
-)
-
-
-def origin_allowed(origin: str, patterns: tuple[str, ...] = DEFAULT_ORIGINS) -> bool:
-    """Whether Ollama's CORS middleware lets a browser request from ``origin`` through."""
-    for pattern in patterns:
-        if "*" not in pattern:
-            if origin == pattern:
-                return True
-            continue
-        head, _, tail = pattern.partition("*")
-        if origin.startswith(head) and origin.endswith(tail) and len(origin) >= len(head) + len(tail):
-            return True
-    return False
 
 
 def iso(t: float) -> str:
@@ -245,11 +218,21 @@ class OllamaApi(Api):
     def style_of(self, path: str) -> str:
         return "openai" if path.startswith("/v1/") else "ollama"
 
-    def refuse_origin(self, origin: str | None) -> Reply | None:
-        # gin-contrib/cors aborts a request from an Origin it does not allow with a bare 403, on every path.
-        if origin is None or origin_allowed(origin):
+    def front(self, request: Request) -> Reply | None:
+        # The proxy's own reading of Ollama's front (servers/ollama.py ``refuse``): one rule for both,
+        # held to the real Ollama by tests/test_sim_vs_ollama_real.py.
+        host = (request.getHeader("host") or "").split(":")[0]
+        content = request.content.read() if request.content is not None else b""
+        if request.content is not None:
+            request.content.seek(0)
+        asked = Asked(
+            request.method.decode("latin-1"), request.path.decode("latin-1"), request.getHeader("origin"),
+            frozenset({host, "127.0.0.1", "localhost"}), content,
+        )
+        refusal = ollama_front.refuse(asked, _ORIGINS)
+        if refusal is None:
             return None
-        return Reply(403, b"", b"")
+        return Reply(refusal.status, refusal.body, refusal.content_type or b"", refusal.headers)
 
     def error(self, style: str, failure: str, message: str, job: Job | None = None) -> Reply:
         code, text = _FAILURES.get(failure, (400, message))

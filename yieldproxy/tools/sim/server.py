@@ -444,10 +444,9 @@ class SimOllama:
             if loading is not None:
                 self._finish_record(record, "loading")
                 return self._write_reply(request, loading)
-        origin = request.getHeader("origin")
-        refused = api.refuse_origin(origin)
+        refused = api.front(request)
         if refused is not None:
-            self._finish_record(record, "bad_request")
+            self._finish_record(record, "not_found" if refused.code == 404 else "bad_request")
             return self._write_reply(request, refused)
         if route is None:
             return self._fail(request, record, style, "not_found")
