@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import enum
+from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
@@ -125,3 +127,45 @@ def test_every_sequence_of_events_follows_the_table_or_raises_and_leaves_the_sta
                 ["draught on"] if expected is OPEN else ["locked from locked"] if expected is LOCKED else []
             )
         assert (door.log.count("draught on") - door.log.count("draught off")) == (door.state is OPEN)
+
+
+# -- the machines that use it ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent / "yieldproxy"
+#: The modules whose named states follow the house idiom: every move fired through a table.
+DRIVEN = ("edge/h1client.py",)
+
+
+def state_assignments(source: str) -> list[int]:
+    """Lines that set an attribute named ``state`` anywhere but in an ``__init__`` (its first state)."""
+    lines = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            targets = []
+            if isinstance(child, ast.Assign):
+                targets = [t for target in child.targets for t in ast.walk(target)]
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
+                targets = [child.target]
+            if function != "__init__" and any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets):
+                lines.append(child.lineno)
+            visit(child, function)
+
+    visit(ast.parse(source), None)
+    return lines
+
+
+def test_the_finder_of_direct_moves_finds_them():
+    assert state_assignments("class A:\n    def __init__(self):\n        self.state = 1\n") == []
+    assert state_assignments("def f(x):\n    x.state = 2\n    a, x.state = 1, 2\n") == [2, 3]
+    assert state_assignments("def f(x):\n    if x:\n        x.state += 1\n") == [3]
+
+
+@pytest.mark.parametrize("path", DRIVEN)
+def test_a_driven_machine_moves_only_by_firing_an_event_through_its_table(path):
+    source = (ROOT / path).read_text()
+    assert "Machine[" in source and "Moves(" in source
+    assert state_assignments(source) == []
