@@ -60,7 +60,7 @@ def test_fire_moves_as_the_table_says_and_returns_the_new_state():
 
 def test_an_event_the_table_does_not_name_raises_naming_the_machine_the_state_and_the_event():
     door = Doorway()
-    with pytest.raises(Unexpected, match=r"a door cannot take 'kick' in state <Door.SHUT: 'shut'>") as caught:
+    with pytest.raises(Unexpected, match=r"^a door cannot take 'kick' in state SHUT$") as caught:
         door.fire("kick")
     assert caught.value.state is SHUT and caught.value.event == "kick"
     assert door.state is SHUT and door.log == []
@@ -133,11 +133,13 @@ def test_every_sequence_of_events_follows_the_table_or_raises_and_leaves_the_sta
 
 ROOT = Path(__file__).resolve().parent.parent / "yieldproxy"
 #: The modules whose named states follow the house idiom: every move fired through a table.
-DRIVEN = ("edge/h1client.py",)
+DRIVEN = ("edge/h1client.py", "upstream/pool/member.py")
+#: Where an owner gives its first state (an attrs class gives it as a field's default).
+FIRST = ("__init__",)
 
 
 def state_assignments(source: str) -> list[int]:
-    """Lines that set an attribute named ``state`` anywhere but in an ``__init__`` (its first state)."""
+    """Lines that set an attribute named ``state`` anywhere but where an owner gives its first (:data:`FIRST`)."""
     lines = []
 
     def visit(node: ast.AST, function: str | None) -> None:
@@ -150,7 +152,7 @@ def state_assignments(source: str) -> list[int]:
                 targets = [t for target in child.targets for t in ast.walk(target)]
             elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
                 targets = [child.target]
-            if function != "__init__" and any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets):
+            if function not in FIRST and any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets):
                 lines.append(child.lineno)
             visit(child, function)
 

@@ -22,7 +22,7 @@ class Unexpected(RuntimeError):
     """An event the table does not name in the current state: a bug in the owner, never the peer's."""
 
     def __init__(self, machine: str, state: object, event: object):
-        super().__init__(f"{machine} cannot take {event!r} in state {state!r}")
+        super().__init__(f"{machine} cannot take {event!r} in state {_name(state)}")
         self.state, self.event = state, event
 
 
