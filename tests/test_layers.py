@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "yieldproxy"
 
 #: Lowest first: (what the layer is, the modules and packages in it).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core: names, text, clocks, callbacks", ("names", "text", "clock", "periodic", "callbacks")),
+    ("core: names, text, clocks, callbacks, named states", ("names", "text", "clock", "periodic", "callbacks", "states")),
     ("servers: what each server is", ("servers",)),
     ("core: errors, config", ("errors", "config")),
     ("observe: metrics, history, the request log", ("observe",)),

@@ -21,6 +21,7 @@ from helpers import config_with, make_core, make_pool_core
 from yieldproxy.edge.h1client import ResponseIncomplete
 from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.names import LOADING_SOURCE
+from yieldproxy.states import Unexpected
 from yieldproxy.upstream.attempt import (
     ANSWER_MOVES,
     AWAITING,
@@ -54,11 +55,6 @@ def attempt_client(attempt, state):
     return lambda new: attempt._client_to(new)
 
 
-def member_condition(member, state):
-    member.condition = state
-    return lambda new: member._to(new)
-
-
 def entry_stay(entry, state):
     entry.state = state
     return entry.move
@@ -75,7 +71,6 @@ def _member():
 TABLES = {
     "attempt answer": (Answer, ANSWER_MOVES, _attempt, attempt_answer),
     "attempt client": (type(OPEN), CLIENT_MOVES, _attempt, attempt_client),
-    "member condition": (Condition, CONDITION_MOVES, _member, member_condition),
     "entry": (Stay, ENTRY_MOVES, lambda: Entry(cls="batch"), entry_stay),
 }
 
@@ -98,7 +93,31 @@ def test_each_table_names_every_state_and_its_mover_makes_exactly_its_moves(name
 def test_the_end_states():
     assert ANSWER_MOVES[ENDED] == frozenset() and CLIENT_MOVES[GONE] == frozenset() and ENTRY_MOVES[LEFT] == frozenset()
     # A member has no end: it is stopped (a lifecycle flag), in whatever condition it was.
-    assert all(CONDITION_MOVES[c] for c in Condition)
+    assert all(CONDITION_MOVES.next[c] for c in Condition)
+
+
+def test_a_members_table_names_every_condition_and_its_events_make_exactly_its_moves():
+    """The member's table drives (yieldproxy/states.py): each (condition, event) moves where it says, any
+    other pair raises; and the moves it allows are the ones a member's condition may make."""
+    assert CONDITION_MOVES.states == set(Condition)
+    events = {event for _, event in CONDITION_MOVES.table}
+    for condition, event in itertools.product(Condition, sorted(events)):
+        member = _member()
+        member.state = condition
+        new = CONDITION_MOVES.table.get((condition, event))
+        if new is None:
+            with pytest.raises(Unexpected, match=f"cannot take '{event}' in state {condition.name}"):
+                member.fire(event)
+            assert member.condition is condition
+        else:
+            assert member.fire(event) is new and member.condition is new
+    assert {(old.value, new.value) for (old, _), new in CONDITION_MOVES.table.items() if new is not old} == {
+        ("serving", "unanswered"), ("serving", "refusing"), ("serving", "not_ready"),
+        ("unanswered", "refusing"), ("unanswered", "not_ready"), ("unanswered", "serving"),
+        ("refusing", "not_ready"), ("refusing", "serving"),
+        ("not_ready", "stuck"), ("not_ready", "serving"),
+        ("stuck", "serving"), ("stuck", "not_ready"),
+    }
 
 
 # -- an attempt ----------------------------------------------------------------------------------------
@@ -368,7 +387,7 @@ def test_a_member_that_has_answered_cannot_be_refusing():
     """Passing a member over is for one never reached: a "loading" answer is an answer."""
     a = _member()
     a.health.not_ready("Loading model")
-    with pytest.raises(RuntimeError, match="from not_ready to refusing"):
+    with pytest.raises(Unexpected, match="cannot take 'refused' in state NOT_READY"):
         a.refused()
 
 

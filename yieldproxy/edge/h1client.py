@@ -35,10 +35,10 @@ does the same hop with one object per request and one Deferred:
   cancelled request (the client went away, the caller's timeout) or a timed
   out one aborts its connection, which is never reused.
 
-States.  As ``twisted.web._newclient``'s ``HTTP11ClientProtocol._state``, each
-connection and each exchange is in one named state, changed in one place
-per transition, and what an event does depends on it (never on a set of
-flags that could disagree):
+States.  Each connection and each exchange is in one named state, moved only
+by an event fired through its table (:data:`CONNECTION_MOVES`,
+:data:`EXCHANGE_MOVES`: the house idiom of yieldproxy/states.py), and what
+an event does depends on it (never on a set of flags that could disagree):
 
 * a connection (:attr:`H1Connection.state`): ``IDLE`` (free, reusable: in
   the pool's idle list, or just made) -> ``BUSY`` (carrying one exchange)
@@ -103,6 +103,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from ..states import Machine, Moves
 from .h1parse import ParseError, ResponseParser
 from .tcp import set_no_delay
 
@@ -181,6 +182,30 @@ CONNECTING = "CONNECTING"
 SENT = "SENT"
 STOPPING = "STOPPING"
 DONE = "DONE"
+
+#: What each event does to a connection.  ``close`` and ``abort`` of one already closing or lost, and
+#: the end of an answer on one (read until the close), leave it as it is.
+CONNECTION_MOVES: Moves[str, str] = Moves("an upstream connection", {
+    (IDLE, "start"): BUSY,
+    (BUSY, "answered"): IDLE,
+    (CLOSING, "answered"): CLOSING,
+    (LOST, "answered"): LOST,
+    **{(state, event): CLOSING for state in (IDLE, BUSY, CLOSING) for event in ("close", "abort")},
+    (LOST, "close"): LOST,
+    (LOST, "abort"): LOST,
+    **{(state, "lost"): LOST for state in (IDLE, BUSY, CLOSING)},
+})
+
+#: What each event does to an exchange.  A stale connection sends one from ``SENT`` back to ``WAITING`` or
+#: ``CONNECTING``; ``end`` (answered, failed, cancelled) from anywhere but ``DONE``.
+EXCHANGE_MOVES: Moves[str, str] = Moves("an upstream exchange", {
+    (NEW, "wait"): WAITING,
+    (SENT, "wait"): WAITING,
+    **{(state, "connect"): CONNECTING for state in (NEW, WAITING, SENT)},
+    **{(state, "send"): SENT for state in (NEW, WAITING, CONNECTING)},
+    (SENT, "stop"): STOPPING,
+    **{(state, "end"): DONE for state in (NEW, WAITING, CONNECTING, SENT, STOPPING)},
+})
 
 
 # -- the response and the exchange ----------------------------------------------------------------
@@ -281,20 +306,21 @@ class Response:
         # connection; the request fails with CancelledError once it is gone,
         # not from within the consumer's own connectionLost (as with a
         # transport registered as producer, which closes on a later turn).
-        ex.state = STOPPING
+        ex.fire("stop")
         conn.abort()
 
 
-class _Exchange:
+class _Exchange(Machine[str, str]):
     """One request and its way to a response: the only per-request object besides the Response.
 
     ``state`` is one of ``NEW``, ``WAITING``, ``CONNECTING``, ``SENT``,
-    ``STOPPING``, ``DONE`` (module docstring); ``conn`` is its connection while ``SENT``
+    ``STOPPING``, ``DONE`` (:data:`EXCHANGE_MOVES`); ``conn`` is its connection while ``SENT``
     or ``STOPPING``.
     """
 
     __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
-                 "reused", "retried", "response", "state")
+                 "reused", "retried", "response")
+    moves = EXCHANGE_MOVES
 
     def __init__(self, method: bytes, data: bytes, body: bytes, handler: ResponseHandler, replayable: bool,
                  canceller: Callable[["_Exchange"], None]):
@@ -312,20 +338,29 @@ class _Exchange:
         self.response: Response | None = None
         self.state = NEW
 
+    def _enter_DONE(self) -> None:
+        """Over: its timer stops, and its response no longer produces."""
+        timer, self.timer = self.timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self.response is not None:
+            self.response._exchange = None
+
 
 # -- one connection ------------------------------------------------------------------------------
 
 
-class H1Connection(Protocol):
+class H1Connection(Machine[str, str], Protocol):
     """One persistent connection: runs one exchange at a time, then goes back to its pool.
 
-    ``state`` is one of ``IDLE``, ``BUSY``, ``CLOSING``, ``LOST`` (module
-    docstring); ``exchange`` is the one it carries while ``BUSY``, and the
+    ``state`` is one of ``IDLE``, ``BUSY``, ``CLOSING``, ``LOST``
+    (:data:`CONNECTION_MOVES`); ``exchange`` is the one it carries while ``BUSY``, and the
     one being stopped while ``CLOSING`` after ``Response.stopProducing``.
     """
 
     #: Set by ``makeConnection``: a TCP (or TLS) transport, its own push producer too.
     transport: Any
+    moves = CONNECTION_MOVES
 
     def __init__(self, pool: "H1Pool"):
         self._pool = pool
@@ -352,9 +387,9 @@ class H1Connection(Protocol):
 
     def start(self, ex: _Exchange) -> None:
         """Send ``ex``'s request on this (``IDLE``) connection."""
-        self.state = BUSY
+        self.fire("start")
         self.exchange = ex
-        ex.state = SENT
+        ex.fire("send")
         ex.conn = self
         ex.reused = self.served > 0
         self.served += 1
@@ -401,15 +436,14 @@ class H1Connection(Protocol):
 
     def close(self) -> None:
         """Close the connection once what was written is sent (``IDLE`` or ``BUSY`` -> ``CLOSING``)."""
-        if self.state is IDLE or self.state is BUSY:
-            self.state = CLOSING
+        old = self.state
+        if self.fire("close") is not old:
             self.transport.loseConnection()
 
     def abort(self) -> None:
         """Drop the connection now; it is never reused (-> ``CLOSING``, unless ``LOST`` already)."""
         self._parser.halt()
-        if self.state is not LOST:
-            self.state = CLOSING
+        if self.fire("abort") is CLOSING:
             self.transport.abortConnection()
 
     def dataReceived(self, data: bytes) -> None:
@@ -459,12 +493,11 @@ class H1Connection(Protocol):
         if self._paused and self.state is not LOST:
             self._paused = False
             self.transport.resumeProducing()
-        if self.state is BUSY:
-            if keep_alive and not self._parser.extra:
-                self.state = IDLE
+        if keep_alive and not self._parser.extra:
+            if self.fire("answered") is IDLE:
                 self._pool._release(self)
-            else:
-                self.close()
+        else:
+            self.close()
         self._pool._succeed(ex)
 
     def _handler_failed(self, ex: _Exchange, failure: Failure) -> None:
@@ -478,7 +511,7 @@ class H1Connection(Protocol):
     # -- the end ---------------------------------------------------------------------
 
     def connectionLost(self, reason: Failure | None = None) -> None:
-        self.state = LOST
+        self.fire("lost")
         # Leave the count first, so a retry can have a fresh connection in its place.
         self._pool._connection_lost(self)
         ex = self.exchange
@@ -712,13 +745,13 @@ class H1Pool:
         if bound is None or self._count < bound:
             self._connect(ex)
         else:
-            ex.state = WAITING
+            ex.fire("wait")
             self._waiting.append(ex)
 
     def _connect(self, ex: _Exchange | None) -> None:
         self._count += 1
         if ex is not None:
-            ex.state = CONNECTING
+            ex.fire("connect")
         d = self._endpoint.connect(self._factory)
 
         def connected(conn: H1Connection) -> None:
@@ -817,29 +850,15 @@ class H1Pool:
     def _succeed(self, ex: _Exchange) -> None:
         if ex.state is DONE:
             return
-        ex.state = DONE
-        if ex.timer is not None:
-            if ex.timer.active():
-                ex.timer.cancel()
-            ex.timer = None
-        response = ex.response
-        if response is not None:
-            response._exchange = None
-        ex.deferred.callback(response)
+        ex.fire("end")
+        ex.deferred.callback(ex.response)
 
     def _fail(self, ex: _Exchange, error: BaseException | Failure) -> None:
         if ex.state is DONE:
             return
-        waiting = ex.state is WAITING
-        ex.state = DONE
-        if ex.timer is not None:
-            if ex.timer.active():
-                ex.timer.cancel()
-            ex.timer = None
-        if waiting:
+        if ex.state is WAITING:
             self._waiting.remove(ex)
-        if ex.response is not None:
-            ex.response._exchange = None
+        ex.fire("end")
         ex.deferred.errback(error)
 
     def _lost(self, ex: _Exchange, received: bool, reason: Failure | None) -> None:
@@ -871,16 +890,9 @@ class H1Pool:
         """Canceller: the caller gave up; abort its connection (the Deferred fails with CancelledError)."""
         if ex.state is DONE:
             return
-        waiting = ex.state is WAITING
-        ex.state = DONE
-        if ex.timer is not None:
-            if ex.timer.active():
-                ex.timer.cancel()
-            ex.timer = None
-        if waiting:
+        if ex.state is WAITING:
             self._waiting.remove(ex)
-        if ex.response is not None:
-            ex.response._exchange = None
+        ex.fire("end")
         conn = ex.conn
         if conn is not None:
             conn.exchange = None

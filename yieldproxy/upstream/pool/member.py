@@ -37,8 +37,8 @@ ends the hold: the minimal call (the server's ``minimal_call``) of the
 last call that answered "loading", when one is known, else its health path.
 
 What the member itself knows against it is one named state,
-:attr:`Member.condition` (:class:`Condition`), changed in one place along
-:data:`CONDITION_MOVES`.  Its holds and its drainer's held release are
+:attr:`Member.condition` (:class:`Condition`), moved only by an event fired
+through :data:`CONDITION_MOVES` (the house idiom of yieldproxy/states.py).  Its holds and its drainer's held release are
 others' facts (the yield state's, the drainer's), and whether it has answered
 since the start is its health's: ``unreachable`` is a refusing member that
 has not answered since.  The run of "loading" answers the bound measures is
@@ -61,6 +61,7 @@ from ...lot.state import YieldState
 from ...names import LOADING_SOURCE, TROUBLE_SOURCES
 from ...servers import NOT_READY as SAYS_NOT_READY, UP
 from ...servers.base import ModelCall
+from ...states import Machine, Moves
 from ..health import UpstreamHealth
 from ..verdict import NOT_CONNECTED
 from .members import MemberSpec
@@ -93,29 +94,41 @@ class Condition(enum.Enum):
 SERVING, UNANSWERED, REFUSING = Condition.SERVING, Condition.UNANSWERED, Condition.REFUSING
 NOT_READY, STUCK = Condition.NOT_READY, Condition.STUCK
 
-#: Every move a member's condition may make; any other is a bug (:meth:`Member._to` raises).
-CONDITION_MOVES: dict[Condition, frozenset[Condition]] = {
-    # A probe or an attempt that could not reach it; refused attempts; a "loading" answer.
-    SERVING: frozenset({UNANSWERED, REFUSING, NOT_READY}),
-    # Refused attempts; a "loading" answer (it answers, so it is reachable); a check answered.
-    UNANSWERED: frozenset({REFUSING, NOT_READY, SERVING}),
-    REFUSING: frozenset({NOT_READY, SERVING}),
-    # Past the bound; its health reads up (or a model call is answered).
-    NOT_READY: frozenset({STUCK, SERVING}),
-    # A model call works (or its hold ended elsewhere); its hold ended elsewhere and it loads again.
-    STUCK: frozenset({SERVING, NOT_READY}),
-}
+#: What each event does to a member's condition; any other is a bug (:class:`~yieldproxy.states.Unexpected`).
+CONDITION_MOVES: Moves[Condition, str] = Moves("a pool member", {
+    # A probe or an attempt could not reach it before it ever answered.
+    (SERVING, "unanswered"): UNANSWERED,
+    # Attempts refused before it ever answered (said again while refusing: nothing moves).  One that
+    # answered "loading" has answered: it is never refusing.
+    (SERVING, "refused"): REFUSING,
+    (UNANSWERED, "refused"): REFUSING,
+    (REFUSING, "refused"): REFUSING,
+    # Its server answers that it is still loading its model (it answers, so it is reachable).
+    **{(condition, "loading"): NOT_READY for condition in (SERVING, UNANSWERED, REFUSING, STUCK)},
+    # Not ready past upstream.not_ready_max_seconds.
+    (NOT_READY, "too_long"): STUCK,
+    # Its health reads up, or a model call is answered.
+    (NOT_READY, "ready"): SERVING,
+    (STUCK, "ready"): SERVING,
+    # Someone else ended the hold it took when stuck.
+    (STUCK, "unheld"): SERVING,
+    # A check got an answer from one that never had.
+    (UNANSWERED, "answered"): SERVING,
+    (REFUSING, "answered"): SERVING,
+})
 
 
 @attrs.define(eq=False)
-class Member:
+class Member(Machine[Condition, str]):
     """A pool member: its spec, its client, its health, its models and its drainer."""
+
+    moves = CONDITION_MOVES
 
     spec: MemberSpec
     #: Its place in config order (ties in the choice go to the first).
     index: int
     _clock: IReactorTime
-    _state: YieldState
+    _yields: YieldState
     #: What the pool knows of its kind of server (:mod:`.apis`).
     server: Any
     health: UpstreamHealth
@@ -140,8 +153,6 @@ class Member:
     #: How the request log names it on the requests it served (None: it names no upstream:
     #: ``PoolShape.log_name``, members.py).
     log_name: str | None = None
-    #: What it knows against itself (:data:`CONDITION_MOVES`).
-    condition: Condition = attrs.field(default=SERVING, init=False)
     #: Since when it is :attr:`Condition.NOT_READY` (for its log line).
     _not_ready_since: float = 0.0
     #: Since the first "loading" answer that no answered model call followed: what the bound measures.
@@ -157,12 +168,13 @@ class Member:
     _stopped: bool = False
     #: Its API prefix was found (where its model list or a call answered): a 404 is then its server's word.
     _prefix_known: bool = False
+    #: Its named state (:data:`CONDITION_MOVES`), read as :attr:`condition`.
+    state: Condition = attrs.field(default=SERVING, init=False)
 
-    def _to(self, new: Condition) -> None:
-        """Its condition moves to ``new``: the one place it does, along :data:`CONDITION_MOVES`."""
-        if new not in CONDITION_MOVES[self.condition]:
-            raise RuntimeError(f"upstream {self.name} cannot go from {self.condition.value} to {new.value}")
-        self.condition = new
+    @property
+    def condition(self) -> Condition:
+        """What it knows against itself: its named state (:data:`CONDITION_MOVES`)."""
+        return self.state
 
     def follow(self) -> tuple[tuple[Callable[[Callable[..., None]], None], Callable[..., None]], ...]:
         """What it follows of its health, as (subscribe, listener) pairs: the composition root
@@ -220,20 +232,20 @@ class Member:
 
     def held(self) -> bool:
         """Some hold applies to it (its own, or one of every member)."""
-        return self._state.yielded_for(self.spec.name)
+        return self._yields.yielded_for(self.spec.name)
 
     def available(self) -> bool:
         """True when it takes requests now."""
         condition = self.condition
         return not (
-            self._state.yielded_for(self.spec.name) or self.drainer.release_held or condition is NOT_READY
+            self._yields.yielded_for(self.spec.name) or self.drainer.release_held or condition is NOT_READY
             or (condition is REFUSING and not self.health.reachable)
         )
 
     def state_name(self) -> str:
         """One of :data:`MEMBER_STATES`."""
-        if self._state.yielded_for(self.spec.name):
-            holds = self._state.holds_for(self.spec.name)
+        if self._yields.yielded_for(self.spec.name):
+            holds = self._yields.holds_for(self.spec.name)
             return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
         if self.drainer.release_held:
             return "handing_over"
@@ -259,7 +271,7 @@ class Member:
         """
         if self.condition is not SERVING or self._stopped:
             return
-        self._to(UNANSWERED)
+        self.fire("unanswered")
         log.warn(
             "upstream {name} ({url}) does not answer ({why}): it reads unreachable until it answers "
             "(checked again every few seconds); requests sent to it fail until then",
@@ -279,8 +291,7 @@ class Member:
                 "passing it over, the other upstreams serve; checking it again every few seconds",
                 name=self.name, url=self.spec.url,
             )
-        if condition is not REFUSING:
-            self._to(REFUSING)
+        self.fire("refused")
         self._recheck_delay = self.recheck_seconds
         self._schedule_recheck()
 
@@ -306,7 +317,7 @@ class Member:
                 "until a model call is answered)",
                 name=self.name, url=self.spec.url, why=why, bound=self.not_ready_max_seconds,
             )
-            self._to(NOT_READY)
+            self.fire("loading")
             self._not_ready_since = now
             self._recheck_delay = self.recheck_seconds
             if self._recheck is not None and self._recheck.active():
@@ -340,8 +351,8 @@ class Member:
     def _stuck_held(self) -> bool:
         """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
         then it serves again)."""
-        if self.condition is STUCK and self._state.hold_of(LOADING_SOURCE, self._scope) is None:
-            self._to(SERVING)
+        if self.condition is STUCK and self._yields.hold_of(LOADING_SOURCE, self._scope) is None:
+            self.fire("unheld")
         return self.condition is STUCK
 
     @property
@@ -360,9 +371,9 @@ class Member:
             "treating it as down, a hold (source loading) until {what} works",
             name=self.name, url=self.spec.url, seconds=seconds, what=self._recovery_what(),
         )
-        self._to(STUCK)
+        self.fire("too_long")
         self._recheck_delay = self.recheck_seconds
-        self._state.hold(LOADING_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
+        self._yields.hold(LOADING_SOURCE, f"upstream still loading its model after {seconds:.0f}s", scope=self._scope)
         self._schedule_recheck()
 
     def _recovery_call(self):
@@ -379,12 +390,12 @@ class Member:
         """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
         took for a stuck load ends), its drainer starts."""
         was = self.condition
-        self._to(SERVING)
+        self.fire("ready")
         if was is STUCK:
             self._loading_since = None
             self._cancel_stuck_timer()
             log.info("upstream {name} ({url}) works again: ending its loading hold", name=self.name, url=self.spec.url)
-            self._state.release(LOADING_SOURCE, self._scope)
+            self._yields.release(LOADING_SOURCE, self._scope)
         else:
             log.info(
                 "upstream {name} ({url}) is ready after {seconds:.1f}s: taking requests",
@@ -460,6 +471,6 @@ class Member:
 
     def _reachable(self) -> None:
         if self.condition is REFUSING or self.condition is UNANSWERED:
-            self._to(SERVING)
+            self.fire("answered")
             log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
             self.on_reachable()
