@@ -33,6 +33,7 @@ from typing import Iterator
 
 import attrs
 import pytest
+
 from test_docs import config_keys
 
 ROOT = Path(__file__).resolve().parent.parent
