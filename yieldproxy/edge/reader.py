@@ -195,7 +195,7 @@ SNAPSHOT_VERSION: Final = 1
 
 # -- the rules' words -------------------------------------------------------------------------
 
-#: The answer to a request that breaks no rule the reader names (the listener's words before the edge was its own).
+#: The answer to a request that breaks no rule the reader names.
 MALFORMED: Final = "malformed HTTP request"
 BARE_LF_IN_HEAD: Final = "a request line or header line ends in a bare LF (lines end in CRLF)"
 BARE_LF_IN_CHUNKS: Final = "a chunk line ends in a bare LF (chunk lines end in CRLF)"
