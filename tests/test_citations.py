@@ -24,6 +24,7 @@ yet, each with the file it waits on; an entry that no longer rots fails too.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import io
 import re
@@ -56,6 +57,9 @@ EXTENSIONS = frozenset(
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     # TODO(lead): yieldproxy/edge/h1client.py is being rewritten on another branch; fix there.
     ("yieldproxy/edge/h1client.py", "forward.classify_failure"),
+    # TODO(lead): yieldproxy/upstream/pool/member.py is being changed on another branch; its server's kind is
+    # yieldproxy.servers.base's now.
+    ("yieldproxy/upstream/pool/member.py", ":mod:`.apis`"),
 })
 
 
@@ -343,8 +347,56 @@ DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?(?![
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 
 
-def citations_in(text: str, in_page: bool) -> Iterator[tuple[str, str | None]]:
-    """``(citation, problem)`` for each path and dotted name of ours that ``text`` cites."""
+#: A Sphinx role in the package's prose: ``:class:`Name```, ``:meth:`~.link.Link.flushed```.
+ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|exc|obj|const):`~?(\.?[A-Za-z_][\w.]*)`")
+
+
+def _scopes(module: str) -> list[str]:
+    """Where a role written in ``module`` looks a name up: the module, then each package above it."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+@functools.lru_cache(maxsize=1)
+def _all_names() -> frozenset[str]:
+    """Every name some module or class of the package defines (a bare ``:meth:`x``` names its own class's)."""
+    found: set[str] = set()
+    for module in index().values():
+        found |= module.names
+        for info in module.classes.values():
+            found |= info.names
+    return frozenset(found)
+
+
+def role_problem(target: str, module: str) -> str | None:
+    """Why a role's target written in ``module`` names nothing: ``.x.y`` (relative) or a bare ``Name``.
+
+    A dotted target not starting with a dot is :func:`name_problem`'s.  A bare name must be in the module (its
+    own or imported), a builtin, or a name some module or class of the package defines (a bare method's role
+    names its own class's)."""
+    if target.startswith("."):
+        parts = target[1:].split(".")
+        if any(_resolves_in_module(scope, parts) for scope in _scopes(module)):
+            return None
+        return f"no {target[1:]} in {module} or a package above it"
+    if "." in target:
+        return None
+    info = index()[module]
+    if target in info.names or target in info.imported or target in classes():
+        return None
+    if target in _all_names() or hasattr(builtins, target):
+        return None
+    return f"no {target} in {module} nor anywhere in the package"
+
+
+def citations_in(
+    text: str, in_page: bool, module: str | None = None
+) -> Iterator[tuple[str, str | None]]:
+    """``(citation, problem)`` for each path and dotted name of ours that ``text`` cites; the package's prose
+    says which ``module`` it is in, for the roles that name a thing relative to it."""
+    if module is not None:
+        for m in ROLE.finditer(text):
+            yield m.group(0), role_problem(m.group(1), module)
     for m in PATH.finditer(text):
         yield m.group(0), path_problem(m.group(1), m.group(2), m.group(3))
     for m in PACKAGE_PATH.finditer(text):
@@ -369,8 +421,10 @@ def _citations() -> Iterator[tuple[str, int, str, str | None]]:
             for citation, problem in citations_in(line, in_page=True):
                 yield str(page.relative_to(ROOT)), number, citation, problem
     for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for number, text in code_prose(path):
-            for citation, problem in citations_in(text, in_page=False):
+            for citation, problem in citations_in(text, in_page=False, module=module):
                 yield path.relative_to(ROOT).as_posix(), number, citation, problem
 
 
@@ -415,6 +469,21 @@ def test_many_citations_are_checked():
 ])
 def test_a_rotten_citation_fails(text, in_page):
     assert [p for _, p in citations_in(text, in_page) if p], text
+
+
+@pytest.mark.parametrize("text", [
+    ":meth:`~.link.Link.no_such_method`",
+    ":mod:`.no_such_module`",
+    ":class:`NoSuchClassAnywhere`",
+])
+def test_a_rotten_role_fails(text):
+    assert [p for _, p in citations_in(text, False, "yieldproxy.lifecycle.succession.predecessor") if p], text
+
+
+def test_a_role_that_names_something_passes():
+    text = (":meth:`~.link.Link.flushed`, :func:`~.connections.divert`, :class:`ReloadRefused`, "
+            ":meth:`Predecessor._take_back`, :class:`ValueError`, :mod:`.wire`, :mod:`twisted.internet.defer`")
+    assert [p for _, p in citations_in(text, False, "yieldproxy.lifecycle.succession.predecessor") if p] == []
 
 
 @pytest.mark.parametrize("text, in_page", [
