@@ -2,57 +2,19 @@
 
 A :class:`ServerConnection` is a plain :class:`~twisted.internet.protocol.Protocol`.
 It reads requests with the I/O-free :class:`~yieldproxy.edge.reader.RequestReader`
-and serves each as an ordinary :class:`twisted.web.server.Request` (its
-resource is the proxy's Klein app, or the admin API's), through the
-channel interface a ``Request`` uses and nothing else, as Twisted's own
-HTTP/2 stream does: ``getPeer``, ``getHost``, ``isSecure``, ``writeHeaders``,
-``write``, ``writeSequence``, ``registerProducer``, ``unregisterProducer``,
-``requestDone``, ``loseConnection``.  No private name of Twisted is read,
-written or overridden.
+and serves each as an ordinary :class:`twisted.web.server.Request` through the
+channel interface a ``Request`` uses and nothing else, as Twisted's own HTTP/2
+stream does: no private name of Twisted is read, written or overridden.
 
-Its states (:class:`State`) and the moves between them are one table
-(:data:`TRANSITIONS`); every move goes through :meth:`ServerConnection._to`,
-which gives back what the state left owned and takes what the state entered
-owns, in one place, whatever ends the connection:
+Its states (:class:`State`) and their moves are one table (:data:`TRANSITIONS`);
+every move goes through :meth:`ServerConnection._to`, which gives back what the
+state left owned and takes what the state entered owns, in one place, whatever
+ends the connection.  One timer serves every deadline.  Between requests, or
+with its request parked, a connection can be written down
+(:meth:`ServerConnection.snapshot`) and made again in another process
+(:meth:`ServerConnection.resume`): a reload hands it over as it is.
 
-========== ============================================ ===================================
-state      what it is                                    what it owns
-========== ============================================ ===================================
-fresh      accepted, no byte of a request yet            its place among the fresh (never
-                                                         reclaimed); the keep-alive deadline
-                                                         (the read deadline on the admin
-                                                         listener: it counts from the accept)
-idle       between requests, kept alive                  its place among the idle (the cap
-                                                         reclaims the oldest); keep-alive
-head       a request's head is arriving                  the request's read deadline
-body       its body is arriving                          the read deadline; the body's bytes
-                                                         in the listener's receiving budget
-handling   the request is the app's, nothing written     its request (a reload may hand it
-           yet (a parked request waits here)             over as it is)
-writing    its answer is being written                   its request; the slow-reader
-                                                         deadline while the client reads
-                                                         nothing
-refusing   a request answered before its body is read    its request; what still comes is
-           (413, 503 for the receiving budget)           dropped
-linger     refused and answered: the write side is shut, the linger deadline
-           what the client still sends is dropped
-closing    the last answer is being written out, or a    a deadline for it to be read
-           408 (cut for a whole request: capacity.py)
-closed     gone                                          nothing
-========== ============================================ ===================================
-
-The connection slot (:class:`~yieldproxy.edge.capacity.Connections`) is held
-from ``connectionMade`` to ``connectionLost``.  One timer per connection
-serves every deadline: a state sets its deadline, and a timer that fires
-before the deadline in force waits on for what is left, so a keep-alive
-connection's requests cost no timer each.
-
-A connection is data: between requests, or with its request parked, it can
-be written down (:meth:`ServerConnection.snapshot`: its state, its HTTP
-version and keep-alive, the bytes read ahead of its request, the time left
-on its deadline) and made again in another process
-(:meth:`ServerConnection.resume`), in the same state: a reload hands it over
-exactly as it is.
+Each state, what it owns, and the deadlines: docs/architecture.md (*The HTTP edge*).
 """
 
 from __future__ import annotations

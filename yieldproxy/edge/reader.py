@@ -4,37 +4,15 @@ A connection :meth:`~RequestReader.feed`\\ s it what its socket reads and asks
 for :meth:`~RequestReader.next_event` until it says :data:`NEED_DATA` (feed
 more) or :data:`PAUSED` (the request ended: answer it, then
 :meth:`~RequestReader.start_next`).  No clock, no transport, no logging: the
-connection owns time and resources; this owns the rules, which are the ones
-the proxy listener always had (Twisted's HTTPChannel with the hardening the
-proxy once put on top of it; ``tests/edge/readercases.py`` lists them, and where
-they differ on purpose):
+connection owns time and resources; this owns the rules of framing (CRLF
+only, one framing, bounded lines and heads), found in the order the bytes
+come, so that the events are the same however the bytes are cut.  Its states
+and every move between them are one table, :data:`TRANSITIONS` (as h11's
+``_state.py`` does it): the reader moves only through
+:meth:`RequestReader._to`, which raises on a move that is not there.
 
-* lines end in CRLF: a bare LF ending a request line, header line, chunk line
-  or trailer line is a 400 the moment it arrives, not waited on;
-* one framing: ``Transfer-Encoding`` only ``chunked`` (``identity`` included
-  in what is refused), never with a ``Content-Length`` or twice, one
-  ``Content-Length`` of digits (18 at most), else 400;
-* chunk sizes of at most 16 hex digits, refused at the 17th;
-* header names are tokens; CR, LF, NUL (and VT, FF) in a value and folded
-  lines (obs-fold) are 400s; the request line is ``METHOD SP target SP
-  HTTP/1.x``, the method a token, the target visible ASCII, the version 1.0 or
-  1.1 (else 400, as Twisted); one empty line before a request line is skipped
-  (RFC 9112 2.2, as Twisted), a second is a 400;
-* a request line past ``max_line_bytes`` is a 414, a header line past it, more
-  than ``max_headers`` header lines or a head past ``max_head_bytes`` (the
-  bytes of its lines without their CRLFs, as Twisted counts) a 431.
-
-A rule a request breaks before its end is found in the order its bytes come,
-so that the events are the same however the bytes are cut into pieces (the
-tests feed every input whole, a byte at a time and in random pieces).
-
-What is not the reader's: the ``Host`` checks, the body size limit, CONNECT,
-the path's UTF-8 (the connection and the request do those).
-
-Its states and every move between them are in one table,
-:data:`TRANSITIONS` (as h11's ``_state.py`` does it): the reader moves only
-through :meth:`RequestReader._to`, which looks the move up and raises on one
-that is not there.
+The rules, one by one: docs/architecture.md (*The HTTP edge*);
+``tests/edge/readercases.py`` has a case for each.
 """
 
 from __future__ import annotations
@@ -217,7 +195,7 @@ SNAPSHOT_VERSION: Final = 1
 
 # -- the rules' words -------------------------------------------------------------------------
 
-#: The answer to a request that breaks no rule the reader names (the listener's words before the edge was its own).
+#: The answer to a request that breaks no rule the reader names.
 MALFORMED: Final = "malformed HTTP request"
 BARE_LF_IN_HEAD: Final = "a request line or header line ends in a bare LF (lines end in CRLF)"
 BARE_LF_IN_CHUNKS: Final = "a chunk line ends in a bare LF (chunk lines end in CRLF)"

@@ -7,45 +7,14 @@ this package's own :class:`~yieldproxy.edge.connection.ServerConnection`
 instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
 :class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
 
-Everything about how bytes from a client become a request lives in this
-package; what the proxy does with the request is proxy/handler.py's.  A hostile or
-broken client must not be able to make the proxy buffer without bound, wait
-without bound, or forward anything it did not parse itself, so:
-
-* a body over ``max_body_bytes`` is refused as soon as that is known (from
-  ``Content-Length``, or from a chunk's size line): the request is answered
-  413 at once, without its body (by the site's ``oversized``, the proxy app's
-  own answer); the rest is read and dropped while the connection lingers;
-* 431 for too many or too large header lines, 414 for an overlong request
-  line, and a JSON 400 for every request the reader refuses (conflicting
-  ``Content-Length``/``Transfer-Encoding``, a coding other than ``chunked``,
-  CR/LF/NUL in a header value, a bare LF ending a line, a chunk size of more
-  than 16 hex digits, malformed chunks...), always with ``Connection: close``
-  (edge/reader.py has the rules);
-* a client has ``request_read_timeout`` seconds to deliver a whole request
-  (head and body) from its first byte, so one that dribbles its headers a
-  byte at a time (slowloris) gets 408 instead of holding a connection;
-* a client that stops reading its answer is dropped after ``stall_timeout``
-  (default: the keep-alive timeout), so a stalled reader cannot hold an
-  upstream connection and a replay slot;
-* a connection that waits for its next request longer than the keep-alive
-  timeout (the Site's ``timeout``) is closed;
-* form bodies are never parsed, and ``CONNECT`` is answered 405;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`)
-  gets 403 (DNS rebinding);
-* at most ``connections.limit`` connections are open
-  (:class:`~yieldproxy.edge.capacity.Connections`): past it, the oldest idle
-  keep-alive connection is closed to make room, or the new one is answered
-  503 with ``Retry-After`` (never closed unanswered; under a flood the port
-  pauses accepting);
-* the bytes of bodies being received at once, all connections together, are
-  bounded (``proxy.max_receiving_bytes``), weighing what has arrived: a
-  body that stalled is cut (408) to make room for one arriving, and past it
-  a body is answered 503 (``receiving_full``), a quarter kept for small
-  bodies.
-
-After refusing, the connection lingers a moment, reading and dropping what the
-client still sends, so the client reads our answer instead of a TCP reset.
+How bytes from a client become a request lives in this package; what the
+proxy does with it is proxy/handler.py's.  A hostile or broken client must
+not make the proxy buffer without bound, wait without bound, or forward
+anything it did not parse itself: the site carries the bounds (body size,
+read, keep-alive and slow-reader timeouts, the ``Host`` policy, the
+connection cap and the receiving budget) that its connections enforce.  What
+is refused, with which answer and why: docs/security.md (*What the listeners
+refuse*, *Limits*).
 """
 
 from __future__ import annotations

@@ -1,70 +1,14 @@
 """The holds file: every hold written when it changes, read back at start, so a restart (a crash too) keeps them.
 
-A broker that took a 600 s lease believes it holds the GPU for 600 s; a
-proxy that forgot it across a restart would send the next embedding to a GPU
-a game has.  So each change of the holds (taken, renewed, ended, run out) is
-written at once, atomically (a temporary file, ``fsync``, ``rename``, then
-``fsync`` of the directory): after a ``kill -9`` or a power cut the file
-holds either the old holds or the new ones, never half of each.
+A broker that took a 600 s lease believes it holds the GPU for 600 s; a proxy
+that forgot it across a restart would send the next embedding to a GPU a game
+has.  So each change is written at once and atomically, times are kept so that
+no lease is stretched, and a file that cannot be read, or may be stale, starts
+the proxy yielded: when in doubt, send no work to a GPU that may be taken.
 
-What is written: each hold's source, reason, start, the upstream it holds,
-``expires_at`` and ``expected_end``, as wall-clock times (people read the
-file), and when it was written (``written_at``).  The proxy's own clock is
-the elapsed one (clock.py), so the file also says where that clock stood
-(``monotonic_at``) and which boot it belongs to (``boot_id``): a start on the
-same boot reads every time back exactly, whatever the wall clock did
-meanwhile.  After a reboot (or from a file without them) a time is read
-relative to ``written_at``: a lease has at most what it had left when the
-file was written, less the time the wall clock says has passed since, so a
-wall clock that went back never stretches a lease.  At start a lease that ran
-out meanwhile is gone (:meth:`~yieldproxy.lot.state.YieldState.restore`).
-
-What is not: the holds of the watchers that find their truth again by
-themselves, ``outage`` (the probe), ``loading`` (a member stuck loading its
-model: its health checks), ``file`` (the state file) and ``command`` (the
-command).  They re-assert on start by themselves, and
-a hold restored from a watcher that is no longer configured would never
-end.  ``signal`` holds are kept: nothing re-reads a signal.  Top-level keys
-this version does not know are kept as they were when the file is written
-again (another part's record, a newer version's).
-
-Other parts may keep a section of their own in the same file, a top-level
-key beside ``holds`` (:meth:`HoldStore.keep_section`): the record of the
-models each upstream served (upstream/served.py) is the ``served`` section.  Each is
-written with the holds and handed back at start to its owner, who reads it
-tolerantly; a section never makes the file refused.
-
-A file that cannot be read as a holds file of this version (not a regular
-file, not JSON, cut short, another format, a newer version, a value out of
-range, unreadable) is refused with one error line naming it, moved aside to
-``NAME.refused``, and the proxy starts *yielded*, with a hold of source
-``restart`` bound by ``state.restart_hold_seconds``: when in doubt, send no
-work to a GPU that may be taken.  ``yieldproxy resume --source restart`` ends
-it sooner.  The file is opened without blocking and without following a
-symbolic link, so a FIFO (or a device) at its path is refused, not waited on.
-
-A file that may be stale is doubted the same way.  When a write fails (a
-full disk, a read-only one, an immutable file), the file no longer says what
-is held: a hold that ended would come back at the next start, one with no
-lease, that nobody would end.  So the failure leaves a marker beside the file
-(``NAME.unsaved``, removed by the next write that succeeds), and a start that
-finds one, or that cannot write the file it found (a read-only disk cannot
-take a marker either), restores none of its holds and starts yielded with the
-``restart`` hold instead, saying why.
-
-One process writes the file at a time: each start writes it at once,
-claiming it (its pid and the time), and a process that finds the file
-claimed later by another stops writing it.  After a reload the old process
-lives on while its requests in flight finish, with its own copy of the
-holds: a lease the broker renewed at the new process runs out in that copy,
-and writing that would erase the renewal.  A claim by a process that is no
-longer running takes nothing away: a second proxy started by mistake with the
-same file claims it while it builds, then exits (its port is taken), and the
-running proxy writes the file again at its next change.
-
-Where: ``state.holds_file``, or by default a file named after the two
-listen endpoints (:func:`holds_path`), so a restart with the same command
-line finds its holds and two proxies on one machine never see each other's.
+What is kept and what is not, the file's format, where it lives, who writes it
+during a reload, and how a bad file is refused: docs/operating.md
+(*Holds are kept*), docs/configuration.md (``[state]``).
 """
 
 from __future__ import annotations

@@ -1,62 +1,18 @@
 """Outage detection: a crashed or GPU-less upstream is held like a yield, not failed.
 
-The upstream's health (upstream/health.py) hands every failed attempt of the outage
-kinds (:data:`~yieldproxy.upstream.verdict.OUTAGE_REASONS`: refused, connect, reset,
-timeout, stall, gpu_error, status_503, and a 5xx in words no list has) to
-:meth:`OutageWatcher.judge` (the composition root gives the health its
-watcher's judge when it makes it), which answers with a verdict while the
-watcher runs (stopped, it forgives nothing): does a recognised outage explain
-the failure?
+The upstream's health hands every failed attempt of the outage kinds
+(:data:`~yieldproxy.upstream.verdict.OUTAGE_REASONS`) to :meth:`OutageWatcher.judge`,
+which asks whether a recognised outage explains the failure.  It decides on
+evidence about the GPU (a probe chosen by upstream/evidence.py), never on the model
+the failing request alone named, so neither one request nor one model failing
+again and again can hold the proxy.  A failed probe takes the ``outage`` hold and
+forgives the failures waiting on it; a passing one means the model fails alone.
+While the hold lasts, :class:`UpstreamProbe` probes with a growing interval and
+the first probe that passes ends it.
 
-* The GPU is yielded already (another source holds it), or the ``outage``
-  hold is in place: yes, at once.  Nothing is probed then: nothing reaches a
-  yielded GPU.
-* The upstream has never answered since the proxy started: no.  That is a
-  configuration error (wrong URL or port), not an outage; its callers keep
-  getting a fast 502.
-* Otherwise a **probe** decides, on evidence about the GPU, never on the
-  model the failing request alone named (upstream/evidence.py has the table): the
-  operator's probe model (``upstream.probe_model``), else a model the
-  upstream served lately (its record, upstream/served.py, kept across restarts and
-  reloads), else the failing model itself when it is the only one the
-  upstream is known to serve, else the health path when the connection
-  itself failed, else the failing call when other models fail too.  With no
-  such evidence the failure is the call's own: no probe, no hold.  One probe
-  runs per target, shared by every failure waiting on it (at most
-  :data:`MAX_PROBES` at once; past that a failure waits on the first probe
-  in flight), and a probe that passed is believed for :data:`VERDICT_SECONDS`
-  (a request failing again and again costs one probe, not one per attempt).
-  If the probe fails too, the upstream is down: the watcher takes the
-  ``outage`` hold and every failure waiting is forgiven (it parks, its
-  attempt not counted).  If the probe passes, the request failed alone (its
-  own input, or its own model, is the cause): its attempt counts, no hold is
-  taken, and the model is noted as failing alone (``/status``,
-  ``yieldproxy_failures_alone_total``) until it is served again.
-
-So one request failing again and again can never hold the proxy, nor can
-one model (stuck loading, too big for the GPU, broken, answering in GPU
-words): a model known to work decides whether the upstream is down.
-
-While the hold lasts, the watcher probes with a growing interval
-(``health_interval_seconds`` doubling up to ``health_max_interval_seconds``),
-in turn, the call that confirmed it and the other models the upstream served
-(:func:`~yieldproxy.upstream.evidence.follow_ups`; the operator's probe model alone
-when one is named), and ends the hold on the first probe that passes: a
-broken model can never keep it.  The lot is then replayed, paced, as after
-any yield.  An outage that model calls revealed ends only when such a model call works again, never
-because ``/api/version`` answers (it does while the runner cannot load).
-While another source also holds the GPU, model probes wait: they would load
-the model onto a GPU that was lent away.
-
-The interval is reset when real traffic succeeds, so the next outage is
-probed quickly again.
-
-A probe whose answer the server reads as *not ready* (llama.cpp's 503
-"Loading model") is no outage: the upstream is loading its model.  The probe
-says so to the upstream's health (its pool member stops taking requests
-until its health reads up, upstream/pool/member.py), no hold is taken, and the
-failures waiting on it are not counted.  A held outage stays held until a
-probe reads up.
+The specification (what counts as an outage, the evidence table, probes shared and
+believed, not ready, an upstream that never answered): docs/watchers.md
+(*Outage detection*).
 """
 
 from __future__ import annotations

@@ -1,52 +1,20 @@
 """The running process's side of a reload: start a successor, hand everything over in two phases, finish, go.
 
-A reload (SIGHUP, ``POST /reload``, ``yieldproxy reload``) starts a fresh
-process with this one's command line: the *installed* code, so an upgrade
-underneath is what runs next.  That process reads and validates the config
-as any start does; a refusal comes back as one line (:class:`ReloadRefused`)
-and this one keeps running, nothing dropped.  Otherwise, once it says
-``ready``, the handover runs in two phases, so that each connection, each
-parked request and the holds have one owner at every instant:
+A reload starts a fresh process with this one's command line (the installed
+code, so an upgrade underneath is what runs next).  A config it refuses comes
+back as one line (:class:`ReloadRefused`) and this process keeps running.
+Otherwise the handover has one commit point, so that each connection, each
+parked request and the holds have one owner at every instant: before it, this
+process owns everything and sends copies it keeps paused (connections.py); at
+it, it stops accepting, diverts what it reads (:func:`~.connections.divert`)
+and sends ``commit``; the new process acts on ``committed`` once that frame
+has left it (:meth:`~.link.Link.flushed`).  A new process that ends before
+the commit costs nothing: :meth:`Predecessor._take_back` takes everything
+back.  After the commit this process finishes what is in flight and passes
+on what still comes, then stops.
 
-1. **Prepare.**  This process owns everything and goes on serving: it
-   accepts, it answers hold changes, it lets requests out of its lot.  It
-   writes each parked request down (its connection, the request as the
-   client sent it, what it pipelined behind it, its place and deadline) and
-   sends it (connections.py); its own copy is only *paused*: not read, no
-   timer, out of the lot.  The new
-   process only holds what comes (a descriptor and bytes): it reads no byte
-   of it, writes none, sends nothing upstream, accepts nothing.  Rounds go on
-   while the lot keeps filling, each waited for until the new process has
-   it all.
-2. **Commit.**  In one reactor turn this process stops accepting, sends what
-   parked since and every idle keep-alive connection (paused likewise),
-   takes from then on every request it reads
-   away from its apps (connections.divert: it is handed over with its
-   connection instead of answered), and sends ``commit`` with the holds and
-   the twins' verifications.  The new process answers ``committed``, and
-   acts on it only once that frame has left it (link.flushed): it takes the
-   holds, claims the holds file and the pidfile, accepts, and makes every
-   connection it holds again.  This process, reading ``committed``, lets go
-   of its copies, forgets the listening sockets, and names the new process
-   to systemd.
-
-Until ``committed`` the new process can die or be stopped at any moment at
-no cost: this process sees the link end without ``committed`` and takes
-everything back (:meth:`Predecessor._take_back`: each parked request parks
-again in its place, each connection is read again, the diverted requests are
-answered here), accepts again, and says so in one line.  A stop of this
-process during the reload stops the new one too (``abort`` before the commit:
-it lets go of what it holds and exits, and this process's own stop answers
-the lot, 503 with ``Retry-After``; SIGTERM after it: the new process's stop
-answers what it took).
-
-After the commit this process finishes what is in flight: those answers
-complete here, nothing is sent upstream twice.  Each connection that becomes
-idle, each request it reads and each request that parks again (a failed
-attempt) goes to the new process as it comes; what its own predecessor still
-sends it (two reloads in a row) is passed on.  Once nothing is left, and no
-process before it is left to send it anything, it stops.  If the new process
-is gone first, what is left here is answered 503 with ``Retry-After``.
+The two phases, and what a death or a stop at each moment does:
+docs/operating.md (*Reload: a new process takes everything over*).
 """
 
 from __future__ import annotations

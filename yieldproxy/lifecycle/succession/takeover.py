@@ -1,38 +1,19 @@
 """The successor's side: a process started by a reload takes over its predecessor's sockets and lot.
 
-Started by the running process with ``$YIELDPROXY_SUCCESSION_FD`` naming
-its end of a unix socket, it reads (blocking, before its reactor runs) the
-predecessor's listening sockets (:class:`Inheritance`), adopts the ones
-whose endpoint is unchanged, paused, and builds and starts its service as
-any start does.  Its config was validated by its own start (the new code's
-rules): a refusal goes back to the predecessor as one line
-(:func:`refuse`), which keeps running.
+Started by the running process with ``$YIELDPROXY_SUCCESSION_FD`` naming its
+end of a unix socket, it reads (blocking, before its reactor runs) the
+predecessor's listening sockets (:class:`Inheritance`), adopts the ones whose
+endpoint is unchanged, paused, and builds and starts its service as any start
+does; a config its own start refuses goes back as one line (:func:`refuse`).
+Then :class:`TakeOver` says ``ready`` and runs its side of the two phases
+(predecessor.py): before the commit it only holds what comes, so its death or
+stop costs nothing; a link that ends without ``abort`` is the predecessor's
+death (liveness.py), and it takes over with what it holds; at the commit it
+answers ``committed`` and acts on it once that frame has left it; after it,
+what the predecessor still sends is made again at once.
 
-Then (:class:`TakeOver`) it says ``ready``, and the handover's two phases
-run (predecessor.py):
-
-* **before the commit** it only *holds* what comes (each parked request's
-  and each connection's descriptor and bytes): it reads none of them,
-  writes to none, sends nothing upstream and accepts nothing, so that its
-  death or stop at any moment costs nothing: the predecessor still has every
-  one of them.  Stopped now (SIGTERM), or told to (``abort``, which the
-  predecessor says before every end of the link it chooses), it closes what
-  it holds (the connections live on in the predecessor), lets go of the
-  listening sockets without closing them for the predecessor, and exits.  A
-  link that ends without ``abort`` is the predecessor's death (its pidfd
-  confirms it: liveness.py): what this process holds has no other owner,
-  and it takes over with it;
-* **at the commit** it answers ``committed`` (unless a stop came first: a
-  SIGTERM is noted the instant it comes, and this process lets go instead),
-  and only once that frame has
-  left it (its predecessor reads it even if this process dies next) it takes
-  the holds, claims the holds file and the pidfile, accepts, and makes every
-  connection it holds again (a parked request parks in its place, ahead of
-  what arrives here, with its arrival and deadline; the lot is let out once
-  all are in);
-* **after it**, what the predecessor still sends (a connection gone idle, a
-  request read there, a failed attempt) is made again at once, or passed on
-  if this process has handed over in its turn.
+What each moment of a death or a stop leaves: docs/operating.md
+(*The two phases, and what a death or a stop during a reload does*).
 """
 
 from __future__ import annotations
