@@ -55,11 +55,6 @@ EXTENSIONS = frozenset(
 #: ``(where, citation)``: rotten citations in files someone else is changing now, to fix when they are merged.
 #: Each says which file it waits on (a TODO for the lead).
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    # TODO(lead): yieldproxy/edge/h1client.py is being rewritten on another branch; fix there.
-    ("yieldproxy/edge/h1client.py", "forward.classify_failure"),
-    # TODO(lead): yieldproxy/upstream/pool/member.py is being changed on another branch; its server's kind is
-    # yieldproxy.servers.base's now.
-    ("yieldproxy/upstream/pool/member.py", ":mod:`.apis`"),
 })
 
 

@@ -56,7 +56,7 @@ an event does depends on it (never on a set of flags that could disagree):
   ``SENT`` back to ``CONNECTING``.
 
 Failures (each an :class:`H1Error` with a ``reason`` that is a metric label of
-``forward.classify_failure``): :class:`ConnectFailed` (``refused`` or
+:func:`yieldproxy.upstream.verdict.verdict`): :class:`ConnectFailed` (``refused`` or
 ``connect``), :class:`ResponseNeverReceived` (``reset``: the connection ended
 after the request was written and before any byte of the answer),
 :class:`ResponseIncomplete` (``reset``: it ended mid-answer),

@@ -1,33 +1,18 @@
 """Which web pages a server's CORS check lets in: gin-contrib/cors's rule, as a value.
 
-Ollama (``server/routes.go``, ``GenerateRoutes``) puts gin-contrib/cors
-(v1.7.2 in Ollama v0.11.4's go.mod) in front of every route, with
-``AllowWildcard`` and ``AllowBrowserExtensions`` on and ``AllowOrigins``
-from ``envconfig.AllowedOrigins()`` (``OLLAMA_ORIGINS`` then its defaults).
-The middleware (v1.7.2 ``config.go``: ``applyCors`` 70-99, ``validateOrigin``
-125-141, ``validateWildcardOrigin`` 101-115; ``newCors`` 42-68) lets a
-request pass when:
-
-- it has no ``Origin`` (``Header.Get``: its first ``Origin`` line; an empty
-  one counts as none);
-- its ``Origin`` is exactly ``http://`` or ``https://`` followed by the
-  request's ``Host`` (what the upstream receives: the proxy sends its own);
-- the ``Origin`` is one of the allowed origins, compared after the allowed
-  ones were trimmed and lower-cased (``normalize``, utils.go:67-82) but the
-  ``Origin`` itself as it came (``validateOrigin``);
-- or it matches a wildcard entry (one ``*``, the entry as written, not
-  trimmed nor lower-cased: ``parseWildcardRules``, cors.go:143-173): ``*rest``
-  matches by suffix, ``start*`` by prefix, ``start*rest`` by both
-  (``validateWildcardOrigin``); an entry ``*`` alone allows every origin
-  (``newCors``, config.go:47-51).
-
-Any other ``Origin`` gets ``c.AbortWithStatus(http.StatusForbidden)``: a 403
-with an empty body, before routing matters (the middleware runs on the 404
-and 405 chains too).  ``cors.New`` panics on start for an entry with no
-``*`` that does not start with an allowed scheme, or with two ``*``
-(``Validate``, cors.go:117-141; ``getAllowedSchemas`` 89-104;
-``parseWildcardRules``): :meth:`Origins.from_entries` refuses those with a
-ValueError.
+Ollama puts gin-contrib/cors (v1.7.2 in v0.11.4's go.mod) in front of every
+route, with ``AllowWildcard`` and ``AllowBrowserExtensions`` on and
+``AllowOrigins`` from ``envconfig.AllowedOrigins()``.  A request passes when
+it has no ``Origin`` (an empty one counts as none); when its ``Origin`` is
+``http://`` or ``https://`` and the request's own ``Host``; when it is one
+of the allowed origins (those trimmed and lower-cased, the ``Origin`` as it
+came: ``validateOrigin``, config.go:125-141); or when it matches a wildcard
+entry as written (``*rest`` by suffix, ``start*`` by prefix, both for
+``start*rest``; ``*`` alone allows all: ``validateWildcardOrigin``,
+config.go:101-115).  Any other ``Origin`` gets a bare 403, on the 404 and 405
+chains too.  ``cors.New`` panics on an entry with no ``*`` and no allowed
+scheme, or with two ``*`` (cors.go:117-141): :meth:`Origins.from_entries`
+refuses those with a ValueError.  docs/security.md says what a web page gets.
 """
 
 from __future__ import annotations

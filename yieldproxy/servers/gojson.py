@@ -565,7 +565,7 @@ def decode_error(body: bytes, struct: GoStruct) -> str | None:
     a body of white space.  Go reads the first JSON value only, so data
     after it is never an error here (unlike :func:`read_request`).
 
-    Go's ``encoding/json`` (v1, the default build): ``Decoder.Decode`` reads
+    Go's ``encoding/json`` (v1, the default build): ``json.Decoder.Decode`` reads
     one value (``readValue``, stream.go) and refuses its syntax first; then
     ``decodeState.object`` binds each member in order, keeping the first
     ``UnmarshalTypeError`` (``saveError``) and going on, the struct's name

@@ -5,11 +5,11 @@ Ollama reads a request body with ``json.NewDecoder(body).Decode(&req)``
 error's text.  Python's ``json`` finds the same bad bodies but says it
 differently, so :func:`syntax_error` replays Go's scanner
 (``encoding/json/scanner.go``) over the bytes, one state per function there,
-and returns the text ``Decoder.Decode`` gives: ``invalid character 'x'
+and returns the text ``json.Decoder.Decode`` gives: ``invalid character 'x'
 looking for beginning of value``, ``unexpected EOF`` for a body cut short,
 ``EOF`` for one with nothing but white space.  Only the first JSON value is
-read, as ``Decoder.Decode`` reads it: what follows it is never looked at
-(``Decoder.readValue`` stops at its last byte).
+read, as ``json.Decoder.Decode`` reads it: what follows it is never looked at
+(``json.Decoder.readValue`` stops at its last byte).
 
 Only bodies Python's parser already refused come here (the scan is a
 Python loop); runs of string bytes and digits are skipped with a regex.
@@ -23,9 +23,9 @@ from typing import Callable
 #: Go's ``maxNestingDepth`` (scanner.go): deeper nesting is a syntax error.
 MAX_NESTING_DEPTH = 10000
 
-#: ``Decoder.Decode``'s answer for a body of white space only (``io.EOF``).
+#: ``json.Decoder.Decode``'s answer for a body of white space only (``io.EOF``).
 EOF = "EOF"
-#: ``Decoder.Decode``'s answer for a body that ends inside its first value (``io.ErrUnexpectedEOF``).
+#: ``json.Decoder.Decode``'s answer for a body that ends inside its first value (``io.ErrUnexpectedEOF``).
 UNEXPECTED_EOF = "unexpected EOF"
 
 _SPACE = b" \t\r\n"
@@ -105,7 +105,7 @@ class _Scanner:
                     continue
             self.step(body[i])
             i += 1
-        # Decoder.readValue at io.EOF: one more space ends a number; else the value is cut short.
+        # json.Decoder.readValue at io.EOF: one more space ends a number; else the value is cut short.
         self.at_eof = True
         if self.body.strip(_SPACE) == b"":
             raise _Done(EOF)
@@ -131,7 +131,7 @@ class _Scanner:
     def pop(self) -> None:
         self.stack.pop()
         if not self.stack:
-            # The top-level value ended at this byte: Decoder.readValue reads no further.
+            # The top-level value ended at this byte: json.Decoder.readValue reads no further.
             raise _Done(None)
         self.step = self.end_value
 
@@ -190,7 +190,7 @@ class _Scanner:
 
     def end_value(self, c: int) -> None:
         if not self.stack:
-            # A top-level scalar ended at the byte before: Decoder.readValue stops there.
+            # A top-level scalar ended at the byte before: json.Decoder.readValue stops there.
             raise _Done(None)
         if c in _SPACE:
             self.step = self.end_value

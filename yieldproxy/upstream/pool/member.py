@@ -129,7 +129,7 @@ class Member(Machine[Condition, str]):
     index: int
     _clock: IReactorTime
     _yields: YieldState
-    #: What the pool knows of its kind of server (:mod:`.apis`).
+    #: What the pool knows of its kind of server (:mod:`yieldproxy.servers`).
     server: Any
     health: UpstreamHealth
     catalogue: ModelCatalogue
