@@ -136,7 +136,7 @@ def proxy_max_connections(config: "Config") -> int:
 class AdminConfig:
     listen: str = "tcp:11436:interface=127.0.0.1"
     token_file: str = ""
-    #: A second token that may only read (/status, /metrics, /history): for scrapers and dashboards.
+    #: A second token that may only read (/status, /parked, /metrics, /history): for scrapers and dashboards.
     read_token_file: str = ""
     #: Connections at once on the admin listener, kept apart from the proxy's.
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
