@@ -422,9 +422,9 @@ def test_the_record_keeps_one_entry_per_model_as_ollama_names_it():
 
 
 def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
-    """Past MAX_MODELS a new name evicts the least recently served entry not in use: models served again a
-    minute after their first service stay, whatever a flood of names (each served once, as a server that
-    answers any name does) does."""
+    """Past MAX_MODELS a new name evicts the entry of least standing: models served again a minute after their
+    first service stay, whatever a flood of names (each served once, as a server that answers any name
+    does) does."""
     clock = MemoryReactorClock()
     r = record(clock)
     for model in ("embedder", "chatter"):
@@ -439,8 +439,10 @@ def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
     assert r.knows("embedder") and r.knows("chatter")
     # Oldest first out among the rest: the latest flood names are there.
     assert r.knows(f"flood-{10 * MAX_MODELS - 1}") and not r.knows("flood-0")
-    # The flood is served most recently, so it is probed first; excluding a model leaves it out.
-    assert r.calls(excluding=f"flood-{10 * MAX_MODELS - 1}")[0] == ModelCall("/api/embed", f"flood-{10 * MAX_MODELS - 2}")
+    # The models in use have more standing (served in two minutes), so they are probed first, the most recently
+    # served of equals first; excluding a model leaves it out.
+    assert [c.model for c in r.calls()[:2]] == ["chatter", "embedder"]
+    assert r.calls(excluding="chatter")[0] == ModelCall("/api/embed", "embedder")
     # With every entry in use, the least recently served goes.
     full = record(clock)
     for i in range(MAX_MODELS):

@@ -68,6 +68,7 @@ from ..upstream.pool.member import Member
 from ..upstream.pool.members import answer_headers, served_outcome
 from ..upstream.pool.rename import renamed_body
 from ..upstream.pool.routing import Pool
+from ..upstream.served import MANAGEMENT_PATHS, redefined_by
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import Untranslatable, parse_request
 from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
@@ -115,6 +116,26 @@ def _translatable(path: str, body: bytes) -> bool:
     except Untranslatable:
         return False
     return True
+
+
+def _unloads(method: bytes, path: str, body: bytes) -> bool:
+    """Whether a request answered 2xx was an unload (it loaded nothing, so it shows nothing about the GPU)."""
+    if path not in UNLOAD_PATHS or len(body) > _UNLOAD_BODY_LIMIT:
+        return False
+    try:
+        return is_unload(method.decode("latin-1"), path, read_request(body))
+    except BadBody:
+        return False
+
+
+def _managed(member: Member, path: str, body: bytes) -> None:
+    """A model-management call was answered 2xx: the model it defined anew loses its standing in the record
+    of what ``member`` served, the one it deleted leaves it (upstream/served.py)."""
+    redefined, deleted = redefined_by(path, body)
+    if redefined is not None:
+        member.health.record.redefined(redefined)
+    if deleted is not None:
+        member.health.record.deleted(deleted)
 
 
 def _peer_host(request) -> str | None:
@@ -486,9 +507,13 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not):
-            # its record of served models is the evidence of its outage verdicts (upstream/served.py).
-            member.health.served(self._failed_call(target, entry, body, member) if 200 <= status < 300 else None)
+            # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not, nor an
+            # unload, which loads nothing): its record of served models is the evidence of its outage verdicts
+            # (upstream/served.py).
+            ran = 200 <= status < 300 and not _unloads(request.method, target.path, body)
+            member.health.served(self._failed_call(target, entry, body, member) if ran else None, began)
+            if 200 <= status < 300 and target.path in MANAGEMENT_PATHS:
+                _managed(member, target.path, self._body_for(member, entry, body))
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
             try:
@@ -711,8 +736,9 @@ class ProxyApp:
                 return await self._union(request, target, api, members)
         member = self._pool.passthrough_member(method, target.path, model)
         request.served_by = member.log_name  # the request log names it (observe/requestlog.py)
+        sent = self._body_for_passthrough(member, model, body)
         attempt = Attempt(
-            self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
+            self._clock, member.upstream, request, sent,
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
             target=target.raw, stall_timeout=self._config.upstream.stall_timeout_seconds,
         )
@@ -733,6 +759,8 @@ class ProxyApp:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
         member.health.report(None)
+        if 200 <= status < 300 and target.path in MANAGEMENT_PATHS:
+            _managed(member, target.path, sent)
         try:
             if not attempt.client_has_all():
                 await attempt.client_drained()
