@@ -128,6 +128,20 @@ def _unloads(method: bytes, path: str, body: bytes) -> bool:
         return False
 
 
+def _no_verdict(value: object, timeout: float) -> None:
+    """The outage verdict was not in within the caller's budget: none (the verdict then counts it out of time)."""
+    return None
+
+
+def _bound_spent(entry: Entry, now: float) -> str:
+    """"its hold bound (...) is spent" when a request's wait bound is spent at ``now``, else ""."""
+    if entry.deadline is None or entry.first_parked is None or now < entry.deadline:
+        return ""
+    if entry.bound_by_caller:
+        return f"your X-Yield-Max-Wait ({entry.max_wait:g}s) is spent"
+    return f"its hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests) is spent"
+
+
 def _managed(member: Member, path: str, body: bytes) -> None:
     """A model-management call was answered 2xx: the model it defined anew loses its standing in the record
     of what ``member`` served, the one it deleted leaves it (upstream/served.py)."""
@@ -602,16 +616,22 @@ class ProxyApp:
             if reason != failure.reason:
                 failure = RetryableFailure(reason, failure.detail, answer, failure.words)
             self._metrics.upstream_failures_total.labels(entry.cls, reason).inc()
+            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute).
+            entry.start_waiting(self._clock.seconds(), self._config.classes[entry.cls].hold_seconds)
+            assert entry.deadline is not None  # set just now, or when it first waited
+            judged = member.health.report(reason, self._failed_call(target, entry, body, member))
+            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, _no_verdict)
             try:
-                outage = await member.health.report(reason, self._failed_call(target, entry, body, member))
+                outage = await judged
             except CancelledError:
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             decided = verdict(attrs.evolve(
-                facts, reason=reason, outage=outage, held=member.held(), reachable=member.health.reachable,
+                facts, reason=reason, outage=bool(outage), held=member.held(), reachable=member.health.reachable,
                 others_reachable=any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name),
+                out_of_time=outage is None or self._clock.seconds() >= entry.deadline,
             ))
         return self._act(decided, request, target, entry, body, failure, member, extra)
 
@@ -683,6 +703,9 @@ class ProxyApp:
             entry.unreadable += 1
         if decided is not Verdict.RETRY:
             why = f"{alone}: gave up after {entry.attempts} attempts" if alone else None
+            if entry.attempts < self._config.upstream.max_attempts and _bound_spent(entry, self._clock.seconds()):
+                spent = _bound_spent(entry, self._clock.seconds())
+                why = f"{why} as {spent}" if why else f"upstream failed {entry.attempts} times, giving up as {spent}"
             return self._upstream_gave_up(request, entry, failure, why, relay=decided is Verdict.GIVE_UP_RELAY)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
