@@ -15,7 +15,7 @@ more fails every load in Ollama's out-of-memory words).
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 
@@ -188,6 +188,7 @@ def test_a_model_answered_2xx_ends_an_outage_hold_at_once_if_its_call_began_afte
 COPIES = 4
 ops = st.one_of(
     st.tuples(st.just("copy"), st.integers(0, COPIES - 1)),
+    st.tuples(st.just("adopt"), st.integers(0, COPIES - 1)),
     st.tuples(st.just("serve"), st.integers(0, COPIES - 1)),
     st.tuples(st.just("create_broken"), st.integers(0, COPIES - 1)),
     st.tuples(st.just("delete"), st.integers(0, COPIES - 1)),
@@ -204,6 +205,10 @@ def play(rig: Rig, op: tuple) -> None:
     name = f"copy-{op[1]}" if len(op) > 1 and isinstance(op[1], int) else ""
     if kind == "copy":
         rig.request("POST", rig.proxy_url + "/api/copy", json={"source": MODEL, "destination": name})
+    elif kind == "adopt":
+        # A copy of the working model, served once: the client's own name, as recently served as can be.
+        manage(rig, "POST", "/api/copy", {"source": MODEL, "destination": name})
+        answer_of(rig, embed(rig, "adopted", model=name), 5)
     elif kind == "create_broken":
         rig.request("POST", rig.proxy_url + "/api/create",
                     json={"model": name, "from": MODEL, "parameters": {"num_gpu": FAILING_NUM_GPU}})
@@ -223,8 +228,14 @@ def play(rig: Rig, op: tuple) -> None:
     rig.run(0.5)
 
 
+#: The issue's attack: three copies served, then re-created broken, then one asked for.
+ATTACK = [("adopt", 0), ("adopt", 1), ("adopt", 2), *(("create_broken", i) for i in range(3)), ("ask", 0), ("wait", 130)]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=25))
+@example(ATTACK + [("real",)])
+@example([("adopt", i) for i in range(4)] + [("quietly", i, "hang") for i in range(4)] + [("ask", 3), ("wait", 130), ("real",)])
 def test_no_sequence_of_management_calls_and_requests_holds_the_upstream_while_the_model_in_use_serves(sequence):
     """At every moment of any sequence, no outage hold while the model in real use serves, and it is answered.  Then a real outage (every model failing) is held, and ends when the GPU is back."""
     rig = rig_in_use()
