@@ -183,6 +183,30 @@ def test_a_model_answered_2xx_ends_an_outage_hold_at_once_if_its_call_began_afte
     rig.stop()
 
 
+def test_on_a_proxy_that_served_nothing_yet_a_clients_broken_models_hold_for_a_minute_at_most():
+    """Nothing served yet, no probe model: several models failing is an outage (it may well be one), but any
+    client can make several of its own fail, so such a hold lasts a minute at most; the calls let out then
+    decide: the working model is served, and from then on the broken ones fail alone.  (Before: the follow-ups
+    asked only the broken models, and the hold never ended.)"""
+    rig = Rig(config_with(upstream={"health_interval_seconds": 0.5, "health_max_interval_seconds": 10}),
+              watchers=True, reactor=MemoryReactorClock(), parallel=64)
+    rig.start()
+    rig.until(lambda: rig.proxy.health.reachable, 10)
+    for i in range(3):
+        break_by_create(rig, f"fresh-{i}")
+    asks = [embed(rig, "x", model=f"fresh-{i}") for i in range(3)]
+    rig.until(lambda: held(rig), 10)
+    waiting = embed(rig, "parked meanwhile")
+    rig.until(lambda: not held(rig), 75)
+    assert answer_of(rig, waiting, 10).code == 200
+    for i in range(20):
+        rig.run(10)
+        assert not held(rig)
+        served(rig, f"after {i}")
+    assert all(answered(d) for d in asks)
+    rig.stop()
+
+
 # -- the class: any sequence of management calls and requests a client can send ---------------------------------
 
 COPIES = 4

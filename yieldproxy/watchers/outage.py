@@ -45,6 +45,10 @@ the one of most standing first, :data:`PROBES_PER_STEP` at once
 when one is named), and ends the hold on the first probe that passes: no
 set of broken models can keep it while one the upstream served works.
 
+A hold no model vouches for (several models failed before any was served
+here, and no probe model is named) lasts at most :data:`UNVOUCHED_HOLD_SECONDS`:
+any client can make models of its own fail, so the calls let out then decide.
+
 **One model that answers disproves an outage of the whole upstream.**  Any
 model call answered 2xx (a request's, told by the upstream's health) ends
 the ``outage`` hold at once, and a verdict whose probe failed after such an
@@ -101,6 +105,10 @@ FAILED_ANSWER = "failed_answer"
 VERDICT_SECONDS = 10.0
 #: Seconds a model judged failing alone counts as "failing" for the rule "several models fail".
 SEVERAL_WITHIN = 60.0
+#: Seconds an outage hold that no model vouches for lasts at most (several models failed before any was served
+#: here, and no probe model is named: a client can make several of its own fail): then the lot is let out, and
+#: the first model call answered (or failed again) decides.
+UNVOUCHED_HOLD_SECONDS = 60.0
 #: Follow-up probes of a held outage sent at once, each step (the first that passes ends the hold).
 PROBES_PER_STEP = 4
 
@@ -229,6 +237,8 @@ class OutageWatcher(Service):
     _probe: Deferred | None = None
     #: That step's probes, each (to cancel them when the watcher stops).
     _checks: list = attrs.Factory(list)
+    #: The hold rests on no model known to work (:data:`UNVOUCHED_HOLD_SECONDS`).
+    _unvouched: bool = False
     #: The model calls whose follow-up probes failed while the hold lasts: failing alone if another passes.
     _failed_follow_ups: dict = attrs.Factory(dict)
     #: What the follow-up probes of a held outage ask, in turn (evidence.follow_ups), and whose turn it is.
@@ -495,6 +505,7 @@ class OutageWatcher(Service):
         self._passed.clear()
         self._failed_follow_ups = {}
         now = self._clock.seconds()
+        self._unvouched = pending.target is not None and not self._health.record and not self.probe_model
         self._outage_calls = follow_ups(
             pending.target, operator=self._operator_call(pending.target), known=self._health.record.calls(),
             failing=[ModelCall(f.path, f.name) for f in self._health.failing.others(None, now, SEVERAL_WITHIN)],
@@ -574,6 +585,12 @@ class OutageWatcher(Service):
         self._timer = None
         if not self._held():
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
+        if self._unvouched and self._held_since is not None and (
+            self._clock.seconds() - self._held_since >= UNVOUCHED_HOLD_SECONDS
+        ):
+            # Only models nobody vouches for failed (any client can make its own fail): the calls let out decide.
+            self._end_hold("no model known to work confirms the outage", None)
+            return
         targets = self._step_calls()
         if any(t is not None for t in targets) and any(
             h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)
@@ -626,6 +643,7 @@ class OutageWatcher(Service):
             upstream=self.upstream, why=why, seconds=self._clock.seconds() - began,
         )
         self._held_since = None
+        self._unvouched = False
         self._outage_calls = ()
         self._turn = 0
         if self._timer is not None and self._timer.active():
