@@ -320,3 +320,25 @@ def test_the_models_a_management_call_redefines_are_read_as_ollama_reads_them():
     assert redefined_by("/api/delete", b'{"model": "d"}') == (None, "d")
     assert redefined_by("/api/embed", b'{"model": "e"}') == (None, None)
     assert redefined_by("/api/create", b"not json") == (None, None)
+
+
+def test_standing_is_kept_across_restarts_and_an_older_record_reads_back():
+    """The holds file keeps each model's standing (a restart does not hand a burst of new names the lead), and
+    a record written before standing was kept reads back with a point a model, two for one in use."""
+    clock = MemoryReactorClock()
+    record = ServedRecord(clock)
+    for _ in range(20):
+        record.served(ModelCall("/api/embed", MODEL))
+        clock.advance(60)
+    record.served(ModelCall("/api/embed", "newer"))
+    again = ServedRecord(clock)
+    assert again.restore(record.as_json()) == 2
+    assert [c.model for c in again.calls()] == [MODEL, "newer"]
+    old = [
+        {"model": "a:latest", "path": "/api/embed", "name": "a", "first": 0, "last": 10, "served": 3, "in_use": True},
+        {"model": "b:latest", "path": "/api/embed", "name": "b", "first": 0, "last": 20, "served": 1},
+    ]
+    older = ServedRecord(clock)
+    assert older.restore(old) == 2
+    assert [c.model for c in older.calls()] == ["a", "b"]
+    assert ServedRecord(clock).restore([{**old[1], "standing": "lots"}]) == 0
