@@ -123,6 +123,56 @@ def test_a_model_whose_calls_never_answer_fails_alone_with_a_504_naming_it_and_p
     rig.stop()
 
 
+def test_an_interactive_caller_of_a_stuck_model_gets_the_504_naming_it_not_a_503_blaming_the_slots():
+    """An interactive caller (hold bound 15 s) of a model whose calls never answer: its first attempt times
+    out, the probe of the served model passes, it is retried; the second times out past its bound, so it
+    gives up with the 504 that names the model and the wait.  (Before: the retry went back to the lot with
+    its bound spent and expired there at once: a 503 blaming "all 4 replay slots", though nothing was
+    ahead of it and nothing was yielded.)"""
+    rig = verdict_rig()
+    healthy(rig, "served first")
+    rig.sim.set_model_mode("stuck", "hang")
+    chat = rig.post("/api/chat", {"model": "stuck", "messages": [{"role": "user", "content": "hi"}], "stream": False})
+    answer = answer_of(rig, chat, 300)
+    assert answer.code == 504, answer.body
+    message = answer.json()["error"]
+    assert message.startswith("model stuck fails alone on upstream default (it serves all-minilm"), message
+    assert "its hold bound (15s for interactive requests) is spent" in message
+    assert "within 120s" in message and "replay slots" not in message
+    assert outage_holds(rig) == 0
+    rig.stop()
+
+
+def test_the_wait_for_the_outage_verdict_is_bounded_by_the_callers_budget():
+    """A failed attempt waits for the outage probe's verdict within the caller's budget, as any wait: with
+    ``X-Yield-Max-Wait: 2`` and a probe that takes its whole minute, the caller has its answer 2 s after its
+    attempt failed (the upstream's own answer, here its 500), and a timed-out one its 504 that says the
+    budget is spent.  (Before: 62 s, the probe's timeout and then its 2 s in the lot.)"""
+    rig = verdict_rig()
+    healthy(rig, "served first")
+    rig.sim.set_model_mode("broken", "error500_unknown")
+    rig.sim.set_model_mode(MODEL, "hang")  # the probe of the served model never answers
+    began = rig.clock.seconds()
+    broken = rig.post("/api/embed", {"model": "broken", "input": "x"}, headers={"X-Yield-Max-Wait": "2"})
+    answer = answer_of(rig, broken, 70)
+    assert rig.clock.seconds() - began <= 2.01
+    assert answer.code == 500 and answer.json() == {"error": UNKNOWN_ERROR}
+    rig.stop()
+    # A call that times out (a second of attempt timeout), then waits for that probe: its 504 at 2 s.
+    config = config_with(classes={"batch": {"attempt_timeout_seconds": 1}})
+    rig = verdict_rig(config)
+    healthy(rig, "served first")
+    rig.sim.set_model_mode("late", "hang")
+    rig.sim.set_model_mode(MODEL, "hang")
+    began = rig.clock.seconds()
+    late = rig.post("/api/embed", {"model": "late", "input": "x"}, headers={"X-Yield-Max-Wait": "2"})
+    answer = answer_of(rig, late, 70)
+    assert rig.clock.seconds() - began <= 3.01  # its 1 s attempt, then 2 s at most for the verdict
+    assert answer.code == 504, answer.body
+    assert "your X-Yield-Max-Wait (2s) is spent" in answer.json()["error"]
+    rig.stop()
+
+
 def test_a_model_that_loads_slowly_keeps_only_its_own_callers_waiting_and_says_so():
     """``big`` takes 200 s to load (a 40 GB model from a slow disk), more than an attempt's 120 s: its
     caller's first attempt times out and is judged alone (the served model's probe passes), its second
@@ -422,9 +472,9 @@ def test_the_record_keeps_one_entry_per_model_as_ollama_names_it():
 
 
 def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
-    """Past MAX_MODELS a new name evicts the least recently served entry not in use: models served again a
-    minute after their first service stay, whatever a flood of names (each served once, as a server that
-    answers any name does) does."""
+    """Past MAX_MODELS a new name evicts the entry of least standing: models served again a minute after their
+    first service stay, whatever a flood of names (each served once, as a server that answers any name
+    does) does."""
     clock = MemoryReactorClock()
     r = record(clock)
     for model in ("embedder", "chatter"):
@@ -439,8 +489,10 @@ def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
     assert r.knows("embedder") and r.knows("chatter")
     # Oldest first out among the rest: the latest flood names are there.
     assert r.knows(f"flood-{10 * MAX_MODELS - 1}") and not r.knows("flood-0")
-    # The flood is served most recently, so it is probed first; excluding a model leaves it out.
-    assert r.calls(excluding=f"flood-{10 * MAX_MODELS - 1}")[0] == ModelCall("/api/embed", f"flood-{10 * MAX_MODELS - 2}")
+    # The models in use have more standing (served in two minutes), so they are probed first, the most recently
+    # served of equals first; excluding a model leaves it out.
+    assert [c.model for c in r.calls()[:2]] == ["chatter", "embedder"]
+    assert r.calls(excluding="chatter")[0] == ModelCall("/api/embed", "embedder")
     # With every entry in use, the least recently served goes.
     full = record(clock)
     for i in range(MAX_MODELS):

@@ -95,6 +95,10 @@ ROWS = [
     ("a first unreadable answer: retried", judged(Facts(R.BAD_ANSWER), False), V.RETRY),
     ("a second unreadable answer: gives up", judged(Facts(R.BAD_ANSWER, attempts=1, unreadable=1), False), V.GIVE_UP),
     ("an unreadable answer before does not end a timeout's retries", judged(Facts(R.TIMEOUT, attempts=1, unreadable=1), False), V.RETRY),
+    ("its wait bound spent: a timeout gives up", judged(Facts(R.TIMEOUT, out_of_time=True), False), V.GIVE_UP),
+    ("its wait bound spent, in GPU words: the server's own answer", judged(answered(R.GPU_ERROR, 500, GPU, out_of_time=True), False), V.GIVE_UP_RELAY),
+    ("its wait bound spent in an outage: back behind the hold (it expires there)", judged(Facts(R.TIMEOUT, out_of_time=True), True), V.FORGIVEN),
+    ("its wait bound spent, a 5xx in unknown words: relayed", judged(answered(R.UNKNOWN_ERROR, 500, UPSTREAM, out_of_time=True), False), V.RELAY),
 ]
 
 

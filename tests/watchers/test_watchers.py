@@ -728,9 +728,9 @@ def test_an_outage_revealed_by_model_calls_ends_only_when_such_a_call_works_agai
 
 
 def test_the_probes_of_a_held_outage_ask_in_turn_for_the_models_it_served_so_one_broken_model_cannot_keep_it():
-    """The outage was confirmed by a probe of the model served most recently; if that model stays broken while
-    the GPU is back, the next follow-up asks for another model it served, and its pass ends the hold.  The
-    failing request's own model is never probed."""
+    """The outage was confirmed by a probe of the model served most recently (of equal standing); if that model
+    stays broken while the GPU is back, the follow-ups ask for the other models it served too, and a pass
+    ends the hold.  The failing request's own model is never probed."""
     watcher, check, core = outage_watcher(interval=0.5, max_interval=0.5)
     watcher.startService()
     check.calls[0].callback(True)
@@ -743,13 +743,15 @@ def test_the_probes_of_a_held_outage_ask_in_turn_for_the_models_it_served_so_one
     assert verdict(judged) is True and sources(core.state) == ["outage"]
     assert watcher.status()["outage_probes"] == ["/api/chat with model newer", "/api/embed with model older"]
     core.clock.advance(0.5)
-    assert check.targets[-1] == newer
-    check.calls[-1].callback(False)  # newer stays broken...
-    core.clock.advance(0.5)
-    assert check.targets[-1] == older
+    # One step probes them at once (up to PROBES_PER_STEP).
+    assert check.targets[-2:] == [newer, older]
+    check.calls[-2].callback(False)  # newer stays broken...
+    assert core.state.yielded
     check.calls[-1].callback(True)  # ...while the GPU serves older again
     assert not core.state.yielded
     assert ModelCall("/api/embed", "stuck") not in check.targets
+    # newer failed while older served: it fails alone, and is no evidence about the GPU from now on.
+    assert core.health.failing.get("newer", core.clock.seconds()) is not None
     watcher.stopService()
     assert core.clock.getDelayedCalls() == []
 

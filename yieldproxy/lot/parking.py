@@ -157,9 +157,9 @@ class Entry:
     parked_seconds: float = 0.0
     #: True once it has been in the lot; its outcome then counts as a replay.
     was_parked: bool = False
-    #: Absolute time by which it must have left the lot (set on first park).
+    #: Absolute time by which it must have left the lot (set when it first waits: :meth:`start_waiting`).
     deadline: float | None = None
-    #: When it was first parked (its hold bound counts from here).
+    #: When it was first parked, or first waited for an outage verdict (its hold bound counts from here).
     first_parked: float | None = None
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
@@ -208,6 +208,14 @@ class Entry:
             was_parked=True, deadline=standing.deadline, first_parked=standing.first_parked,
             bound_by_caller=standing.bound_by_caller, failed_on=failed_on, route=route, client=client,
         )
+
+    def start_waiting(self, now: float, class_seconds: float) -> None:
+        """Its wait starts counting against its bound (:func:`hold_bound`), unless it already does: at its
+        first park, or earlier when a failed attempt of it first waits for the outage verdict."""
+        if self.deadline is None:
+            self.first_parked = now
+            bound, self.bound_by_caller = hold_bound(class_seconds, self.max_wait)
+            self.deadline = now + bound
 
     def move(self, new: Stay) -> None:
         """It moves to ``new``: the one place it does (the lot's and the gate's moves), along :data:`ENTRY_MOVES`."""
@@ -502,10 +510,8 @@ class ParkingLot:
             self.check_room(entry)
         self.number(entry)
         now = self._clock.seconds()
-        if entry.deadline is None:
-            entry.first_parked = now
-            bound, entry.bound_by_caller = hold_bound(hold_seconds, entry.max_wait)
-            entry.deadline = now + bound
+        entry.start_waiting(now, hold_seconds)
+        assert entry.deadline is not None  # set now, or when it first waited
         entry.move(PARKED)
         entry.was_parked = True
         entry.parked_at = now

@@ -69,6 +69,7 @@ from ..upstream.pool.member import Member
 from ..upstream.pool.members import answer_headers, served_outcome
 from ..upstream.pool.rename import renamed_body
 from ..upstream.pool.routing import Pool
+from ..upstream.served import MANAGEMENT_PATHS, redefined_by
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import Untranslatable, parse_request
 from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
@@ -129,6 +130,40 @@ def _write_refusal(request, refused: Refusal) -> bytes:
     # An explicit length: a bodiless answer gets no Content-Type of Twisted's own either.
     headers.setRawHeaders(b"content-length", [b"%d" % len(refused.body)])
     return refused.body
+
+
+def _unloads(method: bytes, path: str, body: bytes) -> bool:
+    """Whether a request answered 2xx was an unload (it loaded nothing, so it shows nothing about the GPU)."""
+    if path not in UNLOAD_PATHS or len(body) > _UNLOAD_BODY_LIMIT:
+        return False
+    try:
+        return is_unload(method.decode("latin-1"), path, read_request(body))
+    except BadBody:
+        return False
+
+
+def _no_verdict(value: object, timeout: float) -> None:
+    """The outage verdict was not in within the caller's budget: none (the verdict then counts it out of time)."""
+    return None
+
+
+def _bound_spent(entry: Entry, now: float) -> str:
+    """"its hold bound (...) is spent" when a request's wait bound is spent at ``now``, else ""."""
+    if entry.deadline is None or entry.first_parked is None or now < entry.deadline:
+        return ""
+    if entry.bound_by_caller:
+        return f"your X-Yield-Max-Wait ({entry.max_wait:g}s) is spent"
+    return f"its hold bound ({entry.deadline - entry.first_parked:g}s for {entry.cls} requests) is spent"
+
+
+def _managed(member: Member, path: str, body: bytes) -> None:
+    """A model-management call was answered 2xx: the model it defined anew loses its standing in the record
+    of what ``member`` served, the one it deleted leaves it (upstream/served.py)."""
+    redefined, deleted = redefined_by(path, body)
+    if redefined is not None:
+        member.health.record.redefined(redefined)
+    if deleted is not None:
+        member.health.record.deleted(deleted)
 
 
 def _peer_host(request) -> str | None:
@@ -541,9 +576,13 @@ class ProxyApp:
                 if answered is not _RETRY:
                     return answered
                 continue
-            # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not):
-            # its record of served models is the evidence of its outage verdicts (upstream/served.py).
-            member.health.served(self._failed_call(target, entry, body, member) if 200 <= status < 300 else None)
+            # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not, nor an
+            # unload, which loads nothing): its record of served models is the evidence of its outage verdicts
+            # (upstream/served.py).
+            ran = 200 <= status < 300 and not _unloads(request.method, target.path, body)
+            member.health.served(self._failed_call(target, entry, body, member) if ran else None, began)
+            if 200 <= status < 300 and target.path in MANAGEMENT_PATHS:
+                _managed(member, target.path, self._body_for(member, entry, body))
             self._child(self._metrics.upstream_seconds, entry.cls).observe(elapsed)
             assert attempt is not None  # it ran: it was made
             try:
@@ -632,16 +671,22 @@ class ProxyApp:
             if reason != failure.reason:
                 failure = RetryableFailure(reason, failure.detail, answer, failure.words)
             self._metrics.upstream_failures_total.labels(entry.cls, reason).inc()
+            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute).
+            entry.start_waiting(self._clock.seconds(), self._config.classes[entry.cls].hold_seconds)
+            assert entry.deadline is not None  # set just now, or when it first waited
+            judged = member.health.report(reason, self._failed_call(target, entry, body, member))
+            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, _no_verdict)
             try:
-                outage = await member.health.report(reason, self._failed_call(target, entry, body, member))
+                outage = await judged
             except CancelledError:
                 if entry.was_parked:
                     self._metrics.replay_total.labels(entry.cls, "abandoned").inc()
                 self._log(request, entry.cls, None, "abandoned", entry, entry.tries)
                 raise
             decided = verdict(attrs.evolve(
-                facts, reason=reason, outage=outage, held=member.held(), reachable=member.health.reachable,
+                facts, reason=reason, outage=bool(outage), held=member.held(), reachable=member.health.reachable,
                 others_reachable=any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name),
+                out_of_time=outage is None or self._clock.seconds() >= entry.deadline,
             ))
         return self._act(decided, request, target, entry, body, failure, member, extra)
 
@@ -713,6 +758,9 @@ class ProxyApp:
             entry.unreadable += 1
         if decided is not Verdict.RETRY:
             why = f"{alone}: gave up after {entry.attempts} attempts" if alone else None
+            if entry.attempts < self._config.upstream.max_attempts and _bound_spent(entry, self._clock.seconds()):
+                spent = _bound_spent(entry, self._clock.seconds())
+                why = f"{why} as {spent}" if why else f"upstream failed {entry.attempts} times, giving up as {spent}"
             return self._upstream_gave_up(request, entry, failure, why, relay=decided is Verdict.GIVE_UP_RELAY)
         self._metrics.retries_total.labels(entry.cls).inc()
         return _RETRY
@@ -766,8 +814,9 @@ class ProxyApp:
                 return await self._union(request, target, api, members)
         member = self._pool.passthrough_member(method, target.path, model)
         request.served_by = member.log_name  # the request log names it (observe/requestlog.py)
+        sent = self._body_for_passthrough(member, model, body)
         attempt = Attempt(
-            self._clock, member.upstream, request, self._body_for_passthrough(member, model, body),
+            self._clock, member.upstream, request, sent,
             self._config.upstream.attempt_timeout_seconds, retry_statuses=False, buffers=self._buffers,
             target=target.raw, stall_timeout=self._config.upstream.stall_timeout_seconds,
         )
@@ -788,6 +837,8 @@ class ProxyApp:
             self._log(request, PASSTHROUGH, None, "abandoned", None, 1)
             raise
         member.health.report(None)
+        if 200 <= status < 300 and target.path in MANAGEMENT_PATHS:
+            _managed(member, target.path, sent)
         try:
             if not attempt.client_has_all():
                 await attempt.client_drained()

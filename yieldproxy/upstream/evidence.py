@@ -15,8 +15,9 @@ In this order, the first that applies:
 2. The operator named a probe model (``upstream.probe_model``, or the
    member's own ``probe_model``): probe that model.
 3. The upstream served another model (its record, upstream/served.py): probe the
-   one it served most recently.  Its failure is an outage; its pass says
-   the failing model fails alone.
+   one of most standing (served in the most distinct minutes, so a burst of
+   a client's new names never stands before a model in real use).  Its
+   failure is an outage; its pass says the failing model fails alone.
 4. The only model it is known to serve is the failing one: probe it (the
    GPU held it before; a single-model upstream has no other evidence).
 5. The connection itself failed (refused, could not connect, reset:
@@ -45,8 +46,9 @@ from .verdict import CONNECTION_REASONS
 PROBE = "probe"
 #: Nothing is known about the GPU: the failure is the call's own, no probe.
 ALONE = "alone"
-#: The models probed in turn while an outage hold lasts, at most (each probe may load its model).
-MAX_FOLLOW_UPS = 3
+#: The models probed in turn while an outage hold lasts, at most: every model of a full record
+#: (upstream/served.py's ``MAX_MODELS``) and the confirming call.
+MAX_FOLLOW_UPS = 65
 
 
 @attrs.frozen
@@ -104,11 +106,13 @@ def follow_ups(
     """The calls probed in turn while the outage hold ``confirmed``'s probe took lasts; the first that passes ends it.
 
     The operator's probe model alone when one is named; else the confirming
-    call, then the other models the upstream served, the most recent first
-    (or, when it served none, the other models that failed), at most
-    :data:`MAX_FOLLOW_UPS`: one model that stays broken cannot keep the hold
-    while another it served works again.  An outage the health path
-    confirmed is probed there.
+    call, then every other model the upstream served, the one of most
+    standing first (or, when it served none, the other models that failed),
+    at most :data:`MAX_FOLLOW_UPS`: an outage of the whole upstream means no
+    model serves, so one that answers ends it, and no set of models that stay
+    broken (a client's own copies, made to fail) can keep the hold while
+    another the upstream served works.  An outage the health path confirmed
+    is probed there.
     """
     if confirmed is None:
         return (None,)

@@ -61,6 +61,7 @@ class UpstreamHealth:
     _not_ready_listeners: list[Callable[[str, ModelCall | None], None]] = attrs.Factory(list)
     _served_listeners: list[Callable[[], None]] = attrs.Factory(list)
     _unanswered_listeners: list[Callable[[str], None]] = attrs.Factory(list)
+    _model_listeners: list[Callable[[ModelCall, float | None], None]] = attrs.Factory(list)
     #: The models it answered 2xx (:meth:`served`), kept across restarts and reloads.
     record: ServedRecord = attrs.Factory(ServedRecord)
     #: The models judged failing alone (the outage watcher notes them; a 2xx ends each note).
@@ -82,20 +83,31 @@ class UpstreamHealth:
         """Call ``listener(why, call)`` each time an answer reads as not ready (see :meth:`not_ready`)."""
         self._not_ready_listeners.append(listener)
 
-    def served(self, call: ModelCall | None = None) -> None:
+    def served(self, call: ModelCall | None = None, began: float | None = None) -> None:
         """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
         whoever waits for its model to have loaded hears it (:meth:`when_served`).
 
         ``call``: the call it answered 2xx, kept in :attr:`record` (and its model fails no more); None
         for any other answer (an error relayed to its sender, a 404 for a model it lacks), which shows
-        the upstream answers, not that the call works.
+        the upstream answers, not that the call works.  ``began``: when its attempt began (the proxy
+        clock's ``seconds()``), for whoever weighs it as evidence of the GPU at that time; None: not known.
         """
         self.report(None)
         if call is not None:
             self.record.served(call)
             if self.failing:
                 self.failing.served(call.model)
+            call_each(log, "upstream model listener failed", self._model_listeners, call, began)
         call_each(log, "upstream served listener failed", self._served_listeners)
+
+    def listen_models(self, listener: Callable[[ModelCall, float | None], None]) -> None:
+        """Call ``listener(call, began)`` each time a model call is answered 2xx (:meth:`served`), until :meth:`forget_models`:
+        the one evidence that disproves an outage of the whole upstream."""
+        self._model_listeners.append(listener)
+
+    def forget_models(self, listener: Callable[[ModelCall, float | None], None]) -> None:
+        if listener in self._model_listeners:
+            self._model_listeners.remove(listener)
 
     def unanswered(self, why: str) -> None:
         """A probe could not reach it (refused, no answer in time): while it has never answered,

@@ -15,14 +15,27 @@ owns it), and a client can neither fill it nor empty it:
   so ``ALL-MINILM``, ``all-minilm:Latest`` and ``registry.ollama.ai/library/all-minilm:latest``
   are one entry.  A name longer than :data:`MAX_NAME` (no model Ollama can
   hold is named so) never enters.
-* **Bounded by models, oldest first out, and real use stays**: at most
-  ``max_models`` (:data:`MAX_MODELS`) entries.  An entry is *in use* once the
-  model was served again at least :data:`IN_USE_AFTER` seconds after its first
-  service here; a new entry evicts the least recently served entry *not yet
-  in use* first, and an entry in use only when every entry is in use.  A
-  flood of new names (a server that answers whatever name it is given, TEI or
-  llama.cpp) churns only the entries that are not in use, so the models in
-  real use stay.
+* **Standing is earned by long use, not by a burst**: each entry has a
+  *standing*, one point for each distinct minute (:data:`STANDING_MINUTE`)
+  in which the model was served, fading with a time constant of
+  :data:`STANDING_FADES` (a model no longer served loses it over days).  A
+  client that makes a hundred new names and gets each served once gives each
+  one point; a model served through a day of real use has hundreds.  The
+  outage probes ask for the models of most standing first (:meth:`ServedRecord.calls`),
+  so no burst of new names can stand between the probes and the model in real use.
+* **A model redefined loses its standing**: a model-management call answered
+  2xx that defines the name anew (``/api/create``, ``/api/copy`` to it,
+  ``/api/pull``; :func:`redefined_by`) keeps the entry but sets its standing
+  to nothing (:meth:`ServedRecord.redefined`): what it was served as is not
+  what it is now; ``/api/delete`` takes the entry out (nothing is served
+  under that name any more).
+* **Bounded by models, least standing first out**: at most ``max_models``
+  (:data:`MAX_MODELS`) entries; a new entry evicts the entry of least
+  standing (the least recently served among equals).  An entry is *in use*
+  once the model was served again at least :data:`IN_USE_AFTER` seconds
+  after its first service here (what ``/status`` shows).  A flood of new
+  names (a server that answers whatever name it is given, TEI or llama.cpp)
+  churns only the entries of a point or two, so the models in real use stay.
 * **It survives restarts and reloads**: it is written with the holds
   (lifecycle/holdstore.py, the ``served`` section of the holds file: :class:`RecordKeeper`)
   and carried to a reload's new process (lifecycle/succession/).  Read back tolerantly:
@@ -39,6 +52,7 @@ clock) is clamped to now.
 from __future__ import annotations
 
 import collections
+import json
 import math
 from typing import Any, Callable, Iterable
 
@@ -60,6 +74,10 @@ MAX_MODELS = 64
 MAX_NAME = 256
 #: Seconds between a model's first service and a later one for it to count as in real use.
 IN_USE_AFTER = 60.0
+#: Seconds of one step of standing: a model served in this many distinct spans earns as many points.
+STANDING_MINUTE = 60.0
+#: Seconds in which standing fades by a factor e (a model served no more loses its standing over days).
+STANDING_FADES = 24 * 3600.0
 #: Seconds a change of the record waits before it is written (:class:`RecordKeeper`): a burst of
 #: new names costs one write, not one per request.
 WRITE_DELAY = 5.0
@@ -78,14 +96,35 @@ class ServedModel:
     last: float
     #: Calls of it served.
     served: int = 1
-    #: Served again at least :data:`IN_USE_AFTER` after ``first`` (it is kept over entries that are not).
+    #: Served again at least :data:`IN_USE_AFTER` after ``first`` (what ``/status`` shows).
     in_use: bool = False
+    #: Points of standing as of :attr:`minute` (one per distinct minute served in, fading: :func:`standing_at`).
+    standing: float = 1.0
+    #: The minute (``time // STANDING_MINUTE``) of the last point; None: none since it was redefined.
+    minute: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
             "model": self.model, "path": self.call.path, "name": self.call.model,
             "first": self.first, "last": self.last, "served": self.served, "in_use": self.in_use,
+            "standing": self.standing, "minute": self.minute,
         }
+
+    def standing_at(self, now: float) -> float:
+        """Its standing at ``now``: its points, faded since the minute of the last one."""
+        if self.minute is None:
+            return self.standing
+        faded = max(0.0, now - self.minute * STANDING_MINUTE)
+        return self.standing * math.exp(-faded / STANDING_FADES)
+
+    def earn(self, now: float) -> bool:
+        """Served at ``now``: a point, unless it earned one in this minute already (then False)."""
+        minute = int(now // STANDING_MINUTE)
+        if minute == self.minute:
+            return False
+        self.standing = self.standing_at(now) + 1.0
+        self.minute = minute
+        return True
 
 
 def _always(call: ModelCall) -> bool:
@@ -114,7 +153,8 @@ class ServedRecord:
         return len(self._entries)
 
     def when_changed(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when a model enters or leaves the record, or comes into use (not on each call)."""
+        """Call ``listener()`` when a model enters or leaves the record, or earns a point of standing (at most
+        once a minute per model, not on each call)."""
         self._listeners.append(listener)
 
     def served(self, call: ModelCall) -> None:
@@ -128,26 +168,42 @@ class ServedRecord:
             # Every answer comes here: the common case (the same call again) costs a lookup and no more.
             entry.last = max(entry.last, now)
             entry.served += 1
+            earned = entry.earn(now)
             if call != entry.call and self._probeable(call):
                 entry.call = call
             self._entries.move_to_end(key)
             if not entry.in_use and now - entry.first >= IN_USE_AFTER:
                 entry.in_use = True
+            if earned:
                 self._changed()
             return
         if not self._probeable(call):
             return  # nothing a probe could ask of it
         self._make_room()
-        self._entries[key] = ServedModel(key, call, now, now)
+        self._entries[key] = ServedModel(key, call, now, now, standing=1.0, minute=int(now // STANDING_MINUTE))
         self._changed()
 
     def _make_room(self) -> None:
-        """Past the bound: the least recently served entry not in use leaves, else the least recently served."""
+        """Past the bound: the entry of least standing leaves (the least recently served among equals)."""
+        now = self._now()
         while len(self._entries) >= self.max_models:
-            victim = next((k for k, e in self._entries.items() if not e.in_use), None)
-            if victim is None:
-                victim = next(iter(self._entries))
-            del self._entries[victim]
+            # Least recently served first: ``min`` keeps the first of equals.
+            victim = min(self._entries.values(), key=lambda e: e.standing_at(now))
+            del self._entries[victim.model]
+
+    def redefined(self, model: str) -> None:
+        """A model-management call defined ``model`` anew: what it was served as says nothing of it now."""
+        entry = self._entries.get(canonical_model(model))
+        if entry is None:
+            return
+        entry.standing, entry.minute, entry.in_use = 0.0, None, False
+        entry.first = self._now()
+        self._changed()
+
+    def deleted(self, model: str) -> None:
+        """``model`` was deleted: nothing is served under its name any more."""
+        if self._entries.pop(canonical_model(model), None) is not None:
+            self._changed()
 
     def knows(self, model: str) -> bool:
         """Whether the upstream served ``model`` (any spelling of it)."""
@@ -158,9 +214,12 @@ class ServedRecord:
         return list(reversed(self._entries.values()))
 
     def calls(self, excluding: str | None = None) -> list[ModelCall]:
-        """The calls to probe with, the most recently served model first; ``excluding``: not that model's."""
+        """The calls to probe with, the model of most standing first (the most recently served among
+        equals); ``excluding``: not that model's."""
         skip = canonical_model(excluding) if excluding is not None else None
-        return [e.call for e in reversed(self._entries.values()) if e.model != skip]
+        now = self._now()
+        ranked = sorted(reversed(self._entries.values()), key=lambda e: -e.standing_at(now))
+        return [e.call for e in ranked if e.model != skip]
 
     def as_json(self) -> list[dict[str, Any]]:
         """The entries, least recently served first (the order :meth:`restore` keeps)."""
@@ -189,6 +248,8 @@ class ServedRecord:
                 mine.first = min(mine.first, entry.first)
                 mine.served = max(mine.served, entry.served)
                 mine.in_use = mine.in_use or entry.in_use
+                if entry.standing_at(now) > mine.standing_at(now):
+                    mine.standing, mine.minute = entry.standing, entry.minute
                 continue
             self._make_room()
             self._entries[entry.model] = entry
@@ -221,9 +282,46 @@ def _entry(item: Any, now: float) -> ServedModel | None:
     served = item.get("served", 1)
     if isinstance(served, bool) or not isinstance(served, int) or served < 1:
         return None
+    in_use = item.get("in_use") is True
+    # Written before standing was kept: a point, and one more for a model in use.
+    standing, minute = item.get("standing", 2.0 if in_use else 1.0), item.get("minute", int(last // STANDING_MINUTE))
+    if isinstance(standing, bool) or not isinstance(standing, (int, float)) or not 0 <= standing < math.inf:
+        return None
+    if minute is not None and (isinstance(minute, bool) or not isinstance(minute, int)):
+        return None
+    if minute is not None:
+        minute = min(minute, int(now // STANDING_MINUTE))
     return ServedModel(
-        canonical_model(name), ModelCall(path, name), min(first, last), last, served, item.get("in_use") is True,
+        canonical_model(name), ModelCall(path, name), min(first, last), last, served, in_use, float(standing), minute,
     )
+
+
+#: Model-management routes, and the fields of their bodies that name the model they define anew (Ollama's
+#: handlers read ``cmp.Or(req.Model, req.Name)``, and ``req.Destination`` for a copy).
+_REDEFINING = {"/api/create": ("model", "name"), "/api/pull": ("model", "name"), "/api/copy": ("destination",)}
+_DELETING = {"/api/delete": ("model", "name")}
+#: The routes that define or delete a model by name.
+MANAGEMENT_PATHS = frozenset(_REDEFINING) | frozenset(_DELETING)
+
+
+def redefined_by(path: str, body: bytes) -> tuple[str | None, str | None]:
+    """What a model-management call on ``path`` answered 2xx did: ``(model defined anew, model deleted)``,
+    each None when none.  ``body`` is the call's body as sent (JSON keys matched as Go matches them:
+    in any case, the last of duplicates)."""
+    fields = _REDEFINING.get(path) or _DELETING.get(path)
+    if fields is None:
+        return None, None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, None
+    if not isinstance(value, dict):
+        return None, None
+    lowered = {k.lower(): v for k, v in value.items()}
+    name = next((lowered[f] for f in fields if isinstance(lowered.get(f), str) and lowered[f]), None)
+    if name is None:
+        return None, None
+    return (None, name) if path in _DELETING else (name, None)
 
 
 def _time(value: Any, now: float) -> float | None:

@@ -45,8 +45,11 @@ are never shown, fails with ``status_<code>`` for any code
       gets a 502 at once (:attr:`Verdict.UNREACHABLE`);
    d. an outage explains it: back in line uncounted (:attr:`Verdict.FORGIVEN`);
    e. otherwise the attempt counts: it is retried (:attr:`Verdict.RETRY`)
-      until ``upstream.max_attempts`` counted attempts, or a second answer
-      that could not be read; then the request gives up
+      until ``upstream.max_attempts`` counted attempts, a second answer
+      that could not be read, or its wait bound spent (its class's
+      ``hold_seconds`` or its caller's ``X-Yield-Max-Wait``, counted from
+      when it first waited: another try could only expire in the lot, with
+      a message about the lot); then the request gives up
       (:attr:`Verdict.GIVE_UP`: a 502, or a 504 after a timeout or a stall,
       :func:`gateway_status`), or, when the server's GPU words failed it,
       relays the server's own answer (:attr:`Verdict.GIVE_UP_RELAY`).
@@ -225,6 +228,9 @@ class Facts:
     unreadable: int = 0
     #: ``upstream.max_attempts``.
     max_attempts: int = 5
+    #: Its wait bound is spent (its class's hold bound, or its caller's X-Yield-Max-Wait: the outage
+    #: verdict was not waited for past it).
+    out_of_time: bool = False
 
 
 def reported(facts: Facts) -> str:
@@ -275,7 +281,7 @@ def _after_the_judge(facts: Facts) -> Verdict:
     if outage:
         return Verdict.FORGIVEN
     unreadable = facts.unreadable + (reason == Reason.BAD_ANSWER)
-    if facts.attempts + 1 < facts.max_attempts and unreadable <= MAX_UNREADABLE:
+    if facts.attempts + 1 < facts.max_attempts and unreadable <= MAX_UNREADABLE and not facts.out_of_time:
         return Verdict.RETRY
     if reason == Reason.GPU_ERROR and facts.code is not None:
         return Verdict.GIVE_UP_RELAY

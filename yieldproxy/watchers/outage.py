@@ -8,7 +8,7 @@ the failing request alone named, so neither one request nor one model failing
 again and again can hold the proxy.  A failed probe takes the ``outage`` hold and
 forgives the failures waiting on it; a passing one means the model fails alone.
 While the hold lasts, :class:`UpstreamProbe` probes with a growing interval and
-the first probe that passes ends it.
+the first probe that passes, or any model call answered 2xx, ends it.
 
 The specification (what counts as an outage, the evidence table, probes shared and
 believed, not ready, an upstream that never answered): docs/watchers.md
@@ -51,6 +51,12 @@ FAILED_ANSWER = "failed_answer"
 VERDICT_SECONDS = 10.0
 #: Seconds a model judged failing alone counts as "failing" for the rule "several models fail".
 SEVERAL_WITHIN = 60.0
+#: Seconds an outage hold that no model vouches for lasts at most (several models failed before any was served
+#: here, and no probe model is named: a client can make several of its own fail): then the lot is let out, and
+#: the first model call answered (or failed again) decides.
+UNVOUCHED_HOLD_SECONDS = 60.0
+#: Follow-up probes of a held outage sent at once, each step (the first that passes ends the hold).
+PROBES_PER_STEP = 4
 
 
 @attrs.define(eq=False)
@@ -78,6 +84,10 @@ class _Pending:
     believed: bool = True
     #: Decided so: the failures judged on it are their calls' own (what was probed passed).
     alone: bool = False
+    #: When it started: a model call that began since and was answered 2xx disproves the outage it would confirm.
+    started: float = 0.0
+    #: Such a call was answered while it ran.
+    disproved: bool = False
 
 
 @attrs.frozen
@@ -169,8 +179,14 @@ class OutageWatcher(Service):
     probeable: Callable[[ModelCall], bool] = lambda call: True
     _next_interval: float = attrs.field(init=False)
     _timer: IDelayedCall | None = None
-    #: The follow-up probe of a held outage, in flight.
+    #: The follow-up probes of a held outage, in flight (one step's, gathered).
     _probe: Deferred | None = None
+    #: That step's probes, each (to cancel them when the watcher stops).
+    _checks: list = attrs.Factory(list)
+    #: The hold rests on no model known to work (:data:`UNVOUCHED_HOLD_SECONDS`).
+    _unvouched: bool = False
+    #: The model calls whose follow-up probes failed while the hold lasts: failing alone if another passes.
+    _failed_follow_ups: dict = attrs.Factory(dict)
     #: What the follow-up probes of a held outage ask, in turn (evidence.follow_ups), and whose turn it is.
     _outage_calls: tuple[ModelCall | None, ...] = ()
     _turn: int = 0
@@ -214,6 +230,7 @@ class OutageWatcher(Service):
     def startService(self) -> None:
         super().startService()
         self._health.listen(self.upstream_result)
+        self._health.listen_models(self.model_served)
         # One probe at start, so an outage before the first request is an outage too.
         self._start_probe(None, "the start").believed = False
 
@@ -221,11 +238,12 @@ class OutageWatcher(Service):
         """Stop listening, judging and probing; an outage hold stays (the upstream is still down)."""
         super().stopService()
         self._health.forget(self.upstream_result)
+        self._health.forget_models(self.model_served)
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
-        if self._probe is not None:
-            self._probe.cancel()
+        for check in _take(self._checks):
+            check.cancel()
         for pending in list(self._pending.values()):
             if pending.probe is not None:
                 pending.probe.cancel()
@@ -253,6 +271,20 @@ class OutageWatcher(Service):
         if not self._held():
             # Traffic flows: the next outage starts with quick probes again.
             self._next_interval = self.interval
+
+    def model_served(self, call: ModelCall, began: float | None = None) -> None:
+        """A model call was answered 2xx: the upstream serves, so no outage of the whole of it holds.
+
+        Only a call that *began* after the probe started (or the hold was taken) says so: an answer that
+        was on its way when the GPU failed says nothing of the GPU now; ``began`` None says nothing.
+        """
+        if began is None:
+            return
+        for pending in self._pending.values():
+            if began >= pending.started:
+                pending.disproved = True
+        if self._held() and self._held_since is not None and began >= self._held_since:
+            self._end_hold(f"{_describe(call)} was served", call)
 
     def judge(self, reason: str, call: ModelCall | None = None) -> Deferred:
         """The verdict on one failed attempt: a Deferred firing True when an outage explains it.
@@ -288,7 +320,7 @@ class OutageWatcher(Service):
             self._passed.clear()
         now = self._clock.seconds()
         evidence = evidence_for(
-            reason, call, operator=self._operator_call(call), known=self._health.record.calls(),
+            reason, call, operator=self._operator_call(call), known=self._known(now),
             others_failing=[f.name for f in self._health.failing.others(
                 call.model if call is not None else None, now, SEVERAL_WITHIN,
             )],
@@ -319,6 +351,16 @@ class OutageWatcher(Service):
         pending.waiters.append(waiter)
         return waiter.deferred
 
+    def _known(self, now: float) -> list[ModelCall]:
+        """The models the upstream served, of most standing first, but those judged failing alone lately: a
+        model known to fail while another serves says nothing about the GPU (all of them when every one is)."""
+        calls = self._health.record.calls()
+        failing = self._health.failing
+        if not failing:
+            return calls
+        sound = [c for c in calls if failing.get(c.model, now) is None]
+        return sound or calls
+
     def _operator_call(self, failing: ModelCall | None) -> ModelCall | None:
         """The call that probes the operator's model: on ``probe_path``, else the route the upstream served it
         on, else the failing call's route; None when none is named (or none of those can be probed)."""
@@ -347,13 +389,15 @@ class OutageWatcher(Service):
             )
 
     def _passed_why(self, pending: _Pending) -> str:
+        if pending.disproved:
+            return "a model was served meanwhile"
         return _serves(pending.target)
 
     # -- the probe that decides a verdict -----------------------------------------------------
 
     def _start_probe(self, target: ModelCall | None, why: str) -> _Pending:
         """Probe ``target`` now; the result decides every verdict waiting on it (its ``verdict`` once decided)."""
-        pending = self._pending[target] = _Pending(target, why)
+        pending = self._pending[target] = _Pending(target, why, started=self._clock.seconds())
         d = self._run_check(target)
         pending.probe = d
         d.addCallback(self._decided, pending)
@@ -379,6 +423,10 @@ class OutageWatcher(Service):
             # The upstream serves what was probed: the failures waiting are their calls' own.
             forgiven = False
             alone = True
+        elif pending.disproved and not self._yielded():
+            # A model was served while the probe ran: the upstream serves; the failures are their calls' own.
+            forgiven = False
+            alone = True
         elif self._yielded() or not self.reachable:
             # Held already (by this watcher or another source), or never reachable.
             forgiven = self._yielded()
@@ -401,7 +449,9 @@ class OutageWatcher(Service):
         """A probe on evidence about the GPU failed too: the ``outage`` hold, probed as evidence.follow_ups says."""
         self._held_since = self._clock.seconds()
         self._passed.clear()
+        self._failed_follow_ups = {}
         now = self._clock.seconds()
+        self._unvouched = pending.target is not None and not self._health.record and not self.probe_model
         self._outage_calls = follow_ups(
             pending.target, operator=self._operator_call(pending.target), known=self._health.record.calls(),
             failing=[ModelCall(f.path, f.name) for f in self._health.failing.others(None, now, SEVERAL_WITHIN)],
@@ -460,9 +510,14 @@ class OutageWatcher(Service):
             log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
     def _follow_up(self) -> ModelCall | None:
-        """The call the next follow-up probe asks."""
+        """The call the next follow-up probe asks (the first of the next step)."""
+        return self._step_calls()[0]
+
+    def _step_calls(self) -> tuple[ModelCall | None, ...]:
+        """The calls the next step probes at once: the next :data:`PROBES_PER_STEP` in turn."""
         calls = self._outage_calls or (None,)
-        return calls[self._turn % len(calls)]
+        count = min(PROBES_PER_STEP, len(calls))
+        return tuple(calls[(self._turn + i) % len(calls)] for i in range(count))
 
     def _schedule(self) -> None:
         """The next probe of the held outage, after the current interval; the interval then doubles."""
@@ -476,36 +531,71 @@ class OutageWatcher(Service):
         self._timer = None
         if not self._held():
             return  # ended from outside (POST /resume {"source": "outage"}): stop probing
-        target = self._follow_up()
-        if target is not None and any(h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)):
+        if self._unvouched and self._held_since is not None and (
+            self._clock.seconds() - self._held_since >= UNVOUCHED_HOLD_SECONDS
+        ):
+            # Only models nobody vouches for failed (any client can make its own fail): the calls let out decide.
+            self._end_hold("no model known to work confirms the outage", None)
+            return
+        targets = self._step_calls()
+        if any(t is not None for t in targets) and any(
+            h.source not in TROUBLE_SOURCES for h in self._state.holds_for(self.member)
+        ):
             # The GPU is lent away: a model call would load the model onto it. Look again later.
             self._schedule()
             return
-        d = self._probe = self._run_check(target)
-        d.addCallback(self._probed, target)
+        self._checks = checks = [
+            self._run_check(t).addCallback(_with_target, t).addCallback(self._follow_up_ended) for t in targets
+        ]
+        d = self._probe = _first_pass(checks)
+        d.addCallback(self._probed, len(targets))
         d.addErrback(lambda f: log.failure("outage watcher: handling a probe failed", f))
 
-    def _probed(self, up: bool | str | None, target: ModelCall | None) -> None:
+    def _follow_up_ended(self, result: tuple[Any, ModelCall | None]) -> tuple[Any, ModelCall | None]:
+        """One follow-up probe ended: a model call that failed is kept, to be noted failing alone if another passes."""
+        up, target = result
+        if target is not None and up is not None and (not up or up == FAILED_ANSWER):
+            self._failed_follow_ups[_key(target)] = target
+        return result
+
+    def _probed(self, result: tuple[bool | str | None, ModelCall | None], count: int) -> None:
         self._probe = None
+        self._checks = []
+        up, target = result
         if up is None:
             return
         if not up or up in (NOT_READY, FAILED_ANSWER):
-            # Another of the follow-up calls next time: one that stays broken cannot keep the hold.
-            self._turn += 1
+            # The next calls in turn next time: models that stay broken cannot keep the hold.
+            self._turn += count
             self._schedule_if_held()
             return
         self._answered()
-        if self._held():
-            began = self._held_since if self._held_since is not None else self._clock.seconds()
-            log.info(
-                "{upstream} serves {what} again after {seconds:.1f}s: ending the outage hold",
-                upstream=self.upstream,
-                what=_describe(target),
-                seconds=self._clock.seconds() - began,
-            )
-            self._held_since = None
-            self._outage_calls = ()
-            self._state.release(SOURCE, self.scope)
+        self._end_hold(f"it serves {_describe(target)} again", target)
+
+    def _end_hold(self, why: str, serving: ModelCall | None) -> None:
+        """The upstream serves a model: the ``outage`` hold ends (its follow-up probes with it), and the models
+        whose probes failed meanwhile fail alone (judged on the next failure by a model that works)."""
+        failed, self._failed_follow_ups = self._failed_follow_ups, {}
+        if not self._held():
+            return
+        if serving is not None:
+            now = self._clock.seconds()
+            for key, call in failed.items():
+                if key != _key(serving):
+                    self._health.failing.judged_alone(call, FAILED_ANSWER, _serves(serving), now)
+        began = self._held_since if self._held_since is not None else self._clock.seconds()
+        log.info(
+            "{upstream}: {why} after {seconds:.1f}s: ending the outage hold",
+            upstream=self.upstream, why=why, seconds=self._clock.seconds() - began,
+        )
+        self._held_since = None
+        self._unvouched = False
+        self._outage_calls = ()
+        self._turn = 0
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        self._state.release(SOURCE, self.scope)
 
     def _schedule_if_held(self) -> None:
         if self._held():
@@ -533,7 +623,30 @@ def _describe(call: ModelCall | None) -> str:
     return f"{path} with model {model}" if path else str(call)
 
 
-def _take(waiters: list[_Waiter]) -> list[_Waiter]:
+def _with_target(up: Any, target: ModelCall | None) -> tuple[Any, ModelCall | None]:
+    return up, target
+
+
+def _first_pass(checks: list[Deferred]) -> Deferred:
+    """``(up, target)`` of the first of ``checks`` that passes, else of the last to end (each never fails)."""
+    done: Deferred = Deferred()
+    left = [len(checks)]
+
+    def one(result):
+        up, _ = result
+        if done.called:
+            return None
+        left[0] -= 1
+        if (up and up not in (NOT_READY, FAILED_ANSWER)) or left[0] == 0:
+            done.callback(result)
+        return None
+
+    for check in checks:
+        check.addCallback(one)
+    return done
+
+
+def _take(waiters: list) -> list:
     """Empty ``waiters`` and return what it held (waiters fired must not be fired again)."""
     taken = list(waiters)
     waiters.clear()

@@ -69,6 +69,8 @@ class Sim(Protocol):
     context_length: int
     max_queue: int
     store: ModelStore
+    #: Outage modes of single models, by canonical name (``set_model_mode``).
+    model_modes: dict[str, str]
 
     @property
     def mode(self) -> str: ...

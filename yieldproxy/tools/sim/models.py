@@ -100,6 +100,11 @@ class ModelStore:
         """List ``name`` among the models the server has (``/api/tags``)."""
         self._known[name] = None
 
+    def forget(self, name: str) -> None:
+        """``name`` was deleted: no longer listed, and unloaded."""
+        self._known.pop(name, None)
+        self._loaded.pop(name, None)
+
     def known(self) -> list[str]:
         """Every model the server has, in the order it learnt them."""
         return list(self._known)

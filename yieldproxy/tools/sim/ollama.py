@@ -58,6 +58,9 @@ _ROUTES: dict[str, Route] = {
     "/api/ps": Route(("GET", "HEAD"), "info", "ollama", "ps"),
     "/api/show": Route(("POST",), "info", "ollama", "show"),
     "/v1/models": Route(("GET", "HEAD"), "info", "openai", "v1_models"),
+    "/api/copy": Route(("POST",), "info", "ollama", "copy"),
+    "/api/create": Route(("POST",), "info", "ollama", "create"),
+    "/api/delete": Route(("DELETE",), "info", "ollama", "delete"),
     "/_sim/stats": Route(("GET", "HEAD"), "info", "ollama", "stats"),
 }
 
@@ -90,6 +93,64 @@ def model_not_found(op: str, model: str) -> str:
     if op in EMBED_OPS:
         return f"model {go_quote(model)} not found, try pulling it first"
     return f"model '{model}' not found"
+
+
+#: A created model whose ``parameters.num_gpu`` is at least this fails every load (Ollama's out-of-memory 500).
+FAILING_NUM_GPU = 1000
+
+
+def _manage(sim: Sim, op: str, body: dict[str, Any]) -> Reply:
+    """``/api/copy``, ``/api/create`` and ``/api/delete``, on the sim's list of models and their modes.
+
+    A copy or a create ``from`` a model takes its mode (:meth:`~.server.SimOllama.set_model_mode`); a
+    create whose ``parameters`` ask ``num_gpu`` of :data:`FAILING_NUM_GPU` or more fails every load in
+    Ollama's out-of-memory words (``error500``), as a model re-created with settings the GPU cannot hold.
+    """
+    def named(*fields: str) -> str:
+        return next((body[f] for f in fields if isinstance(body.get(f), str) and body[f]), "")
+
+    def not_found(name: str) -> Reply:
+        return Reply(404, dumps({"error": f"model '{name}' not found"}))
+
+    modes = sim.model_modes
+    if op == "copy":
+        source, destination = named("source"), named("destination")
+        if not source or not destination:
+            return Reply(400, dumps({"error": "source and destination are required"}))
+        if not sim.store.has(canonical_model(source)):
+            return not_found(source)
+        source_mode = modes.get(canonical_model(source))
+        _define(sim, destination, source_mode)
+        return Reply(200, b"")
+    name = named("model", "name")
+    if not name:
+        return Reply(400, dumps({"error": "model is required"}))
+    if op == "delete":
+        if not sim.store.has(canonical_model(name)):
+            return not_found(name)
+        sim.store.forget(canonical_model(name))
+        modes.pop(canonical_model(name), None)
+        return Reply(200, b"")
+    origin = named("from")
+    if origin and not sim.store.has(canonical_model(origin)):
+        return not_found(origin)
+    mode = modes.get(canonical_model(origin)) if origin else None
+    parameters = body.get("parameters")
+    num_gpu = parameters.get("num_gpu") if isinstance(parameters, dict) else None
+    if isinstance(num_gpu, (int, float)) and num_gpu >= FAILING_NUM_GPU:
+        mode = "error500"
+    _define(sim, name, mode)
+    return Reply(200, dumps({"status": "success"}))
+
+
+def _define(sim: Sim, name: str, mode: str | None) -> None:
+    key = canonical_model(name)
+    sim.store.forget(key)
+    sim.store.know(key)
+    if mode is None:
+        sim.model_modes.pop(key, None)
+    else:
+        sim.model_modes[key] = mode
 
 
 def iso(t: float) -> str:
@@ -255,6 +316,11 @@ class OllamaApi(Api):
 
     def info(self, sim: Sim, request: Request, route: Route) -> Reply:
         op = route.op
+        if op in ("copy", "create", "delete"):
+            try:
+                return _manage(sim, op, ollama_requests.read_json(request))
+            except BadRequest as e:
+                return Reply(400, dumps({"error": str(e)}))
         if op == "root":
             return Reply(200, b"Ollama is running", b"text/plain; charset=utf-8")
         if op == "version":
