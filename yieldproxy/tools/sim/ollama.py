@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import math
 from typing import Any
 
@@ -76,11 +75,6 @@ _FAILURES: dict[str, tuple[int, str]] = {
 }
 
 
-def go_quote(text: str) -> str:
-    """``text`` as Go's ``%q`` writes it (double quotes, backslash escapes) for the texts JSON escapes alike."""
-    return json.dumps(text, ensure_ascii=False)
-
-
 def model_not_found(op: str, model: str) -> str:
     """Ollama's 404 words for a model it does not have, as each handler writes them (v0.12.0, ``server/routes.go``).
 
@@ -91,7 +85,7 @@ def model_not_found(op: str, model: str) -> str:
     ``/v1/`` routes run the same handlers, their words in OpenAI's error object.
     """
     if op in EMBED_OPS:
-        return f"model {go_quote(model)} not found, try pulling it first"
+        return f"model {ollama_front.go_quote(model)} not found, try pulling it first"
     return f"model '{model}' not found"
 
 
