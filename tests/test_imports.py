@@ -91,8 +91,48 @@ def test_no_import_cycles() -> None:
     modules = _modules()
     assert "yieldproxy.tools.cli" in modules and "yieldproxy.tools.sim.server" in modules
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert "yieldproxy.tools.admin_api" in graph["yieldproxy.tools.demo"]
+    assert "yieldproxy.tools.broker" in graph["yieldproxy.tools.demo"]
     assert _cycles(graph) == []
+
+
+def _outside_imports(path: Path) -> set[str]:
+    """Every module outside the package that the file imports, wherever in it (``a.b.c`` also counts as ``a.b``
+    and ``a``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+#: Each HTTP client library the package uses, and the one module that may import it (docs/architecture.md, "The
+#: card's packages"): the admin API has one client, the broker library; treq and Twisted's Agent are the demo's
+#: client of the proxy.  The proxy's own calls to its upstreams (the hop, the control plane) go through its lean
+#: edge/h1client.py, which imports none of them.
+HTTP_CLIENTS = {
+    "treq": ["yieldproxy.tools.demo"],
+    "twisted.web.client": ["yieldproxy.tools.demo"],
+    "urllib.request": ["yieldproxy.tools.broker"],
+    "http.client": ["yieldproxy.tools.broker"],
+}
+
+
+def test_one_admin_client_and_each_http_client_library_in_one_place() -> None:
+    """A second client of the admin API (over treq, Twisted's Agent or urllib), or the proxy's upstream calls on a
+    general client, would import one of these libraries somewhere else."""
+    modules = _modules()
+    imported = {name: _outside_imports(path) for name, path in modules.items()}
+    found = {library: sorted(name for name, names in imported.items() if library in names) for library in HTTP_CLIENTS}
+    assert found == HTTP_CLIENTS
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert {"yieldproxy.tools.cli", "yieldproxy.tools.demo"} <= {n for n, g in graph.items() if "yieldproxy.tools.broker" in g}
 
 
 def test_type_checking_imports_count(tmp_path: Path) -> None:

@@ -344,7 +344,8 @@ async def test_closing_its_terminal_stops_the_proxy_and_answers_what_is_parked()
     """The terminal closed: no process left serving (a reload took the hang-up for one and a new process, with no
     terminal, served on), the parked requests answered as a stop answers them; and a reload asked of a proxy in
     a terminal is refused in one line that says how to restart it."""
-    from yieldproxy.tools.admin_api import AdminClient, AdminTarget, CliError
+    from yieldproxy.tools.broker import Admin
+    from yieldproxy.tools.cli import CliError, Settings, call_admin
 
     sim = SimOllama(reactor)
     sim_port = await sim.listen()
@@ -365,9 +366,8 @@ async def test_closing_its_terminal_stops_the_proxy_and_answers_what_is_parked()
             if (await status())["parked_total"] == 2:
                 break
             await sleep(reactor, 0.05)
-        client = AdminClient(reactor, AdminTarget(admin), None, TIMEOUT)
         with pytest.raises(CliError) as refused:
-            await client.reload()
+            await call_admin(reactor, Settings(admin, None, TIMEOUT), Admin.reload)
         assert "answered 501: this proxy" in refused.value.message and "runs in a terminal" in refused.value.message
         assert "restart it instead" in refused.value.message
         assert "\n" not in refused.value.message

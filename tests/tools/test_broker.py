@@ -419,6 +419,20 @@ def test_a_503_with_retry_after_is_asked_again_after_it_while_the_timeout_allows
         admin_api.close()
 
 
+def test_no_answer_within_the_timeout_names_the_call_s_timeout():
+    """Something accepts the connection and never answers: the error names the call's timeout (the command's
+    ``--timeout``), not the few microseconds less that were left for its one try."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        for timeout in (0.2, 0.3):
+            with pytest.raises(AdminUnreachable) as caught:
+                Admin("http://127.0.0.1:%d" % silent.getsockname()[1], timeout=timeout).status()
+            assert caught.value.message.endswith(f": no answer within {timeout:g} s"), caught.value.message
+
+
 def _flood_unix(path: str, count: int, stop, payload: bytes) -> int:
     """``count`` connections to the unix socket ``path``, each sending ``payload`` and made again when closed,
     until ``stop`` is set; how many were made."""

@@ -36,6 +36,7 @@ from helpers import release_every_hold
 from yieldproxy.config import Config
 from yieldproxy.service import build
 from yieldproxy.tools import cli, demo
+from yieldproxy.tools.broker import Admin
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-admin-token-0123456789"
@@ -373,7 +374,63 @@ async def test_admin_on_a_unix_socket(tmp_path: Path) -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_unreachable_admin() -> None:
+async def test_yield_and_resume_ask_again_while_a_reload_hands_the_holds_over() -> None:
+    """While a reload hands the holds to a new process, the admin API answers ``POST /yield`` and ``POST /resume``
+    with 503 and ``Retry-After: 1``: the command asks again after it, as the broker library does, and only past
+    ``--timeout`` is the 503 its error (exit 1)."""
+    server = await AdminServer().start()
+    handing_over = "this process (pid 1) has handed the holds over to pid 2, which answers from now on"
+    moved: list[str] = []
+    server.proxy.admin_app.holds_elsewhere = lambda: moved.pop() if moved else None
+    try:
+        admin = ("--admin", server.url)
+        moved.append(handing_over)
+        r = await run_cli("yield", *admin, "--source", "trainer")
+        assert r.code == 0 and r.out.startswith("state: yielded | held by trainer"), r
+        assert moved == [] and server.proxy.state.yielded
+        moved.append(handing_over)
+        r = await run_cli("resume", *admin, "--source", "trainer")
+        assert r.code == 0 and r.out.startswith("state: available"), r
+        assert moved == [] and not server.proxy.state.yielded
+
+        moved.extend([handing_over] * 5)
+        r = await run_cli("yield", *admin, "--timeout", "0.5")
+        assert r.code == 1 and f"answered 503: {handing_over}: ask again" in r.err, r
+        assert not server.proxy.state.yielded
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_reload_prints_the_handover_and_a_refused_one_exits_1_with_its_line() -> None:
+    """``yieldproxy reload``: the outcome of ``POST /reload`` on one line; a refusal's error line, exit 1."""
+    from yieldproxy.lifecycle.succession import ReloadRefused
+
+    server = await AdminServer().start()
+    outcome = {"reloaded": True, "old_pid": 41, "old_version": "1.0", "pid": 42, "version": "1.1",
+               "parked_handed_over": 7, "connections_handed_over": 3, "seconds": 0.25}
+    answers = [defer.fail(ReloadRefused("/etc/yieldproxy/yieldproxy.toml: parking.max_parked must be at least 1")),
+               defer.succeed(outcome)]
+    server.proxy.admin_app.reload = lambda: answers.pop()
+    try:
+        r = await run_cli("reload", "--admin", server.url)
+        assert (r.code, r.err) == (0, ""), r
+        assert r.out == ("reloaded: pid 41 (version 1.0) -> pid 42 (version 1.1): 7 parked requests and 3 idle "
+                         "connections handed over in 0.25s\n"), r
+        r = await run_cli("reload", "--admin", server.url)
+        assert r.code == 1 and r.out == "", r
+        assert "answered 400: /etc/yieldproxy/yieldproxy.toml: parking.max_parked must be at least 1" in r.err, r
+    finally:
+        await server.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreachable_admin(tmp_path: Path) -> None:
+    socket_path = tmp_path / "nobody.sock"
+    r = await run_cli("status", "--admin", f"unix:{socket_path}")
+    assert r.code == cli.EXIT_UNREACHABLE, r
+    assert f"cannot reach the admin API at unix:{socket_path}: " in r.err and "twistd -n yieldproxy" in r.err, r
+
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     r = await run_cli("status", "--admin", url)
@@ -511,12 +568,40 @@ def test_bad_token_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
         ("tcp:port=9000:interface=0.0.0.0", "http://127.0.0.1:9000", None),
         ("tcp:9000", "http://127.0.0.1:9000", None),
         (r"tcp6:9000:interface=\:\:1", "http://[::1]:9000", None),
-        ("unix:/run/yieldproxy/admin.sock:mode=660", "http://localhost", "/run/yieldproxy/admin.sock"),
-        ("unix:address=/tmp/a.sock", "http://localhost", "/tmp/a.sock"),
+        ("unix:/run/yieldproxy/admin.sock:mode=660", "unix:/run/yieldproxy/admin.sock", "/run/yieldproxy/admin.sock"),
+        ("unix:address=/tmp/a.sock", "unix:/tmp/a.sock", "/tmp/a.sock"),
     ],
 )
 def test_admin_target_from_endpoint(endpoint: str, url: str, unix: str | None) -> None:
-    assert cli.admin_target_from_endpoint(endpoint) == cli.AdminTarget(url, unix)
+    """The URL the broker library's Admin takes (``unix:PATH`` for a socket), and the socket it reaches."""
+    assert cli.admin_target_from_endpoint(endpoint) == url
+    assert Admin(url)._unix_path == unix
+
+
+@given(
+    path=st.lists(st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True), min_size=1, max_size=4),
+    colon=st.booleans(),
+    options=st.lists(st.sampled_from(["mode=660", "lockfile=0", "backlog=50"]), max_size=2),
+    named=st.booleans(),
+)
+def test_every_unix_endpoint_reaches_its_socket_through_the_broker_library(path, colon, options, named) -> None:
+    """``admin.listen = "unix:PATH[:OPTION...]"`` (a colon in PATH escaped as Twisted's endpoint strings escape it),
+    and ``--admin`` with the same: the broker library's Admin goes to PATH, whatever the options."""
+    socket_path = "/" + "/".join(path) + (":x" if colon else "")
+    escaped = socket_path.replace(":", "\\:")
+    endpoint = ":".join(["unix", ("address=" if named else "") + escaped, *options])
+    url = cli.admin_target_from_endpoint(endpoint)
+    assert url is not None and Admin(url)._unix_path == socket_path
+    assert cli.admin_target_from_option(endpoint) == url
+
+
+@given(port=st.integers(1, 65535), host=st.sampled_from(["", "0.0.0.0", "127.0.0.1", "10.1.2.3"]),
+       named=st.booleans())
+def test_every_tcp_endpoint_is_a_url_of_its_port(port, host, named) -> None:
+    endpoint = "tcp:" + (f"port={port}" if named else str(port)) + (f":interface={host}" if host else "")
+    url = cli.admin_target_from_endpoint(endpoint)
+    assert url == f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+    assert Admin(url)._unix_path is None
 
 
 def test_admin_target_unknown_endpoint() -> None:
@@ -525,8 +610,9 @@ def test_admin_target_unknown_endpoint() -> None:
 
 
 def test_admin_option_forms() -> None:
-    assert cli.admin_target_from_option("127.0.0.1:9") == cli.AdminTarget("http://127.0.0.1:9")
-    assert cli.admin_target_from_option("http://h:9/") == cli.AdminTarget("http://h:9")
+    assert cli.admin_target_from_option("127.0.0.1:9") == "http://127.0.0.1:9"
+    assert cli.admin_target_from_option("http://h:9/") == "http://h:9"
+    assert cli.admin_target_from_option("unix:/run/y/admin.sock:mode=660") == "unix:/run/y/admin.sock"
     with pytest.raises(cli.CliError) as bad:
         cli.admin_target_from_option("ftp://h:9")
     assert bad.value.code == 2
@@ -612,7 +698,7 @@ def test_bounded_turns_a_cancelled_request_into_a_timeout_on_the_clock():
     from twisted.trial.unittest import SynchronousTestCase
     from twisted.web.client import ResponseNeverReceived
 
-    from yieldproxy.tools.admin_api import bounded
+    from yieldproxy.tools.demo import bounded
 
     check = SynchronousTestCase()
     clock = Clock()

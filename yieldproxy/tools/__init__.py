@@ -2,9 +2,10 @@
 
 * :mod:`.cli`: the ``yieldproxy`` command (status, yield, resume, reload, the demo, the sim,
   the example config, ``check-fallback``, ``ops-files``);
-* :mod:`.admin_api`: the admin API as the command calls it; :mod:`.demo`: ``yieldproxy demo``;
-  :mod:`.opsfiles`: ``yieldproxy ops-files``;
-* :mod:`.broker`: the broker library (``from yieldproxy import Admin``), the standard library only;
+* :mod:`.demo`: ``yieldproxy demo``; :mod:`.opsfiles`: ``yieldproxy ops-files``; :mod:`.exits`: how a
+  command ends (its exit statuses, ``CliError``);
+* :mod:`.broker`: the broker library (``from yieldproxy import Admin``), the standard library only,
+  and the one client of the admin API (the command and the demo call it too);
 * :mod:`.sim`: a simulated Ollama (and OpenAI, llama.cpp, TEI, Infinity) for the demo, the
   benchmarks and the tests.
 

@@ -22,6 +22,9 @@ the hold ends by itself ``lease_seconds`` after the last renewal.  A renewal
 that fails is logged, kept in :attr:`Hold.error` and given to ``on_error``;
 once a whole lease has passed without one, :attr:`Hold.lost` is true (the
 proxy may have given the GPU back meanwhile).
+
+It is the one client of the admin API: ``yieldproxy status/yield/resume/reload``
+(tools/cli.py) and ``yieldproxy demo`` call it too, from a reactor's thread pool.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ DEFAULT_TIMEOUT = 10.0
 RENEW_FRACTION = 1 / 3
 #: After a failed renewal, the next try comes this fraction of the lease later (at most a second).
 RETRY_FRACTION = 1 / 10
+#: What a 200 of each call must carry (:func:`read_answer`); every other call answers with the status.
+_ANSWER_KEYS = {"/reload": ("reloaded",)}
 
 
 class AdminError(Exception):
@@ -72,10 +77,10 @@ class AdminUnreachable(AdminError):
 def read_answer(code: int, raw: bytes, where: str, token_given: bool, keys: tuple[str, ...] = ("state",)) -> dict:
     """The JSON object of an admin API answer, or :class:`AdminError` saying what went wrong.
 
-    Shared by this module and the CLI's client (tools/admin_api.py).  A 200 must
-    carry one of ``keys`` (``/status``, ``/yield`` and ``/resume`` answer with
-    the status, which has ``state``); anything else is an error, with the
-    server's message when it sent one.
+    A 200 must carry one of ``keys`` (``/status``, ``/yield`` and ``/resume``
+    answer with the status, which has ``state``; ``/reload`` with its outcome,
+    which has ``reloaded``); anything else is an error, with the server's
+    message when it sent one.
     """
     try:
         payload = json.loads(raw)
@@ -147,6 +152,10 @@ class Admin:
         body = {"source": source, "upstream": upstream}
         return self.call("POST", "/resume", {k: v for k, v in body.items() if v is not None}, timeout)
 
+    def reload(self, timeout: float | None = None) -> dict:
+        """``POST /reload``: a new process takes everything over; the outcome (its pid, version, what went over)."""
+        return self.call("POST", "/reload", timeout=timeout)
+
     def hold(
         self, source: str, reason: str, lease_seconds: float, upstream: str | None = None,
         expected_seconds: float | None = None, on_error: Callable[[Hold, AdminError], None] | None = None,
@@ -170,14 +179,18 @@ class Admin:
             headers["Authorization"] = f"Bearer {self._token}"
         while True:
             left = max(0.01, deadline - time.monotonic())
-            code, raw, retry_after = self._once(method, path, data, headers, left)
+            try:
+                code, raw, retry_after = self._once(method, path, data, headers, left)
+            except (urllib.error.URLError, OSError) as e:
+                # The reason names the call's whole timeout, not what was left of it for this try.
+                raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
             wait = _seconds(retry_after) if code == 503 else None
             if wait is None or time.monotonic() + wait >= deadline:
-                return read_answer(code, raw, self.url, self._token is not None)
+                return read_answer(code, raw, self.url, self._token is not None, _ANSWER_KEYS.get(path, ("state",)))
             time.sleep(wait)
 
     def _once(self, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
-        """One request: its status, its body and its Retry-After."""
+        """One request: its status, its body and its Retry-After; ``URLError`` or ``OSError`` when nothing answered."""
         if self._unix_path is not None:
             return self._once_unix(self._unix_path, method, path, data, headers, timeout)
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
@@ -186,14 +199,11 @@ class Admin:
                 return response.status, response.read(), response.headers.get("Retry-After")
         except urllib.error.HTTPError as e:
             return e.code, e.read(), e.headers.get("Retry-After")
-        except (urllib.error.URLError, OSError) as e:
-            raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
         except http.client.HTTPException as e:
             # No OSError: a body cut short (IncompleteRead), a status line that is not HTTP (BadStatusLine).
             raise AdminUnreachable(
                 f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
             ) from None
-
 
     def _once_unix(self, socket_path: str, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
         """One request over the unix socket at ``socket_path`` (``Host: localhost``, which the listener answers)."""
@@ -202,8 +212,6 @@ class Admin:
             connection.request(method, path, body=data, headers=headers)
             response = connection.getresponse()
             return response.status, response.read(), response.getheader("Retry-After")
-        except OSError as e:
-            raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
         except http.client.HTTPException as e:
             raise AdminUnreachable(
                 f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
@@ -381,6 +389,9 @@ class AsyncAdmin:
 
     async def resume(self, *args: Any, **kwargs: Any) -> dict:
         return await asyncio.to_thread(self.sync.resume, *args, **kwargs)
+
+    async def reload(self, *args: Any, **kwargs: Any) -> dict:
+        return await asyncio.to_thread(self.sync.reload, *args, **kwargs)
 
     def hold(
         self, source: str, reason: str, lease_seconds: float, upstream: str | None = None,

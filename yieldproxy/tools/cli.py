@@ -1,8 +1,10 @@
 """The ``yieldproxy`` command: serve, status, yield, resume, a self-contained demo, a sim, the example config.
 
-``status``, ``yield`` and ``resume`` are thin clients of the admin API, made
-for people and for scripts: every call has a timeout, and the exit status
-says what happened (see :data:`EPILOG`).  ``demo`` lives in tools/demo.py,
+``status``, ``yield``, ``resume`` and ``reload`` call the admin API through the
+broker library's :class:`~yieldproxy.tools.broker.Admin` (the one client of
+it), on the reactor's thread pool, made for people and for scripts: every
+call has a timeout, and the exit status says what happened (see
+:data:`EPILOG`).  ``demo`` lives in tools/demo.py,
 ``check-fallback`` in upstream/fallback/check.py, ``sim`` in the sim package.
 
 Only :func:`main` and the command functions it starts touch the global
@@ -25,30 +27,21 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence, TextIO, cast
 from urllib.parse import urlsplit
 
 import attrs
-from twisted.internet import defer, task
+from twisted.internet import defer, task, threads
 
 from ..text import printable
-from .admin_api import (
-    EXIT_ERROR,
-    EXIT_OK,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    EXIT_YIELDED,
-    HTTP_TIMEOUT,
-    AdminClient,
-    AdminTarget,
-    CliError,
-)
+from .broker import Admin, AdminError, AdminUnreachable
+from .exits import EXIT_ERROR, EXIT_NO_HOLD, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_YIELDED, CliError
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_NO_HOLD", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "AdminTarget", "CliError",
-    "admin_target_from_endpoint", "admin_target_from_option", "build_parser", "format_one_line",
+    "EXIT_ERROR", "EXIT_NO_HOLD", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "EXIT_YIELDED", "CliError",
+    "admin_target_from_endpoint", "admin_target_from_option", "build_parser", "call_admin", "format_one_line",
     "format_status", "main", "resolve_settings",
 ]
 
 DEFAULT_ADMIN = "http://127.0.0.1:11436"
-#: ``resume`` ended no hold: the source (or its hold of that upstream) held nothing.
-EXIT_NO_HOLD = 5
+#: Seconds each admin API call may take, unless ``--timeout`` says otherwise.
+HTTP_TIMEOUT = 10.0
 
 EPILOG = """\
 exit status:
@@ -125,11 +118,12 @@ def _split_endpoint(text: str) -> list[str]:
     return parts
 
 
-def admin_target_from_endpoint(endpoint: str) -> AdminTarget | None:
-    """Where a client reaches an admin listener bound to ``endpoint``, if we can tell.
+def admin_target_from_endpoint(endpoint: str) -> str | None:
+    """The URL :class:`~yieldproxy.tools.broker.Admin` reaches an admin listener bound to ``endpoint`` at, if we
+    can tell.
 
     ``tcp:PORT:interface=HOST`` gives ``http://HOST:PORT`` (a wildcard
-    interface is reached on loopback); ``unix:PATH`` gives the socket.
+    interface is reached on loopback); ``unix:PATH[:mode=...]`` gives ``unix:PATH``.
     """
     parts = _split_endpoint(endpoint.strip())
     kind, rest = parts[0].lower(), parts[1:]
@@ -146,14 +140,14 @@ def admin_target_from_endpoint(endpoint: str) -> AdminTarget | None:
             host = "::1"
         if ":" in host:
             host = f"[{host}]"
-        return AdminTarget(f"http://{host}:{port}")
+        return f"http://{host}:{port}"
     if kind == "unix":
         path = named.get("address") or (positional[0] if positional else "")
-        return AdminTarget("http://localhost", unix_path=path) if path else None
+        return f"unix:{path}" if path else None
     return None
 
 
-def admin_target_from_option(value: str) -> AdminTarget:
+def admin_target_from_option(value: str) -> str:
     """``--admin``/``$YIELDPROXY_ADMIN``: a URL, ``host:port``, or ``unix:PATH``."""
     value = value.strip()
     if value.startswith("unix:"):
@@ -172,7 +166,7 @@ def admin_target_from_option(value: str) -> AdminTarget:
             f"--admin {value!r}: expected a URL such as http://127.0.0.1:11436, or unix:/path/to/socket",
             EXIT_USAGE,
         )
-    return AdminTarget(url.rstrip("/"))
+    return url.rstrip("/")
 
 
 def _read_token_file(path: str, what: str) -> str:
@@ -189,7 +183,8 @@ def _read_token_file(path: str, what: str) -> str:
 class Settings:
     """What every admin command needs, resolved from options, environment and config."""
 
-    target: AdminTarget
+    #: The admin listener, as :class:`~yieldproxy.tools.broker.Admin` takes it: a URL, or ``unix:PATH``.
+    target: str
     token: str | None = attrs.field(default=None, repr=False)
     timeout: float = HTTP_TIMEOUT
     notes: tuple[str, ...] = ()
@@ -212,14 +207,14 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Setti
         target = admin_target_from_option(admin)
     elif config is not None:
         from_config = admin_target_from_endpoint(config.admin.listen)
-        target = from_config if from_config is not None else AdminTarget(DEFAULT_ADMIN)
+        target = from_config if from_config is not None else DEFAULT_ADMIN
         if from_config is None:
             notes.append(
                 f"admin.listen {config.admin.listen!r} in {config_path} is not a tcp: or unix: "
                 f"endpoint; trying {DEFAULT_ADMIN} (use --admin to say where)"
             )
     else:
-        target = AdminTarget(DEFAULT_ADMIN)
+        target = DEFAULT_ADMIN
 
     token_file = getattr(args, "token_file", None)
     token: str | None
@@ -394,8 +389,31 @@ def format_one_line(status: dict) -> str:
 # The admin commands.
 
 
+async def call_admin(reactor, settings: Settings, call: Callable[[Admin], dict], timeout: float | None = None) -> dict:
+    """``call`` on the broker library's :class:`Admin` in the reactor's thread pool (the reactor, which may
+    serve the very admin API called, keeps running): its answer, or :class:`CliError` with the exit status and
+    a hint for the person at the terminal."""
+    admin = Admin(settings.target, settings.token, settings.timeout if timeout is None else timeout)
+    try:
+        return await threads.deferToThreadPool(reactor, reactor.getThreadPool(), call, admin)
+    except AdminUnreachable as e:
+        raise CliError(
+            f"{e.message}.\n"
+            "Is the proxy running (twistd -n yieldproxy)? If it listens elsewhere, "
+            "say where with --admin URL (or YIELDPROXY_ADMIN, or --config FILE).",
+            EXIT_UNREACHABLE,
+        ) from None
+    except AdminError as e:
+        message = e.message
+        if e.server_message is None:
+            message += "\nIs --admin the admin listener (default port 11436), not the proxy (11435) or Ollama?"
+        elif e.status == 401 and settings.token is None:
+            message += "\n(use --token-file FILE, YIELDPROXY_TOKEN or YIELDPROXY_TOKEN_FILE)"
+        raise CliError(message, EXIT_ERROR) from None
+
+
 async def _status_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
-    status = await AdminClient(reactor, settings.target, settings.token, settings.timeout).status()
+    status = await call_admin(reactor, settings, Admin.status)
     if args.json:
         print(json.dumps(status, indent=2))
     else:
@@ -406,18 +424,16 @@ async def _status_command(reactor, args: argparse.Namespace, settings: Settings)
 
 
 async def _yield_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
-    client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
-    status = await client.hold(
-        reason=args.reason, source=args.source, expected_seconds=args.expected, for_seconds=args.for_seconds,
-        upstream=args.upstream,
-    )
+    status = await call_admin(reactor, settings, lambda admin: admin.yield_gpu(
+        source=args.source or "api", reason=args.reason or "", expected_seconds=args.expected,
+        for_seconds=args.for_seconds, upstream=args.upstream,
+    ))
     print(format_one_line(status))
     return EXIT_OK
 
 
 async def _resume_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
-    client = AdminClient(reactor, settings.target, settings.token, settings.timeout)
-    status = await client.release(args.source, args.upstream)
+    status = await call_admin(reactor, settings, lambda admin: admin.resume(args.source or "api", args.upstream))
     if status.get("holds_ended") == 0:  # absent from a proxy older than the field: nothing to tell
         print(f"yieldproxy: {nothing_to_resume(status, args.source or 'api', args.upstream)}", file=sys.stderr)
         return EXIT_NO_HOLD
@@ -449,7 +465,7 @@ RELOAD_TIMEOUT = 120.0
 
 async def _reload_command(reactor, args: argparse.Namespace, settings: Settings) -> int:
     timeout = settings.timeout if hasattr(args, "timeout") else max(settings.timeout, RELOAD_TIMEOUT)
-    outcome = await AdminClient(reactor, settings.target, settings.token, timeout).reload()
+    outcome = await call_admin(reactor, settings, Admin.reload, timeout)
     print(
         f"reloaded: pid {outcome.get('old_pid')} (version {printable(str(outcome.get('old_version')), 40)}) -> "
         f"pid {outcome.get('pid')} (version {printable(str(outcome.get('version')), 40)}): "

@@ -3,6 +3,10 @@
 A simulated Ollama and a proxy run in this process; a burst of embedding
 requests goes through them while the GPU is yielded and resumed over the real
 admin API; every answer is checked and a short report printed.
+
+The burst is sent with treq (the proxy's callers' side: many requests at once
+on the reactor, each bounded); the yield and the resume with the broker
+library, the one client of the admin API, on the reactor's thread pool.
 """
 
 from __future__ import annotations
@@ -16,21 +20,18 @@ import sys
 from typing import Any
 
 import attrs
-from twisted.internet import defer, task
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.internet import defer, error as ierror, task, threads
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.iweb import IAgentEndpointFactory
 from twisted.web.resource import Resource
+from zope.interface import implementer
 
+from ..edge.tcp import set_no_delay
 from ..text import printable
-from .admin_api import (
-    EXIT_ERROR,
-    EXIT_OK,
-    AdminClient,
-    AdminTarget,
-    CliError,
-    NoDelayEndpoints,
-    bounded,
-    why_unreachable,
-)
+from .broker import Admin, AdminError
+from .exits import EXIT_ERROR, EXIT_OK
 from .sim import SimOllama, expected_embedding
 
 #: The demo's embedding model, one of the models the sim has by default (it answers deterministically).
@@ -174,6 +175,67 @@ async def _sleep(reactor, seconds: float) -> None:
     await task.deferLater(reactor, seconds, lambda: None)
 
 
+@implementer(IAgentEndpointFactory)
+@attrs.frozen
+class NoDelayEndpoints:
+    """TCP with Nagle off: without it the demo's small requests wait for delayed ACKs."""
+
+    _reactor: Any
+    _timeout: float
+
+    def endpointForURI(self, uri):
+        endpoint = TCP4ClientEndpoint(self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout)
+        return _NoDelay(endpoint)
+
+
+@attrs.frozen
+class _NoDelay:
+    """A client endpoint wrapper that sets TCP_NODELAY on each new connection."""
+
+    _wrapped: Any
+
+    def connect(self, factory):
+        def nodelay(protocol):
+            set_no_delay(getattr(protocol, "transport", None))
+            return protocol
+
+        return self._wrapped.connect(factory).addCallback(nodelay)
+
+
+def why_unreachable(failure_value: BaseException, timeout: float) -> str | None:
+    """A short reason for a request of the burst that got no answer, or None if it is something else."""
+    if isinstance(failure_value, defer.TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(failure_value, ierror.ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(failure_value, (ierror.TimeoutError, ierror.ConnectingCancelledError)):
+        return "the connection attempt timed out"
+    if isinstance(failure_value, ierror.ConnectError):
+        detail = failure_value.osError or (failure_value.args[0] if failure_value.args else None)
+        return f"cannot connect ({detail})" if detail else "cannot connect"
+    if isinstance(failure_value, (ResponseNeverReceived, ResponseFailed)):
+        reasons = getattr(failure_value, "reasons", []) or []
+        detail = "; ".join(r.getErrorMessage() for r in reasons) or "connection closed"
+        return f"the connection broke before an answer ({detail})"
+    if isinstance(failure_value, (ierror.ConnectionLost, ierror.ConnectionDone, OSError)):
+        return f"the connection broke ({failure_value})"
+    return None
+
+
+async def bounded(reactor, coroutine, timeout: float):
+    """Await ``coroutine``, cancelled after ``timeout`` seconds with a :class:`defer.TimeoutError`.
+
+    A cancelled Agent request fails with ``ResponseNeverReceived``, not
+    ``CancelledError``: ``onTimeoutCancel`` turns whatever the cancel left into
+    the timeout (addTimeout calls it only when its own timer fired).
+    """
+
+    def timed_out(result: object, seconds: float) -> Failure:
+        return Failure(defer.TimeoutError(f"no answer within {seconds:g} s"))
+
+    return await defer.Deferred.fromCoroutine(coroutine).addTimeout(timeout, reactor, onTimeoutCancel=timed_out)
+
+
 async def demo_command(reactor, args: argparse.Namespace) -> int:
     """Sim + proxy in this process, a burst through them, a yield in the middle; a report."""
     line = _Line(sys.stderr, sys.stderr.isatty())
@@ -231,7 +293,7 @@ async def _start(reactor, args: argparse.Namespace, line: _Line) -> _Run:
     proxy = build(reactor, config, token=token)
     proxy_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.proxy_app.site())
     admin_listener = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(proxy.admin_app.site())
-    admin = AdminClient(reactor, AdminTarget(f"http://127.0.0.1:{admin_listener.getHost().port}"), token)
+    admin = Admin(f"http://127.0.0.1:{admin_listener.getHost().port}", token)
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = args.concurrency
     http = HTTPClient(Agent.usingEndpointFactory(reactor, NoDelayEndpoints(reactor, 10.0), pool=pool))
@@ -258,7 +320,8 @@ class _Run:
     sim: Any
     proxy: Any
     proxy_url: str
-    admin: AdminClient
+    #: The proxy's admin API: called on the reactor's thread pool (:meth:`call_admin`), as the reactor serves it.
+    admin: Admin
     http: Any
     cap: int
     listeners: list
@@ -398,20 +461,25 @@ class _Run:
         line.say(f"{mark():6.2f}s  POST /yield (source {DEMO_SOURCE}, expected {args.yield_for:g} s)")
         try:
             # The lease ends the hold by itself should the resume call below be lost.
-            await self.admin.hold(
-                source=DEMO_SOURCE, reason="demo: the GPU is lent to another job",
+            await self.call_admin(
+                self.admin.yield_gpu, DEMO_SOURCE, "demo: the GPU is lent to another job",
                 expected_seconds=args.yield_for, for_seconds=args.yield_for + 10.0,
             )
-        except CliError as e:
+        except AdminError as e:
             self.admin_errors.append(f"yield: {e.message}")
             return
         await _sleep(self.reactor, args.yield_for)
         parked = len(self.proxy.lot)
         line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {self.cap} at a time")
         try:
-            await self.admin.release(DEMO_SOURCE)
-        except CliError as e:
+            await self.call_admin(self.admin.resume, DEMO_SOURCE)
+        except AdminError as e:
             self.admin_errors.append(f"resume: {e.message}")
+
+    def call_admin(self, call, *args: Any, **kwargs: Any) -> defer.Deferred:
+        """A call of the broker library's :class:`Admin`, in the reactor's thread pool: the reactor runs on, and
+        with it the admin API the call is to."""
+        return threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), call, *args, **kwargs)
 
     def out_of_time(self, controller: defer.Deferred) -> None:
         """The deadline: stop sending, give up on what is in flight and on the yield."""

@@ -15,7 +15,7 @@ import importlib.resources
 import sys
 from pathlib import Path
 
-from .admin_api import EXIT_ERROR, EXIT_OK, CliError
+from .exits import EXIT_ERROR, EXIT_OK, CliError
 
 #: Every file of etc/, as a path under it (tests/observe/test_ops_files.py checks none is missing).
 OPS_FILES = (
