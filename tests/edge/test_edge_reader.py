@@ -20,6 +20,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given, strategies as st
 
 from readercases import CHUNKED, POST, RULES, drive, pieces_of, read, splits
 from yieldproxy.edge import reader as reader_module
@@ -192,6 +193,32 @@ def test_every_event_is_a_move_of_the_table(data):
         if moves and moves[0][1] == "bytes":
             moves = moves[1:]
         assert moves == [(moves[0][0] if moves else None, type(event).__name__)], (event, moves)
+
+
+@given(st.sampled_from([b"GET", b"HEAD", b"POST"]), st.sampled_from([b"/api/embed", b"/v1/embeddings?x=1"]),
+       st.sampled_from([b"HTTP/1.1", b"HTTP/1.0"]), st.lists(st.integers(1, 40), max_size=8))
+def test_the_request_line_is_known_from_its_end_to_the_next_request_however_the_bytes_come(method, target, version, cuts):
+    """A refusal answers in the shape and version of the request line (edge/refusal.py): the reader knows that
+    line from the moment it is read, through the body, a refusal in it and the request's end, whichever way the
+    head was read (whole at once, or line by line), and forgets it for the next request."""
+    line = (method, target, version)
+    data = b"%s %s %s\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n" % line
+    reader = RequestReader()
+    assert reader.request_line is None
+    seen_line = False
+    for piece in pieces_of(data, cuts):
+        reader.feed(piece)
+        while (event := reader.next_event()) is not NEED_DATA and event is not PAUSED:
+            assert reader.request_line == line, event
+        seen_line = seen_line or data.index(b"\r\n") < reader.consumed
+        assert reader.request_line == (line if seen_line else None)
+    assert reader.state == "error" and reader.request_line == line
+    reader = RequestReader()
+    reader.feed(b"%s %s %s\r\n\r\n" % line)
+    assert type(reader.next_event()) is RequestHead and type(reader.next_event()) is EndOfMessage
+    assert reader.request_line == line
+    reader.start_next()
+    assert reader.request_line is None
 
 
 # -- events -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ The server, both listeners' (the proxy's and the admin API's):
   never reach the app, what a connection writes and when the client has it, the
   factory of connections with its limits and timeouts;
 * :mod:`.capacity`: the connection cap and the receiving budget;
+* :mod:`.refusal`: the one answer the edge gives without the app, whoever refuses;
 * :mod:`.hosts`: the ``Host`` policy and the cross-site check;
 * :mod:`.listener`, :mod:`.listen_errors`, :mod:`.sockets`: a listener as a service,
   why one could not start, letting go of a socket a reload hands over.

@@ -5,7 +5,7 @@
 idle keep-alive ones oldest first (the cap reclaims the oldest), and bounds
 the bytes of request bodies being received at once, all connections together
 (``proxy.max_receiving_bytes``).  :class:`OverCapacity` answers a connection
-past the cap: a 503 with ``Retry-After`` in its API's shape, never a bare close.
+past the cap: a 503 with ``Retry-After`` in its API's shape (refusal.py), never a bare close.
 
 Two rules make both bounds hold against clients that stall on purpose:
 
@@ -22,7 +22,6 @@ Two rules make both bounds hold against clients that stall on purpose:
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 import attrs
@@ -30,7 +29,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 
-from .reader import DEFAULT_LIMITS, NEED_DATA, PAUSED, EndOfMessage, Limits, Refusal, RequestReader
+from .reader import DEFAULT_LIMITS, NEED_DATA, PAUSED, EndOfMessage, Limits, RequestReader
+from .refusal import ErrorBody, Refusal, plain_error_body, shut_write, wire_answer
 
 log = Logger()
 
@@ -57,15 +57,6 @@ RECEIVING_STALL_SECONDS = 1.0
 #: Bytes per second, on average since its first byte, below which a body being received is stalled all the
 #: same (one that sends a byte now and then to look alive).
 RECEIVING_MIN_PACE = 64 * 1024
-
-#: ``error_body(path, status, message, code)``: the JSON body of an answer the edge writes itself, in the shape
-#: of the API ``path`` belongs to (the listeners give theirs: errors.listener_error_body).
-ErrorBody = Callable[[bytes, int, str, str], bytes]
-
-
-def plain_error_body(path: bytes, status: int, message: str, code: str) -> bytes:
-    """``{"error": message}``: the error body of a site that was given no other."""
-    return json.dumps({"error": message}).encode("utf-8")
 
 
 def _peer_host(address) -> str | None:
@@ -414,8 +405,9 @@ class OverCapacity(Protocol):
         self._promote = promote
         self._error_body = error_body
         self._head = b""
-        #: Reads what came, to tell a whole request (its end read) from one that only looks whole.
-        self._reader = RequestReader(limits) if promote is not None else None
+        #: Reads what came: its request line names the shape of the 503, and (``promote``) its end tells a
+        #: whole request from one that only looks whole.
+        self._reader = RequestReader(limits)
         self._timer = None
         self._answered = False
         #: The next try for room, after a connection closed (:meth:`room_freed`).
@@ -438,7 +430,7 @@ class OverCapacity(Protocol):
             if len(self._head) > MAX_QUICK_BYTES:
                 self._answer()
             return
-        if self._reader is not None:
+        if self._promote is not None:
             whole = self._whole(data)
             if whole is None:
                 self._answer()  # malformed, or more than a quick request: refused as usual
@@ -454,15 +446,22 @@ class OverCapacity(Protocol):
                 self._stop_timer()
                 self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, self._answer)
                 self._connections.wait_for_room(self, self._clock.seconds())
-        elif b"\n" in self._head or len(self._head) > MAX_HEADER_BYTES:
+        elif self._line_read(data) or len(self._head) > MAX_HEADER_BYTES:
             self._answer()
+
+    def _line_read(self, data: bytes) -> bool:
+        """Whether the request line is read (or will never be): time to answer, in its route's shape."""
+        reader = self._reader
+        reader.feed(data)
+        if reader.request_line is None and reader.next_event() is NEED_DATA:
+            return reader.request_line is not None
+        return True
 
     def _whole(self, data: bytes) -> bool | None:
         """Whether the request is whole now (its end read by the request reader); None: it never will be here."""
         if len(self._head) > MAX_QUICK_BYTES:
             return None
         reader = self._reader
-        assert reader is not None
         reader.feed(data)
         while True:
             event = reader.next_event()
@@ -506,25 +505,17 @@ class OverCapacity(Protocol):
         self._stop_timer()
         self._connections.stop_waiting(self)
         self._connections.note_refusal(self._clock)
-        parts = self._head.split(b"\n", 1)[0].split(b" ")
-        path = parts[1] if len(parts) > 2 else b""
-        message = (
+        refusal = Refusal(
+            503,
             f"too many connections to this listener ({self._connections.key} = {self._connections.limit}); "
-            "try again shortly"
+            "try again shortly",
+            "too_many_connections",
+            retry_after=OVER_CAPACITY_RETRY_AFTER,
         )
-        body = self._error_body(path, 503, message, "too_many_connections")
         transport = self.transport
-        transport.write(
-            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json; charset=utf-8\r\n"
-            b"retry-after: %d\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-            % (OVER_CAPACITY_RETRY_AFTER, len(body), body)
-        )
-        lose_write = getattr(transport, "loseWriteConnection", None)
-        if lose_write is None:
-            transport.loseConnection()
-            return
-        lose_write()
-        self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, transport.abortConnection)
+        transport.write(wire_answer(refusal, self._error_body, self._reader.request_line))
+        if shut_write(transport):
+            self._timer = self._clock.callLater(OVER_CAPACITY_WAIT, transport.abortConnection)
 
     def _stop_timer(self) -> None:
         for name in ("_timer", "_retry"):

@@ -27,7 +27,6 @@ from typing import Any
 from twisted.internet.interfaces import IHalfCloseableProtocol, ISSLTransport
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
@@ -39,10 +38,10 @@ from .reader import (
     Closed,
     EndOfMessage,
     Incomplete,
-    Refusal,
     RequestHead,
     RequestReader,
 )
+from .refusal import Refusal, shut_write, wire_answer
 from .tcp import set_no_delay
 from .writer import writer_for
 
@@ -110,8 +109,6 @@ SHED_SECONDS = 0.25
 #: is still there (a parked request: see :meth:`ServerConnection.readConnectionLost`), and seconds for its reply.
 PROBE_AFTER_SECONDS = 1.0
 PROBE_SECONDS = 0.05
-#: Reason phrases Twisted's table lacks.
-_PHRASES = {431: b"Request Header Fields Too Large"}
 
 
 @implementer(IHalfCloseableProtocol)
@@ -264,10 +261,10 @@ class ServerConnection(Protocol):
             # A connection that waited for its next request too long: closed without a word.
             self.loseConnection()
         elif kind == "read":
-            self._refuse(
+            self._refuse(Refusal(
                 408, f"the request was not received in full within {self.site.request_read_timeout:g}s",
                 "request_timeout",
-            )
+            ))
         elif kind == "stall":
             log.info(
                 "dropping a client that read nothing for {seconds:g}s: {peer}",
@@ -470,7 +467,7 @@ class ServerConnection(Protocol):
                     if self._body_size + event.size > self.site.max_body_bytes:  # type: ignore[union-attr]
                         self._refuse_body(too_large=True)
                 elif kind is Refusal:
-                    self._refuse(event.status, event.message, event.code)  # type: ignore[union-attr]
+                    self._refuse(event)  # type: ignore[arg-type]
                 elif kind is Incomplete or kind is Closed:
                     return
         finally:
@@ -540,10 +537,10 @@ class ServerConnection(Protocol):
     def cut_stalled(self) -> None:
         """Its body stalled while another needed the budget it holds: 408, and the budget given back."""
         if self.state is BODY:
-            self._refuse(
+            self._refuse(Refusal(
                 408, "the request body stopped arriving while other bodies needed the room it held; send it again",
                 "request_timeout",
-            )
+            ))
 
     def shed_rank(self) -> float | None:
         """When it last made progress, if it may be cut to make a place for a whole request; else None.
@@ -570,14 +567,8 @@ class ServerConnection(Protocol):
         if state is HEAD or state is BODY:
             self.persistent = False
             self.request = None
-            path = self._reader.target_seen or b""
-            body = self.site.error_body(
-                path.split(b"?", 1)[0], 408, "the request was not received in full while the listener was full",
-                "request_timeout",
-            )
-            self.writer.write(
-                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json; charset=utf-8\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            self._write_refusal(
+                Refusal(408, "the request was not received in full while the listener was full", "request_timeout")
             )
         if state in READING:
             self._to(CLOSING)
@@ -615,36 +606,42 @@ class ServerConnection(Protocol):
         self._to(REFUSING)
         request.requestReceived(request.method, request.uri, request.clientproto)
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
-        """Answer a request that will not be read to its end (in JSON), then linger and close."""
+    def _refuse(self, refusal: Refusal) -> None:
+        """Answer a request that will not be read to its end, then linger and close."""
         self.persistent = False
         self.request = None  # never the app's: nobody else to tell
         self._body = []
         self._to(LINGER)
-        path = self._reader.target_seen or b""
-        body = self.site.error_body(path.split(b"?", 1)[0], status, message, code)
-        phrase = _PHRASES.get(status) or RESPONSES.get(status, b"Error")
         log.info(
             "refused a request from {peer}: {status} {message}",
-            peer=getattr(self.getPeer(), "host", None), status=status, message=message,
+            peer=getattr(self.getPeer(), "host", None), status=refusal.status, message=refusal.message,
         )
-        self.writer.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, phrase, len(body), body)
-        )
+        self._write_refusal(refusal)
         self._linger()
 
+    def refuse_request(self, request: Any, refusal: Refusal) -> None:
+        """Answer ``request``, read whole or refused before its body, without the app (edge/request.py); then
+        on to the next request, or the end, as after any answer."""
+        if request is not self.request:
+            return
+        request.setResponseCode(refusal.status)
+        if self.state is HANDLING:
+            self._to(WRITING)
+        self._write_refusal(refusal)
+        self.requestDone(request)
+
+    def _write_refusal(self, refusal: Refusal) -> None:
+        """The one answer of the edge (refusal.py), in the shape of the route the request line named."""
+        self.writer.write(wire_answer(refusal, self.site.error_body, self._reader.request_line, not self.persistent))
+
     def _linger(self) -> None:
-        """Shut the write side once the answer is out and drop what still comes, so that the client
-        reads our answer rather than a reset (closing a socket with unread input sends one)."""
+        """Shut the write side once the answer is out and drop what still comes (:func:`shut_write`)."""
         self.writer.release()
-        transport = self.transport
-        lose_write = getattr(transport, "loseWriteConnection", None)
         self._resume_reading()
-        if lose_write is None or self._read_shut:
-            transport.loseConnection()
+        if self._read_shut:
+            self.transport.loseConnection()
         else:
-            lose_write()
+            shut_write(self.transport)
 
     # -- writing the answer (the channel interface of a Request) -------------------------------
 

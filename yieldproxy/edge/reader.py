@@ -38,6 +38,7 @@ from .h1wire import (
     WireError,
     parse_length,
 )
+from .refusal import Refusal
 
 # -- limits ---------------------------------------------------------------------------------
 
@@ -112,15 +113,6 @@ class BodyData:
 @attrs.frozen
 class EndOfMessage:
     """The request is complete (its trailers, if any, were read and dropped)."""
-
-
-@attrs.frozen
-class Refusal:
-    """The request breaks a rule: answer ``status`` with ``message`` (``code`` names it in the OpenAI shape)."""
-
-    status: int
-    message: str
-    code: str
 
 
 @attrs.frozen
@@ -321,12 +313,12 @@ class RequestReader:
         return bytes(self._buf[self._pos :])
 
     @property
-    def target_seen(self) -> bytes | None:
-        """The target of the request line being read, once that line is read (a refusal answers in its
-        API's shape): None before."""
-        if self._state == "head" and self._first:
+    def request_line(self) -> tuple[bytes, bytes, bytes] | None:
+        """The method, target and version of the request being read, once its request line is (a refusal
+        answers in its API's shape, and a HEAD without a body): None before."""
+        if not self._target or (self._state == "head" and self._first):
             return None
-        return self._target or None
+        return self._method, self._target, self._version
 
     @property
     def received_body(self) -> int:
@@ -555,6 +547,7 @@ class RequestReader:
         length: int | None, chunked: bool, close: bool, expect: bytes | None, head_bytes: int,
     ) -> RequestHead:
         self._to("RequestHead")
+        self._method, self._target, self._version = method, target, version
         http11 = version == b"HTTP/1.1"
         if chunked:
             self._chunks = ChunkDecoder(True, self.limits.max_chunk_line, self.limits.max_trailer_bytes)

@@ -16,6 +16,9 @@ come from here instead, before the resource sees anything:
 * a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`) is a
   403, so a web page cannot reach the listener through DNS rebinding.
 
+Each is a :class:`~yieldproxy.edge.refusal.Refusal` its connection writes
+(``refuse_request``) as it writes every answer of the edge (refusal.py).
+
 Form bodies are never parsed (a proxy forwards bodies as they are):
 :meth:`ProxyRequest.requestReceived` sets the method, target and query
 arguments and goes straight to ``process``.
@@ -29,6 +32,8 @@ from urllib.parse import unquote_to_bytes
 from twisted.internet.address import UNIXAddress
 from twisted.web.http import parse_qs
 from twisted.web.server import Request
+
+from .refusal import Refusal
 
 #: Retry-After, in seconds, of the 503 for a body refused because the receiving budget is used up.
 RECEIVING_RETRY_AFTER = 5
@@ -77,37 +82,27 @@ class ProxyRequest(Request):
 
     def process(self) -> None:
         """Hand the request to the site's resource, unless it is answered here (see :meth:`_refusal`)."""
+        channel = self.channel
+        site = channel.site
         refusal = self._refusal()
-        if refusal is None:
-            site = self.channel.site
-            if self.too_large:
-                answer = site.oversized
-            elif self.receiving_full:
-                answer = site.receiving_full
-            else:
-                super().process()
-                return
-            body = answer(self)
-            self.setHeader(b"content-length", b"%d" % len(body))
-            self.write(body)
-            self.finish()
+        if refusal is not None:
+            if site.on_refused is not None:
+                site.on_refused(self, refusal.status, refusal.code)
+            channel.refuse_request(self, refusal)
             return
-        status, message, code = refusal
-        site = self.channel.site
-        if site.on_refused is not None:
-            site.on_refused(self, status, code)
-        body = site.error_body(self.path or b"", status, message, code)
-        self.setResponseCode(status)
-        if status == 405:
-            self.setHeader(b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
-        if status == 503:
-            self.setHeader(b"retry-after", b"%d" % RECEIVING_RETRY_AFTER)
-        self.setHeader(b"content-type", b"application/json; charset=utf-8")
+        if self.too_large:
+            answer = site.oversized
+        elif self.receiving_full:
+            answer = site.receiving_full
+        else:
+            super().process()
+            return
+        body = answer(self)
         self.setHeader(b"content-length", b"%d" % len(body))
         self.write(body)
         self.finish()
 
-    def _refusal(self) -> tuple[int, str, str] | None:
+    def _refusal(self) -> Refusal | None:
         """Why this request is answered here without reaching the app, if it is.
 
         Klein needs the Host header and the (percent-decoded) path in UTF-8,
@@ -119,11 +114,13 @@ class ProxyRequest(Request):
         site = channel.site
         if self.method == b"CONNECT":
             # A reverse proxy for one upstream opens no tunnels, whatever the target.
-            return 405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request"
+            return Refusal(405, "CONNECT is not served here: this is a reverse proxy for one upstream", "bad_request")
         if self.too_large and site.oversized is None:
-            return 413, f"request body larger than {site.max_body_bytes} bytes", "too_large"
+            return Refusal(413, f"request body larger than {site.max_body_bytes} bytes", "too_large")
         if self.receiving_full and site.receiving_full is None:
-            return 503, receiving_full_message(channel.connections), "receiving_full"
+            return Refusal(
+                503, receiving_full_message(channel.connections), "receiving_full", retry_after=RECEIVING_RETRY_AFTER
+            )
         hosts = self.requestHeaders.getRawHeaders(b"host", [])
         # The Host this connection's last request passed the checks below with:
         # a keep-alive client sends the same one every time.
@@ -133,16 +130,16 @@ class ProxyRequest(Request):
                 try:
                     host.decode("utf-8")
                 except UnicodeDecodeError:
-                    return 400, "the Host header is not valid UTF-8", "bad_request"
+                    return Refusal(400, "the Host header is not valid UTF-8", "bad_request")
             if len(hosts) > 1:
                 # RFC 9112 3.2: more than one Host is a 400.
-                return 400, "more than one Host header", "bad_request"
+                return Refusal(400, "more than one Host header", "bad_request")
         path = self.path
         if b"%" in path or not path.isascii():
             try:
                 unquote_to_bytes(path).decode("utf-8")
             except UnicodeDecodeError:
-                return 400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request"
+                return Refusal(400, "the request path is not valid UTF-8 (once percent-decoded)", "bad_request")
         if known:
             return None
         policy = site.host_policy
@@ -153,7 +150,7 @@ class ProxyRequest(Request):
             if not isinstance(local, UNIXAddress):
                 named = hosts[0].decode("utf-8") if hosts else None
                 if named is not None and not policy.allows(named, getattr(local, "host", None)):
-                    return (
+                    return Refusal(
                         403,
                         f"Host {named[:100]!r} is not a name of this listener (a web page using DNS "
                         f"rebinding?); if it is yours, add it to {policy.key}",

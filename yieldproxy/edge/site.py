@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 from twisted.web.server import Request, Site
 
-from .capacity import Connections, ErrorBody, OverCapacity, plain_error_body
+from .capacity import Connections, OverCapacity
 from .connection import LINGER_SECONDS, ServerConnection
 from .reader import Limits
+from .refusal import ErrorBody, plain_error_body
 from .request import ProxyRequest
 
 #: Seconds to deliver a whole request (proxy.request_read_timeout_seconds).
