@@ -19,7 +19,8 @@ the framing both directions share; :mod:`.tcp` sets ``TCP_NODELAY`` on every
 connection.
 
 Layer 4.  The layers below (the core, servers/, observe/) it may import, but it
-imports none of them: only the standard library, attrs, twisted and
+imports none of them but :mod:`yieldproxy.states` (the named-states idiom, standard
+library only): otherwise only the standard library, attrs, twisted and
 zope.interface (``tests/edge/test_edge_reader.py`` checks it), so that it can be
 read, tested and fuzzed alone.
 """
