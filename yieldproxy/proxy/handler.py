@@ -208,7 +208,7 @@ class ProxyApp:
     _apis: tuple[str, ...] = attrs.field(init=False)
     _origins: Origins = attrs.field(init=False)
     _upstream_hosts: frozenset[str] = attrs.field(init=False)
-    #: Model lists read for a request about to wait out a yield (:meth:`_unknown_model`).
+    #: Model lists read for a request about to wait out a yield (:meth:`_unless_unknown_model`).
     _model_lists: FreshModelLists = attrs.field(init=False)
 
     app = Klein()
