@@ -633,32 +633,3 @@ async def _get_with_body(url: str, path: str, body: bytes):
     answer = await treq.request("GET", url + path, data=body, persistent=False).addTimeout(TIMEOUT, reactor)
     return answer.code, answer.headers, await answer.content()
 
-
-
-@pytest_twisted.ensureDeferred
-async def test_during_a_yield_a_model_ollama_lacks_gets_its_404_at_once_and_one_it_just_gained_parks(ollama):
-    """Ollama looks a model up before it touches a runner, so a model it does not have is its 404 at once, yielded
-    or not: the proxy gives it during a yield from the model list it reads for the question; a model copied
-    straight to Ollama a moment ago parks and is served after the yield."""
-    stack = await proxy_in_front_of(ollama.root)
-    try:
-        stack.proxy.state.hold("api", "a game")
-        code, _, body = await post(stack.proxy_url, "/api/embed", {"model": "no-such-model", "input": "x"})
-        assert (code, json.loads(body)) == (404, {"error": 'model "no-such-model" not found, try pulling it first'})
-        code, _, body = await post(stack.proxy_url, "/api/chat", {"model": "no-such-model", "messages": QUESTION})
-        assert (code, json.loads(body)) == (404, {"error": "model 'no-such-model' not found"})
-        assert parked(stack) == 0
-        copied = await in_thread(reactor, ollama.request, "POST", "/api/copy", {"source": EMBED_MODEL, "destination": "gained-model"})
-        assert copied[0] == 200, copied
-        waiting = in_thread(reactor, embed_through_model, stack.proxy_url, "gained", "gained-model")
-        await wait_for(reactor, lambda: parked(stack) == 1, timeout=TIMEOUT)
-        stack.proxy.state.release("api")
-        assert await waiting == (await in_thread(reactor, ollama.embed, ["gained"]))[0]
-    finally:
-        await stack.stop()
-
-
-def embed_through_model(url: str, text: str, model: str) -> list[float]:
-    import ollama as client
-
-    return list(client.Client(host=url, timeout=TIMEOUT).embed(model=model, input=text).embeddings[0])

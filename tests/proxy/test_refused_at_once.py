@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from twisted.internet.testing import MemoryReactorClock
 
 from helpers import config_with, declaring
 from inmemory import Rig
 from rawhttp import RecordingBackend, parse_response, request_bytes
-from yieldproxy.names import canonical_model
 from yieldproxy.servers import Asked, ollama, refusal
 
 EMBED = b'{"model":"all-minilm","input":"hello"}'
@@ -153,55 +151,3 @@ def _the_proxys_own_400(answer) -> bool:
     message = json.loads(answer.body)["error"]
     message = message["message"] if isinstance(message, dict) else message
     return message.startswith("request body")
-
-
-# -- a model Ollama does not have -------------------------------------------------------------
-
-
-def _embed(model: str) -> bytes:
-    return request_bytes(b"POST", b"/api/embed", body=json.dumps({"model": model, "input": "hello"}).encode())
-
-
-def test_during_a_yield_a_model_ollama_does_not_have_gets_its_404_at_once_read_from_a_fresh_list():
-    """Ollama answers a model it does not have with a 404 at once, yielded or not: the proxy gives that answer
-    itself instead of after the yield, on a model list read for the question (one read for a burst), never
-    on an old one: a model Ollama gains during the yield parks as any other."""
-    rig = Rig(reactor=MemoryReactorClock())  # the proxy's control calls reach the sim too
-    rig.proxy.state.hold("test", "a game")
-    lists_read = rig.sim.requests_total["/api/tags"]
-    typos = [rig.raw() for _ in range(5)]
-    for peer in typos:  # a burst: all in before the list is read
-        peer.send(_embed("all-minilmm"))
-    rig.run(1)
-    for peer in typos:
-        answer = parse_response(peer.data)[0]
-        assert answer is not None and answer.status == 404, peer.data[:200]
-        assert json.loads(answer.body) == {"error": 'model "all-minilmm" not found, try pulling it first'}
-    assert len(rig.proxy.lot) == 0
-    assert rig.sample("yieldproxy_refused_at_once_total", reason="unknown_model") == 5
-    # One read of Ollama's list served the burst (and /api/tags loads no model).
-    assert rig.sim.requests_total["/api/tags"] == lists_read + 1
-    assert rig.sim.requests_total["/api/embed"] == 0
-    # A model it has parks; so does one it gained a moment ago (the list is read again for it).
-    known = _send(rig, _embed("all-minilm"))
-    rig.sim.store.know(canonical_model("fresh-model"))  # as an `ollama pull` straight to Ollama would
-    rig.clock.advance(2)
-    fresh = _send(rig, _embed("fresh-model"))
-    assert known.data == b"" and fresh.data == b"" and len(rig.proxy.lot) == 2
-    rig.proxy.state.release("test")
-    rig.turn()
-    assert parse_response(known.data)[0].status == 200 and parse_response(fresh.data)[0].status == 200
-
-
-def test_a_model_ollama_does_not_have_is_its_own_answer_when_the_gpu_is_free_and_parks_when_the_list_cannot_be_read():
-    rig = Rig(reactor=MemoryReactorClock())
-    # Free: the request goes to Ollama, whose own 404 is relayed (no list is read for it).
-    lists_read = rig.sim.requests_total["/api/tags"]
-    answer = parse_response(_send(rig, _embed("all-minilmm")).data)[0]
-    assert answer.status == 404 and rig.sim.requests_total["/api/tags"] == lists_read
-    # Its list cannot be read: the request parks, as any other during a yield.
-    rig.proxy.state.hold("test", "a game")
-    rig.sim.set_mode("refuse")
-    rig.clock.advance(2)
-    peer = _send(rig, _embed("all-minilmm"))
-    assert peer.data == b"" and len(rig.proxy.lot) == 1

@@ -26,7 +26,7 @@ from typing import Callable
 
 import attrs
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred, gatherResults
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from werkzeug.exceptions import NotFound
@@ -50,12 +50,11 @@ from ..lot.classify import (
 )
 from ..lot.gate import Gate
 from ..lot.parking import LEFT, Entry, HandedOver, Refused
-from ..names import canonical_model
 from ..observe.metrics import Metrics
 from ..observe.requestlog import CLIENT_GONE, log_request
 from ..servers import Asked, ModelCall, Origins, Refusal, refusal
 from ..servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
-from ..servers.ollama import allowed_origins, unknown_model
+from ..servers.ollama import allowed_origins
 from ..upstream.attempt import (
     Attempt,
     ClientBuffers,
@@ -68,7 +67,6 @@ from ..upstream.attempt import (
 from ..upstream.pool.lists import UNION_PATHS, union_list
 from ..upstream.pool.member import Member
 from ..upstream.pool.members import answer_headers, served_outcome
-from ..upstream.pool.models import FreshModelLists
 from ..upstream.pool.rename import renamed_body
 from ..upstream.pool.routing import Pool
 from ..upstream.served import MANAGEMENT_PATHS, redefined_by
@@ -208,8 +206,6 @@ class ProxyApp:
     _apis: tuple[str, ...] = attrs.field(init=False)
     _origins: Origins = attrs.field(init=False)
     _upstream_hosts: frozenset[str] = attrs.field(init=False)
-    #: Model lists read for a request about to wait out a yield (:meth:`_unless_unknown_model`).
-    _model_lists: FreshModelLists = attrs.field(init=False)
 
     app = Klein()
 
@@ -223,7 +219,6 @@ class ProxyApp:
         self._upstream_hosts = frozenset(
             m.upstream.host_header for m in self._pool.members if getattr(m.upstream, "host_header", None)
         )
-        self._model_lists = FreshModelLists(self._clock, timeout=self._config.upstream.health_timeout_seconds)
         self._buffers = ClientBuffers(
             self._config.proxy.slow_client_buffer_bytes,
             self._config.proxy.slow_client_buffer_total_bytes,
@@ -373,8 +368,6 @@ class ProxyApp:
             cls=cls, size=len(body) + _head_size(request), api=api, max_wait=max_wait, routing=routing,
             route=target.path, client=request.getClientAddress(),
         )
-        if model is not None and not self._pool.any_available(entry.eligible):
-            return self._unless_unknown_model(request, target, entry, body)
         return self._gated(request, target, entry, body)
 
     def adopt(self, channel, carried, connection: dict, data: bytes) -> None:
@@ -423,32 +416,6 @@ class ProxyApp:
         self._metrics.refused_at_once_total.labels(refused.reason).inc()
         self._log(request, self._classifier.classify(method, target.path), refused.status, refused.reason, None, 0)
         return _write_refusal(request, refused)
-
-    async def _unless_unknown_model(self, request, target: Target, entry: Entry, body: bytes):
-        """A request that would wait out a yield: Ollama's own 404 now, when no member it may go to has its model.
-
-        Ollama looks the model up before it touches a runner, so it answers a
-        model it does not have at once, yielded or not; waiting out the yield
-        for that answer helps nobody.  Only when every member the request may
-        go to is an Ollama whose model list, read for this question
-        (:class:`~yieldproxy.upstream.pool.models.FreshModelLists`), lacks it.
-        """
-        refused = unknown_model(target.path, entry.model or "")
-        members = [self._pool.member(name) for name in entry.eligible]
-        if refused is not None and all(m.server.api == "ollama" and not m.catalogue.static for m in members):
-            try:
-                lists = await gatherResults([self._model_lists.names(m) for m in members], consumeErrors=True)
-            except CancelledError:
-                self._log(request, entry.cls, None, "abandoned", entry, 0)
-                raise
-            if all(
-                names is not None and canonical_model(m.catalogue.own_name(entry.model or "") or entry.model or "") not in names
-                for m, names in zip(members, lists)
-            ):
-                self._metrics.refused_at_once_total.labels(refused.reason).inc()
-                self._log(request, entry.cls, refused.status, refused.reason, entry, 0)
-                return _write_refusal(request, refused)
-        return await self._gated(request, target, entry, body)
 
     def _routing(self, request, target: Target, body: bytes, cls: str, model: str | None):
         """Which members may serve it (:meth:`Pool.routing`), for a new request and an adopted one alike."""

@@ -197,7 +197,7 @@ class Refusal:
     content_type: bytes | None = None
     #: Other headers the upstream sends with it (a 405's ``Allow``).
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    #: Why, for the proxy's metrics and log: ``origin``, ``unknown_route``, ``bad_body`` or ``unknown_model``.
+    #: Why, for the proxy's metrics and log: ``origin``, ``unknown_route`` or ``bad_body``.
     reason: str = "bad_body"
 
 

@@ -326,38 +326,6 @@ def _body_refusal(path: str, body: bytes) -> Refusal | None:
     return Refusal(400, go_json({"error": message}), b"application/json; charset=utf-8")
 
 
-#: The routes that look their model up and answer 404 for one Ollama does not have, each with its words:
-#: the embed routes when they schedule its runner (``handleScheduleError``, HEAD server/routes.go:2724),
-#: generate and chat first thing (HEAD 213, 231; 2223, 2238).  The ``/v1/`` routes run the same handlers.
-_UNKNOWN_MODEL_WORDS = {
-    "/api/embed": "scheduled", "/api/embeddings": "scheduled", "/v1/embeddings": "scheduled",
-    "/api/generate": "looked_up", "/api/chat": "looked_up",
-    "/v1/chat/completions": "looked_up", "/v1/completions": "looked_up",
-}
-
-
-def unknown_model_message(path: str, model: str) -> str | None:
-    """Ollama's words for a ``model`` it does not have, on the model route ``path``; None for another path."""
-    words = _UNKNOWN_MODEL_WORDS.get(path)
-    if words is None:
-        return None
-    if words == "scheduled":
-        return f"model {go_quote(model)} not found, try pulling it first"
-    return f"model '{model}' not found"
-
-
-def unknown_model(path: str, model: str) -> Refusal | None:
-    """The 404 Ollama answers at once on ``path`` for a model it does not have (no runner is touched)."""
-    message = unknown_model_message(path, model)
-    if message is None:
-        return None
-    if path.startswith("/v1/"):
-        # openai.NewError through the middleware's json.Encoder (a newline after it): HEAD openai/openai.go:218.
-        body = go_json({"error": {"message": message, "type": "not_found_error", "param": None, "code": None}}) + b"\n"
-        return Refusal(404, body, b"application/json", reason="unknown_model")
-    return Refusal(404, go_json({"error": message}), b"application/json; charset=utf-8", reason="unknown_model")
-
-
 def go_quote(text: str) -> str:
     """``text`` as Go's ``%q`` writes it, for the texts where JSON's escapes and Go's agree."""
     return json.dumps(text, ensure_ascii=False)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -182,88 +182,3 @@ class ModelDiscovery(Service):
                 "upstream {member}: cannot read its model list ({why}); keeping the last one",
                 member=self.member, why=failure.getErrorMessage(),
             )
-
-
-@attrs.define(eq=False)
-class _Read:
-    """One read of a member's model list, shared by every question asked before it began."""
-
-    started: float | None = None
-    names: frozenset[str] | None = None
-    done: bool = False
-    waiters: list[Deferred] = attrs.Factory(list)
-
-
-@attrs.define(eq=False)
-class _Reads:
-    """A member's read in flight (or last done), and the one queued behind it."""
-
-    current: _Read | None = None
-    queued: _Read | None = None
-
-
-@attrs.define(eq=False)
-class FreshModelLists:
-    """The models a member lists, by a read begun after the question was asked.
-
-    For a request about to wait out a yield: Ollama answers a model it does
-    not have with a 404 at once (it looks the model up before it touches a
-    runner), so the proxy can give that answer now instead of after the
-    yield.  The answer is never taken from a list read before the question
-    (the periodic discovery's, or an earlier question's), so a model pulled a
-    moment ago is never refused.  Questions asked while a read is in flight
-    share the one queued behind it, so a burst of parked requests costs two
-    reads, not one each.  A list that cannot be read (the server is down or
-    stopped) is None: the request parks.
-    """
-
-    _clock: IReactorTime
-    timeout: float = 5.0
-    _reads: dict[str, _Reads] = attrs.Factory(dict)
-
-    def names(self, member: Any) -> Deferred:
-        """A Deferred of the canonical names ``member`` lists, or None when its list cannot be read."""
-        if member.control is None:
-            return succeed(None)
-        asked = self._clock.seconds()
-        reads = self._reads.setdefault(member.name, _Reads())
-        current = reads.current
-        if current is not None and current.started is not None and current.started >= asked:
-            read = current
-        elif current is not None and not current.done:
-            read = reads.queued = reads.queued or _Read()
-        else:
-            read = reads.current = self._start(member, reads, _Read())
-        if read.done:
-            return succeed(read.names)
-
-        def forget(waiter: Deferred) -> None:
-            """A question given up (its client went away): the read goes on for the others."""
-            if waiter in read.waiters:
-                read.waiters.remove(waiter)
-
-        waiter: Deferred = Deferred(forget)
-        read.waiters.append(waiter)
-        return waiter
-
-    def _start(self, member: Any, reads: _Reads, read: _Read) -> _Read:
-        read.started = self._clock.seconds()
-        d = member.control.request("GET", member.server.models_path, timeout=self.timeout)
-        d.addCallback(lambda answer: _listed(member, answer))
-        d.addErrback(lambda failure: None)
-        d.addCallback(lambda names: self._finished(member, reads, read, names))
-        return read
-
-    def _finished(self, member: Any, reads: _Reads, read: _Read, names: frozenset[str] | None) -> None:
-        read.names, read.done = names, True
-        if reads.queued is not None:
-            reads.current, reads.queued = self._start(member, reads, reads.queued), None
-        waiters, read.waiters = read.waiters, []
-        for waiter in waiters:
-            waiter.callback(names)
-
-
-def _listed(member: Any, answer: Any) -> frozenset[str] | None:
-    if answer.code != 200:
-        return None
-    return frozenset(canonical_model(name) for name in member.server.parse_models(answer.body))

@@ -165,10 +165,6 @@ class Pool:
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
 
-    def any_available(self, names) -> bool:
-        """Whether one of the members ``names`` may take a request now (else it would park)."""
-        return any(self._by_name[n].available() for n in names)
-
     @property
     def names_members(self) -> bool:
         """Whether what is said of the pool names its members (:attr:`PoolShape.names_members`)."""
