@@ -83,14 +83,5 @@ class Contract:
         """The models whose verification is due."""
         return [model for model in self.models if self.due_at.get(model, now) <= now]
 
-    def state_of(self, model: str, now: float) -> str:
-        """One of the twin states (:data:`.twins.TWIN_STATES`) of ``model``."""
-        v = self.verifications.get(model)
-        if v is None:
-            return "unverified"
-        if not v.ok:
-            return "mismatch" if v.rows else "error"
-        return "stale" if now - v.at > self.terms.max_age else "verified"
-
 
 __all__ = ["Contract", "Embedder", "Terms"]

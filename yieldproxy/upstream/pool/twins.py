@@ -118,7 +118,8 @@ class TwinVerifier(Service):
     _config: VerificationConfig
     #: Called when a pair becomes verified (the pool's drainers look again at what is parked).
     _on_verified: Callable[[], None] = lambda: None
-    #: Pairs given with terms of their own (the ``[fallback]``'s), verified in the same pass.
+    #: Pairs given with terms of their own (the ``[fallback]``'s, the one-upstream form: it meets no
+    #: found twins in one config), verified in the same pass.
     contract: Contract | None = None
     #: Find the pool's own pairs (a pool of several upstreams); False: only the contract's.
     _find_twins: bool = True
@@ -591,9 +592,6 @@ class TwinVerifier(Service):
         (its time given to ``shown``)."""
         now = self._clock.seconds()
         member = self._by_name[name]
-        contract = self.contract
-        if contract is not None and name == contract.twin:
-            return {model: self._contract_row(contract, model, now, shown) for model in contract.models}
         out = {}
         for key, model in self._models.items():
             reference = self._reference(key, model)
@@ -610,20 +608,6 @@ class TwinVerifier(Service):
                 "reason": None if check is None or not check.reason else check.reason,
             }
         return out
-
-    def _contract_row(self, contract: Contract, model: str, now: float, shown: Callable[[float], float]) -> dict:
-        """The ``twins`` row of the contract's twin for ``model``."""
-        v = contract.verifications.get(model)
-        dimension = v.rows[0].fallback_dimension if v is not None and v.rows else None
-        return {
-            "state": contract.state_of(model, now),
-            "reference": contract.reference,
-            "verified_at": None if v is None else shown(v.at),
-            "age_seconds": None if v is None else max(0.0, now - v.at),
-            "worst_cosine": None if v is None else v.worst_cosine,
-            "dimension": dimension,
-            "reason": None if v is None or not v.reason else v.reason,
-        }
 
     def with_twins(self, rows: list[dict], shown: Callable[[float], float] = same) -> list[dict]:
         """``/status``'s ``upstreams`` rows with each one's ``twins``."""
