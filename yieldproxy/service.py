@@ -387,8 +387,8 @@ def build(
     service = YieldProxyService([
         listeners["admin"],
         ClientPools(client_pools),
-        # The one verifier: the twins' and the fallback's.
-        *([heart.verifier] if heart.verifier is not None else []),
+        # The one verifier of "same vectors": a pool's twins, or the fallback's contract (its start starts it).
+        *([fallback] if fallback is not None else [twins] if twins is not None else []),
         *discovery,
         history,
         # Stops after the drain: the last answers are in the record it writes.
