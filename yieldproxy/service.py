@@ -57,7 +57,7 @@ from .proxy.handler import ProxyApp
 from .servers import ModelCall
 from .upstream.attempt import Upstream
 from .upstream.control import UpstreamControl
-from .upstream.fallback import EmbedBackend, Fallback
+from .upstream.fallback import EmbedBackend, Fallback, fallback_contract
 from .upstream.health import Judge, UpstreamHealth
 from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs, pool_shape
 from .upstream.pool.models import ModelDiscovery
@@ -138,6 +138,8 @@ class Heart:
     fallback: Fallback | None = None
     #: The twin verification of a pool of several upstreams (with ``twins``).
     twins: TwinVerifier | None = None
+    #: The one verifier of "same vectors": ``twins``, or the one that runs only the ``[fallback]``'s contract.
+    verifier: TwinVerifier | None = None
 
 
 def build_core(
@@ -183,29 +185,35 @@ def build_heart(
         priorities={k: v.priority for k, v in config.classes.items()},
         min_shares={k: v.min_share for k, v in config.classes.items()},
     )
-    fallback = None
+    contract = None
     if fallback_backends is not None:
-        # Made before the pool, whose twin check it is; what it reads of the pool it reads when asked.
-        fallback = Fallback(
-            reactor, config.fallback, *fallback_backends, metrics, lambda: state.yielded,
-            {k: v.policy for k, v in config.classes.items()},
-            inflight=lambda: pool.member(FALLBACK_MEMBER).inflight, on_verified=lambda: pool.kick(),
-        )
+        # The fallback's verification: its terms, run by the one verifier below.
+        contract = fallback_contract(config.fallback, specs[0].name, *fallback_backends, lambda: not state.yielded)
     # The members and their drainers, then the pool they form (its routing decides, when asked,
     # what each drainer takes).
     members = make_members(
         reactor, state, lot, metrics, cooperator, config, specs, shape, clients, lambda: pool, judges,
     )
     verifier = None
-    if twins and not shape.one_upstream:
-        # Embeddings go to a model's reference or its verified twins.
-        verifier = TwinVerifier(reactor, members, config.verification, lambda: pool.kick())
+    find_twins = twins and not shape.one_upstream
+    if find_twins or contract is not None:
+        # Embeddings go to a model's reference or its verified twins (the fallback: under its contract).
+        verifier = TwinVerifier(
+            reactor, members, config.verification, lambda: pool.kick(), contract=contract, find_twins=find_twins,
+        )
+    if verifier is not None and find_twins:
         for member in members:
             member.catalogue.when_changed(verifier.lists_changed)
         metrics.watch(verifier.metric_families)
     if twin_ok is None:
-        twin_ok = fallback.twin_ok if fallback is not None else verifier.twin_ok if verifier is not None else any_member
+        twin_ok = verifier.twin_ok if verifier is not None else any_member
     pool = Pool(reactor, state, lot, members, twin_ok=twin_ok, shape=shape)
+    fallback = None
+    if verifier is not None and contract is not None:
+        fallback = Fallback(
+            reactor, config.fallback, verifier, metrics, lambda: state.yielded,
+            {k: v.policy for k, v in config.classes.items()}, inflight=lambda: pool.member(FALLBACK_MEMBER).inflight,
+        )
     gate = Gate(
         reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
         on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
@@ -227,7 +235,7 @@ def build_heart(
     metrics.inflight_requests.set_function(lambda: pool.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
     state.on_transition(transition_logger(gate.describe))
-    return Heart(state, lot, pool, gate, fallback, verifier)
+    return Heart(state, lot, pool, gate, fallback, verifier if find_twins else None, verifier)
 
 
 def build(
@@ -379,8 +387,8 @@ def build(
     service = YieldProxyService([
         listeners["admin"],
         ClientPools(client_pools),
-        *([fallback] if fallback is not None else []),
-        *([twins] if twins is not None else []),
+        # The one verifier of "same vectors": a pool's twins, or the fallback's contract (its start starts it).
+        *([fallback] if fallback is not None else [twins] if twins is not None else []),
         *discovery,
         history,
         # Stops after the drain: the last answers are in the record it writes.

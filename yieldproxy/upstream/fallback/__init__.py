@@ -23,11 +23,13 @@ left, as ever.  When the fallback fails on a request, that request goes back
 to its place in the lot and waits for the primary; it is not given to the
 fallback again.  A caller never sees a fallback error.
 
-The package: :mod:`.backend` (the embedding client), :mod:`.contract` (the
-``[fallback]``'s contract over its member: its verification on a timer, its
-twin check and its counts),
-:mod:`.check` (``yieldproxy check-fallback``); the comparison of vectors is
-:mod:`yieldproxy.upstream.vectors`, shared with the pool's twin verification.
+Its verification is the twin verifier's (upstream/pool/twins.py), the one
+verifier of "same vectors": this package gives it the fallback's terms
+(:func:`.contract.fallback_contract`) and keeps what only ``[fallback]``
+promises.  The package: :mod:`.backend` (the embedding client of each side),
+:mod:`.contract` (the ``[fallback]``'s contract over the verifier and its
+counts), :mod:`.check` (``yieldproxy check-fallback``); the comparison of
+vectors is :mod:`yieldproxy.upstream.vectors`.
 
 Part of upstream/ (layer 6): it may import what upstream/ may, and the rest of upstream/.
 """
@@ -37,9 +39,9 @@ from __future__ import annotations
 from ..vectors import ProbeRow, Verification, compare
 from .backend import EmbedBackend
 from .check import check, check_command, format_table
-from .contract import RETRY_AFTER_ERROR_SECONDS, Fallback, NotNow
+from .contract import RETRY_AFTER_ERROR_SECONDS, Fallback, NotNow, fallback_contract
 
 __all__ = [
     "RETRY_AFTER_ERROR_SECONDS", "NotNow", "EmbedBackend", "ProbeRow", "Verification", "compare",
-    "Fallback", "format_table", "check", "check_command",
+    "Fallback", "fallback_contract", "format_table", "check", "check_command",
 ]

@@ -6,11 +6,12 @@ from typing import Mapping
 
 from twisted.internet.defer import Deferred
 
-from ...observe.metrics import Metrics
+from ...config import VerificationConfig
 from ..attempt import Upstream
+from ..pool.twins import TwinVerifier
 from ..vectors import Verification, _short, _width
 from .backend import EmbedBackend
-from .contract import Fallback
+from .contract import fallback_contract
 
 
 def format_table(verifications: Mapping[str, Verification], min_cosine: float) -> str:
@@ -40,9 +41,11 @@ async def check(reactor, config) -> tuple[bool, str]:
     upstream = Upstream(reactor, config.proxy.upstream, 4)
     primary = EmbedBackend(reactor, upstream, fc.primary_api, fc.timeout_seconds, openai_prefix="/v1")
     backend = EmbedBackend(reactor, Upstream(reactor, fc.url, 4), fc.api, fc.timeout_seconds)
-    fallback = Fallback(reactor, fc, primary, backend, Metrics(), lambda: False, {})
+    # The one verifier, with no pool: only the fallback's contract to run.
+    contract = fallback_contract(fc, "primary", primary, backend, lambda: True)
+    verifier = TwinVerifier(reactor, (), VerificationConfig(), contract=contract, find_twins=False)
     try:
-        results = await fallback.verify()
+        results = await verifier.verify_contract()
     finally:
         await upstream.close()
         await backend.close()

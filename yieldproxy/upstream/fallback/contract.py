@@ -1,13 +1,15 @@
-"""The ``[fallback]``'s own part: its verification on a timer, and its contract's counts.
+"""The ``[fallback]``'s own part: its contract over the one verifier, and its counts.
 
 The fallback is served as a pool member (upstream/pool/members.py ``fallback_member``:
 a standby member that answers mapped embeddings translated, at most
 ``fallback.concurrency`` at once, drained from the one lot like any member).
+Its verification against the primary is the twin verifier's
+(upstream/pool/twins.py), given the fallback's terms as a
+:class:`~yieldproxy.upstream.pool.contract.Contract` (:func:`fallback_contract`).
 What stays here is what only ``[fallback]`` promises (docs/fallback.md):
-its verification against the primary (the pool's twin check for that member,
-:meth:`Fallback.twin_ok`), ``POST /fallback/verify`` and ``/status``
-``fallback``, and ``yieldproxy_fallback_total`` by what became of each
-request of a ``fallback`` class arriving during a yield.
+``POST /fallback/verify``, ``/status`` ``fallback``, its metrics, and
+``yieldproxy_fallback_total`` by what became of each request of a
+``fallback`` class arriving during a yield.
 """
 
 from __future__ import annotations
@@ -16,46 +18,52 @@ from typing import Callable, Mapping
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from ...clock import same
 from ...config import FallbackConfig
 from ...lot.parking import Entry
-from ...names import canonical_model
 from ...observe.metrics import Metrics, fallback_families
+from ..pool.contract import Contract, Embedder, Terms
 from ..pool.members import FALLBACK_MEMBER
-from ..translation import BackendError, EmbedRequest
-from ..vectors import Verification, compare
-from .backend import EmbedBackend
+from ..pool.twins import RETRY_AFTER_ERROR_SECONDS, TwinVerifier
+from ..vectors import Verification
 
 log = Logger()
-
-#: After a verification that could not run (a side unreachable, an error
-#: answer), try again this soon rather than a whole interval later.
-RETRY_AFTER_ERROR_SECONDS = 60.0
 
 
 class NotNow(Exception):
     """Verification needs the primary, and the GPU is yielded."""
 
 
+def fallback_contract(
+    config: FallbackConfig, reference: str, primary: Embedder, backend: Embedder, may_run: Callable[[], bool],
+) -> Contract:
+    """The fallback's terms for the twin verifier: member ``fallback`` against ``reference`` (the primary)
+    for each mapped model, through the two sides' embedding clients, only while ``may_run``."""
+    terms = Terms(
+        tuple(config.probe_texts), config.min_cosine, config.verify_interval_seconds,
+        config.max_verification_age_seconds,
+    )
+    return Contract(FALLBACK_MEMBER, reference, dict(config.models), terms, (primary, backend), may_run)
+
+
 @attrs.define(eq=False, slots=False)
 class Fallback(Service):
-    """Verification on a timer while the service runs; the twin check and the counts of the ``fallback`` member.
+    """The contract of the ``fallback`` member over the twin verifier, and its counts.
 
-    ``service.build`` wires it: :meth:`twin_ok` is the pool's twin check,
-    :meth:`arrived` the gate's ``on_arrival``, :meth:`attempt_ended` the
-    proxy's ``on_attempt``, :meth:`left_lot` a listener of the lot, and
-    :meth:`state_changed` an observer of the yield state.
+    ``service.build_heart`` wires it: :meth:`arrived` is the gate's
+    ``on_arrival``, :meth:`attempt_ended` the proxy's ``on_attempt``,
+    :meth:`left_lot` a listener of the lot, and :meth:`state_changed` an
+    observer of the yield state.  Starting it starts the verifier.
     """
 
     _clock: IReactorTime
     _config: FallbackConfig
-    _primary: EmbedBackend
-    _backend: EmbedBackend
+    #: The one verifier of "same vectors"; its contract is this fallback's.
+    _verifier: TwinVerifier
     _metrics: Metrics
     #: True while the GPU is yielded (the gate's view).
     _yielded: Callable[[], bool]
@@ -63,25 +71,23 @@ class Fallback(Service):
     _policies: Mapping[str, str]
     #: Requests at the fallback member now.
     _inflight: Callable[[], int] = lambda: 0
-    #: Called when a verification ends (the pool's drainers look again at what is parked).
-    _on_verified: Callable[[], None] = lambda: None
-    #: The last verification of each mapped model, by its primary name.
-    verifications: dict[str, Verification] = attrs.Factory(dict)
-    _verifying: Deferred | None = None
-    _waiters: list[Deferred] = attrs.Factory(list)
-    _timer: IDelayedCall | None = None
-    #: A verification came due while the GPU was yielded: run it when it is back.
-    _due: bool = False
     #: The last "not used because ..." logged per model, so a yield logs it once.
     _skip_logged: dict[str, str] = attrs.Factory(dict)
-    _keys: dict[str, str] = attrs.field(init=False)
     #: Parked requests in line for the fallback: it may serve them, and has not taken them yet.
     _in_line: set[Entry] = attrs.field(init=False, factory=set)
 
     name = "fallback"  # type: ignore[assignment]  # Twisted types Service.name as None
 
-    def __attrs_post_init__(self) -> None:
-        self._keys = {canonical_model(name): name for name in self._config.models}
+    @property
+    def _contract(self) -> Contract:
+        contract = self._verifier.contract
+        assert contract is not None
+        return contract
+
+    @property
+    def verifications(self) -> dict[str, Verification]:
+        """The last verification of each mapped model, by its primary name."""
+        return self._contract.verifications
 
     @property
     def inflight(self) -> int:
@@ -97,20 +103,17 @@ class Fallback(Service):
 
     def mapped(self, model: str) -> str | None:
         """The primary model name under which ``model`` is mapped, or None."""
-        if model in self._config.models:
-            return model
-        return self._keys.get(canonical_model(model))
+        return self._contract.mapped(model)
 
     def usable(self, model: str) -> bool:
         """:meth:`why_not` is None, without building the sentence (the drainer asks per kind of entry)."""
-        v = self.verifications.get(model)
-        return v is not None and v.ok and self._clock.seconds() - v.at <= self._config.max_verification_age_seconds
+        return self._contract.usable(model, self._clock.seconds())
 
     def why_not(self, model: str) -> str | None:
         """Why the fallback may not serve ``model`` now (a mapped primary name), or None if it may."""
         v = self.verifications.get(model)
         if v is None:
-            return "never verified" + (" (a verification is running)" if self._verifying else "")
+            return "never verified" + (" (a verification is running)" if self._contract.running else "")
         if not v.ok:
             return f"last verification failed: {v.reason}"
         age = self._clock.seconds() - v.at
@@ -120,14 +123,6 @@ class Fallback(Service):
                 f"fallback.max_verification_age_seconds ({self._config.max_verification_age_seconds:g})"
             )
         return None
-
-    def twin_ok(self, member, entry: Entry) -> bool:
-        """The pool's twin check: the ``fallback`` member serves a request only for a mapped model
-        whose verification holds now; every other member serves what it is eligible for."""
-        if member.name != FALLBACK_MEMBER:
-            return True
-        model = self.mapped(entry.model) if entry.model else None
-        return model is not None and self.usable(model)
 
     # -- what became of each request it might have served ----------------------------
 
@@ -206,7 +201,7 @@ class Fallback(Service):
         else:
             log.warn("fallback not used for {model}, requests park instead: {why}", model=model, why=why)
 
-    # -- verification ---------------------------------------------------------------------
+    # -- verification (the twin verifier's) ---------------------------------------------------
 
     def verify(self) -> Deferred:
         """Verify every mapped model now; fires with ``{model: Verification}``.
@@ -214,131 +209,27 @@ class Fallback(Service):
         Raises :class:`NotNow` while the GPU is yielded.  A call while a
         verification runs waits for that one instead of starting another.
         """
-        if self._verifying is None and self._yielded():
+        if not self._contract.running and self._yielded():
             raise NotNow("the GPU is yielded; verification needs the primary and runs once it is back")
-        waiter: Deferred = Deferred()
-        self._waiters.append(waiter)  # before the run starts: it may end at once
-        if self._verifying is None:
-            running = Deferred.fromCoroutine(self._verify_all())
-            if not running.called:  # still running: later callers share it, stopService() cancels it
-                self._verifying = running
-            running.addBoth(self._verified)
-        return waiter
-
-    def _verified(self, result):
-        """Hand the one verification's result to everyone who asked for it."""
-        self._verifying = None
-        self._on_verified()  # a model may have become usable for requests in line
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if waiter.called:  # its caller gave up (cancelled)
-                continue
-            if isinstance(result, Failure):
-                waiter.errback(result)
-            else:
-                waiter.callback(result)
-        return None
-
-    async def _verify_all(self) -> dict[str, Verification]:
-        results = {}
-        for model, fallback_model in self._config.models.items():
-            try:
-                v = await self._verify_one(model, fallback_model)
-            except NotNow:
-                log.info("fallback verification stopped: the GPU was yielded; it runs again once it is back")
-                self._due = True
-                break
-            self.verifications[model] = v
-            results[model] = v
-            self._skip_logged.pop(model, None)
-            if v.ok:
-                log.info(
-                    "fallback verified for {model} (as {fallback_model} on {url}): "
-                    "worst cosine {worst:.6f} over {n} texts",
-                    model=model, fallback_model=fallback_model, url=self._backend.url,
-                    worst=v.worst_cosine, n=len(v.rows),
-                )
-            else:
-                log.warn(
-                    "fallback NOT verified for {model} (as {fallback_model} on {url}), "
-                    "its requests will park instead: {reason}",
-                    model=model, fallback_model=fallback_model, url=self._backend.url, reason=v.reason,
-                )
-        return results
-
-    async def _verify_one(self, model: str, fallback_model: str) -> Verification:
-        texts = tuple(self._config.probe_texts)
-        probe = EmbedRequest("embed", model, texts)
-        now = self._clock.seconds
-        if self._yielded():
-            raise NotNow()
-        try:
-            primary = await self._primary.embed(probe, model)
-        except BackendError as e:
-            return Verification(model, fallback_model, False, now(), reason=f"primary: {e.detail}")
-        try:
-            fallback = await self._backend.embed(probe, fallback_model)
-        except BackendError as e:
-            return Verification(model, fallback_model, False, now(), reason=f"fallback: {e.detail}")
-        return compare(
-            model, fallback_model, texts, primary.vectors, fallback.vectors, self._config.min_cosine, now()
-        )
-
-    # -- the timer ----------------------------------------------------------------------------
-    # A callLater chain, not a fixed loop (periodic.py): its delay varies, sooner after an
-    # error, at once when the GPU comes back with a verification due.
+        return self._verifier.verify_contract()
 
     def startService(self) -> None:
-        """Verify now, then every ``verify_interval_seconds``."""
+        """Verify now, then every ``verify_interval_seconds`` (the verifier's timer)."""
         super().startService()
-        self._schedule(0)
+        if not self._verifier.running:
+            self._verifier.startService()
 
     def stopService(self) -> None:
         """Stop verifying."""
         super().stopService()
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-        if self._verifying is not None:
-            self._verifying.cancel()
+        if self._verifier.running:
+            self._verifier.stopService()
 
     def state_changed(self, yielded: bool) -> None:
         """The yield state moved: a due verification runs once the GPU is back."""
         self._skip_logged.clear()
-        if not yielded and self._due and self.running:
-            self._schedule(0)
-
-    def _schedule(self, delay: float) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = self._clock.callLater(delay, self._tick)
-
-    def _tick(self) -> None:
-        """One periodic step; wrapped, so one exception cannot end the loop."""
-        self._timer = None
-        if not self.running:
-            return
-        if self._yielded():
-            self._due = True
-            self._schedule(self._config.verify_interval_seconds)
-            return
-        self._due = False
-        d = self.verify()
-
-        def next_run(results):
-            # No rows: a side did not answer (not a mismatch), so try again sooner.
-            errored = any(not v.ok and not v.rows for v in results.values())
-            interval = self._config.verify_interval_seconds
-            if self.running and self._timer is None:
-                self._schedule(min(interval, RETRY_AFTER_ERROR_SECONDS) if errored else interval)
-
-        def failed(failure):
-            if not failure.check(CancelledError):
-                log.failure("fallback verification failed unexpectedly", failure)
-            if self.running and self._timer is None:
-                self._schedule(min(self._config.verify_interval_seconds, RETRY_AFTER_ERROR_SECONDS))
-
-        d.addCallbacks(next_run, failed)
+        if not yielded:
+            self._verifier.wake()
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -358,14 +249,14 @@ class Fallback(Service):
             }
         return {
             "enabled": True,
-            "url": self._backend.url,
-            "api": self._backend.api,
+            "url": self._contract.sides[1].url,
+            "api": self._contract.sides[1].api,
             "classes": list(self._config.classes),
             "inflight": self.inflight,
             "waiting": self.waiting,
             "concurrency": self._config.concurrency,
-            "verifying": self._verifying is not None,
-            "verification_due": self._due,
+            "verifying": self._contract.running,
+            "verification_due": self._contract.postponed,
             "min_cosine": self._config.min_cosine,
             "max_verification_age_seconds": self._config.max_verification_age_seconds,
             "models": models,
@@ -380,4 +271,4 @@ class Fallback(Service):
         return fallback_families(rows)
 
 
-# -- yieldproxy check-fallback ------------------------------------------------------------------
+__all__ = ["RETRY_AFTER_ERROR_SECONDS", "Fallback", "NotNow", "fallback_contract"]

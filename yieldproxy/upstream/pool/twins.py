@@ -33,6 +33,10 @@ is yielded, handing over or unreachable is postponed, and checked again a
 few seconds later (no request is sent until both are back).  Each call is
 bounded by ``verification.timeout_seconds`` (``Deferred.addTimeout`` on the
 injected reactor, in :class:`~yieldproxy.upstream.control.UpstreamControl`).
+
+It is the one verifier of "same vectors": the ``[fallback]``'s pairs are a
+:class:`~.contract.Contract` it is given (the fallback member against the
+first member under ``fallback.*``), run in the same pass on the same timer.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from ...clock import same
 from ...config import VerificationConfig
@@ -62,8 +67,9 @@ from ..translation import (
     backend_request,
     parse_response,
 )
-from ..vectors import compare
+from ..vectors import Verification, compare
 from ..verdict import Reason
+from .contract import Contract
 from .member import Member
 from .routing import reference_rank
 
@@ -112,6 +118,11 @@ class TwinVerifier(Service):
     _config: VerificationConfig
     #: Called when a pair becomes verified (the pool's drainers look again at what is parked).
     _on_verified: Callable[[], None] = lambda: None
+    #: Pairs given with terms of their own (the ``[fallback]``'s, the one-upstream form: it meets no
+    #: found twins in one config), verified in the same pass.
+    contract: Contract | None = None
+    #: Find the pool's own pairs (a pool of several upstreams); False: only the contract's.
+    _find_twins: bool = True
     #: The last verification of each pair, by (member name, canonical model).
     checks: dict[tuple[str, str], TwinCheck] = attrs.field(init=False, factory=dict)
     #: The models verified: canonical name -> the name first seen.
@@ -137,6 +148,8 @@ class TwinVerifier(Service):
 
     def __attrs_post_init__(self) -> None:
         self._by_name = {m.name: m for m in self._members}
+        if not self._find_twins:
+            return
         for model in self._config.models:
             self._models.setdefault(self._key(model), model)
         for member in self._members:
@@ -147,8 +160,13 @@ class TwinVerifier(Service):
     # -- the pool's check ----------------------------------------------------------------
 
     def twin_ok(self, member: Member, entry: Entry) -> bool:
-        """May ``member`` serve ``entry`` now: anything but an embedding, or the model's reference or a fresh twin."""
-        if entry.kind != "embedding":
+        """May ``member`` serve ``entry`` now: anything but an embedding, or the model's reference or a fresh twin
+        (the contract's twin: only a model it maps whose verification holds)."""
+        contract = self.contract
+        if contract is not None and member.name == contract.twin:
+            mapped = contract.mapped(entry.model) if entry.model else None
+            return mapped is not None and contract.usable(mapped, self._clock.seconds())
+        if entry.kind != "embedding" or not self._find_twins:
             return True
         model = entry.model
         if not model:
@@ -191,9 +209,12 @@ class TwinVerifier(Service):
         return found
 
     def _twins(self, key: str, model: str) -> list[Member]:
-        """The members serving ``model`` other than its reference, in config order."""
+        """The members serving ``model`` other than its reference and the contract's twin, in config order."""
         reference = self._reference(key, model)
-        return [m for m in self._members if m.name != reference and m.catalogue.serves(model)] if reference else []
+        if reference is None:
+            return []
+        given = self.contract.twin if self.contract is not None else None
+        return [m for m in self._members if m.name not in (reference, given) and m.catalogue.serves(model)]
 
     def _track(self, key: str, model: str) -> None:
         """An embedding request named ``model`` for a twin: verify its twins from now on."""
@@ -269,11 +290,17 @@ class TwinVerifier(Service):
 
     def _tick(self) -> None:
         self._timer = None
-        if not self.running or self._verifying is not None:
-            return
-        d = self._verifying = Deferred.fromCoroutine(self.verify_due())
+        if self.running and self._verifying is None:
+            self._start_pass()
+
+    def _start_pass(self) -> None:
+        """One pass over what is due; wrapped, so one exception cannot end the chain."""
+        running = Deferred.fromCoroutine(self.verify_due())
+        if not running.called:  # still running: stopService() cancels it
+            self._verifying = running
 
         def failed(failure) -> None:
+            self._answer_contract(failure)
             if not failure.check(CancelledError):
                 log.failure("twin verification failed unexpectedly; it runs again soon", failure)
 
@@ -283,7 +310,12 @@ class TwinVerifier(Service):
             if self.running and delay is not None:
                 self._schedule(delay)
 
-        d.addErrback(failed).addBoth(done)
+        running.addErrback(failed).addBoth(done)
+
+    def wake(self) -> None:
+        """A side may have come back (the yield ended): a postponed contract runs now."""
+        if self.contract is not None and self.contract.postponed:
+            self._soon()
 
     def _next_delay(self) -> float | None:
         """Until the next pair is due (None: none is; a new model or list wakes it)."""
@@ -297,6 +329,8 @@ class TwinVerifier(Service):
             for twin in self._twins(key, model)
             if (due := self._due_at.get((twin.name, key), now)) > now
         ]
+        if self.contract is not None:
+            delays += [due - now for due in self.contract.due_at.values() if due > now]
         if self._postponed:  # overdue pairs wait for both sides: look again a little later
             delays.append(POSTPONED_RECHECK_SECONDS)
         return min(delays) if delays else None
@@ -309,6 +343,9 @@ class TwinVerifier(Service):
         if self._verifying is not None:
             return False
         now = self._clock.seconds()
+        contract = self.contract
+        if contract is not None and contract.due(now) and contract.may_run():
+            return False
         for key, model in self._models.items():
             reference = self._by_name.get(self._reference(key, model) or "")
             if reference is None or not reference.available():
@@ -367,6 +404,101 @@ class TwinVerifier(Service):
                     twin, key, model,
                     TwinCheck(reference.name, "ok" if v.ok else "mismatch", v.at, v.worst_cosine, dimension, reason),
                 )
+        await self._verify_contract()
+
+    # -- the contract's pairs ----------------------------------------------------------------
+
+    def verify_contract(self) -> Deferred[dict[str, Verification]]:
+        """Verify every model of the contract now; fires with ``{model: Verification}`` (those it reached
+        before ``may_run`` said no).  A call while that runs waits for the run instead of starting another."""
+        contract = self.contract
+        assert contract is not None
+        waiter: Deferred = Deferred()
+        contract.waiters.append(waiter)  # before the run starts: it may end at once
+        if not contract.running:
+            now = self._clock.seconds()
+            contract.due_at.update((model, now) for model in contract.models)
+            if self._verifying is None:
+                if self._timer is not None and self._timer.active():
+                    self._timer.cancel()
+                self._timer = None
+                self._start_pass()
+            else:
+                self._again = True
+        return waiter
+
+    async def _verify_contract(self) -> None:
+        """Each due model of the contract, while it may run; then answer those who asked."""
+        contract = self.contract
+        if contract is None:
+            return
+        due = contract.due(self._clock.seconds())
+        if not due and not contract.waiters:
+            return
+        contract.results = {}
+        for model in due:
+            if not contract.may_run():
+                if not contract.postponed:
+                    log.info("fallback verification stopped: the GPU was yielded; it runs again once it is back")
+                contract.postponed = self._postponed = True
+                break
+            contract.postponed = False
+            self._record_contract(contract, await self._contract_pair(contract, model))
+        self._answer_contract(contract.results)
+
+    async def _contract_pair(self, contract: Contract, model: str) -> Verification:
+        """The contract's twin against its reference for ``model``, through its two sides."""
+        texts = contract.terms.probe_texts
+        probe = EmbedRequest("embed", model, texts)
+        twin_model = contract.models[model]
+        now = self._clock.seconds
+        reference, twin = contract.sides
+        try:
+            expected = await reference.embed(probe, model)
+        except BackendError as e:
+            return Verification(model, twin_model, False, now(), reason=f"primary: {e.detail}")
+        try:
+            got = await twin.embed(probe, twin_model)
+        except BackendError as e:
+            return Verification(model, twin_model, False, now(), reason=f"fallback: {e.detail}")
+        return compare(model, twin_model, texts, expected.vectors, got.vectors, contract.terms.min_cosine, now())
+
+    def _record_contract(self, contract: Contract, v: Verification) -> None:
+        contract.verifications[v.model] = v
+        if contract.results is not None:
+            contract.results[v.model] = v
+        interval = contract.terms.interval
+        if not v.ok and not v.rows:  # a side did not answer (not a mismatch): try again sooner
+            interval = min(interval, RETRY_AFTER_ERROR_SECONDS)
+        contract.due_at[v.model] = v.at + interval
+        if v.ok:
+            log.info(
+                "fallback verified for {model} (as {fallback_model} on {url}): worst cosine {worst:.6f} over {n} texts",
+                model=v.model, fallback_model=v.fallback_model, url=contract.sides[1].url, worst=v.worst_cosine,
+                n=len(v.rows),
+            )
+            self._on_verified()  # a model may have become usable for requests in line
+        else:
+            log.warn(
+                "fallback NOT verified for {model} (as {fallback_model} on {url}), its requests will park "
+                "instead: {reason}",
+                model=v.model, fallback_model=v.fallback_model, url=contract.sides[1].url, reason=v.reason,
+            )
+
+    def _answer_contract(self, result) -> None:
+        """Hand the contract's run (its results or its failure) to everyone who asked for it."""
+        contract = self.contract
+        if contract is None:
+            return
+        contract.results = None
+        waiters, contract.waiters = contract.waiters, []
+        for waiter in waiters:
+            if waiter.called:  # its caller gave up (cancelled)
+                continue
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(result)
 
     def _embed(self, member: Member, model: str) -> Deferred[Embeddings]:
         """The probe texts' vectors from ``member`` (its own name for ``model``, its embed route and shape)."""
