@@ -1,91 +1,16 @@
 """A lean HTTP/1.1 client for the upstream hop: persistent connections to one server.
 
-``twisted.web.client.Agent`` is general: it parses a URI per request, builds
-a ``Headers`` object, a request object, a body producer protocol, a response
-with its own state machine and several Deferreds, and parses the answer
-line by line.  A reverse proxy talks to one upstream and relays bytes; the
-profile of the proxy shows the Agent among the largest costs per request
-(``bench/latency.py`` measures it against the same Klein front).  This module
-does the same hop with one object per request and one Deferred:
-
-* :class:`H1Pool`: the connections to one upstream.  Persistent, bounded
-  (``max_connections``: requests beyond it wait their turn, FIFO) or not
-  (``None``); at most ``max_idle`` idle ones are kept (the oldest is closed
-  past it), reused last-in first-out (the warmest), and closed after
-  ``idle_timeout`` seconds on the injected reactor; TCP_NODELAY on each.
-  Before an idle connection is reused, its socket is polled (``poll(2)``,
-  no wait) for an end or bytes the reactor has not handled yet: a connection
-  the upstream closed while idle is dropped *before* a byte is written to
-  it, and the request goes on another one: not a retry, nothing was sent.
-* :meth:`H1Pool.request` writes the request in one write (small bodies),
-  sent at once when the connection has nothing waiting (:func:`write_now`),
-  and streams the answer to a handler as it arrives: the head to
-  ``response_started``, the body to ``body_received``; the Deferred fires
-  with the :class:`Response` once the body is complete.  The response is an
-  ``IPushProducer`` for as long as its exchange lasts: a relay registers it
-  on the client's request, and a slow client pauses the upstream socket.
-* :class:`~yieldproxy.edge.h1parse.ResponseParser` (edge/h1parse.py) reads the
-  answers: status line, headers (repeats and order kept),
-  ``Content-Length``, chunked bodies (extensions and trailers skipped), read
-  until close (HTTP/1.0, or no length), interim 1xx skipped, no body for
-  ``HEAD``, 204 and 304; anything else malformed is :class:`BadResponse`.
-* A connection goes back to the pool only after a complete response that
-  allows it (HTTP/1.1 without ``Connection: close``, never HTTP/1.0 whatever
-  its ``Connection`` says; framed by length or chunks, nothing sent beyond it).  A
-  cancelled request (the client went away, the caller's timeout) or a timed
-  out one aborts its connection, which is never reused.
-
-States.  Each connection and each exchange is in one named state, moved only
-by an event fired through its table (:data:`CONNECTION_MOVES`,
-:data:`EXCHANGE_MOVES`: the house idiom of yieldproxy/states.py), and what
-an event does depends on it (never on a set of flags that could disagree):
-
-* a connection (:attr:`H1Connection.state`): ``IDLE`` (free, reusable: in
-  the pool's idle list, or just made) -> ``BUSY`` (carrying one exchange)
-  -> ``IDLE`` again after a complete response that allows reuse, else
-  ``CLOSING`` (never reused: being closed or aborted) -> ``LOST``.  Bytes
-  that arrive ``IDLE`` (nobody asked) close it; bytes that arrive
-  ``CLOSING`` or ``LOST`` are dropped.
-* an exchange (:attr:`_Exchange.state`): ``NEW`` -> ``WAITING`` (for a free
-  connection, in order) or ``CONNECTING`` (a connection is being made for
-  it) -> ``SENT`` (written on a connection; its answer arrives there) ->
-  ``DONE`` (answered, failed or cancelled: every later event is ignored).
-  ``STOPPING``: its consumer stopped it (``Response.stopProducing``) and
-  its connection is being aborted; it fails with ``CancelledError`` once
-  the connection is gone.  A stale connection (below) sends it from
-  ``SENT`` back to ``CONNECTING``.
-
-Failures (each an :class:`H1Error` with a ``reason`` that is a metric label of
-:func:`yieldproxy.upstream.verdict.verdict`): :class:`ConnectFailed` (``refused`` or
-``connect``), :class:`ResponseNeverReceived` (``reset``: the connection ended
-after the request was written and before any byte of the answer),
-:class:`ResponseIncomplete` (``reset``: it ended mid-answer),
-:class:`ResponseTimeout` (``timeout``: no response head within the request's
-``timeout``), :class:`BadResponse` (``bad_response``), :class:`PoolClosed`.
-Each carries ``request_sent``, ``reused`` and ``retried``.
-
-The stale connection.  A server closes idle keep-alive connections when it
-likes (Go's ``IdleTimeout``, a restart); a request written on a pooled
-connection just as the server closed it sees the connection end with no
-answer.  The client sends it once more, on a *fresh* connection, only when
-all of these hold:
-
-* not one byte of the response arrived: nothing reached the caller, so the
-  retry is invisible to it except in time;
-* the connection was *reused* from the pool: a close on a connection made
-  for this request is the server failing, not staleness, and is reported;
-* the connection ended (closed or reset), it did not time out and was not
-  cancelled: a timed-out request may still be running upstream;
-* the request may be sent twice: its method is idempotent (``GET``,
-  ``HEAD``, ``OPTIONS``, ``TRACE``, ``PUT``, ``DELETE``) and the caller did
-  not say ``replayable=False``, or the caller said ``replayable=True``.  An idle-close race is harmless to retry, but the same
-  picture (connection closed, no answer) also follows a server that read the
-  request and then died; sending a POST again is then a duplicate, which only
-  the caller can accept (an Ollama embedding is deterministic: only GPU time
-  is lost) and must count: ``Response.retried`` and ``H1Error.retried`` say
-  it happened.  The proxy's hop says ``replayable=False``: every duplicate
-  it sends is a retry it counts itself;
-* it was not retried already: once per request.
+``twisted.web.client.Agent`` is general, and a reverse proxy that relays
+bytes to one upstream pays for that generality on every request; this does
+the hop with one object and one Deferred per request.  :class:`H1Pool` keeps
+the connections (bounded, LIFO reuse, an idle connection polled for an end
+before reuse); :meth:`H1Pool.request` streams the answer to a handler as a
+push producer; connections and exchanges move through named states
+(:data:`CONNECTION_MOVES`, :data:`EXCHANGE_MOVES`); a request that met a
+stale pooled connection is sent once more only when nothing of its answer
+came and it may be sent twice.  The specification (the pool, the states, the
+failures, when a stale connection's request is sent again):
+docs/architecture.md, *The upstream client*.
 """
 
 from __future__ import annotations
