@@ -504,7 +504,6 @@ LONG_DOCSTRINGS = frozenset({
     "yieldproxy/servers/gojson.py",
     "yieldproxy/servers/infinity.py",
     "yieldproxy/servers/llamacpp.py",
-    "yieldproxy/servers/ollama.py",
     "yieldproxy/servers/tei.py",
     "yieldproxy/upstream/evidence.py",
     "yieldproxy/upstream/fallback/__init__.py",

@@ -1,96 +1,13 @@
-"""Ollama: its routes, its failures, its health, its model list, its probes.
+"""Ollama: its routes, its failures, its health, its model list, its probes, what it refuses at once.
 
-Read from Ollama's source (mirror of github.com/ollama/ollama):
-
-* ``HEAD`` = ``fb30760996871fa9460115c753afd2c60d4ab0f7`` (v0.33 era, the
-  ``llama-server`` runner), and
-* ``v0.12.0`` = ``9f3a37fd36bf1c46cc86a47bc5372535f8ee3547`` (the ``llama
-  runner`` wording still deployed widely, and the one the simulated Ollama
-  speaks).
-
-**Routes.**  Every route of Ollama that runs a model has a class (each is
-POST only in Ollama; another method there is an unknown route), and the
-routes that never schedule a runner are an allow-list, checked against
-``server/routes.go`` at HEAD (``GenerateRoutes``, lines 1841-1929) and each
-handler it names:
-
-=====================================  ==================================================
-``GET/HEAD /``, ``/api/version``       inline handlers, a constant answer (1877-1880)
-``GET /api/status``                    ``StatusHandler``: cloud status only (2146)
-``GET/HEAD /api/tags``, ``/v1/models`` ``ListHandler``: the model list cache (1632)
-``GET /api/ps``                        ``PsHandler``: reads ``sched.loadedModels()`` (2271)
-``POST /api/show``,                    ``ShowHandler`` -> ``GetModelInfo``: the manifest
-``GET /v1/models/:model``              and GGUF metadata from disk, no runner (1300, 1396, 1600)
-``HEAD/POST /api/blobs/:digest``       ``Head/CreateBlobHandler``: files (1688, 1703)
-``POST /api/copy``, ``DELETE /api/delete``  ``Copy/DeleteHandler``: manifests (1647, 1247)
-``POST /api/push``                     ``PushHandler``: uploads to a registry (1163)
-``POST /api/me``, ``/api/signout``,    ``Whoami/SignoutHandler``: ollama.com (2184, 2238)
-``DELETE /api/user/keys/:encodedKey``
-=====================================  ==================================================
-
-and ``OPTIONS`` on any path: gin-contrib/cors answers a preflight itself, and
-gin answers any other OPTIONS 405 (``HandleMethodNotAllowed``, no OPTIONS
-route), so no handler runs.  Left out on purpose: the ``/api/experimental/``
-routes (they may change without notice).  ``/api/pull`` and ``/api/create``
-fetch or build a model (:data:`MODEL_LOADING_PATHS`).
-
-**Failures** (:func:`is_gpu_failure`).  An upstream 500 is not, by itself, a
-GPU failure: Ollama answers a request's own mistakes with 500 too, and
-quotes the request while doing so (a bad ``template`` on ``/api/generate``
-gives ``template: :1: function "gpu" not defined``, HEAD
-``server/routes.go:503-505``).  The error *message* is taken from the
-structure of Ollama's error JSON only, and its words count three ways, each
-Ollama's or its runner's own:
-
-* it **starts** with a prefix that Ollama's own code writes for a runner or
-  memory failure (:data:`GPU_FAILURE_PREFIXES`; no request field can be put
-  in front of it);
-* it is exactly llama.cpp's ``Compute error.`` (:data:`COMPUTE_ERROR`), which
-  HEAD's llama-server runner passes through with its own status
-  (``llm/llama_server.go:2380-2382`` ``normalizeEmbeddingError``, ``2435-2447``;
-  the handler relays an ``api.StatusError`` as it is, ``server/routes.go:1000-1006``);
-* in a 500, it **contains**, in any case, one of Ollama's own out-of-memory substrings
-  (:data:`OUT_OF_MEMORY_SUBSTRINGS`, HEAD ``llm/status.go:85-96``), the very
-  test Ollama applies to a runner's error before it expires every loaded
-  runner as a runtime OOM (``IsOutOfMemoryMessage``, ``llm/status.go:116-124``;
-  ``server/sched.go:1632-1636`` ``expireRunnersForRuntimeOOM``, called by the
-  handlers at ``server/routes.go:736, 1001, 1086``).
-
-A request can make Ollama quote a substring (a ``template`` naming a function
-``ErrorOutOfMemory``), so these words are never enough to hold the upstream:
-a GPU failure is evidence, and the outage probe, a minimal call whose text
-the proxy chooses, decides whether the upstream is down
-(watchers/outage.py).  A request that fails alone in such words is retried
-at most ``upstream.max_attempts`` times and then gets Ollama's own answer.
-
-Any other 5xx says nothing the proxy knows (:data:`~.base.UPSTREAM`): the
-probe decides too, and when it passes the caller gets Ollama's answer at once.
-
-The error JSON is Ollama's ``{"error": "<message>"}`` (``gin.H{"error":
-err.Error()}`` in ``server/routes.go``), or on the ``/v1/`` routes its
-OpenAI shape ``{"error": {"message": "<message>", "type": "api_error", ...}}``
-(``openai.NewError``, written by ``middleware/openai.go`` ``writeError``).
-
-How they reach a client as a 500: the scheduler's load errors go through
-``handleScheduleError``'s default branch (HEAD ``server/routes.go:3107-3118``:
-``c.JSON(http.StatusInternalServerError, gin.H{"error": err.Error()})``);
-errors of a completion go out through ``streamResponse`` /
-the non-streaming branch with status 500 (HEAD ``server/routes.go:765-777``,
-``2097-2120``); ``/api/embeddings`` answers 500 (HEAD ``server/routes.go:1084-1087``)
-and v0.12.0's ``/api/embed`` too.  HEAD's ``/api/embed`` answers the same
-runner errors with **400** (HEAD ``server/routes.go:1010-1012``: every error that
-is not an ``api.StatusError``), so a 400 with one of these prefixes counts as
-well; no request field can produce such a 400 either.
-
-**Busy.**  A full queue (``OLLAMA_MAX_QUEUE``) is a 503 with exactly
-``ErrMaxQueue``'s words (``server/sched.go:88``, v0.12.0 ``:65``; written by
-``handleScheduleError``, ``routes.go:3113-3114``).  Ollama's other 503
-(``account unavailable``, ollama.com) and its 502s (cloud models) are not
-about this server's GPU.
-
-**Health.**  ``GET /api/version`` answers while the runner cannot load or run
-a model, so it tells only that Ollama is reachable; an outage that model calls
-revealed is probed with a model call of the same kind (:func:`minimal_call`).
+Pure data and functions, read from Ollama's source and checked against a
+running Ollama (tests/test_sim_vs_ollama_real.py): which routes run no model
+(:data:`ROUTES`), when an error is the GPU's (:func:`is_gpu_failure`: a prefix
+of Ollama's own, llama.cpp's ``Compute error.``, or an out-of-memory
+substring in a 500; evidence only, the outage probe decides), the busy 503,
+the health and probe calls, and :func:`refuse` (its CORS check, router and
+body decode).  The specification, with every source line: docs/servers.md,
+*Ollama, as the proxy reads it*.
 """
 
 from __future__ import annotations
