@@ -339,26 +339,51 @@ def test_a_parked_request_holds_under_10_kb_of_the_proxy_and_is_answered_after_t
     assert rig.clock.getDelayedCalls() == []
 
 
-def test_a_canonical_path_skips_kleins_router_and_an_odd_one_still_goes_through_it(monkeypatch):
-    """Klein's per-request router state is held while a request is parked: only odd paths pay for it now."""
+def test_every_path_enters_through_klein_and_a_parked_request_keeps_nothing_of_klein(monkeypatch):
+    """The Klein app is the one entry (canonical and odd paths alike); once routed, a parked request holds
+    none of Klein's per-request objects (its request adapter and MapAdapter, its notifyFinish watchers)."""
+    import gc
+
+    from klein._app import KleinRequest
     from klein.resource import KleinResource
+    from werkzeug.routing import MapAdapter
 
     from inmemory import Rig as MemoryRig
+    from yieldproxy.edge.request import ProxyRequest
 
     routed = []
     real = KleinResource.render
     monkeypatch.setattr(KleinResource, "render", lambda self, request: routed.append(request.path) or real(self, request))
     rig = MemoryRig()
     body = json.dumps({"model": "all-minilm", "input": "x"}).encode()
-    for path in (b"/api/embed", b"/api/%65mbed", b"//api/embed", b"/api/embed/"):
+    paths = (b"/api/embed", b"/api/%65mbed", b"//api/embed", b"/api/embed/")
+
+    def send(path: bytes):
         peer = rig.raw()
         peer.send(
             b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body)
         )
         rig.turn()
+        return peer
+
+    for path in paths:
+        peer = send(path)
         assert peer.data.startswith(b"HTTP/1.1 200 "), (path, peer.data[:200])
-    assert routed == [b"/api/%65mbed", b"//api/embed", b"/api/embed/"]
+    assert routed == list(paths)
+
+    rig.proxy.state.hold("test")
+    peers = [send(path) for path in paths * 5]
+    assert len(rig.proxy.lot) == 20
+    gc.collect()
+    live = gc.get_objects()
+    assert [o for o in live if isinstance(o, (KleinRequest, MapAdapter))] == []
+    parked = [o for o in live if isinstance(o, ProxyRequest) and not o.finished]
+    assert len(parked) == 20 and all(r.notifications == [] for r in parked)
+    rig.proxy.state.release("test")
+    rig.run(1.0)
+    for peer in peers:
+        assert peer.data.startswith(b"HTTP/1.1 200 ") and peer.closed
 
 
 def _pool_rig():

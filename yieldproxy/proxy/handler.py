@@ -1,12 +1,10 @@
 """The proxy listener's request handling: classify, gate, park, and forward to a pool member.
 
 The listener (:class:`~yieldproxy.edge.site.ProxySite`) hands each request
-to :class:`~yieldproxy.proxy.resource.ProxyResource`, which calls
-:meth:`ProxyApp._handle` directly for a canonical path; only an odd path
-(one Klein's router must decode) goes through the Klein app here, whose
-error handler answers what it cannot route.  When the client goes away the
-listener's request cancels the handler's Deferred (edge/request.py,
-``connectionLost``).
+to the Klein app here, whose one route hands it to :meth:`ProxyApp._handle`
+(proxy/resource.py) and whose error handler answers what it cannot route.
+When the client goes away the listener's request cancels the handler's
+Deferred (edge/request.py, ``connectionLost``).
 
 Each request ends in exactly one outcome: relayed from the upstream, or an
 explicit error in its API's shape (400/413/502/503/504...).  A client that
@@ -21,7 +19,6 @@ once bytes reach the client it never moves.
 from __future__ import annotations
 
 import math
-from inspect import iscoroutine
 from typing import Callable
 
 import attrs
@@ -29,6 +26,7 @@ from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.web.resource import IResource
 from werkzeug.exceptions import NotFound
 
 from ..config import Config, proxy_max_connections
@@ -73,7 +71,7 @@ from ..upstream.served import MANAGEMENT_PATHS, redefined_by
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import Untranslatable, parse_request
 from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
-from .resource import ProxyResource
+from .resource import HandlerResource, routed
 from .target import BadTarget, Target, parse_target
 
 log = Logger()
@@ -229,10 +227,14 @@ class ProxyApp:
             max_receiving_bytes=self._config.proxy.max_receiving_bytes,
         )
 
+    #: What the one route answers: the leaf that runs the handler once Klein has routed (proxy/resource.py).
+    _entry: HandlerResource = attrs.field(
+        init=False, default=attrs.Factory(lambda app: HandlerResource(app._handle, app._internal_error), takes_self=True)
+    )
+
     @app.route("/", branch=True, strict_slashes=False)
     def proxy(self, request):
-        answer = self._handle(request)
-        return Deferred.fromCoroutine(answer) if iscoroutine(answer) else answer
+        return routed(request, self._entry)
 
     @app.handle_errors(NotFound)
     def unroutable(self, request, failure):
@@ -245,9 +247,9 @@ class ProxyApp:
             why = str(e)
         return self._reject(request, PASSTHROUGH, api_family(request.path), 400, "bad_request", why)
 
-    def resource(self) -> ProxyResource:
-        """The listener's resource: the handler called directly, Klein's router for odd paths (proxy/resource.py)."""
-        return ProxyResource(self._handle, self.app.resource(), self._internal_error)
+    def resource(self) -> IResource:
+        """The listener's resource: the Klein app, the one entry of every request (proxy/resource.py)."""
+        return self.app.resource()
 
     def _internal_error(self, request) -> bytes:
         """A bug's answer (its traceback is logged): a 500 in the API's shape, counted and logged once."""

@@ -1,15 +1,13 @@
-"""The proxy listener's resource: the request handler called directly, Klein's router only for odd paths.
+"""The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
-The proxy app has one route (every path goes to the same handler), so what
-Klein does per request (an ``IKleinRequest`` adapter and a werkzeug
-``MapAdapter`` bound to it, four Deferreds and a few closures) buys nothing
-on a path it would match anyway, and it is held for as long as the request
-is: during a long yield, thousands of parked requests each kept about 2 KB
-of it (issue 11).  So a path already in canonical form (the one
-:func:`yieldproxy.proxy.target.parse_target` takes as it is: safe bytes, single
-slashes, no dot segment, no trailing slash), which Klein's branch route on
-``/`` always matches, goes to the handler here, with Klein's own handling
-of the outcome:
+:meth:`ProxyApp.resource <yieldproxy.proxy.handler.ProxyApp.resource>` is
+the Klein app's own resource.  Its one route returns :class:`HandlerResource`
+(through :func:`routed`), which Klein renders before its own ``render``
+returns, so Klein's per-request chain and closures are done with before the
+handler awaits anything.  What Klein would still leave on a parked request
+(its ``IKleinRequest`` adapter holding the werkzeug ``MapAdapter``, and two
+``notifyFinish`` watchers) is let go once routing is over.  The handler's
+outcome is handled here:
 
 * the handler's bytes are written, and the request finished unless it is
   already (or the client went away);
@@ -19,10 +17,6 @@ of the outcome:
   ``on_error`` (the proxy's 500 in the API's JSON shape, with its request
   log line) when nothing was written yet, else Twisted's
   ``processingFailed``; once the request is over, it is only logged.
-
-Any other path (percent-escapes, repeated slashes, dot segments...) still
-goes through Klein, whose router and ``NotFound`` handler decide it as
-before.
 """
 
 from __future__ import annotations
@@ -30,17 +24,25 @@ from __future__ import annotations
 from inspect import iscoroutine
 from typing import Any, Callable
 
+from klein.interfaces import IKleinRequest
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
+from twisted.python.components import Componentized
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from .target import _CANONICAL_PATH
+
+def routed(request, entry: HandlerResource) -> HandlerResource:
+    """A route's answer once Klein has matched it: ``entry``, with Klein's request adapter (and the
+    ``MapAdapter`` it holds) let go, since nothing asks for it after routing."""
+    if isinstance(request, Componentized):
+        request.unsetComponent(IKleinRequest)
+    return entry
 
 
-class ProxyResource(Resource):
-    """Calls ``handle(request)`` for a canonical path; ``routed`` renders the rest.
+class HandlerResource(Resource):
+    """Calls ``handle(request)`` and writes its answer.
 
     ``handle`` returns the answer (bytes or None, the request's status and
     headers set), or a coroutine that finds it.
@@ -48,18 +50,16 @@ class ProxyResource(Resource):
 
     isLeaf = True
 
-    def __init__(
-        self, handle: Callable[[Any], Any], routed: Resource, on_error: Callable[[Any], bytes] | None = None
-    ):
+    def __init__(self, handle: Callable[[Any], Any], on_error: Callable[[Any], bytes] | None = None):
         super().__init__()
         self._handle = handle
-        self._routed = routed
         self._on_error = on_error
 
     def render(self, request):
-        path = request.path
-        if not _CANONICAL_PATH.fullmatch(path):
-            return self._routed.render(request)
+        if _listeners(request):
+            # Klein's finish watchers (two Deferreds and their closures per request): its routing is over,
+            # and a listener's request is cancelled through ``handler``, never through notifyFinish.
+            del request.notifications[:]
         try:
             answer = self._handle(request)
         except Exception:
@@ -70,7 +70,7 @@ class ProxyResource(Resource):
             return NOT_DONE_YET
         d = Deferred.fromCoroutine(answer)
         if not d.called:
-            if hasattr(type(request), "handler"):
+            if _listeners(request):
                 # Cancelled by the request if the client goes away first (ProxyRequest.connectionLost):
                 # a notifyFinish Deferred per request, kept while it is parked, costs more.
                 request.handler = d
@@ -101,8 +101,13 @@ def _over(request) -> bool:
     return bool(request.finished or getattr(request, "gone", False) or request.channel is None)
 
 
+def _listeners(request) -> bool:
+    """A request of the listener's own kind (edge/request.py): it cancels ``handler`` when its client goes."""
+    return hasattr(type(request), "handler")
+
+
 def _done(request) -> None:
-    if hasattr(type(request), "handler"):
+    if _listeners(request):
         request.handler = None
 
 
