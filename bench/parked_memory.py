@@ -86,8 +86,20 @@ def open_parked(port: int, count: int, raw: bytes, timeout: float, batch: int = 
     return sel, socks
 
 
-def read_all(sel: selectors.BaseSelector, socks: dict, timeout: float) -> dict[int, int]:
-    """Read every answer to EOF (the requests say ``Connection: close``); counts by status."""
+def _whole(buf: bytes) -> bool:
+    """Whether ``buf`` holds a whole answer (by its ``Content-Length``, or a chunked body's last chunk)."""
+    head, sep, body = buf.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return body.endswith(b"0\r\n\r\n")
+
+
+def read_all(sel: selectors.BaseSelector, socks: dict, timeout: float, keep_alive: bool = False) -> dict[int, int]:
+    """Read every answer (to EOF, or with ``keep_alive`` to its end, the connection left open); counts by status."""
     statuses: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     while socks:
@@ -102,7 +114,8 @@ def read_all(sel: selectors.BaseSelector, socks: dict, timeout: float) -> dict[i
                 data = b""
             if data:
                 entry["buf"] += data
-                continue
+                if not (keep_alive and _whole(bytes(entry["buf"]))):
+                    continue
             sel.unregister(entry["sock"])
             entry["sock"].close()
             del socks[key.fd]
@@ -122,6 +135,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=10_000, help="requests to park")
     p.add_argument("--body", type=int, default=1024, help="request body size in bytes")
+    p.add_argument("--keep-alive", action="store_true",
+                   help="clients that keep their connection open (no Connection: close), as most HTTP clients do")
     p.add_argument("--backlog", type=int, default=0,
                    help="the proxy's listen backlog (0: as configured by default; a tcp: endpoint gets 50)")
     args = p.parse_args(argv)
@@ -135,6 +150,8 @@ def main(argv=None) -> int:
         b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
+    if args.keep_alive:
+        raw = raw.replace(b"Connection: close\r\n", b"")
 
     with Children() as children:
         _, sim_port = start_sim(children)
@@ -162,7 +179,7 @@ def main(argv=None) -> int:
 
         t1 = time.monotonic()
         admin_call(admin_port, "POST", "/resume", {"source": "bench"})
-        statuses = read_all(sel, socks, timeout=90.0)
+        statuses = read_all(sel, socks, timeout=90.0, keep_alive=args.keep_alive)
         drained = time.monotonic() - t1
         time.sleep(0.5)
         rss_after = rss_bytes(proxy.pid)
@@ -170,7 +187,8 @@ def main(argv=None) -> int:
 
     per_request = (rss_full - rss_idle) / args.count
     answered_ok = statuses.get(200, 0)
-    header(f"yieldproxy parked memory: {args.count} parked POST /api/embed of {len(body)} bytes")
+    clients = "keep-alive" if args.keep_alive else "Connection: close"
+    header(f"yieldproxy parked memory: {args.count} parked POST /api/embed of {len(body)} bytes ({clients} clients)")
     print(f"  RSS idle (after warm-up)         {rss_idle / MB:8.1f} MB")
     print(f"  RSS with {args.count} parked        {rss_full / MB:8.1f} MB   "
           f"(parked_total {status['parked_total']}, parked_bytes {status['parked_bytes'] / MB:.1f} MB)")
