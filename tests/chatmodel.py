@@ -14,9 +14,8 @@ both serve it.
 from __future__ import annotations
 
 import os
-import re
 
-from helpers import skip_or_fail
+from helpers import ci_cache_dir, skip_or_fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FETCH_SCRIPT = os.path.join(REPO, ".ci", "chat-model")
@@ -27,18 +26,7 @@ CHAT_ALIAS = "smollm2"
 
 def chat_model_dir() -> str:
     """Where the chat GGUF is (or would be)."""
-    given = os.environ.get("YIELDPROXY_CHAT_DIR")
-    if given:
-        return given
-    version = "0.1.2"
-    try:
-        with open(FETCH_SCRIPT, encoding="utf-8") as f:
-            found = re.search(r"^VERSION=(\S+)$", f.read(), re.M)
-        if found:
-            version = found.group(1)
-    except OSError:
-        pass
-    return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"smollm2-{version}")
+    return ci_cache_dir("YIELDPROXY_CHAT_DIR", FETCH_SCRIPT, "VERSION", "smollm2", default_version="0.1.2")
 
 
 def chat_model_path() -> str:

@@ -313,6 +313,30 @@ class ChildOutput(ProcessProtocol):
         self.ended.callback("SIGTERM" if status.signal == signal.SIGTERM else status.exitCode)
 
 
+def ci_cache_dir(env: str, script: str, key: str, name: str, default_version: str | None = None) -> str:
+    """Where a ``.ci/`` script keeps what it builds or fetches: ``$env`` when set, else
+    ``$YIELDPROXY_CACHE/<name>-<version>`` (``/var/cache/yieldproxy`` by default), the version read from
+    the script's ``KEY=`` line (``default_version`` when the script or the line is missing; without one,
+    a missing line fails)."""
+    import os
+    import re
+
+    given = os.environ.get(env)
+    if given:
+        return given
+    version = default_version
+    try:
+        with open(script, encoding="utf-8") as f:
+            found = re.search(rf"^{key}=(\S+)$", f.read(), re.M)
+        if found:
+            version = found.group(1)
+    except OSError:
+        if default_version is None:
+            raise
+    assert version is not None, f"no {key}= line in {script}"
+    return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"{name}-{version}")
+
+
 def skip_or_fail(why: str | None, ci_must: str) -> None:
     """When something a test needs is missing here (``why``), skip it; under CI, which must ``ci_must``, fail it."""
     import os

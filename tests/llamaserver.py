@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +32,7 @@ import attrs
 import pytest
 
 import chatmodel
-from helpers import free_port, log_tail, skip_or_fail
+from helpers import ci_cache_dir, free_port, log_tail, skip_or_fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_SCRIPT = os.path.join(REPO, ".ci", "llama-server")
@@ -46,18 +45,7 @@ START_TIMEOUT = 60.0
 
 def llama_dir() -> str:
     """Where ``llama-server`` and the GGUF are (or would be)."""
-    given = os.environ.get("YIELDPROXY_LLAMA_DIR")
-    if given:
-        return given
-    version = "0.3.36"
-    try:
-        with open(BUILD_SCRIPT, encoding="utf-8") as f:
-            found = re.search(r"^SDIST_VERSION=(\S+)$", f.read(), re.M)
-        if found:
-            version = found.group(1)
-    except OSError:
-        pass
-    return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"llamacpp-{version}")
+    return ci_cache_dir("YIELDPROXY_LLAMA_DIR", BUILD_SCRIPT, "SDIST_VERSION", "llamacpp", default_version="0.3.36")
 
 
 def missing(chat: bool = False) -> str | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from typing import Any
 import attrs
 import pytest
 
-from helpers import free_port, log_tail, skip_or_fail
+from helpers import ci_cache_dir, free_port, log_tail, skip_or_fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_SCRIPT = os.path.join(REPO, ".ci", "ollama")
@@ -42,20 +41,9 @@ CHAT_MODEL = "smollm2"
 START_TIMEOUT = 60.0
 
 
-def version() -> str:
-    """The Ollama version ``.ci/ollama`` builds."""
-    with open(BUILD_SCRIPT, encoding="utf-8") as f:
-        found = re.search(r"^VERSION=(\S+)$", f.read(), re.M)
-    assert found, f"no VERSION= line in {BUILD_SCRIPT}"
-    return found.group(1)
-
-
 def ollama_dir() -> str:
     """Where the ``ollama`` binary and its ``models/`` are (or would be)."""
-    given = os.environ.get("YIELDPROXY_OLLAMA_DIR")
-    if given:
-        return given
-    return os.path.join(os.environ.get("YIELDPROXY_CACHE", "/var/cache/yieldproxy"), f"ollama-{version()}")
+    return ci_cache_dir("YIELDPROXY_OLLAMA_DIR", BUILD_SCRIPT, "VERSION", "ollama")
 
 
 def missing() -> str | None:
