@@ -149,20 +149,26 @@ def test_a_listener_that_cannot_start_is_one_line(case, taken_port, tmp_path):
     assert len(lines) <= 7, output
 
 
-async def start_service(sim_port: int, *extra):
+async def _started(run, sim_port: int, *extra, **env: str):
+    """A twistd child started by ``run`` (a pipe's or a terminal's) in front of the sim, once it answers:
+    its process, its output and its two ports."""
     proxy_port, admin_port = free_port(), free_port()
-    process, protocol = run_twistd(
+    process, protocol = run(
         "--upstream", f"http://127.0.0.1:{sim_port}",
         "--listen", f"tcp:{proxy_port}:interface=127.0.0.1",
         "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
-        *extra,
+        *extra, **env,
     )
-    admin = f"http://127.0.0.1:{admin_port}"
-
     await until_healthy(
-        reactor, admin, lambda: protocol.ended.called, lambda: protocol.output.decode(errors="replace"), tries=200,
+        reactor, f"http://127.0.0.1:{admin_port}", lambda: protocol.ended.called,
+        lambda: protocol.output.decode(errors="replace"), tries=200,
     )
-    return process, protocol, f"http://127.0.0.1:{proxy_port}", admin
+    return process, protocol, proxy_port, admin_port
+
+
+async def start_service(sim_port: int, *extra):
+    process, protocol, proxy_port, admin_port = await _started(run_twistd, sim_port, *extra)
+    return process, protocol, f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{admin_port}"
 
 
 @pytest_twisted.ensureDeferred
@@ -300,18 +306,7 @@ def run_twistd_in_a_terminal(*args, **env: str) -> tuple[object, ChildOutput]:
 
 
 async def start_in_a_terminal(sim_port: int, **env: str):
-    proxy_port, admin_port = free_port(), free_port()
-    process, protocol = run_twistd_in_a_terminal(
-        "--upstream", f"http://127.0.0.1:{sim_port}",
-        "--listen", f"tcp:{proxy_port}:interface=127.0.0.1",
-        "--admin", f"tcp:{admin_port}:interface=127.0.0.1",
-        **env,
-    )
-    admin = f"http://127.0.0.1:{admin_port}"
-    await until_healthy(
-        reactor, admin, lambda: protocol.ended.called, lambda: protocol.output.decode(errors="replace"), tries=200,
-    )
-    return process, protocol, proxy_port, admin_port
+    return await _started(run_twistd_in_a_terminal, sim_port, **env)
 
 
 def listening(port: int) -> bool:
