@@ -59,24 +59,25 @@ LONG_STREAM = {"max_tokens": 400, "ignore_eos": True}
 PROMPT_ERROR_SECONDS = 10.0
 
 
-@pytest.fixture(scope="module")
-def chat_llama():
-    """A llama-server of the chat model, for the module."""
+def _chat_llama_server():
+    """A llama-server of the chat model, stopped (its directory removed) after its user."""
     require_llama(chat=True)
     server = started(chat=True)
     yield server
     server.stop()
     shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def chat_llama():
+    """A llama-server of the chat model, for the module."""
+    yield from _chat_llama_server()
 
 
 @pytest.fixture
 def own_chat_llama():
     """A llama-server of the chat model that the test may kill."""
-    require_llama(chat=True)
-    server = started(chat=True)
-    yield server
-    server.stop()
-    shutil.rmtree(server.workdir, ignore_errors=True)
+    yield from _chat_llama_server()
 
 
 def chat_proxy(llama: LlamaServer, **overrides) -> Proxy:

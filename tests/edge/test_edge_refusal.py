@@ -21,9 +21,9 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.web.resource import Resource
 
+from test_edge_connection import _Transport as ShuttingTransport
 from yieldproxy.edge.capacity import OVER_CAPACITY_RETRY_AFTER, Connections, OverCapacity
 from yieldproxy.edge.hosts import HostPolicy
 from yieldproxy.edge.request import RECEIVING_RETRY_AFTER
@@ -43,17 +43,7 @@ class _Ok(Resource):
         return b"ok"
 
 
-class _Transport(StringTransport):
-    write_closed = False
-    aborted = False
-
-    def loseWriteConnection(self):
-        self.write_closed = True
-
-    def abortConnection(self):
-        self.aborted = True
-        self.loseConnection()
-
+class _Transport(ShuttingTransport):
     @property
     def closing(self) -> bool:
         return self.write_closed or self.disconnecting
