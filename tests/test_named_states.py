@@ -1,8 +1,9 @@
 """Named states (issue 27): an attempt's answer and its client, a pool member's condition, a parked entry.
 
-Each machine is an enum, a table of the moves it may make, and one method that makes them and
-raises on any other.  Every table is checked on its own, exhaustively (each pair of states: the
-move succeeds exactly when the table lists it), then each machine is walked through its life as
+Each machine is an enum and one table.  The attempt's and the member's drive (yieldproxy/states.py:
+what each event does in each state); the entry's lists the moves it may make, one method refusing
+any other.  Every table is checked on its own, exhaustively (each state with each event, or each
+pair of states), then each machine is walked through its life as
 the code drives it: an Attempt with a fake upstream client and request, a Member and an Entry on
 a Clock.  The hold bound the gate and the lot share is checked at the end.
 """
@@ -13,6 +14,7 @@ import itertools
 
 import attrs
 import pytest
+from hypothesis import given, strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.web.http_headers import Headers
@@ -36,6 +38,7 @@ from yieldproxy.upstream.attempt import (
     Answer,
     Attempt,
     ClientBuffers,
+    ClientTooSlow,
     RelayBroken,
     RetryableFailure,
 )
@@ -43,16 +46,6 @@ from yieldproxy.upstream.pool.member import CONDITION_MOVES, NOT_READY, REFUSING
 from yieldproxy.upstream.verdict import Reason
 
 # -- the tables ---------------------------------------------------------------------------------------
-
-
-def attempt_answer(attempt, state):
-    attempt.state = state
-    return lambda new: attempt._to(new)
-
-
-def attempt_client(attempt, state):
-    attempt.client = state
-    return lambda new: attempt._client_to(new)
 
 
 def entry_stay(entry, state):
@@ -69,8 +62,6 @@ def _member():
 
 
 TABLES = {
-    "attempt answer": (Answer, ANSWER_MOVES, _attempt, attempt_answer),
-    "attempt client": (type(OPEN), CLIENT_MOVES, _attempt, attempt_client),
     "entry": (Stay, ENTRY_MOVES, lambda: Entry(cls="batch"), entry_stay),
 }
 
@@ -91,7 +82,8 @@ def test_each_table_names_every_state_and_its_mover_makes_exactly_its_moves(name
 
 
 def test_the_end_states():
-    assert ANSWER_MOVES[ENDED] == frozenset() and CLIENT_MOVES[GONE] == frozenset() and ENTRY_MOVES[LEFT] == frozenset()
+    assert ANSWER_MOVES.next[ENDED] == {} and ENTRY_MOVES[LEFT] == frozenset()
+    assert {CLIENT_MOVES.next[GONE][event] for event in CLIENT_MOVES.next[GONE]} == {GONE}  # said again: stays gone
     # A member has no end: it is stopped (a lifecycle flag), in whatever condition it was.
     assert all(CONDITION_MOVES.next[c] for c in Condition)
 
@@ -118,6 +110,49 @@ def test_a_members_table_names_every_condition_and_its_events_make_exactly_its_m
         ("not_ready", "stuck"), ("not_ready", "serving"),
         ("stuck", "serving"), ("stuck", "not_ready"),
     }
+
+
+def _answer_of(attempt):
+    return attempt
+
+
+def _client_of(attempt):
+    return attempt._side
+
+
+#: An attempt's two driven tables: its states, the table, where the machine is, and every move it may make.
+ATTEMPT_TABLES = {
+    "answer": (Answer, ANSWER_MOVES, _answer_of, {
+        ("awaiting", "judging"), ("awaiting", "relaying"), ("awaiting", "ended"),
+        ("judging", "awaiting"), ("judging", "relaying"), ("judging", "ended"),
+        ("relaying", "ended"),
+    }),
+    "client": (type(OPEN), CLIENT_MOVES, _client_of, {
+        ("open", "paused"), ("open", "gone"),
+        ("paused", "resumed"), ("paused", "open"),
+        ("resumed", "paused"), ("resumed", "open"),
+    }),
+}
+
+
+@pytest.mark.parametrize("name", ATTEMPT_TABLES)
+def test_an_attempts_tables_name_every_state_and_their_events_make_exactly_their_moves(name):
+    """An attempt's tables drive (yieldproxy/states.py): each (state, event) moves where it says, any other
+    pair raises; and the moves they allow are the ones an attempt's answer and client side may make."""
+    states, moves, machine_of, allowed = ATTEMPT_TABLES[name]
+    assert moves.states == set(states)
+    events = {event for _, event in moves.table}
+    for old, event in itertools.product(states, sorted(events)):
+        machine = machine_of(_attempt())
+        machine.state = old
+        new = moves.table.get((old, event))
+        if new is None:
+            with pytest.raises(Unexpected, match=f"cannot take '{event}' in state {old.name}"):
+                machine.fire(event)
+            assert machine.state is old
+        else:
+            assert machine.fire(event) is new and machine.state is new
+    assert {(old.value, new.value) for (old, _), new in moves.table.items() if new is not old} == allowed
 
 
 # -- an attempt ----------------------------------------------------------------------------------------
@@ -309,6 +344,47 @@ def test_a_client_that_leaves_is_gone_and_gets_nothing_more():
     assert a.client is GONE and request.written == [] and request.code == 200
     client.d.callback(Head(200))
     assert a.state is ENDED
+
+
+#: What may happen to a relaying attempt, in any order: the upstream's pieces and end, the client's
+#: transport pausing, resuming or stopping it (it calls them in whatever state it finds the attempt).
+LIFE_EVENTS = ("piece", "piece", "pause", "resume", "stop", "end", "drained")
+
+
+@given(st.lists(st.sampled_from(LIFE_EVENTS), max_size=25))
+def test_every_order_of_the_transports_and_the_upstreams_events_keeps_the_client_side_whole(events):
+    """At every moment: the attempt is the request's producer exactly while its client side is paused or
+    resumed, the bytes it holds for the client are exactly what the buffers count, a gone client gets
+    nothing more, and no event is refused by a table (an :class:`Unexpected` would be a bug)."""
+    buffers = ClientBuffers(per_response=6, total=100)
+    a, client, request, outcome = attempt(Channel(write_blocked=True), buffers=buffers)
+    client.handler.response_started(Head(200))
+    ended = False
+    for event in events:
+        written, was = len(request.written), a.client
+        if event == "piece" and not ended:
+            try:
+                client.handler.body_received(b"xy")
+            except ClientTooSlow as slow:
+                ended = True
+                client.d.errback(slow)  # the upstream client aborts and fails the exchange with it
+        elif event == "end" and not ended:
+            ended = True
+            client.d.callback(Head(200))
+        elif event == "pause":
+            a.pauseProducing()
+        elif event == "resume":
+            a.resumeProducing()
+        elif event == "stop":
+            a.stopProducing()
+        elif event == "drained" and ended:
+            a.client_has_all()  # the proxy app, once the upstream's part is over
+        assert (request.producer is a) == (a.client in (PAUSED, RESUMED))
+        assert buffers.held == (a._buffered if a.client in (PAUSED, RESUMED) else 0)
+        if was is GONE:
+            assert a.client is GONE and len(request.written) == written
+    if ended:
+        assert a.state is ENDED
 
 
 # -- a pool member -------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar, Generic, Hashable, Mapping, TypeVar
 S = TypeVar("S", bound=Hashable)
 E = TypeVar("E", bound=Hashable)
 _Hooks = dict[Any, Callable[[Any], None]]
+#: A move: the new state, the hook of the state left and the hook of the state entered (None: none).
+_Step = tuple[Any, "Callable[[Any], None] | None", "Callable[[Any], None] | None"]
 
 
 class Unexpected(RuntimeError):
@@ -50,32 +52,40 @@ class Machine(Generic[S, E]):
 
     __slots__ = ("state",)
     moves: ClassVar[Moves[Any, Any]]
-    _enter: ClassVar[_Hooks] = {}
-    _leave: ClassVar[_Hooks] = {}
+    #: By state, then by event: the new state and the hooks to run (None: none), found when the class is made.
+    __steps: ClassVar[dict[Any, dict[Any, _Step]]] = {}
     state: S
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         states = {_name(state): state for state in cls.moves.states} if hasattr(cls, "moves") else {}
-        cls._enter, cls._leave = {}, {}
+        enter: _Hooks = {}
+        leave: _Hooks = {}
         for attr in dir(cls):
-            for prefix, hooks in (("_enter_", cls._enter), ("_leave_", cls._leave)):
+            for prefix, hooks in (("_enter_", enter), ("_leave_", leave)):
                 if attr.startswith(prefix):
                     if attr[len(prefix):] not in states:
                         raise TypeError(f"{cls.__name__}.{attr}: no such state in its moves")
                     hooks[states[attr[len(prefix):]]] = getattr(cls, attr)
+        if states:
+            cls.__steps = {
+                old: {
+                    event: (new, None, None) if new == old else (new, leave.get(old), enter.get(new))
+                    for event, new in events.items()
+                }
+                for old, events in cls.moves.next.items()
+            }
 
     def fire(self, event: E) -> S:
         """Move as the table says on ``event`` (leave, then enter, hooks) and return the new state."""
-        old = self.state
+        new: S
         try:
-            new: S = self.moves.next[old][event]
+            new, leave, enter = self.__steps[self.state][event]
         except KeyError:
-            raise Unexpected(self.moves.name, old, event) from None
-        if new != old:
-            if old in self._leave:
-                self._leave[old](self)
-            self.state = new
-            if new in self._enter:
-                self._enter[new](self)
+            raise Unexpected(self.moves.name, self.state, event) from None
+        if leave is not None:
+            leave(self)
+        self.state = new
+        if enter is not None:
+            enter(self)
         return new

@@ -150,8 +150,9 @@ def test_only_a_served_request_goes_back_to_waiting():
 
 def test_a_move_outside_the_table_is_a_bug_that_says_so():
     wire = Wire()
-    with pytest.raises(RuntimeError, match="from fresh to writing"):
-        wire.connection._to(WRITING)
+    with pytest.raises(RuntimeError, match="a connection cannot take 'answered' in state FRESH"):
+        wire.connection.fire("answered")  # an answer done before any request
+    assert wire.connection.state is FRESH
 
 
 # -- what the reader refuses reaches the client in JSON ---------------------------------------

@@ -6,9 +6,9 @@ and serves each as an ordinary :class:`twisted.web.server.Request` through the
 channel interface a ``Request`` uses and nothing else, as Twisted's own HTTP/2
 stream does: no private name of Twisted is read, written or overridden.
 
-Its states (:class:`State`) and their moves are one table (:data:`TRANSITIONS`);
-every move goes through :meth:`ServerConnection._to`, which gives back what the
-state left owned and takes what the state entered owns, in one place, whatever
+Its states (:class:`State`) move only by events fired through one table
+(:data:`MOVES`, the house idiom of yieldproxy/states.py); each state takes what it
+owns in its ``_enter_<STATE>`` and gives it back in its ``_leave_<STATE>``, whatever
 ends the connection.  One timer serves every deadline.  Between requests, or
 with its request parked, a connection can be written down
 (:meth:`ServerConnection.snapshot`) and made again in another process
@@ -30,6 +30,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
+from ..states import Machine, Moves
 from .reader import (
     NEED_DATA,
     PAUSED,
@@ -67,27 +68,44 @@ FRESH, IDLE, HEAD, BODY = State.FRESH, State.IDLE, State.HEAD, State.BODY
 HANDLING, WRITING, REFUSING = State.HANDLING, State.WRITING, State.REFUSING
 LINGER, CLOSING, CLOSED = State.LINGER, State.CLOSING, State.CLOSED
 
-#: Every move a connection may make; any other is a bug (:meth:`ServerConnection._to` raises).
+_EVERY = tuple(State)
+
+#: What each event does to a connection; any other is a bug (:class:`~yieldproxy.states.Unexpected`).
+MOVES: Moves[State, str] = Moves("a connection", {
+    # Bytes of a request: its head begins (read from the socket, or read ahead while the last was served).
+    # Elsewhere they go to the reader, are read ahead, or are dropped.
+    **{(state, "bytes"): state for state in _EVERY},
+    (FRESH, "bytes"): HEAD,
+    (IDLE, "bytes"): HEAD,
+    # A connection taken over from the process before this one (a reload), idle as it was there.
+    (FRESH, "adopted"): IDLE,
+    # A head whose body follows.
+    (HEAD, "body"): BODY,
+    # The request is whole: the app has it.
+    (HEAD, "complete"): HANDLING,
+    (BODY, "complete"): HANDLING,
+    # Its body will not be read (over the body limit, or the receiving budget used up): the app answers now.
+    (HEAD, "refuse_body"): REFUSING,
+    (BODY, "refuse_body"): REFUSING,
+    # A request refused before it is whole (400/414/431, or 408): answered, then lingering.  Fresh or
+    # idle: a 408 of a request that never began (the admin listener's read deadline runs from the accept).
+    **{(state, "refused"): LINGER for state in (FRESH, IDLE, HEAD, BODY)},
+    # The answer's head is written: elsewhere (refusing, or the connection closing) nothing moves.
+    **{(state, "answering"): state for state in _EVERY},
+    (HANDLING, "answering"): WRITING,
+    # The answer is done: the next request (kept alive); a refused one's: lingering.
+    (WRITING, "answered"): IDLE,
+    (REFUSING, "answered"): LINGER,
+    # Close once what is written has gone out (the keep-alive deadline, a stop, the cap, the app, a half
+    # close); said again while lingering, closing or closed, nothing moves.
+    **{(state, "close"): CLOSING for state in (FRESH, IDLE, HEAD, BODY, HANDLING, WRITING, REFUSING)},
+    **{(state, "close"): state for state in (LINGER, CLOSING, CLOSED)},
+    # The transport is gone.
+    **{(state, "lost"): CLOSED for state in _EVERY},
+})
+#: The moves a connection may make (derived from :data:`MOVES`: every move that changes its state).
 TRANSITIONS: dict[State, frozenset[State]] = {
-    # A first byte; a refusal of a request that never began (408 on the admin listener); the
-    # keep-alive deadline, a stop, the cap reclaiming it (idle only); the client gone.  Idle: a
-    # connection taken over from the process before this one (a reload), as it was there.
-    FRESH: frozenset({HEAD, IDLE, LINGER, CLOSING, CLOSED}),
-    IDLE: frozenset({HEAD, LINGER, CLOSING, CLOSED}),
-    # A head with a body, without one (the app has it), over the body limit (answered unread),
-    # malformed (400/414/431) or too slow (408).
-    # Closing: cut to make a place for a whole request (capacity.Connections.shed_for), or the client shut
-    # its side before its request was whole.
-    HEAD: frozenset({BODY, HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
-    BODY: frozenset({HANDLING, REFUSING, LINGER, CLOSING, CLOSED}),
-    # The answer's first byte; the app closing the connection; the client gone.
-    HANDLING: frozenset({WRITING, CLOSING, CLOSED}),
-    # The answer is done: the next request (kept alive), or the end.
-    WRITING: frozenset({IDLE, CLOSING, CLOSED}),
-    REFUSING: frozenset({LINGER, CLOSING, CLOSED}),
-    LINGER: frozenset({CLOSED}),
-    CLOSING: frozenset({CLOSED}),
-    CLOSED: frozenset(),
+    state: frozenset(new for new in MOVES.next[state].values() if new is not state) for state in State
 }
 
 #: The states whose connection reads a request: its bytes go to the reader.
@@ -112,14 +130,16 @@ PROBE_SECONDS = 0.05
 
 
 @implementer(IHalfCloseableProtocol)
-class ServerConnection(Protocol):
+class ServerConnection(Machine[State, str], Protocol):
     """One HTTP/1.1 connection of a listener (see the module docstring)."""
 
     #: Set by ``makeConnection``: a TCP (or unix) transport.
     transport: Any
 
+    moves = MOVES
+
     __slots__ = (
-        "site", "factory", "requestFactory", "connections", "state", "request", "persistent", "one_request",
+        "site", "factory", "requestFactory", "connections", "request", "persistent", "one_request",
         "host_passed", "_reader", "_clock", "_body", "_body_size", "_length", "_receiving", "_deadline",
         "_deadline_kind", "_timer", "_producer", "_streaming", "_pull", "_reading_paused",
         "_processing", "_host", "_peer", "_secure", "_read_timeout", "_idle_timeout", "_keepalive", "writer",
@@ -180,54 +200,61 @@ class ServerConnection(Protocol):
         #: The check, after a half-close, that the client is still there to read its answer.
         self._probe: Any = None
 
-    # -- the state table ---------------------------------------------------------------------
+    # -- what each state owns: taken on entering it, given back on leaving it ----------------------
 
-    def _to(self, new: State) -> None:
-        """Move to ``new``: give back what the state left owns, take what ``new`` owns."""
-        old = self.state
-        if new not in TRANSITIONS[old]:
-            raise RuntimeError(f"a connection cannot go from {old.value} to {new.value}")
-        # Leaving.
-        if old is BODY:
-            self._give_back_receiving()
-        elif old is IDLE or old is FRESH:
-            connections = self.connections
-            if connections is not None:
-                connections.busy(self)
-        self.state = new
-        # Entering.
-        if new is BODY:
-            self._body_started = self._body_last = self._clock.seconds()
-        elif new is IDLE:
-            if self.connections is not None:
-                self.connections.idle(self)
-            self._expect("keepalive", self._keepalive)
-        elif new is HEAD:
-            if old is not FRESH or self._deadline_kind != "read":
-                # The read deadline counts from the request's first byte (from the accept on
-                # the admin listener: then it runs on from fresh).
-                self._expect("read", self._read_timeout)
-        elif new is HANDLING or new is REFUSING:
-            self._expect(None)
-        elif new is WRITING:
-            self._expect("stall" if self.writer.blocked else None, self._idle_timeout)
-        elif new is LINGER:
-            self._expect("linger", self.site.linger_seconds)
-        elif new is CLOSING:
-            self._expect("closing", self._idle_timeout)
-        elif new is CLOSED:
-            self._deadline = self._deadline_kind = None
-            timer, self._timer = self._timer, None
-            if timer is not None and timer.active():
-                timer.cancel()
-            pull, self._pull = self._pull, None
-            if pull is not None and pull.active():
-                pull.cancel()
-            probe, self._probe = self._probe, None
-            if probe is not None and probe.active():
-                probe.cancel()
-            if self.writer is not None:
-                self.writer.drop()
+    def _leave_FRESH(self) -> None:
+        if self.connections is not None:
+            self.connections.busy(self)
+
+    def _leave_IDLE(self) -> None:
+        if self.connections is not None:
+            self.connections.busy(self)
+
+    def _enter_IDLE(self) -> None:
+        if self.connections is not None:
+            self.connections.idle(self)
+        self._expect("keepalive", self._keepalive)
+
+    def _enter_HEAD(self) -> None:
+        if self._deadline_kind != "read":
+            # The read deadline counts from the request's first byte (from the accept on the admin
+            # listener: then it runs on from fresh).
+            self._expect("read", self._read_timeout)
+
+    def _enter_BODY(self) -> None:
+        self._body_started = self._body_last = self._clock.seconds()
+
+    def _leave_BODY(self) -> None:
+        self._give_back_receiving()
+
+    def _enter_HANDLING(self) -> None:
+        self._expect(None)
+
+    def _enter_REFUSING(self) -> None:
+        self._expect(None)
+
+    def _enter_WRITING(self) -> None:
+        self._expect("stall" if self.writer.blocked else None, self._idle_timeout)
+
+    def _enter_LINGER(self) -> None:
+        self._expect("linger", self.site.linger_seconds)
+
+    def _enter_CLOSING(self) -> None:
+        self._expect("closing", self._idle_timeout)
+
+    def _enter_CLOSED(self) -> None:
+        self._deadline = self._deadline_kind = None
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        pull, self._pull = self._pull, None
+        if pull is not None and pull.active():
+            pull.cancel()
+        probe, self._probe = self._probe, None
+        if probe is not None and probe.active():
+            probe.cancel()
+        if self.writer is not None:
+            self.writer.drop()
 
     # -- deadlines: one timer per connection --------------------------------------------------
 
@@ -299,9 +326,8 @@ class ServerConnection(Protocol):
 
     def connectionLost(self, reason: Any = None) -> None:
         old = self.state
-        if old is CLOSED:
-            return
-        self._to(CLOSED)
+        if self.fire("lost") is old:
+            return  # lost already
         request, self.request = self.request, None
         if request is not None and old not in READING:
             # The app has it (served, being answered, or closing mid-answer): it hears the client go.
@@ -377,9 +403,8 @@ class ServerConnection(Protocol):
     def loseConnection(self) -> None:
         """Close once what is written has gone out (a refused connection lingers: see :meth:`_refuse`)."""
         state = self.state
-        if state is CLOSED or state is CLOSING or state is LINGER:
-            return
-        self._to(CLOSING)
+        if self.fire("close") is state:
+            return  # lingering, closing or closed already
         self.writer.release()
         self.transport.loseConnection()
 
@@ -432,9 +457,7 @@ class ServerConnection(Protocol):
     def dataReceived(self, data: bytes) -> None:
         state = self.state
         self._progress_at = self._clock.seconds()
-        if state is FRESH or state is IDLE:
-            self._to(HEAD)
-        elif state not in READING:
+        if self.fire("bytes") is state and state not in READING:
             if state in SERVING and state is not REFUSING:
                 # Read ahead (pipelined requests), as far as MAX_READ_AHEAD; the client's close is
                 # still seen while its request is served.
@@ -494,7 +517,7 @@ class ServerConnection(Protocol):
             return
         if head.length == 0:
             return
-        self._to(BODY)
+        self.fire("body")
         if head.expect_continue and head.version == b"HTTP/1.1":
             self.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.writer.flush()
@@ -571,7 +594,7 @@ class ServerConnection(Protocol):
                 Refusal(408, "the request was not received in full while the listener was full", "request_timeout")
             )
         if state in READING:
-            self._to(CLOSING)
+            self.fire("close")
             self.writer.release()
             self.transport.loseConnection()
             self._expect("closing", SHED_SECONDS)
@@ -584,7 +607,7 @@ class ServerConnection(Protocol):
         body = self._body
         self._body = []
         request.content = io.BytesIO(body[0] if len(body) == 1 else b"".join(body))
-        self._to(HANDLING)
+        self.fire("complete")
         request.requestReceived(request.method, request.uri, request.clientproto)
 
     # -- refusing ------------------------------------------------------------------------------
@@ -603,7 +626,7 @@ class ServerConnection(Protocol):
         # No "100 Continue" for a body that will be refused: the client need not send it.
         request.requestHeaders.removeHeader(b"expect")
         request.content = io.BytesIO()
-        self._to(REFUSING)
+        self.fire("refuse_body")
         request.requestReceived(request.method, request.uri, request.clientproto)
 
     def _refuse(self, refusal: Refusal) -> None:
@@ -611,7 +634,7 @@ class ServerConnection(Protocol):
         self.persistent = False
         self.request = None  # never the app's: nobody else to tell
         self._body = []
-        self._to(LINGER)
+        self.fire("refused")
         log.info(
             "refused a request from {peer}: {status} {message}",
             peer=getattr(self.getPeer(), "host", None), status=refusal.status, message=refusal.message,
@@ -625,8 +648,7 @@ class ServerConnection(Protocol):
         if request is not self.request:
             return
         request.setResponseCode(refusal.status)
-        if self.state is HANDLING:
-            self._to(WRITING)
+        self.fire("answering")
         self._write_refusal(refusal)
         self.requestDone(request)
 
@@ -649,8 +671,7 @@ class ServerConnection(Protocol):
         """The answer's head.  ``headers`` is a :class:`~twisted.web.http_headers.Headers` (Twisted 25 and
         later) or a list of ``(name, value)`` pairs (before): those go through ``Headers`` first, as Twisted's
         own channel does, so that no value can break a line."""
-        if self.state is HANDLING:
-            self._to(WRITING)
+        self.fire("answering")
         if not isinstance(headers, Headers):
             sanitized = Headers()
             for name, value in _one_transfer_encoding(headers):
@@ -742,7 +763,7 @@ class ServerConnection(Protocol):
         self.request = None
         self.writer.flush()
         if self.state is REFUSING:
-            self._to(LINGER)
+            self.fire("answered")
             self._linger()
             return
         if self.state is CLOSING or self.state is CLOSED:
@@ -750,11 +771,11 @@ class ServerConnection(Protocol):
         if not self.persistent:
             self.loseConnection()
             return
-        self._to(IDLE)
+        self.fire("answered")
         self._reader.start_next()
         self._resume_reading()
         if self._reader.read_ahead:
-            self._to(HEAD)
+            self.fire("bytes")
             self._read()
         if self._read_shut and self.state in READING:
             self.loseConnection()  # the client shut its side: nothing more will come
@@ -832,7 +853,7 @@ class ServerConnection(Protocol):
         passed = snapshot.get("host_passed")
         self.host_passed = passed.encode("latin-1") if isinstance(passed, str) else None
         if state is IDLE:
-            self._to(IDLE)
+            self.fire("adopted")
         kind, left = snapshot.get("deadline"), snapshot.get("deadline_in")
         if state is not HANDLING and kind in ("keepalive", "read") and isinstance(left, (int, float)):
             self._expect(str(kind), at=self._clock.seconds() + max(0.0, float(left)))

@@ -1,44 +1,11 @@
 """One request target, read the way Ollama's Go server reads it, or refused.
 
-The proxy decides a request's class from its path and forwards its target;
-both must be the *same* path, and the one Ollama will route on.  Ollama runs
-on Go's ``net/http`` behind ``http.DefaultServeMux`` and gin: Go decodes
-percent-escapes in the path (gin routes on the decoded ``URL.Path``,
-``UseRawPath`` being false), keeps a ``#`` as part of the path, and the mux
-redirects a path with dot segments or repeated slashes to its cleaned form.
-A proxy that classified the raw path and forwarded it unchanged let
-``POST /api/%65mbed`` and ``POST /api/embed#x`` past a yield as "passthrough"
-while Ollama ran the model.
-
-So :func:`parse_target` turns a raw request target into one canonical form,
-used both to classify (:attr:`Target.path`, decoded) and to forward
-(:attr:`Target.raw`, re-encoded), or refuses it with a reason the caller
-reads in a 400:
-
-- a ``#`` anywhere: a fragment is never sent by a client, and servers differ
-  on it (Twisted's client drops it, Go keeps it in the path);
-- an invalid percent-escape (Go refuses those with a 400 too);
-- what servers read differently once decoded: an encoded slash (``%2F``), a
-  backslash (raw or encoded), NUL and other control characters, bytes that
-  are not UTF-8, and a dot segment written with escapes (``%2e%2e``: RFC 3986
-  reads it as ``..``, Go's mux does not);
-- a ``..`` that would climb above ``/`` (it would otherwise climb out of the
-  upstream URL's path prefix).
-
-What it changes, and why each is safe:
-
-- dot segments are removed and repeated slashes collapsed, as Go's mux
-  would redirect the client to that very path;
-- a trailing slash is removed (``/api/embed/`` is ``/api/embed``): gin
-  answers the slashed form of each of its routes with a redirect to the bare
-  one (``RedirectTrailingSlash``, 307 for a POST), so a client that follows
-  it ends there anyway; classifying ``/api/embed/`` as anything but
-  ``/api/embed`` would be the mistake this module exists to prevent;
-- the path is re-encoded the way Go's ``URL.EscapedPath`` encodes a decoded
-  path (letters, digits, ``-._~`` and ``$&+,:;=@`` as they are, every other
-  byte as ``%XX``), so Go decodes exactly :attr:`Target.path` from it;
-- the query is kept byte for byte after the ``?``, once checked (ASCII
-  without controls, valid percent-escapes).
+The class is decided on exactly the path that is forwarded, as Ollama will route
+on it: :func:`parse_target` gives one canonical form, decoded to classify
+(:attr:`Target.path`) and re-encoded as Go encodes it to forward
+(:attr:`Target.raw`), or :class:`BadTarget` for what servers read differently.
+Otherwise a disguised route (``/api/%65mbed``) would pass a yield.  The rules and
+why each is safe: docs/classes.md, "One target to classify and to forward".
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """Request bodies read the way Ollama's Go decoder reads them.
 
-Ollama binds a request body with gin's ``ShouldBindJSON``: Go's
-``encoding/json`` decoding the first JSON value into a struct
-(``api.GenerateRequest``, ``api.ChatRequest``, ...).  Python's ``json`` reads
-the same bytes differently, and the difference is exploitable: a proxy that
-reads ``body["prompt"]`` sees no prompt in ``{"keep_alive":0,"Prompt":"hi"}``
-(an unload, it concludes) while Ollama runs a generation.  What Go does, and
-this module with it:
-
-- an object key binds to a struct field when it equals the field's JSON name
-  exactly *or* under Unicode simple case folding (``strings.EqualFold``:
-  ``foldName``/``foldRune`` in ``encoding/json/fold.go``), so ``Prompt``,
-  ``PROMPT``, ``ſ`` (U+017F, folds to ``s``) and ``K`` (U+212A, folds to
-  ``k``) count, while ``ı`` (U+0131) does not fold to ``i``;
-- when several keys bind to one field, each is decoded in turn: the **last**
-  one wins; a ``null`` leaves a string field as it was and sets a pointer,
-  slice or interface field to nil;
-- a value of the wrong type for its field makes the whole decode fail
-  (Ollama answers 400 and runs nothing).
-
-Go 1.25+ can build ``encoding/json`` on ``encoding/json/v2`` (the ``jsonv2``
-experiment); its v1 options (``DefaultOptionsV1`` in ``v2_options.go``:
-``MatchCaseInsensitiveNames`` with ``MatchCaseSensitiveDelimiter``,
-``AllowDuplicateNames``, ``AllowInvalidUTF8``, ``MergeWithLegacySemantics``)
-keep every rule above.
-
-Where Python and Go disagree on the bytes themselves, this module refuses
-(:class:`BadBody`) rather than guess: ``NaN``/``Infinity`` (Python reads
-them, Go refuses), data after the first JSON value (Go reads only the first
-value), invalid UTF-8 (Go replaces it with U+FFFD).  A lone UTF-16 surrogate
-escape (``"\\ud800"``) reads as U+FFFD, as in Go.
-
-:func:`read_request` parses a whole body (used for unload detection on small
-bodies).  :func:`scan_model` finds only the ``model`` of a large body without
-building it (used by ``[[routes]]`` model rules): it skips what it does not
-need with C-speed string operations and gives the same answer as
-:func:`read_request` on every valid JSON object (a Hypothesis property in
-``tests/servers/test_gojson.py`` checks this).
+Python's ``json`` and Go's ``encoding/json`` read the same bytes differently, and a
+proxy reading ``body["prompt"]`` would take ``{"keep_alive":0,"Prompt":"hi"}`` for an
+unload while Ollama runs a generation.  :func:`read_request` reads a whole body as
+Go binds it (case-folded keys, the last duplicate wins, a wrong type fails it) and
+refuses (:class:`BadBody`) where the two disagree on the bytes; :func:`scan_model`
+finds only the ``model`` of a large body without building it, with the same answer.
+The rules, with Go's source: docs/classes.md, "Bodies are read as Ollama reads them".
 """
 
 from __future__ import annotations

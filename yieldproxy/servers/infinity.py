@@ -1,47 +1,11 @@
 """Infinity (michaelfeil/infinity): its routes, failures, health and models.
 
-Read from ``libs/infinity_emb/infinity_emb/`` at
-``fcb951cb679d0de185bf254600d9b7d2cd3a263a`` (the same code as infinity-emb
-0.0.78, which runs here; docs/servers.md has the evidence).
-
-**Routes** (``infinity_server.py``).  ``/embeddings`` (OpenAI's shape),
-``/rerank``, ``/classify``, ``/embeddings_image`` and ``/embeddings_audio``
-run the model: ``batch``.  ``/models``, ``/docs`` and ``/openapi.json`` do
-not; neither do ``/health``, ``/metrics`` and ``GET /`` (a redirect to the
-docs).  Every route but those last three is mounted under ``--url-prefix``
-(``INFINITY_URL_PREFIX``, ``""`` by default, often ``/v1``): the table holds
-both forms, and :meth:`~.base.Server.with_prefix` picks the member's for the
-model list and for translated embeddings.
-
-**Failures.**  Infinity's own errors are ``{"error": {"message", "type":
-null, "param": null, "code": <status>}}`` (``OpenAIException``,
-fastapi_schemas/errors.py:17-50); FastAPI's are ``{"detail": ...}`` (422 for
-a body that does not validate, 404, 405).
-
-* 429 ``model <name> is currently overloaded`` (infinity_server.py:224-228):
-  more than ``INFINITY_QUEUE_SIZE`` (32,000) items wait: busy.
-* 500 ``InternalServerError: ...`` is each route's ``except Exception``
-  (infinity_server.py:390-394, 442-446, 486-490, 545-549, 604-608), and it is
-  **not** the GPU's.  It catches only what the request's own coroutine
-  raises: resolving its input and formatting its answer.  The model runs
-  elsewhere, in the batch handler's worker threads, and an exception there
-  (a CUDA out-of-memory in the forward pass, ``encode_core``) ends the
-  thread (``ModelWorker._core_batch``, inference/batch_handler.py:562-588:
-  it logs, raises ``_core_batch crashed.`` into a future nobody reads) and
-  fails no request: the request, and every one after it, waits forever.  A
-  GPU failure on Infinity is therefore a *hang*, which the proxy's attempt
-  timeout and the outage probe see.  A caller, on the other hand, can get
-  the 500 with its own input: ``encoding_format: "base64"`` (the openai
-  client's default) on a model served with a bit-packed
-  ``--embedding-dtype`` raises in ``to_embeddings_response``
-  (fastapi_schemas/pymodels.py:159-163) inside that ``try``.  So the 500 is
-  relayed, never counted as an outage.
-* 400 (``ModelNotDeployedError``, ``Invalid model``, a corrupt image or
-  audio), 401, 404, 405 and 422: the caller.
-
-**Health.**  ``GET /health`` answers ``{"unix": <time>}`` and looks at no
-engine, so it stays 200 after the GPU failed; while the models load Infinity
-is not listening yet (``lifespan``, infinity_server.py:81-117).
+Read from ``libs/infinity_emb/infinity_emb/`` at ``fcb951cb679d0de185bf254600d9b7d2cd3a263a``
+(the code of infinity-emb 0.0.78, which the real-server tests run).  Its routes sit under
+``--url-prefix`` (none or ``/v1``: the table holds both).  A GPU failure on Infinity is a
+hang, not an answer (the batch worker's thread dies), and its 500 can be the caller's own:
+so no answer of it is ever the GPU's.  The evidence, with the lines of Infinity's source:
+docs/servers.md.
 """
 
 from __future__ import annotations

@@ -1,62 +1,11 @@
 """llama.cpp's server (``llama-server``): its routes, failures, health and model.
 
 Read from ggml-org/llama.cpp at ``aa6192d38defc9a5d9fb2987413f71b18f214270``
-(``tools/server/``; docs/servers.md has the evidence).
-
-**Routes** (``server.cpp`` ``main()``, the ``ctx_http.get``/``post`` table).
-Completions, chat (OpenAI's, Anthropic's ``/v1/messages`` and Ollama's path
-``/api/chat`` with OpenAI-shaped answers) and ``/infill`` are
-``interactive``; ``/embedding``, ``/embeddings``, ``/v1/embeddings`` and the
-four rerank paths are ``batch``.  Health, metrics, props, the model lists,
-the tokenizer, template rendering, token counting, LoRA and slot settings
-run no model.  cpp-httplib answers ``HEAD`` with the ``GET`` handler and the
-pre-routing handler answers every ``OPTIONS`` itself (server-http.cpp).
-
-Note the dialects: ``/embeddings`` is llama.cpp's native embedding route (a
-bare list, a vector per token without pooling), not OpenAI's, which lives at
-``/v1/embeddings`` only; ``/completions`` is the native completion, OpenAI's
-is ``/v1/completions``.
-
-**Failures.**  Errors are ``{"error": {"code", "message", "type"}}``
-(``format_error_response``, server-common.cpp), the status following the type.
-
-* 500 ``server_error`` ``Compute error.``: ``llama_decode`` failed on the
-  device; every slot being processed gets it (``update_slots``, server.cpp).
-  Only the whole message counts: a 500 can also quote the request, since
-  ``ex_wrapper`` (server.cpp) answers *any* exception 500 with its
-  ``what()``, and nlohmann's parse errors end ``last read: '<the body>'``.
-  A CUDA out-of-memory inside ggml usually aborts the process instead: the
-  connection drops.
-* 503 ``unavailable_error`` ``Loading model``: the model is still loading
-  (``middleware_server_state``, server-http.cpp; the HTTP server starts before
-  the model loads): not ready yet.
-* 503 ``unavailable_error`` ``no slot available``: ``GET
-  /slots?fail_on_no_slot=1`` with every slot busy (the sim's full queue says
-  the same).  The real server otherwise queues without bound.
-* 500 ``server_error`` ``Context size has been exceeded.`` or ``Invalid input
-  batch.`` (``llama_decode`` returning 1 at a batch of one, or -1): the
-  shared context is full or the batch was refused; every processing slot
-  gets it.  Not the device, not this caller alone: relayed.
-* 500 ``server_error`` ``input (N tokens) is too large to process. increase
-  the physical batch size (current batch size: B)`` (newer builds: ``... too
-  large to process with the current encoder/runtime limits. ...``): an input
-  that cannot be split (an embedding, a rerank) over ``n_ubatch``
-  (``update_slots``, ``!slot.can_split()``, tools/server/server-context.cpp
-  in the llama.cpp that llama-cpp-python 0.3.36 vendors; seen on the real
-  server, tests/test_llamacpp_real.py).  Only that slot is released: the
-  caller's input, named as such (:data:`TOO_LARGE`), never an outage.
-* Any other 500 ``server_error``: the caller (a malformed JSON body, a chat
-  body it cannot parse).
-* 501 ``not_supported_error``: the server was started without the feature
-  (``--embeddings``, ``--reranking``, ``--slots``): relayed.
-* 400, 401, 403, 404 (also for a known path with another method: no 405 in
-  cpp-httplib): the caller.
-
-**Health.**  ``GET /health`` answers ``{"status":"ok"}``, 503 ``Loading
-model`` while loading, and stays 200 after a compute error.
-
-**Model.**  One per server; ``/v1/models`` lists it (its ``--alias``, else its
-path) and answers during the load too.
+(``tools/server/``).  Only the whole message ``Compute error.`` is the GPU's: any 500
+answers an exception with its text, and a parse error quotes the body.  Its 503
+``Loading model`` is *not ready*, never an outage, and an input too large for the batch
+(:data:`TOO_LARGE`) is the caller's.  The evidence, with the lines of llama.cpp's source
+and what the real server answers here: docs/servers.md.
 """
 
 from __future__ import annotations

@@ -1,51 +1,11 @@
 """Hugging Face text-embeddings-inference (TEI): its routes, failures, health and model.
 
 Read from huggingface/text-embeddings-inference at
-``0d124dc9773be6ac5a9a57d8439aba9bbbf33273`` (TEI 1.9.3); docs/servers.md has
-the evidence in full.
-
-**Routes** (``router/src/http/server.rs``, the ``Router`` built at 1761-1873).
-Every route that runs the model is ``batch``: ``/embed``, ``/embed_all``,
-``/embed_sparse``, ``/predict``, ``/rerank``, ``/similarity``, the
-OpenAI-compatible ``/embeddings`` and ``/v1/embeddings``, ``POST /`` and
-``/invocations`` (the model's default task, 1804-1837) and Google's
-``/vertex``.  The tokenizer routes ``/tokenize`` and ``/decode`` run on the
-CPU, and ``/health``, ``GET /``, ``/ping``, ``/info``, ``/metrics`` and the
-Swagger UI (``/docs``, ``/api-doc/openapi.json``) read no model: those pass.
-axum's ``get`` serves ``HEAD`` too.
-
-**Failures.**  TEI's errors are ``{"error": "<message>", "error_type":
-"<type>"}`` (``ErrorResponse``, router/src/lib.rs:589-604), on
-``/embeddings`` and ``/v1/embeddings`` ``{"message", "code", "type"}``
-(``OpenAICompatErrorResponse``, router/src/http/types.rs:510-515); the
-status follows the type (server.rs:1891-1902).  The type is set by TEI's code,
-never by the request:
-
-* 424 ``Backend``: the backend failed.  A failure of the model on the GPU is
-  ``TextEmbeddingsError::Backend`` written ``"Backend error: {0}"``
-  (core/src/lib.rs:19-20) around candle's or the Python backend's own error
-  (``BackendError::Inference(e.to_string())``, backends/candle/src/lib.rs:738).
-  TEI also answers 424 ``Backend`` when a route asks the model for a task it
-  cannot do (an embedding model's ``/rerank``): those messages are TEI's own
-  constants (:data:`WRONG_TASK`, core/src/infer.rs:131-403, server.rs:337,
-  backends/python/src/lib.rs:78,107) and mean the route was sent to the wrong
-  server, so they are the caller's.  ``score is NaN`` (server.rs:150, 436)
-  has no ``Backend error:`` prefix: the model's arithmetic, not its device;
-  relayed.
-* 503 ``Unhealthy``: only ``/health`` says it (server.rs:70-78), after the
-  backend's health check ran the model and failed (backends/src/lib.rs).
-* 429 ``Overloaded``: more than ``--max-concurrent-requests`` at once: busy.
-* 400 ``Empty``, 422 ``Validation`` and ``Tokenizer``: the caller.  So are
-  axum's plain-text rejections (400, 415, 422, 413 for a body over
-  ``--payload-limit``), its empty 404 and 405, and the 401 of ``--api-key``.
-
-**Health.**  ``GET /health`` answers 200 with an empty body; 503
-``Unhealthy`` once the backend fails.  While the model loads TEI is not
-listening at all (its HTTP server starts after the warm-up, lib.rs:285-311,
-385): a starting TEI looks like a stopped one.
-
-**Model.**  One per server, named by ``GET /info`` (``model_id``, and
-``served_model_name``, the name its OpenAI route answers with).
+``0d124dc9773be6ac5a9a57d8439aba9bbbf33273`` (TEI 1.9.3).  Every route that runs the
+model is ``batch``.  Its errors carry a type set by TEI's code, never by the request:
+424 ``Backend`` is the GPU's unless it is one of TEI's own answers to a task the model
+cannot do (:data:`WRONG_TASK`, the caller's).  While its model loads TEI is not
+listening at all.  The evidence, with the lines of TEI's source: docs/servers.md.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from zope.interface import implementer
 
 from ..edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from ..servers.ollama import SERVER as OLLAMA
+from ..states import Machine, Moves
 from .records import WholeRecords, whole_records
 from .verdict import Reason, judged_reason, status_reason
 
@@ -364,24 +365,45 @@ class Client(enum.Enum):
 AWAITING, JUDGING, RELAYING, ENDED = Answer.AWAITING, Answer.JUDGING, Answer.RELAYING, Answer.ENDED
 OPEN, PAUSED, RESUMED, GONE = Client.OPEN, Client.PAUSED, Client.RESUMED, Client.GONE
 
-#: Every move an attempt's answer may make; any other is a bug (:meth:`Attempt._to` raises).
-ANSWER_MOVES: dict[Answer, frozenset[Answer]] = {
-    # An error head; the first byte relayed (or an empty answer); an end before either.
-    AWAITING: frozenset({JUDGING, RELAYING, ENDED}),
-    # Too long to judge (relayed as any answer, from what was read); relayed whole, unjudged; judged.
-    JUDGING: frozenset({AWAITING, RELAYING, ENDED}),
-    RELAYING: frozenset({ENDED}),
-    ENDED: frozenset(),
-}
-#: Every move of the client's side; any other is a bug (:meth:`Attempt._client_to` raises).
-CLIENT_MOVES: dict[Client, frozenset[Client]] = {
-    # Registered as its producer (a full transport); gone before that (no channel, a failed registration).
-    OPEN: frozenset({PAUSED, GONE}),
-    # Resumed; unregistered (drained, abandoned, or before it is dropped or told it is gone).
-    PAUSED: frozenset({RESUMED, OPEN}),
-    RESUMED: frozenset({PAUSED, OPEN}),
-    GONE: frozenset(),
-}
+#: What each event does to an attempt's answer; any other is a bug (:class:`~yieldproxy.states.Unexpected`).
+ANSWER_MOVES: Moves[Answer, str] = Moves("an attempt's answer", {
+    # An error status: its body is read whole and judged before anything reaches the client.
+    (AWAITING, "error_head"): JUDGING,
+    # Its status and headers are the client's: with the first byte, an empty answer, or an error relayed whole.
+    (AWAITING, "committed"): RELAYING,
+    (JUDGING, "committed"): RELAYING,
+    # An error body too long to judge: relayed as any answer is, from what was read.
+    (JUDGING, "too_long"): AWAITING,
+    # The upstream's part is over: answered, failed, or judged.
+    **{(state, "ended"): ENDED for state in (AWAITING, JUDGING, RELAYING)},
+})
+#: What each event of the client's side does; any other is a bug.  The transport's pause and resume, and
+#: giving the producer back, leave a side they do not concern as it is.
+CLIENT_MOVES: Moves[Client, str] = Moves("an attempt's client", {
+    # Its transport is full: the attempt registered as its producer, paused.
+    (OPEN, "full"): PAUSED,
+    (RESUMED, "paused"): PAUSED,
+    **{(state, "paused"): state for state in (OPEN, PAUSED, GONE)},
+    (PAUSED, "resumed"): RESUMED,
+    **{(state, "resumed"): state for state in (OPEN, RESUMED, GONE)},
+    # No longer its producer: drained, abandoned, or before it is dropped or told it is gone.
+    (PAUSED, "unregistered"): OPEN,
+    (RESUMED, "unregistered"): OPEN,
+    **{(state, "unregistered"): state for state in (OPEN, GONE)},
+    # It left, or was dropped for reading too slowly (never while the attempt is its producer).
+    (OPEN, "gone"): GONE,
+    (GONE, "gone"): GONE,
+})
+
+
+class _ClientSide(Machine[Client, str]):
+    """An attempt's client side (:attr:`Attempt.client`), moved only by its events."""
+
+    __slots__ = ()
+    moves = CLIENT_MOVES
+
+    def __init__(self) -> None:
+        self.state = OPEN
 
 
 def _write_blocked(channel) -> bool:
@@ -392,7 +414,7 @@ def _write_blocked(channel) -> bool:
 
 
 @implementer(IPushProducer)
-class Attempt:
+class Attempt(Machine[Answer, str]):
     """One try at sending a request upstream and relaying its answer.
 
     ``run()`` returns a Deferred firing with the status code relayed once the
@@ -430,12 +452,14 @@ class Attempt:
     handler).  It stays the producer after the upstream has finished, until
     the client has taken the rest.
 
-    States, each changed in one place and only along its table: the answer's
-    (:attr:`state`, :data:`ANSWER_MOVES`) and the client's side
-    (:attr:`client`, :data:`CLIENT_MOVES`).  Whether the answer has started,
+    Two named states, each moved only by events fired through its table (yieldproxy/states.py): the
+    answer's (:attr:`state`, :data:`ANSWER_MOVES`) and the client's side (:attr:`client`,
+    :data:`CLIENT_MOVES`).  Whether the answer has started,
     which decides whether a failure may still be retried, is the response
     writer's to say (:meth:`_answer_started`).
     """
+
+    moves = ANSWER_MOVES
 
     def __init__(
         self,
@@ -478,8 +502,8 @@ class Attempt:
         self._response: Response | None = None
         #: Where the answer is (:data:`ANSWER_MOVES`).
         self.state = AWAITING
-        #: How what is written reaches the client (:data:`CLIENT_MOVES`).
-        self.client = OPEN
+        #: How what is written reaches the client (:data:`CLIENT_MOVES`), read as :attr:`client`.
+        self._side = _ClientSide()
         #: An error body being judged, and its size.
         self._parts: list[bytes] = []
         self._size = 0
@@ -489,17 +513,10 @@ class Attempt:
         self._records: WholeRecords | None = None
         self._drained: Deferred | None = None
 
-    def _to(self, new: Answer) -> None:
-        """The answer moves to ``new``: the one place it does, along :data:`ANSWER_MOVES`."""
-        if new not in ANSWER_MOVES[self.state]:
-            raise RuntimeError(f"an attempt's answer cannot go from {self.state.value} to {new.value}")
-        self.state = new
-
-    def _client_to(self, new: Client) -> None:
-        """The client's side moves to ``new``: the one place it does, along :data:`CLIENT_MOVES`."""
-        if new not in CLIENT_MOVES[self.client]:
-            raise RuntimeError(f"an attempt's client cannot go from {self.client.value} to {new.value}")
-        self.client = new
+    @property
+    def client(self) -> Client:
+        """How what is written reaches the client (:data:`CLIENT_MOVES`)."""
+        return self._side.state
 
     def _answer_started(self) -> bool:
         """Whether the answer's first byte is the client's: from then on a failure ends the answer, never a retry.
@@ -537,7 +554,7 @@ class Attempt:
         Then :meth:`client_drained` would fire at once; checking first spares
         the caller a Deferred and a turn of its coroutine on every request.
         """
-        if self.client is GONE or self._buffered == 0:
+        if self._side.state is GONE or self._buffered == 0:
             self._abandon()
             return True
         return False
@@ -558,7 +575,7 @@ class Attempt:
         code = response.code
         # Any error status may be a GPU failure in its server's words (TEI's is a 424).
         if code >= 500 or (code >= 400 and self._retry_statuses):
-            self._to(JUDGING)
+            self.fire("error_head")
 
     def body_received(self, data: bytes) -> None:
         # The stall timer reads it when it fires: one clock read per piece, no timer touched.
@@ -570,14 +587,14 @@ class Attempt:
             if self._size >= _ERROR_BODY_LIMIT:
                 self._judge_long()
             return
-        client = self.client
+        client = self._side.state
         if client is GONE:
             return
         request = self._request
         if client is OPEN:
             channel = request.channel
             if channel is None:
-                self._client_to(GONE)  # the cancel follows
+                self._side.fire("gone")  # the cancel follows
                 return
             if _write_blocked(channel):
                 # The client's transport is full: from here on, what is written waits in memory.
@@ -586,7 +603,7 @@ class Attempt:
         if first:
             # The answer is about to reach the client: from here on, no retry and no
             # attempt timeout (the stall timeout still runs).
-            self._to(RELAYING)
+            self.fire("committed")
             response = self._response
             assert response is not None  # the body comes after the response
             self._commit(response)
@@ -601,7 +618,7 @@ class Attempt:
 
     def _write(self, data: bytes) -> None:
         """Write to the client, counting what waits in memory while its transport is full."""
-        if self.client is PAUSED and self._buffers is not None:
+        if self._side.state is PAUSED and self._buffers is not None:
             if not self._buffers.take(len(data), self._buffered):
                 self._drop(len(data))
             self._buffered += len(data)
@@ -614,7 +631,7 @@ class Attempt:
         if code in (502, 503) and self._retry_statuses:
             # Not read further: the client aborts the connection.
             raise RetryableFailure(status_reason(code), f"upstream answered {code}: {_snippet(b''.join(self._parts))}")
-        self._to(AWAITING)  # relayed as any answer is, from what was read
+        self.fire("too_long")  # relayed as any answer is, from what was read
         head, self._parts = b"".join(self._parts), []
         self.body_received(head)
 
@@ -627,16 +644,16 @@ class Attempt:
             state = self.state
             if state is JUDGING:
                 return self._whole_error(response, b"".join(self._parts))
-            if state is AWAITING and self.client is not GONE:
-                self._to(RELAYING)
+            if state is AWAITING and self._side.state is not GONE:
+                self.fire("committed")
                 self._commit(response)  # an empty body
-            elif self._records is not None and self.client is not GONE:
+            elif self._records is not None and self._side.state is not GONE:
                 rest = self._records.rest()  # the stream ended cleanly: its last bytes as they are
                 if rest:
                     self._write(rest)
             return response.code
         finally:
-            self._to(ENDED)
+            self.fire("ended")
 
     def _failed(self, failure):
         self._disarm()
@@ -644,7 +661,7 @@ class Attempt:
         try:
             return self._why(failure)
         finally:
-            self._to(ENDED)
+            self.fire("ended")
 
     def _why(self, failure):
         """What the attempt's failure is for its caller: retryable while nothing reached the client, else broken."""
@@ -680,7 +697,7 @@ class Attempt:
             answer = UpstreamAnswer(code, response.phrase, response.headers, body, codings=response.codings)
             judged = self._judge(code, body)
             raise_judged(code, judged, f"upstream answered {code}: {_snippet(body)}", answer)
-        self._to(RELAYING)
+        self.fire("committed")
         self._commit(response)
         if response.codings is None:
             self._request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
@@ -752,17 +769,15 @@ class Attempt:
 
     # -- IPushProducer, for the client's transport ----------------------------------------
 
-    # Called by the client's transport, in whatever state it finds the attempt: each moves only
-    # where its move applies.
+    # Called by the client's transport, in whatever state it finds the attempt: the table says what each
+    # does there.
 
     def pauseProducing(self) -> None:
-        if self.client is RESUMED:
-            self._client_to(PAUSED)
+        self._side.fire("paused")
 
     def resumeProducing(self) -> None:
         """Everything written so far has gone out to the client."""
-        if self.client is PAUSED:
-            self._client_to(RESUMED)
+        self._side.fire("resumed")
         self._give_back()
         if self._drained is not None:
             d, self._drained = self._drained, None
@@ -772,8 +787,7 @@ class Attempt:
     def stopProducing(self) -> None:
         """The client's connection is gone: the upstream's work is of no use any more."""
         self._abandon()
-        if self.client is not GONE:
-            self._client_to(GONE)
+        self._side.fire("gone")
         if self._response is not None:
             self._response.stopProducing()  # nothing once the exchange is over
 
@@ -783,16 +797,16 @@ class Attempt:
             self._request.registerProducer(self, True)
         except Exception:
             # The client is already gone (no channel); the cancel will follow.
-            self._client_to(GONE)
+            self._side.fire("gone")
             return
-        self._client_to(PAUSED)
+        self._side.fire("full")
 
     def _drop(self, size: int) -> None:
         """Past a buffer bound: raise :class:`ClientTooSlow` into the client (it aborts the upstream)."""
         waiting = self._buffered + size
         assert self._buffers is not None  # only a bounded client drops
         self._abandon()
-        self._client_to(GONE)
+        self._side.fire("gone")
         raise ClientTooSlow(
             f"the client read too slowly: {waiting} bytes of its answer would wait in the proxy "
             f"(bounds: {self._buffers.per_response} per answer, {self._buffers.total} in all)"
@@ -809,8 +823,9 @@ class Attempt:
         self._buffered = 0
 
     def _unregister(self) -> None:
-        if self.client is PAUSED or self.client is RESUMED:
-            self._client_to(OPEN)
+        side = self._side
+        registered = side.state
+        if side.fire("unregistered") is not registered:
             try:
                 self._request.unregisterProducer()
             except Exception:

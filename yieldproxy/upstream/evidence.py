@@ -1,35 +1,12 @@
-"""Which evidence judges a failed model call: the decision table of the outage verdict (issue 24).
+"""Which evidence judges a failed model call: the decision table of the outage verdict.
 
-Pure: no I/O, no clock, no logging.  The outage watcher (watchers/outage.py)
-asks :func:`evidence_for` what to probe when a call fails in a way an
-outage may explain (refused, a timeout, a stall, a 5xx, the server's GPU
-words), and :func:`follow_ups` what to probe while the ``outage`` hold lasts.
-The rule is that an outage of the *whole* upstream rests on evidence about
-its GPU, never on the one model a failing request named: that model may be
-stuck loading, too big for the GPU or broken, and a hold taken on its word
-would park everyone for as long as it fails, which may be for ever.
-
-In this order, the first that applies:
-
-1. The request named no model: probe the health path (as before).
-2. The operator named a probe model (``upstream.probe_model``, or the
-   member's own ``probe_model``): probe that model.
-3. The upstream served another model (its record, upstream/served.py): probe the
-   one of most standing (served in the most distinct minutes, so a burst of
-   a client's new names never stands before a model in real use).  Its
-   failure is an outage; its pass says the failing model fails alone.
-4. The only model it is known to serve is the failing one: probe it (the
-   GPU held it before; a single-model upstream has no other evidence).
-5. The connection itself failed (refused, could not connect, reset:
-   :data:`~yieldproxy.upstream.verdict.CONNECTION_REASONS`): probe
-   the health path; that says nothing about any model.
-6. Other models failed too, lately: probe the failing call itself; its
-   failure is an outage (several models fail), its pass says it fails alone.
-7. Otherwise nothing is known: the failure is the call's own, no probe,
-   nobody else parks (:data:`ALONE`).
-
-It is the outage judge's table, apart from the verdict on a failed attempt
-(upstream/verdict.py): that verdict only says when to ask the judge.
+Pure: no I/O, no clock, no logging.  The outage watcher (watchers/outage.py) asks
+:func:`evidence_for` what to probe when a call fails in a way an outage may explain, and
+:func:`follow_ups` what to probe while the ``outage`` hold lasts.  An outage of the whole
+upstream rests on evidence about its GPU, never on the one model a failing request named:
+that model may be stuck, too big or broken, and a hold taken on its word could park
+everyone for ever.  The verdict on a failed attempt (upstream/verdict.py) only says when to
+ask.  The table, in its order: docs/watchers.md, "What an outage rests on".
 """
 
 from __future__ import annotations

@@ -1,52 +1,12 @@
-"""What an upstream is known to serve: the record an outage verdict rests on (issue 24).
+"""What an upstream is known to serve: the record an outage verdict rests on.
 
-An outage of a whole upstream must rest on evidence about its GPU, not about
-the one model a failing request named (watchers/outage.py, upstream/evidence.py): the
-outage probe asks for a model the upstream is *known* to serve.  This record
-is that knowledge, one per upstream (its :class:`~yieldproxy.upstream.health.UpstreamHealth`
-owns it), and a client can neither fill it nor empty it:
-
-* **Only what the upstream served enters it**: a model call answered 2xx
-  (:meth:`ServedRecord.served`; proxy/handler.py tells it), never a name a request
-  merely named, never an error answer, never a probe.  A model Ollama does
-  not have (its 404) never enters.
-* **One entry per model, not per spelling**: the key is the model's
-  canonical name as Ollama's ``ParseName`` reads it (:func:`~yieldproxy.names.canonical_model`),
-  so ``ALL-MINILM``, ``all-minilm:Latest`` and ``registry.ollama.ai/library/all-minilm:latest``
-  are one entry.  A name longer than :data:`MAX_NAME` (no model Ollama can
-  hold is named so) never enters.
-* **Standing is earned by long use, not by a burst**: each entry has a
-  *standing*, one point for each distinct minute (:data:`STANDING_MINUTE`)
-  in which the model was served, fading with a time constant of
-  :data:`STANDING_FADES` (a model no longer served loses it over days).  A
-  client that makes a hundred new names and gets each served once gives each
-  one point; a model served through a day of real use has hundreds.  The
-  outage probes ask for the models of most standing first (:meth:`ServedRecord.calls`),
-  so no burst of new names can stand between the probes and the model in real use.
-* **A model redefined loses its standing**: a model-management call answered
-  2xx that defines the name anew (``/api/create``, ``/api/copy`` to it,
-  ``/api/pull``; :func:`redefined_by`) keeps the entry but sets its standing
-  to nothing (:meth:`ServedRecord.redefined`): what it was served as is not
-  what it is now; ``/api/delete`` takes the entry out (nothing is served
-  under that name any more).
-* **Bounded by models, least standing first out**: at most ``max_models``
-  (:data:`MAX_MODELS`) entries; a new entry evicts the entry of least
-  standing (the least recently served among equals).  An entry is *in use*
-  once the model was served again at least :data:`IN_USE_AFTER` seconds
-  after its first service here (what ``/status`` shows).  A flood of new
-  names (a server that answers whatever name it is given, TEI or llama.cpp)
-  churns only the entries of a point or two, so the models in real use stay.
-* **It survives restarts and reloads**: it is written with the holds
-  (lifecycle/holdstore.py, the ``served`` section of the holds file: :class:`RecordKeeper`)
-  and carried to a reload's new process (lifecycle/succession/).  Read back tolerantly:
-  a section that is absent or malformed gives an empty record (logged), never
-  a refused holds file.
-
-Only calls the upstream's server has a minimal call for (``probeable``: its
-``minimal_call``) are kept as a model's call: a probe must be able to
-reproduce them.  Times are the proxy clock's ``seconds()``, used for the
-order and to show; an entry restored from a time "in the future" (another
-clock) is clamped to now.
+An outage probe asks for a model the upstream is *known* to serve (upstream/evidence.py);
+:class:`ServedRecord` is that knowledge, one per upstream, owned by its
+:class:`~yieldproxy.upstream.health.UpstreamHealth`, and no client can fill or empty it:
+only a model call answered 2xx enters, one entry per canonical name, ordered by a
+standing earned in distinct minutes of use (a burst of new names earns little), bounded
+with the least standing out first.  :class:`RecordKeeper` keeps it in the holds file and
+across a reload.  The rules: docs/watchers.md, "What an outage rests on".
 """
 
 from __future__ import annotations

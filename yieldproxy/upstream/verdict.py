@@ -1,58 +1,11 @@
-"""Why an attempt failed, and what becomes of its request: the one verdict on a failed attempt (issue 27).
+"""Why an attempt failed, and what becomes of its request: the one verdict on a failed attempt.
 
-Pure: no I/O, no clock, no logging, nothing kept.  The proxy app's attempt
-loop (proxy/handler.py) gathers the facts, asks :func:`verdict` and does what it
-says (the metrics, the log lines, the answer); the replayer's pace follows
-:func:`slows_replay`.  The probe itself is the outage watcher's
-(watchers/outage.py, on upstream/evidence.py's table): the verdict only says when to
-ask it (:attr:`Verdict.ASK_JUDGE`), and is asked again with its answer.
-
-**The reasons** (:class:`Reason`) are the metric labels of
-``yieldproxy_upstream_failures_total`` and ``yieldproxy_upstream_attempts_total``
-(docs/metrics.md), spelt here once; a :class:`Reason` is the ``str`` it
-names, so a label, a log line and a comparison with the word are the same.
-A translated embedding attempt on the ``[fallback]`` member, whose error answers
-are never shown, fails with ``status_<code>`` for any code
-(:func:`status_reason`).
-
-**The verdict**, in this order, the first that applies:
-
-1. The member is the ``[fallback]`` one (a standby whose errors are never
-   shown): back in line uncounted, and not given to it again
-   (:attr:`Verdict.STANDBY`).
-2. Before the outage judge is asked:
-
-   a. its server reads the answer as *not ready* (loading its model):
-      :attr:`Verdict.NOT_READY`;
-   b. a hold covers the member: any failure is explained by it,
-      :attr:`Verdict.HELD`;
-   c. *busy* (its server's own busy words): first ask the pool whether
-      another eligible member that has not answered it busy may take it now
-      (:attr:`Verdict.ASK_POOL`); if one may, :attr:`Verdict.ELSEWHERE`;
-      if none, a 429 is relayed as it is, and a 503 is judged as any 503
-      (:func:`reported`);
-   d. a 5xx its server's words blame on the caller: relayed at once;
-   e. anything else: :attr:`Verdict.ASK_JUDGE`.
-
-3. Once the judge has answered (``outage``):
-
-   a. no outage, and a hold came meanwhile: :attr:`Verdict.HELD`;
-   b. no outage, a 5xx in words no list has: relayed (the probe passed: the
-      request failed alone);
-   c. refused (or could not connect) by a member that has never answered
-      since the start: when another eligible member is not passed over, it
-      is passed over uncounted (:attr:`Verdict.PASS_OVER`), else the caller
-      gets a 502 at once (:attr:`Verdict.UNREACHABLE`);
-   d. an outage explains it: back in line uncounted (:attr:`Verdict.FORGIVEN`);
-   e. otherwise the attempt counts: it is retried (:attr:`Verdict.RETRY`)
-      until ``upstream.max_attempts`` counted attempts, a second answer
-      that could not be read, or its wait bound spent (its class's
-      ``hold_seconds`` or its caller's ``X-Yield-Max-Wait``, counted from
-      when it first waited: another try could only expire in the lot, with
-      a message about the lot); then the request gives up
-      (:attr:`Verdict.GIVE_UP`: a 502, or a 504 after a timeout or a stall,
-      :func:`gateway_status`), or, when the server's GPU words failed it,
-      relays the server's own answer (:attr:`Verdict.GIVE_UP_RELAY`).
+Pure: no I/O, no clock, no logging, nothing kept.  The proxy app's attempt loop
+(proxy/handler.py) gathers the :class:`Facts`, asks :func:`verdict` and does what it
+says; the replayer's pace follows :func:`slows_replay`.  The outage probe is the outage
+watcher's: the verdict only says when to ask it (:attr:`Verdict.ASK_JUDGE`).  Each
+:class:`Reason` is the metric label it names, spelt here once.  The verdict's rows, in
+their order: docs/architecture.md, "The verdict on a failed attempt".
 """
 
 from __future__ import annotations

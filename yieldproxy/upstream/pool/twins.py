@@ -1,42 +1,12 @@
 """Twin verification: which members may serve a model's embeddings besides its reference.
 
-Two copies of "the same" embedding model do not always give the same
-vectors, and vectors from another model poison a vector store without any
-error.  So in a pool an embedding request for model M goes only to M's
-*reference* (the first member in config order that serves M, among those
-whose api serves every embedding route natively when one of them serves M:
-see below) or to a *twin*: another member serving M whose vectors were verified equal to the
-reference's, the way the CPU fallback is verified (yieldproxy/upstream/vectors.py): the probe
-texts embedded on both, the same dimension and a cosine of at least
-``verification.min_cosine`` per text after L2 normalisation.  A twin whose
-last verification failed, that was never verified, or whose verification is
-older than ``verification.max_verification_age_seconds`` serves no
-embedding of M; chat and generation are never restricted.
-
-A member that serves an embedding route only translated (an Infinity, TEI
-or OpenAI-compatible CPU copy taking an Ollama client's ``/api/embed``, see
-:mod:`.routing`) is never the reference while a member that speaks every
-embedding route natively (an Ollama) serves M: the vectors the callers'
-stores hold came from the server they talk to, and a translated copy must
-prove itself against it (:func:`~.routing.reference_rank`).  Only when no
-such member serves M is the first member serving it the reference, as ever.
-
-Which models: ``verification.models`` and each member's ``model_map`` names
-from the start, and any model an embedding request names for a twin (after
-its first such request: until then its twins do not serve it).  Each
-(twin, model) pair is verified again every
-``verification.verify_interval_seconds``, sooner after an error.
-
-A verification runs a model on both members, so it runs only while both are
-available (checked again before each call): a pair whose reference or twin
-is yielded, handing over or unreachable is postponed, and checked again a
-few seconds later (no request is sent until both are back).  Each call is
-bounded by ``verification.timeout_seconds`` (``Deferred.addTimeout`` on the
-injected reactor, in :class:`~yieldproxy.upstream.control.UpstreamControl`).
-
-It is the one verifier of "same vectors": the ``[fallback]``'s pairs are a
-:class:`~.contract.Contract` it is given (the fallback member against the
-first member under ``fallback.*``), run in the same pass on the same timer.
+Two copies of "the same" embedding model do not always give the same vectors, and
+vectors from another model poison a vector store without any error.  So a pool's
+embedding request for a model goes only to its *reference* or to a *twin* whose vectors
+:class:`TwinVerifier` found equal to the reference's (yieldproxy/upstream/vectors.py),
+recently, while both were available.  It is the one verifier of "same vectors": the
+``[fallback]``'s pairs are a :class:`~.contract.Contract` it is given, run in the same pass.
+Which member is the reference, which models, when and how: docs/pool.md, "Embeddings and twins".
 """
 
 from __future__ import annotations
