@@ -1,6 +1,7 @@
-"""Named states (issue 27): an attempt's answer and its client, a pool member's condition, a parked entry.
+"""Named states: an attempt's answer and its client, a pool member's condition, a parked entry, a
+handover's two processes and the demo's controller.
 
-Each machine is an enum and one table.  The attempt's and the member's drive (yieldproxy/states.py:
+Each machine is an enum and one table.  All but the entry's drive (yieldproxy/states.py:
 what each event does in each state); the entry's lists the moves it may make, one method refusing
 any other.  Every table is checked on its own, exhaustively (each state with each event, or each
 pair of states), then each machine is walked through its life as
@@ -17,13 +18,26 @@ import pytest
 from hypothesis import given, strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
+from twisted.logger import capturedLogs, formatEvent
 from twisted.web.http_headers import Headers
 
 from helpers import config_with, make_core, make_pool_core
 from yieldproxy.edge.h1client import ResponseIncomplete
+from yieldproxy.lifecycle.succession.predecessor import (
+    COMMITTING,
+    HANDED_OVER,
+    IDLE,
+    PHASE_MOVES,
+    PREPARING,
+    STARTING,
+    Phase,
+    Predecessor,
+)
+from yieldproxy.lifecycle.succession.takeover import ABORTED, STAGE_MOVES, WAITING, Inheritance, Stage, TakeOver
 from yieldproxy.lot.parking import ENTRY_MOVES, LEFT, NEW, PARKED, RELEASED, Entry, Refused, Stay, hold_bound
 from yieldproxy.names import LOADING_SOURCE
 from yieldproxy.states import Unexpected
+from yieldproxy.tools import demo
 from yieldproxy.upstream.attempt import (
     ANSWER_MOVES,
     AWAITING,
@@ -153,6 +167,98 @@ def test_an_attempts_tables_name_every_state_and_their_events_make_exactly_their
         else:
             assert machine.fire(event) is new and machine.state is new
     assert {(old.value, new.value) for (old, _), new in moves.table.items() if new is not old} == allowed
+
+
+# -- a handover's two processes, the demo's controller ------------------------------------------------
+
+
+class _Nothing:
+    """A collaborator the machine under test never calls."""
+
+
+def _predecessor(told: list | None = None):
+    return Predecessor(
+        Clock(), ["yieldproxy"], {}, {}, {}, _Nothing(), _Nothing(), lambda: {}, lambda: None,
+        on_phase=(told.append if told is not None else lambda phase: None),
+    )
+
+
+def _takeover():
+    return TakeOver(Clock(), Inheritance(None, {}, 1, "0"), {}, lambda *a: None, lambda message: None)
+
+
+def _demo_run():
+    required = {f.alias: None for f in attrs.fields(demo._Run) if f.init and f.default is attrs.NOTHING}
+    return demo._Run(**required)
+
+
+#: The driven tables of a handover and of the demo: the states, the table, a fresh owner, every move it may make.
+LIFECYCLE_TABLES = {
+    "old process": (Phase, PHASE_MOVES, _predecessor, {
+        ("idle", "starting"), ("starting", "preparing"), ("preparing", "committing"),
+        ("committing", "handed_over"),
+        ("preparing", "idle"), ("committing", "idle"),
+        ("starting", "idle"), ("handed_over", "idle"),
+    }),
+    "new process": (Stage, STAGE_MOVES, _takeover, {
+        ("waiting", "committed"), ("committed", "serving"), ("waiting", "aborted"),
+        ("committed", "waiting"), ("serving", "waiting"),
+    }),
+    "demo controller": (demo.Phase, demo.PHASE_MOVES, _demo_run, {("waiting", "yielding")}),
+}
+
+
+@pytest.mark.parametrize("name", LIFECYCLE_TABLES)
+def test_a_handovers_and_the_demos_tables_name_every_state_and_their_events_make_exactly_their_moves(name):
+    """Each (state, event) of the old process's phase, the new process's stage and the demo's controller
+    moves where its table says on the real owner; any other pair raises and moves nothing."""
+    states, moves, make, allowed = LIFECYCLE_TABLES[name]
+    assert moves.states == set(states)
+    events = {event for _, event in moves.table}
+    for old, event in itertools.product(states, sorted(events)):
+        machine = make()
+        machine.state = old
+        new = moves.table.get((old, event))
+        if new is None:
+            with pytest.raises(Unexpected, match=f"cannot take '{event}' in state {old.name}"):
+                machine.fire(event)
+            assert machine.state is old
+        else:
+            assert machine.fire(event) is new and machine.state is new
+    assert {(old.value, new.value) for (old, _), new in moves.table.items() if new is not old} == allowed
+
+
+def test_the_first_states_and_the_end_of_a_takeover():
+    assert _predecessor().phase is IDLE and _takeover().state is WAITING and _demo_run().state is demo.Phase.WAITING
+    # A takeover that let go stays let go, whatever comes; the old process fails back to idle from any phase.
+    assert {STAGE_MOVES.next[ABORTED][event] for event in STAGE_MOVES.next[ABORTED]} == {ABORTED}
+    assert all(PHASE_MOVES.next[phase]["failed"] is IDLE for phase in Phase)
+
+
+def test_the_old_process_tells_the_succession_of_each_new_phase_once_and_of_none_that_stays():
+    told: list = []
+    predecessor = _predecessor(told)
+    predecessor._go("failed")  # idle already: nothing moves, nothing is told
+    for event in ("reload", "ready", "commit", "taken_back", "failed"):
+        predecessor._go(event)
+    assert told == [STARTING, PREPARING, COMMITTING, IDLE]
+    assert predecessor.phase is IDLE and not predecessor.handed_over
+    for event in ("reload", "ready", "commit", "committed"):
+        predecessor._go(event)
+    assert told[-1] is HANDED_OVER and predecessor.handed_over
+
+
+def test_a_succession_that_fails_on_a_new_phase_is_logged_and_the_phase_moves_all_the_same():
+    def fails(phase):
+        raise RuntimeError("the succession's own bug")
+
+    predecessor = Predecessor(
+        Clock(), ["yieldproxy"], {}, {}, {}, _Nothing(), _Nothing(), lambda: {}, lambda: None, on_phase=fails,
+    )
+    with capturedLogs() as events:
+        predecessor._go("reload")
+    assert predecessor.phase is STARTING
+    assert [formatEvent(e) for e in events if e.get("log_failure")] == ["reload: reacting to the handover's starting failed"]
 
 
 # -- an attempt ----------------------------------------------------------------------------------------

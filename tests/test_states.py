@@ -133,7 +133,10 @@ def test_every_sequence_of_events_follows_the_table_or_raises_and_leaves_the_sta
 
 ROOT = Path(__file__).resolve().parent.parent / "yieldproxy"
 #: The modules whose named states follow the house idiom: every move fired through a table.
-DRIVEN = ("edge/h1client.py", "edge/connection.py", "upstream/pool/member.py", "upstream/attempt.py")
+DRIVEN = (
+    "edge/h1client.py", "edge/connection.py", "upstream/pool/member.py", "upstream/attempt.py",
+    "lifecycle/succession/predecessor.py", "lifecycle/succession/takeover.py", "tools/demo.py",
+)
 #: Where an owner gives its first state (an attrs class gives it as a field's default).
 FIRST = ("__init__",)
 

@@ -28,7 +28,7 @@ from helpers import sleep, wait_for
 from yieldproxy.lifecycle.succession import liveness, moments
 from yieldproxy.lifecycle.succession.liveness import Fate, Peer, fate
 from yieldproxy.lifecycle.succession.predecessor import Predecessor
-from yieldproxy.lifecycle.succession.takeover import Inheritance, TakeOver
+from yieldproxy.lifecycle.succession.takeover import ABORTED, SERVING, WAITING, Inheritance, TakeOver
 from yieldproxy.lifecycle.succession.wire import Decoder, encode
 
 
@@ -124,9 +124,9 @@ async def test_a_link_that_ends_while_the_old_process_still_reads_as_alive_then_
         await wait_for(reactor, lambda: "ready" in new.said())
         new.old.close()  # the dying process's descriptors first
         await wait_for(reactor, lambda: new.takeover._deciding, timeout=5)
-        assert new.takeover.state == "waiting" and new.stopped == 0  # it does not let go on the end alone
+        assert new.takeover.state is WAITING and new.stopped == 0  # it does not let go on the end alone
         standin.die()  # then the process itself
-        await wait_for(reactor, lambda: new.takeover.state == "serving", timeout=10)
+        await wait_for(reactor, lambda: new.takeover.state is SERVING, timeout=10)
         assert new.serving == 1 and new.holds_read == 1 and new.stopped == 0
     finally:
         standin.end()
@@ -141,7 +141,7 @@ async def test_a_link_that_ends_without_a_farewell_from_a_live_process_is_let_go
         await wait_for(reactor, lambda: "ready" in new.said())
         new.old.close()
         await wait_for(reactor, lambda: new.stopped == 1, timeout=10)
-        assert new.takeover.state == "aborted" and new.serving == 0
+        assert new.takeover.state is ABORTED and new.serving == 0
     finally:
         standin.end()
 
@@ -156,7 +156,7 @@ async def test_an_abort_lets_the_new_process_go_even_if_the_old_one_dies_next():
         new.old.shutdown(socket.SHUT_WR)
         standin.die()
         await wait_for(reactor, lambda: new.stopped == 1, timeout=10)
-        assert new.takeover.state == "aborted" and new.serving == 0
+        assert new.takeover.state is ABORTED and new.serving == 0
         await wait_for(reactor, lambda: "aborting" in new.said(), timeout=5)
     finally:
         standin.end()

@@ -12,6 +12,7 @@ library, the one client of the admin API, on the reactor's thread pool.
 from __future__ import annotations
 
 import argparse
+import enum
 import itertools
 import json
 import math
@@ -29,6 +30,7 @@ from twisted.web.resource import Resource
 from zope.interface import implementer
 
 from ..edge.tcp import set_no_delay
+from ..states import Machine, Moves
 from ..text import printable
 from .broker import Admin, AdminError
 from .exits import EXIT_ERROR, EXIT_OK
@@ -308,9 +310,27 @@ async def _start(reactor, args: argparse.Namespace, line: _Line) -> _Run:
     return run
 
 
+class Phase(enum.Enum):
+    """Where the demo's controller is (:meth:`_Run.yield_and_resume`)."""
+
+    #: Waiting for the moment to yield.
+    WAITING = "waiting"
+    #: Yielding the GPU, then giving it back.
+    YIELDING = "yielding"
+
+
+#: What the controller's one event does; any other is a bug (:class:`~yieldproxy.states.Unexpected`).
+PHASE_MOVES: Moves[Phase, str] = Moves("the demo's controller", {
+    # It is time to yield: after --yield-after, or once half the burst is sent.
+    (Phase.WAITING, "go"): Phase.YIELDING,
+})
+
+
 @attrs.define(eq=False)
-class _Run:
+class _Run(Machine[Phase, str]):
     """One run of the demo: its parts, the burst's client side, the yield, the watch over both."""
+
+    moves = PHASE_MOVES
 
     reactor: Any
     args: argparse.Namespace
@@ -327,8 +347,8 @@ class _Run:
     listeners: list
     pool: HTTPConnectionPool
     admin_errors: list[str] = attrs.Factory(list)
-    #: "waiting" for the moment to yield, then "yielding" (the controller's progress).
-    phase: str = "waiting"
+    #: The controller's progress (:data:`PHASE_MOVES`).
+    state: Phase = attrs.field(default=Phase.WAITING, init=False)
     #: Fires when it is time to yield: after --yield-after, or once half the burst is sent.
     go: defer.Deferred = attrs.Factory(defer.Deferred)
 
@@ -374,7 +394,7 @@ class _Run:
         try:
             await workers
             elapsed = self.mark()
-            if self.phase == "waiting":
+            if self.state is Phase.WAITING:
                 controller.cancel()
             await controller.addErrback(lambda f: f.trap(defer.CancelledError))
         finally:
@@ -457,7 +477,7 @@ class _Run:
         """Hold the GPU over the admin API when it is time, and release it --yield-for later."""
         args, line, mark = self.args, self.line, self.mark
         await self.go
-        self.phase = "yielding"
+        self.fire("go")
         line.say(f"{mark():6.2f}s  POST /yield (source {DEMO_SOURCE}, expected {args.yield_for:g} s)")
         try:
             # The lease ends the hold by itself should the resume call below be lost.

@@ -43,7 +43,7 @@ from ..holdstore import NOT_KEPT
 from .claims import ClaimedAtCommit, PidFile
 from .predecessor import Phase, Predecessor, ReloadBusy, ReloadFailed, ReloadRefused, ReloadUnavailable
 from .signals import HoldSignals, StopNoted, unblock
-from .takeover import ENV, Inheritance, TakeOver, refuse
+from .takeover import ABORTED, ENV, Inheritance, TakeOver, refuse
 from .wire import Carried
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class Succession(Service):
             return (f"this process (pid {os.getpid()}) has handed the holds over to pid {predecessor.successor_pid}, "
                     "which answers from now on")
         takeover = self._takeover
-        if takeover is not None and not takeover.committed and takeover.state != "aborted":
+        if takeover is not None and not takeover.committed and takeover.state is not ABORTED:
             pid = self.setup.inheritance.pid if self.setup.inheritance is not None else None
             return f"this process (pid {os.getpid()}) takes over from pid {pid}, which has the holds until then"
         return None

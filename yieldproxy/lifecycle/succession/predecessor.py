@@ -33,6 +33,7 @@ from twisted.logger import Logger
 
 from ... import __version__
 from ...edge.sockets import family_of
+from ...states import Machine, Moves
 from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link
@@ -92,6 +93,27 @@ class Phase(enum.Enum):
     PREPARING = "preparing"
     COMMITTING = "committing"
     HANDED_OVER = "handed_over"
+
+
+IDLE, STARTING, PREPARING, COMMITTING = Phase.IDLE, Phase.STARTING, Phase.PREPARING, Phase.COMMITTING
+HANDED_OVER = Phase.HANDED_OVER
+
+#: What each event of a reload does to this process's phase; any other is a bug (:class:`~yieldproxy.states.Unexpected`).
+PHASE_MOVES: Moves[Phase, str] = Moves("a handover's old process", {
+    # A reload is asked for: the successor is started.
+    (IDLE, "reload"): STARTING,
+    # The successor said ``ready``: the lot goes over, round after round.
+    (STARTING, "ready"): PREPARING,
+    # ``commit`` is sent: accepting paused, what is read is diverted.
+    (PREPARING, "commit"): COMMITTING,
+    # ``committed`` is read: what this process held is the successor's.
+    (COMMITTING, "committed"): HANDED_OVER,
+    # The successor will not commit: everything it was sent is served here again.
+    (PREPARING, "taken_back"): IDLE,
+    (COMMITTING, "taken_back"): IDLE,
+    # The reload failed, whatever it had reached (taken back already: nothing moves).
+    **{(phase, "failed"): IDLE for phase in Phase},
+})
 
 
 class _Successor:
@@ -155,8 +177,11 @@ def _within(d: Deferred, seconds: float, clock) -> Deferred:
 
 
 @attrs.define(eq=False, repr=False)
-class Predecessor:
-    """Hands this process over to a successor (see the module docstring)."""
+class Predecessor(Machine[Phase, str]):
+    """Hands this process over to a successor (see the module docstring); its phase is driven by
+    :data:`PHASE_MOVES`."""
+
+    moves = PHASE_MOVES
 
     _reactor: Any
     #: The command that starts a successor (this process's own command line).
@@ -184,7 +209,8 @@ class Predecessor:
     _on_phase: Callable[[Phase], None] = lambda phase: None
     #: Whether the process before this one (two reloads in a row) may still send it connections.
     _predecessor_alive: Callable[[], bool] = lambda: False
-    phase: Phase = Phase.IDLE
+    #: Its named state (:data:`PHASE_MOVES`), read as :attr:`phase`.
+    state: Phase = attrs.field(default=IDLE, init=False)
     _link: Link | None = None
     _waiting: dict[str, Deferred] = attrs.Factory(dict)
     #: Descriptors sent, by frame id, until the successor says it has them.
@@ -232,15 +258,24 @@ class Predecessor:
             when_parked(self._parked_again)
 
     @property
+    def phase(self) -> Phase:
+        """Where this process is in handing over: its named state (:data:`PHASE_MOVES`)."""
+        return self.state
+
+    @property
     def handed_over(self) -> bool:
-        return self.phase is Phase.HANDED_OVER
+        return self.state is HANDED_OVER
 
     @property
     def successor_pid(self) -> int | None:
         return self._successor_pid
 
-    def _set_phase(self, phase: Phase) -> None:
-        self.phase = phase
+    def _go(self, event: str) -> None:
+        """Move as :data:`PHASE_MOVES` says on ``event``; the succession is told of a new phase."""
+        old = self.state
+        phase = self.fire(event)
+        if phase is old:
+            return
         try:
             self._on_phase(phase)
         except Exception:
@@ -252,11 +287,11 @@ class Predecessor:
             raise ReloadUnavailable(self.unavailable)
         if self.handed_over:
             raise ReloadBusy(f"this process (pid {os.getpid()}) has handed over to pid {self._successor_pid} already")
-        if self.phase is not Phase.IDLE:
+        if self.state is not IDLE:
             raise ReloadBusy("a reload is under way already")
         if self._stopping:
             raise ReloadBusy("this process is stopping")
-        self._set_phase(Phase.STARTING)
+        self._go("reload")
         self._reload_over = Deferred()
         self._stop_asked = Deferred()
         began = self._reactor.seconds()
@@ -264,8 +299,7 @@ class Predecessor:
         try:
             return await self._reload(began)
         except BaseException:
-            if self.phase is not Phase.IDLE:
-                self._set_phase(Phase.IDLE)
+            self._go("failed")
             self._notify("READY=1", f"STATUS=serving (version {__version__}; the last reload failed)")
             raise
         finally:
@@ -303,7 +337,7 @@ class Predecessor:
             self._give_up(kill=not self._stopping)
             raise
         handing = self._reactor.seconds()
-        self._set_phase(Phase.PREPARING)
+        self._go("ready")
         moments.reached("preparing")
         try:
             await self._prepare(link)
@@ -386,7 +420,7 @@ class Predecessor:
         for member in self._pool.members:
             member.drainer.hold_release_until(self._frozen)
         self._undivert = divert((listener.factory for listener in self._listeners.values()), self._diverted)
-        self._set_phase(Phase.COMMITTING)
+        self._go("commit")
         self._send_parked(link, None, pending=True)
         self._send_connections(link, pending=True)
         link.send({"type": "commit", **self._snapshot()})
@@ -404,7 +438,7 @@ class Predecessor:
             exported.let_go()
         self._pending_parked.clear()
         self._pending_connections.clear()
-        self._set_phase(Phase.HANDED_OVER)
+        self._go("committed")
         if not self._stopping_both:
             child.forget()
         for listener in self._listeners.values():
@@ -446,7 +480,7 @@ class Predecessor:
             frozen.callback(None)
         for listener in self._listeners.values():
             listener.resume()
-        self._set_phase(Phase.IDLE)
+        self._go("taken_back")
         queued, self._queued = self._queued, []
         for request in queued:
             serve_here(request)
@@ -657,9 +691,9 @@ class Predecessor:
 
     def _diverted(self, request) -> None:
         """A request read after the commit (connections.divert): the successor's to answer, with its connection."""
-        if self.phase is Phase.COMMITTING:
+        if self.state is COMMITTING:
             self._queued.append(request)  # the commit's outcome first
-        elif self.phase is Phase.HANDED_OVER and self._link is not None and not self._link.closed.called:
+        elif self.state is HANDED_OVER and self._link is not None and not self._link.closed.called:
             self._outgoing.append(request)
             if len(self._outgoing) == 1:
                 # At the reactor's next turn: what the client pipelined behind it is buffered by then.
@@ -785,7 +819,7 @@ class Predecessor:
             return succeed(None)
         self._stopping = True
         child, over = self._child, self._reload_over
-        if self.phase is not Phase.COMMITTING:
+        if self.state is not COMMITTING:
             if self._link is not None and not self._link.closed.called:
                 self._link.send({"type": "abort"})
             log.warn("reload: this process stops while pid {pid} was taking over: that one lets go and stops too",

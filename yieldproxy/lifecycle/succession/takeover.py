@@ -18,6 +18,7 @@ What each moment of a death or a stop leaves: docs/operating.md
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import time
@@ -29,6 +30,7 @@ from twisted.logger import Logger
 
 from ... import __version__
 from ...edge.sockets import nonblocking_cloexec
+from ...states import Machine, Moves
 from . import moments
 from .connections import make_again
 from .link import Link, LinkClosed, adopt_link
@@ -127,6 +129,40 @@ def refuse(environ: MutableMapping[str, str], why: str) -> bool:
     return True
 
 
+class Stage(enum.Enum):
+    """Where the new process is in taking over (see the module docstring)."""
+
+    #: Holding what comes, untouched, until the commit (the predecessor owns it all).
+    WAITING = "waiting"
+    #: Owning everything: making what it held again.
+    COMMITTED = "committed"
+    #: Everything it held is in: it serves.
+    SERVING = "serving"
+    #: It let go before the commit (the predecessor keeps everything), and stops.
+    ABORTED = "aborted"
+
+
+WAITING, COMMITTED, SERVING, ABORTED = Stage.WAITING, Stage.COMMITTED, Stage.SERVING, Stage.ABORTED
+
+#: What each event of a takeover does to the new process's stage; any other is a bug
+#: (:class:`~yieldproxy.states.Unexpected`).
+STAGE_MOVES: Moves[Stage, str] = Moves("a handover's new process", {
+    # The predecessor's ``commit`` is read: ``committed`` is sent, and acted on once it has left.
+    (WAITING, "commit"): COMMITTED,
+    # The predecessor died before the commit (liveness.py): this process takes over with what it holds.
+    (WAITING, "orphaned"): COMMITTED,
+    # The link ended before ``committed`` left: nothing is acted on until the predecessor's fate is known
+    # (stopped meanwhile, its stop made what it held again: the same).
+    (COMMITTED, "unsent"): WAITING,
+    (SERVING, "unsent"): WAITING,
+    # Everything held is made again (said again once a stop made the rest at once: nothing moves).
+    (COMMITTED, "all_in"): SERVING,
+    (SERVING, "all_in"): SERVING,
+    # Let go of everything before the commit; said after it, or again, nothing moves.
+    **{(stage, "let_go"): ABORTED if stage is WAITING else stage for stage in Stage},
+})
+
+
 @attrs.define(eq=False)
 class _Held:
     """A parked request or a connection come before the commit: its descriptor and bytes, untouched."""
@@ -138,8 +174,11 @@ class _Held:
 
 
 @attrs.define(eq=False, repr=False)
-class TakeOver:
-    """Takes over what the predecessor hands over (see the module docstring)."""
+class TakeOver(Machine[Stage, str]):
+    """Takes over what the predecessor hands over (see the module docstring); its stage is driven by
+    :data:`STAGE_MOVES`."""
+
+    moves = STAGE_MOVES
 
     _reactor: Any
     _inheritance: Inheritance
@@ -165,8 +204,8 @@ class TakeOver:
     started_at: float = attrs.field(factory=time.time)
     adopted: int = 0
     connections: int = 0
-    #: ``waiting`` (for the commit), ``committed`` (making what it held again), ``serving``, ``aborted``.
-    state: str = "waiting"
+    #: Its named state (:data:`STAGE_MOVES`).
+    state: Stage = attrs.field(default=WAITING, init=False)
     _link: Link | None = None
     _held: list[_Held] = attrs.Factory(list)
     #: How many of :attr:`_held` (its first ones) are connections.
@@ -184,11 +223,11 @@ class TakeOver:
     @property
     def done(self) -> bool:
         """Everything the predecessor held is in (or the takeover is over)."""
-        return self.state in ("serving", "aborted")
+        return self.state is SERVING or self.state is ABORTED
 
     @property
     def committed(self) -> bool:
-        return self.state in ("committed", "serving")
+        return self.state is COMMITTED or self.state is SERVING
 
     def stop_signalled(self) -> None:
         """A SIGTERM or SIGINT has come (called by the signal handler itself: it only notes it)."""
@@ -218,7 +257,7 @@ class TakeOver:
                 return
             self._take(kind, message, blob, fds)
             self._ack(message)
-            if kind == "parked" and self.state == "waiting":
+            if kind == "parked" and self.state is WAITING:
                 moments.reached("held")
         elif kind == "commit":
             self._commit(message)
@@ -238,7 +277,7 @@ class TakeOver:
                 os.close(fd)
             raise BadFrame(f"{len(records)} {kind} records with {len(fds)} descriptors")
         held = [_Held(kind, record, data, fd) for (record, data), fd in zip(records, fds)]
-        if self.state == "waiting":
+        if self.state is WAITING:
             # Not a byte read, not a byte written: the predecessor has them too.  Connections first: their
             # clients (a keep-alive one, one just accepted) are about to send, the parked ones wait anyway.
             if kind == "connections":
@@ -246,7 +285,7 @@ class TakeOver:
                 self._connections_held += len(held)
             else:
                 self._held.extend(held)
-        elif self.state == "aborted":
+        elif self.state is ABORTED:
             for item in held:
                 os.close(item.fd)
         else:
@@ -287,7 +326,7 @@ class TakeOver:
 
     def _commit(self, message: dict[str, Any]) -> None:
         """``commit``: say ``committed``, and act on it once that has left this process."""
-        if self.state != "waiting":
+        if self.state is not WAITING:
             return  # stopping already: the predecessor reads no ``committed`` and keeps everything
         assert self._link is not None
         moments.reached("commit")
@@ -295,7 +334,7 @@ class TakeOver:
             # Told to stop before ``committed`` is out: a stop before the commit (the predecessor keeps everything).
             self._abort("this process was told to stop (SIGTERM or SIGINT)")
             return
-        self.state = "committed"
+        self.fire("commit")
         self._link.send({"type": "committed", "pid": os.getpid(), "version": __version__})
         self._link.flushed(self._reactor).addCallbacks(
             lambda _: self._owned(message), lambda failure: self._unsent(failure, message),
@@ -310,7 +349,7 @@ class TakeOver:
         """The link ended before ``committed`` left: the predecessor is gone (this process acts on the commit:
         no one else has these connections), or ended the handover (it keeps them)."""
         failure.trap(LinkClosed)
-        self.state = "waiting"  # not acted on: until the predecessor's fate is known, nothing is made again
+        self.fire("unsent")  # not acted on: until the predecessor's fate is known, nothing is made again
         self._link_ended("before it read the commit", lambda: self._act(message))
 
     def _link_ended(self, when: str, take_over: Callable[[], None]) -> None:
@@ -331,7 +370,7 @@ class TakeOver:
 
     def _decided(self, verdict: Fate, when: str, take_over: Callable[[], None]) -> None:
         pid = self._inheritance.pid
-        if self.state != "waiting":
+        if self.state is not WAITING:
             return  # stopped meanwhile: a stop is a stop
         if verdict is Fate.LET_GO:
             if self._abort(f"pid {pid} ended the handover {when}"):
@@ -340,7 +379,7 @@ class TakeOver:
         log.warn("reload: the process this one replaces (pid {pid}) died during the handover ({when}); this one "
                  "takes over the {count} connections it held, with the holds the holds file has", pid=pid, when=when,
                  count=len(self._held))
-        self.state = "committed"
+        self.fire("orphaned")
         take_over()
 
     def _act(self, message: dict[str, Any] | None) -> None:
@@ -375,9 +414,9 @@ class TakeOver:
         self._serve()
 
     def _serve(self) -> None:
-        if self.state != "committed":
+        old = self.state
+        if self.fire("all_in") is old:
             return
-        self.state = "serving"
         if self._inheritance.peer is not None:
             self._inheritance.peer.close()
         adopting, self._adopting = self._adopting, None
@@ -395,9 +434,9 @@ class TakeOver:
 
     def _abort(self, why: str) -> bool:
         """Before the commit: let go of everything (the predecessor keeps it) and say so; True if it did."""
-        if self.state != "waiting":
+        old = self.state
+        if self.fire("let_go") is old:
             return False
-        self.state = "aborted"
         for listener in self._listeners.values():
             if listener.key in self._inheritance.taken:
                 listener.release()  # not closed: the listening sockets stay the predecessor's
@@ -417,7 +456,7 @@ class TakeOver:
 
     def _lost(self, _: object) -> None:
         """The link ended: before the commit, the predecessor exited, or ended the handover (liveness.py)."""
-        if self.state != "waiting":
+        if self.state is not WAITING:
             return
         self._link_ended("before the commit", lambda: self._act(None))
 
@@ -427,9 +466,9 @@ class TakeOver:
 
         Fires once the link has ended (what was sent on it, ``aborting`` included, is out: the predecessor
         reads why), or after :data:`CLOSE_SECONDS` if the predecessor reads nothing."""
-        if self.state == "waiting":
+        if self.state is WAITING:
             self._abort("this process was told to stop (SIGTERM or SIGINT)")
-        elif self.state == "committed" and self._held:
+        elif self.state is COMMITTED and self._held:
             held, self._held = self._held, []
             for item in held:
                 self._make_again(item)
