@@ -81,6 +81,8 @@ def log_request(
     started: float,
     clock: IReactorTime,
     logger: Logger = log,
+    served_by: str | None = None,
+    translated_by: str | None = None,
 ) -> dict[str, Any]:
     """Log that ``request`` ended; returns the event (its fields, and Twisted's ``log_*`` keys).
 
@@ -91,6 +93,8 @@ def log_request(
     :param parked_seconds: total time parked (None or 0 when never parked).
     :param attempts: upstream attempts made (0 when refused before any).
     :param started: ``clock.seconds()`` when the request arrived.
+    :param served_by: the pool member its last attempt went to (a pool of several).
+    :param translated_by: the member that answered it in another dialect (upstream/translated_attempt.py).
 
     Answers of 500 and above are logged at ``warn``, the rest at ``info``.
     """
@@ -105,10 +109,7 @@ def log_request(
     attempts = int(attempts)
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
-    # The pool member its last attempt went to (a pool of several), and whether it answered in another
-    # dialect, translated (upstream/translated_attempt.py): each only when it is so.
-    upstream = getattr(request, "served_by", None)
-    translated = getattr(request, "translated_by", None)
+    upstream, translated = served_by, translated_by
     # The event Logger.emit would make, handed to its observer directly: emit
     # checks its level against LogLevel.iterconstants(), which sorts the levels
     # on every call, and builds the event from keyword arguments twice.  The
