@@ -37,8 +37,6 @@ from .facts import RequestFacts
 from .outcome import Outcomes, peer_host, write_refusal
 from .target import BadTarget, Target, parse_target
 
-#: What a body over ``proxy.max_body_bytes`` is told.
-TOO_LARGE = "request body larger than proxy.max_body_bytes"
 #: Bodies larger than this are not read for the unload idiom during a yield.
 UNLOAD_BODY_LIMIT = 4096
 
@@ -167,7 +165,9 @@ class Admission:
 
     def too_large(self, request: Any, facts: RequestFacts, api: str) -> bytes:
         limit = self._config.proxy.max_body_bytes
-        return self._outcomes.refuse(request, facts, api, 413, "too_large", f"{TOO_LARGE} ({limit} bytes)")
+        return self._outcomes.refuse(
+            request, facts, api, 413, "too_large", f"request body larger than proxy.max_body_bytes ({limit} bytes)"
+        )
 
     def _adopted(self, request: Any, facts: RequestFacts, target: Target, body: bytes, api: str, carried: Any):
         """An adopted request (:meth:`ProxyApp.adopt`) parks again as it was, for the members eligible for it here."""

@@ -17,12 +17,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ..config import Config
-from ..lot.classify import UNLOAD_PATHS, BadBody, is_unload
 from ..lot.gate import Gate
 from ..lot.parking import LEFT, Entry, HandedOver, Refused
 from ..observe.metrics import Metrics
-from ..servers import ModelCall
-from ..servers.gojson import find_model, read_request
 from ..upstream.attempt import (
     Attempt,
     ClientBuffers,
@@ -34,14 +31,13 @@ from ..upstream.attempt import (
 )
 from ..upstream.pool.member import Member
 from ..upstream.pool.members import answer_headers, served_outcome
-from ..upstream.pool.rename import renamed_body
 from ..upstream.pool.routing import Pool
-from ..upstream.served import MANAGEMENT_PATHS, redefined_by
+from ..upstream.served import MANAGEMENT_PATHS
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import parse_request
 from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
-from .admission import UNLOAD_BODY_LIMIT
 from .back_in_line import BACK_IN_LINE, back_in_line
+from .calls import body_for, failed_call_on, managed, unloads
 from .facts import HANDED_OVER, RequestFacts
 from .outcome import Outcomes
 from .target import Target
@@ -50,61 +46,6 @@ log = Logger()
 
 #: :meth:`AttemptLoop._act`'s answer when the request goes round again.
 _RETRY = object()
-
-
-def failed_call(target: Target, body: bytes) -> ModelCall | None:
-    """What a failed model call was (route and model), so the outage probe can test the same kind.
-
-    The route is the canonical path the request was classified and forwarded
-    on; the model is the one Ollama's Go decoder reads (:func:`gojson.find_model`:
-    a large body is scanned, not parsed whole).  None when the body names no
-    model: the probe is then the health path.
-    """
-    try:
-        model = find_model(body)
-    except BadBody:
-        return None
-    return ModelCall(target.path, model) if model else None
-
-
-def failed_call_on(target: Target, entry: Entry, body: bytes, member: Member) -> ModelCall | None:
-    """What failed (or was served) on ``member``, for its outage probe: a translated attempt ran its own
-    embedding route."""
-    if entry.routing is not None and member.name in entry.routing.translated and entry.model:
-        return ModelCall(member.server.embed_path, member.catalogue.own_name(entry.model) or entry.model)
-    if entry.model:
-        # Read at admission, as failed_call reads it: not read again on every success.  The member's
-        # own name (its model_map), as the request asked it: the probe asks for what failed.
-        return ModelCall(target.path, member.catalogue.own_name(entry.model) or entry.model)
-    return failed_call(target, body)
-
-
-def body_for(member: Member, model: str | None, body: bytes) -> bytes:
-    """The body as ``member`` takes it: with its own name for the model when its ``model_map`` renames it."""
-    if model is None:
-        return body
-    own = member.catalogue.own_name(model)
-    return body if own is None else renamed_body(body, own)
-
-
-def managed(member: Member, path: str, body: bytes) -> None:
-    """A model-management call was answered 2xx: the model it defined anew loses its standing in the record
-    of what ``member`` served, the one it deleted leaves it (upstream/served.py)."""
-    redefined, deleted = redefined_by(path, body)
-    if redefined is not None:
-        member.health.record.redefined(redefined)
-    if deleted is not None:
-        member.health.record.deleted(deleted)
-
-
-def _unloads(method: bytes, path: str, body: bytes) -> bool:
-    """Whether a request answered 2xx was an unload (it loaded nothing, so it shows nothing about the GPU)."""
-    if path not in UNLOAD_PATHS or len(body) > UNLOAD_BODY_LIMIT:
-        return False
-    try:
-        return is_unload(method.decode("latin-1"), path, read_request(body))
-    except BadBody:
-        return False
 
 
 def _no_verdict(value: object, timeout: float) -> None:
@@ -243,7 +184,7 @@ class AttemptLoop:
         # Only a 2xx shows that the upstream serves the model (a 404 for a model it lacks does not, nor an
         # unload, which loads nothing): its record of served models is the evidence of its outage verdicts
         # (upstream/served.py).
-        ran = 200 <= status < 300 and not _unloads(request.method, target.path, body)
+        ran = 200 <= status < 300 and not unloads(request.method, target.path, body)
         member.health.served(failed_call_on(target, entry, body, member) if ran else None, began)
         if 200 <= status < 300 and target.path in MANAGEMENT_PATHS:
             managed(member, target.path, body_for(member, entry.model, body))

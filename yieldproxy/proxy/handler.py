@@ -38,7 +38,7 @@ from ..observe.requestlog import log_request
 from ..upstream.attempt import ClientBuffers
 from ..upstream.pool.member import Member
 from ..upstream.pool.routing import Pool
-from .admission import TOO_LARGE, Admission
+from .admission import Admission
 from .attempts import AttemptLoop
 from .facts import RequestFacts
 from .outcome import Outcomes
@@ -155,13 +155,19 @@ class ProxyApp:
 
     def _refuse_now(self, request, api: str, status: int, reason: str, message: str, **kw) -> bytes:
         """An answer given outside the handler's life (the listener's, a bug's), its outcome written at once."""
-        known: RequestFacts | None = getattr(request, "facts", None)
-        facts = request.facts = RequestFacts(self._clock.seconds())
-        if known is not None:  # a bug's: the request's arrival, and the member it went to
-            facts.started_at, facts.served_by, facts.translated_by = known.started_at, known.served_by, known.translated_by
+        facts = self._new_facts(request)
         answer = self._outcomes.refuse(request, facts, api, status, reason, message, **kw)
         self._outcomes.close(request, facts)
         return answer
+
+    def _new_facts(self, request) -> RequestFacts:
+        """A fresh record for an answer given outside the handler's life; a bug's keeps the request's arrival
+        and the member it went to."""
+        known: RequestFacts | None = getattr(request, "facts", None)
+        facts = request.facts = RequestFacts(self._clock.seconds())
+        if known is not None:
+            facts.started_at, facts.served_by, facts.translated_by = known.started_at, known.served_by, known.translated_by
+        return facts
 
     def _internal_error(self, request) -> bytes:
         """A bug's answer (its traceback is logged): a 500 in the API's shape, counted and logged once."""
@@ -180,10 +186,10 @@ class ProxyApp:
             target = parse_target(request.uri)
         except BadTarget as e:
             return self._refuse_now(request, api_family(request.path), 400, "bad_request", str(e))
-        limit = self._config.proxy.max_body_bytes
-        return self._refuse_now(
-            request, api_family(target.api_path), 413, "too_large", f"{TOO_LARGE} ({limit} bytes)"
-        )
+        facts = self._new_facts(request)
+        answer = self._admission.too_large(request, facts, api_family(target.api_path))
+        self._outcomes.close(request, facts)
+        return answer
 
     def refuse_receiving(self, request) -> bytes:
         """The answer to a body the HTTP layer stopped reading: ``proxy.max_receiving_bytes`` is used up."""

@@ -22,7 +22,7 @@ from ..upstream.pool.member import Member
 from ..upstream.pool.routing import Pool
 from ..upstream.served import MANAGEMENT_PATHS
 from ..upstream.verdict import Reason, gateway_status
-from .attempts import body_for, managed
+from .calls import body_for, managed
 from .facts import RequestFacts
 from .outcome import Outcomes
 from .target import Target

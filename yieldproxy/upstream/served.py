@@ -7,7 +7,7 @@ is that knowledge, one per upstream (its :class:`~yieldproxy.upstream.health.Ups
 owns it), and a client can neither fill it nor empty it:
 
 * **Only what the upstream served enters it**: a model call answered 2xx
-  (:meth:`ServedRecord.served`; proxy/handler.py tells it), never a name a request
+  (:meth:`ServedRecord.served`; proxy/attempts.py tells it), never a name a request
   merely named, never an error answer, never a probe.  A model Ollama does
   not have (its 404) never enters.
 * **One entry per model, not per spelling**: the key is the model's

@@ -1,7 +1,7 @@
 """Why an attempt failed, and what becomes of its request: the one verdict on a failed attempt (issue 27).
 
 Pure: no I/O, no clock, no logging, nothing kept.  The proxy app's attempt
-loop (proxy/handler.py) gathers the facts, asks :func:`verdict` and does what it
+loop (proxy/attempts.py) gathers the facts, asks :func:`verdict` and does what it
 says (the metrics, the log lines, the answer); the replayer's pace follows
 :func:`slows_replay`.  The probe itself is the outage watcher's
 (watchers/outage.py, on upstream/evidence.py's table): the verdict only says when to

@@ -328,7 +328,7 @@ def test_a_failed_translated_attempt_is_probed_on_the_members_own_route_and_name
     """The outage probe after a failure tests the call that failed: the member's embedding route, its model name."""
     from twisted.internet.testing import MemoryReactorClock
 
-    from yieldproxy.proxy.attempts import failed_call_on
+    from yieldproxy.proxy.calls import failed_call_on
     from yieldproxy.proxy.target import parse_target
     from yieldproxy.servers import ModelCall
     from yieldproxy.service import build
