@@ -109,7 +109,6 @@ def log_request(
     attempts = int(attempts)
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
-    upstream, translated = served_by, translated_by
     # The event Logger.emit would make, handed to its observer directly: emit
     # checks its level against LogLevel.iterconstants(), which sorts the levels
     # on every call, and builds the event from keyword arguments twice.  The
@@ -130,8 +129,8 @@ def log_request(
         "request_line": (
             f"{method} {path} {cls} {code} {outcome} parked={parked:.3f}s attempts={attempts} "
             f"{duration:.3f}s client={client}"
-            + (f" upstream={upstream}" if upstream else "")
-            + (f" translated={translated}" if translated else "")
+            + (f" upstream={served_by}" if served_by else "")
+            + (f" translated={translated_by}" if translated_by else "")
         ),
         "log_logger": logger,
         "log_level": LogLevel.warn if code >= 500 else LogLevel.info,
@@ -140,10 +139,10 @@ def log_request(
         "log_format": _REQUEST_FORMAT,
         "log_time": time.time(),
     }
-    if upstream:
-        event["upstream"] = upstream
-    if translated:
-        event["translated"] = translated
+    if served_by:
+        event["upstream"] = served_by
+    if translated_by:
+        event["translated"] = translated_by
     logger.observer(event)
     return event
 
