@@ -74,7 +74,7 @@ def listener_error_body(path: bytes, status: int, message: str, code: str) -> by
     return error_body(api_family(path), status, message, code)
 
 
-def write_error(request: Any, api: str, status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
+def write_error(request: Any, api: str, status: int, message: str, code: str, retry_after: float | None = None) -> bytes:
     """Set status and headers on ``request`` and return the body to send."""
     # Twisted knows no reason phrase for 429 and would send "Unknown Status".
     request.setResponseCode(status, b"Too Many Requests" if status == 429 else None)

@@ -27,6 +27,7 @@ from yieldproxy.edge.site import ProxySite
 from yieldproxy.lot import classify
 from yieldproxy.lot.classify import PASSTHROUGH, Classifier
 from yieldproxy.observe.requestlog import log_request
+from yieldproxy.proxy import attempts
 from yieldproxy.service import build
 from yieldproxy.tools.sim import SimOllama
 
@@ -413,7 +414,7 @@ def test_a_bug_while_making_an_attempt_is_a_json_500_logged_once_and_gives_its_s
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(type(rig.proxy.proxy_app), "_body_for", broken)
+    monkeypatch.setattr(attempts, "body_for", broken)
     with capturedLogs() as events:
         answer = rig.result(rig.post("/api/embed", json={"model": "all-minilm", "input": ["x"]}))
     assert answer.code == 500 and answer.header("content-type")[0].startswith("application/json")

@@ -8,7 +8,7 @@ instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
 :class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
 
 How bytes from a client become a request lives in this package; what the
-proxy does with it is proxy/handler.py's.  A hostile or broken client must
+proxy does with it is proxy/'s job.  A hostile or broken client must
 not make the proxy buffer without bound, wait without bound, or forward
 anything it did not parse itself: the site carries the bounds (body size,
 read, keep-alive and slow-reader timeouts, the ``Host`` policy, the

@@ -81,6 +81,8 @@ def log_request(
     started: float,
     clock: IReactorTime,
     logger: Logger = log,
+    served_by: str | None = None,
+    translated_by: str | None = None,
 ) -> dict[str, Any]:
     """Log that ``request`` ended; returns the event (its fields, and Twisted's ``log_*`` keys).
 
@@ -91,6 +93,8 @@ def log_request(
     :param parked_seconds: total time parked (None or 0 when never parked).
     :param attempts: upstream attempts made (0 when refused before any).
     :param started: ``clock.seconds()`` when the request arrived.
+    :param served_by: the pool member its last attempt went to (a pool of several).
+    :param translated_by: the member that answered it in another dialect (upstream/translated_attempt.py).
 
     Answers of 500 and above are logged at ``warn``, the rest at ``info``.
     """
@@ -105,10 +109,6 @@ def log_request(
     attempts = int(attempts)
     duration = round(max(0.0, clock.seconds() - started), 3)
     client = _client(request)
-    # The pool member its last attempt went to (a pool of several), and whether it answered in another
-    # dialect, translated (upstream/translated_attempt.py): each only when it is so.
-    upstream = getattr(request, "served_by", None)
-    translated = getattr(request, "translated_by", None)
     # The event Logger.emit would make, handed to its observer directly: emit
     # checks its level against LogLevel.iterconstants(), which sorts the levels
     # on every call, and builds the event from keyword arguments twice.  The
@@ -129,8 +129,8 @@ def log_request(
         "request_line": (
             f"{method} {path} {cls} {code} {outcome} parked={parked:.3f}s attempts={attempts} "
             f"{duration:.3f}s client={client}"
-            + (f" upstream={upstream}" if upstream else "")
-            + (f" translated={translated}" if translated else "")
+            + (f" upstream={served_by}" if served_by else "")
+            + (f" translated={translated_by}" if translated_by else "")
         ),
         "log_logger": logger,
         "log_level": LogLevel.warn if code >= 500 else LogLevel.info,
@@ -139,10 +139,10 @@ def log_request(
         "log_format": _REQUEST_FORMAT,
         "log_time": time.time(),
     }
-    if upstream:
-        event["upstream"] = upstream
-    if translated:
-        event["translated"] = translated
+    if served_by:
+        event["upstream"] = served_by
+    if translated_by:
+        event["translated"] = translated_by
     logger.observer(event)
     return event
 

@@ -90,6 +90,8 @@ class TranslatedAttempt:
         self._parts: list[bytes] = []
         self._size = 0
         self._began = 0.0
+        #: The member's name once it answered the caller (the request log names it: observe/requestlog.py).
+        self.translated_by: str | None = None
 
     def run(self) -> Deferred:
         shape = self._server.embed_shape
@@ -186,8 +188,7 @@ class TranslatedAttempt:
         for name, value in self._extra_headers:
             headers.setRawHeaders(name, [value])
         request.write(body)
-        # The request log names the member that answered in another dialect (observe/requestlog.py).
-        request.translated_by = self._member
+        self.translated_by = self._member
         return code
 
     def _failed(self, failure):

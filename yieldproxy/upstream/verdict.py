@@ -1,7 +1,7 @@
 """Why an attempt failed, and what becomes of its request: the one verdict on a failed attempt.
 
 Pure: no I/O, no clock, no logging, nothing kept.  The proxy app's attempt loop
-(proxy/handler.py) gathers the :class:`Facts`, asks :func:`verdict` and does what it
+(proxy/attempts.py) gathers the :class:`Facts`, asks :func:`verdict` and does what it
 says; the replayer's pace follows :func:`slows_replay`.  The outage probe is the outage
 watcher's: the verdict only says when to ask it (:attr:`Verdict.ASK_JUDGE`).  Each
 :class:`Reason` is the metric label it names, spelt here once.  The verdict's rows, in

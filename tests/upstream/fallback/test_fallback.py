@@ -397,7 +397,7 @@ def test_serves_a_verified_model_with_a_header():
     assert answer["model"] == MODEL
     assert answer["embeddings"][1] == pytest.approx(expected_embedding("world", MODEL))
     assert core.sample("yieldproxy_fallback_total", **{"class": "batch", "outcome": "ok"}) == 1
-    # requests_total is the proxy's to count, once per request (ProxyApp._log).
+    # requests_total is the proxy's to count, once per request (proxy/outcome.py, Outcomes.close).
 
 
 def test_model_names_with_and_without_latest_are_one_model():

@@ -268,7 +268,7 @@ def test_a_translated_attempt_sends_the_members_shape_and_name_and_answers_in_th
     answer = json.loads(b"".join(request.written))
     assert answer["model"] == MODEL and answer["embeddings"] == [[0.6, 0.8], [0.0, 1.0]]
     assert request.responseHeaders.getRawHeaders(b"x-yield-parked-seconds") == [b"1.500"]
-    assert request.translated_by == "cpu"
+    assert upstream.sent[0][3].translated_by == "cpu"  # the attempt: the request log names its member
 
 
 def test_a_translated_attempts_failures_are_retryable_with_the_callers_error_shape():
@@ -328,15 +328,16 @@ def test_a_failed_translated_attempt_is_probed_on_the_members_own_route_and_name
     """The outage probe after a failure tests the call that failed: the member's embedding route, its model name."""
     from twisted.internet.testing import MemoryReactorClock
 
+    from yieldproxy.proxy.calls import failed_call_on
     from yieldproxy.proxy.target import parse_target
     from yieldproxy.servers import ModelCall
     from yieldproxy.service import build
 
     config = pool_config(DESKTOP, {**CPU, "api": "infinity", "model_map": {MODEL: "minilm-cpu"}})
     proxy = build(MemoryReactorClock(), config)
-    app, pool = proxy.proxy_app, proxy.pool
+    pool = proxy.pool
     body = json.dumps({"model": MODEL, "input": ["a"]}).encode()
     entry = Entry(cls="batch", routing=pool.routing("POST", "/api/embed", "batch", MODEL))
     target = parse_target(b"/api/embed")
-    assert app._failed_call(target, entry, body, pool.member("cpu")) == ModelCall("/embeddings", "minilm-cpu")
-    assert app._failed_call(target, entry, body, pool.member("desktop")) == ModelCall("/api/embed", MODEL)
+    assert failed_call_on(target, entry, body, pool.member("cpu")) == ModelCall("/embeddings", "minilm-cpu")
+    assert failed_call_on(target, entry, body, pool.member("desktop")) == ModelCall("/api/embed", MODEL)

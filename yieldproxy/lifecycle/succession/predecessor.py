@@ -635,11 +635,11 @@ class Predecessor(Machine[Phase, str]):
         records: list[tuple[Any, bytes]] = []
 
         def take(request, entry, body: bytes) -> Deferred[bool] | None:
-            """Called by the request's waiter (proxy/handler.py) with what only it holds: the request and its body."""
+            """Called by the request's waiter (proxy/attempts.py) with what only it holds: the request and its body."""
             exported = export_parked(request, body)
             if exported is None:
                 return None  # the client went away meanwhile: nothing to send on
-            carried = Carried(started_at=request.started_at, standing=entry.standing(self._reactor.seconds()))
+            carried = Carried(started_at=request.facts.started_at, standing=entry.standing(self._reactor.seconds()))
             records.append((
                 {**carried.as_json(), "family": exported.family, "connection": exported.connection, "fd": exported.fd},
                 exported.data,
