@@ -507,8 +507,6 @@ LONG_DOCSTRINGS = frozenset({
     "yieldproxy/servers/tei.py",
     "yieldproxy/upstream/evidence.py",
     "yieldproxy/upstream/fallback/__init__.py",
-    "yieldproxy/upstream/pool/member.py",
-    "yieldproxy/upstream/pool/routing.py",
     "yieldproxy/upstream/pool/twins.py",
     "yieldproxy/upstream/served.py",
     "yieldproxy/upstream/verdict.py",

@@ -55,23 +55,17 @@ def attempt_client(attempt, state):
     return lambda new: attempt._client_to(new)
 
 
-def entry_stay(entry, state):
-    entry.state = state
-    return entry.move
-
-
 def _attempt():
     return Attempt(Clock(), Upstream(), Request(Channel()), b"", 5.0, target=b"/api/embed")
 
 
 def _member():
-    return make_pool_core({"name": "a"}, {"name": "b"}).gate.pool.member("a")
+    return make_pool_core({"name": "a"}, {"name": "b"}).gate.member("a")
 
 
 TABLES = {
     "attempt answer": (Answer, ANSWER_MOVES, _attempt, attempt_answer),
     "attempt client": (type(OPEN), CLIENT_MOVES, _attempt, attempt_client),
-    "entry": (Stay, ENTRY_MOVES, lambda: Entry(cls="batch"), entry_stay),
 }
 
 
@@ -91,9 +85,43 @@ def test_each_table_names_every_state_and_its_mover_makes_exactly_its_moves(name
 
 
 def test_the_end_states():
-    assert ANSWER_MOVES[ENDED] == frozenset() and CLIENT_MOVES[GONE] == frozenset() and ENTRY_MOVES[LEFT] == frozenset()
+    assert ANSWER_MOVES[ENDED] == frozenset() and CLIENT_MOVES[GONE] == frozenset() and ENTRY_MOVES.next[LEFT] == {}
     # A member has no end: it is stopped (a lifecycle flag), in whatever condition it was.
     assert all(CONDITION_MOVES.next[c] for c in Condition)
+
+
+def test_an_entrys_table_names_every_stay_and_its_events_make_exactly_its_moves():
+    """The entry's table drives (yieldproxy/states.py), as the member's does: each (stay, event) moves where
+    it says, any other pair raises and leaves it where it was; and its moves are the ones an entry may make."""
+    assert ENTRY_MOVES.states == set(Stay)
+    events = {event for _, event in ENTRY_MOVES.table}
+    for stay, event in itertools.product(Stay, sorted(events)):
+        entry = Entry(cls="batch")
+        entry.state = stay
+        new = ENTRY_MOVES.table.get((stay, event))
+        if new is None:
+            with pytest.raises(Unexpected, match=f"cannot take '{event}' in state {stay.name}"):
+                entry.fire(event)
+            assert entry.state is stay
+        else:
+            assert entry.fire(event) is new and entry.state is new
+    moves = {(old, new) for (old, _), new in ENTRY_MOVES.table.items()}
+    assert {(old.value, new.value) for old, new in moves} == {
+        ("new", "parked"), ("new", "released"),
+        ("parked", "released"), ("parked", "left"), ("parked", "handed"),
+        ("released", "parked"),
+        ("handed", "left"), ("handed", "parked"),
+    }
+    # A caller that names where it goes (the proxy app's move(LEFT)) gets exactly those moves too.
+    for old, new in itertools.product(Stay, repeat=2):
+        entry = Entry(cls="batch")
+        entry.state = old
+        if (old, new) in moves:
+            entry.move(new)
+            assert entry.state is new
+        else:
+            with pytest.raises(Unexpected, match=f"in state {old.name}"):
+                entry.move(new)
 
 
 def test_a_members_table_names_every_condition_and_its_events_make_exactly_its_moves():
@@ -333,7 +361,7 @@ class Health:
 
 def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    a = core.gate.pool.member("a")
+    a = core.gate.member("a")
     health = a.control = Health()
     assert a.condition is SERVING and a.available()
     a.health.unanswered("connection refused")
@@ -343,7 +371,7 @@ def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core.run(0.5)
     health.answer(200, b"{}")
     assert a.condition is SERVING and a.available() and a.state_name() == "available"
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
@@ -351,7 +379,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     llama.control = Health()
     llama.health.not_ready("Loading model")
     assert llama.condition is NOT_READY and llama.state_name() == "not_ready"
@@ -360,7 +388,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
     assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE]
     llama.health.served()
     assert llama.condition is SERVING and core.state.holds_for("llama") == []
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
@@ -368,7 +396,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     health = llama.control = Health()
     llama.health.not_ready("Loading model")
     core.run(5)
@@ -380,7 +408,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
     core.run(6)
     llama.health.not_ready("Loading model")  # "loading" again, past the bound: a new run
     assert llama.condition is NOT_READY
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_that_has_answered_cannot_be_refusing():
@@ -413,7 +441,7 @@ def test_an_entry_goes_new_released_parked_released_and_leaves_once_expired():
     core.gate.admit(entry).addErrback(outcome.append)
     core.run(core.gate._classes["batch"].hold_seconds + 1)
     assert entry.state is LEFT and outcome[0].check(Refused)
-    with pytest.raises(RuntimeError, match="from left to parked"):
+    with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(entry, 10)
 
 
@@ -447,7 +475,7 @@ def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one
     core.lot.hand_over(first, lambda *what: None)
     again.addErrback(lambda f: f.trap(HandedOver))
     first.move(LEFT)  # had there this time
-    with pytest.raises(RuntimeError, match="from left to parked"):
+    with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(first, 10)
 
 

@@ -352,7 +352,7 @@ class TakeOver:
         self._adopting = Deferred()
         if self._pool is not None:
             for member in self._pool.members:
-                member.drainer.hold_release_until(self._adopting)
+                member.hold_release_until(self._adopting)
         for listener in self._listeners.values():
             listener.resume()
         # Then the holds file (its write waits on the disk: new connections need not) and the pidfile; a
