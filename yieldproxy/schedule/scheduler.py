@@ -270,9 +270,13 @@ class Scheduler:
 
     # -- the choice of member ------------------------------------------------------------------------------
 
+    def available(self, member: Member) -> bool:
+        """``member.available()``, the holds asked of the yield state here (the member does not ask the lot's)."""
+        return not self._state.yielded_for(member.name) and member.takes_work()
+
     def usable(self, member: Member, entry: Entry) -> bool:
         """Available now, and (for an embedding) the model's reference or a verified twin."""
-        return member.available() and self.twin_ok(member, entry)
+        return self.available(member) and self.twin_ok(member, entry)
 
     def choose(self, entry: Entry) -> Member | None:
         """The member ``entry`` goes to at once, or None: it parks.
@@ -355,11 +359,11 @@ class Scheduler:
         """Whether ``name``'s drainer has an entry to let out now: its member is available and something
         it may take waits (O(members) until it must look along its line)."""
         member = self._by_name[name]
-        if not (self._lines.waiting_for(name) and member.available()):
+        if not (self._lines.waiting_for(name) and self.available(member)):
             return False
         if (
             member.spec.standby and self.twin_ok is any_member
-            and all(m.available() for m in self.members if not m.spec.standby)
+            and all(self.available(m) for m in self.members if not m.spec.standby)
         ):
             # Every always member takes what it may: a standby one only what none of them may.
             if not self._lines.waiting_for(STANDBY_ONLY):
@@ -415,7 +419,7 @@ class Scheduler:
     @property
     def concurrency(self) -> int:
         """The replay slots of the available members (all of them when none is)."""
-        caps = [self._drainers[m.name].concurrency for m in self.members if m.available()]
+        caps = [self._drainers[m.name].concurrency for m in self.members if self.available(m)]
         return sum(caps) or sum(d.concurrency for d in self._drainers.values())
 
     @property

@@ -231,11 +231,15 @@ class Member(Machine[Condition, str]):
         return self._yields.yielded_for(self.spec.name)
 
     def available(self) -> bool:
-        """True when it takes requests now."""
+        """True when it takes requests now: no hold applies to it, and it :meth:`takes_work`."""
+        return not self._yields.yielded_for(self.spec.name) and self.takes_work()
+
+    def takes_work(self) -> bool:
+        """Nothing it knows of itself keeps it from taking requests: no held release, not not ready, not
+        passed over as unreachable (its holds are the yield state's, which the scheduler asks itself)."""
         condition = self.condition
         return not (
-            self._yields.yielded_for(self.spec.name) or self._release_gates or condition is NOT_READY
-            or (condition is REFUSING and not self.health.reachable)
+            self._release_gates or condition is NOT_READY or (condition is REFUSING and not self.health.reachable)
         )
 
     def state_name(self) -> str:
