@@ -29,9 +29,10 @@ from ..states import Machine, Moves, Unexpected
 
 log = Logger()
 
+
 def hold_bound(class_seconds: float, max_wait: float | None) -> tuple[float, bool]:
     """The longest a request may wait, and whether its caller set it: its class's hold bound, or the
-    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the gate's budget
+    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the scheduler's budget
     against a declared yield, and the deadline the lot gives an entry when it first parks."""
     if max_wait is not None and max_wait < class_seconds:
         return max_wait, True
@@ -45,7 +46,7 @@ class Stay(enum.Enum):
     NEW = "new"
     #: In the lot: its Deferred waits for a release.
     PARKED = "parked"
-    #: Let out to a member (by its drainer, or by the gate at once): its attempt runs there.
+    #: Let out to a member (by its drainer, or by the scheduler at once): its attempt runs there.
     RELEASED = "released"
     #: Out of the lot with its client, for a reload's new process to take on (lifecycle/succession/): it ends there
     #: once that process has it, or parks here again, in its place, when it will not.
@@ -131,7 +132,7 @@ class Entry(Machine[Stay, str]):
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
     parked_at: float | None = None
-    #: The pool member whose drainer let it out of the lot last, or the member the gate
+    #: The pool member whose drainer let it out of the lot last, or the member the scheduler
     #: sent it to (None: not let out yet, or let out with no target named).
     released_to: str | None = None
     #: Its model, route kind and eligible pool members, decided once at admission: the
@@ -251,7 +252,7 @@ class Refused(Exception):
 
     ``reason`` is a metric label (``queue_full``, ``over_budget``, ``expired``,
     ``shutdown``, ...); ``message`` is the sentence the caller reads.  The lot
-    refuses without ``retry_after``: the gate, which knows the yield and the
+    refuses without ``retry_after``: the scheduler, which knows the yield and the
     service time, explains it to the caller (:meth:`advised`).
     """
 
@@ -584,7 +585,7 @@ class ParkingLot:
         self._arm()
 
     def _expire(self, entry: Entry) -> None:
-        """Past its hold bound: refused (the gate adds what kept it: a yield, an outage, or a busy GPU)."""
+        """Past its hold bound: refused (the scheduler adds what kept it: a yield, an outage, or a busy GPU)."""
         deadline, first_parked = entry.deadline, entry.first_parked
         assert deadline is not None and first_parked is not None  # set when it was parked
         if entry.bound_by_caller:

@@ -10,7 +10,6 @@ are docs/pool.md's; which room owns what: docs/architecture.md ("The scheduler")
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -24,10 +23,10 @@ from ..config import ClassConfig, Config
 from ..lot.parking import Entry, ParkingLot, Refused, hold_bound
 from ..lot.replay import Replayer
 from ..lot.state import YieldState
-from ..names import LOADING_SOURCE, OUTAGE_SOURCE
 from ..observe.metrics import Metrics
 from ..upstream.pool.member import Member
 from ..upstream.pool.members import PoolShape
+from . import words
 from .lines import STANDBY_ONLY, Lines
 from .routing import Eligibility, Routing
 
@@ -35,11 +34,6 @@ log = Logger()
 
 #: Weight of the newest sample in the service-time average.
 _EWMA_WEIGHT = 0.1
-
-
-def _whole_seconds(seconds: float) -> int:
-    """Retry-After is whole seconds, at least 1; rounding noise must not add one."""
-    return max(1, math.ceil(seconds - 1e-6))
 
 
 def any_member(member: Member, entry: Entry) -> bool:
@@ -237,17 +231,7 @@ class Scheduler:
         if remaining <= budget:
             return
         self._metrics.rejected_total.labels(entry.cls, "over_budget").inc()
-        if by_caller:
-            why = (
-                f"wait longer than your X-Yield-Max-Wait: the GPU is expected back in "
-                f"{remaining:.0f}s, you allow {entry.max_wait:g}s"
-            )
-        else:
-            why = (
-                f"yielded past the hold bound: the GPU is expected back in {remaining:.0f}s, "
-                f"{entry.cls} requests are held at most {cls.hold_seconds:g}s"
-            )
-        raise Refused("over_budget", why, self.reject_status, _whole_seconds(remaining))
+        raise words.over_budget(entry, cls, remaining, by_caller, self.reject_status)
 
     def number_adopted(self, entry: Entry) -> None:
         """Place a request adopted from the process this one replaced (lifecycle/succession/) ahead of every arrival here."""
@@ -496,52 +480,13 @@ class Scheduler:
 
     def why_still_waiting(self, entry: Entry | None = None) -> str:
         """What keeps the lot waiting right now, for the message of a request that expires in it (in a
-        pool, what kept each member it may go to from taking it: the pool may be far from yielded)."""
+        pool, what kept each member it may go to from taking it)."""
         if entry is not None and self.shape.names_members:
-            return self._why_no_member(entry)
-        if self._state.yielded:
-            sources = sorted({hold.source for hold in self._state.holds})
-            if sources == [OUTAGE_SOURCE]:
-                return "the upstream was failing and had not recovered in time (outage detected by the proxy)"
-            if sources == [LOADING_SOURCE]:
-                return "the upstream was still loading its model past upstream.not_ready_max_seconds"
-            return f"the GPU was still yielded (held by {', '.join(sources)})"
-        loading = [m.name for m in self.members if m.not_ready]
-        if loading:
-            return f"the upstream was still loading its model (not ready: {', '.join(loading)})"
-        if self.release_held:
-            return "the GPU was back, but the models were still being loaded back onto it"
-        return (
-            f"the GPU was back, but the requests ahead of this one still held all "
-            f"{self.concurrency} replay slots"
-        )
-
-    def _why_no_member(self, entry: Entry) -> str:
-        reasons = []
-        for name in entry.eligible:
-            member = self._by_name[name]
-            state = member.state_name()
-            if state == "available" and not self.twin_ok(member, entry):
-                state = f"not a verified twin for {entry.model}'s embeddings"
-            elif state == "available":
-                state = "busy with the requests ahead of this one"
-            elif state == "not_ready":
-                state = "still loading its model (not ready)"
-            elif state in ("yielded", "outage"):
-                sources = sorted({hold.source for hold in self._state.holds_for(name)})
-                state = f"{state} (held by {', '.join(sources)})"
-            reasons.append(f"{name} {state}")
-        return "no upstream that may serve it was free: " + "; ".join(reasons)
+            return words.why_no_member(self._state, self._by_name, entry, self.twin_ok)
+        return words.why_the_lot_waits(self._state, self.members, self.release_held, self.concurrency)
 
     def retry_after(self) -> int:
-        """Seconds a refused caller should wait: the declared end of the yield when every hold gave one;
-        else, while yielded, as long again as it has lasted (at most 300); else the queue ahead times the
-        recent service time, spread over the replay slots."""
-        now = self._clock.seconds()
-        if self._state.yielded:
-            end = self._state.expected_end()
-            if end is not None:
-                return _whole_seconds(end - now)
-            since = self._state.yielded_since if self._state.yielded_since is not None else now
-            return min(300, _whole_seconds(now - since))
-        return _whole_seconds(len(self._lot) * self.service_seconds / self.concurrency)
+        """Seconds a refused caller should wait (:func:`.words.retry_after`)."""
+        return words.retry_after(
+            self._state, self._clock.seconds(), len(self._lot), self.service_seconds, self.concurrency
+        )
