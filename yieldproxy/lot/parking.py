@@ -487,11 +487,6 @@ class ParkingLot:
         """Let out the next entry (of those ``accepts`` allows) in drain order, to ``target``."""
         return self.release_first(self._heads(accepts), target)
 
-    def first(self, heads: dict[str, Entry]) -> Entry | None:
-        """Which of ``heads`` (one entry per waiting class) the drain order lets out next."""
-        cls = self._next_class(heads)
-        return heads[cls] if cls is not None else None
-
     def release_first(self, heads: dict[str, Entry], target: str | None = None) -> Entry | None:
         """Let out, of ``heads`` (one parked entry per class: the first of each a target may take), the one
         the drain order picks (class priority and share, FIFO within a class), and fire it.

@@ -119,7 +119,7 @@ class Scheduler:
 
     def drainer(self, name: str | None) -> Replayer:
         """Member ``name``'s drainer (None: the first's): its in-flight count, pace and backoff."""
-        return self._drainers[self.member(name).name]
+        return self._drainers[self.members[0].name if name is None else name]
 
     @property
     def drainers(self) -> tuple[Replayer, ...]:
@@ -128,11 +128,6 @@ class Scheduler:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
-
-    @property
-    def names_members(self) -> bool:
-        """Whether what is said of the pool names its members (``PoolShape.names_members``)."""
-        return self.shape.names_members
 
     def routing(
         self, method: str | None, path: str | None, cls: str, model: str | None, translatable: bool = True
@@ -149,18 +144,11 @@ class Scheduler:
     def members_serving(self, method: str, path: str) -> list[Member]:
         return self._eligibility.members_serving(method, path)
 
-    def forget_routings(self) -> None:
-        self._eligibility.forget()
-
     def waiting_for(self, name: str) -> int:
         """Parked entries member ``name`` is eligible for (schedule/lines.py)."""
         return self._lines.waiting_for(name)
 
     # -- admission --------------------------------------------------------------------------------------
-
-    @property
-    def yielded(self) -> bool:
-        return self._state.yielded
 
     def admit(self, entry: Entry) -> Deferred[Entry]:
         """A Deferred that fires with ``entry`` when it may go upstream, ``entry.released_to`` naming where.
