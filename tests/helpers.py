@@ -11,11 +11,11 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import Clock, Cooperator
 
 from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, RouteRule, VerificationConfig
-from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import Entry, ParkingLot
 from yieldproxy.lot.replay import Replayer
 from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
+from yieldproxy.schedule.scheduler import Scheduler
 from yieldproxy.servers import PROBE_TEXT
 from yieldproxy.service import build_core, one_step_cooperator
 from yieldproxy.upstream.health import UpstreamHealth
@@ -35,7 +35,7 @@ class Core:
     state: YieldState
     lot: ParkingLot
     replayer: Replayer
-    gate: Gate
+    gate: Scheduler
     #: The upstream's reachability and outage verdicts, as ``service.build`` gives them to the proxy app.
     health: UpstreamHealth = attrs.Factory(lambda: UpstreamHealth("http://upstream.invalid"))
 
@@ -384,7 +384,7 @@ def pool_config(*members, config: Config | None = None) -> Config:
 
 
 def make_pool_core(*members, config: Config | None = None, twin_ok=None, judges=None, **replay) -> Core:
-    """A :class:`Core` whose gate routes over a pool of ``members`` (see :func:`pool_config`); ``core.gate.pool``.
+    """A :class:`Core` whose gate routes over a pool of ``members`` (see :func:`pool_config`); ``core.gate``.
 
     ``twin_ok(member, entry)``: the pool's twin check (default: every eligible member serves).
     """

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("edge: HTTP/1.1 server and client, listeners", ("edge",)),
     ("lot: yield state, classes, parking, gate, replay", ("lot",)),
     ("upstream: attempt, verdict, health, pool, fallback", ("upstream",)),
-    ("watchers", ("watchers",)),
+    ("watchers, and the scheduler: admission, the choice of member, release", ("watchers", "schedule")),
     ("proxy: the proxy listener's application", ("proxy",)),
     ("lifecycle: drain, holds store, sd_notify, limits, succession", ("lifecycle",)),
     ("admin: the admin API and the status page", ("admin",)),

@@ -1,10 +1,9 @@
 """Named states: an attempt's answer and its client, a pool member's condition, a parked entry, a
 handover's two processes and the demo's controller.
 
-Each machine is an enum and one table.  All but the entry's drive (yieldproxy/states.py:
-what each event does in each state); the entry's lists the moves it may make, one method refusing
-any other.  Every table is checked on its own, exhaustively (each state with each event, or each
-pair of states), then each machine is walked through its life as
+Each machine is an enum and one table that drives it (yieldproxy/states.py: what each event does
+in each state).  Every table is checked on its own, exhaustively (each state with each event),
+then each machine is walked through its life as
 the code drives it: an Attempt with a fake upstream client and request, a Member and an Entry on
 a Clock.  The hold bound the gate and the lot share is checked at the end.
 """
@@ -62,9 +61,6 @@ from yieldproxy.upstream.verdict import Reason
 # -- the tables ---------------------------------------------------------------------------------------
 
 
-def entry_stay(entry, state):
-    entry.state = state
-    return entry.move
 
 
 def _attempt():
@@ -72,34 +68,48 @@ def _attempt():
 
 
 def _member():
-    return make_pool_core({"name": "a"}, {"name": "b"}).gate.pool.member("a")
-
-
-TABLES = {
-    "entry": (Stay, ENTRY_MOVES, lambda: Entry(cls="batch"), entry_stay),
-}
-
-
-@pytest.mark.parametrize("name", TABLES)
-def test_each_table_names_every_state_and_its_mover_makes_exactly_its_moves(name):
-    states, table, make, mover = TABLES[name]
-    assert set(table) == set(states)
-    assert all(targets <= set(states) and old not in targets for old, targets in table.items())
-    for old, new in itertools.product(states, repeat=2):
-        thing = make()
-        move = mover(thing, old)
-        if new in table[old]:
-            move(new)
-        else:
-            with pytest.raises(RuntimeError, match=f"from {old.value} to {new.value}"):
-                move(new)
+    return make_pool_core({"name": "a"}, {"name": "b"}).gate.member("a")
 
 
 def test_the_end_states():
-    assert ANSWER_MOVES.next[ENDED] == {} and ENTRY_MOVES[LEFT] == frozenset()
+    assert ANSWER_MOVES.next[ENDED] == {} and ENTRY_MOVES.next[LEFT] == {}
     assert {CLIENT_MOVES.next[GONE][event] for event in CLIENT_MOVES.next[GONE]} == {GONE}  # said again: stays gone
     # A member has no end: it is stopped (a lifecycle flag), in whatever condition it was.
     assert all(CONDITION_MOVES.next[c] for c in Condition)
+
+
+def test_an_entrys_table_names_every_stay_and_its_events_make_exactly_its_moves():
+    """The entry's table drives (yieldproxy/states.py), as the member's does: each (stay, event) moves where
+    it says, any other pair raises and leaves it where it was; and its moves are the ones an entry may make."""
+    assert ENTRY_MOVES.states == set(Stay)
+    events = {event for _, event in ENTRY_MOVES.table}
+    for stay, event in itertools.product(Stay, sorted(events)):
+        entry = Entry(cls="batch")
+        entry.state = stay
+        new = ENTRY_MOVES.table.get((stay, event))
+        if new is None:
+            with pytest.raises(Unexpected, match=f"cannot take '{event}' in state {stay.name}"):
+                entry.fire(event)
+            assert entry.state is stay
+        else:
+            assert entry.fire(event) is new and entry.state is new
+    moves = {(old, new) for (old, _), new in ENTRY_MOVES.table.items()}
+    assert {(old.value, new.value) for old, new in moves} == {
+        ("new", "parked"), ("new", "released"),
+        ("parked", "released"), ("parked", "left"), ("parked", "handed"),
+        ("released", "parked"),
+        ("handed", "left"), ("handed", "parked"),
+    }
+    # A caller that names where it goes (the proxy app's move(LEFT)) gets exactly those moves too.
+    for old, new in itertools.product(Stay, repeat=2):
+        entry = Entry(cls="batch")
+        entry.state = old
+        if (old, new) in moves:
+            entry.move(new)
+            assert entry.state is new
+        else:
+            with pytest.raises(Unexpected, match=f"in state {old.name}"):
+                entry.move(new)
 
 
 def test_a_members_table_names_every_condition_and_its_events_make_exactly_its_moves():
@@ -515,7 +525,7 @@ class Health:
 
 def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    a = core.gate.pool.member("a")
+    a = core.gate.member("a")
     health = a.control = Health()
     assert a.condition is SERVING and a.available()
     a.health.unanswered("connection refused")
@@ -525,7 +535,7 @@ def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core.run(0.5)
     health.answer(200, b"{}")
     assert a.condition is SERVING and a.available() and a.state_name() == "available"
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
@@ -533,7 +543,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     llama.control = Health()
     llama.health.not_ready("Loading model")
     assert llama.condition is NOT_READY and llama.state_name() == "not_ready"
@@ -542,7 +552,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
     assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE]
     llama.health.served()
     assert llama.condition is SERVING and core.state.holds_for("llama") == []
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
@@ -550,7 +560,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     health = llama.control = Health()
     llama.health.not_ready("Loading model")
     core.run(5)
@@ -562,7 +572,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
     core.run(6)
     llama.health.not_ready("Loading model")  # "loading" again, past the bound: a new run
     assert llama.condition is NOT_READY
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def test_a_member_that_has_answered_cannot_be_refusing():
@@ -595,7 +605,7 @@ def test_an_entry_goes_new_released_parked_released_and_leaves_once_expired():
     core.gate.admit(entry).addErrback(outcome.append)
     core.run(core.gate._classes["batch"].hold_seconds + 1)
     assert entry.state is LEFT and outcome[0].check(Refused)
-    with pytest.raises(RuntimeError, match="from left to parked"):
+    with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(entry, 10)
 
 
@@ -629,7 +639,7 @@ def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one
     core.lot.hand_over(first, lambda *what: None)
     again.addErrback(lambda f: f.trap(HandedOver))
     first.move(LEFT)  # had there this time
-    with pytest.raises(RuntimeError, match="from left to parked"):
+    with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(first, 10)
 
 

@@ -39,7 +39,6 @@ from .edge.listener import CannotListen, Listener
 from .lifecycle.drain import Drain
 from .lifecycle.holdstore import HoldStore, keep_holds
 from .lifecycle.succession import Setup, Succession
-from .lot.gate import Gate
 from .lot.parking import ParkingLot
 from .lot.replay import Replayer
 from .lot.state import YieldState, transition_logger
@@ -54,6 +53,7 @@ from .observe.metrics import (
     source_label,
 )
 from .proxy.handler import ProxyApp
+from .schedule.scheduler import Scheduler, any_member
 from .servers import ModelCall
 from .upstream.attempt import Upstream
 from .upstream.control import UpstreamControl
@@ -61,7 +61,7 @@ from .upstream.fallback import EmbedBackend, Fallback, fallback_contract
 from .upstream.health import Judge, UpstreamHealth
 from .upstream.pool.members import FALLBACK_MEMBER, MemberSpec, member_specs, pool_shape
 from .upstream.pool.models import ModelDiscovery
-from .upstream.pool.routing import Pool, any_member, make_members
+from .upstream.pool.routing import make_members
 from .upstream.pool.twins import TwinVerifier
 from .upstream.served import SECTION, RecordKeeper
 from .upstream.vram import Handover
@@ -98,7 +98,8 @@ class Proxy:
     lot: ParkingLot
     #: The first member's drainer (with ``proxy.upstream``: its replayer).
     replayer: Replayer
-    gate: Gate
+    #: The scheduler (schedule/scheduler.py): admission, the choice of member, release; ``pool`` is the same one.
+    gate: Scheduler
     #: The first member's client (with ``proxy.upstream``: its client).
     upstream: Upstream
     #: Whether the first member answered since start, and the outage verdicts on its failures.
@@ -115,8 +116,9 @@ class Proxy:
     fallback: Fallback | None
     #: What runs all of the above: start it, and stop it, as twistd does.
     service: YieldProxyService
-    #: The upstreams (``[[upstreams]]``, or ``proxy.upstream`` as the member ``default``), with their drainers.
-    pool: Pool
+    #: The scheduler again, read as the pool: its members (``[[upstreams]]``, or ``proxy.upstream`` as the
+    #: member ``default``) and their drainers.
+    pool: Scheduler
     #: Which members may serve which embedding models (several upstreams; None: one upstream).
     twins: TwinVerifier | None = None
     #: What each upstream served (upstream/served.py): kept with the holds, carried over by a reload.
@@ -132,8 +134,10 @@ class Heart:
 
     state: YieldState
     lot: ParkingLot
-    pool: Pool
-    gate: Gate
+    #: The scheduler, read as the pool (its members and their drainers) ...
+    pool: Scheduler
+    #: ... and as the gate (admission): one object.
+    gate: Scheduler
     #: The ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
     fallback: Fallback | None = None
     #: The twin verification of a pool of several upstreams (with ``twins``).
@@ -145,10 +149,10 @@ class Heart:
 def build_core(
     reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
     twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
-) -> tuple[YieldState, ParkingLot, Replayer, Gate]:
-    """The yield state, the lot, the first member's drainer and the gate (:func:`build_heart`)."""
+) -> tuple[YieldState, ParkingLot, Replayer, Scheduler]:
+    """The yield state, the lot, the first member's drainer and the scheduler (:func:`build_heart`)."""
     heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok, judges=judges)
-    return heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate
+    return heart.state, heart.lot, heart.gate.drainer(None), heart.gate
 
 
 def build_heart(
@@ -156,7 +160,7 @@ def build_heart(
     fallback_backends: tuple[Any, Any] | None = None, twins: bool = False,
     twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
 ) -> Heart:
-    """The yield state, the lot, the pool and the gate: the clock-driven heart, made and wired.
+    """The yield state, the lot, the members and the scheduler: the clock-driven heart, made and wired.
 
     ``clients(spec)`` gives each member its request and control clients
     (None: clock-only, none).  With an enabled ``[fallback]``,
@@ -189,53 +193,45 @@ def build_heart(
     if fallback_backends is not None:
         # The fallback's verification: its terms, run by the one verifier below.
         contract = fallback_contract(config.fallback, specs[0].name, *fallback_backends, lambda: not state.yielded)
-    # The members and their drainers, then the pool they form (its routing decides, when asked,
-    # what each drainer takes).
-    members = make_members(
-        reactor, state, lot, metrics, cooperator, config, specs, shape, clients, lambda: pool, judges,
-    )
+    # In dependency order: the members, the one verifier of "same vectors" over them, the scheduler
+    # (it makes each member's drainer), then what each follows of the others (no constructor subscribes itself).
+    members = make_members(reactor, state, config, specs, shape, clients, judges)
     verifier = None
     find_twins = twins and not shape.one_upstream
     if find_twins or contract is not None:
         # Embeddings go to a model's reference or its verified twins (the fallback: under its contract).
-        verifier = TwinVerifier(
-            reactor, members, config.verification, lambda: pool.kick(), contract=contract, find_twins=find_twins,
-        )
+        verifier = TwinVerifier(reactor, members, config.verification, contract=contract, find_twins=find_twins)
     if verifier is not None and find_twins:
         for member in members:
             member.catalogue.when_changed(verifier.lists_changed)
         metrics.watch(verifier.metric_families)
     if twin_ok is None:
         twin_ok = verifier.twin_ok if verifier is not None else any_member
-    pool = Pool(reactor, state, lot, members, twin_ok=twin_ok, shape=shape)
+    scheduler = Scheduler(reactor, state, lot, members, metrics, config, cooperator, twin_ok, shape=shape)
+    if verifier is not None:
+        # A pair newly verified: the drainers look again at what is parked.
+        verifier.when_verified(scheduler.kick)
     fallback = None
     if verifier is not None and contract is not None:
+        drainer = scheduler.drainer(FALLBACK_MEMBER)
         fallback = Fallback(
             reactor, config.fallback, verifier, metrics, lambda: state.yielded,
-            {k: v.policy for k, v in config.classes.items()}, inflight=lambda: pool.member(FALLBACK_MEMBER).inflight,
+            {k: v.policy for k, v in config.classes.items()}, inflight=lambda: drainer.inflight,
         )
-    gate = Gate(
-        reactor, state, lot, pool, metrics, config.classes, reject_status=config.parking.reject_status,
-        on_arrival=fallback.arrived if fallback is not None else lambda entry, member, refused: None,
-    )
-    if fallback is not None:
+        scheduler.when_arrived(fallback.arrived)
         state.observe(fallback.state_changed)
         lot.when_out(fallback.left_lot)
         metrics.watch(fallback.metric_families)
-    # What each part follows of the others (no constructor subscribes itself).
-    for member in pool.members:
-        # A request that parks may be one this drainer can take now.
-        lot.when_parked(member.drainer.kick)
+    for subscribe, listener in scheduler.follow():
+        subscribe(listener)
+    for member in members:
         for subscribe, listener in member.follow():
             subscribe(listener)
-        member.catalogue.when_changed(pool.forget_routings)
-    # A member taken or given back: its backoff starts afresh, and every drainer looks again.
-    state.observe_members(pool.member_changed)
     # The whole pool's in flight, read when scraped rather than set twice per request.
-    metrics.inflight_requests.set_function(lambda: pool.inflight)
+    metrics.inflight_requests.set_function(lambda: scheduler.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
-    state.on_transition(transition_logger(gate.describe))
-    return Heart(state, lot, pool, gate, fallback, verifier if find_twins else None, verifier)
+    state.on_transition(transition_logger(scheduler.describe))
+    return Heart(state, lot, scheduler, scheduler, fallback, verifier if find_twins else None, verifier)
 
 
 def build(
@@ -311,7 +307,7 @@ def build(
         reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends, twins=True, judges=judges,
     )
     state, lot, pool, gate, fallback, twins = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback, heart.twins
-    replayer = pool.members[0].drainer
+    replayer = pool.drainer(None)
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
@@ -359,7 +355,7 @@ def build(
 
     # What runs, in start order (it stops in the reverse order).
     drain = Drain(
-        reactor, state, gate, lot, pool, tuple(m.drainer for m in pool.members),
+        reactor, state, gate, lot, pool, pool.drainers,
         timeout=config.proxy.shutdown_timeout_seconds, outgoing=(proxy_app.connections,),
     )
     inherited = succession.inheritance if succession is not None else None
@@ -415,7 +411,7 @@ def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
     return lambda: reloaders[0].reload()
 
 
-def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Service]:
+def _watchers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[Service]:
     """The watchers ``config.watchers``, each member's keys and outage detection enable, not started.
 
     The global ones hold every member (scope ``*``); a member's own hold it
@@ -475,7 +471,7 @@ def _watchers(reactor, config: Config, state, metrics, pool: Pool) -> list[Servi
     return watchers
 
 
-def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Handover]:
+def _handovers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[Handover]:
     """A VRAM handover for each member whose yields unload or preload models (api ollama)."""
     handovers = []
     for member in pool.members:
@@ -485,8 +481,8 @@ def _handovers(reactor, config: Config, state, metrics, pool: Pool) -> list[Hand
                 config.handover, unload_on_yield=spec.unload_on_yield, preload_models=spec.preload_models
             )
             handover = Handover(
-                reactor, state, member.drainer, member.control, metrics, settings, member=member.name,
-                per_member=not pool.shape.one_upstream,
+                reactor, state, pool.drainer(member.name), member.control, metrics, settings, member=member.name,
+                per_member=not pool.shape.one_upstream, release=member,
             )
             subscribe_handover(state, handover)
             handovers.append(handover)
@@ -499,7 +495,7 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
     state.observe_members(handover.member_changed)
 
 
-def _discovery(reactor, config: Config, pool: Pool) -> list[ModelDiscovery]:
+def _discovery(reactor, config: Config, pool: Scheduler) -> list[ModelDiscovery]:
     """A model-list reader for each member without ``models``, in pools of several upstreams (one upstream
     has no choice to make, verifies no twin and translates nothing: it only relays); and for every member whose
     server may be mounted under an API prefix (Infinity's ``--url-prefix``), one that finds the prefix
@@ -546,7 +542,7 @@ def _prefixed_models_paths(server) -> tuple[str, ...]:
 
 
 def _status_sections(
-    watchers, handovers, fallback, pool: Pool, twins=None, wall: WallClock | None = None,
+    watchers, handovers, fallback, pool: Scheduler, twins=None, wall: WallClock | None = None,
 ) -> dict[str, Callable[[], Any]]:
     """The ``/status`` sections of the parts beside the core: each read when ``/status`` is, its times on
     the wall clock (``wall``)."""

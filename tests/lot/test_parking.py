@@ -7,8 +7,9 @@ import pytest
 from twisted.internet.defer import CancelledError
 
 from helpers import clock_cooperator, config_with, make_core
-from yieldproxy.lot.parking import Entry, Refused, Routing, Standing
+from yieldproxy.lot.parking import Entry, Refused, Standing
 from yieldproxy.lot.replay import Replayer
+from yieldproxy.schedule.routing import Routing
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
@@ -426,9 +427,13 @@ def test_every_way_out_of_the_lot_is_told_once_with_its_target():
 def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
     core = make_core(concurrency=4)
     open_ = [True]
+    def batch(entry):
+        return entry.cls == "batch"
+
     other = Replayer(
-        core.clock, core.lot, core.state, core.metrics, clock_cooperator(core.clock),
-        concurrency=2, target="other", accepts=lambda e: e.cls == "batch", is_open=lambda: open_[0],
+        core.clock, core.lot, core.state, core.metrics, clock_cooperator(core.clock), concurrency=2,
+        has_work=lambda: open_[0] and core.lot.peek(batch) is not None,
+        release=lambda: core.lot.release_next(batch, "other"),
     )
     core.lot.when_parked(other.kick)  # as service.build_core wires each drainer
     core.state.hold("api")

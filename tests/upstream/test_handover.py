@@ -73,7 +73,9 @@ class FakeOllama:
 def handover_core(fake_options=None, **config):
     core = make_core()
     fake = FakeOllama(core.clock, **(fake_options or {}))
-    handover = Handover(core.clock, core.state, core.replayer, fake, core.metrics, HandoverConfig(**config))
+    handover = Handover(
+        core.clock, core.state, core.replayer, fake, core.metrics, HandoverConfig(**config), release=core.gate.member(None)
+    )
     subscribe_handover(core.state, handover)
     handover.startService()
     return core, fake, handover

@@ -115,7 +115,7 @@ def test_an_upstream_that_answers_at_start_reads_available():
 
 def test_the_state_gauge_has_one_state_per_upstream_and_names_who_holds_it():
     core = make_pool_core({"name": "desktop", "models": ("m",)}, {"name": "server", "models": ("m",)})
-    core.metrics.watch(lambda: pool_families(core.gate.pool.metric_rows()))  # as service.build does
+    core.metrics.watch(lambda: pool_families(core.gate.metric_rows()))  # as service.build does
     state = core.state
 
     def gauge(upstream):
@@ -138,10 +138,10 @@ def test_the_state_gauge_has_one_state_per_upstream_and_names_who_holds_it():
     state.release("api")
     state.release(LOADING_SOURCE, "server")
     state.release("api", "desktop")
-    member = core.gate.pool.member("server")
+    member = core.gate.member("server")
     member.health.not_ready("Loading model")
     assert gauge("server")["not_ready"] == 1 and sum(gauge("server").values()) == 1
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -150,11 +150,11 @@ def test_a_pool_whose_every_always_upstream_never_answered_reads_unreachable_not
         {"name": "a", "models": ("m",)}, {"name": "b", "models": ("m",)},
         config=config_with(upstream={"detect_outages": False}),
     )
-    for member in core.gate.pool.members:
+    for member in core.gate.members:
         member.health.report("refused")
-    assert [m.state_name() for m in core.gate.pool.members] == ["unreachable", "unreachable"]
+    assert [m.state_name() for m in core.gate.members] == ["unreachable", "unreachable"]
     assert core.gate.state_name == "unreachable"
     core.state.hold("api", "game", scope="a")
     assert core.gate.state_name == "yielded"
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []

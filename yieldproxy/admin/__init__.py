@@ -5,5 +5,5 @@
   poll ``/status`` and ``/history``).
 
 Layer 10: it may import the core, servers/, observe/, edge/, lot/, upstream/,
-watchers/, proxy/ and lifecycle/; nothing of the composition roots' or the tools'.
+watchers/, schedule/, proxy/ and lifecycle/; nothing of the composition roots' or the tools'.
 """

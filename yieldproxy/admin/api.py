@@ -40,14 +40,13 @@ from ..edge.capacity import QUICK_ROOM, Connections
 from ..edge.hosts import HostPolicy, cross_site
 from ..edge.site import ProxySite
 from ..errors import listener_error_body
-from ..lot.gate import Gate
 from ..lot.parking import ParkingLot, Waiting
 from ..lot.state import ALL, MAX_HOLD_SECONDS, TooManyHolds, UnknownScope, YieldState
 from ..names import check_source
 from ..observe.history import History
 from ..observe.metrics import CONTENT_TYPE_LATEST, Metrics
+from ..schedule.scheduler import Scheduler
 from ..upstream.fallback import NotNow
-from ..upstream.pool.routing import Pool
 
 _log = Logger()
 
@@ -304,10 +303,10 @@ class AdminApp:
     _clock: IReactorTime
     _config: Config
     _state: YieldState
-    _gate: Gate
+    _gate: Scheduler
     _lot: ParkingLot
     #: The upstreams: what is in flight, which names ``upstream`` may take.
-    _pool: Pool
+    _pool: Scheduler
     _metrics: Metrics
     token: str | None = None
     #: A token that opens the reading routes only (``GET /status``, ``/parked``, ``/metrics``, ``/history``).

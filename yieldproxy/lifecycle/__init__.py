@@ -7,5 +7,5 @@
 * :mod:`.succession`: a reload or upgrade, one process handing everything over to the next.
 
 Layer 9: it may import the core, servers/, observe/, edge/, lot/, upstream/,
-watchers/ and proxy/; nothing of the admin API's, the composition roots' or the tools'.
+watchers/, schedule/ and proxy/; nothing of the admin API's, the composition roots' or the tools'.
 """

@@ -33,9 +33,9 @@ from twisted.internet.defer import Deferred, DeferredList, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from ..lot.gate import Gate
 from ..lot.parking import ParkingLot
 from ..lot.state import YieldState
+from ..schedule.scheduler import Scheduler
 
 log = Logger()
 
@@ -71,9 +71,9 @@ class Drain(Service):
 
     _clock: IReactorTime
     _state: YieldState
-    _gate: Gate
+    _gate: Scheduler
     _lot: ParkingLot
-    #: The pool (upstream/pool/routing.py): its drainers are stopped once the drain is over.
+    #: The scheduler (schedule/scheduler.py): its drainers are stopped once the drain is over.
     _replayer: "Stoppable"
     #: Every target requests may be in flight at (the members' drainers first).
     _targets: Sequence[InFlight]

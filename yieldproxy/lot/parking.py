@@ -1,23 +1,14 @@
-"""The parking lot: a FIFO of cancellable Deferreds, with ceilings and deadlines.
+"""The parking lot: a FIFO of cancellable Deferreds per class, with ceilings and deadlines.
 
-An entry waits here while the GPU is yielded.  It leaves in exactly one way:
-released (its Deferred fires with the entry), expired past its hold bound,
-abandoned by a client that went away (its Deferred was cancelled), or
-answered at shutdown.  Order is by arrival sequence number, so a request that
-failed mid-flight and comes back keeps its original place.
-
-The lot is drained by one drainer per pool member (see lot/replay.py and
-upstream/pool/routing.py), each taking only the entries its member may serve now.
-:meth:`ParkingLot.release_next` takes that choice as a predicate and keeps
-the one drain order for every member; the entry it lets out says which
-member it went to (``released_to``).
-
-Where an entry is, is one named state (:attr:`Entry.state`, :class:`Stay`),
-changed in one place along :data:`ENTRY_MOVES`: parked means
-:attr:`Stay.PARKED`, and the Deferred it waits on is what that state holds.
-How long it may stay is :func:`hold_bound`, the gate's budget and the lot's
-deadline alike.  What it has earned in line is one record, :class:`Standing`:
-the lot writes it, a reload carries it, the new process parks it again from it.
+An entry waits here until it is released (its Deferred fires with the entry),
+expires past its hold bound, is abandoned by its client (its Deferred was
+cancelled), is handed over to a new process, or is answered at shutdown.
+Order is by arrival sequence number, so a request that failed mid-flight
+and comes back keeps its place.  The lot knows nothing of members: which
+entry a member may take is the scheduler's decision (yieldproxy/schedule/),
+which hands the lot the entry to let out (:meth:`ParkingLot.release_first`).
+Where an entry is, is one named state moved by :data:`ENTRY_MOVES`, a table
+that drives (yieldproxy/states.py); the Deferred is what :attr:`Stay.PARKED` holds.
 """
 
 from __future__ import annotations
@@ -34,20 +25,14 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..observe.metrics import Metrics
+from ..states import Machine, Moves, Unexpected
 
 log = Logger()
-
-#: What an entry's route does: ``embedding`` routes are the ones whose answers a
-#: vector store keeps (a member serves them only as the model's reference or a
-#: verified twin), ``generation`` the others that run a model.
-ROUTE_KINDS = ("embedding", "generation", "other")
-#: The lot's count (:meth:`ParkingLot.waiting_for`) of parked entries only standby members may take.
-STANDBY_ONLY = "*standby-only*"
 
 
 def hold_bound(class_seconds: float, max_wait: float | None) -> tuple[float, bool]:
     """The longest a request may wait, and whether its caller set it: its class's hold bound, or the
-    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the gate's budget
+    caller's ``X-Yield-Max-Wait`` when that is shorter.  The one computation of it: the scheduler's budget
     against a declared yield, and the deadline the lot gives an entry when it first parks."""
     if max_wait is not None and max_wait < class_seconds:
         return max_wait, True
@@ -61,7 +46,7 @@ class Stay(enum.Enum):
     NEW = "new"
     #: In the lot: its Deferred waits for a release.
     PARKED = "parked"
-    #: Let out to a member (by its drainer, or by the gate at once): its attempt runs there.
+    #: Let out to a member (by its drainer, or by the scheduler at once): its attempt runs there.
     RELEASED = "released"
     #: Out of the lot with its client, for a reload's new process to take on (lifecycle/succession/): it ends there
     #: once that process has it, or parks here again, in its place, when it will not.
@@ -72,42 +57,23 @@ class Stay(enum.Enum):
 
 NEW, PARKED, RELEASED, HANDED, LEFT = Stay.NEW, Stay.PARKED, Stay.RELEASED, Stay.HANDED, Stay.LEFT
 
-#: Every move an entry may make; any other is a bug (:meth:`Entry.move` raises).
-ENTRY_MOVES: dict[Stay, frozenset[Stay]] = {
-    # It parks, or goes at once to the member the gate chose.
-    NEW: frozenset({PARKED, RELEASED}),
+#: What each event does to an entry (yieldproxy/states.py): any other is a bug (:class:`Unexpected`).
+ENTRY_MOVES: Moves[Stay, str] = Moves("a parked request", {
+    # It parks, or goes at once to the member the scheduler chose.
+    (NEW, "park"): PARKED,
+    (NEW, "go"): RELEASED,
     # A drainer lets it out; it expires, its client leaves, the proxy stops; or it is handed over.
-    PARKED: frozenset({RELEASED, LEFT, HANDED}),
+    (PARKED, "release"): RELEASED,
+    (PARKED, "expire"): LEFT,
+    (PARKED, "abandon"): LEFT,
+    (PARKED, "refuse"): LEFT,
+    (PARKED, "hand"): HANDED,
     # Its attempt failed: back to its place in the lot.
-    RELEASED: frozenset({PARKED}),
+    (RELEASED, "park"): PARKED,
     # The new process has it (or its client went meanwhile); or it will not have it: parked again here.
-    HANDED: frozenset({LEFT, PARKED}),
-    LEFT: frozenset(),
-}
-
-
-@attrs.frozen
-class Routing:
-    """What decides where a request may go: its model, its route's kind, the members eligible for it.
-
-    Decided once at admission (upstream/pool/routing.py) and shared by every request
-    with the same route, class and model, so a parked request carries one
-    reference, not three.  Whether a member is available is not part of it:
-    that changes while the request waits.
-    """
-
-    #: The pool members that may serve it, in config order.
-    eligible: tuple[str, ...] = ()
-    #: The model its body names (None: none).
-    model: str | None = None
-    #: :data:`ROUTE_KINDS`.
-    kind: str = "other"
-    #: Every eligible member is a standby one (``use = "when_others_yielded"``): no
-    #: ``always`` member may ever take it (counted as :data:`STANDBY_ONLY` in the lot).
-    standby_only: bool = False
-    #: The eligible members that serve it only in another dialect: an embedding request
-    #: translated into their own embedding route and back (upstream/pool/routing.py).
-    translated: frozenset[str] = frozenset()
+    (HANDED, "taken"): LEFT,
+    (HANDED, "park"): PARKED,
+})
 
 
 @attrs.frozen
@@ -135,8 +101,10 @@ class Standing:
 
 
 @attrs.define(eq=False)
-class Entry:
-    """One request as the gate and the lot see it."""
+class Entry(Machine[Stay, str]):
+    """One request as the scheduler and the lot see it."""
+
+    moves = ENTRY_MOVES
 
     cls: str
     size: int = 0
@@ -164,19 +132,19 @@ class Entry:
     #: True when the caller's X-Yield-Max-Wait, not the class bound, set the deadline.
     bound_by_caller: bool = False
     parked_at: float | None = None
-    #: The pool member whose drainer let it out of the lot last, or the member the gate
+    #: The pool member whose drainer let it out of the lot last, or the member the scheduler
     #: sent it to (None: not let out yet, or let out with no target named).
     released_to: str | None = None
-    #: Its model, route kind and eligible pool members, decided once at admission
-    #: (one shared value for every request alike: see :class:`Routing`).
-    routing: Routing | None = None
+    #: Its model, route kind and eligible pool members, decided once at admission: the
+    #: scheduler's ``Routing`` (yieldproxy/schedule/routing.py), carried here and never read by the lot.
+    routing: Any = None
     #: The member its last attempt failed on: another eligible one takes it first.
     failed_on: str | None = None
     #: The path it asked for and its client's address (an ``IAddress``), for people who read the lot
     #: (:meth:`ParkingLot.waiting`): references to what its request holds anyway, never decided on.
     route: str | None = None
     client: Any = None
-    #: Where it is (:data:`ENTRY_MOVES`).
+    #: Where it is, moved only by :meth:`fire` (:data:`ENTRY_MOVES`).
     state: Stay = attrs.field(default=NEW, init=False)
     #: What it waits on while :attr:`Stay.PARKED`.
     _deferred: Deferred[Entry] | None = None
@@ -197,7 +165,7 @@ class Entry:
 
     @classmethod
     def resumed(
-        cls, standing: Standing, *, size: int, api: str, routing: Routing, route: str | None = None, client: Any = None,
+        cls, standing: Standing, *, size: int, api: str, routing: Any, route: str | None = None, client: Any = None,
     ) -> "Entry":
         """An entry that takes up ``standing`` where another process left it, for ``routing`` here: it
         counts as parked (its outcome is a replay), and ``failed_on`` stays only if that member may serve it."""
@@ -218,10 +186,12 @@ class Entry:
             self.deadline = now + bound
 
     def move(self, new: Stay) -> None:
-        """It moves to ``new``: the one place it does (the lot's and the gate's moves), along :data:`ENTRY_MOVES`."""
-        if new not in ENTRY_MOVES[self.state]:
-            raise RuntimeError(f"a {self.cls} request cannot go from {self.state.value} to {new.value}")
-        self.state = new
+        """For a caller that names where it goes rather than what happened (the proxy app's ``move(LEFT)``
+        of a handed-over entry): the one event of :data:`ENTRY_MOVES` that leads there from here."""
+        events = [event for event, to in ENTRY_MOVES.next[self.state].items() if to is new]
+        if not events:
+            raise Unexpected(ENTRY_MOVES.name, self.state, f"a move to {new.name}")
+        self.fire(events[0])
 
     @property
     def eligible(self) -> tuple[str, ...]:
@@ -282,7 +252,7 @@ class Refused(Exception):
 
     ``reason`` is a metric label (``queue_full``, ``over_budget``, ``expired``,
     ``shutdown``, ...); ``message`` is the sentence the caller reads.  The lot
-    refuses without ``retry_after``: the gate, which knows the yield and the
+    refuses without ``retry_after``: the scheduler, which knows the yield and the
     service time, explains it to the caller (:meth:`advised`).
     """
 
@@ -316,9 +286,9 @@ class HandedOver(Exception):
         self.take = take
 
 
-def _take_deferred(entry: Entry, to: Stay) -> Deferred[Entry]:
-    """The Deferred a parked entry waits on, taken from it as it leaves the lot for ``to``."""
-    entry.move(to)
+def _take_deferred(entry: Entry, event: str) -> Deferred[Entry]:
+    """The Deferred a parked entry waits on, taken from it as it leaves the lot on ``event``."""
+    entry.fire(event)
     d = entry._deferred
     assert d is not None
     entry._deferred = None
@@ -360,13 +330,6 @@ class ParkingLot:
     _expiring: bool = False
     #: Waiting for the lot to empty (see :meth:`when_empty`).
     _empty_waiters: list[Deferred[None]] = attrs.Factory(list)
-    #: Parked entries each pool member could take (by ``Entry.eligible``): "does anybody wait for me" in O(1).
-    _waiting: dict[str, int] = attrs.Factory(dict)
-    #: Per member, per class, per kind of request (:func:`_kind`), the entries it is eligible
-    #: for, in arrival order: a line per pool member (one upstream alone has one), split by kind of
-    #: request, so a member's drainer looks only at the first entry of each kind it is eligible
-    #: for, never along a line of entries it may not take (parking stays O(1) per request: issue 16).
-    _lines: dict[str, dict[str, dict[tuple[int, str | None], list[Entry]]]] = attrs.Factory(dict)
 
     #: The next arrival's :attr:`Entry.seq`.
     _next_seq: int = 0
@@ -379,7 +342,7 @@ class ParkingLot:
         self._metrics.parked_bytes_capacity.set(self.max_parked_bytes)
 
     def number(self, entry: Entry) -> None:
-        """Give ``entry`` its place in arrival order, once (the gate does it at admission)."""
+        """Give ``entry`` its place in arrival order, once (the scheduler does it at admission)."""
         if entry.seq == -1:
             entry.seq = self._next_seq
             self._next_seq += 1
@@ -420,23 +383,6 @@ class ParkingLot:
 
     def __len__(self) -> int:
         return self._count
-
-    def waiting_for(self, member: str) -> int:
-        """Parked entries ``member`` is eligible for (whether or not it is available); with
-        :data:`STANDBY_ONLY`, those only standby members are eligible for."""
-        return self._waiting.get(member, 0)
-
-    def takeable(self, member: str, accepts: Callable[[Entry], bool]) -> int:
-        """Entries on ``member``'s line that ``accepts`` (a pool's, ``by_routing``) allows now: for a scrape."""
-        by_routing = getattr(accepts, "by_routing", False)
-        count = 0
-        for kinds in self._lines.get(member, {}).values():
-            for line in kinds.values():
-                if by_routing:
-                    count += len(line) if accepts(line[0]) else 0
-                else:
-                    count += sum(1 for entry in line if accepts(entry))
-        return count
 
     def __bool__(self) -> bool:
         return self._count > 0
@@ -512,7 +458,7 @@ class ParkingLot:
         now = self._clock.seconds()
         entry.start_waiting(now, hold_seconds)
         assert entry.deadline is not None  # set now, or when it first waited
-        entry.move(PARKED)
+        entry.fire("park")
         entry.was_parked = True
         entry.parked_at = now
         entry.released_to = None
@@ -525,38 +471,32 @@ class ParkingLot:
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         self._arm()
         bisect.insort(self._queues.setdefault(entry.cls, []), entry)
-        kind = _kind(entry)
-        for member in entry.eligible:
-            bisect.insort(self._lines.setdefault(member, {}).setdefault(entry.cls, {}).setdefault(kind, []), entry)
         self._account(entry, +1)
         d = entry._deferred
         for listener in self._parked_listeners:
             listener()
         return d
 
-    def peek(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
-        """The entry :meth:`release_next` would let out now (for ``accepts``, to ``target``)."""
-        heads = self._heads(accepts, target)
+    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
+        """The entry :meth:`release_next` would let out now (of those ``accepts`` allows)."""
+        heads = self._heads(accepts)
         cls = self._next_class(heads)
         return heads[cls] if cls is not None else None
 
-    def release_next(
-        self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None
-    ) -> Entry | None:
-        """Take the next entry out (by class priority and share, FIFO within a class) and fire it.
+    def release_next(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
+        """Let out the next entry (of those ``accepts`` allows) in drain order, to ``target``."""
+        return self.release_first(self._heads(accepts), target)
 
-        With ``accepts``, the next entry *that predicate allows* (a target
-        that may serve only some entries): each class's line then starts at
-        its first allowed entry, and the drain order between the classes is
-        kept as it is for the primary.  ``target`` is written on the entry
-        (``released_to``) before its Deferred fires, so the request knows
-        where it goes.  A pool member's target walks only its own line.
+    def release_first(self, heads: dict[str, Entry], target: str | None = None) -> Entry | None:
+        """Let out, of ``heads`` (one parked entry per class: the first of each a target may take), the one
+        the drain order picks (class priority and share, FIFO within a class), and fire it.
+
+        ``target`` is written on the entry (``released_to``) before its Deferred fires, so the
+        request knows where it goes.  Only the classes in ``heads`` were passed over.
         """
-        heads = self._heads(accepts, target)
         cls = self._next_class(heads)
         if cls is None:
             return None
-        # Only classes this target could have served were passed over by it.
         for other in heads:
             if other != cls:
                 self._passed_over[other] = self._passed_over.get(other, 0) + 1
@@ -564,16 +504,14 @@ class ParkingLot:
         entry = heads[cls]
         entry.released_to = target
         self._leave(entry)
-        d = _take_deferred(entry, RELEASED)
+        d = _take_deferred(entry, "release")
         self._tell_out(entry)
         d.callback(entry)
         self._tell_empty()
         return entry
 
-    def _heads(self, accepts: Callable[[Entry], bool] | None, target: str | None = None) -> dict[str, Entry]:
+    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
         """Each waiting class's first entry (that ``accepts`` allows), in class order."""
-        if target in self._lines:
-            return self._member_heads(self._lines[target], accepts)
         queues = self._queues
         if accepts is None:
             return {cls: queue[0] for cls, queue in queues.items() if queue}
@@ -583,31 +521,6 @@ class ParkingLot:
                 if accepts(entry):
                     heads[cls] = entry
                     break
-        return heads
-
-    @staticmethod
-    def _member_heads(
-        lines: dict[str, dict[tuple[int, str | None], list[Entry]]], accepts: Callable[[Entry], bool] | None
-    ) -> dict[str, Entry]:
-        """A member's first entry per class that ``accepts`` allows, from its line split by kind.
-
-        A pool's accepts (``by_routing``) answers alike for every entry of one
-        kind, so it is asked about the first of each kind only: the cost is
-        the number of kinds waiting, whatever the number of entries.
-        """
-        by_routing = accepts is None or getattr(accepts, "by_routing", False)
-        heads: dict[str, Entry] = {}
-        for cls, kinds in lines.items():
-            best = None
-            for line in kinds.values():
-                if accepts is None or by_routing:
-                    first = line[0] if accepts is None or accepts(line[0]) else None
-                else:
-                    first = next((entry for entry in line if accepts(entry)), None)
-                if first is not None and (best is None or first.seq < best.seq):
-                    best = first
-            if best is not None:
-                heads[cls] = best
         return heads
 
     def _next_class(self, heads: dict[str, Entry]) -> str | None:
@@ -667,18 +580,18 @@ class ParkingLot:
         self._arm()
 
     def _expire(self, entry: Entry) -> None:
-        """Past its hold bound: refused (the gate adds what kept it: a yield, an outage, or a busy GPU)."""
+        """Past its hold bound: refused (the scheduler adds what kept it: a yield, an outage, or a busy GPU)."""
         deadline, first_parked = entry.deadline, entry.first_parked
         assert deadline is not None and first_parked is not None  # set when it was parked
         if entry.bound_by_caller:
             why = f"wait longer than your X-Yield-Max-Wait ({entry.max_wait:g}s)"
         else:
             why = f"parked past the hold bound ({deadline - first_parked:g}s for {entry.cls} requests)"
-        self._fail(entry, Refused("expired", why, 503))
+        self._fail(entry, Refused("expired", why, 503), "expire")
 
-    def _fail(self, entry: Entry, refusal: Refused) -> None:
+    def _fail(self, entry: Entry, refusal: Refused, event: str = "refuse") -> None:
         self._leave(entry)
-        d = _take_deferred(entry, LEFT)
+        d = _take_deferred(entry, event)
         self._tell_out(entry)
         d.errback(refusal)
         self._tell_empty()
@@ -690,7 +603,7 @@ class ParkingLot:
         if entry.state is not PARKED:
             return
         self._leave(entry)
-        d = _take_deferred(entry, HANDED)
+        d = _take_deferred(entry, "hand")
         self._tell_out(entry)
         d.errback(HandedOver(take))
         self._tell_empty()
@@ -700,7 +613,7 @@ class ParkingLot:
         if entry.state is not PARKED:
             return
         self._leave(entry)
-        d = _take_deferred(entry, LEFT)
+        d = _take_deferred(entry, "abandon")
         self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
         d.errback(CancelledError("client went away while parked"))
@@ -715,14 +628,7 @@ class ParkingLot:
                 log.failure("lot listener failed")
 
     def _leave(self, entry: Entry) -> None:
-        _remove(self._queues[entry.cls], entry)
-        kind = _kind(entry)
-        for member in entry.eligible:
-            kinds = self._lines[member][entry.cls]
-            line = kinds[kind]
-            _remove(line, entry)
-            if not line:
-                del kinds[kind]
+        remove_from(self._queues[entry.cls], entry)
         queue = self._queues[entry.cls]
         if not queue:
             self._passed_over.pop(entry.cls, None)
@@ -743,25 +649,11 @@ class ParkingLot:
     def _account(self, entry: Entry, sign: int) -> None:
         self._count += sign
         self._bytes += sign * entry.size
-        waiting = self._waiting
-        for member in entry.eligible:
-            waiting[member] = waiting.get(member, 0) + sign
-        if entry.routing is not None and entry.routing.standby_only:
-            waiting[STANDBY_ONLY] = waiting.get(STANDBY_ONLY, 0) + sign
         self._metrics.parked_requests.labels(entry.cls).set(len(self._queues.get(entry.cls, ())))
         self._metrics.parked_bytes.set(self._bytes)
 
 
-def _kind(entry: Entry) -> tuple[int, str | None]:
-    """An entry's kind of request for a member's line: its routing (one shared value per route,
-    class and model) and the member its last attempt failed on; neither changes while it is parked.
-
-    The routing by identity: every entry of a kind holds it, so it lives while its line does.
-    """
-    return (id(entry.routing), entry.failed_on)
-
-
-def _remove(line: list[Entry], entry: Entry) -> None:
+def remove_from(line: list[Entry], entry: Entry) -> None:
     """Take ``entry`` out of a line kept in arrival order."""
     index = bisect.bisect_left(line, entry)
     assert line[index] is entry

@@ -1,21 +1,12 @@
-"""The paced, capped release of the parking lot, as a Cooperator task.
+"""The paced, capped release of the parking lot into one pool member, as a Cooperator task.
 
 When the GPU comes back, a burst of parked requests must not hit it at once:
-the replayer releases the head of the lot while fewer than ``concurrency``
-requests are in flight and no faster than ``rate`` starts a second.  After a
-retryable upstream failure it also backs off, so a restarting backend is not
-hammered.  A new yield stops the release; the rest stays parked, in order.
-
-A step that must finish before the lot is let out after a yield (the VRAM
-handover's model preload) passes a Deferred to :meth:`Replayer.hold_release_until`;
-until it fires the lot stays parked and new requests join its tail.
-
-A replayer drains the lot into one *target*, a pool member (upstream/pool/routing.py
-builds one per member, with the member's ``replay_concurrency``): it is told
-which entries the member may take (``accepts``) and when it takes work
-(``is_open``: the member is available).  Each release takes the next entry
-that member may serve in the lot's one drain order, and marks it with the
-member's name.
+a drainer lets the next entry out while fewer than ``concurrency`` requests
+are in flight and no faster than ``rate`` starts a second, and backs off
+after a retryable upstream failure, so a restarting backend is not hammered.
+Which entry goes, and whether its member takes work now, is not its
+business: it asks the scheduler (yieldproxy/schedule/), which made it, through
+the two callables it was given (``has_work``, ``release``).
 """
 
 from __future__ import annotations
@@ -23,14 +14,13 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import CooperativeTask, Cooperator, TaskDone, TaskStopped
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from ..observe.metrics import Metrics
-from .parking import Entry, ParkingLot
+from .parking import ParkingLot
 from .state import YieldState
 
 log = Logger()
@@ -38,7 +28,7 @@ log = Logger()
 
 @attrs.define(eq=False)
 class Replayer:
-    """Releases the lot to one target, in drain order, under a concurrency cap and a start rate."""
+    """Releases the lot to one member, under a concurrency cap and a start rate."""
 
     _clock: IReactorTime
     _lot: ParkingLot
@@ -49,12 +39,10 @@ class Replayer:
     rate: float = 0.0
     backoff_seconds: float = 0.5
     backoff_max_seconds: float = 10.0
-    #: The target it releases to (its member's name), written on each entry it lets out.
-    target: str = attrs.field(kw_only=True)
-    #: Which parked entries the target may serve (its pool's ``may_take``).
-    accepts: Callable[[Entry], bool] = attrs.field(kw_only=True)
-    #: Whether the target takes work now (its member is available and some entry waits for it).
-    is_open: Callable[[], bool] = attrs.field(kw_only=True)
+    #: Whether its member takes work now and a parked entry waits that it may take (the scheduler's answer).
+    has_work: Callable[[], bool] = attrs.field(kw_only=True)
+    #: Let the next entry its member may take out of the lot, to it (the scheduler's act).
+    release: Callable[[], object] = attrs.field(kw_only=True)
     #: Log the end of a drain ("lot drained: now available"): with one member, the end of its drainer's
     #: drain is the proxy-wide state's (``PoolShape.names_members``, upstream/pool/members.py, decides).
     says_drained: bool = attrs.field(kw_only=True, default=False)
@@ -70,20 +58,13 @@ class Replayer:
     _failures_in_a_row: int = 0
     _last_failure: float = float("-inf")
     _stopped: bool = False
-    #: Pre-release steps still running (see :meth:`hold_release_until`).
-    _release_gates: list[Deferred] = attrs.Factory(list)
     #: Waiting for nothing to be in flight (see :meth:`when_idle`).
     _idle_waiters: list[Deferred] = attrs.Factory(list)
 
     @property
     def draining(self) -> bool:
-        """True while parked requests are being let out (the target is open, it has work in the lot)."""
-        if self._release_gates or not self._open():
-            return False
-        return self._lot.peek(self.accepts, self.target) is not None
-
-    def _open(self) -> bool:
-        return self.is_open()
+        """True while parked requests are being let out (its member takes work, some waits for it)."""
+        return self.has_work()
 
     def can_start(self) -> bool:
         """True when a request may go to the target this instant: a free slot, no pause or pacing."""
@@ -94,30 +75,6 @@ class Replayer:
         """The slots open now: a :attr:`cautious` target's, after a failure, one until an answer
         comes back (a failing CPU copy is tried by one request at a time, not by a wave)."""
         return 1 if self.cautious and self._failures_in_a_row else self.concurrency
-
-    @property
-    def release_held(self) -> bool:
-        """True while a pre-release step keeps the lot parked although the GPU is back."""
-        return bool(self._release_gates)
-
-    def hold_release_until(self, ready: Deferred) -> None:
-        """Keep the lot parked until ``ready`` fires, either way.
-
-        For steps that must come between the end of a yield and the first
-        replay (loading the models back).  A failure of ``ready`` is logged and
-        the release goes ahead: a failed preload must not strand the lot.  The
-        replayer consumes ``ready``'s result; cancel it to give up the wait.
-        """
-        self._release_gates.append(ready)
-
-        def done(result):
-            self._release_gates.remove(ready)
-            if isinstance(result, Failure) and not result.check(CancelledError):
-                log.failure("pre-release step failed; releasing the lot anyway", result)
-            self.kick()
-            return None
-
-        ready.addBoth(done)
 
     def kick(self) -> None:
         """Start the release task if there is work and none is running."""
@@ -229,8 +186,8 @@ class Replayer:
             if self.rate > 0:
                 self._next_start = now + 1.0 / self.rate
             self.started()
-            # ``draining`` just saw an entry for this target, and nothing ran since.
-            self._lot.release_next(self.accepts, self.target)
+            # ``draining`` just saw an entry for its member, and nothing ran since.
+            self.release()
             yield None
 
     def _task_ended(self, result) -> None:

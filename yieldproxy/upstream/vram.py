@@ -12,7 +12,7 @@ minutes by default).  A game that needs that memory now can ask for it:
 * ``handover.preload_models``: when the yield ends, load these models
   (``POST /api/generate {"model": M}``, no prompt) and wait until ``/api/ps``
   lists them (at most ``preload_timeout_seconds``) *before* the first parked
-  request is replayed, through :meth:`Replayer.hold_release_until`.  Meanwhile
+  request is replayed, through :meth:`Member.hold_release_until`.  Meanwhile
   the state reads ``draining`` (the GPU is back; the proxy is getting ready to
   serve), and new requests join the lot's tail.  A failed or slow preload is
   logged and the lot is released anyway.
@@ -42,6 +42,7 @@ from ..lot.state import DEFAULT_MEMBER, Hold, YieldState
 from ..names import TROUBLE_SOURCES, canonical_model
 from ..observe.metrics import Metrics
 from .control import ControlTimeout
+from .pool.member import Member
 
 log = Logger()
 
@@ -88,6 +89,8 @@ class Handover(Service):
     _handed_over: bool = False
     #: The pool member whose models it unloads and loads (its yields, its drainer, its control client).
     member: str = DEFAULT_MEMBER
+    #: That member as it runs: it takes no work until the preload is done (:meth:`Member.hold_release_until`).
+    release: Member = attrs.field(kw_only=True)
 
     name = "handover"  # type: ignore[assignment]  # Twisted types Service.name as None
 
@@ -144,7 +147,7 @@ class Handover(Service):
         if handed_over and self.config.preload_models:
             d = self._preloading = Deferred.fromCoroutine(self._preload())
             d.addBoth(self._preload_ended)
-            self._replayer.hold_release_until(d)
+            self.release.hold_release_until(d)
 
     def _unload_ended(self, result):
         self._unloading = None

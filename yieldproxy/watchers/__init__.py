@@ -14,9 +14,9 @@ Each has a ``status()`` for the ``watchers`` section of ``/status``.  A
 watcher that stops leaves its hold in place: a yielded GPU stays yielded
 through a shutdown.
 
-Layer 7: it may import the core, servers/, observe/, edge/, lot/ and upstream/
-(the outage watcher reads an upstream's health and asks its control plane);
-nothing of the proxy's, the lifecycle's or above.
+Layer 7, beside schedule/ (neither imports the other): it may import the core, servers/,
+observe/, edge/, lot/ and upstream/ (the outage watcher reads an upstream's health and asks its
+control plane); nothing of the proxy's, the lifecycle's or above.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ from helpers import (
 )
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import DEFAULT_PROBE_TEXTS, ConfigError, FallbackConfig, from_dict
-from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import ParkingLot
 from yieldproxy.lot.replay import Replayer
 from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy.handler import ProxyApp
+from yieldproxy.schedule.scheduler import Scheduler
 from yieldproxy.service import build_heart
 from yieldproxy.tools.sim import SimOllama, decode_base64_f32, expected_embedding
 from yieldproxy.upstream.attempt import Upstream
@@ -197,7 +197,7 @@ class Core:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
-    gate: Gate
+    gate: Scheduler
     replayer: Replayer
     http: StubTreq
     wires: tuple
@@ -260,7 +260,7 @@ def make_core(policy="fallback", **fallback) -> Core:
     fb = heart.fallback
     app = ProxyApp(clock, config, heart.gate, heart.pool, metrics, on_attempt=fb.attempt_ended)
     return Core(
-        clock, fb, primary, backend, metrics, heart.state, heart.lot, heart.gate, heart.pool.members[0].drainer,
+        clock, fb, primary, backend, metrics, heart.state, heart.lot, heart.gate, heart.gate.drainer(None),
         StubTreq(app.resource()), tuple(wires.values()),
     )
 

@@ -23,12 +23,12 @@ from twisted.internet.task import Clock
 from helpers import TEST_MODELS, clock_cooperator, config_with
 from inmemory import EmbedResource, MemoryUpstream
 from yieldproxy.config import Config, FallbackConfig
-from yieldproxy.lot.gate import Gate
 from yieldproxy.lot.parking import ParkingLot
 from yieldproxy.lot.replay import Replayer
 from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.proxy.handler import ProxyApp
+from yieldproxy.schedule.scheduler import Scheduler
 from yieldproxy.service import build_heart
 from yieldproxy.tools.sim import SimOllama, expected_embedding
 from yieldproxy.upstream.fallback import Fallback
@@ -79,7 +79,7 @@ class Rig:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
-    gate: Gate
+    gate: Scheduler
     replayer: Replayer
     fallback: Fallback
     twin: Twin
@@ -175,7 +175,7 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         (primary, twin),
     )
     state, lot, gate, fallback = heart.state, heart.lot, heart.gate, heart.fallback
-    replayer = heart.pool.members[0].drainer
+    replayer = heart.gate.drainer(None)
     app = ProxyApp(clock, config, gate, heart.pool, metrics, on_attempt=fallback.attempt_ended)
     http = StubTreq(app.resource())
     rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire, twin_wire)

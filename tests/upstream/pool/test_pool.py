@@ -156,7 +156,7 @@ async def test_a_model_only_one_upstream_serves_parks_while_that_one_is_yielded(
         await in_thread(reactor, burst.run, timeout=60)
         assert burst.done == 20 and burst.failures == [] and len(stack.proxy.lot) == 1
         assert set(embedded(stack.sims["small"])) == set(burst.texts)
-        assert stack.proxy.lot.waiting_for("big") == 1 and stack.proxy.lot.waiting_for("small") == 0
+        assert stack.proxy.gate.waiting_for("big") == 1 and stack.proxy.gate.waiting_for("small") == 0
         await admin(stack, "/resume", {})
         answer = await chat
         assert answer.response == "".join(expected_reply("hello"))

@@ -43,7 +43,7 @@ class Health:
 
 
 def admit(core, model="m", path="/v1/chat/completions", cls="interactive") -> tuple[Entry, Deferred]:
-    entry = Entry(cls=cls, routing=core.gate.pool.routing("POST", path, cls, model))
+    entry = Entry(cls=cls, routing=core.gate.routing("POST", path, cls, model))
     return entry, core.gate.admit(entry)
 
 
@@ -58,7 +58,7 @@ def two(config=None, judges=None):
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config, judges=judges,
     )
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     health = llama.control = Health()
     return core, llama, health
 
@@ -72,7 +72,7 @@ def test_a_not_ready_member_is_passed_over_and_its_health_checked_until_it_reads
     core.gate.finished(failed=False, seconds=0.01, member="llama")
     llama.health.not_ready("upstream answered 503: Loading model")
     assert not llama.available() and llama.state_name() == "not_ready"
-    assert ("llama", False) == core.gate.pool.metric_rows()[0][:2]
+    assert ("llama", False) == core.gate.metric_rows()[0][:2]
     # Another available member takes new requests at once; nothing parks, no hold anywhere.
     assert [admit(core)[0].released_to for _ in range(3)] == ["b", "b", "b"]
     assert core.state.holds_for("llama") == [] and len(core.lot) == 0
@@ -89,20 +89,20 @@ def test_a_not_ready_member_is_passed_over_and_its_health_checked_until_it_reads
     core.run(2)
     health.answer(200, b'{"status":"ok"}')
     assert llama.available() and llama.state_name() == "available"
-    assert core.gate.pool.metric_rows()[0][:2] == ("llama", True)
+    assert core.gate.metric_rows()[0][:2] == ("llama", True)
     core.run(60)
     assert len(health.calls) == 3  # no more checks once it is up
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []
 
 
 def test_a_request_only_the_not_ready_member_may_serve_waits_and_goes_to_it_once_its_health_reads_up():
     core = make_pool_core({"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "models": ("x",)})
-    llama = core.gate.pool.member("llama")
+    llama = core.gate.member("llama")
     health = llama.control = Health()
     llama.health.not_ready("Loading model")
     entry, d = admit(core)
-    assert not went(d) and core.lot.waiting_for("llama") == 1
+    assert not went(d) and core.gate.waiting_for("llama") == 1
     core.run(0.5)
     health.answer(200, b'{"status":"ok"}')
     core.run()
@@ -130,7 +130,7 @@ def test_a_member_not_ready_past_the_bound_is_treated_as_down_until_its_health_r
     assert llama.state_name() == "outage"
     health.answer(200, b'{"status":"ok"}')
     assert llama.state_name() == "available" and core.state.holds_for("llama") == []
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -172,7 +172,7 @@ def test_a_member_whose_health_reads_up_while_its_model_route_loads_cannot_dodge
     llama.served()
     llama.health.not_ready("Loading model", call)
     assert llama.state_name() == "not_ready"
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -189,7 +189,7 @@ def test_a_served_model_call_ends_the_run_so_a_later_load_gets_the_whole_bound()
     llama.health.not_ready("Loading model", call)
     core.run(4.0)
     assert llama.state_name() == "not_ready" and core.state.holds == []
-    core.gate.pool.stop()
+    core.gate.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -384,7 +384,7 @@ def test_a_probe_answered_not_ready_takes_no_outage_hold_and_makes_the_member_no
     assert verdict_of(d) is True and core.state.holds == [] and llama.state_name() == "not_ready"
     assert core.sample("yieldproxy_outage_probes_total", upstream="llama", probe="health", result="not_ready") == 1
     watcher.stopService()
-    core.gate.pool.stop()
+    core.gate.stop()
 
 
 def verdict_of(d: Deferred):

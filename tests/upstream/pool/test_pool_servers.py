@@ -122,7 +122,7 @@ async def test_tei_and_llamacpp_members_serve_their_native_routes_and_park_while
         assert code == 200 and len(tokens) == 1
         # The other members answered meanwhile, after these parked: none was let out to it.
         assert not any(d.called for d in parked) and model_requests(tei) == ["/embed", "/rerank"]
-        assert stack.proxy.lot.waiting_for("tei") == 2 and stack.proxy.lot.waiting_for("llama") == 0
+        assert stack.proxy.gate.waiting_for("tei") == 2 and stack.proxy.gate.waiting_for("llama") == 0
         await admin(stack, "/resume", {"source": "restart", "upstream": "tei"})
         check_tei(*[await d for d in parked])
         assert model_requests(tei) == ["/embed"] * 2 + ["/rerank"] * 2

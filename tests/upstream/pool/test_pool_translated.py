@@ -33,7 +33,7 @@ CPU = {"name": "cpu", "api": "openai", "use": "when_others_yielded", "models": (
 
 
 def test_a_member_of_another_dialect_is_eligible_only_for_the_embeddings_of_a_model_it_serves():
-    pool = make_pool_core(DESKTOP, CPU).gate.pool
+    pool = make_pool_core(DESKTOP, CPU).gate
     for path in ("/api/embed", "/api/embeddings"):
         routing = pool.routing("POST", path, "batch", MODEL)
         assert routing.eligible == ("desktop", "cpu") and routing.translated == {"cpu"}
@@ -55,20 +55,20 @@ def test_a_member_of_another_dialect_is_eligible_only_for_the_embeddings_of_a_mo
 
 def test_a_translated_member_needs_a_known_model_and_its_class():
     # A member that discovers its models and has no list yet serves no model known to it: no translation.
-    pool = make_pool_core(DESKTOP, {**CPU, "models": ()}).gate.pool
+    pool = make_pool_core(DESKTOP, {**CPU, "models": ()}).gate
     assert pool.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
     # One that may not serve batch requests.
-    pool = make_pool_core(DESKTOP, {**CPU, "classes": ("interactive",)}).gate.pool
+    pool = make_pool_core(DESKTOP, {**CPU, "classes": ("interactive",)}).gate
     assert pool.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
     # A model_map names a model it serves.
-    pool = make_pool_core(DESKTOP, {**CPU, "models": (), "model_map": {MODEL: "minilm-cpu"}}).gate.pool
+    pool = make_pool_core(DESKTOP, {**CPU, "models": (), "model_map": {MODEL: "minilm-cpu"}}).gate
     assert pool.routing("POST", "/api/embed", "batch", MODEL).translated == {"cpu"}
 
 
 def test_a_pool_without_an_ollama_member_serves_ollama_clients_translated():
     pool = make_pool_core(
         {"name": "tei", "api": "tei", "models": (MODEL,)}, {"name": "inf", "api": "infinity", "models": (MODEL,)}
-    ).gate.pool
+    ).gate
     routing = pool.routing("POST", "/api/embed", "batch", MODEL)
     assert routing.eligible == ("tei", "inf") and routing.translated == {"tei", "inf"}
     # A model neither serves: the route's own members (none knows it: all), untranslated, to answer in their words.
@@ -78,11 +78,11 @@ def test_a_pool_without_an_ollama_member_serves_ollama_clients_translated():
 
 def test_a_pool_of_one_routes_by_the_same_rule_as_a_pool_of_several():
     """No shortcut for a lone member: it is eligible by its api, its classes and its models as in any pool."""
-    alone = make_pool_core({"name": "tei", "api": "tei", "models": (MODEL,)}).gate.pool
+    alone = make_pool_core({"name": "tei", "api": "tei", "models": (MODEL,)}).gate
     routing = alone.routing("POST", "/api/embed", "batch", MODEL)
     assert routing.eligible == ("tei",) and routing.translated == {"tei"}
     # A class its entry leaves out: no member may serve it (a refusal naming upstreams.*.classes).
-    chat_only = make_pool_core({"name": "gpu", "classes": ("interactive",)}).gate.pool
+    chat_only = make_pool_core({"name": "gpu", "classes": ("interactive",)}).gate
     assert chat_only.routing("POST", "/api/embed", "batch", MODEL).eligible == ()
     assert chat_only.routing("POST", "/api/chat", "interactive", "llama3.2").eligible == ("gpu",)
 
@@ -119,7 +119,7 @@ class Rig:
 
     @property
     def pool(self):
-        return self.core.gate.pool
+        return self.core.gate
 
     def run(self, seconds: float = 0.0) -> None:
         advance_through(self.core.clock, seconds)
@@ -152,7 +152,7 @@ def rig(*members, weights: dict | None = None) -> Rig:
     heart = build_heart(
         clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.gate.drainer(None), heart.gate)
     verifier = heart.twins
     verifier.startService()
     r = Rig(core, verifier, controls)

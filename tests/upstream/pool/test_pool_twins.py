@@ -66,7 +66,7 @@ class Rig:
 
     @property
     def pool(self):
-        return self.core.gate.pool
+        return self.core.gate
 
     def run(self, seconds: float = 0.0) -> None:
         advance_through(self.core.clock, seconds)
@@ -109,7 +109,7 @@ def rig(
     heart = build_heart(
         clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, heart.state, heart.lot, heart.pool.members[0].drainer, heart.gate)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.gate.drainer(None), heart.gate)
     verifier = heart.twins
     if start:
         verifier.startService()

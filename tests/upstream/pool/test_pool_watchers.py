@@ -49,14 +49,15 @@ def test_a_members_state_file_yields_it_alone_and_the_global_one_all(tmp_path):
 
 def test_each_ollama_member_unloads_and_preloads_on_its_own_yields():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    pool = core.gate.pool
+    pool = core.gate
     fakes = {name: FakeOllama(core.clock, loaded=["llama3"], load_seconds=0.5) for name in ("a", "b")}
     handovers = []
     for name in ("a", "b"):
         member = pool.member(name)
         handover = Handover(
-            core.clock, core.state, member.drainer, fakes[name], core.metrics,
+            core.clock, core.state, pool.drainer(name), fakes[name], core.metrics,
             HandoverConfig(unload_on_yield=True, preload_models=("llama3",)), member=name, per_member=True,
+            release=member,
         )
         subscribe_handover(core.state, handover)
         handover.startService()

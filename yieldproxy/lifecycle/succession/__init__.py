@@ -49,10 +49,9 @@ from .wire import Carried
 if TYPE_CHECKING:
     from ...edge.capacity import Connections
     from ...edge.listener import Listener
-    from ...lot.gate import Gate
     from ...lot.parking import ParkingLot
     from ...proxy.handler import ProxyApp
-    from ...upstream.pool.routing import Pool
+    from ...schedule.scheduler import Scheduler
     from ...upstream.pool.twins import TwinVerifier
     from ...upstream.served import RecordKeeper
 
@@ -113,13 +112,13 @@ class Succession(Service):
     _connections: dict[str, Connections]
     _proxy_app: ProxyApp
     _lot: ParkingLot
-    _pool: Pool
+    _pool: Scheduler
     _state: YieldState
     _twins: TwinVerifier | None = None
     #: What each upstream served (served.RecordKeeper): the evidence of its outage verdicts crosses over too.
     _records: RecordKeeper | None = None
     #: The gate: after a handover whose new process is gone, what is left here is refused.
-    _gate: Gate | None = None
+    _gate: Scheduler | None = None
     _predecessor: Predecessor = attrs.field(init=False)
     _takeover: TakeOver | None = attrs.field(init=False, default=None)
     _previous_handler: Any = None

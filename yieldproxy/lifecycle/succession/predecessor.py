@@ -44,9 +44,8 @@ from .wire import BATCH_FDS, PROTOCOL, Carried, cut, encode, pack
 if TYPE_CHECKING:
     from ...edge.capacity import Connections
     from ...edge.listener import Listener
-    from ...lot.gate import Gate
     from ...lot.parking import ParkingLot
-    from ...upstream.pool.routing import Pool
+    from ...schedule.scheduler import Scheduler
 
 log = Logger()
 
@@ -192,7 +191,7 @@ class Predecessor(Machine[Phase, str]):
     #: ``proxy`` and ``admin``: each listener's open connections (their idle ones go over).
     _connections: dict[str, Connections]
     _lot: ParkingLot
-    _pool: Pool
+    _pool: Scheduler
     #: ``snapshot()``: the holds and twins the successor restores (a JSON-able dict).
     _snapshot: Callable[[], dict[str, Any]]
     #: Ends this process (the reactor's stop, from tap.py).
@@ -204,7 +203,7 @@ class Predecessor(Machine[Phase, str]):
     #: Why this process cannot reload at all (None: it can).
     unavailable: str | None = None
     #: The gate: after the handover, if the new process is gone, what is left here is refused (503).
-    _gate: Gate | None = None
+    _gate: Scheduler | None = None
     #: Told of every change of :attr:`phase` (the succession's signals, pidfile, holds).
     _on_phase: Callable[[Phase], None] = lambda phase: None
     #: Whether the process before this one (two reloads in a row) may still send it connections.
@@ -418,7 +417,7 @@ class Predecessor(Machine[Phase, str]):
             listener.pause()
         self._frozen = Deferred()
         for member in self._pool.members:
-            member.drainer.hold_release_until(self._frozen)
+            member.hold_release_until(self._frozen)
         self._undivert = divert((listener.factory for listener in self._listeners.values()), self._diverted)
         self._go("commit")
         self._send_parked(link, None, pending=True)

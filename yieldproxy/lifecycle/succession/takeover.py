@@ -391,7 +391,7 @@ class TakeOver(Machine[Stage, str]):
         self._adopting = Deferred()
         if self._pool is not None:
             for member in self._pool.members:
-                member.drainer.hold_release_until(self._adopting)
+                member.hold_release_until(self._adopting)
         for listener in self._listeners.values():
             listener.resume()
         # Then the holds file (its write waits on the disk: new connections need not) and the pidfile; a

@@ -1,49 +1,17 @@
-"""One upstream of the pool as it runs: whether it takes requests now, and what it has in flight.
+"""One upstream of the pool as it runs: whether it takes requests now, and why not.
 
 A member is *available* when no hold applies to it (its own, or one of all
-members), it is not handing over (a model preload after its yield holds its
-drainer), and it is not known unreachable.  Passing over is for pools of
-several only: a member whose attempts are refused before it ever answered
-(a wrong address, a server not started yet) is passed over and checked
-again on a growing interval, while the others serve; when no other member
-may take the request, such attempts are answered 502 at once.
-
-Whatever the pool, a member that has not answered since the proxy started
-and could not be reached (its outage watcher's probe at start, another
-probe, or an attempt: :meth:`UpstreamHealth.unanswered`) *reads*
-``unreachable`` (:attr:`Member.never_answered`: ``/status``, the metrics,
-the status page, ``yieldproxy status``), one line says so, and it is
-checked again on the same growing interval until it answers.  Requests no
-other member may take still go to it (each gets its 502 at once): only its
-state tells the truth sooner.
-
-A member is also not available while it is *not ready*: its server said it
-is still loading its model (llama.cpp's 503 ``Loading model``, on an attempt
-or a probe: :meth:`UpstreamHealth.not_ready`).  That is no outage and no
-failed try: its health path is checked on the same growing interval until it
-reads up, then its drainer starts.  One not ready for longer than
-``upstream.not_ready_max_seconds`` is treated as down: it takes a hold of
-its own (source ``loading``, :data:`~yieldproxy.names.LOADING_SOURCE`, of its
-outage watcher's scope; it reads ``outage``), so a server stuck loading holds
-nobody without bound.  In any pool, one upstream included; Ollama never
-answers "not ready", so none of this happens in front of Ollama.
-
-The bound cannot be dodged: it runs from the first "loading" answer until a
-model call is answered (:meth:`UpstreamHealth.served`), not until its health
-reads up.  A server whose health says up while its model route keeps
-answering "loading" is let back in when its health reads up, and is held
-once the run of such answers reaches the bound.  Then only a model call
-ends the hold: the minimal call (the server's ``minimal_call``) of the
-last call that answered "loading", when one is known, else its health path.
-
-What the member itself knows against it is one named state,
-:attr:`Member.condition` (:class:`Condition`), moved only by an event fired
-through :data:`CONDITION_MOVES` (the house idiom of yieldproxy/states.py).  Its holds and its drainer's held release are
-others' facts (the yield state's, the drainer's), and whether it has answered
-since the start is its health's: ``unreachable`` is a refusing member that
-has not answered since.  The run of "loading" answers the bound measures is
-data beside the state: it goes on while the member serves again, until a
-model call is answered.
+members), its release is not held (a model preload after its yield:
+:meth:`Member.hold_release_until`), it is not *not ready* (its server says
+it is loading its model) and it is not passed over as unreachable (refusing
+connections and never answered since the start).  What it knows against
+itself is one named state, :attr:`Member.condition`, moved only by events
+through :data:`CONDITION_MOVES` (yieldproxy/states.py); the run of "loading"
+answers that ``upstream.not_ready_max_seconds`` bounds is data beside it.
+Which member takes which request is not decided here: the scheduler
+(yieldproxy/schedule/) asks :meth:`Member.available` and is told when a member
+takes work again (:meth:`Member.when_back`).  The rules, and why: docs/pool.md
+("Available", "Not ready") and docs/architecture.md ("The scheduler").
 """
 
 from __future__ import annotations
@@ -52,11 +20,11 @@ import enum
 from typing import Any, Callable
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
-from ...lot.replay import Replayer
 from ...lot.state import YieldState
 from ...names import LOADING_SOURCE, TROUBLE_SOURCES
 from ...servers import NOT_READY as SAYS_NOT_READY, UP
@@ -120,7 +88,7 @@ CONDITION_MOVES: Moves[Condition, str] = Moves("a pool member", {
 
 @attrs.define(eq=False)
 class Member(Machine[Condition, str]):
-    """A pool member: its spec, its client, its health, its models and its drainer."""
+    """A pool member: its spec, its clients, its health, its models, its condition and its held release."""
 
     moves = CONDITION_MOVES
 
@@ -133,8 +101,6 @@ class Member(Machine[Condition, str]):
     server: Any
     health: UpstreamHealth
     catalogue: ModelCatalogue
-    #: Releases the lot into it, under its ``replay_concurrency``; its in-flight count.
-    drainer: Replayer
     #: Its client for requests (:class:`~yieldproxy.upstream.attempt.Upstream`); None in clock-only tests.
     upstream: Any = None
     #: Its control-plane client (:class:`~yieldproxy.upstream.control.UpstreamControl`); None in clock-only tests.
@@ -144,8 +110,6 @@ class Member(Machine[Condition, str]):
     recheck_max_seconds: float = 10.0
     #: Bound on one check of its health path (``upstream.health_timeout_seconds``).
     check_timeout_seconds: float = 2.0
-    #: Called when it becomes available again after being unreachable (the pool wakes its drainers).
-    on_reachable: Callable[[], None] = lambda: None
     #: How long it may stay not ready before it is treated as down (``upstream.not_ready_max_seconds``).
     not_ready_max_seconds: float = 300.0
     #: The scope of the ``loading`` hold it takes when stuck not ready: its outage watcher's (None: its name).
@@ -168,6 +132,10 @@ class Member(Machine[Condition, str]):
     _stopped: bool = False
     #: Its API prefix was found (where its model list or a call answered): a 404 is then its server's word.
     _prefix_known: bool = False
+    #: Pre-release steps still running (:meth:`hold_release_until`): it takes no work until they end.
+    _release_gates: list[Deferred] = attrs.Factory(list)
+    #: Told ``(name, fresh)`` when it may take work again (``fresh``: forget its past failures).
+    _back: list[Callable[[str, bool], None]] = attrs.Factory(list)
     #: Its named state (:data:`CONDITION_MOVES`), read as :attr:`condition`.
     state: Condition = attrs.field(default=SERVING, init=False)
 
@@ -190,9 +158,37 @@ class Member(Machine[Condition, str]):
     def name(self) -> str:
         return self.spec.name
 
+    def when_back(self, listener: Callable[[str, bool], None]) -> None:
+        """Call ``listener(name, fresh)`` when it may take work again: it answers after being unreachable, it
+        is ready after loading (``fresh``: its "loading" answers were no failures), its held release ends."""
+        self._back.append(listener)
+
+    def _tell_back(self, fresh: bool) -> None:
+        for listener in self._back:
+            listener(self.name, fresh)
+
     @property
-    def inflight(self) -> int:
-        return self.drainer.inflight
+    def release_held(self) -> bool:
+        """True while a pre-release step keeps it from taking work although it is not held."""
+        return bool(self._release_gates)
+
+    def hold_release_until(self, ready: Deferred) -> None:
+        """Take no work until ``ready`` fires, either way: for a step that must come between the end of
+        its yield and its first request (loading the models back, a reload's adoption).
+
+        A failure of ``ready`` is logged and it takes work anyway: a failed preload must not strand
+        the lot.  It consumes ``ready``'s result; cancel it to give up the wait.
+        """
+        self._release_gates.append(ready)
+
+        def done(result):
+            self._release_gates.remove(ready)
+            if isinstance(result, Failure) and not result.check(CancelledError):
+                log.failure("pre-release step failed; releasing the lot anyway", result)
+            self._tell_back(False)
+            return None
+
+        ready.addBoth(done)
 
     @property
     def unreachable(self) -> bool:
@@ -235,11 +231,15 @@ class Member(Machine[Condition, str]):
         return self._yields.yielded_for(self.spec.name)
 
     def available(self) -> bool:
-        """True when it takes requests now."""
+        """True when it takes requests now: no hold applies to it, and it :meth:`takes_work`."""
+        return not self._yields.yielded_for(self.spec.name) and self.takes_work()
+
+    def takes_work(self) -> bool:
+        """Nothing it knows of itself keeps it from taking requests: no held release, not not ready, not
+        passed over as unreachable (its holds are the yield state's, which the scheduler asks itself)."""
         condition = self.condition
         return not (
-            self._yields.yielded_for(self.spec.name) or self.drainer.release_held or condition is NOT_READY
-            or (condition is REFUSING and not self.health.reachable)
+            self._release_gates or condition is NOT_READY or (condition is REFUSING and not self.health.reachable)
         )
 
     def state_name(self) -> str:
@@ -247,7 +247,7 @@ class Member(Machine[Condition, str]):
         if self._yields.yielded_for(self.spec.name):
             holds = self._yields.holds_for(self.spec.name)
             return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
-        if self.drainer.release_held:
+        if self._release_gates:
             return "handing_over"
         if self.never_answered:
             return "unreachable"
@@ -388,7 +388,7 @@ class Member(Machine[Condition, str]):
 
     def _ready(self) -> None:
         """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
-        took for a stuck load ends), its drainer starts."""
+        took for a stuck load ends), and it takes work again."""
         was = self.condition
         self.fire("ready")
         if was is STUCK:
@@ -402,8 +402,7 @@ class Member(Machine[Condition, str]):
                 name=self.name, url=self.spec.url, seconds=self._clock.seconds() - self._not_ready_since,
             )
         # Its "Loading model" answers were no failures of a working server: no backoff after them.
-        self.drainer.reset_backoff()
-        self.on_reachable()
+        self._tell_back(True)
 
     def _waits_for_health(self) -> bool:
         return self.condition is NOT_READY or self._stuck_held()
@@ -473,4 +472,4 @@ class Member(Machine[Condition, str]):
         if self.condition is REFUSING or self.condition is UNANSWERED:
             self.fire("answered")
             log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
-            self.on_reachable()
+            self._tell_back(False)

@@ -86,13 +86,13 @@ class TwinVerifier(Service):
     _clock: IReactorTime
     _members: Sequence[Member]
     _config: VerificationConfig
-    #: Called when a pair becomes verified (the pool's drainers look again at what is parked).
-    _on_verified: Callable[[], None] = lambda: None
     #: Pairs given with terms of their own (the ``[fallback]``'s, the one-upstream form: it meets no
     #: found twins in one config), verified in the same pass.
     contract: Contract | None = None
     #: Find the pool's own pairs (a pool of several upstreams); False: only the contract's.
     _find_twins: bool = True
+    #: Told when a pair becomes verified (:meth:`when_verified`: the scheduler's drainers look again).
+    _verified_listeners: list[Callable[[], None]] = attrs.Factory(list)
     #: The last verification of each pair, by (member name, canonical model).
     checks: dict[tuple[str, str], TwinCheck] = attrs.field(init=False, factory=dict)
     #: The models verified: canonical name -> the name first seen.
@@ -128,6 +128,14 @@ class TwinVerifier(Service):
         self._pinned = set(self._models)
 
     # -- the pool's check ----------------------------------------------------------------
+
+    def when_verified(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when a pair becomes verified (a model may have become usable for requests in line)."""
+        self._verified_listeners.append(listener)
+
+    def _tell_verified(self) -> None:
+        for listener in self._verified_listeners:
+            listener()
 
     def twin_ok(self, member: Member, entry: Entry) -> bool:
         """May ``member`` serve ``entry`` now: anything but an embedding, or the model's reference or a fresh twin
@@ -447,7 +455,7 @@ class TwinVerifier(Service):
                 model=v.model, fallback_model=v.fallback_model, url=contract.sides[1].url, worst=v.worst_cosine,
                 n=len(v.rows),
             )
-            self._on_verified()  # a model may have become usable for requests in line
+            self._tell_verified()  # a model may have become usable for requests in line
         else:
             log.warn(
                 "fallback NOT verified for {model} (as {fallback_model} on {url}), its requests will park "
@@ -536,7 +544,7 @@ class TwinVerifier(Service):
                     "it serves {model}'s embeddings",
                     twin=twin.name, reference=check.reference, model=model, worst=check.worst_cosine,
                 )
-            self._on_verified()
+            self._tell_verified()
         elif before is None or before.result != check.result or before.reason != check.reason:
             log.warn(
                 "upstream {twin} NOT verified as a twin of {reference} for {model} ({result}): {reason}; "
