@@ -71,7 +71,7 @@ from ..upstream.served import MANAGEMENT_PATHS, redefined_by
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import Untranslatable, parse_request
 from ..upstream.verdict import Facts, Reason, Verdict, gateway_status, judged_later, reported, slows_replay, verdict
-from .resource import HandlerResource, routed
+from .resource import HandlerResource, KleinEntry, routed
 from .target import BadTarget, Target, parse_target
 
 log = Logger()
@@ -249,7 +249,7 @@ class ProxyApp:
 
     def resource(self) -> IResource:
         """The listener's resource: the Klein app, the one entry of every request (proxy/resource.py)."""
-        return self.app.resource()
+        return KleinEntry(self.app)
 
     def _internal_error(self, request) -> bytes:
         """A bug's answer (its traceback is logged): a 500 in the API's shape, counted and logged once."""

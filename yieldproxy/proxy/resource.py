@@ -1,13 +1,19 @@
 """The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
-:meth:`ProxyApp.resource <yieldproxy.proxy.handler.ProxyApp.resource>` is
-the Klein app's own resource.  Its one route returns :class:`HandlerResource`
-(through :func:`routed`), which Klein renders before its own ``render``
-returns, so Klein's per-request chain and closures are done with before the
-handler awaits anything.  What Klein would still leave on a parked request
-(its ``IKleinRequest`` adapter holding the werkzeug ``MapAdapter``, and two
-``notifyFinish`` watchers) is let go once routing is over.  The handler's
-outcome is handled here:
+:class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``).  It
+routes as Klein's own ``KleinResource`` does (the request's URL parts, the
+app's werkzeug map bound to them, the matched route's function), but when the
+route answers at once with a resource, as the proxy's one route always does,
+it renders that resource there and then: Klein's two ``maybeDeferred``, its
+two ``notifyFinish`` watchers, closures and callbacks exist to wait for an
+answer that is already there (bench/klein_entry.py measures the difference).
+Anything else (a URL that is not UTF-8, a path the map refuses or redirects,
+a route answering bytes, a Deferred or an error) is answered by Klein's own
+render, as Klein answers it.
+
+The route returns :class:`HandlerResource` (through :func:`routed`, which lets
+go of Klein's request adapter and the ``MapAdapter`` it holds, so a parked
+request keeps nothing of Klein).  The handler's outcome is handled there:
 
 * the handler's bytes are written, and the request finished unless it is
   already (or the client went away);
@@ -24,13 +30,98 @@ from __future__ import annotations
 from inspect import iscoroutine
 from typing import Any, Callable
 
+from klein import Klein
 from klein.interfaces import IKleinRequest
+from klein.resource import KleinResource
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
 from twisted.python.components import Componentized
 from twisted.python.failure import Failure
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET
+
+
+class KleinEntry(KleinResource):
+    """A Klein app's resource that renders a route's resource as soon as the route returns it.
+
+    Klein's render sends even an immediate answer through a chain of
+    Deferreds and watchers; here only an answer that needs them takes that
+    way (see the module docstring).
+    """
+
+    def render(self, request):
+        app = self._app
+        parts = _url_parts(request)
+        if parts is None or app.url_map.host_matching:
+            return super().render(request)
+        scheme, server_name, script_name, path_info = parts
+        method = request.method.decode("utf-8")
+        mapper = app.url_map.bind(server_name, script_name, path_info=path_info, default_method=method, url_scheme=scheme)
+        try:
+            rule, kwargs = mapper.match(return_rule=True)
+        except Exception:  # NotFound, MethodNotAllowed, a redirect: Klein's router decides again, and answers
+            return super().render(request)
+        endpoint = rule.endpoint
+        segments = getattr(app.endpoints[endpoint], "segment_count", None)
+        if segments is None:  # a route function Klein did not mark: not one this knows how to run
+            return super().render(request)
+        IKleinRequest(request).mapper = mapper
+        prepath, postpath = len(request.prepath), request.postpath
+        request.prepath.extend(postpath[:segments])
+        request.postpath = postpath[segments:]
+        try:
+            answer = app.execute_endpoint(endpoint, request, **kwargs)
+            if IResource.providedBy(answer):
+                request.render(getChildForRequest(answer, request))
+                return NOT_DONE_YET
+        except Exception:
+            answer = Failure()
+        # Klein's own render takes it from here, from the top: routed again, the route's answer already in hand.
+        del request.prepath[prepath:]
+        request.postpath = postpath
+        return KleinResource(_Answered(app, answer)).render(request)
+
+
+class _Answered:
+    """A Klein app whose route has run already: its function's answer (a value, or the Failure it raised) is
+    what the route gives Klein's render, once, without running the function a second time."""
+
+    def __init__(self, app: Klein, answer: Any):
+        self._app = app
+        self._answer = answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+    def execute_endpoint(self, endpoint: str, request, *args: Any, **kwargs: Any) -> Any:
+        answer, self._answer = self._answer, None
+        if isinstance(answer, Failure):
+            answer.raiseException()
+        return answer
+
+
+def _url_parts(request) -> tuple[str, str, str, str] | None:
+    """(scheme, server name, script name, path info) as Klein's render reads them, to bind the app's map;
+    None when one is not UTF-8 (Klein's own render answers that request, with its 400)."""
+    server_name = request.getRequestHostname()
+    port = getattr(request.getHost(), "port", 0)
+    secure = bool(request.isSecure())
+    if (secure, port) not in ((True, 443), (False, 80), (False, 0), (True, 0)):
+        server_name = b"%s:%d" % (server_name, port)
+    script_name = b""
+    if request.prepath:
+        script_name = b"/".join(request.prepath)
+        if not script_name.startswith(b"/"):
+            script_name = b"/" + script_name
+    path_info = b""
+    if request.postpath:
+        path_info = b"/".join(request.postpath)
+        if not path_info.startswith(b"/"):
+            path_info = b"/" + path_info
+    try:
+        return "https" if secure else "http", server_name.decode(), script_name.decode(), path_info.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def routed(request, entry: HandlerResource) -> HandlerResource:
