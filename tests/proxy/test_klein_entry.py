@@ -11,7 +11,7 @@ each route's function must run the same times with the same arguments.
 from __future__ import annotations
 
 import attrs
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from klein import Klein
 from klein.interfaces import IKleinRequest
 from klein.resource import KleinResource
@@ -20,6 +20,7 @@ from twisted.internet.defer import succeed
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from werkzeug.exceptions import NotFound
+from werkzeug.routing import BaseConverter
 
 from yieldproxy.proxy.resource import KleinEntry
 
@@ -63,12 +64,23 @@ class _Tree(Resource):
         return b"tree"
 
 
+class _Parts(BaseConverter):
+    """A converter whose value a route can change (a list): each request must get its own."""
+
+    def to_python(self, value):
+        return value.split(",")
+
+    def to_url(self, value):
+        return ",".join(value)
+
+
 @attrs.define
 class _Toy:
     """One instance of an app with every kind of route; ``calls`` records each route function's run."""
 
     calls: list = attrs.Factory(list)
     app = Klein()
+    app.url_map.converters["parts"] = _Parts
 
     def _ran(self, request, name: str, *args) -> None:
         self.calls.append((name, request.method, request.path, tuple(request.prepath), *args))
@@ -87,6 +99,12 @@ class _Toy:
     def later_tree(self, request):
         self._ran(request, "later-tree")
         return succeed(_Tree())
+
+    @app.route("/parts/<parts:items>")
+    def parts(self, request, items):
+        self._ran(request, "parts", tuple(items))
+        items.append("seen")
+        return repr(items)
 
     @app.route("/bytes")
     def some_bytes(self, request):
@@ -149,7 +167,7 @@ PATHS = (
     "/leaf", "/leaf/", "/leaf/a/b", "/leaf//a", "/leaf/%61", "/leaf/%FF", "/tree/kid", "/tree/other", "/tree",
     "/later/tree/kid", "/later/tree/x/y",
     "/bytes", "/bytes/", "/text/bob", "/text/%C3%A9", "/deferred", "/coroutine", "/url", "/post-only", "/dir",
-    "/dir/", "/missing", "/boom", "/broken", "/nowhere", "/", "//leaf", "/leaf/../bytes",
+    "/dir/", "/missing", "/boom", "/broken", "/nowhere", "/", "//leaf", "/leaf/../bytes", "/parts/a,b",
 )
 HOSTS = (b"127.0.0.1", b"example.com:8080", b"[::1]:80", b"localhost:443", b"caf\xc3\xa9.example", b"\xff.example")
 
@@ -177,6 +195,12 @@ def _results(d) -> list:
 
 
 @settings(max_examples=60, deadline=None)
+@example([("POST", b"127.0.0.1", "/post-only"), ("GET", b"127.0.0.1", "/post-only"), ("POST", b"127.0.0.1", "/post-only")])
+@example([("GET", b"127.0.0.1", "/url"), ("GET", b"example.com:8080", "/url"), ("GET", b"[::1]:80", "/url")])
+@example([("GET", b"127.0.0.1", "/text/a"), ("GET", b"127.0.0.1", "/text/b"), ("GET", b"127.0.0.1", "/text/a")])
+@example([("GET", b"127.0.0.1", "/leaf/a"), ("GET", b"\xff.example", "/leaf/a"), ("POST", b"127.0.0.1", "/leaf/a")])
+@example([("GET", b"127.0.0.1", "/parts/a,b"), ("GET", b"127.0.0.1", "/parts/a,b")])
+@example([("GET", b"127.0.0.1", "/dir"), ("GET", b"127.0.0.1", "/dir/"), ("GET", b"127.0.0.1", "/dir")])
 @given(st.lists(st.tuples(st.sampled_from(("GET", "POST", "HEAD")), st.sampled_from(HOSTS), st.sampled_from(PATHS)),
                 min_size=1, max_size=8))
 def test_every_request_is_answered_as_klein_answers_it_and_each_route_runs_once(requests):
@@ -208,3 +232,27 @@ def test_a_route_that_answers_with_a_resource_is_rendered_without_klein_s_deferr
     [response] = _results(http.get("http://127.0.0.1/bytes"))  # not a resource: Klein's own way
     http.flush()
     assert response.code == 200 and len(watchers) == 2 and deferreds
+
+
+def test_a_route_added_after_requests_were_routed_takes_the_requests_it_matches():
+    app = Klein()
+
+    @app.route("/", branch=True)
+    def anything(request):
+        return b"any path"
+
+    http = StubTreq(KleinEntry(app))
+
+    def get(path: str) -> bytes:
+        [response] = _results(http.get(f"http://127.0.0.1{path}"))
+        http.flush()
+        [body] = _results(response.content())
+        return body
+
+    assert get("/late") == b"any path"
+
+    @app.route("/late")
+    def late(request):
+        return b"a late route"
+
+    assert get("/late") == b"a late route" and get("/other") == b"any path"

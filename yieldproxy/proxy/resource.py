@@ -1,15 +1,19 @@
 """The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
 :class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``).  It
-routes as Klein's own ``KleinResource`` does (the request's URL parts, the
-app's werkzeug map bound to them, the matched route's function), but when the
-route answers at once with a resource, as the proxy's one route always does,
-it renders that resource there and then: Klein's two ``maybeDeferred``, its
-two ``notifyFinish`` watchers, closures and callbacks exist to wait for an
-answer that is already there (bench/klein_entry.py measures the difference).
+routes as Klein's own ``KleinResource`` does (the app's werkzeug map matches
+the request's method and path, the matched route's function runs), with
+Klein's per-request work cut where it decides nothing: the map's match of a
+target is kept (clients send the same few), the map is bound to a request
+only if a route asks for it, and when the route answers at once with a
+resource, as the proxy's one route always does, that resource is rendered
+there and then, without Klein's two ``maybeDeferred``, its two
+``notifyFinish`` watchers, closures and callbacks, which wait for an answer
+that is already there (bench/klein_entry.py measures the difference).
 Anything else (a URL that is not UTF-8, a path the map refuses or redirects,
 a route answering bytes, a Deferred or an error) is answered by Klein's own
-render, as Klein answers it.
+render, as Klein answers it (tests/proxy/test_klein_entry.py holds the two to
+the same answers).
 
 The route returns :class:`HandlerResource` (through :func:`routed`, which lets
 go of Klein's request adapter and the ``MapAdapter`` it holds, so a parked
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from inspect import iscoroutine
 from typing import Any, Callable
+from weakref import ref
 
 from klein import Klein
 from klein.interfaces import IKleinRequest
@@ -39,33 +44,41 @@ from twisted.python.components import Componentized
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET
+from zope.interface import implementer
 
 
 class KleinEntry(KleinResource):
     """A Klein app's resource that renders a route's resource as soon as the route returns it.
 
-    Klein's render sends even an immediate answer through a chain of
-    Deferreds and watchers; here only an answer that needs them takes that
-    way (see the module docstring).
+    Klein's render binds the app's werkzeug map to each request and sends
+    even an immediate answer through a chain of Deferreds and watchers.
+    Here the map's match of a request target (method, script name, path
+    info: all that decides it) is kept, for up to :attr:`ROUTES_KEPT`
+    targets; the map is bound for a request only when a route asks for it
+    (``IKleinRequest(request).mapper``, ``url_for``); and only an answer that
+    needs Klein's chain takes it (see the module docstring).
     """
+
+    #: Targets whose route is kept (clients choose the paths: past this many, the memo starts again).
+    ROUTES_KEPT = 256
+
+    def __init__(self, app: Klein):
+        super().__init__(app)
+        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes).
+        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int]] = {}
+        #: The app's routes when the memo was started: a route added since starts it again.
+        self._endpoints = len(app.endpoints)
 
     def render(self, request):
         app = self._app
-        parts = _url_parts(request)
-        if parts is None or app.url_map.host_matching:
+        script_name, path_info = _paths(request)
+        route = self._route(request.method, script_name, path_info)
+        host = request.getRequestHostname()
+        if route is None or not (host.isascii() or _utf8(host)):
+            # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
-        scheme, server_name, script_name, path_info = parts
-        method = request.method.decode("utf-8")
-        mapper = app.url_map.bind(server_name, script_name, path_info=path_info, default_method=method, url_scheme=scheme)
-        try:
-            rule, kwargs = mapper.match(return_rule=True)
-        except Exception:  # NotFound, MethodNotAllowed, a redirect: Klein's router decides again, and answers
-            return super().render(request)
-        endpoint = rule.endpoint
-        segments = getattr(app.endpoints[endpoint], "segment_count", None)
-        if segments is None:  # a route function Klein did not mark: not one this knows how to run
-            return super().render(request)
-        IKleinRequest(request).mapper = mapper
+        endpoint, kwargs, segments = route
+        request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
         prepath, postpath = len(request.prepath), request.postpath
         request.prepath.extend(postpath[:segments])
         request.postpath = postpath[segments:]
@@ -80,6 +93,80 @@ class KleinEntry(KleinResource):
         del request.prepath[prepath:]
         request.postpath = postpath
         return KleinResource(_Answered(app, answer)).render(request)
+
+    def _route(self, method: bytes, script_name: bytes, path_info: bytes) -> tuple[str, dict[str, Any], int] | None:
+        """The route the app's map matches (endpoint, arguments, segments), or None: Klein's render decides.
+
+        Without host matching, the map matches on the method and the path
+        info alone (the server name and the scheme only build URLs, and a
+        redirect, which raises, is never kept).
+        """
+        app = self._app
+        if app.url_map.host_matching:
+            return None
+        routes = self._routes
+        if len(app.endpoints) != self._endpoints:
+            routes.clear()
+            self._endpoints = len(app.endpoints)
+        key = (method, script_name, path_info)
+        kept = routes.get(key)
+        if kept is not None:
+            return kept
+        try:
+            mapper = app.url_map.bind(
+                "", script_name.decode("utf-8"), path_info=path_info.decode("utf-8"),
+                default_method=method.decode("utf-8"), url_scheme="http",
+            )
+            rule, kwargs = mapper.match(return_rule=True)
+        except Exception:
+            return None
+        segments = getattr(app.endpoints[rule.endpoint], "segment_count", None)
+        if segments is None:  # a route function Klein did not mark: not one this knows how to run
+            return None
+        route = (rule.endpoint, dict(kwargs), segments)
+        # The arguments go to every request of the target: kept only when none can be changed by a route.
+        if all(type(value) in (str, int, float) for value in kwargs.values()):
+            if len(routes) >= self.ROUTES_KEPT:
+                routes.clear()
+            routes[key] = route
+        return route
+
+
+@implementer(IKleinRequest)
+class _RoutedRequest:
+    """Klein's request adapter, its ``mapper`` (the app's map bound to the request, as Klein's render binds it)
+    made when first asked for."""
+
+    def __init__(self, request, app: Klein, script_name: bytes, path_info: bytes):
+        self.branch_segments = [""]
+        self._request = ref(request)
+        self._app = app
+        self._paths = (script_name, path_info)
+        self._mapper: Any = None
+
+    @property
+    def mapper(self) -> Any:
+        if self._mapper is None:
+            request = self._request()
+            if request is None:
+                raise RuntimeError("the request is gone")
+            scheme, server_name = _server(request)
+            script_name, path_info = (p.decode("utf-8") for p in self._paths)
+            self._mapper = self._app.url_map.bind(
+                server_name, script_name, path_info=path_info, default_method=request.method.decode("utf-8"),
+                url_scheme=scheme,
+            )
+        return self._mapper
+
+    @mapper.setter
+    def mapper(self, mapper: Any) -> None:
+        self._mapper = mapper
+
+    def url_for(
+        self, endpoint: str, values: Any = None, method: str | None = None, force_external: bool = False,
+        append_unknown: bool = True,
+    ) -> str:
+        return self.mapper.build(endpoint, values, method, force_external, append_unknown)
 
 
 class _Answered:
@@ -100,14 +187,8 @@ class _Answered:
         return answer
 
 
-def _url_parts(request) -> tuple[str, str, str, str] | None:
-    """(scheme, server name, script name, path info) as Klein's render reads them, to bind the app's map;
-    None when one is not UTF-8 (Klein's own render answers that request, with its 400)."""
-    server_name = request.getRequestHostname()
-    port = getattr(request.getHost(), "port", 0)
-    secure = bool(request.isSecure())
-    if (secure, port) not in ((True, 443), (False, 80), (False, 0), (True, 0)):
-        server_name = b"%s:%d" % (server_name, port)
+def _paths(request) -> tuple[bytes, bytes]:
+    """The script name and the path info, as Klein's render makes them of the request's prepath and postpath."""
     script_name = b""
     if request.prepath:
         script_name = b"/".join(request.prepath)
@@ -118,10 +199,25 @@ def _url_parts(request) -> tuple[str, str, str, str] | None:
         path_info = b"/".join(request.postpath)
         if not path_info.startswith(b"/"):
             path_info = b"/" + path_info
+    return script_name, path_info
+
+
+def _server(request) -> tuple[str, str]:
+    """The scheme and the server name (with the port, unless it is the scheme's) as Klein's render reads them."""
+    server_name = request.getRequestHostname()
+    port = getattr(request.getHost(), "port", 0)
+    secure = bool(request.isSecure())
+    if (secure, port) not in ((True, 443), (False, 80), (False, 0), (True, 0)):
+        server_name = b"%s:%d" % (server_name, port)
+    return "https" if secure else "http", server_name.decode("utf-8")
+
+
+def _utf8(text: bytes) -> bool:
     try:
-        return "https" if secure else "http", server_name.decode(), script_name.decode(), path_info.decode()
+        text.decode("utf-8")
     except UnicodeDecodeError:
-        return None
+        return False
+    return True
 
 
 def routed(request, entry: HandlerResource) -> HandlerResource:
