@@ -165,6 +165,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _go_string(value: str) -> str:
     """A decoded JSON string as Go holds it: a lone surrogate escape is U+FFFD."""
+    if value.isascii():  # no surrogate, and asked at once (CPython keeps the answer with the string)
+        return value
     return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
 
 
@@ -532,7 +534,8 @@ def _fits_any(value: Any) -> bool:
             return False
     if isinstance(value, _Pairs):
         return all(_fits_any(v) for _, v in value)
-    return all(_fits_any(v) for v in value)
+    # A list of texts (an embedding's input) is the common one: each string at once, without a call.
+    return all(type(v) is str or _fits_any(v) for v in value)
 
 
 def _judge(kind: str, value: Any) -> str:
