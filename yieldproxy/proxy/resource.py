@@ -1,32 +1,12 @@
 """The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
-:class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``).  It
-routes as Klein's own ``KleinResource`` does (the app's werkzeug map matches
-the request's method and path, the matched route's function runs), with
-Klein's per-request work cut where it decides nothing: the map's match of a
-target is kept (clients send the same few), the map is bound to a request
-only if a route asks for it, and when the route answers at once with a
-resource, as the proxy's one route always does, that resource is rendered
-there and then, without Klein's two ``maybeDeferred``, its two
-``notifyFinish`` watchers, closures and callbacks, which wait for an answer
-that is already there (bench/klein_entry.py measures the difference).
-Anything else (a URL that is not UTF-8, a path the map refuses or redirects,
-a route answering bytes, a Deferred or an error) is answered by Klein's own
-render, as Klein answers it (tests/proxy/test_klein_entry.py holds the two to
-the same answers).
-
-The route returns :class:`HandlerResource` (through :func:`routed`, which lets
-go of Klein's request adapter and the ``MapAdapter`` it holds, so a parked
-request keeps nothing of Klein).  The handler's outcome is handled there:
-
-* the handler's bytes are written, and the request finished unless it is
-  already (or the client went away);
-* a client that goes away cancels the handler (its ``CancelledError`` is
-  not logged);
-* any other failure (a bug) is logged with its traceback and answered by
-  ``on_error`` (the proxy's 500 in the API's JSON shape, with its request
-  log line) when nothing was written yet, else Twisted's
-  ``processingFailed``; once the request is over, it is only logged.
+:class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``): it
+routes as Klein's own ``KleinResource`` does, without the per-request work
+that decides nothing (tests/proxy/test_klein_entry.py holds the two to the
+same answers; bench/klein_entry.py measures the difference).  The app's one
+route returns :class:`HandlerResource` through :func:`routed`, which lets go
+of Klein's request adapter, so a parked request keeps nothing of Klein; the
+leaf runs the handler and writes its outcome.
 """
 
 from __future__ import annotations
@@ -55,8 +35,12 @@ class KleinEntry(KleinResource):
     Here the map's match of a request target (method, script name, path
     info: all that decides it) is kept, for up to :attr:`ROUTES_KEPT`
     targets; the map is bound for a request only when a route asks for it
-    (``IKleinRequest(request).mapper``, ``url_for``); and only an answer that
-    needs Klein's chain takes it (see the module docstring).
+    (``IKleinRequest(request).mapper``, ``url_for``); and a resource the
+    route returns at once (the proxy's route always does) is rendered there
+    and then, without Klein's two ``maybeDeferred`` and two ``notifyFinish``
+    watchers.  Anything else (a URL that is not UTF-8, a path the map
+    refuses or redirects, a route answering bytes, a Deferred or an error)
+    is answered by Klein's own render, the route's answer in hand.
     """
 
     #: Targets whose route is kept (clients choose the paths: past this many, the memo starts again).
@@ -232,7 +216,13 @@ class HandlerResource(Resource):
     """Calls ``handle(request)`` and writes its answer.
 
     ``handle`` returns the answer (bytes or None, the request's status and
-    headers set), or a coroutine that finds it.
+    headers set), or a coroutine that finds it.  The answer is written and
+    the request finished unless it is already (or the client went away); a
+    client that goes away cancels the handler (its ``CancelledError`` is not
+    logged); any other failure (a bug) is logged with its traceback and
+    answered by ``on_error`` (the proxy's 500 in the API's JSON shape) when
+    nothing was written yet, else by Twisted's ``processingFailed``; once
+    the request is over, it is only logged.
     """
 
     isLeaf = True
