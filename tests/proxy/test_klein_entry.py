@@ -256,3 +256,23 @@ def test_a_route_added_after_requests_were_routed_takes_the_requests_it_matches(
         return b"a late route"
 
     assert get("/late") == b"a late route" and get("/other") == b"any path"
+
+
+def test_the_routes_kept_are_bounded_in_number_and_length():
+    """Clients choose the paths: however many and however long they send, the entry keeps a bounded memo."""
+    app = Klein()
+
+    @app.route("/", branch=True)
+    def anything(request):
+        return _Leaf()
+
+    entry = KleinEntry(app)
+    http = StubTreq(entry)
+    paths = [f"/p{i}" for i in range(KleinEntry.ROUTES_KEPT + 10)] + ["/" + "x" * 4000]
+    for path in paths:
+        [response] = _results(http.get(f"http://127.0.0.1{path}"))
+        http.flush()
+        assert response.code == 200
+    kept = entry._routes
+    assert 0 < len(kept) <= KleinEntry.ROUTES_KEPT
+    assert max(len(path_info) for _, _, path_info in kept) <= KleinEntry.PATH_KEPT

@@ -45,6 +45,8 @@ class KleinEntry(KleinResource):
 
     #: Targets whose route is kept (clients choose the paths: past this many, the memo starts again).
     ROUTES_KEPT = 256
+    #: The longest path info kept (an API's paths are short; a client may send 16 KB ones).
+    PATH_KEPT = 256
 
     def __init__(self, app: Klein):
         super().__init__(app)
@@ -108,8 +110,9 @@ class KleinEntry(KleinResource):
         if segments is None:  # a route function Klein did not mark: not one this knows how to run
             return None
         route = (rule.endpoint, dict(kwargs), segments)
-        # The arguments go to every request of the target: kept only when none can be changed by a route.
-        if all(type(value) in (str, int, float) for value in kwargs.values()):
+        # The arguments go to every request of the target: kept only when none can be changed by a route
+        # (and a long path is not kept).
+        if len(path_info) <= self.PATH_KEPT and all(type(value) in (str, int, float) for value in kwargs.values()):
             if len(routes) >= self.ROUTES_KEPT:
                 routes.clear()
             routes[key] = route
