@@ -8,15 +8,18 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from yieldproxy.servers import gojson
 from yieldproxy.servers.gojson import (
     FULL_READ_LIMIT,
     BadBody,
+    decode_error,
     find_model,
     fold,
     go_duration,
     read_request,
     scan_model,
 )
+from yieldproxy.servers.ollama import REQUEST_STRUCTS
 
 SETTINGS = settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -197,3 +200,58 @@ def test_a_30_mb_body_is_scanned_in_a_fraction_of_a_full_parse():
     scan_seconds = time.process_time() - began
     assert full == scanned == "m"
     assert scan_seconds < full_seconds / 4, (scan_seconds, full_seconds)
+
+
+# -- one parse per body ------------------------------------------------------------------------
+
+
+@st.composite
+def bodies(draw):
+    """Valid objects, and the same with a few bytes put in: trailing data, broken syntax, invalid UTF-8."""
+    body = draw(documents())
+    for _ in range(draw(st.integers(0, 2))):
+        at = draw(st.integers(0, len(body)))
+        body = body[:at] + draw(st.sampled_from([b"x", b"}", b"]", b",", b'"', b"\xff", b"NaN", b" ", b"1", b"{}"])) + body[at:]
+    return body
+
+
+def _read(body: bytes):
+    try:
+        return read_request(body)
+    except BadBody as e:
+        return f"BadBody: {e}"
+
+
+def _forget() -> None:
+    gojson._remember(b"", None, 0)
+
+
+@SETTINGS
+@given(bodies(), st.lists(st.booleans(), min_size=1, max_size=4))
+def test_a_body_read_again_is_read_as_it_was_read_first(body, order):
+    """What the refusal rule (decode_error) and the handler (read_request) find in a body is the same whichever
+    read it first, as when each parses it afresh."""
+    struct = REQUEST_STRUCTS["/api/embed"]
+    _forget()
+    fresh_read = _read(body)
+    _forget()
+    fresh_error = decode_error(body, struct)
+    _forget()
+    for handler_first in order:
+        if handler_first:
+            assert _read(body) == fresh_read
+        else:
+            assert decode_error(body, struct) == fresh_error
+
+
+def test_a_body_the_refusal_rule_read_is_not_parsed_again_by_the_handler(monkeypatch):
+    parsed = []
+    real = json.JSONDecoder.raw_decode
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", lambda self, s, idx=0: parsed.append(s) or real(self, s, idx))
+    body = json.dumps({"model": "all-minilm", "input": ["x" * 1000]}).encode()
+    assert decode_error(body, REQUEST_STRUCTS["/api/embed"]) is None
+    assert read_request(body).model == "all-minilm" and find_model(body) == "all-minilm"
+    assert len(parsed) == 1
+    other = body.replace(b"x", b"y")
+    assert read_request(other).model == "all-minilm" and decode_error(other, REQUEST_STRUCTS["/api/embed"]) is None
+    assert len(parsed) == 2

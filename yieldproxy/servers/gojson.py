@@ -135,6 +135,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _go_string(value: str) -> str:
     """A decoded JSON string as Go holds it: a lone surrogate escape is U+FFFD."""
+    if value.isascii():  # no surrogate, and asked at once (CPython keeps the answer with the string)
+        return value
     return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
 
 
@@ -260,7 +262,31 @@ def _refuse_constant(name: str) -> NoReturn:
     raise BadBody(f"request body has {name}, which is not JSON")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
+_FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
+#: JSON's white space, which is Go's: what may come before and after a body's value.
+_GO_SPACE = " \t\r\n"
+
+#: The last body parsed (:func:`_first_value`), its value and where the value ends: the refusal rule
+#: (:func:`decode_error`) and the handler (:func:`read_request`) read each request's body in turn, and the
+#: second reads what the first parsed.  A bytes object never changes, and the one kept here is not freed
+#: (so not reused) while it is kept: the same object is the same text.
+_last_parsed: tuple[bytes, Any, int] = (b"", None, 0)
+
+
+def _first_value(body: bytes, text: str) -> tuple[Any, int]:
+    """The first JSON value of ``text`` (``body`` decoded) past its leading white space, and the index where
+    it ends, as the decoder's ``raw_decode`` gives them: parsed once for the last body asked about."""
+    kept, value, end = _last_parsed
+    if kept is body:
+        return value, end
+    value, end = _FIRST_VALUE.raw_decode(text, len(text) - len(text.lstrip(_GO_SPACE)))
+    _remember(body, value, end)
+    return value, end
+
+
+def _remember(body: bytes, value: Any, end: int) -> None:
+    global _last_parsed
+    _last_parsed = (body, value, end)
 
 
 def _text(body: bytes) -> str:
@@ -274,15 +300,15 @@ def read_request(body: bytes) -> GoRequest:
     """What Ollama's decoder binds from ``body``, or :class:`BadBody` saying what is wrong."""
     text = _text(body)
     try:
-        value = _DECODER.decode(text)
+        value, end = _first_value(body, text)
     except RecursionError:
         raise BadBody("request body is nested too deeply to read") from None
     except BadBody:
         raise
     except ValueError as e:
-        if str(e).startswith("Extra data"):
-            raise BadBody("request body has data after the JSON object") from None
         raise BadBody(f"request body is not valid JSON: {e}") from None
+    if text[end:].strip(_GO_SPACE):
+        raise BadBody("request body has data after the JSON object")
     if not isinstance(value, _Pairs):
         raise BadBody("request body must be a JSON object")
     return _bind(value)
@@ -478,7 +504,8 @@ def _fits_any(value: Any) -> bool:
             return False
     if isinstance(value, _Pairs):
         return all(_fits_any(v) for _, v in value)
-    return all(_fits_any(v) for v in value)
+    # A list of texts (an embedding's input) is the common one: each string at once, without a call.
+    return all(type(v) is str or _fits_any(v) for v in value)
 
 
 def _judge(kind: str, value: Any) -> str:
@@ -522,10 +549,6 @@ def _judge(kind: str, value: Any) -> str:
 #: Bodies :func:`decode_error` reads: larger ones are not judged (they would be built whole in memory).
 DECODE_CHECK_LIMIT = FULL_READ_LIMIT
 
-_GO_SPACE = " \t\r\n"
-_FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
-
-
 def decode_error(body: bytes, struct: GoStruct) -> str | None:
     """What ``json.NewDecoder(body).Decode(&req)`` returns for ``req`` of ``struct``, as its text, or None.
 
@@ -543,12 +566,12 @@ def decode_error(body: bytes, struct: GoStruct) -> str | None:
     """
     if len(body) > DECODE_CHECK_LIMIT:
         return None
+    # Invalid UTF-8 is Go's U+FFFD; read_request refuses such a body before it asks _first_value.
     text = body.decode("utf-8", "surrogateescape")
-    start = len(text) - len(text.lstrip(_GO_SPACE))
-    if start == len(text):
+    if not text.strip(_GO_SPACE):
         return goscan.EOF
     try:
-        value, _ = _FIRST_VALUE.raw_decode(text, start)
+        value, _ = _first_value(body, text)
     except (ValueError, RecursionError):
         # Python's parser refused it: Go's scanner says how (or, for a depth only
         # Python's recursion limit refused, that it is fine: then not judged).
