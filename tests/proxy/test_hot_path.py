@@ -198,8 +198,8 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
 
 
 def test_a_body_is_parsed_once_though_the_upstream_s_refusal_rule_and_the_handler_both_read_it(monkeypatch):
-    """servers/gojson.py keeps the last body it parsed: the refusal rule's read (decode_error) and the handler's
-    (find_model) of one request are one parse."""
+    """Admission makes one parse of a request's body (gojson.FirstValue) and passes it along: the refusal rule's
+    read (decode_error) and admission's own (find_model, read_request) of one request are one parse."""
     from inmemory import Rig as MemoryRig
 
     class Upstream(Resource):

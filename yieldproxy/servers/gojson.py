@@ -266,27 +266,34 @@ _FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse
 #: JSON's white space, which is Go's: what may come before and after a body's value.
 _GO_SPACE = " \t\r\n"
 
-#: The last body parsed (:func:`_first_value`), its value and where the value ends: the refusal rule
-#: (:func:`decode_error`) and the handler (:func:`read_request`) read each request's body in turn, and the
-#: second reads what the first parsed.  A bytes object never changes, and the one kept here is not freed
-#: (so not reused) while it is kept: the same object is the same text.
-_last_parsed: tuple[bytes, Any, int] = (b"", None, 0)
+class FirstValue:
+    """One request body's first JSON value, parsed at most once: the refusal rule (:func:`decode_error`) and
+    the proxy's reads (:func:`read_request`, :func:`find_model`) of one request share it.  The proxy makes
+    one per request and passes it along; nothing is kept between requests."""
+
+    __slots__ = ("body", "_value", "_end")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._value: Any = None
+        self._end = -1
+
+    def of(self, text: str) -> tuple[Any, int]:
+        """The value and where it ends in ``text`` (``body`` decoded): parsed on the first ask only."""
+        if self._end < 0:
+            self._value, self._end = _parse_first(text)
+        return self._value, self._end
 
 
-def _first_value(body: bytes, text: str) -> tuple[Any, int]:
-    """The first JSON value of ``text`` (``body`` decoded) past its leading white space, and the index where
-    it ends, as the decoder's ``raw_decode`` gives them: parsed once for the last body asked about."""
-    kept, value, end = _last_parsed
-    if kept is body:
-        return value, end
-    value, end = _FIRST_VALUE.raw_decode(text, len(text) - len(text.lstrip(_GO_SPACE)))
-    _remember(body, value, end)
-    return value, end
+def _parse_first(text: str) -> tuple[Any, int]:
+    """The first JSON value of ``text`` past its leading white space, and the index where it ends."""
+    return _FIRST_VALUE.raw_decode(text, len(text) - len(text.lstrip(_GO_SPACE)))
 
 
-def _remember(body: bytes, value: Any, end: int) -> None:
-    global _last_parsed
-    _last_parsed = (body, value, end)
+def _first_value(body: bytes, text: str, shared: FirstValue | None) -> tuple[Any, int]:
+    if shared is not None and shared.body is body:
+        return shared.of(text)
+    return _parse_first(text)
 
 
 def _text(body: bytes) -> str:
@@ -296,11 +303,12 @@ def _text(body: bytes) -> str:
         raise BadBody("request body is not valid UTF-8") from None
 
 
-def read_request(body: bytes) -> GoRequest:
-    """What Ollama's decoder binds from ``body``, or :class:`BadBody` saying what is wrong."""
+def read_request(body: bytes, shared: FirstValue | None = None) -> GoRequest:
+    """What Ollama's decoder binds from ``body``, or :class:`BadBody` saying what is wrong (``shared``: the
+    request's :class:`FirstValue`, when it has one)."""
     text = _text(body)
     try:
-        value, end = _first_value(body, text)
+        value, end = _first_value(body, text, shared)
     except RecursionError:
         raise BadBody("request body is nested too deeply to read") from None
     except BadBody:
@@ -430,10 +438,10 @@ def scan_model(body: bytes) -> str | None:
     return None if failed else model
 
 
-def find_model(body: bytes) -> str | None:
+def find_model(body: bytes, shared: FirstValue | None = None) -> str | None:
     """The model Ollama reads from ``body``: parsed whole when small, scanned for when large."""
     if len(body) <= FULL_READ_LIMIT:
-        return read_request(body).model
+        return read_request(body, shared).model
     return scan_model(body)
 
 
@@ -549,7 +557,7 @@ def _judge(kind: str, value: Any) -> str:
 #: Bodies :func:`decode_error` reads: larger ones are not judged (they would be built whole in memory).
 DECODE_CHECK_LIMIT = FULL_READ_LIMIT
 
-def decode_error(body: bytes, struct: GoStruct) -> str | None:
+def decode_error(body: bytes, struct: GoStruct, shared: FirstValue | None = None) -> str | None:
     """What ``json.NewDecoder(body).Decode(&req)`` returns for ``req`` of ``struct``, as its text, or None.
 
     None when it decodes, and when the proxy cannot tell exactly (a body over
@@ -566,12 +574,12 @@ def decode_error(body: bytes, struct: GoStruct) -> str | None:
     """
     if len(body) > DECODE_CHECK_LIMIT:
         return None
-    # Invalid UTF-8 is Go's U+FFFD; read_request refuses such a body before it asks _first_value.
+    # Invalid UTF-8 is Go's U+FFFD; read_request refuses such a body before it asks ``shared``.
     text = body.decode("utf-8", "surrogateescape")
     if not text.strip(_GO_SPACE):
         return goscan.EOF
     try:
-        value, _ = _first_value(body, text)
+        value, _ = _first_value(body, text, shared)
     except (ValueError, RecursionError):
         # Python's parser refused it: Go's scanner says how (or, for a depth only
         # Python's recursion limit refused, that it is fine: then not judged).
