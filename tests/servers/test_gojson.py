@@ -254,3 +254,17 @@ def test_a_body_the_refusal_rule_read_is_not_parsed_again_by_the_handler(monkeyp
     assert read_request(other, shared).model == "all-minilm"
     assert len(parsed) == 3
 
+
+
+def test_an_empty_body_read_first_in_a_process_is_not_json():
+    """Nothing is kept between reads: an empty body, read first in a fresh process, is not JSON (a parse kept
+    in a module global, keyed by the body's identity, once matched its empty sentinel and said otherwise)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from yieldproxy.servers.gojson import BadBody, read_request\n"
+        "try:\n    read_request(b'')\nexcept BadBody as e:\n    print(e)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert said.startswith("request body is not valid JSON"), said
