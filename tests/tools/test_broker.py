@@ -509,3 +509,65 @@ async def test_a_broker_on_the_admin_unix_socket_keeps_its_hold_through_a_flood_
         await sim.stop()
     assert made > 80  # the flood went on: its connections were cut or refused, and made again
 
+
+
+
+def test_a_broker_waits_for_room_on_a_unix_socket_whose_accept_queue_is_full(tmp_path, monkeypatch):
+    """Linux refuses a unix-socket connect at once with EAGAIN while the listener's accept queue is full (a
+    flood, a busy reactor); the broker asks again within its timeout instead of calling the proxy unreachable."""
+    path = str(tmp_path / "admin.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    queued = []
+    refused = threading.Event()
+    try:
+        while True:  # fill the accept queue until Linux says EAGAIN
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            queued.append(filler)
+            try:
+                filler.connect(path)
+            except BlockingIOError:
+                break
+            assert len(queued) < 100, "the accept queue never filled"
+
+        class Watched(socket.socket):
+            """A socket that says when a connect of it met the full queue."""
+
+            def connect(self, address):
+                try:
+                    return super().connect(address)
+                except BlockingIOError:
+                    refused.set()
+                    raise
+
+        monkeypatch.setattr(socket, "socket", Watched)
+
+        def serve():
+            # Room is made once the broker has met the full queue: the fillers go, the broker is answered.
+            assert refused.wait(10)
+            for filler in queued:
+                filler.close()
+            while True:
+                connection, _ = listener.accept()
+                data = connection.recv(65536)
+                if data.startswith(b"GET /status"):
+                    body = b'{"state": "available"}'
+                    connection.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                        b"Connection: close\r\n\r\n%s" % (len(body), body)
+                    )
+                    connection.close()
+                    return
+                connection.close()
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        answer = Admin(f"unix:{path}", timeout=10).call("GET", "/status")
+        server.join(10)
+        assert answer["state"] == "available"
+    finally:
+        for filler in queued:
+            filler.close()
+        listener.close()

@@ -228,14 +228,28 @@ class _UnixConnection(http.client.HTTPConnection):
         self._socket_path = socket_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        """Connect within the timeout.  A unix socket whose accept queue is full refuses a connect at once with
+        EAGAIN (Linux does not wait as it does for TCP): that is "not yet", asked again until the timeout."""
+        timeout = self.timeout if isinstance(self.timeout, (int, float)) else 10.0
+        deadline = time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock.connect(self._socket_path)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 def _seconds(retry_after: str | None) -> float | None:
