@@ -6,8 +6,8 @@ embedding requests park under a hold of all, the hold ends, the drainers let the
 exchange is reported finished, as the proxy app does.  ``sys.setprofile`` sees every call made
 meanwhile; a call *crosses* when its caller's code is on one side and the callee's on the other:
 
-* ``lot/pool``: the lot proper (lot/parking.py, lot/replay.py, and lot/gate.py in a checkout older
-  than the scheduler) against the pool (upstream/pool/);
+* ``lot/pool``: the lot proper (lot/parking.py, lot/replay.py, and in a checkout older than the
+  scheduler its gate.py) against the pool (upstream/pool/);
 * ``packages``: all of lot/ (the yield state too) against all of upstream/;
 * ``turns``: not calls but turns of the walk: each time the code running next is on the other
   side (lot proper or pool) from the last code of either that ran, whatever ran between
