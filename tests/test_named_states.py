@@ -645,7 +645,7 @@ def test_the_hold_bound_is_the_class_bound_or_the_callers_when_shorter():
 
 
 @pytest.mark.parametrize("max_wait", [None, 5.0, 20.0, 60.0])
-def test_the_gate_refuses_exactly_what_the_lot_would_expire(max_wait):
+def test_the_scheduler_refuses_exactly_what_the_lot_would_expire(max_wait):
     """The scheduler's budget against a declared yield and the lot's deadline are one bound."""
     hold = make_core().scheduler._classes["batch"].hold_seconds
     bound, by_caller = hold_bound(hold, max_wait)
