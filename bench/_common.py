@@ -69,19 +69,19 @@ def _die_with_parent() -> None:
 class Child:
     """One child process whose stdout lines are drained by a thread (a pipe never fills)."""
 
-    def __init__(self, name: str, argv: list[str], logdir: Path):
+    def __init__(self, name: str, argv: list[str], logdir: Path, src: Path = SRC):
         self.name = name
         self.log_path = logdir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self._log,
             preexec_fn=_die_with_parent,
-            cwd=str(SRC),
+            cwd=str(src),
             env=env,
         )
         self.pid = self.proc.pid
@@ -146,8 +146,9 @@ class Children:
         self._children: list[Child] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="yieldproxy-bench-"))
 
-    def start(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.logdir)
+    def start(self, name: str, argv: list[str], src: Path = SRC) -> Child:
+        """A child running ``argv`` with the tree ``src`` first on its PYTHONPATH (and as its directory)."""
+        child = Child(name, argv, self.logdir, src)
         self._children.append(child)
         return child
 
@@ -185,11 +186,14 @@ def start_sim(children: Children, *extra: str, name: str = "sim") -> tuple[Child
     return child, int(m.group(1))
 
 
-def start_proxy(children: Children, upstream_port: int, *extra: str, name: str = "proxy") -> tuple[Child, int, int]:
-    """A yieldproxy in front of ``upstream_port``: (child, proxy port, admin port)."""
+def start_proxy(
+    children: Children, upstream_port: int, *extra: str, name: str = "proxy", src: Path = SRC
+) -> tuple[Child, int, int]:
+    """A yieldproxy of the tree ``src`` in front of ``upstream_port``: (child, proxy port, admin port)."""
     child = children.start(
         name,
         [PYTHON, str(BENCH / "_proxy_runner.py"), "--upstream", f"http://127.0.0.1:{upstream_port}", *extra],
+        src,
     )
     m = child.wait_line(r"ready proxy=(\d+) admin=(\d+) pid=\d+ src=(\S+) endpoint=(\S+)")
     child.src = m.group(3)

@@ -1,12 +1,13 @@
 """What the Klein entry costs: CPU per request and bytes per parked request, in this process.
 
-The proxy listener's resource is the Klein app's (``ProxyApp.resource``);
-its one route hands each request to the handler's leaf resource
-(``proxy/resource.py``).  Here the same requests go through the in-memory rig
-(``tests/inmemory.py``: the whole proxy on a Clock, the simulated Ollama
-behind it, no sockets) twice: with the Klein app as the entry, and with the
-leaf alone as the listener's resource (Klein skipped).  The difference is
-what Klein costs:
+The proxy listener's resource is the Klein app's (``ProxyApp.resource``:
+``KleinEntry``, proxy/resource.py); its one route hands each request to the
+handler's leaf resource.  Here the same requests go through the in-memory
+rig (``tests/inmemory.py``: the whole proxy on a Clock, the simulated Ollama
+behind it, no sockets) three times: with the proxy's entry (``klein``), with
+Klein's own ``KleinResource`` of the same app (``klein-own``), and with the
+leaf alone as the listener's resource (``leaf``, Klein skipped).  The
+differences to ``leaf`` are what each way through Klein costs:
 
 * **CPU**: ``--requests`` ``POST /api/embed`` (small body, ``Connection:
   close``), each answered 200 before the next; CPU time of the process
@@ -33,17 +34,22 @@ from _common import SRC
 sys.path.insert(0, str(SRC))  # the tree measured (YIELDPROXY_BENCH_SRC, else this checkout)
 sys.path.insert(0, str(SRC / "tests"))
 
+from klein.resource import KleinResource  # noqa: E402
+
 from inmemory import Rig  # noqa: E402
 from yieldproxy.proxy.handler import ProxyApp  # noqa: E402
 
-ENTRIES = ("klein", "leaf")
+ENTRIES = ("klein", "klein-own", "leaf")
 
 
 def rig(entry: str) -> Rig:
-    """A rig whose listener's resource is the Klein app's (``klein``) or the handler's leaf (``leaf``)."""
+    """A rig whose listener's resource is the proxy's Klein entry (``klein``), Klein's own resource of the
+    same app (``klein-own``), or the handler's leaf (``leaf``)."""
     real = ProxyApp.resource
     if entry == "leaf":
         ProxyApp.resource = lambda app: app._entry  # type: ignore[method-assign]
+    elif entry == "klein-own":
+        ProxyApp.resource = lambda app: KleinResource(app.app)  # type: ignore[method-assign]
     try:
         return Rig()
     finally:
@@ -107,17 +113,18 @@ def main() -> int:
         cpu_per_request(r, 50)  # warm-up
     best = {entry: float("inf") for entry in ENTRIES}
     for n in range(args.rounds):
-        for entry in ENTRIES if n % 2 == 0 else ENTRIES[::-1]:
+        for entry in ENTRIES[n % 3:] + ENTRIES[:n % 3]:
             best[entry] = min(best[entry], cpu_per_request(rigs[entry], args.requests))
     parked = {entry: bytes_per_parked(rig(entry), args.parked) for entry in ENTRIES}
     print(f"source: {SRC}")
-    print(f"{'entry':<8}{'CPU us/request':>16}{'bytes/parked':>14}")
+    print(f"{'entry':<10}{'CPU us/request':>16}{'bytes/parked':>14}")
     for entry in ENTRIES:
-        print(f"{entry:<8}{best[entry] * 1e6:>16.1f}{parked[entry]:>14.0f}")
-    print(
-        f"Klein's cost: {(best['klein'] - best['leaf']) * 1e6:+.1f} us per request, "
-        f"{parked['klein'] - parked['leaf']:+.0f} bytes per parked request"
-    )
+        print(f"{entry:<10}{best[entry] * 1e6:>16.1f}{parked[entry]:>14.0f}")
+    for entry in ENTRIES[:-1]:
+        print(
+            f"{entry}'s cost: {(best[entry] - best['leaf']) * 1e6:+.1f} us per request, "
+            f"{parked[entry] - parked['leaf']:+.0f} bytes per parked request"
+        )
     return 0
 
 

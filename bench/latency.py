@@ -24,7 +24,10 @@ HTTP/1.1 edge): CPU per request <= 0.6 x the floor's at c=1 and <= 0.5 x at
 c=16, added p50 latency at c=1 <= 0.5 x; added latency at c=16 <= 0.9 x
 (issue 11).
 
-    .venv/bin/python bench/latency.py [--pairs 2000] [--rounds 3] [--seconds 4] [--profile FILE]
+    .venv/bin/python bench/latency.py [--pairs 2000] [--rounds 3] [--seconds 4] [--profile FILE] [--base DIR]
+
+``--base DIR`` adds a side: the proxy of another tree (a git worktree of an
+older commit), so both trees are measured in the same run.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from _common import (
     SMALL_EMBED,
@@ -262,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--floor-h1", action="store_true",
                    help="also measure the floor's Klein front on yieldproxy.edge.h1client (the proxy's client) "
                         "instead of the Agent")
+    p.add_argument("--base", default="",
+                   help="also measure the proxy of another source tree (DIR: e.g. a git worktree of an older "
+                        "commit) side by side, against the floor and against this tree's proxy")
     p.add_argument("--context-latency", type=float, default=0.02,
                    help="also measure c=16 throughput with this backend latency (s; 0: skip)")
     args = p.parse_args(argv)
@@ -276,6 +283,9 @@ def main(argv=None) -> int:
         if args.floor_h1:
             lean_floor, ports["floor-h1"] = start_floor(children, sim_port, client="lean", name="floor-h1")
             relays["floor-h1"] = lean_floor.pid
+        if args.base:
+            base, ports["base"], _ = start_proxy(children, sim_port, name="base", src=Path(args.base).resolve())
+            relays["base"] = base.pid
         c1 = concurrency_one(ports, relays, args.pairs, args.pair_seconds)
         cn = concurrency_n(ports, {"sim": sim.pid, **relays}, args.concurrency, args.rounds, args.seconds)
         errors = proxy.log_tail(4000)
@@ -293,6 +303,8 @@ def main(argv=None) -> int:
     header("yieldproxy latency: direct to the sim, through the proxy, through the floor (POST /api/embed, small body)")
     print(f"proxy code: {proxy.src}; sim, proxy and floor each in its own process; {os.cpu_count()} cores")
     print("floor: a minimal Klein + Agent pass-through (bench/_floor.py: persistent pool, TCP_NODELAY, no parking)")
+    if args.base:
+        print(f"base: the proxy of {base.src}, in its own process")
     if args.floor_h1:
         print("floor-h1: the floor's Klein front on yieldproxy.edge.h1client, the proxy's client (bench/_floor.py --client lean)")
     print(f"{'':34}" + "".join(f"{side:>10}" for side in ports))
@@ -338,6 +350,20 @@ def main(argv=None) -> int:
         for label, lean_floor_value, floor_value in lean_rows:
             print(f"  {label:<32}{lean_floor_value:>8.3f}ms{floor_value:>8.3f}ms"
                   f"{ratio(lean_floor_value, floor_value):>9.2f}x")
+
+    if args.base:
+        print("this tree's proxy against the base tree's, each also as a ratio of the floor (not a target)")
+        print(f"{'':34}{'proxy':>10}{'base':>10}{'ratio':>10}{'proxy/fl':>10}{'base/fl':>10}")
+        base_rows = [
+            ("CPU per request, c=1", cpu1["proxy"], cpu1["base"], cpu1["floor"]),
+            (f"CPU per request, c={args.concurrency}", cn["proxy"]["cpu_ms_per_request"],
+             cn["base"]["cpu_ms_per_request"], cn["floor"]["cpu_ms_per_request"]),
+            ("added latency, c=1 (round diffs)", c1["added"]["proxy"], c1["added"]["base"], c1["added"]["floor"]),
+            (f"added latency, c={args.concurrency} (p50)", added_n["proxy"], added_n["base"], added_n["floor"]),
+        ]
+        for label, mine, base_value, floor_value in base_rows:
+            print(f"  {label:<32}{mine:>8.3f}ms{base_value:>8.3f}ms{ratio(mine, base_value):>9.2f}x"
+                  f"{ratio(mine, floor_value):>9.2f}x{ratio(base_value, floor_value):>9.2f}x")
 
     if context:
         d, x = context["direct"], context["proxy"]

@@ -197,6 +197,33 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
     assert classifier.classify("GET", "/api/tags") == PASSTHROUGH
 
 
+def test_a_body_is_parsed_once_though_the_upstream_s_refusal_rule_and_the_handler_both_read_it(monkeypatch):
+    """Admission makes one parse of a request's body (gojson.FirstValue) and passes it along: the refusal rule's
+    read (decode_error) and admission's own (find_model, read_request) of one request are one parse."""
+    from inmemory import Rig as MemoryRig
+
+    class Upstream(Resource):
+        """Answers every embedding without reading its body (the simulated Ollama reads it too)."""
+
+        isLeaf = True
+
+        def render_POST(self, request):
+            request.setHeader(b"content-type", b"application/json; charset=utf-8")
+            return b'{"model":"all-minilm","embeddings":[[0.5]]}'
+
+    rig = MemoryRig(upstream=Upstream())
+    text = json.dumps({"model": "all-minilm", "input": ["x" * 500]})
+    parsed = []
+    real = json.JSONDecoder.raw_decode
+    monkeypatch.setattr(
+        json.JSONDecoder, "raw_decode", lambda self, s, idx=0: parsed.append(s == text) or real(self, s, idx)
+    )
+    for _ in range(2):
+        answer = rig.result(rig.post("/api/embed", data=text.encode(), headers={"Content-Type": "application/json"}))
+        assert answer.code == 200
+    assert parsed.count(True) == 2
+
+
 def test_a_target_is_read_once_and_a_bad_one_is_refused_every_time():
     from yieldproxy.proxy.target import BadTarget, parse_target
 
@@ -345,16 +372,21 @@ def test_every_path_enters_through_klein_and_a_parked_request_keeps_nothing_of_k
     none of Klein's per-request objects (its request adapter and MapAdapter, its notifyFinish watchers)."""
     import gc
 
+    from klein import Klein
     from klein._app import KleinRequest
-    from klein.resource import KleinResource
     from werkzeug.routing import MapAdapter
 
     from inmemory import Rig as MemoryRig
     from yieldproxy.edge.request import ProxyRequest
 
     routed = []
-    real = KleinResource.render
-    monkeypatch.setattr(KleinResource, "render", lambda self, request: routed.append(request.path) or real(self, request))
+    real = Klein.execute_endpoint
+
+    def execute_endpoint(self, endpoint, request, *args, **kwargs):
+        routed.append(request.path)  # Klein's router matched it to a route of the app, which runs now
+        return real(self, endpoint, request, *args, **kwargs)
+
+    monkeypatch.setattr(Klein, "execute_endpoint", execute_endpoint)
     rig = MemoryRig()
     body = json.dumps({"model": "all-minilm", "input": "x"}).encode()
     paths = (b"/api/embed", b"/api/%65mbed", b"//api/embed", b"/api/embed/")

@@ -11,12 +11,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from yieldproxy.servers.gojson import (
     FULL_READ_LIMIT,
     BadBody,
+    FirstValue,
+    decode_error,
     find_model,
     fold,
     go_duration,
     read_request,
     scan_model,
 )
+from yieldproxy.servers.ollama import REQUEST_STRUCTS
 
 SETTINGS = settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -197,3 +200,71 @@ def test_a_30_mb_body_is_scanned_in_a_fraction_of_a_full_parse():
     scan_seconds = time.process_time() - began
     assert full == scanned == "m"
     assert scan_seconds < full_seconds / 4, (scan_seconds, full_seconds)
+
+
+# -- one parse per body ------------------------------------------------------------------------
+
+
+@st.composite
+def bodies(draw):
+    """Valid objects, and the same with a few bytes put in: trailing data, broken syntax, invalid UTF-8."""
+    body = draw(documents())
+    for _ in range(draw(st.integers(0, 2))):
+        at = draw(st.integers(0, len(body)))
+        body = body[:at] + draw(st.sampled_from([b"x", b"}", b"]", b",", b'"', b"\xff", b"NaN", b" ", b"1", b"{}"])) + body[at:]
+    return body
+
+
+def _read(body: bytes, shared=None):
+    try:
+        return read_request(body, shared)
+    except BadBody as e:
+        return f"BadBody: {e}"
+
+
+@SETTINGS
+@given(bodies(), st.lists(st.booleans(), min_size=1, max_size=4))
+def test_a_body_read_again_is_read_as_it_was_read_first(body, order):
+    """What the refusal rule (decode_error) and the handler (read_request) find in a body through one shared
+    parse is the same whichever read it first, as when each parses it afresh."""
+    struct = REQUEST_STRUCTS["/api/embed"]
+    fresh_read = _read(body)
+    fresh_error = decode_error(body, struct)
+    shared = FirstValue(body)
+    for handler_first in order:
+        if handler_first:
+            assert _read(body, shared) == fresh_read
+        else:
+            assert decode_error(body, struct, shared) == fresh_error
+
+
+def test_a_body_the_refusal_rule_read_is_not_parsed_again_by_the_handler(monkeypatch):
+    parsed = []
+    real = json.JSONDecoder.raw_decode
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", lambda self, s, idx=0: parsed.append(s) or real(self, s, idx))
+    body = json.dumps({"model": "all-minilm", "input": ["x" * 1000]}).encode()
+    shared = FirstValue(body)
+    assert decode_error(body, REQUEST_STRUCTS["/api/embed"], shared) is None
+    assert read_request(body, shared).model == "all-minilm" and find_model(body, shared) == "all-minilm"
+    assert len(parsed) == 1
+    # A parse is shared only where it is passed, and only for its own body: nothing is kept between requests.
+    assert read_request(body).model == "all-minilm"
+    assert len(parsed) == 2
+    other = body.replace(b"x", b"y")
+    assert read_request(other, shared).model == "all-minilm"
+    assert len(parsed) == 3
+
+
+
+def test_an_empty_body_read_first_in_a_process_is_not_json():
+    """Nothing is kept between reads: an empty body, read first in a fresh process, is not JSON (a parse kept
+    in a module global, keyed by the body's identity, once matched its empty sentinel and said otherwise)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from yieldproxy.servers.gojson import BadBody, read_request\n"
+        "try:\n    read_request(b'')\nexcept BadBody as e:\n    print(e)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert said.startswith("request body is not valid JSON"), said

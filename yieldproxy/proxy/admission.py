@@ -29,7 +29,7 @@ from ..lot.parking import Entry
 from ..observe.metrics import Metrics
 from ..schedule.scheduler import Scheduler
 from ..servers import Asked, Origins, refusal
-from ..servers.gojson import FULL_READ_LIMIT, find_model, read_request, scan_model
+from ..servers.gojson import FULL_READ_LIMIT, FirstValue, find_model, read_request, scan_model
 from ..servers.ollama import allowed_origins
 from ..upstream.translation import Untranslatable, parse_request
 from .facts import RequestFacts
@@ -40,12 +40,12 @@ from .target import BadTarget, Target, parse_target
 UNLOAD_BODY_LIMIT = 4096
 
 
-def model_of(body: bytes) -> str | None:
+def model_of(body: bytes, shared: FirstValue | None = None) -> str | None:
     """The model a body names, read as Ollama's Go decoder reads it; None when none (or not JSON)."""
     if not body:
         return None
     try:
-        model = find_model(body)
+        model = find_model(body, shared)
     except BadBody:
         return None
     return model if isinstance(model, str) and model else None
@@ -123,7 +123,9 @@ class Admission:
             return self.too_large(request, facts, api)
         if carried is not None:
             return self._adopted(request, facts, target, body, api, carried)
-        refused = self._refused_by_upstream(request, facts, target, body)
+        # The body's one parse, shared by the upstream's refusal rule and the reads below.
+        shared = FirstValue(body)
+        refused = self._refused_by_upstream(request, facts, target, body, shared)
         if refused is not None:
             return refused
         wanted = None
@@ -144,9 +146,9 @@ class Admission:
                     request, facts, api, 400, "bad_request", "X-Yield-Max-Wait must be a number of seconds >= 0"
                 )
         # Which model it is for decides which members may serve it, and the name each is asked for.
-        model = model_of(body)
+        model = model_of(body, shared)
         try:
-            cls = self._class_of(request, target, body, wanted, model)
+            cls = self._class_of(request, target, body, wanted, model, shared)
         except BadBody as e:
             return refuse(request, facts, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
@@ -181,7 +183,9 @@ class Admission:
         self._scheduler.number_adopted(entry)
         return self._gated(request, facts, target, entry, body)
 
-    def _refused_by_upstream(self, request: Any, facts: RequestFacts, target: Target, body: bytes) -> bytes | None:
+    def _refused_by_upstream(
+        self, request: Any, facts: RequestFacts, target: Target, body: bytes, shared: FirstValue
+    ) -> bytes | None:
         """The upstream's own answer, given at once, to a request it would refuse at once; else None.
 
         Every new request is asked once, before its class is decided and
@@ -194,7 +198,7 @@ class Admission:
         origin = (request.requestHeaders.getRawHeaders(b"origin") or [b""])[0]
         asked = Asked(
             method, target.path, origin.decode("utf-8", "surrogateescape") or None, self._upstream_hosts, body,
-            declared=self._classifier.declares(method, target.path),
+            shared=shared, declared=self._classifier.declares(method, target.path),
         )
         refused = refusal(self._apis, asked, self._origins)
         if refused is None:
@@ -221,7 +225,9 @@ class Admission:
             f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
         )
 
-    def _class_of(self, request: Any, target: Target, body: bytes, wanted: str | None, model: str | None) -> str:
+    def _class_of(
+        self, request: Any, target: Target, body: bytes, wanted: str | None, model: str | None, shared: FirstValue
+    ) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
 
         The body is read as Ollama's Go decoder reads it (servers/gojson.py): whole when
@@ -245,11 +251,11 @@ class Admission:
             known, model = model, None
             if self._classifier.needs_model(method, path):
                 if len(body) <= FULL_READ_LIMIT:
-                    model = known if known is not None else read_request(body).model
+                    model = known if known is not None else read_request(body, shared).model
                 else:
                     model = known if known is not None else scan_model(body)
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
-                        model = read_request(body).model
+                        model = read_request(body, shared).model
             cls = self._classifier.classify(method, path, model)
         # Only model-loading and unload routes change class while their upstream is held.
         if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._route_held(method, path, model):
@@ -258,7 +264,7 @@ class Admission:
             # An unload request is a few bytes; a large body is never one.
             if cls != PASSTHROUGH and path in UNLOAD_PATHS and len(body) <= UNLOAD_BODY_LIMIT:
                 try:
-                    parsed = read_request(body)
+                    parsed = read_request(body, shared)
                 except BadBody:
                     return cls
                 if is_unload(method, path, parsed):

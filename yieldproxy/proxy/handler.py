@@ -42,7 +42,7 @@ from .attempts import AttemptLoop
 from .facts import RequestFacts
 from .outcome import Outcomes
 from .passthrough import Passthrough
-from .resource import HandlerResource, routed
+from .resource import HandlerResource, KleinEntry, routed
 from .target import BadTarget, parse_target
 
 
@@ -105,7 +105,7 @@ class ProxyApp:
 
     def resource(self) -> IResource:
         """The listener's resource: the Klein app, the one entry of every request (proxy/resource.py)."""
-        return self.app.resource()
+        return KleinEntry(self.app)
 
     def site(self) -> ProxySite:
         proxy = self._config.proxy

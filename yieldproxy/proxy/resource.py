@@ -1,36 +1,210 @@
 """The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
-:meth:`ProxyApp.resource <yieldproxy.proxy.handler.ProxyApp.resource>` is
-the Klein app's own resource.  Its one route returns :class:`HandlerResource`
-(through :func:`routed`), which Klein renders before its own ``render``
-returns, so Klein's per-request chain and closures are done with before the
-handler awaits anything.  What Klein would still leave on a parked request
-(its ``IKleinRequest`` adapter holding the werkzeug ``MapAdapter``, and two
-``notifyFinish`` watchers) is let go once routing is over.  The handler's
-outcome is handled here:
-
-* the handler's bytes are written, and the request finished unless it is
-  already (or the client went away);
-* a client that goes away cancels the handler (its ``CancelledError`` is
-  not logged);
-* any other failure (a bug) is logged with its traceback and answered by
-  ``on_error`` (the proxy's 500 in the API's JSON shape, with its request
-  log line) when nothing was written yet, else Twisted's
-  ``processingFailed``; once the request is over, it is only logged.
+:class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``): it
+routes as Klein's own ``KleinResource`` does, without the per-request work
+that decides nothing (tests/proxy/test_klein_entry.py holds the two to the
+same answers; bench/klein_entry.py measures the difference).  The app's one
+route returns :class:`HandlerResource` through :func:`routed`, which lets go
+of Klein's request adapter, so a parked request keeps nothing of Klein; the
+leaf runs the handler and writes its outcome.
 """
 
 from __future__ import annotations
 
 from inspect import iscoroutine
 from typing import Any, Callable
+from weakref import ref
 
+from klein import Klein
 from klein.interfaces import IKleinRequest
+from klein.resource import KleinResource
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
 from twisted.python.components import Componentized
 from twisted.python.failure import Failure
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET
+from zope.interface import implementer
+
+
+class KleinEntry(KleinResource):
+    """A Klein app's resource that renders a route's resource as soon as the route returns it.
+
+    Klein's render binds the app's werkzeug map to each request and sends
+    even an immediate answer through a chain of Deferreds and watchers.
+    Here the map's match of a request target (method, script name, path
+    info: all that decides it) is kept, for up to :attr:`ROUTES_KEPT`
+    targets; the map is bound for a request only when a route asks for it
+    (``IKleinRequest(request).mapper``, ``url_for``); and a resource the
+    route returns at once (the proxy's route always does) is rendered there
+    and then, without Klein's two ``maybeDeferred`` and two ``notifyFinish``
+    watchers.  Anything else (a URL that is not UTF-8, a path the map
+    refuses or redirects, a route answering bytes, a Deferred or an error)
+    is answered by Klein's own render, the route's answer in hand.
+    """
+
+    #: Targets whose route is kept (clients choose the paths: past this many, the memo starts again).
+    ROUTES_KEPT = 256
+    #: The longest path info kept (an API's paths are short; a client may send 16 KB ones).
+    PATH_KEPT = 256
+
+    def __init__(self, app: Klein):
+        super().__init__(app)
+        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes).
+        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int]] = {}
+        #: The app's routes when the memo was started: a route added since starts it again.
+        self._endpoints = len(app.endpoints)
+
+    def render(self, request):
+        app = self._app
+        script_name, path_info = _paths(request)
+        route = self._route(request.method, script_name, path_info)
+        host = request.getRequestHostname()
+        if route is None or not (host.isascii() or _utf8(host)):
+            # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
+            return super().render(request)
+        endpoint, kwargs, segments = route
+        request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
+        prepath, postpath = len(request.prepath), request.postpath
+        request.prepath.extend(postpath[:segments])
+        request.postpath = postpath[segments:]
+        try:
+            answer = app.execute_endpoint(endpoint, request, **kwargs)
+            if IResource.providedBy(answer):
+                request.render(getChildForRequest(answer, request))
+                return NOT_DONE_YET
+        except Exception:
+            answer = Failure()
+        # Klein's own render takes it from here, from the top: routed again, the route's answer already in hand.
+        del request.prepath[prepath:]
+        request.postpath = postpath
+        return KleinResource(_Answered(app, answer)).render(request)
+
+    def _route(self, method: bytes, script_name: bytes, path_info: bytes) -> tuple[str, dict[str, Any], int] | None:
+        """The route the app's map matches (endpoint, arguments, segments), or None: Klein's render decides.
+
+        Without host matching, the map matches on the method and the path
+        info alone (the server name and the scheme only build URLs, and a
+        redirect, which raises, is never kept).
+        """
+        app = self._app
+        if app.url_map.host_matching:
+            return None
+        routes = self._routes
+        if len(app.endpoints) != self._endpoints:
+            routes.clear()
+            self._endpoints = len(app.endpoints)
+        key = (method, script_name, path_info)
+        kept = routes.get(key)
+        if kept is not None:
+            return kept
+        try:
+            mapper = app.url_map.bind(
+                "", script_name.decode("utf-8"), path_info=path_info.decode("utf-8"),
+                default_method=method.decode("utf-8"), url_scheme="http",
+            )
+            rule, kwargs = mapper.match(return_rule=True)
+        except Exception:
+            return None
+        segments = getattr(app.endpoints[rule.endpoint], "segment_count", None)
+        if segments is None:  # a route function Klein did not mark: not one this knows how to run
+            return None
+        route = (rule.endpoint, dict(kwargs), segments)
+        # The arguments go to every request of the target: kept only when none can be changed by a route
+        # (and a long path is not kept).
+        if len(path_info) <= self.PATH_KEPT and all(type(value) in (str, int, float) for value in kwargs.values()):
+            if len(routes) >= self.ROUTES_KEPT:
+                routes.clear()
+            routes[key] = route
+        return route
+
+
+@implementer(IKleinRequest)
+class _RoutedRequest:
+    """Klein's request adapter, its ``mapper`` (the app's map bound to the request, as Klein's render binds it)
+    made when first asked for."""
+
+    def __init__(self, request, app: Klein, script_name: bytes, path_info: bytes):
+        self.branch_segments = [""]
+        self._request = ref(request)
+        self._app = app
+        self._paths = (script_name, path_info)
+        self._mapper: Any = None
+
+    @property
+    def mapper(self) -> Any:
+        if self._mapper is None:
+            request = self._request()
+            if request is None:
+                raise RuntimeError("the request is gone")
+            scheme, server_name = _server(request)
+            script_name, path_info = (p.decode("utf-8") for p in self._paths)
+            self._mapper = self._app.url_map.bind(
+                server_name, script_name, path_info=path_info, default_method=request.method.decode("utf-8"),
+                url_scheme=scheme,
+            )
+        return self._mapper
+
+    @mapper.setter
+    def mapper(self, mapper: Any) -> None:
+        self._mapper = mapper
+
+    def url_for(
+        self, endpoint: str, values: Any = None, method: str | None = None, force_external: bool = False,
+        append_unknown: bool = True,
+    ) -> str:
+        return self.mapper.build(endpoint, values, method, force_external, append_unknown)
+
+
+class _Answered:
+    """A Klein app whose route has run already: its function's answer (a value, or the Failure it raised) is
+    what the route gives Klein's render, once, without running the function a second time."""
+
+    def __init__(self, app: Klein, answer: Any):
+        self._app = app
+        self._answer = answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+    def execute_endpoint(self, endpoint: str, request, *args: Any, **kwargs: Any) -> Any:
+        answer, self._answer = self._answer, None
+        if isinstance(answer, Failure):
+            answer.raiseException()
+        return answer
+
+
+def _paths(request) -> tuple[bytes, bytes]:
+    """The script name and the path info, as Klein's render makes them of the request's prepath and postpath."""
+    script_name = b""
+    if request.prepath:
+        script_name = b"/".join(request.prepath)
+        if not script_name.startswith(b"/"):
+            script_name = b"/" + script_name
+    path_info = b""
+    if request.postpath:
+        path_info = b"/".join(request.postpath)
+        if not path_info.startswith(b"/"):
+            path_info = b"/" + path_info
+    return script_name, path_info
+
+
+def _server(request) -> tuple[str, str]:
+    """The scheme and the server name (with the port, unless it is the scheme's) as Klein's render reads them."""
+    server_name = request.getRequestHostname()
+    port = getattr(request.getHost(), "port", 0)
+    secure = bool(request.isSecure())
+    if (secure, port) not in ((True, 443), (False, 80), (False, 0), (True, 0)):
+        server_name = b"%s:%d" % (server_name, port)
+    return "https" if secure else "http", server_name.decode("utf-8")
+
+
+def _utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def routed(request, entry: HandlerResource) -> HandlerResource:
@@ -45,7 +219,13 @@ class HandlerResource(Resource):
     """Calls ``handle(request)`` and writes its answer.
 
     ``handle`` returns the answer (bytes or None, the request's status and
-    headers set), or a coroutine that finds it.
+    headers set), or a coroutine that finds it.  The answer is written and
+    the request finished unless it is already (or the client went away); a
+    client that goes away cancels the handler (its ``CancelledError`` is not
+    logged); any other failure (a bug) is logged with its traceback and
+    answered by ``on_error`` (the proxy's 500 in the API's JSON shape) when
+    nothing was written yet, else by Twisted's ``processingFailed``; once
+    the request is over, it is only logged.
     """
 
     isLeaf = True

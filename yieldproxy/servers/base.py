@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from ..names import PASSTHROUGH as PASSTHROUGH  # re-exported: the servers' tables name it
+from .gojson import FirstValue
 
 # -- what an error answer means (Server.judge) ------------------------------------
 
@@ -182,6 +183,8 @@ class Asked:
     #: The ``Host`` values the upstream may receive (the proxy sends each upstream its own).
     hosts: frozenset[str]
     body: bytes
+    #: The body's one parse, shared with the proxy's own reads of it (None: parsed here if needed).
+    shared: FirstValue | None = None
     #: A ``[[routes]]`` rule names this route: the operator knows it, so it is never refused as unknown.
     declared: bool = False
 

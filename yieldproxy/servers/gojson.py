@@ -135,6 +135,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _go_string(value: str) -> str:
     """A decoded JSON string as Go holds it: a lone surrogate escape is U+FFFD."""
+    if value.isascii():  # no surrogate, and asked at once (CPython keeps the answer with the string)
+        return value
     return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
 
 
@@ -260,7 +262,38 @@ def _refuse_constant(name: str) -> NoReturn:
     raise BadBody(f"request body has {name}, which is not JSON")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
+_FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
+#: JSON's white space, which is Go's: what may come before and after a body's value.
+_GO_SPACE = " \t\r\n"
+
+class FirstValue:
+    """One request body's first JSON value, parsed at most once: the refusal rule (:func:`decode_error`) and
+    the proxy's reads (:func:`read_request`, :func:`find_model`) of one request share it.  The proxy makes
+    one per request and passes it along; nothing is kept between requests."""
+
+    __slots__ = ("body", "_value", "_end")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._value: Any = None
+        self._end = -1
+
+    def of(self, text: str) -> tuple[Any, int]:
+        """The value and where it ends in ``text`` (``body`` decoded): parsed on the first ask only."""
+        if self._end < 0:
+            self._value, self._end = _parse_first(text)
+        return self._value, self._end
+
+
+def _parse_first(text: str) -> tuple[Any, int]:
+    """The first JSON value of ``text`` past its leading white space, and the index where it ends."""
+    return _FIRST_VALUE.raw_decode(text, len(text) - len(text.lstrip(_GO_SPACE)))
+
+
+def _first_value(body: bytes, text: str, shared: FirstValue | None) -> tuple[Any, int]:
+    if shared is not None and shared.body is body:
+        return shared.of(text)
+    return _parse_first(text)
 
 
 def _text(body: bytes) -> str:
@@ -270,19 +303,20 @@ def _text(body: bytes) -> str:
         raise BadBody("request body is not valid UTF-8") from None
 
 
-def read_request(body: bytes) -> GoRequest:
-    """What Ollama's decoder binds from ``body``, or :class:`BadBody` saying what is wrong."""
+def read_request(body: bytes, shared: FirstValue | None = None) -> GoRequest:
+    """What Ollama's decoder binds from ``body``, or :class:`BadBody` saying what is wrong (``shared``: the
+    request's :class:`FirstValue`, when it has one)."""
     text = _text(body)
     try:
-        value = _DECODER.decode(text)
+        value, end = _first_value(body, text, shared)
     except RecursionError:
         raise BadBody("request body is nested too deeply to read") from None
     except BadBody:
         raise
     except ValueError as e:
-        if str(e).startswith("Extra data"):
-            raise BadBody("request body has data after the JSON object") from None
         raise BadBody(f"request body is not valid JSON: {e}") from None
+    if text[end:].strip(_GO_SPACE):
+        raise BadBody("request body has data after the JSON object")
     if not isinstance(value, _Pairs):
         raise BadBody("request body must be a JSON object")
     return _bind(value)
@@ -404,10 +438,10 @@ def scan_model(body: bytes) -> str | None:
     return None if failed else model
 
 
-def find_model(body: bytes) -> str | None:
+def find_model(body: bytes, shared: FirstValue | None = None) -> str | None:
     """The model Ollama reads from ``body``: parsed whole when small, scanned for when large."""
     if len(body) <= FULL_READ_LIMIT:
-        return read_request(body).model
+        return read_request(body, shared).model
     return scan_model(body)
 
 
@@ -478,7 +512,8 @@ def _fits_any(value: Any) -> bool:
             return False
     if isinstance(value, _Pairs):
         return all(_fits_any(v) for _, v in value)
-    return all(_fits_any(v) for v in value)
+    # A list of texts (an embedding's input) is the common one: each string at once, without a call.
+    return all(type(v) is str or _fits_any(v) for v in value)
 
 
 def _judge(kind: str, value: Any) -> str:
@@ -522,11 +557,7 @@ def _judge(kind: str, value: Any) -> str:
 #: Bodies :func:`decode_error` reads: larger ones are not judged (they would be built whole in memory).
 DECODE_CHECK_LIMIT = FULL_READ_LIMIT
 
-_GO_SPACE = " \t\r\n"
-_FIRST_VALUE = json.JSONDecoder(object_pairs_hook=_Pairs, parse_constant=_refuse_constant)
-
-
-def decode_error(body: bytes, struct: GoStruct) -> str | None:
+def decode_error(body: bytes, struct: GoStruct, shared: FirstValue | None = None) -> str | None:
     """What ``json.NewDecoder(body).Decode(&req)`` returns for ``req`` of ``struct``, as its text, or None.
 
     None when it decodes, and when the proxy cannot tell exactly (a body over
@@ -543,12 +574,12 @@ def decode_error(body: bytes, struct: GoStruct) -> str | None:
     """
     if len(body) > DECODE_CHECK_LIMIT:
         return None
+    # Invalid UTF-8 is Go's U+FFFD; read_request refuses such a body before it asks ``shared``.
     text = body.decode("utf-8", "surrogateescape")
-    start = len(text) - len(text.lstrip(_GO_SPACE))
-    if start == len(text):
+    if not text.strip(_GO_SPACE):
         return goscan.EOF
     try:
-        value, _ = _FIRST_VALUE.raw_decode(text, start)
+        value, _ = _first_value(body, text, shared)
     except (ValueError, RecursionError):
         # Python's parser refused it: Go's scanner says how (or, for a depth only
         # Python's recursion limit refused, that it is fine: then not judged).

@@ -39,7 +39,7 @@ from .base import (
     up_on_200,
 )
 from .cors import Origins
-from .gojson import GoStruct, decode_error
+from .gojson import FirstValue, GoStruct, decode_error
 
 # -- routes ----------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ REQUEST_STRUCTS: dict[str, GoStruct] = {
 MISSING_BODY = "missing request body"
 
 
-def _body_refusal(path: str, body: bytes) -> Refusal | None:
+def _body_refusal(path: str, body: bytes, shared: FirstValue | None) -> Refusal | None:
     """The 400 a model route's handler gives a body Go's decoder refuses, before it looks at the model.
 
     ``c.ShouldBindJSON(&req)`` (gin's ``json.NewDecoder(body).Decode``) is each
@@ -235,7 +235,7 @@ def _body_refusal(path: str, body: bytes) -> Refusal | None:
     struct = REQUEST_STRUCTS.get(path)
     if struct is None:
         return None
-    message = decode_error(body, struct)
+    message = decode_error(body, struct, shared)
     if message is None:
         return None
     if message == goscan.EOF:
@@ -274,7 +274,7 @@ def refuse(asked: Asked, origins: Origins) -> Refusal | None:
         allow = refusal.headers if refusal is not None and refusal.status == 405 else ()
         return Refusal(403, headers=allow, reason="origin")
     if refusal is None and asked.method == "POST":
-        refusal = _body_refusal(asked.path, asked.body)
+        refusal = _body_refusal(asked.path, asked.body, asked.shared)
     if refusal is None or not asked.origin:
         return refusal
     if any(asked.origin in (f"http://{h}", f"https://{h}") for h in asked.hosts):
