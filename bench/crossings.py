@@ -6,8 +6,8 @@ embedding requests park under a hold of all, the hold ends, the drainers let the
 exchange is reported finished, as the proxy app does.  ``sys.setprofile`` sees every call made
 meanwhile; a call *crosses* when its caller's code is on one side and the callee's on the other:
 
-* ``lot/pool``: the lot proper (lot/parking.py, lot/replay.py, lot/gate.py) against the pool
-  (upstream/pool/);
+* ``lot/pool``: the lot proper (lot/parking.py, lot/replay.py, and in a checkout older than the
+  scheduler its gate.py) against the pool (upstream/pool/);
 * ``packages``: all of lot/ (the yield state too) against all of upstream/;
 * ``turns``: not calls but turns of the walk: each time the code running next is on the other
   side (lot proper or pool) from the last code of either that ran, whatever ran between
@@ -56,7 +56,7 @@ def walk(members: int = 2, requests: int = 50) -> dict[str, float]:
     ))
     clock = Clock()
     heart = build_heart(clock, config, Metrics(), one_step_cooperator(clock))
-    state, gate, pool = heart.state, heart.gate, heart.pool
+    state, scheduler = heart.state, heart.scheduler
     sides: dict[str, tuple[str | None, str | None]] = {}
     crossings: Counter[str] = Counter()
     last: list[str | None] = [None]
@@ -81,18 +81,18 @@ def walk(members: int = 2, requests: int = 50) -> dict[str, float]:
             crossings["packages"] += 1
 
     state.hold("bench", "a yield")
-    entries = [Entry(cls="batch", routing=pool.routing("POST", "/api/embed", "batch", "all-minilm"))
+    entries = [Entry(cls="batch", routing=scheduler.routing("POST", "/api/embed", "batch", "all-minilm"))
                for _ in range(requests)]
     sys.setprofile(profile)
     try:
-        parked = [gate.admit(entry) for entry in entries]
+        parked = [scheduler.admit(entry) for entry in entries]
         state.release("bench")
         done = 0
         for _ in range(100 * requests):
             clock.advance(0.001)
             for entry, d in zip(entries, parked):
                 if d is not None and d.called:
-                    gate.finished(seconds=0.01, member=entry.released_to)
+                    scheduler.finished(seconds=0.01, member=entry.released_to)
                     done += 1
             parked = [None if d is None or d.called else d for d in parked]
             if done == requests:

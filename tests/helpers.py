@@ -28,14 +28,14 @@ def clock_cooperator(clock: Clock) -> Cooperator:
 
 @attrs.define(eq=False)
 class Core:
-    """State, lot, replayer and gate on one Clock, wired as ``service.build`` does."""
+    """State, lot, replayer and scheduler on one Clock, wired as ``service.build`` does."""
 
     clock: Clock
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
     replayer: Replayer
-    gate: Scheduler
+    scheduler: Scheduler
     #: The upstream's reachability and outage verdicts, as ``service.build`` gives them to the proxy app.
     health: UpstreamHealth = attrs.Factory(lambda: UpstreamHealth("http://upstream.invalid"))
 
@@ -88,8 +88,8 @@ def make_core(config: Config | None = None, twin_ok=None, judges=None, **replay)
         config = attrs.evolve(config, replay=attrs.evolve(config.replay, **replay))
     clock = Clock()
     metrics = Metrics()
-    state, lot, replayer, gate = build_core(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok, judges=judges)
-    return Core(clock, metrics, state, lot, replayer, gate)
+    state, lot, replayer, scheduler = build_core(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok, judges=judges)
+    return Core(clock, metrics, state, lot, replayer, scheduler)
 
 
 def config_with(**sections) -> Config:
@@ -384,7 +384,7 @@ def pool_config(*members, config: Config | None = None) -> Config:
 
 
 def make_pool_core(*members, config: Config | None = None, twin_ok=None, judges=None, **replay) -> Core:
-    """A :class:`Core` whose gate routes over a pool of ``members`` (see :func:`pool_config`); ``core.gate``.
+    """A :class:`Core` whose scheduler routes over a pool of ``members`` (see :func:`pool_config`); ``core.scheduler``.
 
     ``twin_ok(member, entry)``: the pool's twin check (default: every eligible member serves).
     """
@@ -459,5 +459,5 @@ async def start_pool_stack(
 def _lists_read(proxy) -> bool:
     """Every member that discovers its models has a list (or is unreachable)."""
     return all(
-        m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in proxy.pool.members
+        m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in proxy.scheduler.members
     )

@@ -315,7 +315,7 @@ class Rig:
         )
         if self.upstream is not None:
             # The single upstream's control calls (health, outage probes) reach it too.
-            self._routes[urlsplit(self.proxy.pool.members[0].spec.url).port or 80] = self.upstream.wire
+            self._routes[urlsplit(self.proxy.scheduler.members[0].spec.url).port or 80] = self.upstream.wire
         self.proxy_agent = SiteAgent(self.proxy.proxy_app.site(), self.clock)
         self.admin_agent = SiteAgent(self.proxy.admin_app.site(), self.clock)
 
@@ -355,7 +355,7 @@ class Rig:
 
     def direct(self, name: str, method: str, path: str, json: Any = None) -> Deferred:
         """A call straight to member ``name``'s server (not through the proxy): a Deferred of its :class:`Answer`."""
-        port = next(p for p, m in zip(self._routes, self.proxy.pool.members) if m.name == name)
+        port = next(p for p, m in zip(self._routes, self.proxy.scheduler.members) if m.name == name)
         client = treq.client.HTTPClient(self._routes[port], data_to_body_producer=BytesProducer)
         kwargs: dict[str, Any] = {}
         if json is not None:
@@ -376,7 +376,7 @@ class Rig:
         """As :func:`helpers.start_pool_stack` waits after the start: the members' model lists read, then the
         twins verified (or, a member that never answers, not within ``seconds``: the others were meanwhile)."""
         lists_read = lambda: all(  # noqa: E731
-            m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in self.proxy.pool.members
+            m.catalogue.static or m.catalogue.discovered is not None or not m.available() for m in self.proxy.scheduler.members
         )
         try:
             self.until(lambda: lists_read() and (self.proxy.twins is None or self.proxy.twins.settled), seconds)

@@ -608,9 +608,9 @@ def test_stopping_the_replayer_while_it_waits_logs_nothing():
     import gc
 
     core = make_core(concurrency=1)
-    core.gate.admit(Entry(cls="batch"))  # goes at once: the only slot is taken
+    core.scheduler.admit(Entry(cls="batch"))  # goes at once: the only slot is taken
     core.state.hold("api")
-    core.gate.admit(Entry(cls="batch"))  # parked
+    core.scheduler.admit(Entry(cls="batch"))  # parked
     core.state.release("api")
     core.run(0.01)  # the release task now waits for the slot
     assert core.replayer._waiting is not None

@@ -554,7 +554,7 @@ def test_a_quoted_error_message_is_one_the_code_writes(page, message):
 
 def _refusals() -> list[tuple[str, str]]:
     """``(reason, message)`` of every refusal the code makes with a literal message: ``Refused("reason", ...)``
-    of the lot, and the gate's ``refuse_*_parked(...)`` (the reason ``shutdown``)."""
+    of the lot, and the scheduler's ``refuse_*_parked(...)`` (the reason ``shutdown``)."""
     found = []
     for path in sorted((ROOT / "yieldproxy").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

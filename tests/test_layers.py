@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core: errors, config", ("errors", "config")),
     ("observe: metrics, history, the request log", ("observe",)),
     ("edge: HTTP/1.1 server and client, listeners", ("edge",)),
-    ("lot: yield state, classes, parking, gate, replay", ("lot",)),
+    ("lot: yield state, classes, parking, replay", ("lot",)),
     ("upstream: attempt, verdict, health, pool, fallback", ("upstream",)),
     ("watchers, and the scheduler: admission, the choice of member, release", ("watchers", "schedule")),
     ("proxy: the proxy listener's application", ("proxy",)),
@@ -105,7 +105,7 @@ def violations(name: str, is_package: bool, source: str, known: set[str]) -> lis
 
 def test_every_module_has_a_layer():
     found = modules()
-    assert "yieldproxy.lot.gate" in found and "yieldproxy.tools.sim.server" in found
+    assert "yieldproxy.lot.replay" in found and "yieldproxy.tools.sim.server" in found
     assert sorted(name for name in found if name != "yieldproxy" and layer_of(name) is None) == []
     named = [m for _, members in LAYERS for m in members]
     assert len(named) == len(set(named)), "a module or package in two layers"
@@ -123,21 +123,21 @@ def test_imports_go_down_the_layers_only():
 def test_the_checker_sees_an_import_upward():
     """The checks above can fail: an import from a layer above is found, at the top, lazy or for the
     type checker alone, and so is a name taken through the package root; one from below is not."""
-    known = {"yieldproxy", "yieldproxy.lot", "yieldproxy.lot.gate", "yieldproxy.upstream", "yieldproxy.upstream.pool",
+    known = {"yieldproxy", "yieldproxy.lot", "yieldproxy.lot.replay", "yieldproxy.upstream", "yieldproxy.upstream.pool",
              "yieldproxy.upstream.pool.routing", "yieldproxy.config", "yieldproxy.names", "yieldproxy.tools",
              "yieldproxy.tools.broker"}
-    upward = "from ..upstream.pool.routing import Pool\n"
+    upward = "from ..upstream.pool.routing import make_members\n"
     lazy = "def f():\n    from ..upstream.pool import routing\n    return routing\n"
     typing = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import yieldproxy.upstream.pool.routing\n"
     through_root = "from .. import Admin, __version__\n"
     down = "from ..config import Config\nfrom ..names import CLASS_NAMES\nfrom .. import __version__\n"
     for source in (upward, lazy, typing):
-        [problem] = violations("yieldproxy.lot.gate", False, source, known)
+        [problem] = violations("yieldproxy.lot.replay", False, source, known)
         assert "imports yieldproxy.upstream.pool.routing: layer 6" in problem and "its own, 5" in problem
-    assert violations("yieldproxy.lot.gate", False, through_root, known) == [
-        "yieldproxy.lot.gate:1 takes Admin, __version__ from the package root (only __version__)"
+    assert violations("yieldproxy.lot.replay", False, through_root, known) == [
+        "yieldproxy.lot.replay:1 takes Admin, __version__ from the package root (only __version__)"
     ]
-    assert violations("yieldproxy.lot.gate", False, down, known) == []
+    assert violations("yieldproxy.lot.replay", False, down, known) == []
     # Within a layer, any way: the tools may import each other, and the root may import anything.
     assert violations("yieldproxy.tools.cli", False, "from .broker import Admin\n", known) == []
     assert violations("yieldproxy", True, "from .tools.broker import Admin\n", known) == []

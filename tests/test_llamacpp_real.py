@@ -282,7 +282,7 @@ async def test_a_yield_of_the_llamacpp_member_parks_what_only_it_serves_and_the_
         sims=[sim], **{"upstream.detect_outages": False},
     )
     try:
-        await wait_for(reactor, lambda: all(m.catalogue.discovered for m in proxy.proxy.pool.members), timeout=TIMEOUT)
+        await wait_for(reactor, lambda: all(m.catalogue.discovered for m in proxy.proxy.scheduler.members), timeout=TIMEOUT)
         await proxy.admin("/yield", {"upstream": "llama", "source": "game"})
         parked = in_thread(reactor, openai_embed, proxy.url, TEXTS)
         await wait_for(reactor, lambda: len(proxy.proxy.lot) == 1, timeout=TIMEOUT)
@@ -392,8 +392,8 @@ async def _a_burst_through_a_late_start(llama_port) -> float:
         burst = OpenAIBurst(proxy.url, burst_texts(40, "started late"), concurrency=8)
         running = in_thread(reactor, burst.run, timeout=TIMEOUT * 2)
         # Every client's first request is with the server (stopped, still loading) before it goes on.
-        pool = proxy.proxy.pool
-        await wait_for(reactor, lambda: pool.inflight + len(proxy.proxy.lot) >= 8, timeout=TIMEOUT)
+        scheduler = proxy.proxy.scheduler
+        await wait_for(reactor, lambda: scheduler.inflight + len(proxy.proxy.lot) >= 8, timeout=TIMEOUT)
         await sleep(reactor, 0.1)
         llama_port.process.send_signal(signal.SIGCONT)
         await running
@@ -464,7 +464,7 @@ async def test_llama_server_and_infinity_are_no_twins_with_the_default_probe_tex
         assert "probably truncation" in row["reason"] and "2 of 12 probe texts differ" in row["reason"]
         assert 0.8 < row["worst_cosine"] < 0.99
         # Infinity's model list and embeddings were both asked under its /v1 prefix.
-        assert proxy.proxy.pool.member("infinity").server.embed_path == "/v1/embeddings"
+        assert proxy.proxy.scheduler.member("infinity").server.embed_path == "/v1/embeddings"
         # While the reference is yielded, its embeddings wait for it: the twin serves none.
         reference = "infinity" if infinity_first else "llama"
         await proxy.admin("/yield", {"upstream": reference, "source": "game"})
@@ -498,7 +498,7 @@ async def test_with_short_probe_texts_only_they_are_twins_and_infinity_is_called
         row = await wait_twin_state(proxy, twin)
         assert row["state"] == "verified" and row["reference"] == reference, row.get("reason")
         assert row["worst_cosine"] > 0.9999
-        assert proxy.proxy.pool.member("infinity").server.embed_path == "/v1/embeddings"
+        assert proxy.proxy.scheduler.member("infinity").server.embed_path == "/v1/embeddings"
         # The reference yielded: the Ollama client is served by the twin at once (translated, under
         # Infinity's prefix when the twin is Infinity), with vectors equal to llama-server's for short texts.
         await proxy.admin("/yield", {"upstream": reference, "source": "game"})

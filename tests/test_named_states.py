@@ -5,7 +5,7 @@ Each machine is an enum and one table that drives it (yieldproxy/states.py: what
 in each state).  Every table is checked on its own, exhaustively (each state with each event),
 then each machine is walked through its life as
 the code drives it: an Attempt with a fake upstream client and request, a Member and an Entry on
-a Clock.  The hold bound the gate and the lot share is checked at the end.
+a Clock.  The hold bound the scheduler and the lot share is checked at the end.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _attempt():
 
 
 def _member():
-    return make_pool_core({"name": "a"}, {"name": "b"}).gate.member("a")
+    return make_pool_core({"name": "a"}, {"name": "b"}).scheduler.member("a")
 
 
 def test_the_end_states():
@@ -100,16 +100,6 @@ def test_an_entrys_table_names_every_stay_and_its_events_make_exactly_its_moves(
         ("released", "parked"),
         ("handed", "left"), ("handed", "parked"),
     }
-    # A caller that names where it goes (the proxy app's move(LEFT)) gets exactly those moves too.
-    for old, new in itertools.product(Stay, repeat=2):
-        entry = Entry(cls="batch")
-        entry.state = old
-        if (old, new) in moves:
-            entry.move(new)
-            assert entry.state is new
-        else:
-            with pytest.raises(Unexpected, match=f"in state {old.name}"):
-                entry.move(new)
 
 
 def test_a_members_table_names_every_condition_and_its_events_make_exactly_its_moves():
@@ -525,7 +515,7 @@ class Health:
 
 def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    a = core.gate.member("a")
+    a = core.scheduler.member("a")
     health = a.control = Health()
     assert a.condition is SERVING and a.available()
     a.health.unanswered("connection refused")
@@ -535,7 +525,7 @@ def test_a_member_goes_unanswered_then_refusing_then_serving_once_it_answers():
     core.run(0.5)
     health.answer(200, b"{}")
     assert a.condition is SERVING and a.available() and a.state_name() == "available"
-    core.gate.stop()
+    core.scheduler.stop()
 
 
 def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
@@ -543,7 +533,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.member("llama")
+    llama = core.scheduler.member("llama")
     llama.control = Health()
     llama.health.not_ready("Loading model")
     assert llama.condition is NOT_READY and llama.state_name() == "not_ready"
@@ -552,7 +542,7 @@ def test_a_member_goes_not_ready_then_stuck_then_serving_once_its_model_loads():
     assert [h.source for h in core.state.holds_for("llama")] == [LOADING_SOURCE]
     llama.health.served()
     assert llama.condition is SERVING and core.state.holds_for("llama") == []
-    core.gate.stop()
+    core.scheduler.stop()
 
 
 def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
@@ -560,7 +550,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config_with(upstream={"not_ready_max_seconds": 5.0}),
     )
-    llama = core.gate.member("llama")
+    llama = core.scheduler.member("llama")
     health = llama.control = Health()
     llama.health.not_ready("Loading model")
     core.run(5)
@@ -572,7 +562,7 @@ def test_a_member_stuck_whose_hold_someone_else_ended_serves_again():
     core.run(6)
     llama.health.not_ready("Loading model")  # "loading" again, past the bound: a new run
     assert llama.condition is NOT_READY
-    core.gate.stop()
+    core.scheduler.stop()
 
 
 def test_a_member_that_has_answered_cannot_be_refusing():
@@ -590,20 +580,20 @@ def test_an_entry_goes_new_released_parked_released_and_leaves_once_expired():
     core = make_core(concurrency=1)
     entry = Entry(cls="batch")
     assert entry.state is NEW
-    d = core.gate.admit(entry)
+    d = core.scheduler.admit(entry)
     assert d.called and entry.state is RELEASED  # went at once
-    core.gate.finished(failed=True, seconds=0.01)
+    core.scheduler.finished(failed=True, seconds=0.01)
     core.state.hold("api", "game")
-    d = core.gate.admit(entry)  # back after a failed attempt: parks in its place
+    d = core.scheduler.admit(entry)  # back after a failed attempt: parks in its place
     assert entry.state is PARKED and not d.called
     core.state.release("api")
     core.run()
     assert d.called and entry.state is RELEASED
-    core.gate.finished(seconds=0.01)
+    core.scheduler.finished(seconds=0.01)
     core.state.hold("api", "game")
     outcome: list = []
-    core.gate.admit(entry).addErrback(outcome.append)
-    core.run(core.gate._classes["batch"].hold_seconds + 1)
+    core.scheduler.admit(entry).addErrback(outcome.append)
+    core.run(core.scheduler._classes["batch"].hold_seconds + 1)
     assert entry.state is LEFT and outcome[0].check(Refused)
     with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(entry, 10)
@@ -613,7 +603,7 @@ def test_an_entry_whose_client_leaves_leaves_the_lot():
     core = make_core()
     core.state.hold("api", "game")
     entry = Entry(cls="batch")
-    d = core.gate.admit(entry)
+    d = core.scheduler.admit(entry)
     assert entry.state is PARKED
     d.addErrback(lambda f: f.trap(CancelledError))
     d.cancel()
@@ -629,16 +619,16 @@ def test_an_entry_handed_to_a_new_process_parks_again_in_its_place_when_that_one
     core.state.hold("api", "game")
     first, second = Entry(cls="batch"), Entry(cls="batch")
     handed: list = []
-    core.gate.admit(first).addErrback(lambda f: handed.append(f.trap(HandedOver)))
-    core.gate.admit(second)
+    core.scheduler.admit(first).addErrback(lambda f: handed.append(f.trap(HandedOver)))
+    core.scheduler.admit(second)
     core.lot.hand_over(first, lambda *what: None)
     assert handed == [HandedOver] and first.state is HANDED and len(core.lot) == 1
-    again = core.gate.admit(first)  # the proxy app's loop: it will not be had there
+    again = core.scheduler.admit(first)  # the proxy app's loop: it will not be had there
     assert first.state is PARKED and not again.called
     assert core.lot.entries()[0] is first
     core.lot.hand_over(first, lambda *what: None)
     again.addErrback(lambda f: f.trap(HandedOver))
-    first.move(LEFT)  # had there this time
+    first.fire("taken")  # had there this time
     with pytest.raises(RuntimeError, match="cannot take 'park' in state LEFT"):
         core.lot.park(first, 10)
 
@@ -655,9 +645,9 @@ def test_the_hold_bound_is_the_class_bound_or_the_callers_when_shorter():
 
 
 @pytest.mark.parametrize("max_wait", [None, 5.0, 20.0, 60.0])
-def test_the_gate_refuses_exactly_what_the_lot_would_expire(max_wait):
-    """The gate's budget against a declared yield and the lot's deadline are one bound."""
-    hold = make_core().gate._classes["batch"].hold_seconds
+def test_the_scheduler_refuses_exactly_what_the_lot_would_expire(max_wait):
+    """The scheduler's budget against a declared yield and the lot's deadline are one bound."""
+    hold = make_core().scheduler._classes["batch"].hold_seconds
     bound, by_caller = hold_bound(hold, max_wait)
     for declared, refused in ((bound, False), (bound + 1, True)):
         core = make_core()
@@ -665,9 +655,9 @@ def test_the_gate_refuses_exactly_what_the_lot_would_expire(max_wait):
         entry = Entry(cls="batch", max_wait=max_wait)
         if refused:
             with pytest.raises(Refused) as caught:
-                core.gate.admit(entry)
+                core.scheduler.admit(entry)
             assert caught.value.reason == "over_budget"
             assert ("X-Yield-Max-Wait" in caught.value.message) is by_caller
         else:
-            core.gate.admit(entry)
+            core.scheduler.admit(entry)
             assert entry.state is PARKED and entry.deadline == bound and entry.bound_by_caller is by_caller

@@ -108,7 +108,7 @@ async def test_a_real_infinity_member_serves_its_model_and_yields_on_its_own(inf
     try:
         # Both members' model lists have been read (Infinity's under its /v1 prefix).
         await wait_for(
-            reactor, lambda: all(m.catalogue.discovered for m in pool.proxy.pool.members), timeout=TIMEOUT
+            reactor, lambda: all(m.catalogue.discovered for m in pool.proxy.scheduler.members), timeout=TIMEOUT
         )
 
         # 1. The union of both members' model lists, through the openai client.
@@ -165,6 +165,6 @@ async def test_a_real_infinity_member_serves_its_model_and_yields_on_its_own(inf
         await pool.admin("/resume", {"source": "game", "upstream": "gpu"})
         assert await parked == [expected_embedding("parked on the gpu", OLLAMA_MODELS[0])]
         assert pool.sample("yieldproxy_replay_total", **{"class": "batch", "outcome": "ok"}) == 2
-        assert len(pool.proxy.lot) == 0 and pool.proxy.pool.inflight == 0
+        assert len(pool.proxy.lot) == 0 and pool.proxy.scheduler.inflight == 0
     finally:
         await pool.stop()

@@ -47,7 +47,7 @@ async def test_a_verified_twin_serves_embeddings_at_once_with_the_references_vec
         assert embedded(stack.sims["server"]) == {text: 1 for text in texts}
         # Every vector is the one the reference gives (asked directly, after the yield).
         await admin(stack, "/resume", {"source": "api"})
-        reference = ollama.Client(host=stack.proxy.pool.member("desktop").spec.url, timeout=TIMEOUT)
+        reference = ollama.Client(host=stack.proxy.scheduler.member("desktop").spec.url, timeout=TIMEOUT)
         direct = await in_thread(reactor, reference.embed, model=MODEL, input=texts, timeout=TIMEOUT)
         assert [list(v) for v in answer.embeddings] == [list(v) for v in direct.embeddings]
         assert [list(v) for v in answer.embeddings] == [expected_embedding(t, MODEL) for t in texts]

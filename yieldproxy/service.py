@@ -98,8 +98,9 @@ class Proxy:
     lot: ParkingLot
     #: The first member's drainer (with ``proxy.upstream``: its replayer).
     replayer: Replayer
-    #: The scheduler (schedule/scheduler.py): admission, the choice of member, release; ``pool`` is the same one.
-    gate: Scheduler
+    #: The scheduler (schedule/scheduler.py): admission, the choice of member, release; its members
+    #: (``[[upstreams]]``, or ``proxy.upstream`` as the member ``default``) and their drainers.
+    scheduler: Scheduler
     #: The first member's client (with ``proxy.upstream``: its client).
     upstream: Upstream
     #: Whether the first member answered since start, and the outage verdicts on its failures.
@@ -116,9 +117,6 @@ class Proxy:
     fallback: Fallback | None
     #: What runs all of the above: start it, and stop it, as twistd does.
     service: YieldProxyService
-    #: The scheduler again, read as the pool: its members (``[[upstreams]]``, or ``proxy.upstream`` as the
-    #: member ``default``) and their drainers.
-    pool: Scheduler
     #: Which members may serve which embedding models (several upstreams; None: one upstream).
     twins: TwinVerifier | None = None
     #: What each upstream served (upstream/served.py): kept with the holds, carried over by a reload.
@@ -134,11 +132,9 @@ class Heart:
 
     state: YieldState
     lot: ParkingLot
-    #: The scheduler, read as the pool (its members and their drainers) ...
-    pool: Scheduler
-    #: ... and as the gate (admission): one object.
-    gate: Scheduler
-    #: The ``[fallback]``'s verification and counts (its member is ``pool.member("fallback")``).
+    #: The scheduler: admission, the choice of member, release; the members and their drainers.
+    scheduler: Scheduler
+    #: The ``[fallback]``'s verification and counts (its member is ``scheduler.member("fallback")``).
     fallback: Fallback | None = None
     #: The twin verification of a pool of several upstreams (with ``twins``).
     twins: TwinVerifier | None = None
@@ -152,7 +148,7 @@ def build_core(
 ) -> tuple[YieldState, ParkingLot, Replayer, Scheduler]:
     """The yield state, the lot, the first member's drainer and the scheduler (:func:`build_heart`)."""
     heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok, judges=judges)
-    return heart.state, heart.lot, heart.gate.drainer(None), heart.gate
+    return heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler
 
 
 def build_heart(
@@ -231,7 +227,7 @@ def build_heart(
     metrics.inflight_requests.set_function(lambda: scheduler.inflight)
     state.observe(lambda yielded: metrics.yield_active.set(1 if yielded else 0))
     state.on_transition(transition_logger(scheduler.describe))
-    return Heart(state, lot, scheduler, scheduler, fallback, verifier if find_twins else None, verifier)
+    return Heart(state, lot, scheduler, fallback, verifier if find_twins else None, verifier)
 
 
 def build(
@@ -306,56 +302,56 @@ def build(
     heart = build_heart(
         reactor, config, metrics, cooperator, lambda spec: made[spec.name], fallback_backends, twins=True, judges=judges,
     )
-    state, lot, pool, gate, fallback, twins = heart.state, heart.lot, heart.pool, heart.gate, heart.fallback, heart.twins
-    replayer = pool.drainer(None)
+    state, lot, scheduler, fallback, twins = heart.state, heart.lot, heart.scheduler, heart.fallback, heart.twins
+    replayer = scheduler.drainer(None)
     known_sources = frozenset((*BUILTIN_SOURCES, *config.admin.known_sources))
     state.on_hold_taken(lambda hold: metrics.yields_total.labels(source_label(hold.source, known_sources)).inc())
     state.on_yield_ended(lambda source, seconds: metrics.yield_seconds.observe(seconds))
     metrics.watch(
         lambda: [
             *hold_families(state.holds, reactor.seconds()), oldest_parked_family(lot.oldest_ages()),
-            *pool_families(pool.metric_rows()),
+            *pool_families(scheduler.metric_rows()),
         ]
     )
 
     # The upstreams: each member's client for requests, its control calls, what is known of its health.
-    upstream, health = pool.members[0].upstream, pool.members[0].health
-    client_pools: list[Any] = [m.upstream for m in pool.members]
+    upstream, health = scheduler.members[0].upstream, scheduler.members[0].health
+    client_pools: list[Any] = [m.upstream for m in scheduler.members]
 
     # What takes holds by itself, and what acts on them.
-    watchers = tuple(_watchers(reactor, config, state, metrics, pool))
+    watchers = tuple(_watchers(reactor, config, state, metrics, scheduler))
     outage_watchers.update((w.member, w) for w in watchers if isinstance(w, OutageWatcher))
-    handovers = tuple(_handovers(reactor, config, state, metrics, pool))
-    handover = handovers[0] if len(handovers) == 1 and pool.shape.one_upstream else None
-    discovery = tuple(_discovery(reactor, config, pool))
+    handovers = tuple(_handovers(reactor, config, state, metrics, scheduler))
+    handover = handovers[0] if len(handovers) == 1 and scheduler.shape.one_upstream else None
+    discovery = tuple(_discovery(reactor, config, scheduler))
     history = History(
-        reactor, snapshot_reader(gate, lot, pool, config.classes, metrics), tuple(config.classes),
-        interval=history_interval, upstreams=pool.names, wall=walls,
+        reactor, snapshot_reader(scheduler, lot, config.classes, metrics), tuple(config.classes),
+        interval=history_interval, upstreams=scheduler.names, wall=walls,
     )
     state.observe(history.state_changed)
 
     # What each upstream served: the evidence of its outage verdicts, kept with the holds (upstream/served.py).
     records = RecordKeeper.of(
-        reactor, ((m.name, m.spec.url, m.health.record) for m in pool.members),
+        reactor, ((m.name, m.spec.url, m.health.record) for m in scheduler.members),
         (lambda: holds.save(state.holds)) if holds is not None else None,
     )
 
     # The two HTTP apps (``POST /reload`` reaches the succession, made once the listeners are).
     reloaders: list[Succession] = []
     proxy_app = ProxyApp(
-        reactor, config, gate, pool, metrics,
+        reactor, config, scheduler, metrics,
         on_attempt=fallback.attempt_ended if fallback is not None else lambda member, entry, outcome: None,
     )
     admin_app = AdminApp(
-        reactor, config, state, gate, lot, pool, metrics, token=token, read_token=read_token,
-        history=history, sections=_status_sections(watchers, handovers, fallback, pool, twins, walls),
+        reactor, config, state, scheduler, lot, metrics, token=token, read_token=read_token,
+        history=history, sections=_status_sections(watchers, handovers, fallback, scheduler, twins, walls),
         fallback=fallback, reload=_late(reloaders) if succession is not None else None, wall=walls,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
     # What runs, in start order (it stops in the reverse order).
     drain = Drain(
-        reactor, state, gate, lot, pool, pool.drainers,
+        reactor, state, scheduler, lot, scheduler.drainers,
         timeout=config.proxy.shutdown_timeout_seconds, outgoing=(proxy_app.connections,),
     )
     inherited = succession.inheritance if succession is not None else None
@@ -372,7 +368,7 @@ def build(
     if succession is not None:
         reloaders.append(Succession(
             reactor, succession, listeners, {"proxy": proxy_app.connections, "admin": admin_app.connections},
-            proxy_app, lot, pool, state, twins, records, gate=gate,
+            proxy_app, lot, scheduler, state, twins, records,
         ))
         # Once the holds have gone to a new process (or before they have come to this one), a hold change
         # asked of this one is refused: the admin API's 503, the signal watcher's line.
@@ -401,8 +397,8 @@ def build(
         # Last: a restored hold sets off everything a new one does.
         keep_holds(state, holds, config.state.restart_hold_seconds)
     return Proxy(
-        reactor, config, metrics, state, lot, replayer, gate, upstream, health, proxy_app, admin_app, history,
-        watchers, handover, fallback, service, pool, twins, records,
+        reactor, config, metrics, state, lot, replayer, scheduler, upstream, health, proxy_app, admin_app, history,
+        watchers, handover, fallback, service, twins, records,
     )
 
 
@@ -411,11 +407,11 @@ def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
     return lambda: reloaders[0].reload()
 
 
-def _watchers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[Service]:
+def _watchers(reactor, config: Config, state, metrics, scheduler: Scheduler) -> list[Service]:
     """The watchers ``config.watchers``, each member's keys and outage detection enable, not started.
 
     The global ones hold every member (scope ``*``); a member's own hold it
-    alone, but its outage hold is of the scope ``pool.shape`` gives it (``*``
+    alone, but its outage hold is of the scope ``scheduler.shape`` gives it (``*``
     with one upstream: members.py's ``PoolShape.hold_scope``).
     """
     w, up = config.watchers, config.upstream
@@ -435,8 +431,8 @@ def _watchers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[
                 interval=w.command_interval_seconds, timeout=w.command_timeout_seconds,
             )
         )
-    for member in pool.members:
-        spec, scope = member.spec, pool.shape.hold_scope(member.name)
+    for member in scheduler.members:
+        spec, scope = member.spec, scheduler.shape.hold_scope(member.name)
         if spec.state_file:
             watchers.append(
                 StateFileWatcher(
@@ -471,18 +467,18 @@ def _watchers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[
     return watchers
 
 
-def _handovers(reactor, config: Config, state, metrics, pool: Scheduler) -> list[Handover]:
+def _handovers(reactor, config: Config, state, metrics, scheduler: Scheduler) -> list[Handover]:
     """A VRAM handover for each member whose yields unload or preload models (api ollama)."""
     handovers = []
-    for member in pool.members:
+    for member in scheduler.members:
         spec = member.spec
         if spec.hands_over:
             settings = attrs.evolve(
                 config.handover, unload_on_yield=spec.unload_on_yield, preload_models=spec.preload_models
             )
             handover = Handover(
-                reactor, state, pool.drainer(member.name), member.control, metrics, settings, member=member.name,
-                per_member=not pool.shape.one_upstream, release=member,
+                reactor, state, scheduler.drainer(member.name), member.control, metrics, settings, member=member.name,
+                per_member=not scheduler.shape.one_upstream, release=member,
             )
             subscribe_handover(state, handover)
             handovers.append(handover)
@@ -495,16 +491,16 @@ def subscribe_handover(state: YieldState, handover: Handover) -> None:
     state.observe_members(handover.member_changed)
 
 
-def _discovery(reactor, config: Config, pool: Scheduler) -> list[ModelDiscovery]:
+def _discovery(reactor, config: Config, scheduler: Scheduler) -> list[ModelDiscovery]:
     """A model-list reader for each member without ``models``, in pools of several upstreams (one upstream
     has no choice to make, verifies no twin and translates nothing: it only relays); and for every member whose
     server may be mounted under an API prefix (Infinity's ``--url-prefix``), one that finds the prefix
     where its list answers, even where its models are given in config: every call the proxy makes to it
     (verification, translated embeddings) goes under that prefix."""
-    if pool.shape.one_upstream:
+    if scheduler.shape.one_upstream:
         return []
     readers = []
-    for member in pool.members:
+    for member in scheduler.members:
         reads_models = not member.catalogue.static
         prefixed = len(member.server.url_prefixes) > 1
         if not (reads_models or prefixed):
@@ -542,7 +538,7 @@ def _prefixed_models_paths(server) -> tuple[str, ...]:
 
 
 def _status_sections(
-    watchers, handovers, fallback, pool: Scheduler, twins=None, wall: WallClock | None = None,
+    watchers, handovers, fallback, scheduler: Scheduler, twins=None, wall: WallClock | None = None,
 ) -> dict[str, Callable[[], Any]]:
     """The ``/status`` sections of the parts beside the core: each read when ``/status`` is, its times on
     the wall clock (``wall``)."""
@@ -552,13 +548,13 @@ def _status_sections(
 
     sections: dict[str, Callable[[], Any]] = {
         "upstreams": (
-            (lambda: pool.status(shown())) if twins is None
-            else lambda: twins.with_twins(pool.status(shown()), shown())
+            (lambda: scheduler.status(shown())) if twins is None
+            else lambda: twins.with_twins(scheduler.status(shown()), shown())
         ),
         "watchers": lambda: {w.name.split(":", 1)[1]: w.status() for w in watchers},
         "fallback": (lambda: fallback.status(shown())) if fallback is not None else lambda: {"enabled": False},
     }
-    if handovers and pool.shape.one_upstream:
+    if handovers and scheduler.shape.one_upstream:
         sections["handover"] = handovers[0].status
     elif handovers:
         sections["handover"] = lambda: {h.member: h.status() for h in handovers}

@@ -534,7 +534,7 @@ async def test_page_says_unreachable_for_an_upstream_that_never_answered():
     chromium_path()
     stack = await start_stack(reactor, upstream=f"http://127.0.0.1:{free_port()}", watchers=True)
     try:
-        await wait_for(reactor, lambda: stack.proxy.pool.members[0].state_name() == "unreachable")
+        await wait_for(reactor, lambda: stack.proxy.scheduler.members[0].state_name() == "unreachable")
         dom = Dom((await chromium(stack.admin_url + "/", "--dump-dom")).decode("utf-8"))
         state = dom.by_id("state")
         assert state["data-state"] == "unreachable" and state["text"] == "unreachable"

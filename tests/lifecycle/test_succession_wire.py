@@ -116,7 +116,7 @@ def test_the_new_process_takes_the_holds_as_they_were_and_drops_those_the_old_on
     state.hold("ended-meanwhile", "read from the holds file")
     state.hold("file", "the state file says so")
     succession = Succession(
-        clock, Setup(("twistd",), {}, lambda: None), {}, {}, rig.proxy.proxy_app, rig.proxy.lot, rig.proxy.pool,
+        clock, Setup(("twistd",), {}, lambda: None), {}, {}, rig.proxy.proxy_app, rig.proxy.lot, rig.proxy.scheduler,
         state,
     )
     succession.restore({"holds": [
@@ -181,7 +181,7 @@ def test_the_twins_verifications_go_over_for_the_same_upstreams_only():
         rig = Rig(config)
         p = rig.proxy
         return rig, Succession(
-            rig.clock, Setup(("twistd",), {}, lambda: None), {}, {}, p.proxy_app, p.lot, p.pool, p.state, p.twins,
+            rig.clock, Setup(("twistd",), {}, lambda: None), {}, {}, p.proxy_app, p.lot, p.scheduler, p.state, p.twins,
         )
 
     members = ({"name": "gpu", "models": ("all-minilm",)}, {"name": "cpu", "models": ("all-minilm",)})

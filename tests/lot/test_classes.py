@@ -211,7 +211,7 @@ def test_long_jobs_wait_minutes_while_interactive_is_told_at_once():
 def test_retry_after_is_the_queue_ahead_times_service_time_while_draining():
     config = config_with(parking={"max_parked": 4})
     core = make_core(config, concurrency=2)
-    core.gate.service_seconds = 3.0
+    core.scheduler.service_seconds = 3.0
     core.state.hold("api")
     for _ in range(4):
         park(core)

@@ -1,4 +1,4 @@
-"""The lot, the gate and the replayer, driven by a Clock: no sockets, milliseconds each."""
+"""The lot, the scheduler and the replayer, driven by a Clock: no sockets, milliseconds each."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from yieldproxy.schedule.routing import Routing
 
 
 def park(core, cls="batch", size=10, max_wait=None, attempts=0):
-    """Admit an entry and collect what happens to it, refusals as the caller reads them (``gate.explain``)."""
+    """Admit an entry and collect what happens to it, refusals as the caller reads them (``scheduler.explain``)."""
     entry = Entry(cls=cls, size=size, max_wait=max_wait)
     entry.attempts = attempts
     outcome = {"entry": entry}
     try:
-        d = core.gate.admit(entry)
+        d = core.scheduler.admit(entry)
     except Refused as refusal:
-        outcome["refused"] = core.gate.explain(refusal)
+        outcome["refused"] = core.scheduler.explain(refusal)
         return outcome
     outcome["deferred"] = d
 
@@ -29,7 +29,7 @@ def park(core, cls="batch", size=10, max_wait=None, attempts=0):
         return e
 
     def failed(f):
-        outcome["failure"] = core.gate.explain(f.value) if f.check(Refused) else f.value
+        outcome["failure"] = core.scheduler.explain(f.value) if f.check(Refused) else f.value
         return None
 
     d.addCallbacks(released, failed)
@@ -43,7 +43,7 @@ def released(outcomes):
 def finish(core, outcome, failed=False):
     """The upstream exchange of a released entry ended."""
     assert "released_at" in outcome
-    core.gate.finished(failed=failed, seconds=0.01)
+    core.scheduler.finished(failed=failed, seconds=0.01)
 
 
 def test_a_standing_is_every_field_a_parked_request_has_earned_written_and_taken_up_in_one_place():
@@ -82,7 +82,7 @@ def test_yielded_parks_and_releases_in_fifo_order_on_resume():
     outcomes = [park(core) for _ in range(10)]
     core.run(1)
     assert released(outcomes) == []
-    assert core.gate.state_name == "yielded"
+    assert core.scheduler.state_name == "yielded"
     assert core.sample("yieldproxy_parked_requests", **{"class": "batch"}) == 10
     assert core.sample("yieldproxy_yield_active") == 1
     core.state.release("api")
@@ -105,7 +105,7 @@ def test_replay_never_exceeds_the_concurrency_cap():
     core.run(0.01)
     assert len(released(outcomes)) == 3
     assert core.replayer.inflight == 3
-    assert core.gate.state_name == "draining"
+    assert core.scheduler.state_name == "draining"
     # Each finished request frees exactly one slot, taken by the next in line.
     for expected in range(4, 11):
         finish(core, released(outcomes)[expected - 4])
@@ -114,7 +114,7 @@ def test_replay_never_exceeds_the_concurrency_cap():
         assert core.replayer.inflight <= 3
     for o in released(outcomes)[7:]:
         finish(core, o)
-    assert core.gate.state_name == "available"
+    assert core.scheduler.state_name == "available"
     assert core.clock.getDelayedCalls() == []
 
 
@@ -252,10 +252,10 @@ def test_failed_attempt_goes_back_to_its_original_place():
     head = outcomes[0]["entry"]
     # Its attempt fails as the GPU is taken again: it re-parks ahead of the others.
     core.state.hold("api")
-    core.gate.finished(failed=True)
+    core.scheduler.finished(failed=True)
     head.attempts = 1
     seen = []
-    core.gate.admit(head).addCallback(seen.append)
+    core.scheduler.admit(head).addCallback(seen.append)
     assert core.lot.peek() is head
     assert [e.seq for e in core.lot.entries()] == sorted(o["entry"].seq for o in outcomes)
     core.state.release("api")
@@ -269,7 +269,7 @@ def test_returning_entry_is_not_refused_by_a_full_lot():
     park(core)
     entry = Entry(cls="batch")
     entry.attempts = 1
-    d = core.gate.admit(entry)
+    d = core.scheduler.admit(entry)
     assert len(core.lot) == 2
     d.cancel()
 
@@ -283,23 +283,23 @@ def test_backoff_after_repeated_failures():
     entry = o["entry"]
     seen = []
     # The first failure retries at once (often a stale pooled connection)...
-    core.gate.finished(failed=True)
+    core.scheduler.finished(failed=True)
     entry.attempts = 1
-    core.gate.admit(entry).addCallback(seen.append)
+    core.scheduler.admit(entry).addCallback(seen.append)
     core.run(0.01)
     assert len(seen) == 1
     # ...the second in a row pauses the release for retry_backoff_seconds.
-    core.gate.finished(failed=True)
+    core.scheduler.finished(failed=True)
     entry.attempts = 2
-    core.gate.admit(entry).addCallback(seen.append)
+    core.scheduler.admit(entry).addCallback(seen.append)
     core.run(0.9)
     assert len(seen) == 1
     core.run(0.2)
     assert len(seen) == 2
     # A declared resume ends the pause at once...
-    core.gate.finished(failed=True)
+    core.scheduler.finished(failed=True)
     entry.attempts = 3
-    core.gate.admit(entry).addCallback(seen.append)
+    core.scheduler.admit(entry).addCallback(seen.append)
     core.run(0.01)
     assert len(seen) == 2
     core.state.hold("api")
@@ -307,14 +307,14 @@ def test_backoff_after_repeated_failures():
     core.run(0.01)
     assert len(seen) == 3
     # ...and a success ends the streak.
-    core.gate.finished(failed=False)
+    core.scheduler.finished(failed=False)
     assert park(core)["released_at"] is not None
 
 
 def test_policy_reject_refuses_during_a_yield_only():
     core = make_core(config_with(classes={"interactive": {"policy": "reject"}}))
     assert "released_at" in park(core, cls="interactive")
-    core.gate.finished()
+    core.scheduler.finished()
     core.state.hold("api", expected_seconds=30)
     refusal = park(core, cls="interactive")["refused"]
     assert refusal.reason == "policy" and refusal.retry_after == 30
@@ -335,10 +335,10 @@ def test_shutdown_refuses_parked_requests_with_503():
     core = make_core()
     core.state.hold("api")
     outcomes = [park(core) for _ in range(3)]
-    assert core.gate.refuse_all_parked("shutting down") == 3
+    assert core.scheduler.refuse_all_parked("shutting down") == 3
     assert all(o["failure"].status == 503 and o["failure"].reason == "shutdown" for o in outcomes)
     assert len(core.lot) == 0
-    core.gate.stop_admitting()
+    core.scheduler.stop_admitting()
     assert park(core)["refused"].reason == "shutdown"
 
 
@@ -351,12 +351,12 @@ def test_an_answer_sent_before_the_failure_does_not_end_the_backoff():
     entry = failing["entry"]
     seen = []
     for attempt in (1, 2):
-        core.gate.finished(failed=True, seconds=0.0)
+        core.scheduler.finished(failed=True, seconds=0.0)
         entry.attempts = attempt
-        core.gate.admit(entry).addCallback(seen.append)
+        core.scheduler.admit(entry).addCallback(seen.append)
         core.run(0.001)
     assert len(seen) == 1  # the second failure started a 1 s pause
-    core.gate.finished(failed=False, seconds=0.6)  # early's answer: sent before the failures
+    core.scheduler.finished(failed=False, seconds=0.6)  # early's answer: sent before the failures
     core.run(0.5)
     assert len(seen) == 1
     core.run(0.6)
@@ -461,7 +461,7 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
     assert core.replayer.inflight == 2 and other.inflight == 0
     other.stop()
     for _ in range(2):
-        core.gate.finished()
+        core.scheduler.finished()
     core.run(0.01)
 
 
@@ -537,11 +537,11 @@ def test_a_returning_entry_keeps_its_first_deadline_under_the_lot_timer():
     assert "released_at" in o
     # Its attempt fails; it comes back with 5 s of its 15 s hold bound left.
     core.state.hold("api")
-    core.gate.finished(failed=True)
+    core.scheduler.finished(failed=True)
     entry = o["entry"]
     entry.attempts = 1
     again = []
-    core.gate.admit(entry).addErrback(lambda f: again.append(f.value))
+    core.scheduler.admit(entry).addErrback(lambda f: again.append(f.value))
     core.clock.advance(4.9)
     assert again == []
     core.clock.advance(0.2)
@@ -568,16 +568,16 @@ from yieldproxy.lot.parking import Entry
 
 core = make_core()
 core.state.hold("api")
-kept = [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(100)]  # lists and dicts grown
+kept = [core.scheduler.admit(Entry(cls="batch", size=10)) for _ in range(100)]  # lists and dicts grown
 gc.collect()
 tracemalloc.start()
 before = tracemalloc.take_snapshot()
-kept += [core.gate.admit(Entry(cls="batch", size=10)) for _ in range(2000)]
+kept += [core.scheduler.admit(Entry(cls="batch", size=10)) for _ in range(2000)]
 gc.collect()
 after = tracemalloc.take_snapshot()
 tracemalloc.stop()
 print(sum(stat.size_diff for stat in after.compare_to(before, "lineno")) / 2000)
-core.gate.refuse_all_parked("test over")
+core.scheduler.refuse_all_parked("test over")
 assert core.clock.getDelayedCalls() == []
 """
 

@@ -127,7 +127,7 @@ class BuiltProxyTests(SynchronousTestCase):
         proxy = build(clock, Config())
         proxy.history.startService()
         proxy.state.hold("game", reason="boss fight")
-        d = proxy.gate.admit(Entry(cls="batch", size=3))
+        d = proxy.scheduler.admit(Entry(cls="batch", size=3))
         clock.advance(1)
         samples = proxy.history.as_json()["samples"]
         self.assertEqual([s["state"] for s in samples], ["available", "yielded", "yielded"])
@@ -187,13 +187,11 @@ class BuiltProxyTests(SynchronousTestCase):
             def count_by_class(self):
                 return {"long": 2}
 
-        class Gate:
+        class Scheduler:
             state_name = "draining"
-
-        class Replayer:
             inflight = 3
 
-        snap = snapshot_reader(Gate(), Lot(), Replayer(), CLASSES)()
+        snap = snapshot_reader(Scheduler(), Lot(), CLASSES)()
         self.assertEqual(snap, Snapshot("draining", {"interactive": 0, "batch": 0, "long": 2}, 3))
 
 

@@ -269,7 +269,7 @@ async def test_the_pool_alerts_read_the_real_per_upstream_series():
                 )
                 assert answer.code == 200
                 await answer.content()
-            await wait_for(reactor, lambda: stack.proxy.pool.members[0].unreachable, timeout=TIMEOUT)
+            await wait_for(reactor, lambda: stack.proxy.scheduler.members[0].unreachable, timeout=TIMEOUT)
 
             await prometheus.until('yieldproxy_upstream_available{upstream="a"}', 0)
             await prometheus.until('yieldproxy_upstream_available{upstream="b"}', 1)

@@ -352,7 +352,7 @@ def test_in_a_pool_each_request_line_names_the_upstream_that_served_it():
     wires = {name: MemoryUpstream(SimOllama(clock).resource(), clock) for name in ("desktop", "server")}
     metrics = Metrics()
     heart = build_heart(clock, config, metrics, clock_cooperator(clock), lambda spec: (wires[spec.name], None))
-    client = StubTreq(ProxyApp(clock, config, heart.gate, heart.pool, metrics).resource())
+    client = StubTreq(ProxyApp(clock, config, heart.scheduler, metrics).resource())
 
     def call(method, path, **kwargs):
         d = client.request(method, "http://127.0.0.1:11435" + path, **kwargs)

@@ -131,7 +131,7 @@ async def test_every_per_upstream_series_is_exported_with_its_labels_and_moves_a
 
         # The broker resumes: b (a is still gaming) takes the parked request; it is in flight there.
         await admin(stack, "/resume", {"source": "broker"})
-        await wait_for(reactor, lambda: stack.proxy.pool.inflight == 1, timeout=TIMEOUT)
+        await wait_for(reactor, lambda: stack.proxy.scheduler.inflight == 1, timeout=TIMEOUT)
         m = await scrape(stack)
         assert [m.get("yieldproxy_upstream_waiting_requests", upstream=u) for u in "ab"] == [0, 0]
         assert [m.get("yieldproxy_upstream_inflight_requests", upstream=u) for u in "ab"] == [0, 1]
@@ -176,7 +176,7 @@ async def test_an_unreachable_upstream_reads_unavailable_without_a_hold_while_th
     try:
         for i in range(3):
             await chatted(stack, f"around {i}")
-        await wait_for(reactor, lambda: stack.proxy.pool.members[0].unreachable, timeout=TIMEOUT)
+        await wait_for(reactor, lambda: stack.proxy.scheduler.members[0].unreachable, timeout=TIMEOUT)
         m = await scrape(stack)
         assert m.get("yieldproxy_upstream_available", upstream="a") == 0
         assert m.get("yieldproxy_upstream_holds", upstream="a") == 0

@@ -437,7 +437,7 @@ def test_a_lone_surrogate_in_a_renamed_body_is_sent_as_the_client_escaped_it_and
     answer = rig.result(rig.post("/api/embed", data=b'{"model":"all-minilm","input":["\\ud800"]}'))
     assert answer.code == 200, answer.body
     assert rig.sim.texts_embedded == {"\ud800": 1}
-    assert rig.proxy.pool.drainer("a").inflight == 0
+    assert rig.proxy.scheduler.drainer("a").inflight == 0
 
 
 def test_a_bug_while_making_an_attempt_is_a_json_500_logged_once_and_gives_its_slot_back(monkeypatch):
@@ -451,6 +451,6 @@ def test_a_bug_while_making_an_attempt_is_a_json_500_logged_once_and_gives_its_s
         answer = rig.result(rig.post("/api/embed", json={"model": "all-minilm", "input": ["x"]}))
     assert answer.code == 500 and answer.header("content-type")[0].startswith("application/json")
     assert "the proxy failed" in answer.json()["error"]
-    assert rig.proxy.pool.drainer("a").inflight == 0
+    assert rig.proxy.scheduler.drainer("a").inflight == 0
     assert rig.sample("yieldproxy_requests_total", **{"class": "passthrough", "code": "500"}) == 1
     assert any(event.get("log_failure") or event.get("failure") for event in events)  # its traceback

@@ -101,11 +101,11 @@ def test_the_proxy_hangs_its_facts_on_a_request_as_one_record_of_its_own():
 def _outcomes() -> tuple[Outcomes, Metrics, Clock]:
     clock, metrics = Clock(), Metrics()
 
-    class Gate:
+    class Scheduler:
         def retry_after(self) -> int:
             return 7
 
-    return Outcomes(clock, metrics, Gate()), metrics, clock  # type: ignore[arg-type]
+    return Outcomes(clock, metrics, Scheduler()), metrics, clock  # type: ignore[arg-type]
 
 
 class _Request:

@@ -197,8 +197,8 @@ async def test_the_total_buffer_bound_drops_the_client_that_would_pass_it():
 def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
     core = make_core(concurrency=1)
     core.state.hold("api", "game")
-    first = core.gate.admit(Entry(cls="interactive"))
-    second = core.gate.admit(Entry(cls="interactive"))
+    first = core.scheduler.admit(Entry(cls="interactive"))
+    second = core.scheduler.admit(Entry(cls="interactive"))
     core.run(1)
     core.state.release("api")
     core.run(0.01)
@@ -206,7 +206,7 @@ def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
     failures = []
     second.addErrback(failures.append)
     core.run(15)
-    refusal = core.gate.explain(failures[0].value)  # as the caller reads it
+    refusal = core.scheduler.explain(failures[0].value)  # as the caller reads it
     assert isinstance(refusal, Refused) and refusal.reason == "expired"
     assert "yielded" not in refusal.message
     assert "the GPU was back, but the requests ahead of this one still held all 1 replay slots" in refusal.message
@@ -216,13 +216,13 @@ def test_an_expiry_after_the_gpu_came_back_blames_the_busy_slots_not_the_gpu():
 def test_an_expiry_during_a_yield_or_an_outage_says_which():
     core = make_core()
     core.state.hold("api", "game")
-    yielded = core.gate.admit(Entry(cls="batch", max_wait=1))
+    yielded = core.scheduler.admit(Entry(cls="batch", max_wait=1))
     core.state.hold("outage", "upstream failing")
     core.state.release("api")
-    outage = core.gate.admit(Entry(cls="batch", max_wait=3))
+    outage = core.scheduler.admit(Entry(cls="batch", max_wait=3))
     messages = []
     # Worded for the caller as it expires (the cause is the state at that moment).
-    explain = lambda f: messages.append(core.gate.explain(f.value).message)  # noqa: E731
+    explain = lambda f: messages.append(core.scheduler.explain(f.value).message)  # noqa: E731
     yielded.addErrback(explain)
     outage.addErrback(explain)
     core.run(1.1)

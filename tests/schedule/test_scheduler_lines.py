@@ -30,8 +30,8 @@ def _check(core, released_to_ok: list[str]) -> None:
     parked = [e for e in core.lot.entries() if e.state is PARKED]
     assert len(parked) == len(core.lot)
     for name in MEMBERS:
-        assert core.gate.waiting_for(name) == sum(name in e.eligible for e in parked)
-        heads = core.gate._lines.heads(name, lambda entry: True)
+        assert core.scheduler.waiting_for(name) == sum(name in e.eligible for e in parked)
+        heads = core.scheduler._lines.heads(name, lambda entry: True)
         expected: dict[str, Entry] = {}
         for entry in parked:
             if name in entry.eligible and entry.cls not in expected:
@@ -57,7 +57,7 @@ def test_the_lines_say_what_the_lot_holds_and_each_release_goes_where_it_may(scr
 
     def admit(entry: Entry) -> None:
         try:
-            d = core.gate.admit(entry)
+            d = core.scheduler.admit(entry)
         except Refused:
             return
         d.addCallbacks(went, lambda f: f.trap(CancelledError, Exception) and None)
@@ -67,7 +67,7 @@ def test_the_lines_say_what_the_lot_holds_and_each_release_goes_where_it_may(scr
         kind = event[0]
         if kind == "admit":
             path, cls = ROUTES[event[1]]
-            admit(Entry(cls=cls, routing=core.gate.routing("POST", path, cls, None)))
+            admit(Entry(cls=cls, routing=core.scheduler.routing("POST", path, cls, None)))
         elif kind == "hold" and event[1] not in held:
             held.add(event[1])
             core.state.hold("test", scope=event[1])
@@ -76,7 +76,7 @@ def test_the_lines_say_what_the_lot_holds_and_each_release_goes_where_it_may(scr
             core.state.release("test", event[1])
         elif kind == "finish" and running:
             entry = running.pop(event[1] % len(running))
-            core.gate.finished(failed=event[2], seconds=0.01, member=entry.released_to)
+            core.scheduler.finished(failed=event[2], seconds=0.01, member=entry.released_to)
             if event[2]:
                 # A retryable failure: back to its place, as the proxy app sends it, another member first.
                 entry.attempts += 1
@@ -89,4 +89,4 @@ def test_the_lines_say_what_the_lot_holds_and_each_release_goes_where_it_may(scr
         elif kind == "wait":
             core.run(event[1])
         _check(core, wrong)
-    core.gate.stop()
+    core.scheduler.stop()

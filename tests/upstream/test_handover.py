@@ -74,7 +74,7 @@ def handover_core(fake_options=None, **config):
     core = make_core()
     fake = FakeOllama(core.clock, **(fake_options or {}))
     handover = Handover(
-        core.clock, core.state, core.replayer, fake, core.metrics, HandoverConfig(**config), release=core.gate.member(None)
+        core.clock, core.state, core.replayer, fake, core.metrics, HandoverConfig(**config), release=core.scheduler.member(None)
     )
     subscribe_handover(core.state, handover)
     handover.startService()
@@ -83,7 +83,7 @@ def handover_core(fake_options=None, **config):
 
 def park(core, released):
     entry = Entry(cls="batch")
-    core.gate.admit(entry).addCallback(lambda e: released.append(e.seq))
+    core.scheduler.admit(entry).addCallback(lambda e: released.append(e.seq))
     return entry
 
 
@@ -92,7 +92,7 @@ def finish_all(core, released, count):
     for _ in range(200):
         core.run(0.05)
         while core.replayer.inflight:
-            core.gate.finished(seconds=0.01)
+            core.scheduler.finished(seconds=0.01)
         if len(released) >= count:
             break
     core.run(0.05)
@@ -126,7 +126,7 @@ def test_unload_waits_for_requests_in_flight_then_unloads_every_model():
     assert handover.step == "waiting_inflight"
     core.run(1)
     assert fake.calls == []
-    core.gate.finished(seconds=1)
+    core.scheduler.finished(seconds=1)
     core.run(0.3)
     assert fake.calls == [
         ("GET", "/api/ps", None),
@@ -153,7 +153,7 @@ def test_unload_goes_ahead_after_the_bounded_wait():
     core.run(0.3)
     assert steps(core, "wait_inflight", "timeout") == 1
     assert steps(core, "unload", "ok") == 1 and fake.loaded == set()
-    core.gate.finished(seconds=3)
+    core.scheduler.finished(seconds=3)
     core.state.release("api")
     core.run(0.1)
     assert core.clock.getDelayedCalls() == []
@@ -169,7 +169,7 @@ def test_a_yield_that_ends_before_the_unload_stops_it():
     core.run(1)
     assert fake.calls == [] and fake.loaded == {"llama3.2:latest"}
     assert steps(core, "wait_inflight", "cancelled") == 1
-    core.gate.finished(seconds=1)
+    core.scheduler.finished(seconds=1)
     assert core.clock.getDelayedCalls() == []
 
 
@@ -198,7 +198,7 @@ def test_preload_holds_the_release_until_the_models_are_listed():
     core.state.hold("api", "game")
     parked = [park(core, released) for _ in range(3)]
     core.state.release("api")
-    assert core.gate.state_name == "draining" and handover.step == "preloading"
+    assert core.scheduler.state_name == "draining" and handover.step == "preloading"
     core.run(1.9)
     assert released == []
     late = park(core, released)  # arrives during the preload: joins the tail, not the GPU
@@ -213,7 +213,7 @@ def test_preload_holds_the_release_until_the_models_are_listed():
     assert steps(core, "preload", "ok") == 1
     assert core.sample("yieldproxy_handover_seconds_sum", upstream="default", step="preload") >= 2
     finish_all(core, released, 4)
-    assert core.gate.state_name == "available"
+    assert core.scheduler.state_name == "available"
     assert core.clock.getDelayedCalls() == []
 
 
@@ -256,7 +256,7 @@ def test_a_new_yield_cancels_the_preload_and_the_next_end_starts_it_again():
     core.state.hold("api", "second game")
     assert steps(core, "preload", "cancelled") == 1 and handover.step is None
     core.run(3)
-    assert released == [] and core.gate.state_name == "yielded"
+    assert released == [] and core.scheduler.state_name == "yielded"
     core.state.release("api")
     assert handover.step == "preloading"
     core.run(2.2)
@@ -342,7 +342,7 @@ async def test_preload_finishes_before_the_first_replay_reaches_the_sim():
         await wait_for(reactor, lambda: len(stack.proxy.lot) == 8)
         seen_before = len(stack.sim.history)
         stack.proxy.state.release("api")
-        assert stack.proxy.gate.state_name == "draining"
+        assert stack.proxy.scheduler.state_name == "draining"
         responses = await gatherResults(pending)
         assert [r.code for r in responses] == [200] * 8
         later = list(stack.sim.history)[seen_before:]
@@ -352,6 +352,6 @@ async def test_preload_finishes_before_the_first_replay_reaches_the_sim():
         assert preload[0].finished_at - preload[0].received_at >= 0.5  # it paid the load
         assert min(r.received_at for r in replays) >= preload[0].finished_at
         assert stack.sample("yieldproxy_handover_total", upstream="default", step="preload", outcome="ok") == 1
-        assert stack.proxy.gate.state_name == "available"
+        assert stack.proxy.scheduler.state_name == "available"
     finally:
         await stack.stop()

@@ -40,7 +40,7 @@ def refusing_rig(config=None) -> tuple[Rig, object, Refusing]:
     rig = Rig(config)
     refusing = Refusing(rig.upstream.wire.connect)
     rig.upstream.wire.connect = refusing.connect
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     member.control = UpstreamControl(rig.clock, "http://upstream.invalid", endpoint=refusing)
     return rig, member, refusing
 
@@ -48,7 +48,7 @@ def refusing_rig(config=None) -> tuple[Rig, object, Refusing]:
 def start_watcher(rig, control):
     """The outage watcher service.build makes for a single upstream (``upstream.detect_outages``, the default),
     started: its first probe of the health path is the proxy's first look at the upstream."""
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     probe = UpstreamProbe(control, member.health, "/api/version", server=member.server)
     watcher = OutageWatcher(rig.clock, rig.proxy.state, member.health, probe, rig.proxy.metrics)
     watcher.startService()
@@ -85,7 +85,7 @@ def test_a_single_upstream_that_never_answered_reads_unreachable_everywhere_and_
     assert states(rig)["available"] == 1 and states(rig)["unreachable"] == 0
     assert rig.result(rig.post("/api/embed", EMBED)).code == 200
     watcher.stopService()
-    rig.proxy.pool.stop()
+    rig.proxy.scheduler.stop()
     rig.turn()
     assert rig.clock.getDelayedCalls() == []
 
@@ -96,14 +96,14 @@ def test_a_single_upstream_whose_first_request_is_refused_reads_unreachable_with
     assert rig.result(rig.post("/api/embed", EMBED)).code == 502
     assert rig.call("GET", rig.admin_url + "/status").json()["state"] == "unreachable"
     assert states(rig)["unreachable"] == 1
-    rig.proxy.pool.stop()
+    rig.proxy.scheduler.stop()
     rig.turn()
     assert rig.clock.getDelayedCalls() == []
 
 
 def test_an_upstream_that_answers_at_start_reads_available():
     rig = Rig()
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     watcher = start_watcher(rig, UpstreamControl(rig.clock, "http://upstream.invalid", endpoint=rig.upstream.wire))
     rig.turn()
     assert member.health.reachable and member.state_name() == "available"
@@ -115,7 +115,7 @@ def test_an_upstream_that_answers_at_start_reads_available():
 
 def test_the_state_gauge_has_one_state_per_upstream_and_names_who_holds_it():
     core = make_pool_core({"name": "desktop", "models": ("m",)}, {"name": "server", "models": ("m",)})
-    core.metrics.watch(lambda: pool_families(core.gate.metric_rows()))  # as service.build does
+    core.metrics.watch(lambda: pool_families(core.scheduler.metric_rows()))  # as service.build does
     state = core.state
 
     def gauge(upstream):
@@ -138,10 +138,10 @@ def test_the_state_gauge_has_one_state_per_upstream_and_names_who_holds_it():
     state.release("api")
     state.release(LOADING_SOURCE, "server")
     state.release("api", "desktop")
-    member = core.gate.member("server")
+    member = core.scheduler.member("server")
     member.health.not_ready("Loading model")
     assert gauge("server")["not_ready"] == 1 and sum(gauge("server").values()) == 1
-    core.gate.stop()
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -150,11 +150,11 @@ def test_a_pool_whose_every_always_upstream_never_answered_reads_unreachable_not
         {"name": "a", "models": ("m",)}, {"name": "b", "models": ("m",)},
         config=config_with(upstream={"detect_outages": False}),
     )
-    for member in core.gate.members:
+    for member in core.scheduler.members:
         member.health.report("refused")
-    assert [m.state_name() for m in core.gate.members] == ["unreachable", "unreachable"]
-    assert core.gate.state_name == "unreachable"
+    assert [m.state_name() for m in core.scheduler.members] == ["unreachable", "unreachable"]
+    assert core.scheduler.state_name == "unreachable"
     core.state.hold("api", "game", scope="a")
-    assert core.gate.state_name == "yielded"
-    core.gate.stop()
+    assert core.scheduler.state_name == "yielded"
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []

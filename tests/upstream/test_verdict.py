@@ -253,7 +253,7 @@ def test_a_broken_model_called_first_after_a_restart_fails_alone(tmp_path):
 def reload_of(rig: Rig) -> Succession:
     p = rig.proxy
     return Succession(
-        rig.clock, Setup(("twistd",), {}, lambda: None), {}, {}, p.proxy_app, p.lot, p.pool, p.state, p.twins,
+        rig.clock, Setup(("twistd",), {}, lambda: None), {}, {}, p.proxy_app, p.lot, p.scheduler, p.state, p.twins,
         p.records,
     )
 
@@ -440,7 +440,7 @@ def test_a_members_own_probe_model_and_route():
         members=[{"name": "gpu", "probe_model": MODEL, "probe_path": "/api/embed"}],
     )
     rig.start()
-    member = rig.proxy.pool.member("gpu")
+    member = rig.proxy.scheduler.member("gpu")
     rig.until(lambda: member.health.reachable, 10)
     sim = rig.sims["gpu"]
     sim.set_model_mode("broken", "error500_unknown")

@@ -143,7 +143,7 @@ def test_state_file_flapping_keeps_the_parked_order(tmp_path):
     released = []
     entries = [Entry(cls="batch") for _ in range(6)]
     for entry in entries:
-        core.gate.admit(entry).addCallback(lambda e: released.append(e.seq))
+        core.scheduler.admit(entry).addCallback(lambda e: released.append(e.seq))
     # Gone and back between two polls: never noticed, nothing moves.
     path.unlink()
     path.touch()
@@ -156,8 +156,8 @@ def test_state_file_flapping_keeps_the_parked_order(tmp_path):
     # Back before the next release: the rest stays parked, in order.
     path.touch()
     core.run(1.0)
-    assert core.gate.state_name == "yielded"
-    core.gate.finished(seconds=0.01)
+    assert core.scheduler.state_name == "yielded"
+    core.scheduler.finished(seconds=0.01)
     core.run(1.0)
     assert released == [entries[0].seq]
     assert [e.seq for e in core.lot.entries()] == [e.seq for e in entries[1:]]
@@ -165,7 +165,7 @@ def test_state_file_flapping_keeps_the_parked_order(tmp_path):
     for _ in range(100):
         core.run(0.2)
         if core.replayer.inflight:
-            core.gate.finished(seconds=0.01)
+            core.scheduler.finished(seconds=0.01)
         if len(released) == len(entries) and not core.replayer.inflight:
             break
     assert released == [e.seq for e in entries]
@@ -941,12 +941,12 @@ def test_each_state_change_is_one_log_line():
         core.clock.advance(10)
         core.state.hold("api", "game")
         for cls in ("batch", "batch", "interactive"):
-            core.gate.admit(Entry(cls=cls))
+            core.scheduler.admit(Entry(cls=cls))
         core.clock.advance(5)
         core.state.release("api")
         for _ in range(3):
             core.run(0.01)
-            core.gate.finished(seconds=0.01)
+            core.scheduler.finished(seconds=0.01)
         core.run(0.01)
     finally:
         globalLogPublisher.removeObserver(events.append)

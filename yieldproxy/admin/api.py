@@ -303,10 +303,9 @@ class AdminApp:
     _clock: IReactorTime
     _config: Config
     _state: YieldState
-    _gate: Scheduler
+    #: The scheduler: its state, what is in flight, which names ``upstream`` may take.
+    _scheduler: Scheduler
     _lot: ParkingLot
-    #: The upstreams: what is in flight, which names ``upstream`` may take.
-    _pool: Scheduler
     _metrics: Metrics
     token: str | None = None
     #: A token that opens the reading routes only (``GET /status``, ``/parked``, ``/metrics``, ``/history``).
@@ -359,7 +358,7 @@ class AdminApp:
         end = self._state.expected_end()
         shown = self.shown()
         status = {
-            "state": self._gate.state_name,
+            "state": self._scheduler.state_name,
             # A hold older than this process came from before it: the holds file kept it across a
             # restart (or a reload handed it over); the page says so, and how to end it.
             "holds": [{**h.as_json(shown), "restored": h.since < self.started_at} for h in self._state.holds],
@@ -368,7 +367,7 @@ class AdminApp:
             "parked": parked,
             "parked_total": len(self._lot),
             "parked_bytes": self._lot.parked_bytes,
-            "inflight": self._pool.inflight,
+            "inflight": self._scheduler.inflight,
             "now": shown(now),
             "version": __version__,
             "started_at": shown(self.started_at),
@@ -519,7 +518,7 @@ class AdminApp:
         if denied:
             return denied
         try:
-            hold = parse_yield(_read_json(request), self._pool.names)
+            hold = parse_yield(_read_json(request), self._scheduler.names)
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
         try:
@@ -541,7 +540,7 @@ class AdminApp:
             if unknown:
                 raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
             source = _source(body)
-            scope = _upstream(body, self._pool.names)
+            scope = _upstream(body, self._scheduler.names)
         except BadRequest as e:
             return _json(request, {"error": str(e)}, 400)
         if scope == ALL:

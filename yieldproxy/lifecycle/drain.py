@@ -5,7 +5,7 @@ connections) and the watchers (their holds stay: a yielded GPU stays
 yielded), and before the upstream clients close and the admin listener
 stops.  Its :meth:`Drain.stopService`:
 
-* makes the gate refuse every request from then on (a request coming back
+* makes the scheduler refuse every request from then on (a request coming back
   after a failed attempt too);
 * answers every parked request 503 at once if the GPU is yielded (it will
   not be back in time), else lets the lot drain as usual;
@@ -44,12 +44,6 @@ log = Logger()
 FLUSH_SECONDS = 5.0
 
 
-class Stoppable(Protocol):
-    """What stops releasing for good when the drain is over (the pool's drainers)."""
-
-    def stop(self) -> None: ...
-
-
 class Outgoing(Protocol):
     """A listener's connections (edge/capacity.py's Connections): what they still have to write, waited for."""
 
@@ -71,10 +65,9 @@ class Drain(Service):
 
     _clock: IReactorTime
     _state: YieldState
-    _gate: Scheduler
+    #: The scheduler (schedule/scheduler.py): it stops admitting, and its drainers stop once the drain is over.
+    _scheduler: Scheduler
     _lot: ParkingLot
-    #: The scheduler (schedule/scheduler.py): its drainers are stopped once the drain is over.
-    _replayer: "Stoppable"
     #: Every target requests may be in flight at (the members' drainers first).
     _targets: Sequence[InFlight]
     #: ``proxy.shutdown_timeout_seconds``.
@@ -89,20 +82,20 @@ class Drain(Service):
         return Deferred.fromCoroutine(self._drain())
 
     async def _drain(self) -> None:
-        self._gate.stop_admitting()
+        self._scheduler.stop_admitting()
         # A parked request whose every upstream is held cannot be served before the proxy is gone.
-        count = self._gate.refuse_held_parked("the proxy is shutting down while the GPU is yielded")
+        count = self._scheduler.refuse_held_parked("the proxy is shutting down while the GPU is yielded")
         if count:
             log.info("shutdown: answered {count} parked requests with 503", count=count)
         try:
             await Deferred.fromCoroutine(self._settled()).addTimeout(self.timeout, self._clock)
         except TimeoutError:
-            left = self._gate.refuse_all_parked("the proxy is shutting down")
+            left = self._scheduler.refuse_all_parked("the proxy is shutting down")
             log.warn(
                 "shutdown: {inflight} requests still in flight after {timeout:g}s; {left} parked answered with 503",
                 inflight=sum(target.inflight for target in self._targets), timeout=self.timeout, left=left,
             )
-        self._replayer.stop()
+        self._scheduler.stop()
         self._state.stop()
         if self.outgoing:
             try:

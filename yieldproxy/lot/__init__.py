@@ -5,8 +5,7 @@
 * :mod:`.parking`: the lot, a FIFO of Deferreds per class with deadlines, its entries in named
   states, and the hold bound;
 * :mod:`.replay`: a drainer, the paced and capped release of the lot into one member (the
-  scheduler, yieldproxy/schedule/, makes one per member and says what it takes);
-* :mod:`.gate`: what the proxy app asks of admission (the scheduler answers).
+  scheduler, yieldproxy/schedule/, makes one per member and says what it takes).
 
 Layer 5: it may import the core, servers/, observe/ and edge/; nothing of the upstream's, the
 scheduler's or above.  It decides nothing about members.

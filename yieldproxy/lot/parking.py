@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..observe.metrics import Metrics
-from ..states import Machine, Moves, Unexpected
+from ..states import Machine, Moves
 
 log = Logger()
 
@@ -184,14 +184,6 @@ class Entry(Machine[Stay, str]):
             self.first_parked = now
             bound, self.bound_by_caller = hold_bound(class_seconds, self.max_wait)
             self.deadline = now + bound
-
-    def move(self, new: Stay) -> None:
-        """For a caller that names where it goes rather than what happened (the proxy app's ``move(LEFT)``
-        of a handed-over entry): the one event of :data:`ENTRY_MOVES` that leads there from here."""
-        events = [event for event, to in ENTRY_MOVES.next[self.state].items() if to is new]
-        if not events:
-            raise Unexpected(ENTRY_MOVES.name, self.state, f"a move to {new.name}")
-        self.fire(events[0])
 
     @property
     def eligible(self) -> tuple[str, ...]:

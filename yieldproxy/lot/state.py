@@ -444,7 +444,7 @@ def transition_logger(describe: Callable[[], str]) -> Callable[[Transition], Non
     """The one log line of each transition, given to :meth:`YieldState.on_transition`.
 
     ``describe()`` says what the proxy looks like then ("now draining, parked
-    batch=3, in flight 0"): the gate knows that, the state does not.
+    batch=3, in flight 0"): the scheduler knows that, the state does not.
     """
 
     def log_transition(change: Transition) -> None:

@@ -206,10 +206,10 @@ class History(Service):
         return out
 
 
-def snapshot_reader(gate, lot, replayer, classes: Iterable[str], metrics=None) -> Callable[[], Snapshot]:
+def snapshot_reader(scheduler, lot, classes: Iterable[str], metrics=None) -> Callable[[], Snapshot]:
     """The reader :func:`~yieldproxy.service.build` gives :class:`History`: the same numbers as ``/status``.
 
-    ``replayer`` is what has ``inflight`` (the pool); when it has ``members``,
+    ``scheduler`` has the state's name and ``inflight``; when it has ``members``,
     each one's state is read too.  With ``metrics``, the running totals of
     expired and refused requests are read from its counters.
     """
@@ -218,13 +218,13 @@ def snapshot_reader(gate, lot, replayer, classes: Iterable[str], metrics=None) -
     def read() -> Snapshot:
         parked = dict.fromkeys(names, 0)
         parked.update(lot.count_by_class())
-        upstreams = {m.name: m.state_name() for m in getattr(replayer, "members", ())}
+        upstreams = {m.name: m.state_name() for m in getattr(scheduler, "members", ())}
         expired: dict[str, int] = {}
         rejected: dict[str, int] = {}
         if metrics is not None:
             expired = _totals(metrics.replay_total, lambda labels: labels.get("outcome") == "expired")
             rejected = _totals(metrics.rejected_total, lambda labels: True)
-        return Snapshot(gate.state_name, parked, replayer.inflight, expired, rejected, upstreams)
+        return Snapshot(scheduler.state_name, parked, scheduler.inflight, expired, rejected, upstreams)
 
     return read
 

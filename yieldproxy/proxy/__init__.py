@@ -3,7 +3,7 @@
 * :mod:`.handler`: the Klein app (the listener's one entry), its site and the listener's refusals;
 * :mod:`.resource`: the leaf its route hands each request to, which writes the handler's answer;
 * :mod:`.target`: one request target, read the way Ollama's Go server reads it, or refused;
-* :mod:`.admission`: what a request is: an answer now, a passthrough, or an entry for the gate;
+* :mod:`.admission`: what a request is: an answer now, a passthrough, or an entry for the scheduler;
 * :mod:`.attempts`: the attempt loop of a gated request, acting on the verdict;
 * :mod:`.back_in_line`: the verdicts that send a failed attempt back to its place, uncounted;
 * :mod:`.passthrough`: routes that never park;

@@ -1,9 +1,9 @@
-"""Admission: what a new request is, and whether it is answered now, passes through, or goes to the gate.
+"""Admission: what a new request is, and whether it is answered now, passes through, or goes to the scheduler.
 
 It reads the target and the body, the ``X-Yield-Class`` and
 ``X-Yield-Max-Wait`` headers, asks the upstream's own refusal rule, decides
 the class and the members that may serve it, and builds the
-:class:`~yieldproxy.lot.parking.Entry` the gate admits.
+:class:`~yieldproxy.lot.parking.Entry` the scheduler admits.
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from ..lot.classify import (
     is_loopback,
     is_unload,
 )
-from ..lot.gate import Gate
 from ..lot.parking import Entry
 from ..observe.metrics import Metrics
+from ..schedule.scheduler import Scheduler
 from ..servers import Asked, Origins, refusal
 from ..servers.gojson import FULL_READ_LIMIT, FirstValue, find_model, read_request, scan_model
 from ..servers.ollama import allowed_origins
-from ..upstream.pool.routing import Pool
 from ..upstream.translation import Untranslatable, parse_request
 from .facts import RequestFacts
 from .outcome import Outcomes, peer_host, write_refusal
@@ -75,8 +74,7 @@ class Admission:
     """Decides each new request: an answer now (its body, said on its facts), or the coroutine that serves it."""
 
     _config: Config
-    _gate: Gate
-    _pool: Pool
+    _scheduler: Scheduler
     _metrics: Metrics
     _outcomes: Outcomes
     #: ``gated(request, facts, target, entry, body)``: the attempt loop (proxy/attempts.py).
@@ -98,7 +96,7 @@ class Admission:
         self._apis = apis
         self._origins = allowed_origins(self._config.proxy.allowed_origins)
         self._upstream_hosts = frozenset(
-            m.upstream.host_header for m in self._pool.members if getattr(m.upstream, "host_header", None)
+            m.upstream.host_header for m in self._scheduler.members if getattr(m.upstream, "host_header", None)
         )
 
     def admit(self, request: Any, facts: RequestFacts, carried: Any = None):
@@ -182,7 +180,7 @@ class Admission:
             carried.standing, size=len(body) + _head_size(request), api=api, routing=routing,
             route=target.path, client=request.getClientAddress(),
         )
-        self._gate.number_adopted(entry)
+        self._scheduler.number_adopted(entry)
         return self._gated(request, facts, target, entry, body)
 
     def _refused_by_upstream(
@@ -211,19 +209,19 @@ class Admission:
         return write_refusal(request, refused)
 
     def _routing(self, request: Any, target: Target, body: bytes, cls: str, model: str | None):
-        """Which members may serve it (:meth:`Pool.routing`), for a new request and an adopted one alike."""
+        """Which members may serve it (:meth:`Scheduler.routing`), for a new request and an adopted one alike."""
         method = request.method.decode("latin-1")
-        routing = self._pool.routing(method, target.path, cls, model)
+        routing = self._scheduler.routing(method, target.path, cls, model)
         if routing.translated and not _translatable(target.path, body):
             # Members that would get it translated could not serve it with the same meaning.
-            routing = self._pool.routing(method, target.path, cls, model, translatable=False)
+            routing = self._scheduler.routing(method, target.path, cls, model, translatable=False)
         return routing
 
     def _no_upstream(self, request: Any, facts: RequestFacts, target: Target, api: str, cls: str) -> bytes:
         """No member of the pool may serve it: refused at once, saying which key decides."""
         facts.cls = cls
         return self._outcomes.refuse(
-            request, facts, api, self._gate.reject_status, "no_upstream",
+            request, facts, api, self._scheduler.reject_status, "no_upstream",
             f"no upstream of the pool may serve {cls} requests on {target.path} (upstreams.*.classes)",
         )
 
@@ -275,7 +273,7 @@ class Admission:
 
     def _route_held(self, method: str, path: str, model: str | None) -> bool:
         """Whether the member a request that runs no model would go to is yielded (the GPU, with one upstream)."""
-        return self._pool.passthrough_member(method, path, model).held()
+        return self._scheduler.passthrough_member(method, path, model).held()
 
     def _trusts_header(self, request: Any) -> bool:
         mode = self._config.proxy.trust_class_header

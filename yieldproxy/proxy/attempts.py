@@ -1,6 +1,6 @@
-"""The attempt loop: a gated request waits for the gate, runs on the member it is released to, and acts on the verdict.
+"""The attempt loop: a gated request waits for the scheduler, runs on the member it is released to, and acts on the verdict.
 
-Each attempt runs on the member the gate or a member's drainer chose; a
+Each attempt runs on the member the scheduler or a member's drainer chose; a
 retryable failure sends the request back to its place in the lot, where
 another eligible member may take it; once bytes reach the client it never
 moves.  What to do after a failure is :func:`yieldproxy.upstream.verdict.verdict`'s
@@ -17,9 +17,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ..config import Config
-from ..lot.gate import Gate
-from ..lot.parking import LEFT, Entry, HandedOver, Refused
+from ..lot.parking import Entry, HandedOver, Refused
 from ..observe.metrics import Metrics
+from ..schedule.scheduler import Scheduler
 from ..upstream.attempt import (
     Attempt,
     ClientBuffers,
@@ -31,7 +31,6 @@ from ..upstream.attempt import (
 )
 from ..upstream.pool.member import Member
 from ..upstream.pool.members import answer_headers, served_outcome
-from ..upstream.pool.routing import Pool
 from ..upstream.served import MANAGEMENT_PATHS
 from ..upstream.translated_attempt import TranslatedAttempt
 from ..upstream.translation import parse_request
@@ -68,8 +67,7 @@ class AttemptLoop:
 
     _clock: IReactorTime
     _config: Config
-    _gate: Gate
-    _pool: Pool
+    _scheduler: Scheduler
     _metrics: Metrics
     _outcomes: Outcomes
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
@@ -86,9 +84,9 @@ class AttemptLoop:
             while True:
                 facts.attempts = entry.tries
                 try:
-                    await self._gate.admit(entry)
+                    await self._scheduler.admit(entry)
                 except Refused as refused:
-                    refusal = self._gate.explain(refused, entry)
+                    refusal = self._scheduler.explain(refused, entry)
                     answer = self._outcomes.refuse(
                         request, facts, entry.api, refusal.status, refusal.reason, refusal.message,
                         refusal.retry_after, attempts=entry.tries,
@@ -101,7 +99,7 @@ class AttemptLoop:
                     facts.outcome = HANDED_OVER
                     taken = handed.take(request, entry, body)
                     if taken is None or await taken:
-                        entry.move(LEFT)
+                        entry.fire("taken")
                         return None
                     facts.outcome = None
                     continue
@@ -116,7 +114,7 @@ class AttemptLoop:
 
     async def _attempt(self, request: Any, facts: RequestFacts, target: Target, entry: Entry, body: bytes, busy_on):
         """One attempt on the member the request was released to: its answer, or :data:`_RETRY`."""
-        member = self._pool.member(entry.released_to)
+        member = self._scheduler.member(entry.released_to)
         facts.served_by = member.log_name
         facts.attempts = entry.tries + 1
         extra = []
@@ -165,7 +163,7 @@ class AttemptLoop:
             # The upstream is done with this attempt: its replay slot is free,
             # whether or not the client has read the whole answer yet.
             elapsed = self._clock.seconds() - began
-            self._gate.finished(failed=failed, seconds=elapsed, member=entry.released_to)
+            self._scheduler.finished(failed=failed, seconds=elapsed, member=entry.released_to)
             self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
             # A 5xx that may yet be the caller's is counted once judged (below): ``ok`` when relayed.
             later = failure is not None and judged_later(failure.reason, member.spec.fallback)
@@ -264,7 +262,7 @@ class AttemptLoop:
             outage = await judged
             decided = verdict(attrs.evolve(
                 facts_of_it, reason=reason, outage=bool(outage), held=member.held(), reachable=member.health.reachable,
-                others_reachable=any(not self._pool.member(n).unreachable for n in entry.eligible if n != member.name),
+                others_reachable=any(not self._scheduler.member(n).unreachable for n in entry.eligible if n != member.name),
                 out_of_time=outage is None or self._clock.seconds() >= entry.deadline,
             ))
         return self._act(decided, request, facts, target, entry, body, failure, member, extra)
@@ -276,7 +274,7 @@ class AttemptLoop:
         busy_on.add(member.name)
         entry.failed_on = member.name
         return any(
-            n not in busy_on and self._pool.usable(self._pool.member(n), entry) and self._pool.may_take(n, entry)
+            n not in busy_on and self._scheduler.usable(self._scheduler.member(n), entry) and self._scheduler.may_take(n, entry)
             for n in entry.eligible
         )
 

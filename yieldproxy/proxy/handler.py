@@ -31,13 +31,12 @@ from ..edge.request import RECEIVING_RETRY_AFTER, receiving_full_message
 from ..edge.site import ProxySite
 from ..errors import listener_error_body
 from ..lot.classify import PASSTHROUGH, api_family
-from ..lot.gate import Gate
 from ..lot.parking import Entry
 from ..observe.metrics import Metrics
 from ..observe.requestlog import log_request
+from ..schedule.scheduler import Scheduler
 from ..upstream.attempt import ClientBuffers
 from ..upstream.pool.member import Member
-from ..upstream.pool.routing import Pool
 from .admission import Admission
 from .attempts import AttemptLoop
 from .facts import RequestFacts
@@ -53,9 +52,8 @@ class ProxyApp:
 
     _clock: IReactorTime
     _config: Config
-    _gate: Gate
     #: The upstreams: each attempt runs on a member, reported to its health (reachability, outage verdicts).
-    _pool: Pool
+    _scheduler: Scheduler
     _metrics: Metrics
     #: Told of every attempt as it ends: ``(member, entry, outcome)`` (the ``[fallback]`` counts its own).
     _on_attempt: Callable[[Member, Entry, str], None] = lambda member, entry, outcome: None
@@ -77,13 +75,13 @@ class ProxyApp:
         self.connections = Connections(
             proxy_max_connections(self._config), "proxy.max_connections", max_receiving_bytes=proxy.max_receiving_bytes,
         )
-        self._outcomes = outcomes = Outcomes(self._clock, self._metrics, self._gate)
+        self._outcomes = outcomes = Outcomes(self._clock, self._metrics, self._scheduler)
         attempts = AttemptLoop(
-            self._clock, self._config, self._gate, self._pool, self._metrics, outcomes, buffers, self._on_attempt
+            self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers, self._on_attempt
         )
-        passthrough = Passthrough(self._clock, self._config, self._pool, self._metrics, outcomes, buffers)
+        passthrough = Passthrough(self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers)
         self._admission = Admission(
-            self._config, self._gate, self._pool, self._metrics, outcomes, attempts.run, passthrough.run
+            self._config, self._scheduler, self._metrics, outcomes, attempts.run, passthrough.run
         )
 
     #: What the one route answers: the leaf that runs the handler once Klein has routed (proxy/resource.py).

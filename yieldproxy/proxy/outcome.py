@@ -16,16 +16,16 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ..errors import stream_error_chunk, write_error
-from ..lot.gate import Gate
 from ..observe.metrics import Metrics
 from ..observe.requestlog import CLIENT_GONE, log_request
+from ..schedule.scheduler import Scheduler
 from ..servers import Refusal
 from ..upstream.attempt import ClientTooSlow
 from .facts import HANDED_OVER, RequestFacts
 
 log = Logger()
 
-#: The refusals counted in ``rejected_total`` by the proxy app (the gate counts its own).
+#: The refusals counted in ``rejected_total`` by the proxy app (the scheduler counts its own).
 _COUNTED = frozenset(("too_large", "bad_request", "receiving_full"))
 
 
@@ -53,7 +53,7 @@ class Outcomes:
 
     _clock: IReactorTime
     _metrics: Metrics
-    _gate: Gate
+    _scheduler: Scheduler
     #: Metric children by (metric, labels): see :meth:`child`.
     _children: dict = attrs.field(init=False, factory=dict)
 
@@ -94,7 +94,7 @@ class Outcomes:
         if reason in _COUNTED:
             self._metrics.rejected_total.labels(facts.cls, reason).inc()
         if status in (429, 503) and retry_after is None:
-            retry_after = self._gate.retry_after()
+            retry_after = self._scheduler.retry_after()
         facts.say(status, reason, attempts)
         return write_error(request, api, status, message, reason, retry_after)
 

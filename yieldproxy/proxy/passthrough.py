@@ -1,6 +1,6 @@
 """Routes that never park: one attempt on one member, failures reported as they are.
 
-In a pool the request goes to one member (:meth:`Pool.passthrough_member`);
+In a pool the request goes to one member (:meth:`Scheduler.passthrough_member`);
 the model lists (``GET /api/tags``, ``/v1/models``) are the union of every
 member's that serves the route.
 """
@@ -16,10 +16,10 @@ from twisted.internet.interfaces import IReactorTime
 from ..config import Config
 from ..lot.classify import PASSTHROUGH
 from ..observe.metrics import Metrics
+from ..schedule.scheduler import Scheduler
 from ..upstream.attempt import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure
 from ..upstream.pool.lists import UNION_PATHS, union_list
 from ..upstream.pool.member import Member
-from ..upstream.pool.routing import Pool
 from ..upstream.served import MANAGEMENT_PATHS
 from ..upstream.verdict import Reason, gateway_status
 from .calls import body_for, managed
@@ -34,7 +34,7 @@ class Passthrough:
 
     _clock: IReactorTime
     _config: Config
-    _pool: Pool
+    _scheduler: Scheduler
     _metrics: Metrics
     _outcomes: Outcomes
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
@@ -46,7 +46,7 @@ class Passthrough:
         try:
             method = request.method.decode("latin-1")
             if method == "GET" and target.path in UNION_PATHS:
-                members = self._pool.members_serving(method, target.path)
+                members = self._scheduler.members_serving(method, target.path)
                 if len(members) > 1:
                     return await self._union(request, facts, target, api, members)
             return await self._one(request, facts, target, body, api, model)
@@ -58,7 +58,7 @@ class Passthrough:
 
     async def _one(self, request: Any, facts: RequestFacts, target: Target, body: bytes, api: str, model: str | None):
         """One attempt on the member that takes the route."""
-        member = self._pool.passthrough_member(request.method.decode("latin-1"), target.path, model)
+        member = self._scheduler.passthrough_member(request.method.decode("latin-1"), target.path, model)
         facts.served_by = member.log_name
         sent = body_for(member, model, body)
         upstream = self._config.upstream

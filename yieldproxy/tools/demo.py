@@ -528,7 +528,7 @@ class _Run(Machine[Phase, str]):
     def watch_drain(self) -> None:
         """Note when the lot is empty again after the resume."""
         watch = self.watch
-        if self.proxy.gate.state_name == "draining":
+        if self.proxy.scheduler.state_name == "draining":
             self.reactor.callLater(0.01, self.watch_drain)
         elif watch.drained_at is None and watch.resumed_at is not None:
             drained_at = watch.drained_at = self.reactor.seconds()
@@ -539,7 +539,7 @@ class _Run(Machine[Phase, str]):
         try:
             self.line.show(
                 f"{self.mark():6.2f}s  sent {burst.sent}/{burst.total}  ok {burst.ok}  failed {burst.failed + burst.wrong}"
-                f"  parked {len(self.proxy.lot)}  state {self.proxy.gate.state_name}"
+                f"  parked {len(self.proxy.lot)}  state {self.proxy.scheduler.state_name}"
             )
         except Exception as e:  # A broken progress line must not stop the demo.
             self.line.say(f"progress line failed: {e!r}")

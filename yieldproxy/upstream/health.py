@@ -84,7 +84,7 @@ class UpstreamHealth:
         self._not_ready_listeners.append(listener)
 
     def served(self, call: ModelCall | None = None, began: float | None = None) -> None:
-        """A model call (a request let out of the gate) was answered: :meth:`report` of a success, and
+        """A model call (a request let out of the lot) was answered: :meth:`report` of a success, and
         whoever waits for its model to have loaded hears it (:meth:`when_served`).
 
         ``call``: the call it answered 2xx, kept in :attr:`record` (and its model fails no more); None

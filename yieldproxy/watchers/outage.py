@@ -261,7 +261,7 @@ class OutageWatcher(Service):
             "probe_model": self.probe_model or None,
         }
 
-    # -- what the gate reports ------------------------------------------------------------
+    # -- what the member's health reports ----------------------------------------------
 
     def upstream_result(self, reason: str | None) -> None:
         """Every attempt's result (a listener of the upstream's health)."""

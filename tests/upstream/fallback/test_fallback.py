@@ -197,7 +197,7 @@ class Core:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
-    gate: Scheduler
+    scheduler: Scheduler
     replayer: Replayer
     http: StubTreq
     wires: tuple
@@ -258,9 +258,9 @@ def make_core(policy="fallback", **fallback) -> Core:
         clock, config, metrics, clock_cooperator(clock), lambda spec: (wires[spec.name], None), (primary, backend),
     )
     fb = heart.fallback
-    app = ProxyApp(clock, config, heart.gate, heart.pool, metrics, on_attempt=fb.attempt_ended)
+    app = ProxyApp(clock, config, heart.scheduler, metrics, on_attempt=fb.attempt_ended)
     return Core(
-        clock, fb, primary, backend, metrics, heart.state, heart.lot, heart.gate, heart.gate.drainer(None),
+        clock, fb, primary, backend, metrics, heart.state, heart.lot, heart.scheduler, heart.scheduler.drainer(None),
         StubTreq(app.resource()), tuple(wires.values()),
     )
 
@@ -818,6 +818,6 @@ def test_status_lists_the_fallback_as_a_standby_member():
     fallback = rows["fallback"]
     assert (fallback["use"], fallback["url"], fallback["api"]) == ("when_others_yielded", ENABLED["url"], "openai")
     assert fallback["models"] == [MODEL] and fallback["classes"] == ["batch"] and fallback["replay_concurrency"] == 2
-    assert fallback["state"] == "available" and proxy.pool.member("fallback").spec.standby
+    assert fallback["state"] == "available" and proxy.scheduler.member("fallback").spec.standby
     # The one drain model: it drains the one lot like any member; no engine of its own.
-    assert [m.name for m in proxy.pool.members] == ["default", "fallback"]
+    assert [m.name for m in proxy.scheduler.members] == ["default", "fallback"]

@@ -79,7 +79,7 @@ class Rig:
     metrics: Metrics
     state: YieldState
     lot: ParkingLot
-    gate: Scheduler
+    scheduler: Scheduler
     replayer: Replayer
     fallback: Fallback
     twin: Twin
@@ -174,11 +174,11 @@ def make_rig(config: Config | None = None, verify: bool = True, **fallback) -> R
         clock, config, metrics, cooperator, lambda spec: (twin_wire if spec.fallback else upstream, None),
         (primary, twin),
     )
-    state, lot, gate, fallback = heart.state, heart.lot, heart.gate, heart.fallback
-    replayer = heart.gate.drainer(None)
-    app = ProxyApp(clock, config, gate, heart.pool, metrics, on_attempt=fallback.attempt_ended)
+    state, lot, scheduler, fallback = heart.state, heart.lot, heart.scheduler, heart.fallback
+    replayer = heart.scheduler.drainer(None)
+    app = ProxyApp(clock, config, scheduler, metrics, on_attempt=fallback.attempt_ended)
     http = StubTreq(app.resource())
-    rig = Rig(clock, metrics, state, lot, gate, replayer, fallback, twin, sim, http, wire, twin_wire)
+    rig = Rig(clock, metrics, state, lot, scheduler, replayer, fallback, twin, sim, http, wire, twin_wire)
     if verify:
         twin.hold = False
         fallback.verify()

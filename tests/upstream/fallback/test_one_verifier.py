@@ -71,7 +71,7 @@ def test_the_fallback_is_a_contract_of_the_one_verifier():
     assert isinstance(verifier, TwinVerifier) and verifier.contract is not None
     assert verifier.contract.twin == FALLBACK_MEMBER and verifier.contract.reference == "default"
     # The pool's twin check is the verifier's; one upstream beside the fallback finds no twins of its own.
-    assert heart.pool.twin_ok == verifier.twin_ok and heart.twins is None
+    assert heart.scheduler.twin_ok == verifier.twin_ok and heart.twins is None
     heart.fallback.startService()
     assert verifier.running
     clock.advance(0)
@@ -98,8 +98,8 @@ step = st.one_of(
 def test_never_used_unverified_at_any_moment(steps):
     clock = Clock()
     heart, primary, backend = make(clock)
-    fallback, pool = heart.fallback, heart.pool
-    member = pool.member(FALLBACK_MEMBER)
+    fallback, scheduler = heart.fallback, heart.scheduler
+    member = scheduler.member(FALLBACK_MEMBER)
     fallback.startService()
     for action, arg in steps:
         if action == "advance":
@@ -121,8 +121,8 @@ def test_never_used_unverified_at_any_moment(steps):
         # passed and is recent enough; /status and the metrics say the same.
         v = fallback.verifications.get(MODEL)
         fresh = v is not None and v.ok and clock.seconds() - v.at <= MAX_AGE
-        entry = Entry(cls="batch", routing=pool.routing("POST", "/api/embed", "batch", MODEL))
-        assert pool.twin_ok(member, entry) is fresh
+        entry = Entry(cls="batch", routing=scheduler.routing("POST", "/api/embed", "batch", MODEL))
+        assert scheduler.twin_ok(member, entry) is fresh
         assert (fallback.why_not(MODEL) is None) is fresh
         assert fallback.status()["models"][MODEL]["usable"] is fresh
     # No probe ever reached the primary while it was yielded.

@@ -38,7 +38,7 @@ def assert_clean(burst: Burst, stack) -> None:
     # A text embedded twice is only ever a counted retry (the backend answered, the connection died).
     extra = sum(n - 1 for n in counts.values())
     assert extra <= stack.sample("yieldproxy_retries_total", **{"class": "batch"})
-    assert len(stack.proxy.lot) == 0 and stack.proxy.pool.inflight == 0
+    assert len(stack.proxy.lot) == 0 and stack.proxy.scheduler.inflight == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -156,7 +156,7 @@ async def test_a_model_only_one_upstream_serves_parks_while_that_one_is_yielded(
         await in_thread(reactor, burst.run, timeout=60)
         assert burst.done == 20 and burst.failures == [] and len(stack.proxy.lot) == 1
         assert set(embedded(stack.sims["small"])) == set(burst.texts)
-        assert stack.proxy.gate.waiting_for("big") == 1 and stack.proxy.gate.waiting_for("small") == 0
+        assert stack.proxy.scheduler.waiting_for("big") == 1 and stack.proxy.scheduler.waiting_for("small") == 0
         await admin(stack, "/resume", {})
         answer = await chat
         assert answer.response == "".join(expected_reply("hello"))
@@ -175,12 +175,12 @@ async def test_one_upstream_killed_mid_burst_the_others_carry_the_load():
         latency=0.005, parallel=4,
     )
     try:
-        await wait_for(reactor, lambda: all(m.health.reachable for m in stack.proxy.pool.members), timeout=TIMEOUT)
+        await wait_for(reactor, lambda: all(m.health.reachable for m in stack.proxy.scheduler.members), timeout=TIMEOUT)
         burst = Burst(stack.proxy_url, [f"killed {i}" for i in range(600)], concurrency=16)
         running = in_thread(reactor, burst.run, timeout=120)
         await wait_for(reactor, lambda: burst.done >= 100 and stack.sims["a"].in_flight >= 1, timeout=TIMEOUT)
         await stack.sims["a"].set_mode("refuse")
-        await wait_for(reactor, lambda: stack.proxy.pool.member("a").state_name() == "outage", timeout=TIMEOUT)
+        await wait_for(reactor, lambda: stack.proxy.scheduler.member("a").state_name() == "outage", timeout=TIMEOUT)
         done_when_down = burst.done
         await running
         assert done_when_down < len(burst.texts)
@@ -190,7 +190,7 @@ async def test_one_upstream_killed_mid_burst_the_others_carry_the_load():
         assert served_after >= len(burst.texts) - len(embedded(stack.sims["a"]))
         # a comes back: its outage hold ends, and it serves again.
         await stack.sims["a"].set_mode("ok")
-        await wait_for(reactor, lambda: stack.proxy.pool.member("a").available(), timeout=TIMEOUT)
+        await wait_for(reactor, lambda: stack.proxy.scheduler.member("a").available(), timeout=TIMEOUT)
     finally:
         await stack.stop()
 
@@ -210,7 +210,7 @@ async def test_model_lists_are_the_union_and_passthrough_goes_to_one_upstream():
         assert version.code == 200
         assert stack.sims["a"].requests_total["/api/version"] == 1 and stack.sims["b"].requests_total["/api/version"] == 0
         # Discovered lists route a model only one upstream has.
-        await wait_for(reactor, lambda: all(m.catalogue.discovered for m in stack.proxy.pool.members), timeout=TIMEOUT)
+        await wait_for(reactor, lambda: all(m.catalogue.discovered for m in stack.proxy.scheduler.members), timeout=TIMEOUT)
         r = await treq.post(stack.proxy_url + "/api/embed", json={"model": "bge-m3", "input": "x"}).addTimeout(
             TIMEOUT, reactor
         )

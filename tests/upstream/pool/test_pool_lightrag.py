@@ -166,7 +166,7 @@ async def test_lightrag_ingest_over_two_upstreams_with_one_yielded_throughout():
         ingest = Ingest(stack.proxy_url, os.path.join(workdir, "rag"))
         await in_thread(reactor, ingest.run, timeout=100)
         # The desktop stayed yielded for the whole ingest.
-        assert stack.proxy.pool.member("desktop").state_name() == "yielded"
+        assert stack.proxy.scheduler.member("desktop").state_name() == "yielded"
         assert ingest.errors == {}
         assert ingest.statuses == {f"doc-{i}": "processed" for i in range(DOCUMENTS)}, ingest.statuses
         # Chunks, entities and relations were embedded, every vector right; every chat answer right.
@@ -188,7 +188,7 @@ async def test_lightrag_ingest_over_two_upstreams_with_one_yielded_throughout():
         for cls in ("batch", "interactive"):
             for code in ("500", "502", "503", "504"):
                 assert stack.sample("yieldproxy_requests_total", **{"class": cls, "code": code}) == 0
-        assert len(stack.proxy.lot) == 0 and stack.proxy.pool.inflight == 0
+        assert len(stack.proxy.lot) == 0 and stack.proxy.scheduler.inflight == 0
     finally:
         await stack.stop()
         shutil.rmtree(workdir, ignore_errors=True)

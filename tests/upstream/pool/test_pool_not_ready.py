@@ -43,8 +43,8 @@ class Health:
 
 
 def admit(core, model="m", path="/v1/chat/completions", cls="interactive") -> tuple[Entry, Deferred]:
-    entry = Entry(cls=cls, routing=core.gate.routing("POST", path, cls, model))
-    return entry, core.gate.admit(entry)
+    entry = Entry(cls=cls, routing=core.scheduler.routing("POST", path, cls, model))
+    return entry, core.scheduler.admit(entry)
 
 
 def went(d: Deferred) -> bool:
@@ -58,7 +58,7 @@ def two(config=None, judges=None):
         {"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "api": "openai", "models": ("m",)},
         config=config, judges=judges,
     )
-    llama = core.gate.member("llama")
+    llama = core.scheduler.member("llama")
     health = llama.control = Health()
     return core, llama, health
 
@@ -69,10 +69,10 @@ def two(config=None, judges=None):
 def test_a_not_ready_member_is_passed_over_and_its_health_checked_until_it_reads_up():
     core, llama, health = two()
     assert [admit(core)[0].released_to for _ in range(1)] == ["llama"]
-    core.gate.finished(failed=False, seconds=0.01, member="llama")
+    core.scheduler.finished(failed=False, seconds=0.01, member="llama")
     llama.health.not_ready("upstream answered 503: Loading model")
     assert not llama.available() and llama.state_name() == "not_ready"
-    assert ("llama", False) == core.gate.metric_rows()[0][:2]
+    assert ("llama", False) == core.scheduler.metric_rows()[0][:2]
     # Another available member takes new requests at once; nothing parks, no hold anywhere.
     assert [admit(core)[0].released_to for _ in range(3)] == ["b", "b", "b"]
     assert core.state.holds_for("llama") == [] and len(core.lot) == 0
@@ -89,20 +89,20 @@ def test_a_not_ready_member_is_passed_over_and_its_health_checked_until_it_reads
     core.run(2)
     health.answer(200, b'{"status":"ok"}')
     assert llama.available() and llama.state_name() == "available"
-    assert core.gate.metric_rows()[0][:2] == ("llama", True)
+    assert core.scheduler.metric_rows()[0][:2] == ("llama", True)
     core.run(60)
     assert len(health.calls) == 3  # no more checks once it is up
-    core.gate.stop()
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
 
 
 def test_a_request_only_the_not_ready_member_may_serve_waits_and_goes_to_it_once_its_health_reads_up():
     core = make_pool_core({"name": "llama", "api": "llamacpp", "models": ("m",)}, {"name": "b", "models": ("x",)})
-    llama = core.gate.member("llama")
+    llama = core.scheduler.member("llama")
     health = llama.control = Health()
     llama.health.not_ready("Loading model")
     entry, d = admit(core)
-    assert not went(d) and core.gate.waiting_for("llama") == 1
+    assert not went(d) and core.scheduler.waiting_for("llama") == 1
     core.run(0.5)
     health.answer(200, b'{"status":"ok"}')
     core.run()
@@ -130,7 +130,7 @@ def test_a_member_not_ready_past_the_bound_is_treated_as_down_until_its_health_r
     assert llama.state_name() == "outage"
     health.answer(200, b'{"status":"ok"}')
     assert llama.state_name() == "available" and core.state.holds_for("llama") == []
-    core.gate.stop()
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -172,7 +172,7 @@ def test_a_member_whose_health_reads_up_while_its_model_route_loads_cannot_dodge
     llama.served()
     llama.health.not_ready("Loading model", call)
     assert llama.state_name() == "not_ready"
-    core.gate.stop()
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -189,7 +189,7 @@ def test_a_served_model_call_ends_the_run_so_a_later_load_gets_the_whole_bound()
     llama.health.not_ready("Loading model", call)
     core.run(4.0)
     assert llama.state_name() == "not_ready" and core.state.holds == []
-    core.gate.stop()
+    core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
 
 
@@ -205,7 +205,7 @@ def test_ollama_never_answers_not_ready_so_a_pool_of_one_is_unchanged():
 def test_a_pool_of_one_ollama_counts_503_attempts_as_it_always_did():
     """Ollama's failures are failed tries (3 of them here, then its own answer); the upstream stays available."""
     rig = Rig(config_with(upstream={"max_attempts": 3, "retry_backoff_seconds": 0.1}))
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     rig.sim.set_mode("error500")
     d = rig.post("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     rig.run(5)
@@ -233,7 +233,7 @@ def llama_rig(load_seconds: float, **upstream) -> tuple[Rig, object]:
     clock = Clock()
     sim = SimOllama(clock, api="llamacpp", models=(MODEL,), load_seconds=load_seconds)
     rig = Rig(config, upstream=sim.resource(), reactor=clock)
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     member.control = UpstreamControl(clock, "http://upstream.invalid", endpoint=rig.upstream.wire)
     return rig, sim
 
@@ -245,7 +245,7 @@ def completion(rig, headers=None) -> Deferred:
 
 def test_an_attempt_judged_not_ready_is_not_counted_and_is_replayed_once_the_health_reads_up():
     rig, sim = llama_rig(30.0)
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     d = completion(rig)
     # One attempt, 503 "Loading model": not counted, the member not ready, the request parked.
     assert not answered(d) and member.state_name() == "not_ready" and len(rig.proxy.lot) == 1
@@ -279,7 +279,7 @@ def test_a_request_waits_for_a_loading_member_only_up_to_its_max_wait_and_is_tol
 
 def test_a_member_stuck_loading_gets_an_outage_hold_and_serves_once_it_has_loaded():
     rig, sim = llama_rig(30.0, not_ready_max_seconds=10.0)
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     d = completion(rig)
     rig.run(10.5)
     assert member.state_name() == "outage" and not answered(d)
@@ -327,7 +327,7 @@ def test_a_server_whose_health_says_up_while_its_model_route_loads_reads_outage_
     )
     clock = Clock()
     rig = Rig(config, upstream=backend, reactor=clock)
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     member.control = UpstreamControl(clock, "http://upstream.invalid", endpoint=rig.upstream.wire)
     d = completion(rig)
     rig.run(10.5)
@@ -384,7 +384,7 @@ def test_a_probe_answered_not_ready_takes_no_outage_hold_and_makes_the_member_no
     assert verdict_of(d) is True and core.state.holds == [] and llama.state_name() == "not_ready"
     assert core.sample("yieldproxy_outage_probes_total", upstream="llama", probe="health", result="not_ready") == 1
     watcher.stopService()
-    core.gate.stop()
+    core.scheduler.stop()
 
 
 def verdict_of(d: Deferred):
@@ -397,7 +397,7 @@ def verdict_of(d: Deferred):
 
 def test_the_lot_goes_to_the_member_at_once_when_its_health_reads_up_with_no_backoff_from_the_loading_answers():
     rig, sim = llama_rig(0.3, retry_backoff_seconds=1.0, retry_backoff_max_seconds=8.0, max_attempts=1)
-    member = rig.proxy.pool.members[0]
+    member = rig.proxy.scheduler.members[0]
     rig.run(1)
     # A real failure first (a reset: one failure in a row on the member's drainer)...
     sim.set_mode("reset")

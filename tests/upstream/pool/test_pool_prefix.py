@@ -69,14 +69,14 @@ def test_a_prefixed_infinity_with_its_models_given_is_verified_under_its_prefix_
     advance_through(clock, 0)
     assert verifier.status("cpu")[MODEL]["state"] == "verified", verifier.status("cpu")
     assert infinity.calls == [("POST", "/embeddings"), ("POST", "/v1/embeddings")]
-    cpu = heart.pool.member("cpu")
+    cpu = heart.scheduler.member("cpu")
     assert cpu.server.embed_path == "/v1/embeddings" and cpu.server.models_path == "/v1/models"
     # The next verification goes straight under the prefix.
     advance_through(clock, config.verification.verify_interval_seconds)
     assert infinity.calls[2:] == [("POST", "/v1/embeddings")]
     assert verifier.status("cpu")[MODEL]["state"] == "verified"
     verifier.stopService()
-    heart.pool.stop()
+    heart.scheduler.stop()
     advance_through(clock, 0)
     assert clock.getDelayedCalls() == []
 
@@ -115,7 +115,7 @@ def test_no_verification_call_under_another_prefix_reaches_a_member_yielded_whil
     assert infinity.calls[1:] == [("POST", "/embeddings"), ("POST", "/v1/embeddings")]
     assert verifier.status("cpu")[MODEL]["state"] == "verified"
     verifier.stopService()
-    heart.pool.stop()
+    heart.scheduler.stop()
     advance_through(clock, 0)
     assert clock.getDelayedCalls() == []
 
@@ -132,7 +132,7 @@ def test_a_translated_request_answered_404_before_the_prefix_is_known_is_asked_o
 
     clock = Clock()
     _, heart = prefixed_heart(clock, PrefixedInfinity())
-    cpu = heart.pool.member("cpu")
+    cpu = heart.scheduler.member("cpu")
 
     def attempt():
         upstream, request = FakeUpstream(), DummyRequest([b""])
@@ -158,7 +158,7 @@ def test_a_translated_request_answered_404_before_the_prefix_is_known_is_asked_o
     assert [sent[1] for sent in upstream.sent] == [b"/v1/embeddings"] and outcome == [404]
     # The retry is bounded by what is left of the attempt's timeout.
     _, heart = prefixed_heart(clock, PrefixedInfinity())
-    cpu = heart.pool.member("cpu")
+    cpu = heart.scheduler.member("cpu")
     upstream, request, outcome = attempt()
     clock.advance(10)
     upstream.answer(404, not_found)
@@ -169,6 +169,6 @@ def test_a_translated_request_answered_404_before_the_prefix_is_known_is_asked_o
     upstream.answer(404, not_found)
     upstream.answer(404, not_found)
     assert outcome == [404] and len(upstream.sent) == 2 and cpu.server.embed_path == "/embeddings"
-    heart.pool.stop()
+    heart.scheduler.stop()
     advance_through(clock, 0)
     assert clock.getDelayedCalls() == []

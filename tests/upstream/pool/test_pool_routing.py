@@ -10,8 +10,8 @@ from yieldproxy.lot.parking import Entry, Refused
 
 
 def admit(core: Core, cls="batch", path="/api/embed", model="all-minilm", method="POST") -> tuple[Entry, Deferred]:
-    entry = Entry(cls=cls, routing=core.gate.routing(method, path, cls, model))
-    d = core.gate.admit(entry)
+    entry = Entry(cls=cls, routing=core.scheduler.routing(method, path, cls, model))
+    d = core.scheduler.admit(entry)
     return entry, d
 
 
@@ -26,7 +26,7 @@ def where(entry: Entry) -> str:
 
 
 def finish(core: Core, entry: Entry, failed: bool = False) -> None:
-    core.gate.finished(failed=failed, seconds=0.01, member=entry.released_to)
+    core.scheduler.finished(failed=failed, seconds=0.01, member=entry.released_to)
     core.run()
 
 
@@ -41,44 +41,44 @@ THREE = (
 
 
 def test_eligible_members_serve_the_route_the_class_and_the_model():
-    pool = make_pool_core(*THREE).gate
+    scheduler = make_pool_core(*THREE).scheduler
     # Ollama's own route: the OpenAI-compatible member only translated (test_pool_translated.py).
-    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a", "b", "c")
-    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").translated == {"c"}
+    assert scheduler.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a", "b", "c")
+    assert scheduler.routing("POST", "/api/embed", "batch", "all-minilm").translated == {"c"}
     # A route all three serve in one dialect.
-    assert pool.routing("POST", "/v1/embeddings", "batch", "all-minilm").eligible == ("a", "b", "c")
+    assert scheduler.routing("POST", "/v1/embeddings", "batch", "all-minilm").eligible == ("a", "b", "c")
     # Ollama's names: all-minilm is all-minilm:latest; patterns match.
-    assert pool.routing("POST", "/v1/embeddings", "batch", "all-minilm:latest").eligible == ("a", "b", "c")
-    assert pool.routing("POST", "/api/chat", "interactive", "llama3:8b").eligible == ("b",)
+    assert scheduler.routing("POST", "/v1/embeddings", "batch", "all-minilm:latest").eligible == ("a", "b", "c")
+    assert scheduler.routing("POST", "/api/chat", "interactive", "llama3:8b").eligible == ("b",)
     # c may serve batch requests only.
-    assert pool.routing("POST", "/v1/chat/completions", "interactive", "all-minilm").eligible == ("a", "b")
+    assert scheduler.routing("POST", "/v1/chat/completions", "interactive", "all-minilm").eligible == ("a", "b")
 
 
 def test_a_model_nobody_serves_goes_where_the_route_does_so_a_server_answers_in_its_own_words():
-    pool = make_pool_core(*THREE).gate
-    assert pool.routing("POST", "/api/generate", "interactive", "mistral").eligible == ("a", "b")
+    scheduler = make_pool_core(*THREE).scheduler
+    assert scheduler.routing("POST", "/api/generate", "interactive", "mistral").eligible == ("a", "b")
     # A route none of the servers knows: every member the class allows.
-    assert pool.routing("POST", "/custom", "batch", None).eligible == ("a", "b", "c")
+    assert scheduler.routing("POST", "/custom", "batch", None).eligible == ("a", "b", "c")
 
 
 def test_routing_is_one_shared_value_per_route_class_and_model():
-    pool = make_pool_core(*THREE).gate
-    first = pool.routing("POST", "/api/embed", "batch", "all-minilm")
-    assert pool.routing("POST", "/api/embed", "batch", "all-minilm") is first
+    scheduler = make_pool_core(*THREE).scheduler
+    first = scheduler.routing("POST", "/api/embed", "batch", "all-minilm")
+    assert scheduler.routing("POST", "/api/embed", "batch", "all-minilm") is first
     assert first.kind == "embedding" and first.model == "all-minilm"
-    assert pool.routing("POST", "/api/chat", "interactive", "llama3").kind == "generation"
+    assert scheduler.routing("POST", "/api/chat", "interactive", "llama3").kind == "generation"
 
 
 def test_discovered_models_decide_once_a_list_came():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    pool = core.gate
-    a, b = pool.members
+    scheduler = core.scheduler
+    a, b = scheduler.members
     # Nothing known yet: both may serve it.
-    assert pool.routing("POST", "/api/embed", "batch", "bge-m3").eligible == ("a", "b")
+    assert scheduler.routing("POST", "/api/embed", "batch", "bge-m3").eligible == ("a", "b")
     b.catalogue.update(("bge-m3:latest",))
     a.catalogue.update(("all-minilm:latest",))
-    assert pool.routing("POST", "/api/embed", "batch", "bge-m3").eligible == ("b",)
-    assert pool.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a",)
+    assert scheduler.routing("POST", "/api/embed", "batch", "bge-m3").eligible == ("b",)
+    assert scheduler.routing("POST", "/api/embed", "batch", "all-minilm").eligible == ("a",)
 
 
 # -- the choice at admission --------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_a_yielded_member_is_passed_over_and_nothing_parks():
     entries = [admit(core) for _ in range(4)]
     assert all(went(d) for _, d in entries)
     assert {where(e) for e, _ in entries} == {"b"} and len(core.lot) == 0
-    assert core.gate.state_name == "available"
+    assert core.scheduler.state_name == "available"
 
 
 def test_all_yielded_parks_and_one_resumed_drains_at_its_own_cap():
@@ -106,14 +106,14 @@ def test_all_yielded_parks_and_one_resumed_drains_at_its_own_cap():
     core.state.hold("api", "game")
     entries = [admit(core) for _ in range(10)]
     assert not any(went(d) for _, d in entries) and len(core.lot) == 10
-    assert core.gate.state_name == "yielded"
-    assert core.gate.waiting_for("a") == core.gate.waiting_for("b") == 10
+    assert core.scheduler.state_name == "yielded"
+    assert core.scheduler.waiting_for("a") == core.scheduler.waiting_for("b") == 10
     # The desktop comes back; the server stays held.
     core.state.hold("api", "still busy", scope="b")
     core.state.release("api")
     core.run()
     assert [where(e) for e, d in entries if went(d)] == ["a", "a", "a"]
-    assert core.gate.drainer("a").inflight == 3 and core.gate.state_name == "draining"
+    assert core.scheduler.drainer("a").inflight == 3 and core.scheduler.state_name == "draining"
     # Each answer frees a slot, and the next in line takes it.
     finish(core, entries[0][0])
     assert went(entries[3][1]) and where(entries[3][0]) == "a" and not went(entries[4][1])
@@ -121,7 +121,7 @@ def test_all_yielded_parks_and_one_resumed_drains_at_its_own_cap():
     core.state.release("api", "b")
     core.run()
     assert went(entries[4][1]) and where(entries[4][0]) == "b" and not went(entries[5][1])
-    assert core.gate.waiting_for("a") == core.gate.waiting_for("b") == len(core.lot) == 5
+    assert core.scheduler.waiting_for("a") == core.scheduler.waiting_for("b") == len(core.lot) == 5
 
 
 def test_no_overtaking_a_new_request_joins_the_tail_while_its_member_drains():
@@ -142,7 +142,7 @@ def test_a_model_served_by_one_member_parks_while_that_one_is_yielded():
     chat, waiting = admit(core, "interactive", "/api/chat", "llama3")
     embed, now = admit(core)
     assert not went(waiting) and went(now) and where(embed) == "b"
-    assert core.gate.waiting_for("a") == 1 and core.gate.waiting_for("b") == 0
+    assert core.scheduler.waiting_for("a") == 1 and core.scheduler.waiting_for("b") == 0
     core.state.release("api", "a")
     core.run()
     assert went(waiting) and where(chat) == "a"
@@ -188,7 +188,7 @@ def test_a_failed_attempt_goes_back_and_another_member_takes_it():
     finish(core, entry, failed=True)
     entry.attempts += 1
     entry.failed_on = "a"
-    again = core.gate.admit(entry)
+    again = core.scheduler.admit(entry)
     core.run()
     assert went(again) and where(entry) == "b"
 
@@ -200,7 +200,7 @@ def test_the_member_it_failed_on_takes_it_when_no_other_is_available():
     finish(core, entry, failed=True)
     entry.attempts += 1
     entry.failed_on = "a"
-    again = core.gate.admit(entry)
+    again = core.scheduler.admit(entry)
     core.run()
     assert went(again) and where(entry) == "a"
 
@@ -223,7 +223,7 @@ def test_unreachable_member_is_passed_over_until_a_check_answers():
     from twisted.internet.defer import Deferred as D
 
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    a = core.gate.member("a")
+    a = core.scheduler.member("a")
 
     class Control:
         def __init__(self):
@@ -254,12 +254,12 @@ def test_per_member_counts_follow_parking_and_leaving():
     core.state.hold("api")
     x = [admit(core, model="x") for _ in range(3)]
     y = [admit(core, model="y") for _ in range(2)]
-    assert (core.gate.waiting_for("a"), core.gate.waiting_for("b")) == (3, 5)
+    assert (core.scheduler.waiting_for("a"), core.scheduler.waiting_for("b")) == (3, 5)
     x[0][1].cancel()  # its client went away
-    assert (core.gate.waiting_for("a"), core.gate.waiting_for("b")) == (2, 4)
+    assert (core.scheduler.waiting_for("a"), core.scheduler.waiting_for("b")) == (2, 4)
     core.state.release("api")
     core.run()
-    assert len(core.lot) == 0 and core.gate.waiting_for("a") == core.gate.waiting_for("b") == 0
+    assert len(core.lot) == 0 and core.scheduler.waiting_for("a") == core.scheduler.waiting_for("b") == 0
     assert all(went(d) for _, d in x[1:] + y)
 
 
@@ -267,14 +267,14 @@ def test_a_pool_of_one_reads_as_the_one_upstream_did():
     from helpers import make_core
 
     core = make_core()
-    pool = core.gate
-    assert pool.names == ("default",)
+    scheduler = core.scheduler
+    assert scheduler.names == ("default",)
     entry = Entry(cls="batch")
-    core.gate.admit(entry)
+    core.scheduler.admit(entry)
     assert entry.released_to == "default" and entry.eligible == ("default",)
     core.state.hold("api")
-    assert core.gate.state_name == "yielded"
-    assert pool.status()[0]["state"] == "yielded"
+    assert core.scheduler.state_name == "yielded"
+    assert scheduler.status()[0]["state"] == "yielded"
 
 
 def test_a_drainer_walks_only_the_requests_its_member_may_take(monkeypatch):
@@ -302,7 +302,7 @@ def test_a_drainer_walks_only_the_requests_its_member_may_take(monkeypatch):
             finished.add(id(entry))
             finish(core, entry)
     assert looked and len(looked) < 50, len(looked)
-    assert not any(went(d) for d in waiting) and core.gate.waiting_for("big") == 1000
+    assert not any(went(d) for d in waiting) and core.scheduler.waiting_for("big") == 1000
 
 
 def test_a_standby_member_does_not_look_through_the_lot_while_the_always_ones_drain_it(monkeypatch):
@@ -334,14 +334,14 @@ def test_the_twin_check_decides_at_each_choice_and_release():
         {"name": "ref"}, {"name": "twin"},
         twin_ok=lambda member, entry: entry.kind != "embedding" or member.name == entry.eligible[0] or verified[member.name],
     )
-    pool = core.gate
+    scheduler = core.scheduler
     core.state.hold("api", "game", scope="ref")
     chat, now = admit(core, "interactive", "/api/chat", "all-minilm")
     embed, waiting = admit(core)
     assert went(now) and chat.released_to == "twin"
-    assert not went(waiting) and core.gate.waiting_for("twin") == 1
+    assert not went(waiting) and core.scheduler.waiting_for("twin") == 1
     verified["twin"] = True
-    pool.kick()
+    scheduler.kick()
     core.run()
     assert went(waiting) and embed.released_to == "twin"
 
@@ -352,7 +352,7 @@ def test_a_standby_member_takes_no_more_than_its_cap_arrivals_included():
     core.state.hold("api", "game")
     arrivals = [admit(core) for _ in range(5)]
     assert [where(e) for e, d in arrivals if went(d)] == ["cpu", "cpu"]
-    assert core.gate.drainer("cpu").inflight == 2 and len(core.lot) == 3
+    assert core.scheduler.drainer("cpu").inflight == 2 and len(core.lot) == 3
     finish(core, arrivals[0][0])
     core.run()
     assert [where(e) for e, d in arrivals if went(d)] == ["cpu", "cpu", "cpu"]
@@ -378,7 +378,7 @@ def test_a_long_line_a_member_may_not_take_is_asked_about_once_per_kind_of_reque
     core.run()
     assert len(core.lot) == 200
     asked.clear()
-    core.gate.drainer("twin").kick()
+    core.scheduler.drainer("twin").kick()
     assert len(asked) <= 4, len(asked)
 
 

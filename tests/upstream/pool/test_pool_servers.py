@@ -122,7 +122,7 @@ async def test_tei_and_llamacpp_members_serve_their_native_routes_and_park_while
         assert code == 200 and len(tokens) == 1
         # The other members answered meanwhile, after these parked: none was let out to it.
         assert not any(d.called for d in parked) and model_requests(tei) == ["/embed", "/rerank"]
-        assert stack.proxy.gate.waiting_for("tei") == 2 and stack.proxy.gate.waiting_for("llama") == 0
+        assert stack.proxy.scheduler.waiting_for("tei") == 2 and stack.proxy.scheduler.waiting_for("llama") == 0
         await admin(stack, "/resume", {"source": "restart", "upstream": "tei"})
         check_tei(*[await d for d in parked])
         assert model_requests(tei) == ["/embed"] * 2 + ["/rerank"] * 2
@@ -149,7 +149,7 @@ async def test_tei_and_llamacpp_members_serve_their_native_routes_and_park_while
         assert stack.sample("yieldproxy_replay_total", **{"class": "interactive", "outcome": "ok"}) == 1
         assert stack.sample("yieldproxy_upstream_attempts_total", upstream="tei", outcome="ok") == 6
         assert stack.sample("yieldproxy_upstream_attempts_total", upstream="llama", outcome="ok") == 6
-        assert len(stack.proxy.lot) == 0 and stack.proxy.pool.inflight == 0
+        assert len(stack.proxy.lot) == 0 and stack.proxy.scheduler.inflight == 0
     finally:
         await stack.stop()
 
@@ -197,7 +197,7 @@ def test_a_llamacpp_member_loading_its_model_is_not_ready_not_an_outage():
     rig = pool_rig(members, config, watchers=True)
     llama = rig.sims["llama"]
     assert llama.loading
-    member = rig.proxy.pool.member("llama")
+    member = rig.proxy.scheduler.member("llama")
     # What the pool reads on the member's health route while it loads.
     health = rig_result(rig, member.control.request("GET", member.spec.health_path, timeout=TIMEOUT))
     assert health.code == 503 and json.loads(health.body)["error"]["message"] == "Loading model"
@@ -235,7 +235,7 @@ def test_a_llamacpp_member_loading_longer_than_its_retries_last_answers_after_th
     members = [{**MEMBERS[1], "sim": {**MEMBERS[1]["sim"], "load_seconds": 2.0}}, MEMBERS[2]]
     rig = pool_rig(members, config, watchers=True)
     llama = rig.sims["llama"]
-    member = rig.proxy.pool.member("llama")
+    member = rig.proxy.scheduler.member("llama")
     states: list[str] = []
 
     def look(seconds: float) -> None:

@@ -33,56 +33,56 @@ CPU = {"name": "cpu", "api": "openai", "use": "when_others_yielded", "models": (
 
 
 def test_a_member_of_another_dialect_is_eligible_only_for_the_embeddings_of_a_model_it_serves():
-    pool = make_pool_core(DESKTOP, CPU).gate
+    scheduler = make_pool_core(DESKTOP, CPU).scheduler
     for path in ("/api/embed", "/api/embeddings"):
-        routing = pool.routing("POST", path, "batch", MODEL)
+        routing = scheduler.routing("POST", path, "batch", MODEL)
         assert routing.eligible == ("desktop", "cpu") and routing.translated == {"cpu"}
         assert routing.kind == "embedding"
     # OpenAI's route is the OpenAI-compatible member's own: nothing to translate.
-    native = pool.routing("POST", "/v1/embeddings", "batch", MODEL)
+    native = scheduler.routing("POST", "/v1/embeddings", "batch", MODEL)
     assert native.eligible == ("desktop", "cpu") and native.translated == frozenset()
     # Never chat or generation in a dialect it does not speak, even for a model it serves.
-    assert pool.routing("POST", "/api/chat", "interactive", MODEL).eligible == ("desktop",)
-    assert pool.routing("POST", "/api/generate", "interactive", MODEL).eligible == ("desktop",)
+    assert scheduler.routing("POST", "/api/chat", "interactive", MODEL).eligible == ("desktop",)
+    assert scheduler.routing("POST", "/api/generate", "interactive", MODEL).eligible == ("desktop",)
     # Never a model it does not serve.
-    assert pool.routing("POST", "/api/embed", "batch", "llama3.2").eligible == ("desktop",)
+    assert scheduler.routing("POST", "/api/embed", "batch", "llama3.2").eligible == ("desktop",)
     # Never a body that cannot be translated faithfully (token ids, truncate: false).
-    untranslatable = pool.routing("POST", "/api/embed", "batch", MODEL, translatable=False)
+    untranslatable = scheduler.routing("POST", "/api/embed", "batch", MODEL, translatable=False)
     assert untranslatable.eligible == ("desktop",) and untranslatable.translated == frozenset()
     # Never a passthrough (a GET on an embedding path runs no model).
-    assert not pool.translates("GET", "/api/embed", "batch")
+    assert not scheduler.translates("GET", "/api/embed", "batch")
 
 
 def test_a_translated_member_needs_a_known_model_and_its_class():
     # A member that discovers its models and has no list yet serves no model known to it: no translation.
-    pool = make_pool_core(DESKTOP, {**CPU, "models": ()}).gate
-    assert pool.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
+    scheduler = make_pool_core(DESKTOP, {**CPU, "models": ()}).scheduler
+    assert scheduler.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
     # One that may not serve batch requests.
-    pool = make_pool_core(DESKTOP, {**CPU, "classes": ("interactive",)}).gate
-    assert pool.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
+    scheduler = make_pool_core(DESKTOP, {**CPU, "classes": ("interactive",)}).scheduler
+    assert scheduler.routing("POST", "/api/embed", "batch", MODEL).eligible == ("desktop",)
     # A model_map names a model it serves.
-    pool = make_pool_core(DESKTOP, {**CPU, "models": (), "model_map": {MODEL: "minilm-cpu"}}).gate
-    assert pool.routing("POST", "/api/embed", "batch", MODEL).translated == {"cpu"}
+    scheduler = make_pool_core(DESKTOP, {**CPU, "models": (), "model_map": {MODEL: "minilm-cpu"}}).scheduler
+    assert scheduler.routing("POST", "/api/embed", "batch", MODEL).translated == {"cpu"}
 
 
 def test_a_pool_without_an_ollama_member_serves_ollama_clients_translated():
-    pool = make_pool_core(
+    scheduler = make_pool_core(
         {"name": "tei", "api": "tei", "models": (MODEL,)}, {"name": "inf", "api": "infinity", "models": (MODEL,)}
-    ).gate
-    routing = pool.routing("POST", "/api/embed", "batch", MODEL)
+    ).scheduler
+    routing = scheduler.routing("POST", "/api/embed", "batch", MODEL)
     assert routing.eligible == ("tei", "inf") and routing.translated == {"tei", "inf"}
     # A model neither serves: the route's own members (none knows it: all), untranslated, to answer in their words.
-    assert pool.routing("POST", "/api/embed", "batch", "mistral").translated == frozenset()
+    assert scheduler.routing("POST", "/api/embed", "batch", "mistral").translated == frozenset()
 
 
 
 def test_a_pool_of_one_routes_by_the_same_rule_as_a_pool_of_several():
     """No shortcut for a lone member: it is eligible by its api, its classes and its models as in any pool."""
-    alone = make_pool_core({"name": "tei", "api": "tei", "models": (MODEL,)}).gate
+    alone = make_pool_core({"name": "tei", "api": "tei", "models": (MODEL,)}).scheduler
     routing = alone.routing("POST", "/api/embed", "batch", MODEL)
     assert routing.eligible == ("tei",) and routing.translated == {"tei"}
     # A class its entry leaves out: no member may serve it (a refusal naming upstreams.*.classes).
-    chat_only = make_pool_core({"name": "gpu", "classes": ("interactive",)}).gate
+    chat_only = make_pool_core({"name": "gpu", "classes": ("interactive",)}).scheduler
     assert chat_only.routing("POST", "/api/embed", "batch", MODEL).eligible == ()
     assert chat_only.routing("POST", "/api/chat", "interactive", "llama3.2").eligible == ("gpu",)
 
@@ -118,22 +118,22 @@ class Rig:
     controls: dict
 
     @property
-    def pool(self):
-        return self.core.gate
+    def scheduler(self):
+        return self.core.scheduler
 
     def run(self, seconds: float = 0.0) -> None:
         advance_through(self.core.clock, seconds)
 
     def admit(self, path="/api/embed", cls="batch", model=MODEL) -> tuple[Entry, Deferred]:
-        entry = Entry(cls=cls, routing=self.pool.routing("POST", path, cls, model))
-        d = self.core.gate.admit(entry)
+        entry = Entry(cls=cls, routing=self.scheduler.routing("POST", path, cls, model))
+        d = self.core.scheduler.admit(entry)
         d.addErrback(lambda f: None)
         self.run()
         return entry, d
 
     def stop(self) -> None:
         self.verifier.stopService()
-        self.pool.stop()
+        self.scheduler.stop()
         self.run()
 
 
@@ -152,7 +152,7 @@ def rig(*members, weights: dict | None = None) -> Rig:
     heart = build_heart(
         clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, heart.state, heart.lot, heart.gate.drainer(None), heart.gate)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler)
     verifier = heart.twins
     verifier.startService()
     r = Rig(core, verifier, controls)
@@ -181,12 +181,12 @@ def test_a_verified_translated_member_takes_embeddings_at_once_while_the_desktop
     # Desktop available: the standby CPU copy takes nothing.
     entry, d = r.admit()
     assert entry.released_to == "desktop"
-    r.core.gate.finished(failed=False, seconds=0.01, member="desktop")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="desktop")
     r.core.state.hold("api", "game", scope="desktop")
     for path in ("/api/embed", "/api/embeddings"):
         entry, d = r.admit(path)
         assert entry.released_to == "cpu" and d.called
-        r.core.gate.finished(failed=False, seconds=0.01, member="cpu")
+        r.core.scheduler.finished(failed=False, seconds=0.01, member="cpu")
     # Chat for the same model waits for the desktop.
     chat, parked = r.admit("/api/chat", "interactive")
     assert not parked.called and len(r.core.lot) == 1
@@ -335,9 +335,9 @@ def test_a_failed_translated_attempt_is_probed_on_the_members_own_route_and_name
 
     config = pool_config(DESKTOP, {**CPU, "api": "infinity", "model_map": {MODEL: "minilm-cpu"}})
     proxy = build(MemoryReactorClock(), config)
-    pool = proxy.pool
+    scheduler = proxy.scheduler
     body = json.dumps({"model": MODEL, "input": ["a"]}).encode()
-    entry = Entry(cls="batch", routing=pool.routing("POST", "/api/embed", "batch", MODEL))
+    entry = Entry(cls="batch", routing=scheduler.routing("POST", "/api/embed", "batch", MODEL))
     target = parse_target(b"/api/embed")
-    assert failed_call_on(target, entry, body, pool.member("cpu")) == ModelCall("/embeddings", "minilm-cpu")
-    assert failed_call_on(target, entry, body, pool.member("desktop")) == ModelCall("/api/embed", MODEL)
+    assert failed_call_on(target, entry, body, scheduler.member("cpu")) == ModelCall("/embeddings", "minilm-cpu")
+    assert failed_call_on(target, entry, body, scheduler.member("desktop")) == ModelCall("/api/embed", MODEL)

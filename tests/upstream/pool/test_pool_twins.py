@@ -65,21 +65,21 @@ class Rig:
     controls: dict
 
     @property
-    def pool(self):
-        return self.core.gate
+    def scheduler(self):
+        return self.core.scheduler
 
     def run(self, seconds: float = 0.0) -> None:
         advance_through(self.core.clock, seconds)
 
     def entry(self, path="/api/embed", cls="batch", model=MODEL) -> Entry:
-        return Entry(cls=cls, routing=self.pool.routing("POST", path, cls, model))
+        return Entry(cls=cls, routing=self.scheduler.routing("POST", path, cls, model))
 
     def may_serve(self, name: str, entry: Entry) -> bool:
-        return self.pool.twin_ok(self.pool.member(name), entry)
+        return self.scheduler.twin_ok(self.scheduler.member(name), entry)
 
     def stop(self) -> None:
         self.verifier.stopService()
-        self.pool.stop()
+        self.scheduler.stop()
         self.run()
         assert self.core.clock.getDelayedCalls() == []
 
@@ -109,7 +109,7 @@ def rig(
     heart = build_heart(
         clock, config, metrics, clock_cooperator(clock), clients=lambda spec: (None, controls[spec.name]), twins=True,
     )
-    core = Core(clock, metrics, heart.state, heart.lot, heart.gate.drainer(None), heart.gate)
+    core = Core(clock, metrics, heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler)
     verifier = heart.twins
     if start:
         verifier.startService()
@@ -130,7 +130,7 @@ def test_a_verified_twin_serves_embeddings_and_takes_them_while_the_reference_is
     # The reference yields: an embedding goes to the twin at once.
     r.core.state.hold("api", "game", scope="a")
     entry = r.entry()
-    d = r.core.gate.admit(entry)
+    d = r.core.scheduler.admit(entry)
     r.run()
     assert entry.released_to == "b" and d.called
     r.stop()
@@ -146,19 +146,19 @@ def test_a_twin_with_other_vectors_never_serves_embeddings_but_still_serves_chat
     assert r.core.sample("yieldproxy_twin_verifications_total", upstream="b", result="mismatch") == 1
     r.core.state.hold("api", "game", scope="a")
     embedding = r.entry()
-    parked = r.core.gate.admit(embedding)
+    parked = r.core.scheduler.admit(embedding)
     chat = r.entry(path="/api/chat", cls="interactive", model=MODEL)
-    served = r.core.gate.admit(chat)
+    served = r.core.scheduler.admit(chat)
     r.run(30)
     # The embedding waits for its reference; the chat for the same model is served by the twin.
     assert not parked.called and embedding.released_to is None
     assert served.called and chat.released_to == "b"
-    r.core.gate.finished(failed=False, seconds=0.01, member="b")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="b")
     # The reference comes back: the embedding goes to it.
     r.core.state.release("api", "a")
     r.run()
     assert parked.called and embedding.released_to == "a"
-    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="a")
     r.stop()
 
 
@@ -243,19 +243,19 @@ def test_an_embedding_only_the_yielded_reference_may_serve_waits_for_the_yield_u
     r.run()
     r.core.state.hold("api", "long game", expected_seconds=3600, scope="a")
     with pytest.raises(Refused) as refused:
-        r.core.gate.admit(r.entry())
+        r.core.scheduler.admit(r.entry())
     assert refused.value.reason == "over_budget"
     # A chat for the same model is served by the twin at once.
     chat = r.entry(path="/api/chat", cls="interactive")
-    assert r.core.gate.admit(chat).called and chat.released_to == "b"
-    r.core.gate.finished(failed=False, seconds=0.01, member="b")
+    assert r.core.scheduler.admit(chat).called and chat.released_to == "b"
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="b")
     r.stop()
 
     r = rig(b_weights="nomic-embed-text", classes={"batch": {"policy": "reject"}})
     r.run()
     r.core.state.hold("api", "game", scope="a")
     with pytest.raises(Refused) as refused:
-        r.core.gate.admit(r.entry())
+        r.core.scheduler.admit(r.entry())
     assert refused.value.reason == "policy"
     r.stop()
 
@@ -266,11 +266,11 @@ def test_an_expiry_in_a_pool_says_what_kept_each_upstream_from_taking_it():
     r.run()
     r.core.state.hold("api", "game", scope="a")
     entry = r.entry()
-    d = r.core.gate.admit(entry)
+    d = r.core.scheduler.admit(entry)
     r.run(31)
     failure = d.result
     d.addErrback(lambda f: None)
-    refusal = r.core.gate.explain(failure.value, entry)
+    refusal = r.core.scheduler.explain(failure.value, entry)
     assert refusal.reason == "expired"
     assert refusal.message.endswith(
         "no upstream that may serve it was free: a yielded (held by api); "
@@ -286,16 +286,16 @@ def test_an_unverified_twin_counts_no_waiting_embedding():
     r.run()
     r.core.state.hold("api", "game", scope="a")
     entry = r.entry()
-    d = r.core.gate.admit(entry)
+    d = r.core.scheduler.admit(entry)
     r.run()
     assert not d.called
-    rows = {row[0]: row[4] for row in r.pool.metric_rows()}
+    rows = {row[0]: row[4] for row in r.scheduler.metric_rows()}
     assert rows == {"a": 1, "b": 0}
-    assert {row["name"]: row["waiting"] for row in r.pool.status()} == {"a": 1, "b": 0}
+    assert {row["name"]: row["waiting"] for row in r.scheduler.status()} == {"a": 1, "b": 0}
     r.core.state.release("api", "a")
     r.run()
     assert d.called and entry.released_to == "a"
-    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="a")
     r.stop()
 
 
@@ -306,18 +306,18 @@ def test_an_embedding_waiting_for_its_reference_does_not_hold_back_the_twins_cha
     r.run()
     r.core.state.hold("api", "game", scope="a")
     embedding = r.entry()
-    r.core.gate.admit(embedding)
+    r.core.scheduler.admit(embedding)
     r.run()
     assert embedding.released_to is None and len(r.core.lot) == 1
     chats = [r.entry(path="/api/chat", cls="interactive") for _ in range(3)]
-    answered = [r.core.gate.admit(chat).called for chat in chats]
+    answered = [r.core.scheduler.admit(chat).called for chat in chats]
     assert answered == [True, True, True] and all(chat.released_to == "b" for chat in chats)
     for _ in chats:
-        r.core.gate.finished(failed=False, seconds=0.01, member="b")
+        r.core.scheduler.finished(failed=False, seconds=0.01, member="b")
     r.core.state.release("api", "a")
     r.run()
     assert embedding.released_to == "a"
-    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="a")
     r.stop()
 
 
@@ -354,15 +354,15 @@ def test_every_spelling_of_the_model_ollama_accepts_is_served_by_the_verified_tw
         entry = r.entry(model=spelling)
         assert entry.eligible == ("a", "b"), spelling
         assert r.may_serve("b", entry), spelling
-        d = r.core.gate.admit(entry)
+        d = r.core.scheduler.admit(entry)
         r.run()
         assert d.called and entry.released_to == "b", spelling
-        r.core.gate.finished(failed=False, seconds=0.01, member="b")
+        r.core.scheduler.finished(failed=False, seconds=0.01, member="b")
     # Another model is not this one: it waits for the reference.
     other = r.entry(model="all-minilm:v2")
-    assert not r.core.gate.admit(other).called
+    assert not r.core.scheduler.admit(other).called
     r.core.state.release("api", "a")
     r.run()
     assert other.released_to == "a"
-    r.core.gate.finished(failed=False, seconds=0.01, member="a")
+    r.core.scheduler.finished(failed=False, seconds=0.01, member="a")
     r.stop()

@@ -49,13 +49,13 @@ def test_a_members_state_file_yields_it_alone_and_the_global_one_all(tmp_path):
 
 def test_each_ollama_member_unloads_and_preloads_on_its_own_yields():
     core = make_pool_core({"name": "a"}, {"name": "b"})
-    pool = core.gate
+    scheduler = core.scheduler
     fakes = {name: FakeOllama(core.clock, loaded=["llama3"], load_seconds=0.5) for name in ("a", "b")}
     handovers = []
     for name in ("a", "b"):
-        member = pool.member(name)
+        member = scheduler.member(name)
         handover = Handover(
-            core.clock, core.state, pool.drainer(name), fakes[name], core.metrics,
+            core.clock, core.state, scheduler.drainer(name), fakes[name], core.metrics,
             HandoverConfig(unload_on_yield=True, preload_models=("llama3",)), member=name, per_member=True,
             release=member,
         )
@@ -71,9 +71,9 @@ def test_each_ollama_member_unloads_and_preloads_on_its_own_yields():
     assert fakes["b"].loaded == set() and fakes["a"].loaded == {"llama3:latest"}
     # b comes back: its release waits for its preload; a is untouched.
     core.state.release("api", "b")
-    assert pool.member("b").state_name() == "handing_over" and not pool.member("b").available()
+    assert scheduler.member("b").state_name() == "handing_over" and not scheduler.member("b").available()
     core.run(1)
-    assert fakes["b"].loaded == {"llama3:latest"} and pool.member("b").available()
+    assert fakes["b"].loaded == {"llama3:latest"} and scheduler.member("b").available()
     assert [c for c in fakes["a"].calls if c[1] != "/api/ps"] == []
     finish(core, busy)
     # A hold of all unloads both.

@@ -112,13 +112,12 @@ class Succession(Service):
     _connections: dict[str, Connections]
     _proxy_app: ProxyApp
     _lot: ParkingLot
-    _pool: Scheduler
+    #: The scheduler: its members; after a handover whose new process is gone, what is left here is refused.
+    _scheduler: Scheduler
     _state: YieldState
     _twins: TwinVerifier | None = None
     #: What each upstream served (served.RecordKeeper): the evidence of its outage verdicts crosses over too.
     _records: RecordKeeper | None = None
-    #: The gate: after a handover whose new process is gone, what is left here is refused.
-    _gate: Scheduler | None = None
     _predecessor: Predecessor = attrs.field(init=False)
     _takeover: TakeOver | None = attrs.field(init=False, default=None)
     _previous_handler: Any = None
@@ -133,14 +132,14 @@ class Succession(Service):
         self._hold_signals = HoldSignals(self._reactor)
         self._predecessor = Predecessor(
             self._reactor, self.setup.command, self.setup.environ, self._listeners, self._connections, self._lot,
-            self._pool, self.snapshot, self.setup.stop, self.setup.notify, unavailable=self.setup.unavailable,
-            gate=self._gate, on_phase=self._phase_changed,
+            self._scheduler, self.snapshot, self.setup.stop, self.setup.notify, unavailable=self.setup.unavailable,
+            on_phase=self._phase_changed,
             predecessor_alive=lambda: self._takeover is not None and self._takeover.linked,
         )
         if self.setup.inheritance is not None:
             self._takeover = TakeOver(
                 self._reactor, self.setup.inheritance, self._listeners, self._proxy_app.adopt, self.restore,
-                pool=self._pool, claim=self._claim, relay=self._predecessor.relay, stop_process=self.setup.stop,
+                scheduler=self._scheduler, claim=self._claim, relay=self._predecessor.relay, stop_process=self.setup.stop,
                 on_serving=self._serving, holds_from_file=self._holds_from_file,
             )
 
@@ -309,7 +308,7 @@ class Succession(Service):
         ]
         twins = []
         if self._twins is not None:
-            urls = {m.name: m.spec.url for m in self._pool.members}
+            urls = {m.name: m.spec.url for m in self._scheduler.members}
             for (member, key), check in self._twins.checks.items():
                 twins.append({
                     "member": member, "url": urls.get(member), "reference_url": urls.get(check.reference),
@@ -345,7 +344,7 @@ class Succession(Service):
             h for key, h in wanted.items() if self._state.hold_of(h.source, h.scope) != h
         )
         if self._twins is not None:
-            urls = {m.name: m.spec.url for m in self._pool.members}
+            urls = {m.name: m.spec.url for m in self._scheduler.members}
             for row in message.get("twins", []):
                 member, reference = row.get("member"), row.get("reference")
                 if urls.get(member) != row.get("url") or urls.get(reference) != row.get("reference_url"):

@@ -191,7 +191,9 @@ class Predecessor(Machine[Phase, str]):
     #: ``proxy`` and ``admin``: each listener's open connections (their idle ones go over).
     _connections: dict[str, Connections]
     _lot: ParkingLot
-    _pool: Scheduler
+    #: The scheduler: what is in flight; after the handover, if the new process is gone, what is left here
+    #: is refused (503).
+    _scheduler: Scheduler
     #: ``snapshot()``: the holds and twins the successor restores (a JSON-able dict).
     _snapshot: Callable[[], dict[str, Any]]
     #: Ends this process (the reactor's stop, from tap.py).
@@ -202,8 +204,6 @@ class Predecessor(Machine[Phase, str]):
     timeout: float = 60.0
     #: Why this process cannot reload at all (None: it can).
     unavailable: str | None = None
-    #: The gate: after the handover, if the new process is gone, what is left here is refused (503).
-    _gate: Scheduler | None = None
     #: Told of every change of :attr:`phase` (the succession's signals, pidfile, holds).
     _on_phase: Callable[[Phase], None] = lambda phase: None
     #: Whether the process before this one (two reloads in a row) may still send it connections.
@@ -378,7 +378,7 @@ class Predecessor(Machine[Phase, str]):
             "finishing {inflight} requests in flight here, then exiting",
             pid=outcome["pid"], version=outcome["version"], parked=self.sent_parked,
             connections=self.sent_connections, seconds=outcome["seconds"], handover=outcome["handover_seconds"],
-            paused=outcome["paused_seconds"], inflight=self._pool.inflight,
+            paused=outcome["paused_seconds"], inflight=self._scheduler.inflight,
         )
         if self._stopping_both:
             # Told to stop before it named the new process: a stop is a stop, of both.
@@ -416,7 +416,7 @@ class Predecessor(Machine[Phase, str]):
         for listener in self._listeners.values():
             listener.pause()
         self._frozen = Deferred()
-        for member in self._pool.members:
+        for member in self._scheduler.members:
             member.hold_release_until(self._frozen)
         self._undivert = divert((listener.factory for listener in self._listeners.values()), self._diverted)
         self._go("commit")
@@ -754,11 +754,8 @@ class Predecessor(Machine[Phase, str]):
         if self._undivert is not None:
             self._undivert()
             self._undivert = None
-        if self._gate is not None:
-            self._gate.stop_admitting()
-            refused = self._gate.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
-        else:
-            refused = 0
+        self._scheduler.stop_admitting()
+        refused = self._scheduler.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
         log.warn("reload: the new process (pid {pid}) is gone; this process (pid {me}) answers what is left here "
                  "({refused} parked) with 503 and stops", pid=self._successor_pid, me=os.getpid(), refused=refused)
 
@@ -773,7 +770,7 @@ class Predecessor(Machine[Phase, str]):
                 for channel in idle_connections(connections):
                     channel.loseConnection()
         left = (
-            len(self._lot) + self._pool.inflight + sum(c.open for c in self._connections.values())
+            len(self._lot) + self._scheduler.inflight + sum(c.open for c in self._connections.values())
             + len(self._outgoing)
         )
         before = self._predecessor_alive()

@@ -188,8 +188,8 @@ class TakeOver(Machine[Stage, str]):
     _adopt: Callable[[Any, Carried, dict[str, Any], bytes], None]
     #: ``restore(message)``: holds and twins as the predecessor had them.
     _restore: Callable[[dict[str, Any]], None]
-    #: The pool: its drainers let the lot out once every parked request that came is in it.
-    _pool: Any = None
+    #: The scheduler: its drainers let the lot out once every parked request that came is in it.
+    _scheduler: Any = None
     #: At the commit: the holds file and the pidfile become this process's.
     _claim: Callable[[], None] = lambda: None
     #: ``relay(message, blob, fds)``: passes a frame on to this process's own successor, if it has handed
@@ -389,8 +389,8 @@ class TakeOver(Machine[Stage, str]):
         else:
             self._holds_from_file()
         self._adopting = Deferred()
-        if self._pool is not None:
-            for member in self._pool.members:
+        if self._scheduler is not None:
+            for member in self._scheduler.members:
                 member.hold_release_until(self._adopting)
         for listener in self._listeners.values():
             listener.resume()

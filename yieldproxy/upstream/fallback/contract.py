@@ -54,7 +54,7 @@ def fallback_contract(
 class Fallback(Service):
     """The contract of the ``fallback`` member over the twin verifier, and its counts.
 
-    ``service.build_heart`` wires it: :meth:`arrived` is the gate's
+    ``service.build_heart`` wires it: :meth:`arrived` is the scheduler's
     ``on_arrival``, :meth:`attempt_ended` the proxy's ``on_attempt``,
     :meth:`left_lot` a listener of the lot, and :meth:`state_changed` an
     observer of the yield state.  Starting it starts the verifier.
@@ -65,7 +65,7 @@ class Fallback(Service):
     #: The one verifier of "same vectors"; its contract is this fallback's.
     _verifier: TwinVerifier
     _metrics: Metrics
-    #: True while the GPU is yielded (the gate's view).
+    #: True while the GPU is yielded (the scheduler's view).
     _yielded: Callable[[], bool]
     #: Each class's policy; only ``fallback`` classes are served by it.
     _policies: Mapping[str, str]
@@ -132,7 +132,7 @@ class Fallback(Service):
         return self._yielded() and self._policies.get(cls) == "fallback" and cls in self._config.classes
 
     def arrived(self, entry: Entry, went_to: str | None, refused: str | None) -> None:
-        """The gate admitted a new request (to ``went_to`` at once, or it parked) or refused it.
+        """The scheduler admitted a new request (to ``went_to`` at once, or it parked) or refused it.
 
         One the fallback did not take at once is counted by why: it cannot
         serve it (``skipped_unsupported``), its model is not verified
@@ -155,7 +155,7 @@ class Fallback(Service):
         if why is not None:
             self._skip(cls, "skipped_unverified", model, why)
         elif refused is not None:
-            self._count(cls, "skipped_busy")  # the gate refused it at once
+            self._count(cls, "skipped_busy")  # the scheduler refused it at once
         elif went_to is None:
             self._in_line.add(entry)
 

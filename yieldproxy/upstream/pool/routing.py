@@ -1,19 +1,17 @@
 """The pool's members made from their specs, and which api serves which embedding route natively.
 
 Which member a request goes to is the scheduler's decision (yieldproxy/schedule/); the rules
-are docs/pool.md's.  :class:`Pool` is what the proxy app reads of it until it names the
-scheduler itself.
+are docs/pool.md's.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from twisted.internet.interfaces import IReactorTime
 
 from ...config import Config
-from ...lot.parking import Entry
 from ...lot.state import YieldState
 from ...servers import ModelCall, Server, server
 from ..health import Judge, UpstreamHealth
@@ -42,22 +40,6 @@ def reference_rank(api: str) -> int:
     translated is the yardstick only when no member of rank 0 serves the model.
     """
     return 0 if all(serves_natively(api, path) for path in TRANSLATED_ROUTES) else 1
-
-
-class Pool(Protocol):
-    """What the proxy app (yieldproxy/proxy/handler.py) reads of the pool: the scheduler's
-    (yieldproxy/schedule/scheduler.py) answers, named here until the proxy app names the scheduler."""
-
-    @property
-    def members(self) -> tuple[Member, ...]: ...
-    def member(self, name: str | None) -> Member: ...
-    def routing(
-        self, method: str | None, path: str | None, cls: str, model: str | None, translatable: bool = True
-    ) -> Any: ...
-    def usable(self, member: Member, entry: Entry) -> bool: ...
-    def may_take(self, name: str, entry: Entry) -> bool: ...
-    def passthrough_member(self, method: str, path: str, model: str | None) -> Member: ...
-    def members_serving(self, method: str, path: str) -> list[Member]: ...
 
 
 def make_members(
