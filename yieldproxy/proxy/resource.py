@@ -59,8 +59,7 @@ class KleinEntry(KleinResource):
         app = self._app
         script_name, path_info = _paths(request)
         route = self._route(request.method, script_name, path_info)
-        host = request.getRequestHostname()
-        if route is None or not (host.isascii() or _utf8(host)):
+        if route is None or not _host_is_utf8(request):
             # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
         endpoint, kwargs, segments = route
@@ -197,6 +196,16 @@ def _server(request) -> tuple[str, str]:
     if (secure, port) not in ((True, 443), (False, 80), (False, 0), (True, 0)):
         server_name = b"%s:%d" % (server_name, port)
     return "https" if secure else "http", server_name.decode("utf-8")
+
+
+def _host_is_utf8(request) -> bool:
+    """Whether the server name Klein's render decodes (``getRequestHostname``) is UTF-8: it is a part of the
+    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed."""
+    raw = request.getHeader(b"host")
+    if raw is not None and raw.isascii():
+        return True
+    host = request.getRequestHostname()
+    return host.isascii() or _utf8(host)
 
 
 def _utf8(text: bytes) -> bool:
