@@ -26,7 +26,6 @@ bound is dropped (:class:`ClientTooSlow`) instead of pausing the upstream.
 
 from __future__ import annotations
 
-import enum
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -41,7 +40,7 @@ from zope.interface import implementer
 
 from ..edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from ..servers.ollama import SERVER as OLLAMA
-from ..states import Machine, Moves
+from ..states import Machine, Moves, Named
 from .records import WholeRecords, whole_records
 from .verdict import Reason, judged_reason, status_reason
 
@@ -335,7 +334,7 @@ def describe_failure(error: H1Error, url: str) -> str:
 # -- an attempt's states ---------------------------------------------------------------------------
 
 
-class Answer(enum.Enum):
+class Answer(Named):
     """Where an attempt's answer is (:attr:`Attempt.state`)."""
 
     #: Nothing of it reached the client yet: what comes is relayed as it comes.
@@ -348,7 +347,7 @@ class Answer(enum.Enum):
     ENDED = "ended"
 
 
-class Client(enum.Enum):
+class Client(Named):
     """How what an attempt writes reaches its client (:attr:`Attempt.client`)."""
 
     #: It goes out as it is written (the attempt is not the client's producer).
