@@ -216,6 +216,14 @@ def _listed(connection_values) -> set[bytes]:
     return {token.strip().lower() for value in connection_values for token in value.split(b",")}
 
 
+def _content_type(lines: list[tuple[bytes, bytes]]) -> bytes:
+    """The first ``Content-Type`` of an answer's header lines, or empty (a loop: no generator per answer)."""
+    for name, value in lines:
+        if name.lower() == b"content-type":
+            return value
+    return b""
+
+
 def upstream_request_headers(incoming: Headers) -> list[tuple[bytes, bytes]]:
     """The client's header lines to forward, repeated ones kept, minus hop-by-hop ones and ours."""
     skip = _NOT_FORWARDED
@@ -606,8 +614,7 @@ class Attempt(Machine[Answer, str]):
             response = self._response
             assert response is not None  # the body comes after the response
             self._commit(response)
-            content_type = next((v for k, v in response.headers if k.lower() == b"content-type"), b"")
-            self._records = whole_records(content_type, response.length, response.codings is not None)
+            self._records = whole_records(_content_type(response.headers), response.length, response.codings is not None)
         records = self._records
         if records is not None:
             data = records.whole(data)
