@@ -11,7 +11,7 @@ leaf runs the handler and writes its outcome.
 
 from __future__ import annotations
 
-from inspect import iscoroutine
+from types import CoroutineType
 from typing import Any, Callable
 from weakref import ref
 
@@ -245,7 +245,8 @@ class HandlerResource(Resource):
         self._on_error = on_error
 
     def render(self, request):
-        if _listeners(request):
+        listens = _listeners(request)
+        if listens:
             # Klein's finish watchers (two Deferreds and their closures per request): its routing is over,
             # and a listener's request is cancelled through ``handler``, never through notifyFinish.
             del request.notifications[:]
@@ -254,12 +255,12 @@ class HandlerResource(Resource):
         except Exception:
             self._failed(Failure(), request)
             return NOT_DONE_YET
-        if not iscoroutine(answer):
+        if not isinstance(answer, CoroutineType):
             _write(answer, request)
             return NOT_DONE_YET
         d = Deferred.fromCoroutine(answer)
         if not d.called:
-            if _listeners(request):
+            if listens:
                 # Cancelled by the request if the client goes away first (ProxyRequest.connectionLost):
                 # a notifyFinish Deferred per request, kept while it is parked, costs more.
                 request.handler = d
