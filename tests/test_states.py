@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from yieldproxy.states import Machine, Moves, Unexpected
+from yieldproxy.states import Machine, Moves, Named, Unexpected
 
 
 class Door(enum.Enum):
@@ -174,3 +174,39 @@ def test_a_driven_machine_moves_only_by_firing_an_event_through_its_table(path):
     source = (ROOT / path).read_text()
     assert "Machine[" in source and "Moves(" in source
     assert state_assignments(source) == []
+
+
+class _Swing(Named):
+    IN = "in"
+    OUT = "out"
+
+
+def test_named_states_hash_by_identity_and_drive_a_table_as_any_enum():
+    """A :class:`Named` member is its own hash (no Python call per lookup), still equal only to itself and
+    found by its value; a machine on such states moves as on any Enum's."""
+
+    class Swinging(Machine[_Swing, str]):
+        moves = Moves("a swing", {(_Swing.IN, "push"): _Swing.OUT, (_Swing.OUT, "pull"): _Swing.IN})
+
+        def __init__(self) -> None:
+            self.state = _Swing.IN
+
+    for member in _Swing:
+        assert hash(member) == object.__hash__(member)
+        assert _Swing(member.value) is member and member != member.value
+    swing = Swinging()
+    assert [swing.fire("push"), swing.fire("pull")] == [_Swing.OUT, _Swing.IN]
+    with pytest.raises(Unexpected):
+        swing.fire("pull")
+
+
+def test_the_machines_every_request_moves_hash_their_states_by_identity():
+    """The listener's connection, an attempt's two sides and a parked request move on every request: their
+    states are :class:`Named`, so each move's lookup costs no call of Enum's own ``__hash__``."""
+    from yieldproxy.edge.connection import State
+    from yieldproxy.lot.parking import Stay
+    from yieldproxy.upstream.attempt import Answer, Client
+
+    for states in (State, Answer, Client, Stay):
+        assert issubclass(states, Named), states
+        assert all(hash(member) == object.__hash__(member) for member in states)

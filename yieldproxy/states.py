@@ -20,6 +20,14 @@ _Hooks = dict[Any, Callable[[Any], None]]
 _Step = tuple[Any, "Callable[[Any], None] | None", "Callable[[Any], None] | None"]
 
 
+class Named(Enum):
+    """An Enum of states or events that hashes by identity: each member is one object, equal only to itself,
+    so a table's lookup needs no call of Enum's own ``__hash__`` (which hashes the member's name in Python).
+    For the machines that move on every request."""
+
+    __hash__ = object.__hash__
+
+
 class Unexpected(RuntimeError):
     """An event the table does not name in the current state: a bug in the owner, never the peer's."""
 

@@ -197,6 +197,23 @@ def test_routes_are_classified_once_and_model_rules_still_read_the_model():
     assert classifier.classify("GET", "/api/tags") == PASSTHROUGH
 
 
+def test_whether_a_rule_names_a_route_is_decided_once_per_route(monkeypatch):
+    """The refusal rule asks every request whether a ``[[routes]]`` rule names its route (``declares``): the answer
+    is kept with the route's class, so the rules are matched once per route, not once per request."""
+    rules = (RouteRule(path="/api/embed", models=("nomic*",), cls="batch"), RouteRule(path="/custom", cls="long"))
+    classifier = Classifier.from_rules(rules)
+    matched = []
+    real = Classifier._matches
+    monkeypatch.setattr(Classifier, "_matches", lambda self, *a: matched.append(a) or real(self, *a))
+    for _ in range(3):
+        assert classifier.declares("POST", "/custom") and classifier.declares("POST", "/api/embed")
+        assert not classifier.declares("POST", "/api/chat")
+    once = len(matched)
+    for _ in range(3):
+        classifier.declares("POST", "/custom"), classifier.declares("POST", "/api/chat")
+    assert len(matched) == once
+
+
 def test_a_body_is_parsed_once_though_the_upstream_s_refusal_rule_and_the_handler_both_read_it(monkeypatch):
     """Admission makes one parse of a request's body (gojson.FirstValue) and passes it along: the refusal rule's
     read (decode_error) and admission's own (find_model, read_request) of one request are one parse."""

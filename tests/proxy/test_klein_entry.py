@@ -234,6 +234,23 @@ def test_a_route_that_answers_with_a_resource_is_rendered_without_klein_s_deferr
     assert response.code == 200 and len(watchers) == 2 and deferreds
 
 
+def test_an_ascii_host_is_known_to_be_utf_8_without_parsing_the_host_header(monkeypatch):
+    """Klein decodes the server name as UTF-8; an ASCII ``Host`` (any client's) is known to decode without
+    ``getRequestHostname`` parsing it per request, and a host that is not ASCII is still asked (its answers:
+    :func:`test_every_request_is_answered_as_klein_answers_it_and_each_route_runs_once`)."""
+    from twisted.web.server import Request
+
+    asked: list = []
+    real = Request.getRequestHostname
+    monkeypatch.setattr(Request, "getRequestHostname", lambda self: asked.append(self) or real(self))
+    http = StubTreq(KleinEntry(_Toy().app))
+    for host in (b"127.0.0.1", b"example.com:8080", b"caf\xc3\xa9.example"):
+        [response] = _results(http.get("http://127.0.0.1/leaf/a", headers={b"Host": [host]}))
+        http.flush()
+        assert response.code == 200
+    assert len(asked) == 1
+
+
 def test_a_route_added_after_requests_were_routed_takes_the_requests_it_matches():
     app = Klein()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from yieldproxy.servers import Asked, Origins, Refusal, goscan, ollama, refusal
+from yieldproxy.servers import SERVERS, Asked, Origins, Refusal, goscan, ollama, refusal, refuser
 from yieldproxy.servers.cors import Origins as CorsOrigins
 from yieldproxy.servers.gojson import _FIRST_VALUE
 
@@ -253,3 +253,17 @@ def test_go_words_for_common_mistakes():
 
 def test_origins_is_one_value_for_every_server():
     assert Origins is CorsOrigins
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    apis=st.lists(st.sampled_from(sorted(SERVERS)), min_size=1, max_size=4),
+    case=st.sampled_from(FRONT["cases"][:200]),
+)
+def test_the_rule_made_once_for_a_pool_answers_as_refusal(apis, case):
+    """``refuser(apis)`` is found once per pool, not per request: a pool of one api is its server's own rule
+    (no lookup left for a request), and any pool answers every request as :func:`refusal` does."""
+    made = refuser(apis)
+    if len(set(apis)) == 1:
+        assert made == SERVERS[apis[0]].refuse
+    assert made(_asked(case), DEFAULTS) == refusal(apis, _asked(case), DEFAULTS)

@@ -19,7 +19,6 @@ Each state, what it owns, and the deadlines: docs/architecture.md (*The HTTP edg
 
 from __future__ import annotations
 
-import enum
 import io
 import socket
 from typing import Any
@@ -30,7 +29,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
-from ..states import Machine, Moves
+from ..states import Machine, Moves, Named
 from .reader import (
     NEED_DATA,
     PAUSED,
@@ -49,7 +48,7 @@ from .writer import writer_for
 log = Logger()
 
 
-class State(enum.Enum):
+class State(Named):
     """Where a connection is in its life (see the module docstring)."""
 
     FRESH = "fresh"

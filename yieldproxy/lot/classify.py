@@ -85,9 +85,9 @@ class Classifier:
         init=False, repr=False, default=attrs.Factory(lambda self: tuple(map(server, self.apis)), takes_self=True)
     )
     #: What does not depend on the body, by (method, path): whether a model rule
-    #: could match, and the class without a model.  Every request asks; the
+    #: could match, the class without a model, and whether a rule names the route.  Every request asks; the
     #: routes are few (at most :data:`_ROUTE_CACHE` are kept).
-    _routes: dict[tuple[str, str], tuple[bool, str]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
+    _routes: dict[tuple[str, str], tuple[bool, str, bool]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     @classmethod
     def from_rules(
@@ -104,7 +104,7 @@ class Classifier:
 
     def declares(self, method: str, path: str) -> bool:
         """True when a ``[[routes]]`` rule names this route: the operator knows it (it is never refused as unknown)."""
-        return any(self._matches(rule, method, path) for rule in self.rules)
+        return self._route(method, path)[2]
 
     def needs_model(self, method: str, path: str) -> bool:
         """True when a rule that could match depends on the body's model name."""
@@ -119,13 +119,15 @@ class Classifier:
             return self._route(method, path)[1]
         return self._classify(method, path, model)
 
-    def _route(self, method: str, path: str) -> tuple[bool, str]:
+    def _route(self, method: str, path: str) -> tuple[bool, str, bool]:
+        """(a rule that could match reads the model, the class without a model, a rule names the route)."""
         key = (method, path)
         known = self._routes.get(key)
         if known is None:
             known = (
                 any(rule.models and self._matches(rule, method, path) for rule in self.rules),
                 self._classify(method, path, None),
+                any(self._matches(rule, method, path) for rule in self.rules),
             )
             if len(self._routes) < _ROUTE_CACHE:
                 self._routes[key] = known

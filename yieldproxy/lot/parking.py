@@ -14,7 +14,6 @@ that drives (yieldproxy/states.py); the Deferred is what :attr:`Stay.PARKED` hol
 from __future__ import annotations
 
 import bisect
-import enum
 import heapq
 import math
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..observe.metrics import Metrics
-from ..states import Machine, Moves
+from ..states import Machine, Moves, Named
 
 log = Logger()
 
@@ -39,7 +38,7 @@ def hold_bound(class_seconds: float, max_wait: float | None) -> tuple[float, boo
     return class_seconds, False
 
 
-class Stay(enum.Enum):
+class Stay(Named):
     """Where an entry is (:attr:`Entry.state`)."""
 
     #: Admitted by nobody yet.

@@ -28,7 +28,7 @@ from ..lot.classify import (
 from ..lot.parking import Entry
 from ..observe.metrics import Metrics
 from ..schedule.scheduler import Scheduler
-from ..servers import Asked, Origins, refusal
+from ..servers import Asked, Origins, refuser
 from ..servers.gojson import FULL_READ_LIMIT, FirstValue, find_model, read_request, scan_model
 from ..servers.ollama import allowed_origins
 from ..upstream.translation import Untranslatable, parse_request
@@ -82,9 +82,9 @@ class Admission:
     #: ``passthrough(request, facts, target, body, api, model)``: proxy/passthrough.py.
     _passthrough: Callable[..., Any]
     _classifier: Classifier = attrs.field(init=False)
-    #: What the upstreams' own refusal rules need (:meth:`_refused_by_upstream`): their apis, the
-    #: origins their CORS checks allow, the Host each receives.
-    _apis: tuple[str, ...] = attrs.field(init=False)
+    #: What the upstreams' own refusal rules need (:meth:`_refused_by_upstream`): the rule of their apis
+    #: (:func:`yieldproxy.servers.refusal`, made once), the origins their CORS checks allow, the Host each receives.
+    _refusal: Callable[..., Any] = attrs.field(init=False)
     _origins: Origins = attrs.field(init=False)
     _upstream_hosts: frozenset[str] = attrs.field(init=False)
 
@@ -93,7 +93,7 @@ class Admission:
         # [[upstreams]] keeps Ollama's table, as a single upstream always had.
         apis = tuple(dict.fromkeys(m.api for m in self._config.upstreams)) or ("ollama",)
         self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class, apis)
-        self._apis = apis
+        self._refusal = refuser(apis)
         self._origins = allowed_origins(self._config.proxy.allowed_origins)
         self._upstream_hosts = frozenset(
             m.upstream.host_header for m in self._scheduler.members if getattr(m.upstream, "host_header", None)
@@ -200,7 +200,7 @@ class Admission:
             method, target.path, origin.decode("utf-8", "surrogateescape") or None, self._upstream_hosts, body,
             shared=shared, declared=self._classifier.declares(method, target.path),
         )
-        refused = refusal(self._apis, asked, self._origins)
+        refused = self._refusal(asked, self._origins)
         if refused is None:
             return None
         self._metrics.refused_at_once_total.labels(refused.reason).inc()

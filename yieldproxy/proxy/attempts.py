@@ -164,7 +164,7 @@ class AttemptLoop:
             # whether or not the client has read the whole answer yet.
             elapsed = self._clock.seconds() - began
             self._scheduler.finished(failed=failed, seconds=elapsed, member=entry.released_to)
-            self._metrics.upstream_attempt_seconds.labels(member.name, entry.cls).observe(elapsed)
+            self._outcomes.child(self._metrics.upstream_attempt_seconds, member.name, entry.cls).observe(elapsed)
             # A 5xx that may yet be the caller's is counted once judged (below): ``ok`` when relayed.
             later = failure is not None and judged_later(failure.reason, member.spec.fallback)
             if not later:
@@ -195,7 +195,7 @@ class AttemptLoop:
 
     def _attempt_ended(self, member: Member, entry: Entry, outcome: str) -> None:
         """Count an attempt by how it ended (``yieldproxy_upstream_attempts_total``) and tell who listens."""
-        self._metrics.upstream_attempts_total.labels(member.name, outcome).inc()
+        self._outcomes.child(self._metrics.upstream_attempts_total, member.name, outcome).inc()
         self._on_attempt(member, entry, outcome)
 
     def _translated_attempt(self, request: Any, target: Target, entry: Entry, body: bytes, member: Member, extra):

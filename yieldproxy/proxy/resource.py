@@ -11,7 +11,7 @@ leaf runs the handler and writes its outcome.
 
 from __future__ import annotations
 
-from inspect import iscoroutine
+from types import CoroutineType
 from typing import Any, Callable
 from weakref import ref
 
@@ -59,8 +59,7 @@ class KleinEntry(KleinResource):
         app = self._app
         script_name, path_info = _paths(request)
         route = self._route(request.method, script_name, path_info)
-        host = request.getRequestHostname()
-        if route is None or not (host.isascii() or _utf8(host)):
+        if route is None or not _host_is_utf8(request):
             # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
         endpoint, kwargs, segments = route
@@ -199,6 +198,16 @@ def _server(request) -> tuple[str, str]:
     return "https" if secure else "http", server_name.decode("utf-8")
 
 
+def _host_is_utf8(request) -> bool:
+    """Whether the server name Klein's render decodes (``getRequestHostname``) is UTF-8: it is a part of the
+    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed."""
+    raw = request.getHeader(b"host")
+    if raw is not None and raw.isascii():
+        return True
+    host = request.getRequestHostname()
+    return host.isascii() or _utf8(host)
+
+
 def _utf8(text: bytes) -> bool:
     try:
         text.decode("utf-8")
@@ -236,7 +245,8 @@ class HandlerResource(Resource):
         self._on_error = on_error
 
     def render(self, request):
-        if _listeners(request):
+        listens = _listeners(request)
+        if listens:
             # Klein's finish watchers (two Deferreds and their closures per request): its routing is over,
             # and a listener's request is cancelled through ``handler``, never through notifyFinish.
             del request.notifications[:]
@@ -245,12 +255,12 @@ class HandlerResource(Resource):
         except Exception:
             self._failed(Failure(), request)
             return NOT_DONE_YET
-        if not iscoroutine(answer):
+        if not isinstance(answer, CoroutineType):
             _write(answer, request)
             return NOT_DONE_YET
         d = Deferred.fromCoroutine(answer)
         if not d.called:
-            if _listeners(request):
+            if listens:
                 # Cancelled by the request if the client goes away first (ProxyRequest.connectionLost):
                 # a notifyFinish Deferred per request, kept while it is parked, costs more.
                 request.handler = d

@@ -30,7 +30,8 @@ For a pool of several apis (the members' apis, in config order):
 
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+from typing import Callable, Iterable
 
 from . import infinity, llamacpp, ollama, openai, tei
 from .base import (
@@ -77,6 +78,7 @@ __all__ = [
     "Server",
     "native_apis",
     "refusal",
+    "refuser",
     "route_class",
     "server",
 ]
@@ -149,9 +151,19 @@ def refusal(apis: Iterable[str], asked: Asked, origins: Origins) -> Refusal | No
     know refuses nothing), so no request a member would take is refused;
     the answer is the first api's, in its own words.
     """
+    return refuser(apis)(asked, origins)
+
+
+def refuser(apis: Iterable[str]) -> Callable[[Asked, Origins], Refusal | None]:
+    """:func:`refusal` for one pool's ``apis``, made once: their order and servers are found here, not per request
+    (a pool of one api is its server's own rule)."""
     apis = tuple(dict.fromkeys(apis))
     if len(apis) == 1:
-        return server(apis[0]).refuse(asked, origins)
+        return server(apis[0]).refuse
+    return functools.partial(_first_refusal, apis)
+
+
+def _first_refusal(apis: tuple[str, ...], asked: Asked, origins: Origins) -> Refusal | None:
     candidates = native_apis(apis, asked.method, asked.path) or apis
     first: Refusal | None = None
     for api in candidates:

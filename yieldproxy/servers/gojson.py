@@ -521,9 +521,11 @@ def _judge(kind: str, value: Any) -> str:
     if value is None or kind == "raw":
         # null leaves a value as it is and sets a pointer, slice, map or interface to nil.
         return _FINE
-    found = _json_kind(value)
     if kind == "string":
-        return _FINE if found == "string" else found
+        return _FINE if isinstance(value, str) else _json_kind(value)
+    if kind == "any":
+        return _FINE if _fits_any(value) else _UNSURE
+    found = _json_kind(value)
     if kind == "bool":
         return _FINE if found == "bool" else found
     if kind == "int":
@@ -534,8 +536,6 @@ def _judge(kind: str, value: Any) -> str:
         if found == "object":
             return _FINE if _fits_any(value) else _UNSURE
         return found
-    if kind == "any":
-        return _FINE if _fits_any(value) else _UNSURE
     if kind == "duration":
         try:
             go_duration(value)
@@ -600,11 +600,13 @@ def _first_type_error(pairs: "_Pairs", struct: GoStruct) -> str | None:
     and decoding goes on (``saveError``); a type with its own decoder may stop it with another error,
     so any value not judged here, before the first error or after it, makes the answer unsure (None)."""
     first: str | None = None
+    fields = struct.fields
     for key, value in pairs:
-        name = struct.field(_go_string(key))
+        # A field's own name (ASCII) is itself as Go holds it: matched at once, without folding.
+        name = key if key in fields else struct.field(_go_string(key))
         if name is None:
             continue  # Go ignores a key no field has
-        kind, everywhere = struct.fields[name]
+        kind, everywhere = fields[name]
         verdict = _judge(kind, value)
         if verdict == _FINE:
             continue

@@ -26,7 +26,6 @@ bound is dropped (:class:`ClientTooSlow`) instead of pausing the upstream.
 
 from __future__ import annotations
 
-import enum
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -41,7 +40,7 @@ from zope.interface import implementer
 
 from ..edge.h1client import BadResponse, H1Error, H1Pool, Response, client_endpoint
 from ..servers.ollama import SERVER as OLLAMA
-from ..states import Machine, Moves
+from ..states import Machine, Moves, Named
 from .records import WholeRecords, whole_records
 from .verdict import Reason, judged_reason, status_reason
 
@@ -217,6 +216,14 @@ def _listed(connection_values) -> set[bytes]:
     return {token.strip().lower() for value in connection_values for token in value.split(b",")}
 
 
+def _content_type(lines: list[tuple[bytes, bytes]]) -> bytes:
+    """The first ``Content-Type`` of an answer's header lines, or empty (a loop: no generator per answer)."""
+    for name, value in lines:
+        if name.lower() == b"content-type":
+            return value
+    return b""
+
+
 def upstream_request_headers(incoming: Headers) -> list[tuple[bytes, bytes]]:
     """The client's header lines to forward, repeated ones kept, minus hop-by-hop ones and ours."""
     skip = _NOT_FORWARDED
@@ -335,7 +342,7 @@ def describe_failure(error: H1Error, url: str) -> str:
 # -- an attempt's states ---------------------------------------------------------------------------
 
 
-class Answer(enum.Enum):
+class Answer(Named):
     """Where an attempt's answer is (:attr:`Attempt.state`)."""
 
     #: Nothing of it reached the client yet: what comes is relayed as it comes.
@@ -348,7 +355,7 @@ class Answer(enum.Enum):
     ENDED = "ended"
 
 
-class Client(enum.Enum):
+class Client(Named):
     """How what an attempt writes reaches its client (:attr:`Attempt.client`)."""
 
     #: It goes out as it is written (the attempt is not the client's producer).
@@ -607,8 +614,7 @@ class Attempt(Machine[Answer, str]):
             response = self._response
             assert response is not None  # the body comes after the response
             self._commit(response)
-            content_type = next((v for k, v in response.headers if k.lower() == b"content-type"), b"")
-            self._records = whole_records(content_type, response.length, response.codings is not None)
+            self._records = whole_records(_content_type(response.headers), response.length, response.codings is not None)
         records = self._records
         if records is not None:
             data = records.whole(data)

@@ -193,18 +193,18 @@ class Member(Machine[Condition, str]):
     @property
     def unreachable(self) -> bool:
         """Passed over: attempts were refused and it has not answered since the proxy started."""
-        return self.condition is REFUSING and not self.health.reachable
+        return self.state is REFUSING and not self.health.reachable
 
     @property
     def never_answered(self) -> bool:
         """It reads ``unreachable``: it could not be reached, and has not answered since the proxy started."""
-        condition = self.condition
+        condition = self.state
         return (condition is REFUSING or condition is UNANSWERED) and not self.health.reachable
 
     @property
     def not_ready(self) -> bool:
         """Its server said it is still loading its model, and its health has not read up since."""
-        return self.condition is NOT_READY
+        return self.state is NOT_READY
 
     def prefixes_after_404(self, tried: str) -> tuple[str, ...]:
         """Where else an embedding call answered 404 at ``tried`` may be asked, the prefixes in order: the
@@ -237,7 +237,7 @@ class Member(Machine[Condition, str]):
     def takes_work(self) -> bool:
         """Nothing it knows of itself keeps it from taking requests: no held release, not not ready, not
         passed over as unreachable (its holds are the yield state's, which the scheduler asks itself)."""
-        condition = self.condition
+        condition = self.state
         return not (
             self._release_gates or condition is NOT_READY or (condition is REFUSING and not self.health.reachable)
         )
@@ -251,7 +251,7 @@ class Member(Machine[Condition, str]):
             return "handing_over"
         if self.never_answered:
             return "unreachable"
-        if self.condition is NOT_READY:
+        if self.state is NOT_READY:
             return "not_ready"
         return "available"
 
@@ -269,7 +269,7 @@ class Member(Machine[Condition, str]):
         Only said of a member that has not answered, so never of one not ready (a "loading" answer
         is an answer); one refusing already is checked again already.
         """
-        if self.condition is not SERVING or self._stopped:
+        if self.state is not SERVING or self._stopped:
             return
         self.fire("unanswered")
         log.warn(
@@ -282,7 +282,7 @@ class Member(Machine[Condition, str]):
 
     def refused(self) -> None:
         """An attempt could not connect, and it never answered: pass it over until a check gets an answer."""
-        condition = self.condition
+        condition = self.state
         if condition is REFUSING and self._recheck is not None:
             return
         if condition is SERVING:
@@ -310,7 +310,7 @@ class Member(Machine[Condition, str]):
         if self._loading_since is None or now - self._last_loading > self.not_ready_max_seconds:
             self._loading_since = now
         self._last_loading = now
-        if self.condition is not NOT_READY:
+        if self.state is not NOT_READY:
             log.warn(
                 "upstream {name} ({url}) is not ready ({why}): passing it over, its attempts not counted; "
                 "checking its health until it reads up (at most upstream.not_ready_max_seconds={bound:g}s "
@@ -351,9 +351,9 @@ class Member(Machine[Condition, str]):
     def _stuck_held(self) -> bool:
         """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
         then it serves again)."""
-        if self.condition is STUCK and self._yields.hold_of(LOADING_SOURCE, self._scope) is None:
+        if self.state is STUCK and self._yields.hold_of(LOADING_SOURCE, self._scope) is None:
             self.fire("unheld")
-        return self.condition is STUCK
+        return self.state is STUCK
 
     @property
     def _scope(self) -> str:
@@ -362,7 +362,7 @@ class Member(Machine[Condition, str]):
     def _stuck_for_too_long(self) -> None:
         """Not ready for ``not_ready_max_seconds``: treated as down, its ``loading`` hold until a model call works."""
         self._stuck_timer = None
-        if self.condition is not NOT_READY or self._loading_since is None or self._stopped:
+        if self.state is not NOT_READY or self._loading_since is None or self._stopped:
             # Its health reads up meanwhile: the next "loading" answer ends the run (became_not_ready).
             return
         seconds = self._clock.seconds() - self._loading_since
@@ -389,7 +389,7 @@ class Member(Machine[Condition, str]):
     def _ready(self) -> None:
         """Its health reads up (or a model call was answered): available again (the ``loading`` hold it
         took for a stuck load ends), and it takes work again."""
-        was = self.condition
+        was = self.state
         self.fire("ready")
         if was is STUCK:
             self._loading_since = None
@@ -405,7 +405,7 @@ class Member(Machine[Condition, str]):
         self._tell_back(True)
 
     def _waits_for_health(self) -> bool:
-        return self.condition is NOT_READY or self._stuck_held()
+        return self.state is NOT_READY or self._stuck_held()
 
     def stop(self) -> None:
         """The proxy stops: no more checks."""
@@ -458,7 +458,7 @@ class Member(Machine[Condition, str]):
             self._reachable()
 
         def failed(failure) -> None:
-            condition = self.condition
+            condition = self.state
             if condition is REFUSING or condition is UNANSWERED or self._waits_for_health():
                 self._schedule_recheck()
 
@@ -469,7 +469,7 @@ class Member(Machine[Condition, str]):
         d.addBoth(done).addCallbacks(answered, failed)
 
     def _reachable(self) -> None:
-        if self.condition is REFUSING or self.condition is UNANSWERED:
+        if self.state is REFUSING or self.state is UNANSWERED:
             self.fire("answered")
             log.info("upstream {name} ({url}) answers: taking requests", name=self.name, url=self.spec.url)
             self._tell_back(False)
