@@ -18,6 +18,7 @@ import json
 from typing import Callable
 
 import pytest
+from hypothesis import example, given, settings, strategies as st
 from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
@@ -251,3 +252,36 @@ def test_a_refused_request_keeps_a_keep_alive_connection_when_its_body_was_not_l
     for name, keeps in (("bad_host", True), ("connect_method", True), ("body_too_large", False), ("reader_head", False)):
         transport, *_ = CASES[name](b"GET", b"/api/tags", b"HTTP/1.1")
         assert transport.closing is not keeps, name
+
+
+class _Hosts(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def render(self, request):
+        self.seen.append((request.host_is_utf8, request.requestHeaders.getRawHeaders(b"host", [])))
+        return b"ok"
+
+
+@given(hosts=st.lists(st.lists(st.binary(max_size=8), max_size=2), min_size=1, max_size=4))
+@example(hosts=[[b"localhost"], [b"localhost"], [b"\xff"], [b"localhost"]])
+@example(hosts=[[b"localhost"], [b"caf\xc3\xa9"], [b"a", b"b"]])
+@settings(max_examples=300, deadline=None)
+def test_every_request_the_resource_sees_has_the_utf8_host_it_says_it_has(hosts):
+    """The listener's request says its Host is UTF-8 (``host_is_utf8``: the proxy's Klein entry then does not
+    read the header, proxy/resource.py): every one its resource sees, one after another on a connection
+    (whose last Host passed is kept), has one Host at most, and it is UTF-8."""
+    resource = _Hosts()
+    site = ProxySite(resource, 1000, reactor=Clock(), error_body=listener_error_body)
+    transport = _connect(site)
+    for request_hosts in hosts:
+        head = b"".join(b"Host: %s\r\n" % h for h in request_hosts if not set(h) & set(b"\r\n"))
+        transport.protocol.dataReceived(b"GET /api/tags HTTP/1.1\r\n" + head + b"\r\n")
+    for says, seen in resource.seen:
+        assert says is True
+        assert len(seen) <= 1
+        for host in seen:
+            host.decode("utf-8")

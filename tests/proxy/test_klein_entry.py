@@ -254,6 +254,23 @@ def test_an_ascii_host_is_known_to_be_utf_8_without_parsing_the_host_header(monk
     assert len(asked) == 1
 
 
+def test_a_request_that_says_its_host_is_utf_8_is_not_asked_for_its_host(monkeypatch):
+    """The listener's request says its Host is UTF-8 (``host_is_utf8``: edge/request.py refuses any other
+    before the resource sees it): the entry reads no Host header of such a request; of any other, it does."""
+    from twisted.web.server import Request
+
+    asked: list = []
+    real = Request.getHeader
+    monkeypatch.setattr(Request, "getHeader", lambda self, name: asked.append(name) or real(self, name))
+    http = StubTreq(KleinEntry(_Toy().app))
+    for says in (False, True, True):
+        monkeypatch.setattr(Request, "host_is_utf8", says, raising=False)
+        [response] = _results(http.get("http://127.0.0.1/leaf/a", headers={b"Host": [b"127.0.0.1"]}))
+        http.flush()
+        assert response.code == 200
+    assert asked.count(b"host") == 1
+
+
 def test_a_route_added_after_requests_were_routed_takes_the_requests_it_matches():
     app = Klein()
 

@@ -64,6 +64,9 @@ class ProxyRequest(Request):
     handler = None
     #: Set when the client went away before the answer was done (the resource reads it).
     gone = False
+    #: Its Host header is UTF-8 once the site's resource sees it: :meth:`process` answers any other
+    #: itself (:meth:`_refusal`), so the proxy's Klein entry need not read the header again.
+    host_is_utf8 = True
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         """The request is whole (its connection set ``content``): on to :meth:`process`, no form parsing."""

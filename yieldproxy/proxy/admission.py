@@ -112,6 +112,8 @@ class Admission:
         except BadTarget as e:
             return refuse(request, facts, api_family(request.path), 400, "bad_request", str(e))
         api = api_family(target.api_path)
+        # Decoded once: the refusal rule, the class and the routing all read it.
+        method = request.method.decode("latin-1")
         # Any file-like body: a plain Site spools a large one to a temporary file.
         request.content.seek(0)
         body = request.content.read()
@@ -122,10 +124,10 @@ class Admission:
             # Only behind a plain Site: ProxySite stops reading such a body and calls refuse_oversized.
             return self.too_large(request, facts, api)
         if carried is not None:
-            return self._adopted(request, facts, target, body, api, carried)
+            return self._adopted(request, facts, method, target, body, api, carried)
         # The body's one parse, shared by the upstream's refusal rule and the reads below.
         shared = FirstValue(body)
-        refused = self._refused_by_upstream(request, facts, target, body, shared)
+        refused = self._refused_by_upstream(request, facts, method, target, body, shared)
         if refused is not None:
             return refused
         wanted = None
@@ -148,12 +150,12 @@ class Admission:
         # Which model it is for decides which members may serve it, and the name each is asked for.
         model = model_of(body, shared)
         try:
-            cls = self._class_of(request, target, body, wanted, model, shared)
+            cls = self._class_of(method, target, body, wanted, model, shared)
         except BadBody as e:
             return refuse(request, facts, api, 400, "bad_request", str(e))
         if cls == PASSTHROUGH:
             return self._passthrough(request, facts, target, body, api, model)
-        routing = self._routing(request, target, body, cls, model)
+        routing = self._routing(method, target, body, cls, model)
         if not routing.eligible:
             return self._no_upstream(request, facts, target, api, cls)
         # Headers are held while parked too: they count against parking.max_parked_bytes.
@@ -169,11 +171,13 @@ class Admission:
             request, facts, api, 413, "too_large", f"request body larger than proxy.max_body_bytes ({limit} bytes)"
         )
 
-    def _adopted(self, request: Any, facts: RequestFacts, target: Target, body: bytes, api: str, carried: Any):
+    def _adopted(
+        self, request: Any, facts: RequestFacts, method: str, target: Target, body: bytes, api: str, carried: Any
+    ):
         """An adopted request (:meth:`ProxyApp.adopt`) parks again as it was, for the members eligible for it here."""
         facts.started_at = carried.started_at
         cls = carried.standing.cls
-        routing = self._routing(request, target, body, cls, model_of(body))
+        routing = self._routing(method, target, body, cls, model_of(body))
         if not routing.eligible:
             return self._no_upstream(request, facts, target, api, cls)
         entry = Entry.resumed(
@@ -184,7 +188,7 @@ class Admission:
         return self._gated(request, facts, target, entry, body)
 
     def _refused_by_upstream(
-        self, request: Any, facts: RequestFacts, target: Target, body: bytes, shared: FirstValue
+        self, request: Any, facts: RequestFacts, method: str, target: Target, body: bytes, shared: FirstValue
     ) -> bytes | None:
         """The upstream's own answer, given at once, to a request it would refuse at once; else None.
 
@@ -194,7 +198,6 @@ class Admission:
         body its decoder refuses), so no web page and no typo holds a place in
         the lot, and a caller's mistake is answered without waiting out a yield.
         """
-        method = request.method.decode("latin-1")
         origin = (request.requestHeaders.getRawHeaders(b"origin") or [b""])[0]
         asked = Asked(
             method, target.path, origin.decode("utf-8", "surrogateescape") or None, self._upstream_hosts, body,
@@ -208,9 +211,8 @@ class Admission:
         facts.say(refused.status, refused.reason, 0)
         return write_refusal(request, refused)
 
-    def _routing(self, request: Any, target: Target, body: bytes, cls: str, model: str | None):
+    def _routing(self, method: str, target: Target, body: bytes, cls: str, model: str | None):
         """Which members may serve it (:meth:`Scheduler.routing`), for a new request and an adopted one alike."""
-        method = request.method.decode("latin-1")
         routing = self._scheduler.routing(method, target.path, cls, model)
         if routing.translated and not _translatable(target.path, body):
             # Members that would get it translated could not serve it with the same meaning.
@@ -226,7 +228,7 @@ class Admission:
         )
 
     def _class_of(
-        self, request: Any, target: Target, body: bytes, wanted: str | None, model: str | None, shared: FirstValue
+        self, method: str, target: Target, body: bytes, wanted: str | None, model: str | None, shared: FirstValue
     ) -> str:
         """The request's class: a trusted header, else the route rules and the allow-list.
 
@@ -241,7 +243,6 @@ class Admission:
         memory.  In a pool, "yielded" is said of the member such a request
         would go to.
         """
-        method = request.method.decode("latin-1")
         path = target.path
         if wanted is not None:
             cls = wanted

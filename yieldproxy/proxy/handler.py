@@ -15,7 +15,7 @@ writes the outcome once, from the request's :mod:`.facts`.
 
 from __future__ import annotations
 
-from inspect import iscoroutine
+from types import CoroutineType
 from typing import Callable
 
 import attrs
@@ -145,7 +145,7 @@ class ProxyApp:
         facts = request.facts = RequestFacts(self._clock.seconds())
         carried = self._carried.pop(request.channel, None) if self._carried else None
         answer = self._admission.admit(request, facts, carried)
-        if not iscoroutine(answer):
+        if not isinstance(answer, CoroutineType):
             self._outcomes.close(request, facts)
         return answer
 

@@ -200,7 +200,10 @@ def _server(request) -> tuple[str, str]:
 
 def _host_is_utf8(request) -> bool:
     """Whether the server name Klein's render decodes (``getRequestHostname``) is UTF-8: it is a part of the
-    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed."""
+    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed, and a
+    request that says so itself (the listener's: edge/request.py refused any other) without it being read."""
+    if getattr(request, "host_is_utf8", False):
+        return True
     raw = request.getHeader(b"host")
     if raw is not None and raw.isascii():
         return True
