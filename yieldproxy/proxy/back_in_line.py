@@ -50,7 +50,7 @@ class Reason:
 
 #: Verdict -> why it goes back in line.  Any other verdict counts the attempt, answers, or retries counted.
 BACK_IN_LINE: dict[Verdict, Reason] = {
-    # The fallback's errors are never shown; it is not given the request again (upstream/pool/routing.py).
+    # The fallback's errors are never shown; it is not given the request again (Scheduler.may_take, schedule/scheduler.py).
     Verdict.STANDBY: Reason(retry=False),
     Verdict.NOT_READY: Reason(failure=True, words=_PASSED_OVER, what="found it not ready", tell="not_ready"),
     Verdict.HELD: Reason(failure=True, forgiven=True, words=_PASSED_OVER, what="failed ({reason}) while it is held"),

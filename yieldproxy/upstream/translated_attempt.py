@@ -2,7 +2,7 @@
 
 An Ollama client's ``/api/embed`` may go to a member that has no such route
 (an Infinity, TEI or OpenAI-compatible CPU copy) when the pool made it
-eligible (upstream/pool/routing.py: it serves the model, and as a twin only once
+eligible (schedule/routing.py: it serves the model, and as a twin only once
 verified).  The request is read into :mod:`yieldproxy.upstream.translation`'s neutral
 form, sent to the member's own embedding route
 (:attr:`~yieldproxy.servers.Server.embed_path`, the one its twin
