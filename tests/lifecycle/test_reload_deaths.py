@@ -36,6 +36,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionRefusedError as ConnectionRefused
 from twisted.internet.task import LoopingCall
 
 from crowd import Crowd
@@ -286,10 +287,17 @@ async def test_whatever_moment_a_death_or_a_stop_lands_on_one_process_is_left_se
         if expected != "none":
             serving = pids[expected]
             assert not gone(serving), f"pid {serving} ({expected}) is not serving"
-            status = await proxy.status()
-            assert status["pid"] == serving, status
-            code, _ = await proxy.post("/resume", {"source": "broker"})
-            assert code == 200
+            try:
+                status = await proxy.status()
+                assert status["pid"] == serving, status
+                code, _ = await proxy.post("/resume", {"source": "broker"})
+                assert code == 200
+            except ConnectionRefused:
+                # The one race left_serving names, read SIGTERM first: the old process asked the new one to
+                # stop before it exited, and the new one, alone a moment, stops too.
+                assert "none" in allowed, (expected, allowed)
+                await wait_for(reactor, lambda: gone(serving), timeout=60, step=0.05)
+                expected = "none"
         assert await in_thread(reactor, crowd.wait, None, 60)
         cut_off_allowed = action == f"kill-{owner_at(moment)}"
         kinds: collections.Counter = collections.Counter()
