@@ -224,8 +224,8 @@ class AttemptLoop:
     ):
         """A failed attempt: retry it (:data:`_RETRY`), or answer the caller now, as the verdict says.
 
-        The verdict (yieldproxy/upstream/verdict.py, its table in its docstring) is
-        the policy; this gathers the facts it rests on, asks for the ones it
+        The verdict (yieldproxy/upstream/verdict.py; its rows: docs/architecture.md,
+        "The verdict on a failed attempt") is the policy; this gathers the facts it rests on, asks for the ones it
         asks for (the pool, when an answer said busy; the outage judge, the
         member's health, which may probe), and does what it returns: the
         counts, the log lines and the answer.  In short: while a hold covers

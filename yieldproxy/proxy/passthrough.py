@@ -49,16 +49,18 @@ class Passthrough:
                 members = self._scheduler.members_serving(method, target.path)
                 if len(members) > 1:
                     return await self._union(request, facts, target, api, members)
-            return await self._one(request, facts, target, body, api, model)
+            return await self._one(request, facts, method, target, body, api, model)
         except CancelledError:
             facts.gone()
             raise
         finally:
             self._outcomes.close(request, facts)
 
-    async def _one(self, request: Any, facts: RequestFacts, target: Target, body: bytes, api: str, model: str | None):
+    async def _one(
+        self, request: Any, facts: RequestFacts, method: str, target: Target, body: bytes, api: str, model: str | None
+    ):
         """One attempt on the member that takes the route."""
-        member = self._scheduler.passthrough_member(request.method.decode("latin-1"), target.path, model)
+        member = self._scheduler.passthrough_member(method, target.path, model)
         facts.served_by = member.log_name
         sent = body_for(member, model, body)
         upstream = self._config.upstream
