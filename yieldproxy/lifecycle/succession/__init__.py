@@ -1,23 +1,12 @@
 """Reload and upgrade without losing a request: one process hands over to the next.
 
-SIGHUP, ``POST /reload``, ``yieldproxy reload`` and ``systemctl reload``
-all start the same succession (predecessor.py): a new process running the
-*installed* code with the same command line reads and validates the config,
-takes over the listening sockets, the holds, the twins' verifications and
-every parked request with its client's connection (takeover.py), while
-this process finishes what is in flight and exits.  A config the new code
-refuses comes back as one line, and this process keeps running.  The
-handover has two phases with one commit point: until it, this process owns
-everything and takes it all back if the new one dies or is stopped; from it
-on, the new process does (predecessor.py says who owns what when).
-
-:class:`Succession` is the service that ties both sides into one proxy
-(service.py builds it when tap.py gives it a :class:`Setup`): it installs
-the SIGHUP handler, runs the take-over when this process was started by a
-reload, snapshots and restores the state that crosses over, refuses the
-signals and the admin API's hold changes that the process without the holds
-must not take (signals.py), and hands the pidfile and the holds file over at
-the commit (claims.py).
+The old side is predecessor.py (two phases, one commit point), the new side
+takeover.py; :class:`Succession` is the service that ties both into one proxy
+(service.py builds it when tap.py gives it a :class:`Setup`): the SIGHUP
+handler, the take-over at start, the state that crosses over, the signals and
+hold changes the process without the holds must refuse (signals.py), the
+pidfile and holds file at the commit (claims.py).  What a reload does and
+keeps: docs/operating.md (*Reload: a new process takes everything over*).
 
 Part of lifecycle/ (layer 9): it may import what lifecycle/ may (the proxy's
 parked requests and the edge's connections go over through them), and the rest

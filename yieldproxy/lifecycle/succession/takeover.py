@@ -1,18 +1,12 @@
 """The successor's side: a process started by a reload takes over its predecessor's sockets and lot.
 
-Started by the running process with ``$YIELDPROXY_SUCCESSION_FD`` naming its
-end of a unix socket, it reads (blocking, before its reactor runs) the
-predecessor's listening sockets (:class:`Inheritance`), adopts the ones whose
-endpoint is unchanged, paused, and builds and starts its service as any start
-does; a config its own start refuses goes back as one line (:func:`refuse`).
-Then :class:`TakeOver` says ``ready`` and runs its side of the two phases
-(predecessor.py): before the commit it only holds what comes, so its death or
-stop costs nothing; a link that ends without ``abort`` is the predecessor's
-death (liveness.py), and it takes over with what it holds; at the commit it
-answers ``committed`` and acts on it once that frame has left it; after it,
-what the predecessor still sends is made again at once.
-
-What each moment of a death or a stop leaves: docs/operating.md
+Started with ``$YIELDPROXY_SUCCESSION_FD`` naming its end of a unix socket, it
+reads (blocking, before its reactor runs) the predecessor's listening sockets
+(:class:`Inheritance`), adopts the ones whose endpoint is unchanged, paused,
+and starts as any start does; a config its own start refuses goes back as one
+line (:func:`refuse`).  Then :class:`TakeOver` runs its side of the two phases
+(predecessor.py); a link that ends without ``abort`` is the predecessor's death
+(liveness.py).  What each moment of a death or a stop leaves: docs/operating.md
 (*The two phases, and what a death or a stop during a reload does*).
 """
 
