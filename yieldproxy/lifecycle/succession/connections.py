@@ -48,6 +48,12 @@ class Exported:
     _request: Any = None
     _done: bool = False
 
+    def record(self, **fields: Any) -> tuple[dict[str, Any], bytes]:
+        """``fields`` and the connection as the new process takes it up, with the bytes it goes on with (the
+        frame has them now: not held here twice while the commit is awaited)."""
+        data, self.data = self.data, b""
+        return {**fields, "family": self.family, "connection": self.connection, "fd": self.fd}, data
+
     def let_go(self) -> None:
         """The new process has it: gone from here without a word (its copy lives on there)."""
         if self._done:
