@@ -9,6 +9,7 @@ docs/operating.md (*In a terminal or as a service*).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from typing import Any, Callable, Mapping
@@ -77,11 +78,9 @@ class HangupStops(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        try:
+        with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGHUP) == self._on_signal:
                 signal.signal(signal.SIGHUP, self._previous if self._previous is not None else signal.SIG_DFL)
-        except (ValueError, OSError):
-            pass
 
     def _on_signal(self, signum, frame) -> None:
         """The Python-level handler: the stop begins in the reactor thread."""

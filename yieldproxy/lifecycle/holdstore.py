@@ -13,6 +13,7 @@ during a reload, and how a bad file is refused: docs/operating.md
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -612,10 +613,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
             os.close(fd)
         os.replace(temporary, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        except OSError:
-            pass
         raise
     try:
         directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

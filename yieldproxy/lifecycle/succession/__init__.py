@@ -15,6 +15,7 @@ of lifecycle/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -171,10 +172,8 @@ class Succession(Service):
             link_ended = self._takeover.stop()
         stopped = self._predecessor.stop()
         if self._previous_handler is not None:
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(signal.SIGHUP, self._previous_handler)
-            except (ValueError, OSError):
-                pass
             self._previous_handler = None
         add_trigger = getattr(self._reactor, "addSystemEventTrigger", None)
         if add_trigger is not None:

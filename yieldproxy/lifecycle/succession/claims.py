@@ -10,6 +10,7 @@ table of *Reload: a new process takes everything over*).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -59,13 +60,11 @@ class PidFile:
         if not self._mine or self.path is None:
             return
         self._mine = False
-        try:
+        with contextlib.suppress(OSError, ValueError):
             with open(self.path) as f:
                 named = int(f.read().strip() or 0)
             if named == os.getpid():
                 os.unlink(self.path)
-        except (OSError, ValueError):
-            pass
 
 
 class ClaimedAtCommit:

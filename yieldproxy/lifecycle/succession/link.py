@@ -24,6 +24,7 @@ without the farewell, knows the process at this end is gone (takeover.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 from typing import Any, Callable
@@ -144,10 +145,8 @@ class Link(Protocol):
         for waiter in waiters:
             waiter.errback(LinkClosed("the other process is gone"))
         while self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fds.popleft())
-            except OSError:
-                pass
         if not self.closed.called:
             self.closed.callback(None)
 

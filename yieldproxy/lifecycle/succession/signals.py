@@ -93,10 +93,8 @@ class HoldSignals:
     def restore(self) -> None:
         """Put back what handled them before."""
         for signum, previous in self._previous.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:
@@ -133,19 +131,15 @@ class StopNoted:
         for signum in STOP_SIGNALS:
             if signum in self._previous:
                 continue
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except (ValueError, OSError):
-                pass
 
     def unwatch(self) -> None:
         """Put back the handlers there were, unless another took over meanwhile (the stop's own)."""
         for signum, previous in self._previous.items():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 if signal.getsignal(signum) is self._handle:
                     signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:

@@ -12,6 +12,7 @@ line (:func:`refuse`).  Then :class:`TakeOver` runs its side of the two phases
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import socket
@@ -306,10 +307,8 @@ class TakeOver(Machine[Stage, str]):
         except (BadFrame, KeyError, TypeError, ValueError) as e:
             log.error("reload: a {kind} record from pid {pid} is not one ({why}); its connection is closed",
                       kind=item.kind, pid=self._inheritance.pid, why=str(e))
-            try:
+            with contextlib.suppress(OSError):
                 os.close(item.fd)
-            except OSError:
-                pass
 
     def _ack(self, message: dict[str, Any]) -> None:
         """The predecessor may close its copies of the descriptors of frame ``id`` now."""
