@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import Deferred, fail, gatherResults
 from twisted.logger import Logger
 
 from ... import __version__
@@ -250,12 +250,11 @@ class Succession(Service):
     def reload(self) -> Deferred[dict[str, Any]]:
         """Hand over to a new process (see the package docstring); fails with :class:`ReloadRefused`,
         :class:`ReloadFailed` or :class:`ReloadBusy`, each logged here in one line."""
+        d: Deferred[dict[str, Any]]
         if self._takeover is not None and not self._takeover.done:
-            d: Deferred[dict[str, Any]] = Deferred()
-            d.errback(ReloadBusy("this process is still taking over from the one before it"))
+            d = fail(ReloadBusy("this process is still taking over from the one before it"))
         elif not self.running:
-            d = Deferred()
-            d.errback(ReloadBusy("this process is stopping"))
+            d = fail(ReloadBusy("this process is stopping"))
         else:
             d = Deferred.fromCoroutine(self._predecessor.reload())
 
@@ -278,12 +277,7 @@ class Succession(Service):
         # Whoever asked may go away (the admin client's timeout, a ^C: Klein cancels its Deferred): the
         # handover goes on regardless.  Cancelled halfway, it would kill a new process holding part of the lot.
         outcome: Deferred[dict[str, Any]] = Deferred(lambda _: None)
-
-        def tell(result: Any) -> None:
-            if not outcome.called:
-                outcome.callback(result)
-
-        d.addBoth(tell)
+        d.addBoth(lambda result: None if outcome.called else outcome.callback(result))
         return outcome
 
     # -- what crosses over besides the lot --------------------------------------------------------

@@ -61,6 +61,16 @@ def _handler(method: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
     return handle
 
 
+def _put_back(previous: dict, unless_replaced: Any = None) -> None:
+    """Put back each signal's ``previous`` handler (None: the default action), and forget them; with
+    ``unless_replaced``, only where that handler is still the one in place."""
+    for signum, handler in previous.items():
+        with contextlib.suppress(ValueError, OSError):
+            if unless_replaced is None or signal.getsignal(signum) is unless_replaced:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    previous.clear()
+
+
 @attrs.define(eq=False, repr=False)
 class HoldSignals:
     """SIGUSR1 and SIGUSR2 refused with a log line (:meth:`refuse`) until :meth:`restore`."""
@@ -92,10 +102,7 @@ class HoldSignals:
 
     def restore(self) -> None:
         """Put back what handled them before."""
-        for signum, previous in self._previous.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        _put_back(self._previous)
 
     def _on_signal(self, signum, frame) -> None:
         self._reactor.callFromThread(self._refused, signum)
@@ -136,11 +143,7 @@ class StopNoted:
 
     def unwatch(self) -> None:
         """Put back the handlers there were, unless another took over meanwhile (the stop's own)."""
-        for signum, previous in self._previous.items():
-            with contextlib.suppress(ValueError, OSError):
-                if signal.getsignal(signum) is self._handle:
-                    signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        _put_back(self._previous, unless_replaced=self._handle)
 
     def _on_signal(self, signum, frame) -> None:
         self._note()

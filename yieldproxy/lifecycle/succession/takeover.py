@@ -290,19 +290,18 @@ class TakeOver(Machine[Stage, str]):
     def _make_again(self, item: _Held) -> None:
         """A connection held (or sent after the commit) made again here, going on with its bytes."""
         try:
+            record = dict(item.record)
+            family = int(record.pop("family"))
+            connection = _connection(record.pop("connection", None))
             if item.kind == "parked":
-                record = dict(item.record)
-                family = int(record.pop("family"))
-                connection = _connection(record.pop("connection", None))
                 carried = Carried.from_json(record)
-                site = self._listeners["proxy"].factory
-                make_again(self._reactor, site, item.fd, family, item.data, connection=connection,
+                make_again(self._reactor, self._listeners["proxy"].factory, item.fd, family, item.data,
+                           connection=connection,
                            feed=lambda channel, state, data: self._adopt(channel, carried, state, data))
                 self.adopted += 1
             else:
-                listener = self._listeners[str(item.record["listener"])]
-                make_again(self._reactor, listener.factory, item.fd, int(item.record["family"]), item.data,
-                           connection=_connection(item.record.get("connection")))
+                listener = self._listeners[str(record["listener"])]
+                make_again(self._reactor, listener.factory, item.fd, family, item.data, connection=connection)
                 self.connections += 1
         except (BadFrame, KeyError, TypeError, ValueError) as e:
             log.error("reload: a {kind} record from pid {pid} is not one ({why}); its connection is closed",
