@@ -58,14 +58,8 @@ _OWN_KEYS = frozenset(("format", "version", "written_at", "pid", "claimed_at", "
 
 
 def holds_path(config: Config, environ: Mapping[str, str]) -> Path:
-    """Where this proxy's holds live: ``state.holds_file``, or its default.
-
-    The default directory is ``$STATE_DIRECTORY`` (systemd's
-    ``StateDirectory=``; its first entry), else ``$XDG_STATE_HOME/yieldproxy``,
-    else ``~/.local/state/yieldproxy``.  The file is named from a hash of
-    ``proxy.listen`` and ``admin.listen``: the same command line finds the
-    same file, two proxies with different listeners never share one.
-    """
+    """Where this proxy's holds live: ``state.holds_file``, or its default (docs/configuration.md, ``[state]``:
+    the same command line finds the same file, two proxies with different listeners never share one)."""
     if config.state.holds_file:
         return Path(os.path.expanduser(config.state.holds_file))
     state_directory = (environ.get("STATE_DIRECTORY") or "").split(":")[0]

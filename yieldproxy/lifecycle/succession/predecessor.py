@@ -790,11 +790,9 @@ class Predecessor(Machine[Phase, str]):
     def stop(self) -> Deferred[None]:
         """This process stops (its winding down is over, or it was told to).
 
-        During a reload, a stop is a stop of both: before the commit the new process is told to let go
-        (``abort``) and this process takes everything back, its own stop answering it; the Deferred fires
-        once the new process is gone (its copies of the listening sockets closed).  Once the commit is sent
-        its outcome is awaited first; if the new process committed, it is asked to stop (SIGTERM), and its
-        own stop answers what it took.  After the handover, only this process stops."""
+        During a reload, a stop is a stop of both (docs/operating.md, *The two phases*); the Deferred fires
+        once the new process is gone (its copies of the listening sockets closed).  After the handover, only
+        this process stops."""
         if self._reload_over is None:
             self._end_wind_down()
             return succeed(None)
