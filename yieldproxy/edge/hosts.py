@@ -20,10 +20,8 @@ import attrs
 if TYPE_CHECKING:
     from twisted.web.http_headers import Headers
 
-#: Names under these suffixes never resolve through public DNS, so a web page cannot
-#: rebind them: ``.localhost`` (RFC 6761: this machine) and ``.internal`` (names a LAN's own
-#: resolver gives).  Not ``.local``: any machine on the LAN may answer mDNS for such a name,
-#: so a page could rebind one (``admin.allowed_hosts = ["*.local"]`` accepts them on purpose).
+#: Names under these suffixes never resolve through public DNS, so a web page cannot rebind them
+#: (not ``.local``, which any machine on the LAN may answer by mDNS: docs/security.md, *Host names*).
 LOCAL_SUFFIXES = (".localhost", ".internal")
 
 

@@ -47,10 +47,6 @@ class FdBudget:
     #: What was sized to the limit, where the operator had set nothing (an info line, no warning).
     sized: str = ""
 
-    @property
-    def lowered(self) -> bool:
-        return self.soft < self.need
-
 
 def _text(limit: int) -> str:
     return "unlimited" if limit == resource.RLIM_INFINITY else str(limit)

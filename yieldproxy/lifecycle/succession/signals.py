@@ -1,17 +1,12 @@
 """Signals while a reload is under way: queued in the kernel or refused with a log line, never fatal.
 
-* A new process is born with :data:`HANDOVER_SIGNALS` blocked (the signal
-  mask is inherited across ``exec``: :func:`blocked_in_children` is held
-  while it is started), so a SIGHUP, SIGTERM or SIGUSR1 in its first moments,
-  before Python and twistd have installed any handler, waits in the kernel
-  instead of ending it.  It unblocks them (:func:`unblock`) once its
-  handlers are in: SIGTERM and SIGINT are a stop (before the commit the old
-  process takes everything back), SIGHUP is refused while it takes over.
-* SIGUSR1 and SIGUSR2 take and end the ``signal`` hold (the signal watcher),
-  or end the process when nothing handles them.  While the holds are between
-  two processes they are refused with a log line (:class:`HoldSignals`): the
-  process that does not own the holds must not take one it would not keep,
-  and neither process may die of a signal meant as a hold.
+A new process is born with :data:`HANDOVER_SIGNALS` blocked (the mask is
+inherited across ``exec``: :func:`blocked_in_children` is held while it is
+started), so one sent in its first moments, before any handler is installed,
+waits in the kernel instead of ending it; it unblocks them (:func:`unblock`)
+once its handlers are in.  The process that does not own the holds refuses
+SIGUSR1 and SIGUSR2 with a log line (:class:`HoldSignals`).  What each signal
+does during a reload: docs/operating.md (*Hold changes and signals during a reload*).
 """
 
 from __future__ import annotations
