@@ -129,7 +129,7 @@ class HoldStore:
     _last: list[dict[str, Any]] | None = None
     #: True after a failed write, until one succeeds (one log line per run of failures).
     _failing: bool = False
-    #: Whether process ``pid`` runs: a later claim by one that does not is void (see the module's docstring).
+    #: Whether process ``pid`` runs: a later claim by one that does not is void (:meth:`_claimed_later`).
     running: Callable[[int], bool] = attrs.field(default=attrs.Factory(lambda: _running))
     #: Sections kept beside the holds: name -> (what to write, read when writing; who reads it back).
     _sections: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = attrs.Factory(dict)
