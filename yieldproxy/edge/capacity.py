@@ -1,23 +1,11 @@
 """A listener's connections: their cap, the room kept for whole requests, and the receiving budget.
 
 :class:`Connections` counts one listener's open connections from their own
-``connectionMade``/``connectionLost`` (so the count cannot drift), keeps the
-idle keep-alive ones oldest first (the cap reclaims the oldest), and bounds
-the bytes of request bodies being received at once, all connections together
-(``proxy.max_receiving_bytes``).  :class:`OverCapacity` answers a connection
-past the cap: a 503 with ``Retry-After`` in its API's shape (refusal.py), never a bare close.
-
-Two rules make both bounds hold against clients that stall on purpose:
-
-* on the admin listener a request is *whole* when the request reader has
-  read its end (:class:`~yieldproxy.edge.reader.EndOfMessage`: the head, and
-  the body its framing announces, chunks and trailers included), and a whole
-  request that finds every place taken gets the place of the connection that
-  has made the least progress (:meth:`Connections.shed_for`): one still
-  reading its request, or one whose client does not read its answer, never a
-  request that came whole;
-* a body that stalls gives its share of the receiving budget back to a body
-  that arrives (:meth:`Connections.take_receiving`): it is cut with a 408.
+``connectionMade``/``connectionLost`` (so the count cannot drift) and bounds
+the bytes of request bodies being received at once; :class:`OverCapacity`
+answers a connection past the cap.  The rules, and why no client that stalls
+on purpose keeps a request out: docs/security.md (*Connections*, *Bodies
+being received*, *The admin API under a flood*).
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ OVER_CAPACITY_WAIT = 1.0
 #: Retry-After, in seconds, of the 503 for a connection over the cap.
 OVER_CAPACITY_RETRY_AFTER = 2
 #: Connections being refused at once (each holds a descriptor for a second or two);
-#: at it the listener stops accepting until one is done (see :class:`Connections`).
+#: at it the listener stops accepting until one is done, and the next clients wait in the backlog.
 MAX_REFUSING = 64
 #: Connections a listener keeps past its cap for requests that come whole at once (the admin
 #: listener's, see :class:`OverCapacity`); they fit in the open-file budget's reserve (lifecycle/limits.py).
@@ -66,21 +54,11 @@ def _peer_host(address) -> str | None:
 
 @attrs.define(eq=False)
 class Connections:
-    """The open connections of one listener, and its cap.
+    """The open connections of one listener, and its cap (see the module docstring).
 
-    Counted from the channels' own ``connectionMade``/``connectionLost``, so
-    the count cannot drift.  Idle keep-alive connections (ones that finished
-    a request and wait for the next) are kept oldest first: at the cap, the
-    oldest is closed to make room (as nginx reuses them) before a new
-    connection is refused.  A connection just accepted is not idle: its
-    client is about to send its first request, and closing it would leave
-    that client without an answer.
-
-    A connection past the cap is answered 503 (:class:`OverCapacity`), which
-    holds its descriptor for a second or two.  With :data:`MAX_REFUSING`
-    being refused at once, the listeners (see :meth:`listening`) stop
-    accepting until one of them is done: further clients wait in the
-    kernel's backlog for their answer instead of getting a bare close.
+    A connection just accepted is never idle, so never reclaimed: its client
+    is about to send its first request, and closing it would leave that
+    client without an answer.
     """
 
     #: Connections at once; the config key named in the refusal.
@@ -212,15 +190,8 @@ class Connections:
     def shed_for(self, now: float) -> None:
         """Cut connections that hold a place without a whole request in it, one per whole request waiting.
 
-        The one cut is the one that has made the least progress: the longest
-        since its last byte read or written (``channel.shed_rank()``: the time
-        of its last progress, None for one that may not be cut).  A
-        connection may be cut while it reads a request (its head or body is
-        not all there), lingers after a refusal, waits for its next request,
-        or holds an answer its client does not read; never while its whole
-        request is being served.  So no bytes a client can send hold a place
-        against a whole request: a request is whole only when the reader has
-        read its end.
+        The one cut is the one that has made the least progress (``channel.shed_rank()``: the time of its
+        last progress, None for one that may not be cut: its whole request is being served).
         """
         while len(self._shedding) < len(self._waiting):
             victim, oldest = None, None
@@ -282,19 +253,10 @@ class Connections:
     def take_receiving(self, channel, size: int, large: bool, now: float) -> bool:
         """Count ``size`` more bytes of ``channel``'s body being received, if they fit; False if they do not.
 
-        A body that has stalled never keeps the room another body needs:
-        when the bytes do not fit, the bodies being received that are stalled
-        (no byte for ``stall_seconds``, or under ``min_pace`` bytes a second
-        on average since their first byte) are cut, the slowest first, until
-        they fit (each answered 408: ``channel.cut_stalled()``).  So no mix of
-        uploads that hold back their end can refuse a body arriving: they
-        hold what they took only while they keep sending.
-
-        A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters
-        of ``max_receiving_bytes``; the last quarter is kept for small ones
-        (that room does not wait for anything to stall).  With nothing being
-        received, any body fits: the budget never refuses a body the body
-        limit allows when it is alone.
+        When they do not, the stalled bodies (no byte for ``stall_seconds``, or under ``min_pace`` bytes a
+        second on average since their first) are cut, the slowest first, each answered 408, until they fit.
+        A large body (over :data:`SMALL_BODY_BYTES`) may fill three quarters of ``max_receiving_bytes``, the
+        last quarter is kept for small ones; a body alone always fits (docs/security.md).
         """
         limit = self.max_receiving_bytes
         if limit is not None and self.receiving:
@@ -372,25 +334,11 @@ class Connections:
 class OverCapacity(Protocol):
     """A connection past the cap: a 503 with Retry-After in its API's shape, then closed.
 
-    It waits up to :data:`OVER_CAPACITY_WAIT` for the request line, to answer
-    an OpenAI client in the OpenAI shape; then it writes the answer, shuts
-    its side, and drops what still comes for a moment (so the client reads
-    the answer rather than a reset).
-
-    With ``promote`` (the admin listener, whose :class:`Connections` keeps
-    room for whole requests), a connection whose whole request comes within
-    ``quick_seconds`` is not refused if there is room kept for it: it is
-    handed to a channel built by ``promote(address)``, which reads the
-    request as if it had come to it, answers it with ``Connection: close``
-    and closes.  Whole means what the request reader says: it has read the
-    request's end (:class:`~yieldproxy.edge.reader.EndOfMessage`), the body
-    its head announces included, so a head that announces a body and sends
-    none is not whole.  A whole request holds its place only while it is
-    answered.  When every place is taken, a whole request waits in line,
-    first come first served, up to :data:`OVER_CAPACITY_WAIT`, and the
-    connection that has made the least progress is cut to make its place
-    (:meth:`Connections.shed_for`): a flood of whole requests is answered in
-    turn, and no other kind of connection keeps the operator's out.
+    It waits up to :data:`OVER_CAPACITY_WAIT` for the request line, to answer in its route's shape, then
+    shuts its side and drops what still comes for a moment (so the client reads the answer, not a reset).
+    With ``promote`` (the admin listener), a request that comes whole (the reader has read its end) within
+    ``quick_seconds`` goes to a channel built by ``promote(address)`` when there is room kept for it, or
+    waits in line for it (docs/security.md, *The admin API under a flood*).
     """
 
     #: Set by ``makeConnection``: a TCP (or unix) transport.

@@ -4,17 +4,11 @@ A :class:`ServerConnection` is a plain :class:`~twisted.internet.protocol.Protoc
 It reads requests with the I/O-free :class:`~yieldproxy.edge.reader.RequestReader`
 and serves each as an ordinary :class:`twisted.web.server.Request` through the
 channel interface a ``Request`` uses and nothing else, as Twisted's own HTTP/2
-stream does: no private name of Twisted is read, written or overridden.
-
-Its states (:class:`State`) move only by events fired through one table
-(:data:`MOVES`, the house idiom of yieldproxy/states.py); each state takes what it
-owns in its ``_enter_<STATE>`` and gives it back in its ``_leave_<STATE>``, whatever
-ends the connection.  One timer serves every deadline.  Between requests, or
-with its request parked, a connection can be written down
-(:meth:`ServerConnection.snapshot`) and made again in another process
-(:meth:`ServerConnection.resume`): a reload hands it over as it is.
-
-Each state, what it owns, and the deadlines: docs/architecture.md (*The HTTP edge*).
+stream does: no private name of Twisted is read, written or overridden.  Its
+states move only through :data:`MOVES`; each takes what it owns in its
+``_enter_<STATE>`` and gives it back in its ``_leave_<STATE>``.  Each state, what
+it owns, the deadlines, and a connection handed over by a reload:
+docs/architecture.md (*The HTTP edge*).
 """
 
 from __future__ import annotations

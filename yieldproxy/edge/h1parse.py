@@ -1,24 +1,16 @@
 """An incremental HTTP/1.1 response parser, for the lean upstream client (edge/h1client.py).
 
-It reads what an upstream sends back on one connection: the status line,
-headers (repeats and order kept, obs-fold joined), the body framed by
-``Content-Length``, by chunks (extensions and trailers skipped) or by the
-end of the connection (HTTP/1.0, or no length), interim 1xx responses
-skipped, no body for ``HEAD``, 204 and 304 (RFC 9112 6.3).  It says whether
-the connection may carry another request: never after an HTTP/1.0 answer
-(whatever its ``Connection`` header says: a 1.0 server's keep-alive is an
-extension the proxy does not rely on).
-
-``Transfer-Encoding`` is read strictly (as h11 does, but keeping what a
-relay must pass on): ``chunked`` at most once and only last, or the answer
-is refused; the chunks are removed, and any other coding (``gzip, chunked``)
+What it reads, and when a connection may carry another request:
+docs/architecture.md (*The upstream client*); never after an HTTP/1.0 answer,
+whatever its ``Connection`` header says (a 1.0 server's keep-alive is an
+extension the proxy does not rely on).  ``Transfer-Encoding`` is read strictly
+(as h11 does, but keeping what a relay must pass on): ``chunked`` at most once
+and only last, or the answer is refused; any other coding (``gzip, chunked``)
 stays on the body, named in :attr:`ResponseParser.codings` for the relay to
-send on (never de-chunked and relabelled as a plain body).  Whatever the input, it raises
-nothing but :class:`ParseError` and never loops without consuming input
-(``tests/edge/test_h1client.py`` fuzzes it).
-
-Its field lines and chunked bodies are read by the code it shares with the
-request reader (:mod:`yieldproxy.edge.h1wire`), in its lenient temper.
+send on (never de-chunked and relabelled as a plain body).  Whatever the input,
+it raises nothing but :class:`ParseError` and never loops without consuming
+input (``tests/edge/test_h1client.py`` fuzzes it).  Its field lines and chunked
+bodies are read by :mod:`yieldproxy.edge.h1wire`, in its lenient temper.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """HTTP/1.1 framing shared by the request reader (:mod:`.reader`) and the upstream response parser (:mod:`yieldproxy.edge.h1parse`).
 
 Field lines (``name: value``), Content-Length values, chunk-size lines and
-the decoding state of a chunked body.  The two parsers read the same wire
-format with two tempers:
-
-* *strict* (a request from a client, which may be hostile): every line ends
-  in CRLF, a bare LF is refused the moment it arrives (not waited on), a
-  chunk size is refused as soon as it has more than 16 hex digits, a
-  chunk-size line holds the size, then extensions of the characters Twisted
-  allows, nothing else (no space before the ``;``), and trailer lines must be
-  field lines;
-* *lenient* (an answer from the upstream, which the proxy relays): blanks
-  before the ``;`` are allowed and trailer lines are skipped unread (h1parse's
-  rules).
+the decoding state of a chunked body, read with two tempers: *strict* for a
+request from a client, which may be hostile (the reader's rules:
+docs/architecture.md, *The HTTP edge*; a chunk-size line holds the size, then
+extensions of the characters Twisted allows, nothing else, and trailer lines
+must be field lines), *lenient* for an answer from the upstream, which the
+proxy relays (blanks before the ``;`` allowed, trailer lines skipped unread).
 
 Whatever the bytes, the code here raises nothing but :class:`WireError`,
 whose :attr:`~WireError.rule` says which rule the bytes broke: each parser

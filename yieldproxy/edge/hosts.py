@@ -1,21 +1,11 @@
 """Who is asking: the ``Host`` a request names, and the web page (``Origin``) it comes from.
 
-A browser lets any web page send requests to ``127.0.0.1``; two browser
-behaviours make that dangerous for a service without a password:
-
-* **DNS rebinding.**  A page on ``evil.example`` re-points its own name to
-  ``127.0.0.1`` and then reads the answers as same-origin.  The browser still
-  sends ``Host: evil.example``, so a listener that only answers to its own
-  names (:class:`HostPolicy`) defeats it.  Ollama does this itself
-  (``allowedHostsMiddleware`` in its ``server/routes.go``), but the proxy
-  replaces ``Host`` towards the upstream, so the proxy must do it instead.
-* **Cross-site writes.**  A page may send a ``POST`` anywhere without asking
-  (``text/plain`` bodies and ``<form>`` posts need no CORS preflight); it
-  cannot read the answer, but the write is done.  The browser marks such a
-  request with ``Origin`` and ``Sec-Fetch-Site`` (:func:`cross_site`).
-
-Neither header can be forged by a web page; a program that is not a browser
-can send anything, which is what the admin token is for.
+A browser lets any web page send requests to ``127.0.0.1``: :class:`HostPolicy`
+defeats DNS rebinding (Ollama's ``allowedHostsMiddleware`` does it there, but the
+proxy replaces ``Host`` towards the upstream), and :func:`cross_site` tells a
+cross-site write.  Neither header can be forged by a web page; a program that
+is not a browser can send anything, which is what the admin token is for.  The
+rules: docs/security.md (*Host names*, *Web pages*).
 """
 
 from __future__ import annotations
@@ -30,10 +20,8 @@ import attrs
 if TYPE_CHECKING:
     from twisted.web.http_headers import Headers
 
-#: Names under these suffixes never resolve through public DNS, so a web page cannot
-#: rebind them: ``.localhost`` (RFC 6761: this machine) and ``.internal`` (names a LAN's own
-#: resolver gives).  Not ``.local``: any machine on the LAN may answer mDNS for such a name,
-#: so a page could rebind one (``admin.allowed_hosts = ["*.local"]`` accepts them on purpose).
+#: Names under these suffixes never resolve through public DNS, so a web page cannot rebind them
+#: (not ``.local``, which any machine on the LAN may answer by mDNS: docs/security.md, *Host names*).
 LOCAL_SUFFIXES = (".localhost", ".internal")
 
 
@@ -76,15 +64,8 @@ def _is_private_ip(name: str) -> bool | None:
 
 @attrs.frozen
 class HostPolicy:
-    """Which ``Host`` values a listener answers to.
-
-    Always: no ``Host`` at all (HTTP/1.0), an IP literal that is loopback,
-    private, link-local, unspecified or the address the connection came in on
-    (a web page can only produce those by being served from that address),
-    ``localhost`` and the names under :data:`LOCAL_SUFFIXES`, and this
-    machine's host name.  Besides, ``allowed`` (the ``allowed_hosts`` key):
-    exact names, ``*.suffix`` patterns, or ``*`` for any host.
-    """
+    """Which ``Host`` values a listener answers to (docs/security.md, *Host names*): its own names, and
+    ``allowed`` (the ``allowed_hosts`` key)."""
 
     #: The config key that extends the policy, named in refusals.
     key: str
@@ -135,12 +116,8 @@ def _without_default_port(authority: str, scheme: str = "http") -> str:
 def cross_site(headers: Headers) -> str | None:
     """Why a request comes from another web site, or None when it does not (or is no browser's).
 
-    ``headers`` is a :class:`twisted.web.http_headers.Headers`.  A browser
-    sends ``Sec-Fetch-Site`` (``same-origin``, ``same-site``, ``cross-site``
-    or ``none``) and, on every ``POST``, ``Origin``.  Only ``same-origin``
-    and ``none`` (typed by the user) pass: ``same-site`` includes another
-    port of the same host, which is another program.  ``Origin`` must name
-    the same host and port as ``Host``.
+    Only ``Sec-Fetch-Site`` ``same-origin`` and ``none`` (typed by the user) pass: ``same-site`` includes
+    another port of the same host, which is another program.  ``Origin`` must name ``Host``'s host and port.
     """
     for value in headers.getRawHeaders(b"sec-fetch-site") or []:
         site = value.decode("latin-1").strip().lower()

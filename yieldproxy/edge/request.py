@@ -1,27 +1,12 @@
 """A listener's request: a twisted.web ``Request`` that is answered here when it must never reach the app.
 
-The connection (connection.py) reads the request within its limits and hands
-it over whole, as an ordinary :class:`twisted.web.server.Request` whose
-resource (the proxy's Klein app, the admin API's) renders it.  A few answers
-come from here instead, before the resource sees anything:
-
-* a body over the listener's body limit, or one the receiving budget had no
-  room for, is not read: the request goes to the site's ``oversized`` (or
-  ``receiving_full``) answer, the proxy app's own 413 (503), counted and
-  logged there; without one, a plain one from here;
-* ``CONNECT`` is a 405 (a reverse proxy opens no tunnels);
-* a ``Host`` that is not valid UTF-8, or more than one, and a path that is not
-  UTF-8 once percent-decoded, are 400s: Klein logs a traceback for each such
-  request, and a client could fill the log with them;
-* a ``Host`` outside the listener's ``host_policy`` (:class:`~yieldproxy.edge.hosts.HostPolicy`) is a
-  403, so a web page cannot reach the listener through DNS rebinding.
-
-Each is a :class:`~yieldproxy.edge.refusal.Refusal` its connection writes
-(``refuse_request``) as it writes every answer of the edge (refusal.py).
-
-Form bodies are never parsed (a proxy forwards bodies as they are):
-:meth:`ProxyRequest.requestReceived` sets the method, target and query
-arguments and goes straight to ``process``.
+The connection (connection.py) hands it over whole, and its resource (the
+proxy's Klein app, the admin API's) renders it, unless :meth:`ProxyRequest._refusal`
+answers it first: a body left unread (over the body limit, or no room in the
+receiving budget), ``CONNECT``, a ``Host`` or path Klein cannot read, a ``Host``
+outside the listener's policy.  The list, with each answer: docs/architecture.md
+(*The HTTP edge*) and docs/security.md (*What the listeners refuse*).  Form
+bodies are never parsed (a proxy forwards bodies as they are).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """A listener's site: the factory of its connections, with the limits and timeouts they apply.
 
-Both listeners (the proxy's and the admin API's) serve a :class:`ProxySite`.
-It is a :class:`twisted.web.server.Site` (the resource lookup, the
-``Request`` factory, ``displayTracebacks``), whose ``buildProtocol`` makes
-this package's own :class:`~yieldproxy.edge.connection.ServerConnection`
-instead of Twisted's ``HTTPChannel``, or, past the connection cap, an
-:class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.
-
-How bytes from a client become a request lives in this package; what the
-proxy does with it is proxy/'s job.  A hostile or broken client must
-not make the proxy buffer without bound, wait without bound, or forward
-anything it did not parse itself: the site carries the bounds (body size,
-read, keep-alive and slow-reader timeouts, the ``Host`` policy, the
-connection cap and the receiving budget) that its connections enforce.  What
-is refused, with which answer and why: docs/security.md (*What the listeners
-refuse*, *Limits*).
+Both listeners serve a :class:`ProxySite`: a :class:`twisted.web.server.Site`
+whose ``buildProtocol`` makes this package's own
+:class:`~yieldproxy.edge.connection.ServerConnection`, or, past the connection
+cap, an :class:`~yieldproxy.edge.capacity.OverCapacity` that answers 503.  It
+carries the bounds its connections enforce, so that a hostile or broken client
+cannot make the proxy buffer or wait without bound; what is refused, with which
+answer and why: docs/security.md (*What the listeners refuse*, *Limits*).
 """
 
 from __future__ import annotations
@@ -43,16 +35,8 @@ class ProxySite(Site):
     A body over ``max_body_bytes`` is not read: the request is answered by
     ``oversized(request)``, which sets the status and headers and returns the
     body (the proxy app's 413, counted in its metrics), or, without it, by a
-    plain 413 (the admin API).  The answers the edge writes itself are in the
-    shape ``error_body`` gives (``{"error": ...}`` by default; the listeners
-    give errors.listener_error_body), and ``on_refused(request, status, code)``
-    hears of each request answered here without reaching the app (the proxy's
-    request log line).
-
-    ``timeout`` (Twisted's) is the keep-alive timeout: how long a connection
-    may wait for a request.  ``stall_timeout`` is how long a client may read
-    nothing of its answer (default: ``timeout``).  ``connections`` caps the
-    open connections and ``host_policy`` the ``Host`` values answered.
+    plain 413 (the admin API).  ``timeout`` (Twisted's) is the keep-alive
+    timeout: how long a connection may wait for a request.
     """
 
     displayTracebacks = False

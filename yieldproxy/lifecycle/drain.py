@@ -1,26 +1,13 @@
 """The graceful stop's middle: settle the parked and in-flight requests, within a bound.
 
-A child of the proxy's service, stopped after the proxy listener (no new
-connections) and the watchers (their holds stay: a yielded GPU stays
-yielded), and before the upstream clients close and the admin listener
-stops.  Its :meth:`Drain.stopService`:
-
-* makes the scheduler refuse every request from then on (a request coming back
-  after a failed attempt too);
-* answers every parked request 503 at once if the GPU is yielded (it will
-  not be back in time), else lets the lot drain as usual;
-* waits until nothing is parked and nothing is in flight (at the primary or
-  the fallback), each told by an event, not polled: the lot and the
-  replayers fire their waiters when they empty (:meth:`ParkingLot.when_empty`,
-  :meth:`~yieldproxy.lot.replay.Replayer.when_idle`), as Twisted's ``ClientService`` fires its own;
-* gives up after ``proxy.shutdown_timeout_seconds``: what is still parked is
-  answered 503, what is in flight is left to finish as the process ends;
-* stops the pool's drainers for good;
-* and waits (at most :data:`FLUSH_SECONDS`) for the answers still buffered in
-  the proxy's transports to reach their sockets, each such connection closed
-  then: the process ends right after, and the reactor's end drops what a
-  transport still holds (a 503 written just now would reach its client as a
-  bare close).
+Its steps and their order among the stop's: docs/architecture.md (*Start and
+stop*).  Each wait is on an event, not a poll: the lot and the replayers fire
+their waiters when they empty (:meth:`ParkingLot.when_empty`,
+:meth:`~yieldproxy.lot.replay.Replayer.when_idle`), as Twisted's
+``ClientService`` fires its own.  Last it waits (at most :data:`FLUSH_SECONDS`)
+for the answers still buffered in the proxy's transports: the reactor's end
+would drop them, and a 503 written just now would reach its client as a bare
+close.
 """
 
 from __future__ import annotations

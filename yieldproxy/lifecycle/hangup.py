@@ -1,28 +1,15 @@
 """What a hang-up (SIGHUP) means: a reload for a service, the end for a program run in a terminal.
 
-A daemon takes SIGHUP as "re-read your config" (nginx, HAProxy, sshd); a
-program in a terminal takes it as "your terminal is gone" and ends.  The
-proxy's reload starts a new process that takes everything over and has no
-terminal of its own, so a hang-up taken as a reload left the proxy serving,
-detached, after its terminal was closed.  :func:`terminal_of` decides which
-kind of process this one is, once, at start:
-
-* told to notify systemd (``$NOTIFY_SOCKET``, the unit is ``Type=notify``), or
-  twistd forks it into the background (no ``-n``), or a reload started it:
-  a service, SIGHUP reloads;
-* else, when its stdin, stdout or stderr is a terminal: a terminal program.
-  SIGHUP is the graceful stop (:class:`HangupStops`, the same as SIGTERM:
-  parked requests answered 503 + ``Retry-After``, in-flight ones finish), and
-  a reload (SIGHUP, ``yieldproxy reload``, ``POST /reload``) is refused
-  in one line that says how to restart it;
-* else (a supervisor's pipes, a container without ``-t``): a service.
-
-``$INVOCATION_ID`` alone is no sign of systemd's service: a desktop's
-terminal started by a user unit passes it on to every shell it opens.
+A reload's new process has no terminal of its own, so a hang-up taken as a
+reload would leave the proxy serving, detached, after its terminal closed.
+:func:`terminal_of` decides once, at start, which kind of process this one
+is; the rule, and why ``$INVOCATION_ID`` alone is no sign of systemd:
+docs/operating.md (*In a terminal or as a service*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from typing import Any, Callable, Mapping
@@ -91,11 +78,9 @@ class HangupStops(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        try:
+        with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(signal.SIGHUP) == self._on_signal:
                 signal.signal(signal.SIGHUP, self._previous if self._previous is not None else signal.SIG_DFL)
-        except (ValueError, OSError):
-            pass
 
     def _on_signal(self, signum, frame) -> None:
         """The Python-level handler: the stop begins in the reactor thread."""

@@ -13,6 +13,7 @@ during a reload, and how a bad file is refused: docs/operating.md
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -57,14 +58,8 @@ _OWN_KEYS = frozenset(("format", "version", "written_at", "pid", "claimed_at", "
 
 
 def holds_path(config: Config, environ: Mapping[str, str]) -> Path:
-    """Where this proxy's holds live: ``state.holds_file``, or its default.
-
-    The default directory is ``$STATE_DIRECTORY`` (systemd's
-    ``StateDirectory=``; its first entry), else ``$XDG_STATE_HOME/yieldproxy``,
-    else ``~/.local/state/yieldproxy``.  The file is named from a hash of
-    ``proxy.listen`` and ``admin.listen``: the same command line finds the
-    same file, two proxies with different listeners never share one.
-    """
+    """Where this proxy's holds live: ``state.holds_file``, or its default (docs/configuration.md, ``[state]``:
+    the same command line finds the same file, two proxies with different listeners never share one)."""
     if config.state.holds_file:
         return Path(os.path.expanduser(config.state.holds_file))
     state_directory = (environ.get("STATE_DIRECTORY") or "").split(":")[0]
@@ -134,7 +129,7 @@ class HoldStore:
     _last: list[dict[str, Any]] | None = None
     #: True after a failed write, until one succeeds (one log line per run of failures).
     _failing: bool = False
-    #: Whether process ``pid`` runs: a later claim by one that does not is void (see the module's docstring).
+    #: Whether process ``pid`` runs: a later claim by one that does not is void (:meth:`_claimed_later`).
     running: Callable[[int], bool] = attrs.field(default=attrs.Factory(lambda: _running))
     #: Sections kept beside the holds: name -> (what to write, read when writing; who reads it back).
     _sections: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = attrs.Factory(dict)
@@ -612,10 +607,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
             os.close(fd)
         os.replace(temporary, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        except OSError:
-            pass
         raise
     try:
         directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

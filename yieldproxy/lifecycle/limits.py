@@ -1,21 +1,13 @@
 """The process's open-file budget: enough descriptors for every connection the config allows.
 
-Each client connection is a file descriptor, and so is each upstream
-connection, the admin listener's, the log and the probes'.  A Linux service
-starts with a soft limit of 1024, far below ``parking.max_parked`` (10,000):
-once it is used up, ``accept`` fails, Twisted resets new clients, and the
-admin API cannot be reached either.  So at start :func:`fit_fd_limit` raises
-the soft limit as far as the config needs (never past the hard limit), and
-when even the hard limit is too low it lowers the proxy's connection cap to
-what fits, instead of failing later under load.
-
-The defaults fit the machine: where the operator set neither
-``proxy.max_connections`` nor ``parking.max_parked``, a limit too low for
-10,000 parked requests sizes both to it, in one debug line (a machine whose
-hard limit is 20,000 is no mistake, and a line at every start would be noise:
-``/status`` shows the sizes in its config summary).  A warning is for what the operator
-asked for and cannot have: an explicit ``proxy.max_connections`` or
-``parking.max_parked`` (or a class's ``max_parked``) the limit cannot meet.
+A Linux service starts with a soft limit of 1024, far below
+``parking.max_parked`` (10,000): once it is used up, ``accept`` fails, Twisted
+resets new clients, and the admin API cannot be reached either.  So at start
+:func:`fit_fd_limit` raises the soft limit as far as the config needs (never
+past the hard limit), and when even the hard limit is too low it lowers the
+proxy's connection cap to what fits, instead of failing later under load.  A
+default sized to the limit is no mistake (a debug line); a cap the operator set
+and cannot have is a warning: docs/configuration.md (``proxy.max_connections``).
 """
 
 from __future__ import annotations
@@ -54,10 +46,6 @@ class FdBudget:
     max_parked: int = 0
     #: What was sized to the limit, where the operator had set nothing (an info line, no warning).
     sized: str = ""
-
-    @property
-    def lowered(self) -> bool:
-        return self.soft < self.need
 
 
 def _text(limit: int) -> str:

@@ -1,23 +1,12 @@
 """Reload and upgrade without losing a request: one process hands over to the next.
 
-SIGHUP, ``POST /reload``, ``yieldproxy reload`` and ``systemctl reload``
-all start the same succession (predecessor.py): a new process running the
-*installed* code with the same command line reads and validates the config,
-takes over the listening sockets, the holds, the twins' verifications and
-every parked request with its client's connection (takeover.py), while
-this process finishes what is in flight and exits.  A config the new code
-refuses comes back as one line, and this process keeps running.  The
-handover has two phases with one commit point: until it, this process owns
-everything and takes it all back if the new one dies or is stopped; from it
-on, the new process does (predecessor.py says who owns what when).
-
-:class:`Succession` is the service that ties both sides into one proxy
-(service.py builds it when tap.py gives it a :class:`Setup`): it installs
-the SIGHUP handler, runs the take-over when this process was started by a
-reload, snapshots and restores the state that crosses over, refuses the
-signals and the admin API's hold changes that the process without the holds
-must not take (signals.py), and hands the pidfile and the holds file over at
-the commit (claims.py).
+The old side is predecessor.py (two phases, one commit point), the new side
+takeover.py; :class:`Succession` is the service that ties both into one proxy
+(service.py builds it when tap.py gives it a :class:`Setup`): the SIGHUP
+handler, the take-over at start, the state that crosses over, the signals and
+hold changes the process without the holds must refuse (signals.py), the
+pidfile and holds file at the commit (claims.py).  What a reload does and
+keeps: docs/operating.md (*Reload: a new process takes everything over*).
 
 Part of lifecycle/ (layer 9): it may import what lifecycle/ may (the proxy's
 parked requests and the edge's connections go over through them), and the rest
@@ -26,6 +15,7 @@ of lifecycle/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -33,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.defer import Deferred, fail, gatherResults
 from twisted.logger import Logger
 
 from ... import __version__
@@ -182,10 +172,8 @@ class Succession(Service):
             link_ended = self._takeover.stop()
         stopped = self._predecessor.stop()
         if self._previous_handler is not None:
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 signal.signal(signal.SIGHUP, self._previous_handler)
-            except (ValueError, OSError):
-                pass
             self._previous_handler = None
         add_trigger = getattr(self._reactor, "addSystemEventTrigger", None)
         if add_trigger is not None:
@@ -262,12 +250,11 @@ class Succession(Service):
     def reload(self) -> Deferred[dict[str, Any]]:
         """Hand over to a new process (see the package docstring); fails with :class:`ReloadRefused`,
         :class:`ReloadFailed` or :class:`ReloadBusy`, each logged here in one line."""
+        d: Deferred[dict[str, Any]]
         if self._takeover is not None and not self._takeover.done:
-            d: Deferred[dict[str, Any]] = Deferred()
-            d.errback(ReloadBusy("this process is still taking over from the one before it"))
+            d = fail(ReloadBusy("this process is still taking over from the one before it"))
         elif not self.running:
-            d = Deferred()
-            d.errback(ReloadBusy("this process is stopping"))
+            d = fail(ReloadBusy("this process is stopping"))
         else:
             d = Deferred.fromCoroutine(self._predecessor.reload())
 
@@ -290,12 +277,7 @@ class Succession(Service):
         # Whoever asked may go away (the admin client's timeout, a ^C: Klein cancels its Deferred): the
         # handover goes on regardless.  Cancelled halfway, it would kill a new process holding part of the lot.
         outcome: Deferred[dict[str, Any]] = Deferred(lambda _: None)
-
-        def tell(result: Any) -> None:
-            if not outcome.called:
-                outcome.callback(result)
-
-        d.addBoth(tell)
+        d.addBoth(lambda result: None if outcome.called else outcome.callback(result))
         return outcome
 
     # -- what crosses over besides the lot --------------------------------------------------------

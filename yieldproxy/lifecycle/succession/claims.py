@@ -1,23 +1,16 @@
 """The files one process owns at a time, and that change hands at a reload's commit: the pidfile and the holds file.
 
-* **The pidfile** twistd was given (``--pidfile``, ``twistd.pid`` by
-  default) names the process that serves.  A process a reload started runs
-  twistd with no pidfile of its own (tap.py: its twistd would refuse to start
-  beside the running one's), writes the file (:meth:`PidFile.take`) when it
-  commits, and removes it when it stops unless it handed over in its turn.
-  The old process lets twistd know the file is not its to remove any more
-  (:meth:`PidFile.give_up`).
-* **The holds file** (lifecycle/holdstore.py) is read by the new process at its start
-  (so that what it does before the commit, such as its twins' verification,
-  knows what is held), but not written before its commit
-  (:class:`ClaimedAtCommit`): until then the old process owns the holds and
-  writes every change; the new one's first write, at the commit, claims it,
-  and the old one writes it no more.  A new process that never commits never
-  wrote it.
+The new process writes neither before its commit: twistd runs it with no
+pidfile of its own (tap.py: its twistd would refuse to start beside the
+running one's), and it reads the holds file at start but only writes it
+from the commit on (:class:`ClaimedAtCommit`), so a new process that never
+commits never wrote either.  Who writes what when: docs/operating.md (the
+table of *Reload: a new process takes everything over*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -67,13 +60,11 @@ class PidFile:
         if not self._mine or self.path is None:
             return
         self._mine = False
-        try:
+        with contextlib.suppress(OSError, ValueError):
             with open(self.path) as f:
                 named = int(f.read().strip() or 0)
             if named == os.getpid():
                 os.unlink(self.path)
-        except (OSError, ValueError):
-            pass
 
 
 class ClaimedAtCommit:

@@ -1,27 +1,13 @@
 """The one place a reload writes a client's connection down and makes it again: the HTTP edge's side.
 
-Everything lifecycle/succession/ does to a connection goes through here, on what the
-edge's connection offers for it (edge/connection.py: ``snapshot``,
-``resume``, ``freeze``, ``thaw``, ``read_ahead``, ``unsent``):
-
-* :func:`export_parked` (a parked request: the request rebuilt in its own
-  HTTP version, and what the client pipelined behind it), :func:`export_idle`
-  (a keep-alive connection between requests, or before its first) and
-  :func:`export_unhandled` (a request read whole that this process will not
-  answer: it came after the holds went over) write a connection down as an
-  :class:`Exported`: a duplicate of its descriptor to send, its address
-  family, the connection itself as data (its state, keep-alive, the time left
-  on its deadline), and the bytes the new process goes on with;
-* the copy here is frozen as it is written down (it reads nothing, its
-  deadline does not run, the cap does not reclaim it) and stays so until the
-  new process has taken it on (:meth:`Exported.let_go`: gone from here
-  without a word: no answer, no FIN, no reset) or will not
-  (:meth:`Exported.resume`: served here as if nothing had happened; what the
-  client sent meanwhile waited in the socket);
-* :func:`make_again` makes a connection sent over again in the new process,
-  in the state it was in, and goes on with its bytes;
-* :func:`divert` takes a site's requests away from its resource, each with
-  its connection (the old process, once the holds have gone over).
+Everything lifecycle/succession/ does to a connection goes through here, on what
+the edge's connection offers for it (edge/connection.py: ``snapshot``,
+``resume``, ``freeze``, ``thaw``, ``read_ahead``, ``unsent``).  A connection
+written down (:class:`Exported`) stays frozen here (it reads nothing, its
+deadline does not run, the cap does not reclaim it) until the new process has
+taken it on (:meth:`Exported.let_go`: gone from here without a word: no answer,
+no FIN, no reset) or will not (:meth:`Exported.resume`: served here as if
+nothing had happened; what the client sent meanwhile waited in the socket).
 """
 
 from __future__ import annotations
@@ -62,6 +48,12 @@ class Exported:
     _request: Any = None
     _done: bool = False
 
+    def record(self, **fields: Any) -> tuple[dict[str, Any], bytes]:
+        """``fields`` and the connection as the new process takes it up, with the bytes it goes on with (the
+        frame has them now: not held here twice while the commit is awaited)."""
+        data, self.data = self.data, b""
+        return {**fields, "family": self.family, "connection": self.connection, "fd": self.fd}, data
+
     def let_go(self) -> None:
         """The new process has it: gone from here without a word (its copy lives on there)."""
         if self._done:
@@ -93,27 +85,24 @@ def _export(channel: Any, data: bytes, request: Any = None) -> Exported:
     return exported
 
 
-def export_parked(request: Any, body: bytes) -> Exported | None:
+def export_parked(request: Any, body: bytes, parked: bool = True) -> Exported | None:
     """A parked request with its connection: the request as its client sent it, then what it pipelined
     behind it (read here already, held until this request is answered); None if the client is gone."""
     channel = request.channel
     if channel is None or not _writable(channel):
         return None
-    return _export(channel, _rebuilt(request, body) + channel.read_ahead, request)
+    return _export(channel, _rebuilt(request, body) + channel.read_ahead, request if parked else None)
 
 
 def export_unhandled(request: Any) -> Exported | None:
     """A request read whole that this process will not handle (see :func:`divert`): it goes over with its
     connection, as if the new process had read it; None if the client is gone."""
-    channel = request.channel
-    if channel is None or not _writable(channel):
-        return None
     content = request.content
     body = b""
     if content is not None:
         content.seek(0)
         body = content.read()
-    return _export(channel, _rebuilt(request, body) + channel.read_ahead)
+    return export_parked(request, body, parked=False)
 
 
 def export_idle(channel: Any) -> Exported | None:

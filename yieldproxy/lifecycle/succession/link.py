@@ -4,26 +4,17 @@ Frames (wire.py) go both ways; descriptors go beside them with
 ``IUNIXTransport.sendFileDescriptor`` (Twisted sends each with one byte of
 the frame that follows) and come in through ``fileDescriptorReceived``,
 before the bytes they came with.  A frame that says ``"fds": n`` takes the
-next ``n`` received descriptors.
-
-:meth:`Link.flushed` says when what was sent has left this process: the
-new process answers ``committed`` and acts on it only then, so that the old
-process reads it even if the new one dies the next instant (predecessor.py).
-The link knows it from its transport: it is the transport's *pull* producer,
-which the transport tells (``resumeProducing``) each time it has written out
-everything it was given, descriptors included (each travels with a byte of
-the frames).
-
-How the link ends is what each side reads the other's fate from, since a
-closed socket cannot lie: :attr:`Link.ended_here` says whether this side
-ended it, and a link given a ``farewell`` frame says it before any end it
-chooses (the old process's ``abort``).  So the other side, reading the end
-without the farewell, knows the process at this end is gone (takeover.py).
+next ``n`` received descriptors.  The link is its transport's *pull*
+producer, so it knows when what was sent has left this process
+(:meth:`Link.flushed`); and how it ended (:attr:`Link.ended_here`, the
+``farewell`` said before every end this side chooses) is what the other
+side reads this process's fate from (liveness.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 from typing import Any, Callable
@@ -144,10 +135,8 @@ class Link(Protocol):
         for waiter in waiters:
             waiter.errback(LinkClosed("the other process is gone"))
         while self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fds.popleft())
-            except OSError:
-                pass
         if not self.closed.called:
             self.closed.callback(None)
 

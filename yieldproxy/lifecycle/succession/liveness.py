@@ -18,6 +18,7 @@ while the parent still looks alive.  Two facts can:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import select
@@ -128,7 +129,5 @@ class Peer:
     def close(self) -> None:
         fd, self.pidfd = self.pidfd, None
         if fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass

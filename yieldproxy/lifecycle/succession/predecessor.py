@@ -19,6 +19,7 @@ docs/operating.md (*Reload: a new process takes everything over*).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import socket
@@ -34,6 +35,7 @@ from twisted.logger import Logger
 from ... import __version__
 from ...edge.sockets import family_of
 from ...states import Machine, Moves
+from ..sdnotify import monotonic_usec
 from . import moments
 from .connections import Exported, divert, export_idle, export_parked, export_unhandled, idle_connections, serve_here
 from .link import Link, adopt_link
@@ -149,17 +151,13 @@ class _Successor:
     def terminate(self) -> None:
         """Ask it to stop (SIGTERM): its own stop answers what it took, as any stop does."""
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.popen.terminate()
-            except OSError:
-                pass
 
     def kill(self) -> None:
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.popen.kill()
-            except OSError:
-                pass
 
 
 def _within(d: Deferred, seconds: float, clock) -> Deferred:
@@ -294,7 +292,7 @@ class Predecessor(Machine[Phase, str]):
         self._reload_over = Deferred()
         self._stop_asked = Deferred()
         began = self._reactor.seconds()
-        self._notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        self._notify("RELOADING=1", f"MONOTONIC_USEC={monotonic_usec()}")
         try:
             return await self._reload(began)
         except BaseException:
@@ -471,9 +469,7 @@ class Predecessor(Machine[Phase, str]):
         for exported in self._pending_connections:
             exported.resume()
         self._pending_connections.clear()
-        if self._undivert is not None:
-            self._undivert()
-            self._undivert = None
+        self._stop_diverting()
         if self._frozen is not None:
             frozen, self._frozen = self._frozen, None
             frozen.callback(None)
@@ -485,6 +481,12 @@ class Predecessor(Machine[Phase, str]):
             serve_here(request)
         return parked, connections
 
+    def _stop_diverting(self) -> None:
+        """The sites' requests go to their own resources again (:func:`~.connections.divert`)."""
+        undivert, self._undivert = self._undivert, None
+        if undivert is not None:
+            undivert()
+
     def _give_up(self, kill: bool) -> None:
         """The successor will not take over: it is told to let go (``abort``) or ended (``kill``: nothing of
         ours is lost with it), and the link closes.
@@ -494,11 +496,15 @@ class Predecessor(Machine[Phase, str]):
             self._link.close()  # with its farewell: abort
         if kill and self._child is not None:
             self._child.kill()
+        self._close_unacked()
+        self._fire_taken()
+
+    def _close_unacked(self) -> None:
+        """Close the descriptors sent that the successor never said it has (it will not take them now)."""
         for fds in self._unacked.values():
             for fd in fds:
                 os.close(fd)
         self._unacked.clear()
-        self._fire_taken()
 
     # -- the link ---------------------------------------------------------------------------
 
@@ -591,22 +597,17 @@ class Predecessor(Machine[Phase, str]):
                 killed = True
         if kind == "ok":
             return value
-        if kind == "refused":
-            raise ReloadRefused(str(value.get("error", "refused")))
-        if kind == "aborting":
-            raise ReloadFailed(f"the new process (pid {child.pid}) stopped before it took over ({value.get('why')})")
         if kind == "stopping":
             raise ReloadFailed("this process was told to stop")
-        # It exited, or the link closed: each comes after every frame it sent, read here once the link has
-        # ended (its last words say why, a refusal or an ``aborting``), and the exit's status says more.
         status = value if kind == "ended" else "still running"
-        try:
-            if kind == "ended":
-                await _within(link.closed, 5, self._reactor)
-            else:
-                status = await _within(child.ended, 5, self._reactor)
-        except TimeoutError:
-            pass
+        if kind in ("ended", "closed"):
+            # Each comes after every frame it sent, read here once the link has ended (its last words say why,
+            # a refusal or an ``aborting``), and the exit's status says more.
+            with contextlib.suppress(TimeoutError):
+                if kind == "ended":
+                    await _within(link.closed, 5, self._reactor)
+                else:
+                    status = await _within(child.ended, 5, self._reactor)
         refused: Any = self._waiting["refused"]
         if refused.called:
             raise ReloadRefused(str(refused.result.get("error", "refused")))
@@ -639,11 +640,7 @@ class Predecessor(Machine[Phase, str]):
             if exported is None:
                 return None  # the client went away meanwhile: nothing to send on
             carried = Carried(started_at=request.facts.started_at, standing=entry.standing(self._reactor.seconds()))
-            records.append((
-                {**carried.as_json(), "family": exported.family, "connection": exported.connection, "fd": exported.fd},
-                exported.data,
-            ))
-            exported.data = b""  # the frame has it: not held twice while the commit is awaited
+            records.append(exported.record(**carried.as_json()))
             if not pending:
                 exported.let_go()
                 return None
@@ -669,11 +666,7 @@ class Predecessor(Machine[Phase, str]):
                 exported = export_idle(channel)
                 if exported is None:
                     continue
-                records.append((
-                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
-                    exported.data,
-                ))
-                exported.data = b""
+                records.append(exported.record(listener=name))
                 if pending:
                     self._pending_connections.append(exported)
                 else:
@@ -714,10 +707,7 @@ class Predecessor(Machine[Phase, str]):
             if exported is None:
                 continue  # the client went away
             name = listener_of.get(id(request.site), "proxy")
-            records.append((
-                    {"listener": name, "family": exported.family, "connection": exported.connection, "fd": exported.fd},
-                    exported.data,
-                ))
+            records.append(exported.record(listener=name))
             exported.let_go()
         self._send_records(link, "connections", records)
         self.sent_connections += len(records)
@@ -747,13 +737,8 @@ class Predecessor(Machine[Phase, str]):
         is left here is answered 503 with Retry-After, and idle connections are closed."""
         if self._wind_down is None:
             return
-        for fds in self._unacked.values():
-            for fd in fds:
-                os.close(fd)
-        self._unacked.clear()
-        if self._undivert is not None:
-            self._undivert()
-            self._undivert = None
+        self._close_unacked()
+        self._stop_diverting()
         self._scheduler.stop_admitting()
         refused = self._scheduler.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
         log.warn("reload: the new process (pid {pid}) is gone; this process (pid {me}) answers what is left here "
@@ -805,11 +790,9 @@ class Predecessor(Machine[Phase, str]):
     def stop(self) -> Deferred[None]:
         """This process stops (its winding down is over, or it was told to).
 
-        During a reload, a stop is a stop of both: before the commit the new process is told to let go
-        (``abort``) and this process takes everything back, its own stop answering it; the Deferred fires
-        once the new process is gone (its copies of the listening sockets closed).  Once the commit is sent
-        its outcome is awaited first; if the new process committed, it is asked to stop (SIGTERM), and its
-        own stop answers what it took.  After the handover, only this process stops."""
+        During a reload, a stop is a stop of both (docs/operating.md, *The two phases*); the Deferred fires
+        once the new process is gone (its copies of the listening sockets closed).  After the handover, only
+        this process stops."""
         if self._reload_over is None:
             self._end_wind_down()
             return succeed(None)

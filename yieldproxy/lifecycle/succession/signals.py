@@ -1,17 +1,12 @@
 """Signals while a reload is under way: queued in the kernel or refused with a log line, never fatal.
 
-* A new process is born with :data:`HANDOVER_SIGNALS` blocked (the signal
-  mask is inherited across ``exec``: :func:`blocked_in_children` is held
-  while it is started), so a SIGHUP, SIGTERM or SIGUSR1 in its first moments,
-  before Python and twistd have installed any handler, waits in the kernel
-  instead of ending it.  It unblocks them (:func:`unblock`) once its
-  handlers are in: SIGTERM and SIGINT are a stop (before the commit the old
-  process takes everything back), SIGHUP is refused while it takes over.
-* SIGUSR1 and SIGUSR2 take and end the ``signal`` hold (the signal watcher),
-  or end the process when nothing handles them.  While the holds are between
-  two processes they are refused with a log line (:class:`HoldSignals`): the
-  process that does not own the holds must not take one it would not keep,
-  and neither process may die of a signal meant as a hold.
+A new process is born with :data:`HANDOVER_SIGNALS` blocked (the mask is
+inherited across ``exec``: :func:`blocked_in_children` is held while it is
+started), so one sent in its first moments, before any handler is installed,
+waits in the kernel instead of ending it; it unblocks them (:func:`unblock`)
+once its handlers are in.  The process that does not own the holds refuses
+SIGUSR1 and SIGUSR2 with a log line (:class:`HoldSignals`).  What each signal
+does during a reload: docs/operating.md (*Hold changes and signals during a reload*).
 """
 
 from __future__ import annotations
@@ -61,6 +56,16 @@ def _handler(method: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
     return handle
 
 
+def _put_back(previous: dict, unless_replaced: Any = None) -> None:
+    """Put back each signal's ``previous`` handler (None: the default action), and forget them; with
+    ``unless_replaced``, only where that handler is still the one in place."""
+    for signum, handler in previous.items():
+        with contextlib.suppress(ValueError, OSError):
+            if unless_replaced is None or signal.getsignal(signum) is unless_replaced:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    previous.clear()
+
+
 @attrs.define(eq=False, repr=False)
 class HoldSignals:
     """SIGUSR1 and SIGUSR2 refused with a log line (:meth:`refuse`) until :meth:`restore`."""
@@ -92,12 +97,7 @@ class HoldSignals:
 
     def restore(self) -> None:
         """Put back what handled them before."""
-        for signum, previous in self._previous.items():
-            try:
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
-        self._previous.clear()
+        _put_back(self._previous)
 
     def _on_signal(self, signum, frame) -> None:
         self._reactor.callFromThread(self._refused, signum)
@@ -133,20 +133,12 @@ class StopNoted:
         for signum in STOP_SIGNALS:
             if signum in self._previous:
                 continue
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except (ValueError, OSError):
-                pass
 
     def unwatch(self) -> None:
         """Put back the handlers there were, unless another took over meanwhile (the stop's own)."""
-        for signum, previous in self._previous.items():
-            try:
-                if signal.getsignal(signum) is self._handle:
-                    signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
-        self._previous.clear()
+        _put_back(self._previous, unless_replaced=self._handle)
 
     def _on_signal(self, signum, frame) -> None:
         self._note()

@@ -1,23 +1,18 @@
 """The successor's side: a process started by a reload takes over its predecessor's sockets and lot.
 
-Started by the running process with ``$YIELDPROXY_SUCCESSION_FD`` naming its
-end of a unix socket, it reads (blocking, before its reactor runs) the
-predecessor's listening sockets (:class:`Inheritance`), adopts the ones whose
-endpoint is unchanged, paused, and builds and starts its service as any start
-does; a config its own start refuses goes back as one line (:func:`refuse`).
-Then :class:`TakeOver` says ``ready`` and runs its side of the two phases
-(predecessor.py): before the commit it only holds what comes, so its death or
-stop costs nothing; a link that ends without ``abort`` is the predecessor's
-death (liveness.py), and it takes over with what it holds; at the commit it
-answers ``committed`` and acts on it once that frame has left it; after it,
-what the predecessor still sends is made again at once.
-
-What each moment of a death or a stop leaves: docs/operating.md
+Started with ``$YIELDPROXY_SUCCESSION_FD`` naming its end of a unix socket, it
+reads (blocking, before its reactor runs) the predecessor's listening sockets
+(:class:`Inheritance`), adopts the ones whose endpoint is unchanged, paused,
+and starts as any start does; a config its own start refuses goes back as one
+line (:func:`refuse`).  Then :class:`TakeOver` runs its side of the two phases
+(predecessor.py); a link that ends without ``abort`` is the predecessor's death
+(liveness.py).  What each moment of a death or a stop leaves: docs/operating.md
 (*The two phases, and what a death or a stop during a reload does*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import socket
@@ -295,27 +290,24 @@ class TakeOver(Machine[Stage, str]):
     def _make_again(self, item: _Held) -> None:
         """A connection held (or sent after the commit) made again here, going on with its bytes."""
         try:
+            record = dict(item.record)
+            family = int(record.pop("family"))
+            connection = _connection(record.pop("connection", None))
             if item.kind == "parked":
-                record = dict(item.record)
-                family = int(record.pop("family"))
-                connection = _connection(record.pop("connection", None))
                 carried = Carried.from_json(record)
-                site = self._listeners["proxy"].factory
-                make_again(self._reactor, site, item.fd, family, item.data, connection=connection,
+                make_again(self._reactor, self._listeners["proxy"].factory, item.fd, family, item.data,
+                           connection=connection,
                            feed=lambda channel, state, data: self._adopt(channel, carried, state, data))
                 self.adopted += 1
             else:
-                listener = self._listeners[str(item.record["listener"])]
-                make_again(self._reactor, listener.factory, item.fd, int(item.record["family"]), item.data,
-                           connection=_connection(item.record.get("connection")))
+                listener = self._listeners[str(record["listener"])]
+                make_again(self._reactor, listener.factory, item.fd, family, item.data, connection=connection)
                 self.connections += 1
         except (BadFrame, KeyError, TypeError, ValueError) as e:
             log.error("reload: a {kind} record from pid {pid} is not one ({why}); its connection is closed",
                       kind=item.kind, pid=self._inheritance.pid, why=str(e))
-            try:
+            with contextlib.suppress(OSError):
                 os.close(item.fd)
-            except OSError:
-                pass
 
     def _ack(self, message: dict[str, Any]) -> None:
         """The predecessor may close its copies of the descriptors of frame ``id`` now."""

@@ -38,8 +38,7 @@ BATCH_BYTES = 8 * 1024 * 1024
 #: turn, so a small batch keeps the connections it accepts meanwhile moving.
 BATCH_FDS = 50
 #: What the handover speaks: a successor that does not speak it refuses the handover.  3: the two-phase
-#: handover (the old process keeps every connection until ``committed``, predecessor.py), times on the
-#: machine's monotonic clock (clock.py; 2 had only that, 1 carried the wall clock).
+#: handover (predecessor.py), times on the machine's monotonic clock (clock.py).
 PROTOCOL = 3
 #: Request headers not sent again: the body is whole now (Content-Length says its size), and a
 #: ``100 Continue`` was answered already.
