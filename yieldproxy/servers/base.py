@@ -214,6 +214,11 @@ def never_unload(method: str, path: str, request: Any) -> bool:
     return False
 
 
+def openai_errors(path: str) -> str:
+    """OpenAI's nested error object on every route (the server's clients are OpenAI clients)."""
+    return "openai"
+
+
 def up_on_200(status: int, body: bytes) -> str:
     """The health check of a server whose health route answers 200 when it serves, anything else when not."""
     return UP if status == 200 else DOWN
@@ -221,7 +226,10 @@ def up_on_200(status: int, body: bytes) -> str:
 
 @attrs.frozen
 class Server:
-    """Everything the proxy knows about one kind of server (see the module docstring)."""
+    """Everything the proxy knows about one kind of server (see the module docstring).
+
+    The defaults are OpenAI's API; each server names only where it differs.
+    """
 
     #: The name ``[[upstreams]] api`` takes.
     api: str
@@ -232,22 +240,22 @@ class Server:
     judge: Callable[[int, bytes], str]
     #: ``GET`` this path (relative to the member URL) to learn whether it serves.
     health_path: str
-    #: ``judge_health(status, body)``: one of :data:`HEALTH` for the health route's answer.
-    judge_health: Callable[[int, bytes], str]
-    #: ``GET`` this path for the names of the models it serves.
-    models_path: str
-    #: ``parse_models(body)``: the names in its model list's answer; ValueError if it is not one.
-    parse_models: Callable[[bytes], tuple[str, ...]]
     #: ``minimal_call(call)``: the smallest call of the failed call's kind, or
     #: None (the outage probe then uses the health route).
     minimal_call: Callable[[ModelCall], MinimalCall | None]
+    #: ``judge_health(status, body)``: one of :data:`HEALTH` for the health route's answer.
+    judge_health: Callable[[int, bytes], str] = up_on_200
+    #: ``GET`` this path for the names of the models it serves.
+    models_path: str = "/v1/models"
+    #: ``parse_models(body)``: the names in its model list's answer; ValueError if it is not one.
+    parse_models: Callable[[bytes], tuple[str, ...]] = openai_model_ids
     #: The body shape an embedding request translated for it takes: ``ollama``
     #: or ``openai`` (:func:`yieldproxy.upstream.translation.backend_request`'s ``api``).
-    embed_shape: str
+    embed_shape: str = "openai"
     #: Where that translated request goes, relative to the member URL.
-    embed_path: str
+    embed_path: str = "/v1/embeddings"
     #: ``error_shape(path)``: the shape of the proxy's own error bodies on this path.
-    error_shape: Callable[[str], str]
+    error_shape: Callable[[str], str] = openai_errors
     #: ``OPTIONS`` on any path runs no model (a CORS preflight, answered before any handler).
     options_passthrough: bool = True
     #: Routes that fetch or build a model: passthrough while the GPU is there,

@@ -29,9 +29,7 @@ from .base import (
     MinimalCall,
     ModelCall,
     Server,
-    openai_model_ids,
     routes,
-    up_on_200,
 )
 
 ROUTES = (
@@ -53,11 +51,6 @@ def judge(status: int, body: bytes) -> str:
     return CALLER if status < 500 else UPSTREAM
 
 
-def error_shape(path: str) -> str:
-    """OpenAI's nested error object on every route."""
-    return "openai"
-
-
 def minimal_call(kind: ModelCall) -> MinimalCall | None:
     """One short text for embeddings; one generated token for completions."""
     model, path = kind.model, kind.path
@@ -76,11 +69,5 @@ SERVER = Server(
     routes=ROUTES,
     judge=judge,
     health_path="/v1/models",
-    judge_health=up_on_200,
-    models_path="/v1/models",
-    parse_models=openai_model_ids,
     minimal_call=minimal_call,
-    embed_shape="openai",
-    embed_path="/v1/embeddings",
-    error_shape=error_shape,
 )
