@@ -2,29 +2,9 @@
 
 Each request that ends (answered, refused, failed, or abandoned by its client)
 gives one :mod:`twisted.logger` event in the ``yieldproxy.requestlog``
-namespace.  Its fields are structured, so the JSON observer
-(``--log-format json``) keeps them as JSON keys::
-
-    {"method": "POST", "path": "/api/embed", "class": "batch", "status": 200,
-     "outcome": "ok", "parked_seconds": 12.402, "attempts": 1,
-     "duration": 12.431, "client": "127.0.0.1", "bytes_sent": 3301, ...}
-
-and the text observer (the default) renders the same event as::
-
-    POST /api/embed batch 200 ok parked=12.402s attempts=1 12.431s client=127.0.0.1
-
-``outcome`` is ``ok`` (the upstream answered, whatever its status),
-``upstream_error``, ``expired``, ``abandoned`` (the client went away),
-``slow_client`` (dropped: its unread answer passed a buffer bound),
-``shutdown``, ``fallback``, or the reason a request was refused at once
-(``queue_full``, ``over_budget``, ``policy``, ``too_large``, ``bad_request``):
-the labels of ``yieldproxy_replay_total`` and ``yieldproxy_rejected_total``.
-In a pool of several upstreams, a request sent to one names it:
-``"upstream": "<member>"`` (text: ``upstream=<member>``), the member its last
-attempt went to (passthrough routes included; not a model list merged from
-several, nor a request refused before any attempt).  An answer a pool member
-gave to an embedding route it serves only translated (docs/pool.md) adds
-``"translated": "<member>"`` too (text: ``translated=<member>``).
+namespace, with structured fields, which the JSON observer keeps as JSON keys
+and the text observer (the default) renders on one line.  The fields, the
+outcomes and both formats: docs/operating.md ("The request log", "JSON logs").
 """
 
 from __future__ import annotations
