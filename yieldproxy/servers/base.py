@@ -256,8 +256,6 @@ class Server:
     embed_path: str = "/v1/embeddings"
     #: ``error_shape(path)``: the shape of the proxy's own error bodies on this path.
     error_shape: Callable[[str], str] = openai_errors
-    #: ``OPTIONS`` on any path runs no model (a CORS preflight, answered before any handler).
-    options_passthrough: bool = True
     #: Routes that fetch or build a model: passthrough while the GPU is there,
     #: held (as ``long``) during a yield (any method).
     model_loading_paths: frozenset[str] = frozenset()
@@ -294,7 +292,7 @@ class Server:
         for route in self.routes:
             if route.pattern is not None and method in route.methods and route.pattern.fullmatch(path):
                 return route
-        if method == "OPTIONS" and self.options_passthrough:
+        if method == "OPTIONS":  # a CORS preflight (or a 405) on any path runs no model
             return OPTIONS_ROUTE
         return None
 
