@@ -250,7 +250,8 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
     return [active, age, expected]
 
 
-#: The ``state`` label values of ``yieldproxy_upstream_state`` (upstream/pool/member.py's ``MEMBER_STATES``).
+#: The ``state`` label values of ``yieldproxy_upstream_state``: what ``/status`` says of a pool member
+#: (:meth:`~yieldproxy.upstream.pool.member.Member.state_name`).
 UPSTREAM_STATES = ("available", "yielded", "outage", "unreachable", "not_ready", "handing_over")
 
 

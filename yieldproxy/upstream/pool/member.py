@@ -37,9 +37,6 @@ from .models import ModelCatalogue
 
 log = Logger()
 
-#: What ``/status`` says of a member (and the ``state`` label of its metrics).
-MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable", "not_ready")
-
 
 class Condition(enum.Enum):
     """What a member itself knows against taking requests (:attr:`Member.condition`)."""
@@ -243,7 +240,7 @@ class Member(Machine[Condition, str]):
         )
 
     def state_name(self) -> str:
-        """One of :data:`MEMBER_STATES`."""
+        """What ``/status`` says of it: one of :data:`~yieldproxy.observe.metrics.UPSTREAM_STATES`."""
         if self._yields.yielded_for(self.spec.name):
             holds = self._yields.holds_for(self.spec.name)
             return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"
