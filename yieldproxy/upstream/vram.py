@@ -31,13 +31,9 @@ from .pool.member import Member
 
 log = Logger()
 
-def loaded_models(body: Any) -> set[str]:
-    """The models an ``/api/ps`` answer lists, each by its key (:func:`~yieldproxy.names.canonical_model`)."""
-    return set(listed_models(body))
-
 
 def listed_models(body: Any) -> dict[str, str]:
-    """Model key -> the name as ``/api/ps`` lists it (what an unload call names: Ollama finds
+    """Model key (:func:`~yieldproxy.names.canonical_model`) -> the name as ``/api/ps`` lists it (what an unload call names: Ollama finds
     a model's files by its name, and on a case-sensitive disk only as it was written)."""
     models = body.get("models") if isinstance(body, dict) else None
     names: dict[str, str] = {}
