@@ -69,7 +69,7 @@ def log_request(
     :param cls: ``interactive``, ``batch``, ``long`` or ``passthrough``.
     :param status: the HTTP status the client got, or None when it got none
         (it went away first): logged as :data:`CLIENT_GONE`.
-    :param outcome: how it ended (see the module docstring).
+    :param outcome: how it ended (docs/operating.md, "The request log").
     :param parked_seconds: total time parked (None or 0 when never parked).
     :param attempts: upstream attempts made (0 when refused before any).
     :param started: ``clock.seconds()`` when the request arrived.
