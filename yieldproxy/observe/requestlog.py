@@ -28,8 +28,8 @@ from zope.interface import implementer
 
 from ..text import printable
 
-#: The request log's namespace, as it was before this module moved to observe/: operators filter
-#: on it (docs/operating.md), so it is spelt here, not taken from the module's name.
+#: The request log's namespace: operators filter on it (docs/operating.md), so it is spelt here,
+#: not taken from the module's name.
 NAMESPACE = "yieldproxy.requestlog"
 log = Logger(namespace=NAMESPACE)
 
@@ -242,16 +242,12 @@ def _as_json_line(event: dict) -> str:
 
 
 def json_file_observer(out: IO[str], level: LogLevel | None = None) -> ILogObserver:
-    """One flat JSON object per line to ``out`` (events at ``level`` or above).
+    """One flat JSON object per line to ``out`` (events at ``level`` or above; its keys: docs/operating.md).
 
     Unlike :func:`twisted.logger.jsonFileLogObserver` (made for reloading
     events with ``eventsFromJSONLogFile``), the object is meant for people and
-    log shippers: ``time`` (epoch seconds), ``level`` (``debug`` .. ``critical``),
-    ``namespace`` (the module that logged), ``text`` (the rendered message),
-    ``traceback`` (for failures), then the event's own fields as they are
-    (for the request log: ``method``, ``path``, ``class``, ``status``, ...).
-    No RFC 7464 record separator: ``jq``, ``journalctl -o cat`` and shippers
-    read it line by line.
+    log shippers, with no RFC 7464 record separator: ``jq``, ``journalctl -o cat``
+    and shippers read it line by line.
     """
     return LogLines(out, _as_json_line, level)
 
