@@ -3,23 +3,10 @@
 Each module of this package (:mod:`.ollama`, :mod:`.openai`, :mod:`.tei`,
 :mod:`.infinity`, :mod:`.llamacpp`) fills in one :class:`Server` from that
 server's own source (docs/servers.md has the evidence); nothing here does I/O.
-The pool asks a member's description, by its ``api``:
-
-* which class a route gets (:meth:`Server.route_class`), and in which wire
-  dialect the route speaks (:attr:`Route.dialect`: two servers' routes with
-  one dialect take the same request and give the same kind of answer);
-* what an error answer means (:attr:`Server.judge`, one of :data:`JUDGEMENTS`);
-* its health route and how its answer reads (:attr:`Server.judge_health`,
-  one of :data:`HEALTH`);
-* where its model list is and how to read it (:attr:`Server.parse_models`);
-* the smallest model call that tests what a failed call needed
-  (:attr:`Server.minimal_call`), for outage probes;
-* where an embedding request translated for it goes (:attr:`Server.embed_path`
-  in :mod:`yieldproxy.upstream.translation`'s :attr:`Server.embed_shape`);
-* the shape of the proxy's own error bodies on its routes
-  (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`);
-* what it refuses at once, in its own words (:attr:`Server.refuse`), so that
-  such a request is answered at once and never waits in the lot.
+The pool asks a member's description, by its ``api``, what each of
+:class:`Server`'s fields says: its routes with their class and dialect, what
+an error or health answer means, its model list, its minimal call, its
+translated embeddings, the shape of the proxy's errors, what it refuses at once.
 
 Every judge reads only the server's own error structure and its own words,
 and no judgement declares an outage by itself: a server that quotes the
