@@ -22,7 +22,7 @@ from yieldproxy.lot.parking import Entry
 from yieldproxy.names import canonical_model as canonical
 from yieldproxy.service import subscribe_handover
 from yieldproxy.upstream.control import Answer, ControlTimeout
-from yieldproxy.upstream.vram import Handover, listed_models, loaded_models
+from yieldproxy.upstream.vram import Handover, listed_models
 
 TIMEOUT = 30
 
@@ -103,11 +103,11 @@ def steps(core, step, outcome):
 
 
 def test_loaded_models_reads_api_ps():
-    assert loaded_models({"models": [{"name": "llama3.2:latest"}, {"model": "all-minilm"}, "junk"]}) == {
+    assert set(listed_models({"models": [{"name": "llama3.2:latest"}, {"model": "all-minilm"}, "junk"]})) == {
         "llama3.2:latest",
         "all-minilm:latest",
     }
-    assert loaded_models({}) == set() and loaded_models([]) == set()
+    assert listed_models({}) == {} and listed_models([]) == {}
     assert canonical("library/llama3.2:3b") == "llama3.2:3b"  # library is Ollama's default namespace
     # An unload names each model as /api/ps lists it (a case-sensitive disk finds it only so).
     assert listed_models({"models": [{"name": "hf.co/Me/Model:Q4"}]}) == {"hf.co/me/model:q4": "hf.co/Me/Model:Q4"}

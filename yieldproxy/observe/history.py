@@ -1,23 +1,12 @@
 """The last hour of the proxy's state, one sample a second, for the status page.
 
 Prometheus keeps the long history; this ring buffer is for the person looking
-at ``GET /`` on the admin listener who wants to see "what happened in the last
-few minutes" without a Prometheus at hand.  It holds at most ``capacity``
-samples (3600 at one a second: an hour, about a megabyte) and forgets the
-oldest first.
-
-Each sample is ``{t, state, parked: {class: count}, inflight, upstreams:
-{name: state}}``, taken on the injected (elapsed) clock while the service runs
-(:func:`~yieldproxy.periodic.every`: one bad read is logged and the sampling
-goes on).  Each also keeps the running totals of expired and refused requests
-per class (``yieldproxy_replay_total{outcome="expired"}`` and
-``yieldproxy_rejected_total``), so ``GET /history`` can say what was lost or
-refused over the samples it holds (``lost``).
-
-A sample's ``t`` is kept on the elapsed clock and shown on the wall clock
-with the offset of the moment it is read (clock.py): after a wall-clock step
-the whole hour moves with it, and stays in order.  ``wall_offset`` says which
-offset an answer used; the page starts its copy afresh when it changes.
+at ``GET /`` on the admin listener without a Prometheus at hand.  It holds at
+most ``capacity`` samples and forgets the oldest first, sampling on the
+injected (elapsed) clock (:func:`~yieldproxy.periodic.every`).  A sample's
+``t`` is shown on the wall clock with the offset of the moment it is read
+(clock.py), so after a wall-clock step the whole hour moves with it, and
+stays in order.  The samples and ``GET /history``'s fields: docs/admin-api.md.
 """
 
 from __future__ import annotations

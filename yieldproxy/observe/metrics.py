@@ -7,6 +7,7 @@ here are part of the public contract (dashboards and alert rules read them).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import attrs
@@ -45,170 +46,149 @@ class Metrics:
     registry: CollectorRegistry = attrs.field(factory=CollectorRegistry)
 
     def __attrs_post_init__(self) -> None:
-        r = self.registry
-        self.yield_active = Gauge(
+        gauge = functools.partial(Gauge, registry=self.registry)
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.yield_active = gauge(
             "yieldproxy_yield_active",
             "1 while the GPU is yielded: any hold on a single upstream; in a pool, every always upstream held.",
-            registry=r,
         )
-        self.parked_requests = Gauge(
-            "yieldproxy_parked_requests", "Requests parked right now.", ["class"], registry=r
+        self.parked_requests = gauge(
+            "yieldproxy_parked_requests", "Requests parked right now.", ["class"]
         )
-        self.parked_bytes = Gauge(
-            "yieldproxy_parked_bytes", "Request body bytes held by parked requests.", registry=r
+        self.parked_bytes = gauge(
+            "yieldproxy_parked_bytes", "Request body bytes held by parked requests."
         )
-        self.parked_capacity = Gauge(
-            "yieldproxy_parked_capacity", "The parked-queue ceiling (parking.max_parked).", registry=r
+        self.parked_capacity = gauge(
+            "yieldproxy_parked_capacity", "The parked-queue ceiling (parking.max_parked)."
         )
-        self.parked_bytes_capacity = Gauge(
+        self.parked_bytes_capacity = gauge(
             "yieldproxy_parked_bytes_capacity",
             "The parked-bytes ceiling (parking.max_parked_bytes).",
-            registry=r,
         )
-        self.park_seconds = Histogram(
+        self.park_seconds = histogram(
             "yieldproxy_park_seconds",
             "Time a request spent parked, observed when it leaves the lot for any reason.",
             ["class"],
             buckets=PARK_BUCKETS,
-            registry=r,
         )
-        self.replay_total = Counter(
+        self.replay_total = counter(
             "yieldproxy_replay",
             "Parked requests by how they ended: ok, upstream_error, expired, abandoned, rejected, shutdown, "
             "fallback (served by the CPU fallback from the lot).",
             ["class", "outcome"],
-            registry=r,
         )
-        self.rejected_total = Counter(
+        self.rejected_total = counter(
             "yieldproxy_rejected",
             "Requests refused at once: queue_full, over_budget, policy, too_large, bad_request.",
             ["class", "reason"],
-            registry=r,
         )
-        self.refused_at_once_total = Counter(
+        self.refused_at_once_total = counter(
             "yieldproxy_refused_at_once",
             "Requests the upstream would refuse at once, answered at once in its own words, never parked: "
             "origin (its CORS check), unknown_route, bad_body.",
             ["reason"],
-            registry=r,
         )
-        self.requests_total = Counter(
+        self.requests_total = counter(
             "yieldproxy_requests",
             "Every request taken, once, by class and the status the client got (499: it went away first).",
             ["class", "code"],
-            registry=r,
         )
-        self.upstream_seconds = Histogram(
+        self.upstream_seconds = histogram(
             "yieldproxy_upstream_seconds",
             "Time from sending a request upstream to the end of its answer.",
             ["class"],
             buckets=UPSTREAM_BUCKETS,
-            registry=r,
         )
-        self.upstream_failures_total = Counter(
+        self.upstream_failures_total = counter(
             "yieldproxy_upstream_failures",
             "Failed upstream attempts: refused, connect, reset, timeout, stall, status_502, status_503, gpu_error, "
             "unknown_error, caller_error, bad_answer.",
             ["class", "reason"],
-            registry=r,
         )
-        self.retries_total = Counter(
+        self.retries_total = counter(
             "yieldproxy_retries",
             "Failed attempts that went back into the lot to be tried again.",
             ["class"],
-            registry=r,
         )
-        self.forgiven_attempts_total = Counter(
+        self.forgiven_attempts_total = counter(
             "yieldproxy_forgiven_attempts",
             "Failed attempts not counted against upstream.max_attempts because a recognised outage "
             "explained them (a probe of a model the upstream is known to serve failed too, or the GPU was yielded).",
             ["class"],
-            registry=r,
         )
-        self.outage_probes_total = Counter(
+        self.outage_probes_total = counter(
             "yieldproxy_outage_probes",
             "Outage probes sent, by probe (health: upstream.health_path; model: a minimal call of the "
             "kind that failed) and result (up, down, not_ready), per upstream.",
             ["upstream", "probe", "result"],
-            registry=r,
         )
-        self.failures_alone_total = Counter(
+        self.failures_alone_total = counter(
             "yieldproxy_failures_alone",
             "Failed attempts of the outage kind judged the call's own, not an outage (its model fails alone "
             "while the upstream serves others), per upstream, by the failure's reason and the evidence: probe "
             "(a model the upstream is known to serve passed a probe) or none (no model known to probe with).",
             ["upstream", "reason", "evidence"],
-            registry=r,
         )
-        self.client_buffered_bytes = Gauge(
+        self.client_buffered_bytes = gauge(
             "yieldproxy_client_buffered_bytes",
             "Bytes of answers waiting in the proxy for slow clients to read them "
             "(bounded by proxy.slow_client_buffer_bytes per answer and proxy.slow_client_buffer_total_bytes).",
-            registry=r,
         )
-        self.slow_clients_dropped_total = Counter(
+        self.slow_clients_dropped_total = counter(
             "yieldproxy_slow_clients_dropped",
             "Clients dropped because their unread answer passed a slow-client buffer bound (counted as 499).",
             ["class"],
-            registry=r,
         )
-        self.upstream_attempts_total = Counter(
+        self.upstream_attempts_total = counter(
             "yieldproxy_upstream_attempts",
             "Attempts sent to each pool member, by how they ended: ok, a retryable failure's reason (refused, "
             "connect, reset, timeout, stall, status_502, status_503, gpu_error), broken (failed mid-answer), stall, "
             "abandoned, slow_client, error.",
             ["upstream", "outcome"],
-            registry=r,
         )
-        self.upstream_attempt_seconds = Histogram(
+        self.upstream_attempt_seconds = histogram(
             "yieldproxy_upstream_attempt_seconds",
             "Time from sending an attempt to a pool member to the end of its answer (or its failure).",
             ["upstream", "class"],
             buckets=UPSTREAM_BUCKETS,
-            registry=r,
         )
-        self.inflight_requests = Gauge(
-            "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered.", registry=r
+        self.inflight_requests = gauge(
+            "yieldproxy_inflight_requests", "Requests sent upstream and not yet answered."
         )
-        self.yields_total = Counter(
+        self.yields_total = counter(
             "yieldproxy_yields",
             "Holds taken on the GPU, by source: yieldproxy's own and admin.known_sources by name, the rest as other.",
             ["source"],
-            registry=r,
         )
-        self.yield_seconds = Histogram(
+        self.yield_seconds = histogram(
             "yieldproxy_yield_seconds",
             "Length of whole yields (first hold taken to last hold ended).",
             buckets=YIELD_BUCKETS,
-            registry=r,
         )
-        self.fallback_total = Counter(
+        self.fallback_total = counter(
             "yieldproxy_fallback",
             "Requests of a fallback-policy class arriving during a yield, once each, by what became of them at "
             "the fallback: ok (served, at once or from the lot), failed_parked, abandoned, skipped_unverified, "
             "skipped_unsupported, skipped_busy (waited in line and left the lot before a slot came).",
             ["class", "outcome"],
-            registry=r,
         )
-        self.watcher_errors_total = Counter(
+        self.watcher_errors_total = counter(
             "yieldproxy_watcher_errors",
             "Watcher steps that failed (a probe that could not run, timed out or said neither yes nor no; "
             "an unreadable or malformed state file; a signal handler that could not be installed).",
             ["watcher"],
-            registry=r,
         )
-        self.handover_seconds = Histogram(
+        self.handover_seconds = histogram(
             "yieldproxy_handover_seconds",
             "Time each VRAM handover step took, per upstream: wait_inflight, unload, preload.",
             ["upstream", "step"],
             buckets=HANDOVER_BUCKETS,
-            registry=r,
         )
-        self.handover_total = Counter(
+        self.handover_total = counter(
             "yieldproxy_handover",
             "VRAM handover steps by upstream and outcome: ok, timeout, error, cancelled.",
             ["upstream", "step", "outcome"],
-            registry=r,
         )
         for cls in CLASS_NAMES:
             self.parked_requests.labels(cls)
@@ -270,7 +250,8 @@ def hold_families(holds, now: float) -> list[GaugeMetricFamily]:
     return [active, age, expected]
 
 
-#: The ``state`` label values of ``yieldproxy_upstream_state`` (upstream/pool/member.py's ``MEMBER_STATES``).
+#: The ``state`` label values of ``yieldproxy_upstream_state``: what ``/status`` says of a pool member
+#: (:meth:`~yieldproxy.upstream.pool.member.Member.state_name`).
 UPSTREAM_STATES = ("available", "yielded", "outage", "unreachable", "not_ready", "handing_over")
 
 

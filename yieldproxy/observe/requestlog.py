@@ -2,29 +2,9 @@
 
 Each request that ends (answered, refused, failed, or abandoned by its client)
 gives one :mod:`twisted.logger` event in the ``yieldproxy.requestlog``
-namespace.  Its fields are structured, so the JSON observer
-(``--log-format json``) keeps them as JSON keys::
-
-    {"method": "POST", "path": "/api/embed", "class": "batch", "status": 200,
-     "outcome": "ok", "parked_seconds": 12.402, "attempts": 1,
-     "duration": 12.431, "client": "127.0.0.1", "bytes_sent": 3301, ...}
-
-and the text observer (the default) renders the same event as::
-
-    POST /api/embed batch 200 ok parked=12.402s attempts=1 12.431s client=127.0.0.1
-
-``outcome`` is ``ok`` (the upstream answered, whatever its status),
-``upstream_error``, ``expired``, ``abandoned`` (the client went away),
-``slow_client`` (dropped: its unread answer passed a buffer bound),
-``shutdown``, ``fallback``, or the reason a request was refused at once
-(``queue_full``, ``over_budget``, ``policy``, ``too_large``, ``bad_request``):
-the labels of ``yieldproxy_replay_total`` and ``yieldproxy_rejected_total``.
-In a pool of several upstreams, a request sent to one names it:
-``"upstream": "<member>"`` (text: ``upstream=<member>``), the member its last
-attempt went to (passthrough routes included; not a model list merged from
-several, nor a request refused before any attempt).  An answer a pool member
-gave to an embedding route it serves only translated (docs/pool.md) adds
-``"translated": "<member>"`` too (text: ``translated=<member>``).
+namespace, with structured fields, which the JSON observer keeps as JSON keys
+and the text observer (the default) renders on one line.  The fields, the
+outcomes and both formats: docs/operating.md ("The request log", "JSON logs").
 """
 
 from __future__ import annotations
@@ -48,8 +28,8 @@ from zope.interface import implementer
 
 from ..text import printable
 
-#: The request log's namespace, as it was before this module moved to observe/: operators filter
-#: on it (docs/operating.md), so it is spelt here, not taken from the module's name.
+#: The request log's namespace: operators filter on it (docs/operating.md), so it is spelt here,
+#: not taken from the module's name.
 NAMESPACE = "yieldproxy.requestlog"
 log = Logger(namespace=NAMESPACE)
 
@@ -89,7 +69,7 @@ def log_request(
     :param cls: ``interactive``, ``batch``, ``long`` or ``passthrough``.
     :param status: the HTTP status the client got, or None when it got none
         (it went away first): logged as :data:`CLIENT_GONE`.
-    :param outcome: how it ended (see the module docstring).
+    :param outcome: how it ended (docs/operating.md, "The request log").
     :param parked_seconds: total time parked (None or 0 when never parked).
     :param attempts: upstream attempts made (0 when refused before any).
     :param started: ``clock.seconds()`` when the request arrived.
@@ -262,16 +242,12 @@ def _as_json_line(event: dict) -> str:
 
 
 def json_file_observer(out: IO[str], level: LogLevel | None = None) -> ILogObserver:
-    """One flat JSON object per line to ``out`` (events at ``level`` or above).
+    """One flat JSON object per line to ``out`` (events at ``level`` or above; its keys: docs/operating.md).
 
     Unlike :func:`twisted.logger.jsonFileLogObserver` (made for reloading
     events with ``eventsFromJSONLogFile``), the object is meant for people and
-    log shippers: ``time`` (epoch seconds), ``level`` (``debug`` .. ``critical``),
-    ``namespace`` (the module that logged), ``text`` (the rendered message),
-    ``traceback`` (for failures), then the event's own fields as they are
-    (for the request log: ``method``, ``path``, ``class``, ``status``, ...).
-    No RFC 7464 record separator: ``jq``, ``journalctl -o cat`` and shippers
-    read it line by line.
+    log shippers, with no RFC 7464 record separator: ``jq``, ``journalctl -o cat``
+    and shippers read it line by line.
     """
     return LogLines(out, _as_json_line, level)
 

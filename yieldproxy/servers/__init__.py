@@ -3,29 +3,16 @@
 A pool member's ``api`` names one :class:`Server` description
 (:data:`SERVERS`): :mod:`.ollama`, :mod:`.openai` (any OpenAI-compatible
 server), :mod:`.tei`, :mod:`.infinity` and :mod:`.llamacpp`.  Each is a
-frozen value read from that server's own source (docs/servers.md): its
-routes with their class and dialect, how its error answers and its health
-answers read, its model list, its minimal model call, where translated
-embeddings go and the shape of the proxy's own errors on its routes.  Pure
-data and functions: no I/O, no reactor.  :mod:`.gojson` reads a request
+frozen value read from that server's own source (docs/servers.md; :mod:`.base`
+lists what it holds).  Pure data and functions: no I/O, no reactor.  :mod:`.gojson` reads a request
 body the way Ollama's Go server reads it.
 
 Layer 1: it may import the core's names, text, clock, periodic and callbacks
 (and the standard library, attrs, twisted), nothing else of the package's.
 
-For a pool of several apis (the members' apis, in config order):
-
-* :func:`route_class` classifies a route by the first api that knows it.  The
-  servers never disagree on a route they share (``tests/servers/test_servers.py``
-  checks every shared route), so the order never changes a class.
-* :func:`native_apis` says which apis may serve a route: those that know it in
-  the same dialect as the first api that knows it.  Dialects differ where
-  servers share a path but not its body: ``POST /rerank`` is TEI's
-  (``texts``), Infinity's (``documents``, Cohere's answer) and llama.cpp's
-  own; ``/embeddings`` is OpenAI's on TEI and Infinity but llama.cpp's native
-  route; ``/api/chat`` on llama.cpp answers in OpenAI's shape, not Ollama's.
-  Where they share the dialect (OpenAI's ``/v1/embeddings`` on all five),
-  a member of any of those apis may serve it.
+For a pool of several apis, :func:`route_class` takes the first api that
+knows the route and :func:`native_apis` those that speak it in one dialect
+(docs/servers.md, "Several servers in one pool").
 """
 
 from __future__ import annotations

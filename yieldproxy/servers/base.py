@@ -3,23 +3,10 @@
 Each module of this package (:mod:`.ollama`, :mod:`.openai`, :mod:`.tei`,
 :mod:`.infinity`, :mod:`.llamacpp`) fills in one :class:`Server` from that
 server's own source (docs/servers.md has the evidence); nothing here does I/O.
-The pool asks a member's description, by its ``api``:
-
-* which class a route gets (:meth:`Server.route_class`), and in which wire
-  dialect the route speaks (:attr:`Route.dialect`: two servers' routes with
-  one dialect take the same request and give the same kind of answer);
-* what an error answer means (:attr:`Server.judge`, one of :data:`JUDGEMENTS`);
-* its health route and how its answer reads (:attr:`Server.judge_health`,
-  one of :data:`HEALTH`);
-* where its model list is and how to read it (:attr:`Server.parse_models`);
-* the smallest model call that tests what a failed call needed
-  (:attr:`Server.minimal_call`), for outage probes;
-* where an embedding request translated for it goes (:attr:`Server.embed_path`
-  in :mod:`yieldproxy.upstream.translation`'s :attr:`Server.embed_shape`);
-* the shape of the proxy's own error bodies on its routes
-  (:attr:`Server.error_shape`, one of :data:`yieldproxy.errors.ERROR_SHAPES`);
-* what it refuses at once, in its own words (:attr:`Server.refuse`), so that
-  such a request is answered at once and never waits in the lot.
+The pool asks a member's description, by its ``api``, what each of
+:class:`Server`'s fields says: its routes with their class and dialect, what
+an error or health answer means, its model list, its minimal call, its
+translated embeddings, the shape of the proxy's errors, what it refuses at once.
 
 Every judge reads only the server's own error structure and its own words,
 and no judgement declares an outage by itself: a server that quotes the
@@ -214,6 +201,11 @@ def never_unload(method: str, path: str, request: Any) -> bool:
     return False
 
 
+def openai_errors(path: str) -> str:
+    """OpenAI's nested error object on every route (the server's clients are OpenAI clients)."""
+    return "openai"
+
+
 def up_on_200(status: int, body: bytes) -> str:
     """The health check of a server whose health route answers 200 when it serves, anything else when not."""
     return UP if status == 200 else DOWN
@@ -221,7 +213,10 @@ def up_on_200(status: int, body: bytes) -> str:
 
 @attrs.frozen
 class Server:
-    """Everything the proxy knows about one kind of server (see the module docstring)."""
+    """Everything the proxy knows about one kind of server (see the module docstring).
+
+    The defaults are OpenAI's API; each server names only where it differs.
+    """
 
     #: The name ``[[upstreams]] api`` takes.
     api: str
@@ -232,24 +227,22 @@ class Server:
     judge: Callable[[int, bytes], str]
     #: ``GET`` this path (relative to the member URL) to learn whether it serves.
     health_path: str
-    #: ``judge_health(status, body)``: one of :data:`HEALTH` for the health route's answer.
-    judge_health: Callable[[int, bytes], str]
-    #: ``GET`` this path for the names of the models it serves.
-    models_path: str
-    #: ``parse_models(body)``: the names in its model list's answer; ValueError if it is not one.
-    parse_models: Callable[[bytes], tuple[str, ...]]
     #: ``minimal_call(call)``: the smallest call of the failed call's kind, or
     #: None (the outage probe then uses the health route).
     minimal_call: Callable[[ModelCall], MinimalCall | None]
+    #: ``judge_health(status, body)``: one of :data:`HEALTH` for the health route's answer.
+    judge_health: Callable[[int, bytes], str] = up_on_200
+    #: ``GET`` this path for the names of the models it serves.
+    models_path: str = "/v1/models"
+    #: ``parse_models(body)``: the names in its model list's answer; ValueError if it is not one.
+    parse_models: Callable[[bytes], tuple[str, ...]] = openai_model_ids
     #: The body shape an embedding request translated for it takes: ``ollama``
     #: or ``openai`` (:func:`yieldproxy.upstream.translation.backend_request`'s ``api``).
-    embed_shape: str
+    embed_shape: str = "openai"
     #: Where that translated request goes, relative to the member URL.
-    embed_path: str
+    embed_path: str = "/v1/embeddings"
     #: ``error_shape(path)``: the shape of the proxy's own error bodies on this path.
-    error_shape: Callable[[str], str]
-    #: ``OPTIONS`` on any path runs no model (a CORS preflight, answered before any handler).
-    options_passthrough: bool = True
+    error_shape: Callable[[str], str] = openai_errors
     #: Routes that fetch or build a model: passthrough while the GPU is there,
     #: held (as ``long``) during a yield (any method).
     model_loading_paths: frozenset[str] = frozenset()
@@ -286,7 +279,7 @@ class Server:
         for route in self.routes:
             if route.pattern is not None and method in route.methods and route.pattern.fullmatch(path):
                 return route
-        if method == "OPTIONS" and self.options_passthrough:
+        if method == "OPTIONS":  # a CORS preflight (or a 405) on any path runs no model
             return OPTIONS_ROUTE
         return None
 

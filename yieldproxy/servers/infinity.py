@@ -21,9 +21,7 @@ from .base import (
     ModelCall,
     Server,
     nested_error,
-    openai_model_ids,
     routes,
-    up_on_200,
 )
 
 #: ``--url-prefix`` values the table knows: none (the default) and ``/v1``.
@@ -86,22 +84,13 @@ def minimal_call(kind: ModelCall) -> MinimalCall | None:
     return None
 
 
-def error_shape(path: str) -> str:
-    """Infinity's own errors are OpenAI's nested object (its clients are OpenAI clients)."""
-    return "openai"
-
-
 SERVER = Server(
     api="infinity",
     routes=ROUTES,
     judge=judge,
     health_path="/health",
-    judge_health=up_on_200,
-    models_path="/models",
-    parse_models=openai_model_ids,
     minimal_call=minimal_call,
-    embed_shape="openai",
+    models_path="/models",
     embed_path="/embeddings",
-    error_shape=error_shape,
     url_prefixes=PREFIXES,
 )

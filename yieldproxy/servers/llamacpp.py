@@ -27,7 +27,6 @@ from .base import (
     ModelCall,
     Server,
     json_object,
-    openai_model_ids,
     routes,
 )
 
@@ -153,21 +152,11 @@ def minimal_call(kind: ModelCall) -> MinimalCall | None:
     return None
 
 
-def error_shape(path: str) -> str:
-    """llama.cpp's errors are OpenAI's nested object on every route (``/api/chat`` too)."""
-    return "openai"
-
-
 SERVER = Server(
     api="llamacpp",
     routes=ROUTES,
     judge=judge,
     health_path="/health",
     judge_health=judge_health,
-    models_path="/v1/models",
-    parse_models=openai_model_ids,
     minimal_call=minimal_call,
-    embed_shape="openai",
-    embed_path="/v1/embeddings",
-    error_shape=error_shape,
 )

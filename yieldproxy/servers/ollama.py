@@ -36,7 +36,6 @@ from .base import (
     json_object,
     listed_names,
     routes,
-    up_on_200,
 )
 from .cors import Origins
 from .gojson import FirstValue, GoStruct, decode_error
@@ -439,7 +438,6 @@ SERVER = Server(
     routes=ROUTES,
     judge=judge,
     health_path="/api/version",
-    judge_health=up_on_200,
     models_path="/api/tags",
     parse_models=parse_models,
     minimal_call=minimal_call,

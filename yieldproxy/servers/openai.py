@@ -1,20 +1,10 @@
 """An OpenAI-compatible server the proxy knows nothing else about (vLLM, LM Studio, a hosted API).
 
 Only OpenAI's public API is assumed (https://platform.openai.com/docs/api-reference):
-its model routes under ``/v1/`` and its model list.  Every other route of
-such a server is unknown and gets ``proxy.unknown_route_class``.  The
-member's URL is the server's root, as for every member: a client's
-``/v1/embeddings`` is forwarded to ``URL/v1/embeddings``.
-
-**Failures.**  Nothing is known of the server's own words, so no answer is
-ever read as a GPU failure (a dropped connection or a timeout still is,
-through the outage probe).  OpenAI's API answers 429 for rate limits and an
-overloaded engine and 503 when it is overloaded ("Slow Down"; its error-code
-guide): both mean "not now, try again", and no request content can make a
-server send them.  Any other 4xx is the caller's; any other 5xx is relayed.
-
-**Error shape.**  ``{"error": {"message", "type", "code"}}`` (the openai
-client reads ``error.message``).
+its model routes under ``/v1/`` and its model list; every other route is unknown.
+Nothing is known of the server's own words, so no answer is ever read as a GPU
+failure; 429 and 503 are OpenAI's "not now, try again", which no request
+content can make a server send.  The table: docs/servers.md.
 """
 
 from __future__ import annotations
@@ -29,9 +19,7 @@ from .base import (
     MinimalCall,
     ModelCall,
     Server,
-    openai_model_ids,
     routes,
-    up_on_200,
 )
 
 ROUTES = (
@@ -53,11 +41,6 @@ def judge(status: int, body: bytes) -> str:
     return CALLER if status < 500 else UPSTREAM
 
 
-def error_shape(path: str) -> str:
-    """OpenAI's nested error object on every route."""
-    return "openai"
-
-
 def minimal_call(kind: ModelCall) -> MinimalCall | None:
     """One short text for embeddings; one generated token for completions."""
     model, path = kind.model, kind.path
@@ -76,11 +59,5 @@ SERVER = Server(
     routes=ROUTES,
     judge=judge,
     health_path="/v1/models",
-    judge_health=up_on_200,
-    models_path="/v1/models",
-    parse_models=openai_model_ids,
     minimal_call=minimal_call,
-    embed_shape="openai",
-    embed_path="/v1/embeddings",
-    error_shape=error_shape,
 )

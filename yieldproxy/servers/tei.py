@@ -25,7 +25,6 @@ from .base import (
     json_object,
     routes,
     unique_names,
-    up_on_200,
 )
 
 ROUTES = (
@@ -146,11 +145,8 @@ SERVER = Server(
     routes=ROUTES,
     judge=judge,
     health_path="/health",
-    judge_health=up_on_200,
+    minimal_call=minimal_call,
     models_path="/info",
     parse_models=parse_models,
-    minimal_call=minimal_call,
-    embed_shape="openai",
-    embed_path="/v1/embeddings",
     error_shape=error_shape,
 )

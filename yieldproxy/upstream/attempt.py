@@ -427,17 +427,11 @@ class Attempt(Machine[Answer, str]):
     ``run()`` returns a Deferred firing with the status code relayed once the
     *upstream* has finished its answer, or failing with
     :class:`RetryableFailure`, :class:`RelayBroken`, :class:`ClientTooSlow`
-    or ``CancelledError`` (the client went away).  Two bounds, on one timer:
-    the attempt timeout covers the wait for the first byte of the answer's
-    body (a head alone does not stop it: servers that stream send theirs
-    before the prompt's prefill), and, until something reaches the client,
-    the rest of that wait (an error body is read before it is relayed); a
-    long stream, once flowing, is not cut for its length.  The stall timeout
-    (``stall_timeout``) bounds the silences of an upstream once its body has
-    begun (between a stream's chunks too): past it the attempt ends,
-    :class:`RetryableFailure` ``stall`` when nothing reached the client yet,
-    else :class:`RelayBroken` ``stall``.  After a success, :meth:`client_drained` fires when the client has read
-    the rest; the request must not be finished before.
+    or ``CancelledError`` (the client went away).  Its two bounds, the attempt
+    timeout and the stall timeout, run on one timer (docs/configuration.md,
+    ``attempt_timeout_seconds`` and ``stall_timeout_seconds``).  After a
+    success, :meth:`client_drained` fires when the client has read the rest;
+    the request must not be finished before.
 
     The attempt is the upstream client's response handler (``response_started``,
     ``body_received``): an error status (5xx, or 4xx when statuses are
@@ -448,22 +442,18 @@ class Attempt(Machine[Answer, str]):
 
     It is also the client request's producer (not the upstream socket), so it
     never pauses the upstream for a slow client, which would keep its replay
-    slot: it only learns when the client's transport is full
-    (``pauseProducing``) and when everything written has gone out
-    (``resumeProducing``).  What it writes in between waits in memory, counted
-    in :class:`ClientBuffers`; past a bound the client is dropped
+    slot: what it writes while the client's transport is full waits in memory,
+    counted in :class:`ClientBuffers`; past a bound the client is dropped
     (:class:`ClientTooSlow` raised into the upstream client, which aborts the
     upstream connection).  It becomes the producer only once the client's
-    transport is full: most answers are written at once, and a client that
-    leaves before then is cancelled by Klein (its connection's end cancels the
-    handler).  It stays the producer after the upstream has finished, until
-    the client has taken the rest.
+    transport is full (most answers are written at once; a client that leaves
+    before then is cancelled by Klein), and stays so after the upstream has
+    finished, until the client has taken the rest.
 
-    Two named states, each moved only by events fired through its table (yieldproxy/states.py): the
-    answer's (:attr:`state`, :data:`ANSWER_MOVES`) and the client's side (:attr:`client`,
-    :data:`CLIENT_MOVES`).  Whether the answer has started,
-    which decides whether a failure may still be retried, is the response
-    writer's to say (:meth:`_answer_started`).
+    Its answer's state and its client's side are two named states
+    (:data:`ANSWER_MOVES`, :data:`CLIENT_MOVES`).  Whether the answer has
+    started, which decides whether a failure may still be retried, is the
+    response writer's to say (:meth:`_answer_started`).
     """
 
     moves = ANSWER_MOVES

@@ -49,7 +49,7 @@ def evidence_for(
     known: Sequence[ModelCall] = (),
     others_failing: Sequence[str] = (),
 ) -> Evidence:
-    """What judges a failure of ``call`` for ``reason`` (see the module docstring for the table).
+    """What judges a failure of ``call`` for ``reason`` (the table: docs/watchers.md, "What an outage rests on").
 
     ``operator``: the operator's probe model's call, if one is named.
     ``known``: the calls of the models the upstream served, the most recently

@@ -1,14 +1,9 @@
-"""The models judged failing *alone* on one upstream: what ``/status``, the log and a caller's error say (issue 24).
+"""The models judged failing *alone* on one upstream: what ``/status``, the log and a caller's error say.
 
-A model call that fails while the upstream serves other models (a model the
-GPU cannot hold, a broken model file, a load that takes minutes) is that
-model's trouble, not an outage: its callers get their own answer (or, after
-their attempts, a 502/504 that names the model), and nobody else waits.  The
-outage watcher (watchers/outage.py) judges so and notes it here, with the
-evidence it judged on; a 2xx answer for the model ends the note.  Nothing
-here decides anything: it is what the operator sees (``/status`` under each
-upstream's ``failing_models``, the status page) and what the caller is told.
-
+A model call that fails while the upstream serves other models is that
+model's trouble, not an outage (docs/watchers.md, "What an outage rests on").
+The outage watcher judges so and notes it here, with the evidence it judged
+on; a 2xx answer for the model ends the note.  Nothing here decides anything.
 Bounded: :data:`MAX_FAILING` models per upstream (the one judged least
 recently goes first), and a model not judged for :data:`SHOWN_SECONDS` is
 dropped.  Not persisted: a restart judges again.

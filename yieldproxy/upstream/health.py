@@ -1,30 +1,18 @@
-"""What the proxy knows about one upstream's health, kept in one place.
+"""What the proxy knows about one upstream's health, kept in one place (one per upstream).
 
-Two facts, each with this one owner:
-
-* **reachable**: the upstream has answered since the proxy started (a
-  request, or a probe).  Until then a refused connection is a configuration
-  error (a wrong URL, a backend not started yet), answered 502 at once, and
-  not an outage worth waiting out.
-* **the outage verdict** on a failed attempt: does a recognised outage
-  explain it?  The upstream's outage watcher decides while it runs
-  (watchers/outage.py); without one, no failure is forgiven.
-* **not ready**: an answer (a request's, or a probe's) that its server reads
-  as "still loading its model" (llama.cpp's 503 ``Loading model``).  It is
-  no outage: whoever reads such an answer says so here
-  (:meth:`UpstreamHealth.not_ready`), and the pool member that listens
-  (upstream/pool/member.py) stops taking requests until its health reads up.  A
-  model call answered (:meth:`UpstreamHealth.served`) is what shows it has
-  loaded: the member's bound on "not ready" runs until then.
-* **what it serves**: the models it answered 2xx (:attr:`UpstreamHealth.record`,
-  upstream/served.py), the evidence an outage verdict rests on, kept across restarts
-  and reloads; and the models judged failing *alone*
-  (:attr:`UpstreamHealth.failing`, upstream/failing.py), for ``/status`` and their callers.
+* **reachable**: the upstream has answered since the proxy started.  Until
+  then a refused connection is a configuration error (a wrong URL, a backend
+  not started yet), answered 502 at once, not an outage worth waiting out.
+* **the outage verdict** on a failed attempt, decided by its outage watcher
+  while it runs (watchers/outage.py); without one, no failure is forgiven.
+* **not ready**: its server says it is still loading its model
+  (:meth:`UpstreamHealth.not_ready`); no outage, but the pool member stops
+  taking requests until a model call is answered (:meth:`UpstreamHealth.served`).
+* **what it serves**, and the models judged failing *alone*
+  (:attr:`UpstreamHealth.record`, :attr:`UpstreamHealth.failing`).
 
 The proxy app reports every attempt here (:meth:`UpstreamHealth.report`);
-the outage watcher registers as the judge and as a listener while it runs,
-and marks the upstream reachable when its probes get an answer.  With an
-upstream pool (issue 12) each upstream gets its own.
+the outage watcher registers as the judge and as a listener while it runs.
 """
 
 from __future__ import annotations

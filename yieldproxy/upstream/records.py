@@ -1,21 +1,13 @@
 """A stream's records, relayed whole: the proxy's closing error never lands inside half of one.
 
-When an upstream fails in the middle of a stream, the proxy ends it with an
-error record of its own (docs/guarantees.md): an NDJSON ``{"error": ...}``
-line or an SSE ``data:`` event.  Bytes reach the relay as the network cuts
-them, so the last piece before the failure may hold half a record; written
-as it came, the error would be glued to it (``{"message": {"conte{"error":
-...}``) and the client could read neither: no clear error, only a parse
-failure.  So the relay writes a stream's bytes up to the end of its last
-whole record and holds the rest until the record's end comes.  A client's
-reader does nothing with half a record anyway (an SSE event is dispatched at
-its blank line, an NDJSON line parsed at its newline), so nothing reaches it
-later than it could be used.  At the stream's clean end the held bytes go out
-as they are; at a failure they are dropped, and the error follows a whole
-record.
-
-What is held is bounded (:data:`MAX_HELD`): a record longer than that goes
-out as it comes (a failure inside it then ends mid-record, as before).
+Bytes reach the relay as the network cuts them; written as they came, the
+error record that ends a failed stream (docs/guarantees.md) could be glued to
+half a record (``{"message": {"conte{"error": ...}``) and the client could
+read neither.  So the relay writes a stream's bytes up to the end of its last
+whole record and holds the rest until the record's end comes (a client's
+reader does nothing with half a record anyway).  At the stream's clean end the
+held bytes go out as they are; at a failure they are dropped.  What is held is
+bounded (:data:`MAX_HELD`): a longer record goes out as it comes.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """An embedding attempt on a pool member that speaks another dialect: translated there and back.
 
 An Ollama client's ``/api/embed`` may go to a member that has no such route
-(an Infinity, TEI or OpenAI-compatible CPU copy) when the pool made it
-eligible (schedule/routing.py: it serves the model, and as a twin only once
-verified).  The request is read into :mod:`yieldproxy.upstream.translation`'s neutral
-form, sent to the member's own embedding route
-(:attr:`~yieldproxy.servers.Server.embed_path`, the one its twin
-verification uses) under the member's name for the model, and its answer
-read back and written in the caller's shape, naming the caller's model.
-
-It stands in for :class:`~yieldproxy.upstream.attempt.Attempt` in the proxy's attempt
-loop and fails the same ways, so retries, outcomes, metrics and timeouts are
-the proxy's as ever: :class:`~yieldproxy.upstream.attempt.RetryableFailure` for a
-connection failure, a timeout, a 502/503, the member's GPU failure (its
-server's own judge), a busy answer, any other 5xx (judged by the proxy as
-for an :class:`~yieldproxy.upstream.attempt.Attempt`: :func:`~yieldproxy.upstream.attempt.raise_judged`)
-or an answer that cannot be read (``bad_answer``).  Any other error status is
-relayed at once with the member's message in the caller's error shape.  Nothing reaches the client before the member's whole
-answer is in and read (embedding answers are small and never streamed), so
-the attempt timeout covers the whole answer, and a failure is always
-retryable.
+when the pool made it eligible (schedule/routing.py); what is sent and what
+comes back: docs/pool.md ("A CPU copy for embeddings").  It stands in for
+:class:`~yieldproxy.upstream.attempt.Attempt` in the proxy's attempt loop and
+fails the same ways (:func:`~yieldproxy.upstream.attempt.raise_judged`), so
+retries, outcomes, metrics and timeouts are the proxy's as ever.  Nothing
+reaches the client before the member's whole answer is in and read (embedding
+answers are small and never streamed), so the attempt timeout covers the whole
+answer, and a failure is always retryable.
 """
 
 from __future__ import annotations

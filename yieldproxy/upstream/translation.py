@@ -1,24 +1,10 @@
 """Embedding requests and answers, translated between Ollama's API and OpenAI's.
 
-A client speaks one API (Ollama's ``/api/embed`` or legacy
-``/api/embeddings``, or OpenAI's ``/v1/embeddings``); the fallback backend
-may speak the other.  Every request is read into one neutral
-:class:`EmbedRequest`, sent in the backend's shape, and its answer read back
-into plain vectors and rendered in the client's shape.  The same path serves
-an OpenAI client on an OpenAI backend, so the model name is mapped and
-normalisation and ``encoding_format`` are handled in one place.
-
-What each client API promises, and what we therefore do:
-
-* Ollama ``/api/embed``: unit vectors (Ollama normalises), a list per input
-  even for a single string.  We L2-normalise what the backend gives, since a
-  llama.cpp server, for one, may not.
-* Ollama ``/api/embeddings`` (legacy): one ``prompt``, one ``embedding``,
-  *not* normalised by Ollama.  We pass the backend's vector as it is.
-* OpenAI ``/v1/embeddings``: unit vectors (OpenAI's models and Ollama's
-  compatibility route both normalise); ``encoding_format: base64`` is
-  little-endian float32 (the openai client's default).  We normalise and
-  encode as asked.
+Every request is read into one neutral :class:`EmbedRequest`, sent in the
+backend's shape, and its answer read back into plain vectors and rendered in
+the client's shape, so the model name is mapped and normalisation and
+``encoding_format`` are handled in one place.  What each client API promises,
+and so what each route gets: docs/fallback.md ("API translation").
 
 A request that cannot be served faithfully (token-id inputs, ``truncate:
 false``, no input) raises :class:`Untranslatable`: the caller parks it and

@@ -195,7 +195,7 @@ def reported(facts: Facts) -> str:
 
 
 def verdict(facts: Facts) -> Verdict:
-    """What becomes of the request (the module docstring's table, in its order)."""
+    """What becomes of the request (docs/architecture.md's table, in its order)."""
     if facts.standby:
         return Verdict.STANDBY
     if facts.outage is None:

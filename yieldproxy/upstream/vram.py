@@ -1,27 +1,12 @@
 """The VRAM handover: free the GPU's memory when it is yielded, load models back after.
 
-Parking requests keeps Ollama from *using* the GPU during a yield, but the
-models it has loaded still sit in VRAM until their keep-alive runs out (five
-minutes by default).  A game that needs that memory now can ask for it:
-
-* ``handover.unload_on_yield``: when a yield starts, wait (at most
-  ``unload_wait_seconds``) for requests in flight to finish, read ``/api/ps``,
-  unload each loaded model (``POST /api/generate {"model": M, "keep_alive": 0}``,
-  or ``/api/embed`` for a model that cannot generate), and check ``/api/ps``
-  until they are gone (at most ``unload_timeout_seconds``).
-* ``handover.preload_models``: when the yield ends, load these models
-  (``POST /api/generate {"model": M}``, no prompt) and wait until ``/api/ps``
-  lists them (at most ``preload_timeout_seconds``) *before* the first parked
-  request is replayed, through :meth:`Member.hold_release_until`.  Meanwhile
-  the state reads ``draining`` (the GPU is back; the proxy is getting ready to
-  serve), and new requests join the lot's tail.  A failed or slow preload is
-  logged and the lot is released anyway.
-
-Only yields that handed the GPU to someone (a hold from any source but
-``outage``) do this: an outage is the upstream's own trouble, and its models
-are whatever it has after a restart.  Each step is logged with its duration
-and counted (``yieldproxy_handover_seconds{upstream,step}``,
-``yieldproxy_handover_total{upstream,step,outcome}``).
+Parking requests keeps Ollama from *using* the GPU during a yield, but its
+loaded models sit in VRAM until their keep-alive runs out.  On a yield that
+handed the GPU to someone (a hold from any source but ``outage``: an outage is
+the upstream's own trouble), ``handover.unload_on_yield`` unloads them; when it
+ends, ``handover.preload_models`` loads models back before the first parked
+request is replayed (through :meth:`Member.hold_release_until`).  The steps,
+their bounds and metrics: docs/watchers.md ("The VRAM handover").
 """
 
 from __future__ import annotations
@@ -46,13 +31,9 @@ from .pool.member import Member
 
 log = Logger()
 
-def loaded_models(body: Any) -> set[str]:
-    """The models an ``/api/ps`` answer lists, each by its key (:func:`~yieldproxy.names.canonical_model`)."""
-    return set(listed_models(body))
-
 
 def listed_models(body: Any) -> dict[str, str]:
-    """Model key -> the name as ``/api/ps`` lists it (what an unload call names: Ollama finds
+    """Model key (:func:`~yieldproxy.names.canonical_model`) -> the name as ``/api/ps`` lists it (what an unload call names: Ollama finds
     a model's files by its name, and on a case-sensitive disk only as it was written)."""
     models = body.get("models") if isinstance(body, dict) else None
     names: dict[str, str] = {}

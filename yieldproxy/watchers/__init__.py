@@ -1,16 +1,7 @@
 """Yield-state watchers: the ways the proxy learns that the GPU is taken.
 
-Each watcher is a named holder of the yield state (the GPU is yielded while
-any source holds it) and a :class:`~twisted.application.service.Service`,
-a child of the proxy's service (:func:`yieldproxy.service.build` makes the
-enabled ones from the config):
-
-* :mod:`.state_file` (source ``file``): a file exists;
-* :mod:`.signals` (source ``signal``): SIGUSR1 / SIGUSR2;
-* :mod:`.command` (source ``command``): a probe command exits 0;
-* :mod:`.outage` (source ``outage``): the upstream, once reachable, fails.
-
-Each has a ``status()`` for the ``watchers`` section of ``/status``.  A
+Each watcher is a named holder of the yield state and a child service of the
+proxy's; what each watches, and its ``/status`` section: docs/watchers.md.  A
 watcher that stops leaves its hold in place: a yielded GPU stays yielded
 through a shutdown.
 

@@ -1,16 +1,11 @@
 """The command probe: a shell command, run every few seconds, says whether the GPU is taken.
 
-The contract is grep's: exit status 0 means "yielded" (a hold with source
-``command``), 1 means "not yielded", anything else (2 and up, killed by a
-signal, could not start, no answer within the timeout) is an *error*: logged,
-counted in ``yieldproxy_watcher_errors_total{watcher="command"}``, and the
-state stays what it was, since the probe could not tell.
-``etc/probes/nvidia-game-probe.sh`` is a probe of that shape.
-
-Each run starts in its own process group, so a timeout kills the whole
-pipeline (a hung ``nvidia-smi`` under the shell too), not only the shell.
-A probe never overlaps the previous one, and a failing probe never stops the
-loop.
+The contract is grep's: exit status 0 means "yielded", 1 "not yielded",
+anything else is an error and the state stays what it was (docs/watchers.md,
+"The command probe").  Each run starts in its own process group, so a
+timeout kills the whole pipeline (a hung ``nvidia-smi`` under the shell too),
+not only the shell.  A probe never overlaps the previous one, and a failing
+probe never stops the loop.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from ..lot.state import ALL, DEFAULT_MEMBER, YieldState
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
 from ..observe.metrics import Metrics
 from ..servers import GPU, NOT_READY, UP
-from ..servers.base import ModelCall
-from ..servers.ollama import is_gpu_failure, minimal_call
+from ..servers.base import ModelCall, Server
+from ..servers.ollama import SERVER as OLLAMA
 from ..upstream.control import Answer, UpstreamControl
 from ..upstream.evidence import ALONE, evidence_for, follow_ups
 from ..upstream.health import UpstreamHealth
@@ -97,7 +97,7 @@ class UpstreamProbe:
     Any answer to a model call shows the upstream is reachable (it answered),
     even one that says it is down.  ``server`` is what is known of the
     upstream's kind of server (yieldproxy/servers): its minimal calls and how its
-    answers read; None: Ollama's.
+    answers read.
     """
 
     _control: UpstreamControl
@@ -105,12 +105,11 @@ class UpstreamProbe:
     health_path: str = "/api/version"
     health_timeout: float = 2.0
     model_timeout: float = 60.0
-    server: Any = None
+    server: Server = OLLAMA
 
     def __call__(self, call: ModelCall | None = None) -> Deferred:
         """A Deferred firing True when the upstream serves ``call`` (None: the health path answers 200)."""
-        minimal_of = minimal_call if self.server is None else self.server.minimal_call
-        minimal = minimal_of(call) if call is not None else None
+        minimal = self.server.minimal_call(call) if call is not None else None
         if minimal is None:
             d = self._control.request("GET", self.health_path, timeout=self.health_timeout)
             return d.addCallbacks(self._health_answered, self._no_answer)
@@ -125,14 +124,11 @@ class UpstreamProbe:
         return failure
 
     def _health_answered(self, answer: Answer) -> bool | str:
-        if self.server is not None:
-            verdict = self.server.judge_health(answer.code, answer.body)
-            if verdict == NOT_READY:
-                self._health.not_ready(f"its health path answered {answer.code} (loading its model)")
-                return NOT_READY
-            if verdict != UP:
-                return False
-        if answer.code != 200:
+        verdict = self.server.judge_health(answer.code, answer.body)
+        if verdict == NOT_READY:
+            self._health.not_ready(f"its health path answered {answer.code} (loading its model)")
+            return NOT_READY
+        if verdict != UP or answer.code != 200:
             return False
         self._health.answered()
         return True
@@ -143,16 +139,13 @@ class UpstreamProbe:
         any other answer means the GPU serves (:data:`NOT_READY` when its server says it is still
         loading its model)."""
         self._health.answered()
-        if self.server is not None and self.server.judge(answer.code, answer.body) == NOT_READY:
+        judged = self.server.judge(answer.code, answer.body)
+        if judged == NOT_READY:
             self._health.not_ready(f"a probe of a model call answered {answer.code} (loading its model)")
             return NOT_READY
         if answer.code >= 500:
             return FAILED_ANSWER
-        if self.server is None:
-            failing = is_gpu_failure(answer.code, answer.body)
-        else:
-            failing = self.server.judge(answer.code, answer.body) == GPU
-        return FAILED_ANSWER if failing else True
+        return FAILED_ANSWER if judged == GPU else True
 
 
 @attrs.define(eq=False, slots=False)

@@ -1,25 +1,15 @@
 """The signal watcher: SIGUSR1 starts a hold (source ``signal``), SIGUSR2 ends it.
 
-For a broker that can send a signal but not make an HTTP call: ``systemctl
-kill -s USR1 yieldproxy`` before the game, ``-s USR2`` after.  The Python
-handler only hands the work to the reactor (``callFromThread`` is the one
-reactor call that is safe from a signal handler, and it wakes the reactor).
-
-twistd uses SIGUSR1 to reopen its log file when it logs to a file
-(``--logfile``); with this watcher on, that job is ours.
-
-The handlers stay installed when the watcher stops, until the process
-ends: a graceful stop lasts up to ``proxy.shutdown_timeout_seconds``, and
-the default action of SIGUSR1 and SIGUSR2 is to end the process (exit 138,
-every in-flight client losing its answer).  A signal during the stop still
-takes or ends the hold, which the holds file keeps for the next start
-(lifecycle/holdstore.py): a game that starts while the proxy restarts is not
-forgotten.  :meth:`SignalWatcher.uninstall` puts the previous handlers back,
+For a broker that can send a signal but not make an HTTP call (docs/watchers.md,
+"Signals").  The Python handler only hands the work to the reactor
+(``callFromThread`` is the one reactor call that is safe from a signal handler,
+and it wakes the reactor).  The handlers stay installed when the watcher stops,
+until the process ends, since the default action of SIGUSR1 and SIGUSR2 is to
+end the process; :meth:`SignalWatcher.uninstall` puts the previous ones back,
 for an application that hosts the proxy and goes on without it.
 
 :class:`StopSignals` is the other half of a graceful stop: a second SIGTERM
-(or SIGINT) while it runs is logged and ignored, so the clients in flight
-keep their answers; SIGKILL stops at once (and the holds survive that too).
+(or SIGINT) while it runs is logged and ignored (docs/operating.md, "Signals").
 """
 
 from __future__ import annotations

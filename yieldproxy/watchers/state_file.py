@@ -1,15 +1,11 @@
-"""The state-file watcher: the GPU is yielded while a file exists.
+"""The state-file watcher: the GPU is yielded while a file exists (docs/watchers.md, "The state file").
 
-Anything that can create and delete a file can yield the GPU: a game
-launcher wrapper, a systemd path or service unit, a cron job, ``touch`` over
-SSH.  The file may hold JSON with ``reason`` and ``expected_seconds``; bad
-content is logged and counted, and the hold is taken anyway (the file's
-existence is the signal, its content only a detail).
-
-Polling on the injected clock is the baseline and works everywhere; where
-inotify is available it is added on top, so a change is seen at once instead
-of at the next poll.  The watcher only takes and ends its own hold, so a file
-that vanishes and comes back quickly cannot reorder parked requests.
+The file's existence is the signal, its content (JSON ``reason`` and
+``expected_seconds``) only a detail: bad content is logged and counted, and
+the hold is taken anyway.  Polling on the injected clock works everywhere;
+where inotify is available it is added on top, so a change is seen at once.
+The watcher only takes and ends its own hold, so a file that vanishes and
+comes back quickly cannot reorder parked requests.
 """
 
 from __future__ import annotations

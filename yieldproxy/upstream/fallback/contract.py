@@ -1,15 +1,10 @@
 """The ``[fallback]``'s own part: its contract over the one verifier, and its counts.
 
-The fallback is served as a pool member (upstream/pool/members.py ``fallback_member``:
-a standby member that answers mapped embeddings translated, at most
-``fallback.concurrency`` at once, drained from the one lot like any member).
-Its verification against the primary is the twin verifier's
-(upstream/pool/twins.py), given the fallback's terms as a
-:class:`~yieldproxy.upstream.pool.contract.Contract` (:func:`fallback_contract`).
-What stays here is what only ``[fallback]`` promises (docs/fallback.md):
-``POST /fallback/verify``, ``/status`` ``fallback``, its metrics, and
-``yieldproxy_fallback_total`` by what became of each request of a
-``fallback`` class arriving during a yield.
+The fallback is served as a standby pool member (upstream/pool/members.py
+``fallback_member``), verified by the twin verifier (upstream/pool/twins.py)
+under the fallback's terms (:func:`fallback_contract`).  What stays here is
+what only ``[fallback]`` promises (docs/fallback.md): ``POST /fallback/verify``,
+``/status`` ``fallback``, its metrics, and ``yieldproxy_fallback_total``.
 """
 
 from __future__ import annotations

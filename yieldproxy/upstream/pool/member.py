@@ -1,17 +1,12 @@
 """One upstream of the pool as it runs: whether it takes requests now, and why not.
 
-A member is *available* when no hold applies to it (its own, or one of all
-members), its release is not held (a model preload after its yield:
-:meth:`Member.hold_release_until`), it is not *not ready* (its server says
-it is loading its model) and it is not passed over as unreachable (refusing
-connections and never answered since the start).  What it knows against
-itself is one named state, :attr:`Member.condition`, moved only by events
-through :data:`CONDITION_MOVES` (yieldproxy/states.py); the run of "loading"
-answers that ``upstream.not_ready_max_seconds`` bounds is data beside it.
-Which member takes which request is not decided here: the scheduler
-(yieldproxy/schedule/) asks :meth:`Member.available` and is told when a member
-takes work again (:meth:`Member.when_back`).  The rules, and why: docs/pool.md
-("Available", "Not ready") and docs/architecture.md ("The scheduler").
+What it knows against itself is one named state, :attr:`Member.condition`,
+moved only by events through :data:`CONDITION_MOVES` (yieldproxy/states.py);
+the run of "loading" answers that ``upstream.not_ready_max_seconds`` bounds is
+data beside it.  Which member takes which request is the scheduler's
+(yieldproxy/schedule/): it asks :meth:`Member.available` and is told when a
+member takes work again (:meth:`Member.when_back`).  The rules, and why:
+docs/pool.md ("Available", "Not ready") and docs/architecture.md ("The scheduler").
 """
 
 from __future__ import annotations
@@ -36,9 +31,6 @@ from .members import MemberSpec
 from .models import ModelCatalogue
 
 log = Logger()
-
-#: What ``/status`` says of a member (and the ``state`` label of its metrics).
-MEMBER_STATES = ("available", "yielded", "outage", "handing_over", "unreachable", "not_ready")
 
 
 class Condition(enum.Enum):
@@ -243,7 +235,7 @@ class Member(Machine[Condition, str]):
         )
 
     def state_name(self) -> str:
-        """One of :data:`MEMBER_STATES`."""
+        """What ``/status`` says of it: one of :data:`~yieldproxy.observe.metrics.UPSTREAM_STATES`."""
         if self._yields.yielded_for(self.spec.name):
             holds = self._yields.holds_for(self.spec.name)
             return "outage" if holds and all(h.source in TROUBLE_SOURCES for h in holds) else "yielded"

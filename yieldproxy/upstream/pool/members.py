@@ -1,14 +1,9 @@
 """The pool's members as they run: each ``[[upstreams]]`` table with every default resolved.
 
-A config without ``[[upstreams]]`` has one upstream, named ``default``, made
-of ``proxy.upstream`` and the global sections (:func:`default_member`).  An
-enabled ``[fallback]`` is a second member of that pool, named ``fallback``:
-a standby one (``use = "when_others_yielded"``) that serves the mapped
-embedding models of the ``fallback``-policy classes, only translated and
-only while its verification holds (:func:`fallback_member`,
-docs/fallback.md).  Keys a ``[[upstreams]]`` table leaves out take the global
-sections' values (``[replay]``, ``[upstream]``, ``[handover]``); the global
-``[watchers]`` hold every member (their holds name no member).
+Without ``[[upstreams]]`` the pool is ``proxy.upstream`` alone, named ``default``
+(:func:`default_member`); an enabled ``[fallback]`` adds a standby member named
+``fallback`` (:func:`fallback_member`).  How a table's missing keys are filled
+in: docs/configuration.md and docs/pool.md.
 
 What the pool's make-up decides (whether lines name members, what a
 member's own holds hold) is decided here, once, from the members

@@ -1,15 +1,10 @@
 """Which models a member serves: the patterns its config names, or the names its model list gives.
 
-A member with ``models`` serves the request models those shell patterns
-match, and the names its ``model_map`` maps; one without is asked for its
-model list (``/api/tags``, ``/v1/models``, ...) at start and every
-``upstream.models_refresh_seconds`` (:class:`ModelDiscovery`), and serves what
-that list names.  Until a list has come, what it serves is unknown (None):
-the pool then routes by route alone, as it does for a model nobody lists,
-so the server answers with its own words.
-
-Names compare as Ollama's do (:func:`~yieldproxy.names.canonical_model`): ``all-minilm``,
-``ALL-MINILM:Latest`` and ``registry.ollama.ai/library/all-minilm:latest`` are one model.
+A member without ``models`` is asked for its model list at start and every
+``upstream.models_refresh_seconds`` (:class:`ModelDiscovery`); until a list has
+come, what it serves is unknown (None) and the pool routes by route alone, so
+the server answers with its own words (docs/pool.md, "Which upstream a request
+goes to").  Names compare as Ollama's do (:func:`~yieldproxy.names.canonical_model`).
 """
 
 from __future__ import annotations
