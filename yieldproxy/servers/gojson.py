@@ -78,7 +78,7 @@ class _TypeError(Exception):
     """The value does not decode into its field; Go's decode (and Ollama's request) fails."""
 
 
-@attrs.frozen
+@attrs.define  # not frozen: one per request (as servers.base.Asked)
 class GoRequest:
     """What Go binds for :data:`FIELDS` (absent: never set, or set to nil)."""
 
@@ -480,6 +480,8 @@ class GoStruct:
         return self._folded.get(fold(key))
 
 
+#: A field of Go's ``any`` (``interface{}``): ``input``, ``format``, ...
+_ANY = "any"
 #: :func:`_judge`'s answer for a value that decodes.
 _FINE = "fine"
 #: :func:`_judge`'s answer when the proxy cannot tell exactly what Go does with the value.
@@ -523,7 +525,7 @@ def _judge(kind: str, value: Any) -> str:
         return _FINE
     if kind == "string":
         return _FINE if isinstance(value, str) else _json_kind(value)
-    if kind == "any":
+    if kind == _ANY:
         return _FINE if _fits_any(value) else _UNSURE
     found = _json_kind(value)
     if kind == "bool":
@@ -607,6 +609,8 @@ def _first_type_error(pairs: "_Pairs", struct: GoStruct) -> str | None:
         if name is None:
             continue  # Go ignores a key no field has
         kind, everywhere = fields[name]
+        if type(value) is str and (kind == STRING or kind == _ANY):
+            continue  # a text into a string or an ``any`` (most of every request), judged without a call
         verdict = _judge(kind, value)
         if verdict == _FINE:
             continue
