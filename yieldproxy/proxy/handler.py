@@ -89,8 +89,11 @@ class ProxyApp:
         init=False, default=attrs.Factory(lambda app: HandlerResource(app._handle, app._internal_error), takes_self=True)
     )
 
-    @app.route("/", branch=True, strict_slashes=False)
-    def proxy(self, request):
+    # Every path, as two plain routes rather than one branch route: Klein runs a branch route through
+    # its request adapter (``IKleinRequest``) on every request, work the proxy's route has no use for.
+    @app.route("/", strict_slashes=False, endpoint="proxy_root")
+    @app.route("/<path:path>", strict_slashes=False, endpoint="proxy")
+    def proxy(self, request, path: str = ""):
         return routed(request, self._entry)
 
     @app.handle_errors(NotFound)

@@ -52,6 +52,8 @@ class KleinEntry(KleinResource):
         super().__init__(app)
         #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes).
         self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int]] = {}
+        #: The app's map and endpoints (Klein keeps each one object, added to in place): read per request.
+        self._map, self._endpoint_table = app.url_map, app.endpoints
         #: The app's routes when the memo was started: a route added since starts it again.
         self._endpoints = len(app.endpoints)
 
@@ -59,7 +61,7 @@ class KleinEntry(KleinResource):
         app = self._app
         script_name, path_info = _paths(request)
         route = self._route(request.method, script_name, path_info)
-        if route is None or not _host_is_utf8(request):
+        if route is None or not (getattr(request, "host_is_utf8", False) or _host_is_utf8(request)):
             # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
         endpoint, kwargs, segments = route
@@ -86,26 +88,25 @@ class KleinEntry(KleinResource):
         info alone (the server name and the scheme only build URLs, and a
         redirect, which raises, is never kept).
         """
-        app = self._app
-        if app.url_map.host_matching:
+        if self._map.host_matching:
             return None
         routes = self._routes
-        if len(app.endpoints) != self._endpoints:
+        if len(self._endpoint_table) != self._endpoints:
             routes.clear()
-            self._endpoints = len(app.endpoints)
+            self._endpoints = len(self._endpoint_table)
         key = (method, script_name, path_info)
         kept = routes.get(key)
         if kept is not None:
             return kept
         try:
-            mapper = app.url_map.bind(
+            mapper = self._map.bind(
                 "", script_name.decode("utf-8"), path_info=path_info.decode("utf-8"),
                 default_method=method.decode("utf-8"), url_scheme="http",
             )
             rule, kwargs = mapper.match(return_rule=True)
         except Exception:
             return None
-        segments = getattr(app.endpoints[rule.endpoint], "segment_count", None)
+        segments = getattr(self._endpoint_table[rule.endpoint], "segment_count", None)
         if segments is None:  # a route function Klein did not mark: not one this knows how to run
             return None
         route = (rule.endpoint, dict(kwargs), segments)
@@ -200,10 +201,8 @@ def _server(request) -> tuple[str, str]:
 
 def _host_is_utf8(request) -> bool:
     """Whether the server name Klein's render decodes (``getRequestHostname``) is UTF-8: it is a part of the
-    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed, and a
-    request that says so itself (the listener's: edge/request.py refused any other) without it being read."""
-    if getattr(request, "host_is_utf8", False):
-        return True
+    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed.  (A request
+    that says so itself, the listener's ``host_is_utf8``, is not asked: edge/request.py refused any other.)"""
     raw = request.getHeader(b"host")
     if raw is not None and raw.isascii():
         return True
@@ -248,7 +247,7 @@ class HandlerResource(Resource):
         self._on_error = on_error
 
     def render(self, request):
-        listens = _listeners(request)
+        listens = hasattr(type(request), "handler")  # _listeners(request), inline: asked of every request
         if listens:
             # Klein's finish watchers (two Deferreds and their closures per request): its routing is over,
             # and a listener's request is cancelled through ``handler``, never through notifyFinish.
