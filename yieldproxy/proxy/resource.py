@@ -3,10 +3,10 @@
 :class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``): it
 routes as Klein's own ``KleinResource`` does, without the per-request work
 that decides nothing (tests/proxy/test_klein_entry.py holds the two to the
-same answers; bench/klein_entry.py measures the difference).  The app's one
-route returns :class:`HandlerResource` through :func:`routed`, which lets go
-of Klein's request adapter, so a parked request keeps nothing of Klein; the
-leaf runs the handler and writes its outcome.
+same answers; bench/klein_entry.py measures the difference).  The app's
+route returns :class:`HandlerResource` and asks nothing of Klein's request
+adapter (:func:`asks_no_klein_request`), so none is made: a parked request
+keeps nothing of Klein.  The leaf runs the handler and writes its outcome.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from klein.interfaces import IKleinRequest
 from klein.resource import KleinResource
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
-from twisted.python.components import Componentized
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET
@@ -50,8 +49,9 @@ class KleinEntry(KleinResource):
 
     def __init__(self, app: Klein):
         super().__init__(app)
-        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes).
-        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int]] = {}
+        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes, whether
+        #: it may ask for Klein's request adapter).
+        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int, bool]] = {}
         #: The app's map and endpoints (Klein keeps each one object, added to in place): read per request.
         self._map, self._endpoint_table = app.url_map, app.endpoints
         #: The app's routes when the memo was started: a route added since starts it again.
@@ -64,8 +64,9 @@ class KleinEntry(KleinResource):
         if route is None or not (getattr(request, "host_is_utf8", False) or _host_is_utf8(request)):
             # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
-        endpoint, kwargs, segments = route
-        request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
+        endpoint, kwargs, segments, adapter = route
+        if adapter:
+            request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
         prepath, postpath = len(request.prepath), request.postpath
         request.prepath.extend(postpath[:segments])
         request.postpath = postpath[segments:]
@@ -81,8 +82,10 @@ class KleinEntry(KleinResource):
         request.postpath = postpath
         return KleinResource(_Answered(app, answer)).render(request)
 
-    def _route(self, method: bytes, script_name: bytes, path_info: bytes) -> tuple[str, dict[str, Any], int] | None:
-        """The route the app's map matches (endpoint, arguments, segments), or None: Klein's render decides.
+    def _route(
+        self, method: bytes, script_name: bytes, path_info: bytes
+    ) -> tuple[str, dict[str, Any], int, bool] | None:
+        """The route the app's map matches (endpoint, arguments, segments, adapter), or None: Klein's render decides.
 
         Without host matching, the map matches on the method and the path
         info alone (the server name and the scheme only build URLs, and a
@@ -106,10 +109,11 @@ class KleinEntry(KleinResource):
             rule, kwargs = mapper.match(return_rule=True)
         except Exception:
             return None
-        segments = getattr(self._endpoint_table[rule.endpoint], "segment_count", None)
+        function = self._endpoint_table[rule.endpoint]
+        segments = getattr(function, "segment_count", None)
         if segments is None:  # a route function Klein did not mark: not one this knows how to run
             return None
-        route = (rule.endpoint, dict(kwargs), segments)
+        route = (rule.endpoint, dict(kwargs), segments, not getattr(function, "asks_no_klein_request", False))
         # The arguments go to every request of the target: kept only when none can be changed by a route
         # (and a long path is not kept).
         if len(path_info) <= self.PATH_KEPT and all(type(value) in (str, int, float) for value in kwargs.values()):
@@ -218,12 +222,12 @@ def _utf8(text: bytes) -> bool:
     return True
 
 
-def routed(request, entry: HandlerResource) -> HandlerResource:
-    """A route's answer once Klein has matched it: ``entry``, with Klein's request adapter (and the
-    ``MapAdapter`` it holds) let go, since nothing asks for it after routing."""
-    if isinstance(request, Componentized):
-        request.unsetComponent(IKleinRequest)
-    return entry
+def asks_no_klein_request(route: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a route function (under its ``@app.route``) that never asks for Klein's request adapter
+    (``IKleinRequest``): :class:`KleinEntry` makes none for its requests, so a parked one holds nothing
+    of Klein, and none is made and let go per request."""
+    route.asks_no_klein_request = True  # type: ignore[attr-defined]
+    return route
 
 
 class HandlerResource(Resource):
