@@ -73,7 +73,7 @@ class KleinEntry(KleinResource):
         try:
             answer = app.execute_endpoint(endpoint, request, **kwargs)
             if IResource.providedBy(answer):
-                request.render(getChildForRequest(answer, request))
+                request.render(answer if answer.isLeaf else getChildForRequest(answer, request))
                 return NOT_DONE_YET
         except Exception:
             answer = Failure()
@@ -308,7 +308,8 @@ def _done(request) -> None:
 
 
 def _write(result, request) -> None:
-    _done(request)
+    if hasattr(type(request), "handler"):  # _done(request), inline: every request's answer comes here
+        request.handler = None
     try:
         if isinstance(result, str):
             result = result.encode("utf-8")

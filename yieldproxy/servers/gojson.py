@@ -275,14 +275,9 @@ class FirstValue:
 
     def __init__(self, body: bytes) -> None:
         self.body = body
+        #: The value, and where it ends in the body decoded (-1: not parsed yet): see :func:`_first_value`.
         self._value: Any = None
         self._end = -1
-
-    def of(self, text: str) -> tuple[Any, int]:
-        """The value and where it ends in ``text`` (``body`` decoded): parsed on the first ask only."""
-        if self._end < 0:
-            self._value, self._end = _parse_first(text)
-        return self._value, self._end
 
 
 def _parse_first(text: str) -> tuple[Any, int]:
@@ -291,9 +286,12 @@ def _parse_first(text: str) -> tuple[Any, int]:
 
 
 def _first_value(body: bytes, text: str, shared: FirstValue | None) -> tuple[Any, int]:
-    if shared is not None and shared.body is body:
-        return shared.of(text)
-    return _parse_first(text)
+    """The first value of ``text`` (``body`` decoded) and where it ends: parsed once for the request's ``shared``."""
+    if shared is None or shared.body is not body:
+        return _parse_first(text)
+    if shared._end < 0:
+        shared._value, shared._end = _parse_first(text)
+    return shared._value, shared._end
 
 
 def _text(body: bytes) -> str:
