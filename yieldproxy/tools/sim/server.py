@@ -566,13 +566,13 @@ class SimOllama:
         job.holds_model = True
         after = self._scheduler.after
         if job.load_only:
-            after(job, 0, self._answer_load, job)
+            after(job, 0, self._answer_whole, job)
         elif job.route.kind == "batch":
-            after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_batch, job)
+            after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_whole, job)
         elif job.stream:
             after(job, self.latency, self._stream_step, job, 0)
         else:
-            after(job, self.latency + self.chunk_delay * self.chunks, self._answer_reply, job)
+            after(job, self.latency + self.chunk_delay * self.chunks, self._answer_whole, job)
 
     def _retired(self, job: Job, outcome: str, held_slot: bool) -> None:
         """A job is done: note how, and let go of its model."""
@@ -611,20 +611,20 @@ class SimOllama:
             job.request.finish()
         self._scheduler.retire(job, outcome)
 
-    def _answer_load(self, job: Job) -> None:
-        """A load-only request: the model is in memory now."""
-        self._send(job, Reply(200, dumps(self._flavour.load_answer(self, job, "load"))))
+    def _whole_body(self, job: Job) -> bytes:
+        """The JSON of a job's whole answer: a load's (the model is in memory now), a batch's, or a reply's."""
+        if job.load_only:
+            return dumps(self._flavour.load_answer(self, job, "load"))
+        if job.route.kind == "batch":
+            return dumps(self._flavour.answer(self, job))
+        return dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
 
-    def _answer_batch(self, job: Job) -> None:
-        """The model ran over every input: one JSON answer."""
-        body = self._flavour.answer(self, job)
-        self.texts_embedded.update(job.texts)
-        self._send(job, Reply(200, dumps(body)))
-
-    def _answer_reply(self, job: Job) -> None:
-        """A whole reply at once (``stream: false``)."""
-        text = "".join(expected_reply(job.prompt, job.key, self.chunks))
-        self._send(job, Reply(200, dumps(self._flavour.reply(self, job, text))))
+    def _answer_whole(self, job: Job) -> None:
+        """The model has run: the whole answer at once (not a stream)."""
+        body = self._whole_body(job)
+        if job.route.kind == "batch":
+            self.texts_embedded.update(job.texts)
+        self._send(job, Reply(200, body))
 
     def _stall_after_head(self, job: Job) -> None:
         """Mode ``stall``: the head of the answer this job would get and its first bytes, then nothing.
@@ -641,12 +641,7 @@ class SimOllama:
             pieces = expected_reply(job.prompt, job.key, self.chunks)
             request.write(self._flavour.stream_chunk(self, job, 0, pieces))
             return
-        if job.load_only:
-            body = dumps(self._flavour.load_answer(self, job, "load"))
-        elif job.route.kind == "batch":
-            body = dumps(self._flavour.answer(self, job))
-        else:
-            body = dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
+        body = self._whole_body(job)
         request.setResponseCode(200)
         request.setHeader(b"content-type", JSON)
         request.setHeader(b"content-length", b"%d" % len(body))
