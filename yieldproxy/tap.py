@@ -220,9 +220,7 @@ def _cannot_reload(options: Options) -> str | None:
     again from inside it.
     """
     parent = getattr(options, "parent", None)
-    if parent is None:
-        return None
-    if parent.get("chroot"):
+    if parent is not None and parent.get("chroot"):
         return "reload cannot start a new process inside twistd's --chroot: restart it instead"
     return None
 
