@@ -3,22 +3,10 @@
 :func:`build` takes the reactor (or a Clock) and the config, makes each part
 once with everything it uses, in dependency order, and returns them in a
 frozen :class:`Proxy`; no part is changed by another after it is made.
-Tests use it with a Clock, ``tap.py`` with the real reactor.
-
-What runs is a child of :class:`YieldProxyService`, started in order and
-stopped in the reverse order, each child after the one before it has
-stopped (docs/architecture.md):
-
-1. the admin listener (it answers until the very end);
-2. the upstream clients' connection pools (closed once nothing uses them);
-3. the fallback's verification (when enabled), the twin verification of a pool of
-   several (upstream/pool/twins.py), each upstream's model list (upstream/pool/models.py);
-4. the history sampling, then the record of what each upstream served
-   (upstream/served.py: written with the holds, a last time after the drain);
-5. the drain (lifecycle/drain.py: parked requests answered or released, in-flight ones
-   given ``proxy.shutdown_timeout_seconds``);
-6. the watchers, then the VRAM handovers (their holds stay when they stop);
-7. the proxy listener (the first to stop: no new connections).
+Tests use it with a Clock, ``tap.py`` with the real reactor.  What runs is a
+child of :class:`YieldProxyService`, started in order and stopped in the
+reverse order, one at a time: docs/architecture.md lists the children and why
+each stops where it does.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """A Python API for brokers: hold the GPU for as long as a ``with`` block runs.
 
-A broker is the program that decides who has the GPU.  It tells the proxy
-with ``POST /yield`` and ``POST /resume`` on the admin API (docs/admin-api.md);
-this module does that for it, with the standard library only (no Twisted, no
-reactor), synchronously (:class:`Admin`) or under asyncio (:class:`AsyncAdmin`)::
-
-    from yieldproxy.tools.broker import Admin
-
-    with Admin("http://127.0.0.1:11436").hold("game", "steam: Cyberpunk 2077", lease_seconds=60):
-        run_the_game()
-
-``Admin("unix:/run/yieldproxy/admin.sock")`` reaches an admin listener on a
-unix socket (``admin.listen = "unix:/run/yieldproxy/admin.sock:mode=660"``):
-the channel for a local broker that no flood of a TCP port reaches
-(docs/security.md).
-
-:meth:`Admin.hold` takes the hold with a lease (``for_seconds``), renews it in
-the background every third of the lease, and resumes when the block ends,
-however it ends.  The lease is the dead-man's switch: if the broker dies,
-the hold ends by itself ``lease_seconds`` after the last renewal.  A renewal
-that fails is logged, kept in :attr:`Hold.error` and given to ``on_error``;
-once a whole lease has passed without one, :attr:`Hold.lost` is true (the
-proxy may have given the GPU back meanwhile).
-
-It is the one client of the admin API: ``yieldproxy status/yield/resume/reload``
+A broker (the program that decides who has the GPU) calls ``POST /yield`` and ``POST /resume`` on the admin
+API; this module does it for it with the standard library only (no Twisted, no reactor), synchronously
+(:class:`Admin`) or under asyncio (:class:`AsyncAdmin`).  The lease, its renewals and what a failed one
+does: docs/embedding.md.  It is the one client of the admin API: ``yieldproxy status/yield/resume/reload``
 (tools/cli.py) and ``yieldproxy demo`` call it too, from a reactor's thread pool.
 """
 
