@@ -95,18 +95,13 @@ class SimOllama:
     :param max_num_ctx: the largest ``options.num_ctx`` whose load fits in
         (simulated) VRAM; a request asking for more fails alone with
         :data:`LOAD_OOM_ERROR`, as a real one does (0: no limit).
-    :param models: the models the server has (the default: :data:`DEFAULT_MODELS`).  Ollama lists
-        them (``/api/tags``, ``/v1/models``), describes them (``/api/show``) and serves them; a model
-        route or ``/api/show`` naming another gets Ollama's 404 (``model "X" not found, try pulling it
-        first`` and the like, :func:`.ollama.model_not_found`), as a model never pulled does.  The
-        servers that serve one model (every ``api`` but ``ollama``) serve the first and answer with
-        its name whatever the request names.
-    :param api: the server to play: ``ollama`` (the default), ``tei``
-        (text-embeddings-inference), ``infinity`` or ``llamacpp``; each with
-        its own routes, answers and error shapes (docs/servers.md).  For
-        ``llamacpp``, ``load_seconds`` is its start-up load: every route but
-        the model lists answers 503 "Loading model" meanwhile, at start and
-        again after ``refuse`` or ``reset`` (a restarted server).
+    :param models: the models the server has (the default: :data:`DEFAULT_MODELS`), listed,
+        described and served; a request naming another gets Ollama's 404, as for a model never
+        pulled (:func:`.ollama.model_not_found`).  A server of one model (every ``api`` but
+        ``ollama``) serves the first, whatever the request names.
+    :param api: the server to play: ``ollama``, ``tei``, ``infinity`` or ``llamacpp``
+        (docs/servers.md, *The simulated servers*).  For ``llamacpp``, ``load_seconds`` is its
+        start-up load, paid again after ``refuse`` or ``reset`` (a restarted server).
     :param history_size: how many :class:`SimRequest` records to keep.
     :param mode: the initial outage mode (see :data:`MODES`).
     """
