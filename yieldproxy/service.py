@@ -56,7 +56,7 @@ from .upstream.vram import Handover
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = [
-    "Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator", "subscribe_handover",
+    "Proxy", "YieldProxyService", "CannotListen", "build", "build_heart", "one_step_cooperator", "subscribe_handover",
 ]
 
 log = Logger()
@@ -128,15 +128,6 @@ class Heart:
     twins: TwinVerifier | None = None
     #: The one verifier of "same vectors": ``twins``, or the one that runs only the ``[fallback]``'s contract.
     verifier: TwinVerifier | None = None
-
-
-def build_core(
-    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
-    twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
-) -> tuple[YieldState, ParkingLot, Replayer, Scheduler]:
-    """The yield state, the lot, the first member's drainer and the scheduler (:func:`build_heart`)."""
-    heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok, judges=judges)
-    return heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler
 
 
 def build_heart(
