@@ -288,11 +288,7 @@ class SimOllama:
     # -- listening and modes -------------------------------------------------
 
     def listen(self, port: int = 0, interface: str = "127.0.0.1") -> defer.Deferred[int]:
-        """
-        Listen on ``interface:port`` (0 picks a free port).
-
-        The sim owns its port so that ``refuse`` can close it and reopen the
-        same one.
+        """Listen on ``interface:port`` (0 picks a free port), a port of its own (listening.py says why).
 
         :returns: a Deferred firing with the bound port number.
         """
@@ -332,10 +328,7 @@ class SimOllama:
         elif in_flight and mode in ("hang", "stall_head"):
             for job in self._scheduler.unanswered():
                 if self._scheduler.hang(job):
-                    self.store.cancel(job.key, job)
-                    if job.holds_model:
-                        job.holds_model = False
-                        self.store.release(job.key, job.keep_alive)
+                    self._let_go_of_model(job)
                 if mode == "stall_head":
                     job.request.setHeader(b"content-type", JSON)
                     job.request.write(b"")
@@ -573,10 +566,14 @@ class SimOllama:
         """A job is done: note how, and let go of its model."""
         self._finish_record(job.record, outcome)
         if held_slot:
-            self.store.cancel(job.key, job)
-            if job.holds_model:
-                job.holds_model = False
-                self.store.release(job.key, job.keep_alive)
+            self._let_go_of_model(job)
+
+    def _let_go_of_model(self, job: Job) -> None:
+        """A job that held a slot needs its model no more: its share of a load under way, or its hold of the model."""
+        self.store.cancel(job.key, job)
+        if job.holds_model:
+            job.holds_model = False
+            self.store.release(job.key, job.keep_alive)
 
     def _step_failed(self, job: Job) -> None:
         """A step raised: a 500 in the route's shape, or a reset once a stream began."""
