@@ -676,20 +676,13 @@ def serve(options: Sequence[str]) -> NoReturn:
 
 
 def example_config() -> str:
-    """The commented example config, from an installed wheel or from a source tree.
+    """The commented example config, from an installed wheel or from a source tree (as the ops files are)."""
+    from .opsfiles import ops_file
 
-    setup.cfg maps the source's ``etc/`` into the package as ``yieldproxy/etc/``
-    (package data), so a wheel carries the file; a checkout has only ``etc/``.
-    """
-    import importlib.resources
-
-    packaged = importlib.resources.files("yieldproxy").joinpath("etc", "yieldproxy.toml")
-    if packaged.is_file():
-        return packaged.read_text(encoding="utf-8")
     try:
-        return (Path(__file__).resolve().parents[2] / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
-    except OSError:
-        raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)")
+        return ops_file("yieldproxy.toml").decode("utf-8")
+    except CliError:
+        raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)") from None
 
 
 def _run(reactor, command, args: argparse.Namespace, finished: list):
