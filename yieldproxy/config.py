@@ -406,11 +406,6 @@ def _model_patterns(instance, attribute, value):
             raise ValueError(f"must be model names or shell patterns without surrounding spaces, got {pattern!r}")
 
 
-def _optional_model_names(instance, attribute, value):
-    if value is not None:
-        _model_names(instance, attribute, value)
-
-
 def _optional_url_path(instance, attribute, value):
     if value:
         _url_path(instance, attribute, value)
@@ -440,7 +435,7 @@ class MemberConfig:
     probe_model: str | None = attrs.field(default=None, validator=_model_name)
     probe_path: str | None = attrs.field(default=None, validator=_optional_url_path)
     unload_on_yield: bool | None = None
-    preload_models: tuple[str, ...] | None = attrs.field(default=None, validator=_optional_model_names)
+    preload_models: tuple[str, ...] | None = attrs.field(default=None, validator=attrs.validators.optional(_model_names))
 
 
 @attrs.frozen
@@ -583,11 +578,7 @@ def _classes(table: Any) -> dict[str, ClassConfig]:
             raise unknown(f"classes.{name}", "class", name, CLASS_NAMES, "classes")
         built = _build(ClassConfig, body, f"classes.{name}")
         # Keys the file leaves out keep the class's own default, not the generic one.
-        given = body.keys()
-        defaults = classes[name]
-        classes[name] = attrs.evolve(
-            defaults, **{k: getattr(built, k) for k in given}
-        )
+        classes[name] = attrs.evolve(classes[name], **{k: getattr(built, k) for k in body})
     return classes
 
 
