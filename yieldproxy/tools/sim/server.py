@@ -586,14 +586,10 @@ class SimOllama:
 
     def _send(self, job: Job, reply: Reply, outcome: str = "ok") -> None:
         """Answer a job whole and free its slot."""
-        request = job.request
-        request.setResponseCode(reply.code)
-        request.setHeader(b"content-type", reply.content_type)
-        for name, value in reply.headers:
-            request.setHeader(name, value)
-        request.setHeader(b"content-length", b"%d" % len(reply.body))
+        body = self._write_reply(job.request, reply)
+        job.request.setHeader(b"content-length", b"%d" % len(body))
         job.headers_sent = True
-        request.write(reply.body)
+        job.request.write(body)
         self._end(job, outcome)
 
     def _end(self, job: Job, outcome: str = "ok") -> None:
