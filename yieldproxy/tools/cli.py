@@ -768,7 +768,11 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         their own, already running, reactor.
     """
     with _reader_may_leave():
-        _main(list(sys.argv[1:] if argv is None else argv), react)
+        try:
+            _main(list(sys.argv[1:] if argv is None else argv), react)
+        except CliError as e:
+            print(f"yieldproxy: {e.message}", file=sys.stderr)
+            raise SystemExit(e.code) from None
 
 
 def _main(argv: list[str], react: Callable[..., None]) -> None:
@@ -785,11 +789,7 @@ def _main(argv: list[str], react: Callable[..., None]) -> None:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "example-config":
-        try:
-            sys.stdout.write(example_config())
-        except CliError as e:
-            print(f"yieldproxy: {e.message}", file=sys.stderr)
-            raise SystemExit(e.code) from None
+        sys.stdout.write(example_config())
         return
 
     if args.command == "ops-files":
@@ -816,11 +816,7 @@ def _main(argv: list[str], react: Callable[..., None]) -> None:
             raise
         return
 
-    try:
-        settings = resolve_settings(args, dict(os.environ))
-    except CliError as e:
-        print(f"yieldproxy: {e.message}", file=sys.stderr)
-        raise SystemExit(e.code) from None
+    settings = resolve_settings(args, dict(os.environ))
     for note in settings.notes:
         print(f"yieldproxy: note: {note}", file=sys.stderr)
     command = {
