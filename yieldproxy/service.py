@@ -232,12 +232,8 @@ def build(
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
     crashes (lifecycle/holdstore.py); without it, a hold lasts as long as the process.
-    Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
-    the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
-    for what people read (``/status``, the page, the history), by default
-    the holds file's (it reads the same times back as the last run on this
-    boot showed), else ``time.time`` beside a monotonic reactor, else the
-    reactor's own clock.
+    Every bound runs on ``reactor``'s clock; ``wall`` gives the wall-clock time for what people read
+    (clock.py), by default the holds file's, else :func:`~yieldproxy.clock.wall_clock`'s.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)

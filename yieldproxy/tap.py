@@ -266,8 +266,7 @@ def makeService(options: Options):
     from .upstream.pool.members import url_warnings
     from .watchers.signals import StopSignals
 
-    # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires
-    # no parked request (clock.py).  Times people read stay wall-clock (build's default beside it).
+    # Every timer on elapsed time, before anything is scheduled (clock.py).
     run_on_monotonic(reactor)
     # Started by a reload: the running process's listening sockets come first (lifecycle/succession/).
     try:
