@@ -653,14 +653,9 @@ def _check_combinations(config: Config) -> None:
     shares = sum(c.min_share for c in config.classes.values())
     if shares > 1:
         raise ConfigError(f"classes.*.min_share: the shares add up to {shares:g}, more than 1")
-    if config.upstream.retry_backoff_max_seconds < config.upstream.retry_backoff_seconds:
-        raise ConfigError(
-            "upstream.retry_backoff_max_seconds: must be >= upstream.retry_backoff_seconds"
-        )
-    if config.upstream.health_max_interval_seconds < config.upstream.health_interval_seconds:
-        raise ConfigError(
-            "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
-        )
+    for most, least in (("retry_backoff_max_seconds", "retry_backoff_seconds"), ("health_max_interval_seconds", "health_interval_seconds")):
+        if getattr(config.upstream, most) < getattr(config.upstream, least):
+            raise ConfigError(f"upstream.{most}: must be >= upstream.{least}")
     _check_probe_models(config)
     _check_fallback(config.fallback)
     if config.verification.max_verification_age_seconds < config.verification.verify_interval_seconds:
