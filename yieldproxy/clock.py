@@ -36,8 +36,7 @@ def same(t: float) -> float:
 def run_on_monotonic(reactor: object, monotonic: Callable[[], float] = time.monotonic) -> int:
     """Make ``reactor`` (a Twisted ``ReactorBase``) keep time on ``monotonic``; how many pending calls moved.
 
-    The instance's ``seconds`` is replaced, so every ``callLater`` from now
-    on, the poller's timeout and ``runUntilCurrent`` read ``monotonic``.  A
+    The instance's ``seconds`` is replaced (the module docstring says what reads it).  A
     call already pending (twistd schedules none before the plugin's
     ``makeService``; an embedder's program may have) is put back on the new
     clock with the time it had left on the old one (``DelayedCall.reset``),
