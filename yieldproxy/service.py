@@ -320,7 +320,7 @@ def build(
     admin_app = AdminApp(
         reactor, config, state, scheduler, lot, metrics, token=token, read_token=read_token,
         history=history, sections=_status_sections(watchers, handovers, fallback, scheduler, twins, walls),
-        fallback=fallback, reload=_late(reloaders) if succession is not None else None, wall=walls,
+        fallback=fallback, reload=(lambda: reloaders[0].reload()) if succession is not None else None, wall=walls,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -375,11 +375,6 @@ def build(
         reactor, config, metrics, state, lot, replayer, scheduler, upstream, health, proxy_app, admin_app, history,
         watchers, handover, fallback, service, twins, records,
     )
-
-
-def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
-    """``POST /reload``'s call: the succession is made after the admin app (it needs the listeners)."""
-    return lambda: reloaders[0].reload()
 
 
 def _watchers(reactor, config: Config, state, metrics, scheduler: Scheduler) -> list[Service]:
