@@ -343,7 +343,7 @@ def test_embedding_routes_in_memory() -> None:
 class _BrokenSim(SimOllama):
     """A sim whose answers raise: a bug in one step must answer its request, not hang it."""
 
-    def _answer_whole(self, job: Any) -> None:
+    def _answer_batch(self, job: Any) -> None:
         raise RuntimeError("boom")
 
     def _stream_step(self, job: Any, i: int) -> None:

@@ -556,7 +556,7 @@ class SimOllama:
         if job.load_only:
             after(job, 0, self._answer_whole, job)
         elif job.route.kind == "batch":
-            after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_whole, job)
+            after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_batch, job)
         elif job.stream:
             after(job, self.latency, self._stream_step, job, 0)
         else:
@@ -607,12 +607,15 @@ class SimOllama:
             return dumps(self._flavour.answer(self, job))
         return dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
 
-    def _answer_whole(self, job: Job) -> None:
-        """The model has run: the whole answer at once (not a stream)."""
+    def _answer_batch(self, job: Job) -> None:
+        """The model ran over every input: one JSON answer, its texts counted as embedded."""
         body = self._whole_body(job)
-        if job.route.kind == "batch":
-            self.texts_embedded.update(job.texts)
+        self.texts_embedded.update(job.texts)
         self._send(job, Reply(200, body))
+
+    def _answer_whole(self, job: Job) -> None:
+        """A load, or a reply not streamed: one JSON answer."""
+        self._send(job, Reply(200, self._whole_body(job)))
 
     def _stall_after_head(self, job: Job) -> None:
         """Mode ``stall``: the head of the answer this job would get and its first bytes, then nothing.
