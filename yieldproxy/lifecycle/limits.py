@@ -1,13 +1,9 @@
 """The process's open-file budget: enough descriptors for every connection the config allows.
 
-A Linux service starts with a soft limit of 1024, far below
-``parking.max_parked`` (10,000): once it is used up, ``accept`` fails, Twisted
-resets new clients, and the admin API cannot be reached either.  So at start
-:func:`fit_fd_limit` raises the soft limit as far as the config needs (never
-past the hard limit), and when even the hard limit is too low it lowers the
-proxy's connection cap to what fits, instead of failing later under load.  A
-default sized to the limit is no mistake (a debug line); a cap the operator set
-and cannot have is a warning: docs/configuration.md (``proxy.max_connections``).
+At start :func:`fit_fd_limit` raises the soft limit as far as the config
+needs (never past the hard limit), and when even the hard limit is too low
+it lowers the proxy's connection cap to what fits, instead of failing later
+under load: docs/security.md (*The open-file limit*).
 """
 
 from __future__ import annotations
