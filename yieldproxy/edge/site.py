@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from twisted.web.server import Request, Site
 
-from .capacity import Connections, OverCapacity
+from .capacity import MAX_HEADER_BYTES, Connections, OverCapacity
 from .connection import LINGER_SECONDS, ServerConnection
 from .reader import Limits
 from .refusal import ErrorBody, plain_error_body
@@ -25,8 +25,6 @@ from .request import ProxyRequest
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 #: Header lines per request (Twisted allows 500; no Ollama client sends 30).
 MAX_HEADERS = 100
-#: Bytes of the request line plus every header line (Twisted's default).
-MAX_HEADER_BYTES = 16384
 
 
 class ProxySite(Site):
