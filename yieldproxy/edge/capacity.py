@@ -54,12 +54,7 @@ def _peer_host(address) -> str | None:
 
 @attrs.define(eq=False)
 class Connections:
-    """The open connections of one listener, and its cap (see the module docstring).
-
-    A connection just accepted is never idle, so never reclaimed: its client
-    is about to send its first request, and closing it would leave that
-    client without an answer.
-    """
+    """The open connections of one listener, and its cap (see the module docstring)."""
 
     #: Connections at once; the config key named in the refusal.
     limit: int
@@ -114,7 +109,8 @@ class Connections:
     _flushed: list = attrs.Factory(list)
 
     def opened(self, channel) -> None:
-        """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
+        """A channel's connection is made: counted whatever it does next, and never idle (so never reclaimed):
+        its request is coming, and closing it would leave its client without an answer."""
         self.open += 1
         self._channels[channel] = None
         self._fresh[channel] = None
