@@ -75,8 +75,6 @@ class Connections:
     #: under this many bytes a second on average.
     stall_seconds: float = RECEIVING_STALL_SECONDS
     min_pace: float = RECEIVING_MIN_PACE
-    #: Bodies cut because they stalled while another needed their budget, since start.
-    cut: int = 0
     #: Connections cut to make a place for a whole request (admin listener), since start.
     shed: int = 0
     #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
@@ -279,7 +277,6 @@ class Connections:
             if short <= 0:
                 return
             held = channel.receiving_held
-            self.cut += 1
             channel.cut_stalled()
             short -= held
 
