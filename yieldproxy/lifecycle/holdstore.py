@@ -372,10 +372,9 @@ class HoldStore:
             return
         self._marked = True
         try:
-            os.write(fd, body)  # what failed, for the next start's line; the file's presence is what counts
-            os.fsync(fd)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # what failed, for the next start's line; its presence is what counts
+                os.write(fd, body)
+                os.fsync(fd)
         finally:
             os.close(fd)
 
