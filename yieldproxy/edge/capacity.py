@@ -69,10 +69,8 @@ class Connections:
     max_receiving_bytes: int | None = None
     #: Bytes of request bodies being received now (what has arrived of each, not what it announced).
     receiving: int = 0
-    #: A body up to this size is small: the last quarter of ``max_receiving_bytes`` is kept for such bodies.
+    #: What a small body is, and when a body being received is stalled: the constants' (see :meth:`take_receiving`).
     small_body_bytes: int = SMALL_BODY_BYTES
-    #: When a body being received is stalled (see :meth:`take_receiving`): seconds without a byte, or a pace
-    #: under this many bytes a second on average.
     stall_seconds: float = RECEIVING_STALL_SECONDS
     min_pace: float = RECEIVING_MIN_PACE
     #: Connections cut to make a place for a whole request (admin listener), since start.
