@@ -30,11 +30,8 @@ MAX_HEADERS = 100
 class ProxySite(Site):
     """A Site serving :class:`ServerConnection`\\ s with bounded requests, TCP_NODELAY, and no access log.
 
-    A body over ``max_body_bytes`` is not read: the request is answered by
-    ``oversized(request)``, which sets the status and headers and returns the
-    body (the proxy app's 413, counted in its metrics), or, without it, by a
-    plain 413 (the admin API).  ``timeout`` (Twisted's) is the keep-alive
-    timeout: how long a connection may wait for a request.
+    ``oversized(request)`` sets the status and headers of a body over the limit and returns the body (the proxy
+    app's 413, counted in its metrics); ``timeout`` (Twisted's) is the keep-alive timeout.
     """
 
     displayTracebacks = False

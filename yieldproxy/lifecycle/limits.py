@@ -53,13 +53,8 @@ def fd_budget(
     getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
     setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
 ) -> FdBudget:
-    """Raise the soft ``RLIMIT_NOFILE`` towards what ``config`` needs; the cap that fits.
-
-    The need: every proxy connection may have its upstream connection open
-    while it is forwarded (two descriptors each), plus the upstream pool's
-    idle connections, the admin listener's cap, the fallback's connections
-    and :data:`RESERVE`.
-    """
+    """Raise the soft ``RLIMIT_NOFILE`` towards what ``config`` needs (docs/security.md, *The open-file
+    limit*: two descriptors a proxy connection, and the rest); the cap that fits."""
     cap = proxy_max_connections(config)
     fallback = config.fallback.concurrency + 2 if config.fallback.enabled else 0
     others = config.admin.max_connections + config.upstream.max_connections + fallback + RESERVE
