@@ -30,10 +30,10 @@ from yieldproxy.edge.connection import (
     HEAD,
     IDLE,
     LINGER,
+    MOVES,
     PORTABLE,
     READING,
     SERVING,
-    TRANSITIONS,
     WRITING,
     State,
 )
@@ -119,6 +119,9 @@ class Wire:
 
 
 # -- the table ------------------------------------------------------------------------------
+
+#: The moves a connection may make: every move of MOVES that changes its state.
+TRANSITIONS = {state: frozenset(new for new in MOVES.next[state].values() if new is not state) for state in State}
 
 
 def test_every_state_is_in_the_table_and_only_closed_is_a_dead_end():

@@ -96,10 +96,6 @@ MOVES: Moves[State, str] = Moves("a connection", {
     # The transport is gone.
     **{(state, "lost"): CLOSED for state in _EVERY},
 })
-#: The moves a connection may make (derived from :data:`MOVES`: every move that changes its state).
-TRANSITIONS: dict[State, frozenset[State]] = {
-    state: frozenset(new for new in MOVES.next[state].values() if new is not state) for state in State
-}
 
 #: The states whose connection reads a request: its bytes go to the reader.
 READING = frozenset({FRESH, IDLE, HEAD, BODY})
