@@ -195,9 +195,7 @@ class ServerConnection(Machine[State, str], Protocol):
         if self.connections is not None:
             self.connections.busy(self)
 
-    def _leave_IDLE(self) -> None:
-        if self.connections is not None:
-            self.connections.busy(self)
+    _leave_IDLE = _leave_FRESH
 
     def _enter_IDLE(self) -> None:
         if self.connections is not None:
@@ -219,8 +217,7 @@ class ServerConnection(Machine[State, str], Protocol):
     def _enter_HANDLING(self) -> None:
         self._expect(None)
 
-    def _enter_REFUSING(self) -> None:
-        self._expect(None)
+    _enter_REFUSING = _enter_HANDLING
 
     def _enter_WRITING(self) -> None:
         self._expect("stall" if self.writer.blocked else None, self._idle_timeout)
