@@ -198,14 +198,6 @@ class Response:
         self.retried = exchange.retried
         self._exchange: _Exchange | None = exchange
 
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of header ``name`` (any case), or None."""
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
     def pauseProducing(self) -> None:
         ex = self._exchange
         if ex is not None and ex.conn is not None:
