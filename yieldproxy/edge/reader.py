@@ -248,13 +248,9 @@ def _piece(buf: bytes | bytearray, start: int, end: int) -> bytes:
 class RequestReader:
     """Reads the requests of one connection, one after the other (module docstring).
 
-    ``feed`` only keeps bytes; ``next_event`` reads them.  After
-    :class:`EndOfMessage` the reader is ``done`` and reads nothing more
-    (pipelined bytes stay in :attr:`read_ahead`) until :meth:`start_next`;
-    after a :class:`Refusal` it is in ``error`` and drops what it is fed.
-    Whatever the bytes, it raises nothing: a misuse (bytes after
-    :meth:`feed_eof`, ``start_next`` before a request ended) raises
-    RuntimeError.
+    Pipelined bytes wait in :attr:`read_ahead` until :meth:`start_next`; after a :class:`Refusal` it drops
+    what it is fed.  Whatever the bytes, it raises nothing; a misuse (bytes after :meth:`feed_eof`,
+    ``start_next`` before a request ended) raises RuntimeError.
     """
 
     __slots__ = (
