@@ -17,7 +17,7 @@ from yieldproxy.lot.state import YieldState
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.schedule.scheduler import Scheduler
 from yieldproxy.servers import PROBE_TEXT
-from yieldproxy.service import build_core, one_step_cooperator
+from yieldproxy.service import build_heart, one_step_cooperator
 from yieldproxy.upstream.health import UpstreamHealth
 
 
@@ -88,8 +88,8 @@ def make_core(config: Config | None = None, twin_ok=None, judges=None, **replay)
         config = attrs.evolve(config, replay=attrs.evolve(config.replay, **replay))
     clock = Clock()
     metrics = Metrics()
-    state, lot, replayer, scheduler = build_core(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok, judges=judges)
-    return Core(clock, metrics, state, lot, replayer, scheduler)
+    heart = build_heart(clock, config, metrics, clock_cooperator(clock), twin_ok=twin_ok, judges=judges)
+    return Core(clock, metrics, heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler)
 
 
 def config_with(**sections) -> Config:

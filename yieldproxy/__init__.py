@@ -1,21 +1,10 @@
 """yieldproxy: park requests while the GPU is yielded, replay them when it returns.
 
-The public API (:data:`__all__`), each name loaded when it is first used, so
-that a broker's ``from yieldproxy import Admin`` imports the standard library
-only, not Twisted:
-
-* the broker library (:mod:`yieldproxy.tools.broker`): :class:`Admin`,
-  :class:`AsyncAdmin`, and their errors :class:`AdminError` and
-  :class:`AdminUnreachable` (docs/embedding.md);
-* the proxy in your own program: :func:`build` (:mod:`yieldproxy.service`),
-  the :class:`Proxy` it returns, :class:`CannotListen` (a listener that
-  cannot start), and :func:`run_on_monotonic` (:mod:`yieldproxy.clock`);
-* the configuration: :class:`Config`, :func:`load_config` (``config.load``:
-  a TOML file, or None for the defaults) and :class:`ConfigError`.
-
-The package is in layers (``tests/test_layers.py``, docs/architecture.md);
-this module is above them all, and any module may take :data:`__version__`
-from it, the one place the version is written (setup.cfg reads it).
+The public API is :data:`__all__`, each name loaded from its module (``_PUBLIC``) when it is first used,
+so that a broker's ``from yieldproxy import Admin`` imports the standard library only, not Twisted
+(docs/embedding.md).  The package is in layers (``tests/test_layers.py``, docs/architecture.md); this
+module is above them all, and any module may take :data:`__version__` from it, the one place the version
+is written (setup.cfg reads it).
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Elapsed time for every bound; the wall clock only where a time is shown to people.
 
-Every bound of the proxy (a lease, a parked request's hold bound, the stall
-and attempt timeouts, the replay's pace, the outage probe's backoff, the
-drain's shutdown timeout) is a timer on the clock it is given, Twisted's
-``IReactorTime``.  The real reactor keeps that time on the wall clock:
-``ReactorBase.seconds`` is ``time.time``, and each ``DelayedCall``'s due
-time, the poller's timeout and ``runUntilCurrent`` all read it.  An NTP step
-or a resumed VM that moves the wall clock 15 minutes forward would then fire
-every timer at once (a 600 s lease ends, every parked request is "parked
-past the hold bound"); a step back would keep a 5 s dead-man's lease for an
-hour.
-
-:func:`run_on_monotonic` gives the reactor ``CLOCK_MONOTONIC`` instead,
-before anything is scheduled (tap.py calls it first thing), so every timer,
-the proxy's, treq's, each ``LoopingCall``, is immune to wall steps both
-ways.  Calls already pending are moved onto the new clock with the time
-they had left.  ``CLOCK_MONOTONIC`` is one clock for the whole machine until
-it boots again: a reload's two processes read the same one, so the times
-the handover carries mean the same in both (lifecycle/succession/).
-
-Times shown to people (``since``, ``expires_at``, ``expected_end`` in
-``/status``, the status page, the history, the holds file) stay wall-clock:
-:class:`WallClock` converts an elapsed-clock time to the wall clock where it
-is shown, with the offset of that moment (a time shown after a step moves
-with the step, so "held for" stays right).  On a test's ``Clock`` the wall
-clock is that same Clock (:func:`wall_clock`): times are shown as they are.
+Every bound of the proxy is a timer on the clock it is given, Twisted's ``IReactorTime``.  The real
+reactor keeps that time on the wall clock (``ReactorBase.seconds`` is ``time.time``, and each
+``DelayedCall``, the poller's timeout and ``runUntilCurrent`` read it), so a wall-clock step would fire
+every timer at once, or hold them for an hour.  :func:`run_on_monotonic` gives the reactor
+``CLOCK_MONOTONIC`` instead, before anything is scheduled (tap.py calls it first thing); it is one clock
+for the whole machine until it boots again, so a reload's two processes read the same one.  Times shown
+to people stay wall-clock: :class:`WallClock` converts them where they are shown.  What this promises
+across a step: docs/operating.md (*A clock step*).
 """
 
 from __future__ import annotations
@@ -53,8 +36,7 @@ def same(t: float) -> float:
 def run_on_monotonic(reactor: object, monotonic: Callable[[], float] = time.monotonic) -> int:
     """Make ``reactor`` (a Twisted ``ReactorBase``) keep time on ``monotonic``; how many pending calls moved.
 
-    The instance's ``seconds`` is replaced, so every ``callLater`` from now
-    on, the poller's timeout and ``runUntilCurrent`` read ``monotonic``.  A
+    The instance's ``seconds`` is replaced (the module docstring says what reads it).  A
     call already pending (twistd schedules none before the plugin's
     ``makeService``; an embedder's program may have) is put back on the new
     clock with the time it had left on the old one (``DelayedCall.reset``),

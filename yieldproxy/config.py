@@ -2,7 +2,9 @@
 
 Every key has a default and is checked at start; a bad value is reported with
 the file and the dotted key (``yieldproxy.toml: replay.rate: ...``), and the
-process does not start.  ``etc/yieldproxy.toml`` documents every key.
+process does not start.  docs/configuration.md specifies every key (what it
+does, its default, its bounds), section by section as the classes here are;
+``etc/yieldproxy.toml`` sets each to its default, commented.
 """
 
 from __future__ import annotations
@@ -96,29 +98,16 @@ class ProxyConfig:
     upstream: str = attrs.field(default="http://127.0.0.1:11434", validator=_http_url)
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     trust_class_header: str = attrs.field(default="loopback", validator=_one_of(TRUST_MODES))
-    #: The class of a route no ``[[routes]]`` rule names and that is not known to run no
-    #: model: it parks during a yield unless this says ``passthrough`` (docs/classes.md).
     unknown_route_class: str = attrs.field(default="interactive", validator=_one_of(ROUTE_CLASSES))
-    #: Time a client may read nothing of its answer before it is dropped.
     idle_timeout_seconds: float = attrs.field(default=300.0, validator=_at_least(1))
-    #: Time a connection may wait for its next request (or its first) before it is closed.
     keepalive_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
-    #: Time a client has to deliver a whole request, headers and body (slowloris bound).
     request_read_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(1))
     shutdown_timeout_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
-    #: Most bytes of one answer that may wait in memory for a slow client (past it, it is dropped).
     slow_client_buffer_bytes: int = attrs.field(default=64 * 1024 * 1024, validator=_at_least(1))
-    #: Most bytes of all answers waiting for slow clients together.
     slow_client_buffer_total_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
-    #: Client connections at once (0: parking.max_parked + 1024); past it a 503.
     max_connections: int = attrs.field(default=0, validator=_at_least(0))
-    #: Bytes of request bodies being received at once, all connections together; past it a 503.
     max_receiving_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_at_least(1))
-    #: Host header values accepted besides this machine's own names (docs/security.md).
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
-    #: Web origins the upstream's CORS check lets in besides its own defaults: Ollama's
-    #: ``OLLAMA_ORIGINS``, entry for entry.  A request from any other page is refused
-    #: at once with the upstream's own 403, never parked (docs/security.md).
     allowed_origins: tuple[str, ...] = attrs.field(default=(), validator=_origins)
 
 
@@ -136,17 +125,11 @@ def proxy_max_connections(config: "Config") -> int:
 class AdminConfig:
     listen: str = "tcp:11436:interface=127.0.0.1"
     token_file: str = ""
-    #: A second token that may only read (/status, /parked, /metrics, /history): for scrapers and dashboards.
     read_token_file: str = ""
-    #: Connections at once on the admin listener, kept apart from the proxy's.
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
-    #: Admin connections one client address may hold (its requests that come whole at once still pass).
     max_connections_per_peer: int = attrs.field(default=16, validator=_at_least(1))
-    #: Host header values accepted besides this machine's own names (docs/security.md).
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_patterns)
-    #: Holds at once from callers of POST /yield (the watchers' own are not counted).
     max_holds: int = attrs.field(default=32, validator=_at_least(1))
-    #: Sources counted by name in yieldproxy_yields_total, besides yieldproxy's own.
     known_sources: tuple[str, ...] = attrs.field(default=(), validator=_source_names)
 
 
@@ -177,27 +160,20 @@ def _url_path(instance, attribute, value):
 @attrs.frozen
 class UpstreamConfig:
     attempt_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.001))
-    #: The longest silence from the upstream in the middle of an answer (between chunks too).
     stall_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.001))
     max_attempts: int = attrs.field(default=5, validator=_at_least(1))
     retry_backoff_seconds: float = attrs.field(default=0.5, validator=_at_least(0))
     retry_backoff_max_seconds: float = attrs.field(default=10.0, validator=_at_least(0))
     max_connections: int = attrs.field(default=64, validator=_at_least(1))
-    #: Take an ``outage`` hold when a once-reachable upstream fails (docs/watchers.md).
     detect_outages: bool = True
     health_path: str = attrs.field(default="/api/version", validator=_url_path)
     health_interval_seconds: float = attrs.field(default=0.5, validator=_at_least(0.01))
     health_max_interval_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
     health_timeout_seconds: float = attrs.field(default=2.0, validator=_at_least(0.01))
-    #: Bound on an outage probe that is a model call (it may have to load the model first).
     model_probe_timeout_seconds: float = attrs.field(default=60.0, validator=_at_least(0.01))
-    #: How long a member may answer "not ready" (loading its model) before it is treated as down (an outage).
     not_ready_max_seconds: float = attrs.field(default=300.0, validator=_at_least(0.01))
-    #: How often a pool member with no ``models`` is asked for its model list.
     models_refresh_seconds: float = attrs.field(default=60.0, validator=_at_least(1))
-    #: The model an outage probe asks for ("" = a model the upstream served lately): docs/watchers.md.
     probe_model: str = attrs.field(default="", validator=_model_name)
-    #: The route of that probe ("" = the route the model was served on, else the failing call's).
     probe_path: str = attrs.field(default="", validator=lambda i, a, v: _optional_url_path(i, a, v))
 
 
@@ -205,12 +181,9 @@ class UpstreamConfig:
 class WatchersConfig:
     """Watchers that take holds by themselves (docs/watchers.md); each is off until set."""
 
-    #: A file whose existence means "yielded" ("" = no state-file watcher).
     state_file: str = ""
     state_file_poll_seconds: float = attrs.field(default=1.0, validator=_at_least(0.01))
-    #: SIGUSR1 starts a hold, SIGUSR2 ends it.
     signals: bool = False
-    #: A shell command run every interval: exit 0 yielded, 1 not, else an error ("" = off).
     command: str = ""
     command_interval_seconds: float = attrs.field(default=5.0, validator=_at_least(0.1))
     command_timeout_seconds: float = attrs.field(default=10.0, validator=_at_least(0.01))
@@ -225,10 +198,7 @@ def _absolute_path(instance, attribute, value):
 class StateConfig:
     """What the proxy keeps across restarts: its holds (docs/operating.md, "Restart, reload, upgrade")."""
 
-    #: Where the holds are written ("" = a file named after the listeners, under $STATE_DIRECTORY,
-    #: $XDG_STATE_HOME/yieldproxy or ~/.local/state/yieldproxy).
     holds_file: str = attrs.field(default="", validator=_absolute_path)
-    #: The bound of the ``restart`` hold taken when the holds file of the last run is refused.
     restart_hold_seconds: float = attrs.field(default=600.0, validator=[_at_least(1), attrs.validators.le(7 * 24 * 3600.0)])
 
 
@@ -243,11 +213,8 @@ class HandoverConfig:
     """Giving the GPU's memory away during a yield and loading models back after it."""
 
     unload_on_yield: bool = False
-    #: How long the unload waits for requests already in flight to finish.
     unload_wait_seconds: float = attrs.field(default=30.0, validator=_at_least(0))
-    #: Bound on the unload calls and the check that ``/api/ps`` no longer lists them.
     unload_timeout_seconds: float = attrs.field(default=15.0, validator=_at_least(0.01))
-    #: Models loaded after a yield, before any parked request is replayed.
     preload_models: tuple[str, ...] = attrs.field(default=(), validator=_model_names)
     preload_timeout_seconds: float = attrs.field(default=120.0, validator=_at_least(0.01))
 
@@ -262,11 +229,8 @@ class ClassConfig:
     policy: str = attrs.field(default="park", validator=_one_of(POLICIES))
     hold_seconds: float = attrs.field(default=600.0, validator=_at_least(0))
     max_parked: int = attrs.field(default=0, validator=_at_least(0))
-    #: Higher goes first when the lot drains.
     priority: int = 0
-    #: The least share of releases this class gets while it waits (no starvation).
     min_share: float = attrs.field(default=0.0, validator=_share)
-    #: Wait for the first byte of an answer (0: upstream.attempt_timeout_seconds).
     attempt_timeout_seconds: float = attrs.field(default=0.0, validator=_at_least(0))
 
 
@@ -292,21 +256,13 @@ class RouteRule:
     path: str = attrs.field(default="", validator=_path)
     prefix: str = attrs.field(default="", validator=_path)
     methods: tuple[str, ...] = ()
-    #: Model names (shell-style patterns) matched against the JSON body's "model".
     models: tuple[str, ...] = ()
 
 
 API_SHAPES = ("ollama", "openai")
 
-#: Two probe texts longer than the usual truncation limits: sentence-transformers
-#: and Infinity cut all-MiniLM-L6-v2 at 256 word pieces, llama.cpp's
-#: llama-server reads up to its context (512).  A copy that cuts a long text
-#: at another place gives another vector (measured with that model: cosine
-#: 0.965 on the first, 0.870 on the second; docs/pool.md), and a document
-#: ingest sends exactly such chunks.  303 and 451 word pieces for MiniLM's
-#: tokenizer (305 and 453 with its two markers): both within llama-server's
-#: default batch of 512, so the reference itself never refuses them (a text
-#: over it gets a 500 "input (N tokens) is too large to process").
+#: Two probe texts longer than the usual truncation limits, within llama-server's default batch
+#: (docs/fallback.md, "What verification checks": why, and what was measured with them).
 LONG_PROBE_TEXTS = (
     "A batch ingest of a large document collection can run for hours, and most of that time goes into "
     "embedding: every chunk of every document is sent to the embedding server, one request after another, "
@@ -347,9 +303,7 @@ LONG_PROBE_TEXTS = (
     "wrong function stays wrong for as long as the store is kept, and nothing downstream can tell.",
 )
 
-#: What verification embeds on both sides: short and long, several scripts,
-#: code, numbers, emoji, odd spacing, and two texts longer than the usual
-#: truncation limits (:data:`LONG_PROBE_TEXTS`).
+#: What verification embeds on both sides (docs/fallback.md, "What verification checks").
 DEFAULT_PROBE_TEXTS = (
     "hello",
     "The quick brown fox jumps over the lazy dog.",
@@ -401,14 +355,9 @@ class FallbackConfig:
     """A CPU copy of the primary's embedding models, used only while verified (docs/fallback.md)."""
 
     enabled: bool = False
-    #: Ollama shape: the server's root (``http://host:11434``); OpenAI shape: the
-    #: base URL an OpenAI client would use, usually ending in ``/v1``.
     url: str = attrs.field(default="", validator=_nonempty_http_url)
     api: str = attrs.field(default="ollama", validator=_one_of(API_SHAPES))
-    #: How verification talks to the primary (``proxy.upstream``): Ollama's
-    #: ``/api/embed``, or ``/v1/embeddings`` for an OpenAI-shaped primary.
     primary_api: str = attrs.field(default="ollama", validator=_one_of(API_SHAPES))
-    #: Primary model name -> the fallback's name for the same weights.
     models: Mapping[str, str] = attrs.field(factory=dict, validator=_model_map)
     classes: tuple[str, ...] = attrs.field(default=("batch",), validator=_class_names)
     concurrency: int = attrs.field(default=2, validator=_at_least(1))
@@ -427,8 +376,6 @@ class VerificationConfig:
     serves a model and is not its reference (the first member serving it).
     """
 
-    #: Models verified from the start (besides each member's ``model_map`` names
-    #: and the models embedding requests name, verified after their first one).
     models: tuple[str, ...] = attrs.field(default=(), validator=_model_names)
     verify_interval_seconds: float = attrs.field(default=600.0, validator=_at_least(1))
     max_verification_age_seconds: float = attrs.field(default=1800.0, validator=_at_least(1))
@@ -459,11 +406,6 @@ def _model_patterns(instance, attribute, value):
             raise ValueError(f"must be model names or shell patterns without surrounding spaces, got {pattern!r}")
 
 
-def _optional_model_names(instance, attribute, value):
-    if value is not None:
-        _model_names(instance, attribute, value)
-
-
 def _optional_url_path(instance, attribute, value):
     if value:
         _url_path(instance, attribute, value)
@@ -478,35 +420,22 @@ class MemberConfig:
     every member (None here means "not set").
     """
 
-    #: Its name in the admin API, the logs and the metric labels.
     name: str = attrs.field(default="", validator=_member_name)
     url: str = attrs.field(default="", validator=_nonempty_http_url)
     api: str = attrs.field(default="ollama", validator=_one_of(UPSTREAM_APIS))
-    #: Model names (shell patterns) it serves; empty: the names its model list gives, refreshed.
     models: tuple[str, ...] = attrs.field(default=(), validator=_model_patterns)
-    #: A request's model name -> this member's own name for the same model.
     model_map: Mapping[str, str] = attrs.field(factory=dict, validator=_model_map)
-    #: Its cap while the lot drains into it (0: replay.concurrency).
     replay_concurrency: int = attrs.field(default=0, validator=_at_least(0))
     use: str = attrs.field(default="always", validator=_one_of(MEMBER_USES))
-    #: The classes it may serve.
     classes: tuple[str, ...] = attrs.field(default=CLASS_NAMES, validator=_class_names)
-    #: A file whose existence yields this member ("" = none; watchers.state_file holds them all).
     state_file: str = ""
-    #: A command whose exit 0 yields this member ("" = none; watchers.command holds them all).
     command: str = ""
-    #: Outage detection for this member (unset: upstream.detect_outages).
     detect_outages: bool | None = None
-    #: Its health route ("" = its api's: /api/version, /v1/models, /health).
     health_path: str = attrs.field(default="", validator=_optional_url_path)
-    #: The model its outage probes ask for (unset: upstream.probe_model).
     probe_model: str | None = attrs.field(default=None, validator=_model_name)
-    #: The route of that probe (unset: upstream.probe_path).
     probe_path: str | None = attrs.field(default=None, validator=_optional_url_path)
-    #: Unload its models when it yields (unset: handover.unload_on_yield); api ollama only.
     unload_on_yield: bool | None = None
-    #: Models loaded on it when its yield ends (unset: handover.preload_models); api ollama only.
-    preload_models: tuple[str, ...] | None = attrs.field(default=None, validator=_optional_model_names)
+    preload_models: tuple[str, ...] | None = attrs.field(default=None, validator=attrs.validators.optional(_model_names))
 
 
 @attrs.frozen
@@ -521,11 +450,8 @@ class Config:
     classes: Mapping[str, ClassConfig] = attrs.Factory(_default_classes)
     routes: tuple[RouteRule, ...] = ()
     fallback: FallbackConfig = attrs.Factory(FallbackConfig)
-    #: Twin verification in a pool of several upstreams.
     verification: VerificationConfig = attrs.Factory(VerificationConfig)
-    #: The pool (``[[upstreams]]``); empty: one member, ``default``, from ``proxy.upstream``.
     upstreams: tuple[MemberConfig, ...] = ()
-    #: What is kept across restarts (the holds file).
     state: StateConfig = attrs.Factory(StateConfig)
     #: The ``section.key`` names the file or the command line set (not compared: the same values are
     #: the same config).  Defaults sized to the machine (lifecycle/limits.py) give way only where the operator
@@ -652,11 +578,7 @@ def _classes(table: Any) -> dict[str, ClassConfig]:
             raise unknown(f"classes.{name}", "class", name, CLASS_NAMES, "classes")
         built = _build(ClassConfig, body, f"classes.{name}")
         # Keys the file leaves out keep the class's own default, not the generic one.
-        given = body.keys()
-        defaults = classes[name]
-        classes[name] = attrs.evolve(
-            defaults, **{k: getattr(built, k) for k in given}
-        )
+        classes[name] = attrs.evolve(classes[name], **{k: getattr(built, k) for k in body})
     return classes
 
 
@@ -731,14 +653,9 @@ def _check_combinations(config: Config) -> None:
     shares = sum(c.min_share for c in config.classes.values())
     if shares > 1:
         raise ConfigError(f"classes.*.min_share: the shares add up to {shares:g}, more than 1")
-    if config.upstream.retry_backoff_max_seconds < config.upstream.retry_backoff_seconds:
-        raise ConfigError(
-            "upstream.retry_backoff_max_seconds: must be >= upstream.retry_backoff_seconds"
-        )
-    if config.upstream.health_max_interval_seconds < config.upstream.health_interval_seconds:
-        raise ConfigError(
-            "upstream.health_max_interval_seconds: must be >= upstream.health_interval_seconds"
-        )
+    for most, least in (("retry_backoff_max_seconds", "retry_backoff_seconds"), ("health_max_interval_seconds", "health_interval_seconds")):
+        if getattr(config.upstream, most) < getattr(config.upstream, least):
+            raise ConfigError(f"upstream.{most}: must be >= upstream.{least}")
     _check_probe_models(config)
     _check_fallback(config.fallback)
     if config.verification.max_verification_age_seconds < config.verification.verify_interval_seconds:

@@ -3,22 +3,10 @@
 :func:`build` takes the reactor (or a Clock) and the config, makes each part
 once with everything it uses, in dependency order, and returns them in a
 frozen :class:`Proxy`; no part is changed by another after it is made.
-Tests use it with a Clock, ``tap.py`` with the real reactor.
-
-What runs is a child of :class:`YieldProxyService`, started in order and
-stopped in the reverse order, each child after the one before it has
-stopped (docs/architecture.md):
-
-1. the admin listener (it answers until the very end);
-2. the upstream clients' connection pools (closed once nothing uses them);
-3. the fallback's verification (when enabled), the twin verification of a pool of
-   several (upstream/pool/twins.py), each upstream's model list (upstream/pool/models.py);
-4. the history sampling, then the record of what each upstream served
-   (upstream/served.py: written with the holds, a last time after the drain);
-5. the drain (lifecycle/drain.py: parked requests answered or released, in-flight ones
-   given ``proxy.shutdown_timeout_seconds``);
-6. the watchers, then the VRAM handovers (their holds stay when they stop);
-7. the proxy listener (the first to stop: no new connections).
+Tests use it with a Clock, ``tap.py`` with the real reactor.  What runs is a
+child of :class:`YieldProxyService`, started in order and stopped in the
+reverse order, one at a time: docs/architecture.md lists the children and why
+each stops where it does.
 """
 
 from __future__ import annotations
@@ -68,7 +56,7 @@ from .upstream.vram import Handover
 from .watchers import CommandWatcher, OutageWatcher, SignalWatcher, StateFileWatcher, UpstreamProbe
 
 __all__ = [
-    "Proxy", "YieldProxyService", "CannotListen", "build", "build_core", "one_step_cooperator", "subscribe_handover",
+    "Proxy", "YieldProxyService", "CannotListen", "build", "build_heart", "one_step_cooperator", "subscribe_handover",
 ]
 
 log = Logger()
@@ -140,15 +128,6 @@ class Heart:
     twins: TwinVerifier | None = None
     #: The one verifier of "same vectors": ``twins``, or the one that runs only the ``[fallback]``'s contract.
     verifier: TwinVerifier | None = None
-
-
-def build_core(
-    reactor, config: Config, metrics: Metrics, cooperator: Cooperator | None = None, clients: Clients | None = None,
-    twin_ok: Callable[[Any, Any], bool] | None = None, judges: Callable[[str], Judge | None] | None = None,
-) -> tuple[YieldState, ParkingLot, Replayer, Scheduler]:
-    """The yield state, the lot, the first member's drainer and the scheduler (:func:`build_heart`)."""
-    heart = build_heart(reactor, config, metrics, cooperator, clients, twin_ok=twin_ok, judges=judges)
-    return heart.state, heart.lot, heart.scheduler.drainer(None), heart.scheduler
 
 
 def build_heart(
@@ -253,12 +232,8 @@ def build(
     and, in a process a reload started, take over its predecessor's.
     ``holds`` (tap.py gives one) keeps the holds across restarts and
     crashes (lifecycle/holdstore.py); without it, a hold lasts as long as the process.
-    Every bound runs on ``reactor``'s clock (tap.py puts the real reactor on
-    the monotonic clock first: clock.py); ``wall`` gives the wall-clock time
-    for what people read (``/status``, the page, the history), by default
-    the holds file's (it reads the same times back as the last run on this
-    boot showed), else ``time.time`` beside a monotonic reactor, else the
-    reactor's own clock.
+    Every bound runs on ``reactor``'s clock; ``wall`` gives the wall-clock time for what people read
+    (clock.py), by default the holds file's, else :func:`~yieldproxy.clock.wall_clock`'s.
     """
     metrics = metrics or Metrics()
     cooperator = cooperator or one_step_cooperator(reactor)
@@ -345,7 +320,7 @@ def build(
     admin_app = AdminApp(
         reactor, config, state, scheduler, lot, metrics, token=token, read_token=read_token,
         history=history, sections=_status_sections(watchers, handovers, fallback, scheduler, twins, walls),
-        fallback=fallback, reload=_late(reloaders) if succession is not None else None, wall=walls,
+        fallback=fallback, reload=(lambda: reloaders[0].reload()) if succession is not None else None, wall=walls,
     )
     metrics.watch(lambda: connection_families({"proxy": proxy_app.connections, "admin": admin_app.connections}))
 
@@ -400,11 +375,6 @@ def build(
         reactor, config, metrics, state, lot, replayer, scheduler, upstream, health, proxy_app, admin_app, history,
         watchers, handover, fallback, service, twins, records,
     )
-
-
-def _late(reloaders: list[Succession]) -> Callable[[], Deferred]:
-    """``POST /reload``'s call: the succession is made after the admin app (it needs the listeners)."""
-    return lambda: reloaders[0].reload()
 
 
 def _watchers(reactor, config: Config, state, metrics, scheduler: Scheduler) -> list[Service]:

@@ -220,9 +220,7 @@ def _cannot_reload(options: Options) -> str | None:
     again from inside it.
     """
     parent = getattr(options, "parent", None)
-    if parent is None:
-        return None
-    if parent.get("chroot"):
+    if parent is not None and parent.get("chroot"):
         return "reload cannot start a new process inside twistd's --chroot: restart it instead"
     return None
 
@@ -268,8 +266,7 @@ def makeService(options: Options):
     from .upstream.pool.members import url_warnings
     from .watchers.signals import StopSignals
 
-    # Every timer on elapsed time, before anything is scheduled: a wall-clock step ends no lease and expires
-    # no parked request (clock.py).  Times people read stay wall-clock (build's default beside it).
+    # Every timer on elapsed time, before anything is scheduled (clock.py).
     run_on_monotonic(reactor)
     # Started by a reload: the running process's listening sockets come first (lifecycle/succession/).
     try:

@@ -102,7 +102,7 @@ def drive(pieces: list[bytes], limits: Limits = DEFAULT_LIMITS, eof: bool = True
                 assert (reader.consumed, reader.state) == now
                 if event is PAUSED and reader.state == "done":
                     reader.start_next()
-                    assert reader.state == "idle" and reader.received_body == 0
+                    assert reader.state == "idle"
                     request_start = reader.consumed
                     continue
                 return
@@ -111,7 +111,6 @@ def drive(pieces: list[bytes], limits: Limits = DEFAULT_LIMITS, eof: bool = True
             if type(event) is BodyData:
                 assert event.data and type(event.data) is bytes
                 body += event.data
-                assert reader.received_body == len(body)
                 if events and type(events[-1]) is BodyData:
                     events[-1] = BodyData(events[-1].data + event.data)
                     continue
@@ -131,7 +130,7 @@ def drive(pieces: list[bytes], limits: Limits = DEFAULT_LIMITS, eof: bool = True
             events.append(event)
         raise AssertionError(f"more than {MAX_CALLS} events from one piece: the reader loops")
 
-    take()  # what it holds already (a reader restored from a snapshot)
+    take()  # what a reader given to it holds already
     for piece in pieces:
         reader.feed(piece)
         stream.extend(piece)

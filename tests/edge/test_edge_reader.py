@@ -1,4 +1,4 @@
-"""The edge's request reader (yieldproxy/edge/reader.py): its table of states, each event, each rule, its snapshots.
+"""The edge's request reader (yieldproxy/edge/reader.py): its table of states, each event, each rule.
 
 Every input here is read whole, a byte at a time and in random pieces
 (``readercases.read``), and must give the same events each way; the
@@ -13,7 +13,6 @@ proxy's own); the fuzzers are
 from __future__ import annotations
 
 import ast
-import json
 import sys
 from collections import deque
 from pathlib import Path
@@ -28,7 +27,6 @@ from yieldproxy.edge.reader import (
     DEFAULT_LIMITS,
     NEED_DATA,
     PAUSED,
-    SNAPSHOT_STATES,
     STATES,
     TRANSITIONS,
     BodyData,
@@ -274,7 +272,7 @@ def test_a_body_arriving_alone_is_handed_on_without_a_copy():
     reader.feed(piece)
     event = reader.next_event()
     assert event == BodyData(piece) and event.data is piece
-    assert reader.received_body == 10 and reader.next_event() == EndOfMessage()
+    assert reader.next_event() == EndOfMessage()
 
 
 def test_a_body_after_its_head_in_one_piece_is_one_slice():
@@ -306,19 +304,6 @@ def test_a_chunk_is_announced_before_its_bytes_come():
 def test_chunk_sizes_take_up_to_16_hex_digits_in_either_case():
     events = read(CHUNKED + b"00000000000000Aa\r\n" + b"x" * 0xAA + b"\r\n0\r\n\r\n").events
     assert events[1] == ChunkAnnounced(0xAA)
-
-
-def test_received_body_counts_the_body_read_so_far_and_starts_again_with_the_next_request():
-    reader = RequestReader()
-    reader.feed(CHUNKED + b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n" + POST + b"Content-Length: 1\r\n\r\nz")
-    seen = []
-    while reader.next_event() is not PAUSED:
-        seen.append(reader.received_body)
-    assert seen == [0, 0, 3, 3, 5, 5]
-    reader.start_next()
-    assert reader.received_body == 0
-    assert type(reader.next_event()) is RequestHead and reader.next_event() == BodyData(b"z")
-    assert reader.received_body == 1
 
 
 def test_pipelined_requests_wait_in_read_ahead_until_start_next():
@@ -562,86 +547,6 @@ def test_a_head_dribbled_a_byte_at_a_time_is_read_as_the_same_head(size):
     assert drive([data[i : i + 1] for i in range(len(data))]) == whole
     assert drive(pieces_of(data, range(0, len(data), 7))) == whole
     assert len(whole.events[0].headers) == count + 2 and whole.events[1] == BodyData(b"hi")
-
-
-# -- snapshots --------------------------------------------------------------------------------
-
-
-def _round_trip(reader: RequestReader) -> RequestReader:
-    snapshot = json.loads(json.dumps(reader.snapshot()))
-    restored = RequestReader.restore(snapshot, reader.limits)
-    for name in ("state", "read_ahead", "consumed", "received_body"):
-        assert getattr(restored, name) == getattr(reader, name), name
-    return restored
-
-
-@pytest.mark.parametrize("eof", [False, True])
-def test_a_reader_written_down_in_done_with_pipelined_bytes_resumes_exactly(eof):
-    first = POST + b"Content-Length: 3\r\n\r\nabc"
-    rest = CHUNKED + b"2\r\nhi\r\n0\r\n\r\nGET /third HTTP/1.1\r\nHost: x\r\n"
-    reader = RequestReader()
-    reader.feed(first + rest)
-    while reader.next_event() is not PAUSED:
-        pass
-    if eof:
-        reader.feed_eof()
-    assert reader.state == "done" and reader.received_body == 3
-    restored = _round_trip(reader)
-    assert restored.next_event() is PAUSED
-    more = [b"\r\n"] if not eof else []
-    for one in (reader, restored):
-        one.start_next()
-    assert drive(more, eof=not eof, reader=restored) == drive(more, eof=not eof, reader=reader)
-
-
-def test_a_reader_written_down_in_idle_with_pipelined_bytes_resumes_exactly():
-    reader = RequestReader()
-    reader.feed(b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\nGE")
-    assert type(reader.next_event()) is RequestHead and reader.next_event() == EndOfMessage()
-    reader.start_next()
-    assert reader.state == "idle" and reader.read_ahead == b"GET /2 HTTP/1.1\r\n\r\nGE"
-    restored = _round_trip(reader)
-    rest = [b"T /3 HTTP/1.1\r\n", b"\r\n"]
-    assert drive(rest, reader=restored) == drive(rest, reader=reader)
-
-
-def test_an_idle_reader_with_nothing_waiting_round_trips_too():
-    reader = RequestReader()
-    restored = _round_trip(reader)
-    assert restored.snapshot() == reader.snapshot()
-    assert drive([b"GET / HTTP/1.1\r\n\r\n"], reader=restored).events[0].target == b"/"
-
-
-def test_a_reader_is_written_down_between_requests_only():
-    for data in (b"GET", POST + b"Content-Length: 3\r\n\r\na", b"bad\r\n"):
-        reader = RequestReader()
-        reader.feed(data)
-        while reader.next_event() not in (NEED_DATA, PAUSED):
-            pass
-        assert reader.state not in SNAPSHOT_STATES
-        with pytest.raises(RuntimeError, match="idle or done"):
-            reader.snapshot()
-
-
-@pytest.mark.parametrize(
-    "change, key",
-    [
-        ({"version": 2}, "version"),
-        ({"state": "head"}, "state"),
-        ({"read_ahead": "not base64!"}, "read_ahead"),
-        ({"read_ahead": 3}, "read_ahead"),
-        ({"eof": "no"}, "eof"),
-        ({"consumed": -1}, "consumed"),
-        ({"received_body": 1.5}, "received_body"),
-        ({"received_body": 4}, "idle"),
-    ],
-)
-def test_a_bad_snapshot_is_refused_naming_what_is_wrong(change, key):
-    snapshot = {**RequestReader().snapshot(), **change}
-    with pytest.raises(ValueError, match=key):
-        RequestReader.restore(snapshot)
-    with pytest.raises(ValueError, match="dict"):
-        RequestReader.restore([])  # type: ignore[arg-type]
 
 
 # -- the package ------------------------------------------------------------------------------

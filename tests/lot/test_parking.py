@@ -435,7 +435,7 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
         has_work=lambda: open_[0] and core.lot.peek(batch) is not None,
         release=lambda: core.lot.release_next(batch, "other"),
     )
-    core.lot.when_parked(other.kick)  # as service.build_core wires each drainer
+    core.lot.when_parked(other.kick)  # as service.build_heart wires each drainer
     core.state.hold("api")
     outcomes = [park(core, cls=cls) for cls in ["interactive", "batch", "batch", "batch", "interactive"]]
     core.run(0.01)

@@ -357,6 +357,40 @@ def test_a_renewal_cut_mid_answer_or_answered_in_garbage_is_an_error_and_the_ren
         admin_api.close()
 
 
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"state\"",  # cut short: IncompleteRead
+    b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP: BadStatusLine
+])
+def test_an_answer_cut_short_or_not_http_is_unreachable_alike_over_tcp_and_a_unix_socket(tmp_path, answer):
+    """http.client's own errors are no OSError: one catch in Admin.call makes them AdminUnreachable, in the
+    same words, whichever transport the call went over."""
+    messages = []
+    for family, address in ((socket.AF_INET, ("127.0.0.1", 0)), (socket.AF_UNIX, str(tmp_path / "admin.sock"))):
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen(1)
+        server.settimeout(10)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}" if family == socket.AF_INET else f"unix:{address}"
+
+        def answer_once(server: socket.socket = server) -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        thread = threading.Thread(target=answer_once, daemon=True)
+        thread.start()
+        try:
+            with pytest.raises(AdminUnreachable) as caught:
+                Admin(url, timeout=5).status()
+        finally:
+            thread.join(5)
+            server.close()
+        messages.append(caught.value.message.replace(url, "URL"))
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("cannot reach the admin API at URL: the answer broke off or is not HTTP"), messages
+
+
 def test_a_hold_entered_again_starts_afresh(monkeypatch):
     """A Hold used for a second block, more than a lease after the first ended, is not lost: it was taken anew
     (the first block's last renewal and its failed renewal belong to that block)."""

@@ -1,18 +1,9 @@
 """The admin listener: health, status, yield/resume, metrics and the status page.
 
-Brokers call ``POST /yield`` and ``POST /resume``; monitoring reads
-``/metrics``; scripts read ``/status``; people open ``/`` (the status page,
-which polls ``/status`` and ``/history``).  With a token configured, every
-route but ``/healthz`` and the page's static files needs
-``Authorization: Bearer TOKEN``: the page itself holds no data, and the
-browser sends the token on its data calls (see ``docs/operating.md``).  A
-second, read-only token (``admin.read_token_file``) opens the reading routes
-only, for scrapers and dashboards.
-
-Routes that change something (``POST /yield``, ``/resume``,
-``/fallback/verify``) take only ``application/json`` and refuse what a
-browser marks as coming from another web page (edge/hosts.py), so no page a user
-visits can yield or resume the GPU, token or not.
+Brokers call ``POST /yield`` and ``POST /resume``; monitoring reads ``/metrics``; scripts read
+``/status``; people open ``/`` (the status page, which polls ``/status`` and ``/history``).  Who may call
+which route (the admin token, the read-only one, the routes that refuse another web page's requests):
+docs/security.md and docs/admin-api.md.
 """
 
 from __future__ import annotations

@@ -54,12 +54,7 @@ def _peer_host(address) -> str | None:
 
 @attrs.define(eq=False)
 class Connections:
-    """The open connections of one listener, and its cap (see the module docstring).
-
-    A connection just accepted is never idle, so never reclaimed: its client
-    is about to send its first request, and closing it would leave that
-    client without an answer.
-    """
+    """The open connections of one listener, and its cap (see the module docstring)."""
 
     #: Connections at once; the config key named in the refusal.
     limit: int
@@ -74,14 +69,10 @@ class Connections:
     max_receiving_bytes: int | None = None
     #: Bytes of request bodies being received now (what has arrived of each, not what it announced).
     receiving: int = 0
-    #: A body up to this size is small: the last quarter of ``max_receiving_bytes`` is kept for such bodies.
+    #: What a small body is, and when a body being received is stalled: the constants' (see :meth:`take_receiving`).
     small_body_bytes: int = SMALL_BODY_BYTES
-    #: When a body being received is stalled (see :meth:`take_receiving`): seconds without a byte, or a pace
-    #: under this many bytes a second on average.
     stall_seconds: float = RECEIVING_STALL_SECONDS
     min_pace: float = RECEIVING_MIN_PACE
-    #: Bodies cut because they stalled while another needed their budget, since start.
-    cut: int = 0
     #: Connections cut to make a place for a whole request (admin listener), since start.
     shed: int = 0
     #: Connections one peer address may hold (None: no cap per address); past it, as past the cap.
@@ -114,7 +105,8 @@ class Connections:
     _flushed: list = attrs.Factory(list)
 
     def opened(self, channel) -> None:
-        """A channel's connection is made (counted whatever it does next; not idle: its request is coming)."""
+        """A channel's connection is made: counted whatever it does next, and never idle (so never reclaimed):
+        its request is coming, and closing it would leave its client without an answer."""
         self.open += 1
         self._channels[channel] = None
         self._fresh[channel] = None
@@ -283,7 +275,6 @@ class Connections:
             if short <= 0:
                 return
             held = channel.receiving_held
-            self.cut += 1
             channel.cut_stalled()
             short -= held
 

@@ -96,10 +96,6 @@ MOVES: Moves[State, str] = Moves("a connection", {
     # The transport is gone.
     **{(state, "lost"): CLOSED for state in _EVERY},
 })
-#: The moves a connection may make (derived from :data:`MOVES`: every move that changes its state).
-TRANSITIONS: dict[State, frozenset[State]] = {
-    state: frozenset(new for new in MOVES.next[state].values() if new is not state) for state in State
-}
 
 #: The states whose connection reads a request: its bytes go to the reader.
 READING = frozenset({FRESH, IDLE, HEAD, BODY})
@@ -199,9 +195,7 @@ class ServerConnection(Machine[State, str], Protocol):
         if self.connections is not None:
             self.connections.busy(self)
 
-    def _leave_IDLE(self) -> None:
-        if self.connections is not None:
-            self.connections.busy(self)
+    _leave_IDLE = _leave_FRESH
 
     def _enter_IDLE(self) -> None:
         if self.connections is not None:
@@ -223,8 +217,7 @@ class ServerConnection(Machine[State, str], Protocol):
     def _enter_HANDLING(self) -> None:
         self._expect(None)
 
-    def _enter_REFUSING(self) -> None:
-        self._expect(None)
+    _enter_REFUSING = _enter_HANDLING
 
     def _enter_WRITING(self) -> None:
         self._expect("stall" if self.writer.blocked else None, self._idle_timeout)
@@ -337,17 +330,10 @@ class ServerConnection(Machine[State, str], Protocol):
     # -- the client shuts its side (IHalfCloseableProtocol) ------------------------------------
 
     def readConnectionLost(self) -> None:
-        """The client shut its side of the connection (``shutdown(SHUT_WR)``, ``nc -N``, ``printf | nc -q``).
-
-        What it sent whole is answered, in order, and the connection closes
-        after the last answer; a request it had not finished never will be,
-        so the connection closes.  With its request still unanswered a
-        second later (parked), the proxy asks the client's socket whether it
-        is still there: the client's kernel answers an interim ``100
-        Continue`` with a reset when the program closed the socket rather
-        than shutting one side of it (both send the same FIN), and a client
-        gone that way leaves as before: its request is dropped, not
-        replayed."""
+        """The client shut its side of the connection: what it sent whole is answered, in order, then the close;
+        a request still unanswered a second later (parked) draws an interim ``100 Continue``, to learn from a
+        reset whether the client closed its socket instead (the same FIN).  The rules: docs/guarantees.md (a
+        client that shuts its side)."""
         first, self._read_shut = not self._read_shut, True
         state = self.state
         if state is CLOSED:
@@ -559,13 +545,9 @@ class ServerConnection(Machine[State, str], Protocol):
             ))
 
     def shed_rank(self) -> float | None:
-        """When it last made progress, if it may be cut to make a place for a whole request; else None.
-
-        It may while no whole request of it is being served: it reads a
-        request (or waits for one), lingers after a refusal, or holds an
-        answer its client has not taken yet (bytes the socket has not taken,
-        or a client too slow: a 25 KiB status page to a client with a tiny
-        receive window would hold its place for the closing deadline)."""
+        """When it last made progress, if it may be cut to make a place for a whole request (docs/security.md,
+        *The admin API under a flood*); else None.  An answer its client has not taken yet does not keep it (a
+        25 KiB status page to a client with a tiny receive window would hold its place for the closing deadline)."""
         state = self.state
         if state in READING or state is LINGER:
             return self._progress_at

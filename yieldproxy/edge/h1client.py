@@ -2,15 +2,10 @@
 
 ``twisted.web.client.Agent`` is general, and a reverse proxy that relays
 bytes to one upstream pays for that generality on every request; this does
-the hop with one object and one Deferred per request.  :class:`H1Pool` keeps
-the connections (bounded, LIFO reuse, an idle connection polled for an end
-before reuse); :meth:`H1Pool.request` streams the answer to a handler as a
-push producer; connections and exchanges move through named states
-(:data:`CONNECTION_MOVES`, :data:`EXCHANGE_MOVES`); a request that met a
+the hop with one object and one Deferred per request.  A request that met a
 stale pooled connection is sent once more only when nothing of its answer
 came and it may be sent twice.  The specification (the pool, the states, the
-failures, when a stale connection's request is sent again):
-docs/architecture.md, *The upstream client*.
+failures, the stale connection): docs/architecture.md, *The upstream client*.
 """
 
 from __future__ import annotations
@@ -94,7 +89,7 @@ class PoolClosed(H1Error):
 
 # -- states -----------------------------------------------------------------------------------------
 
-# A connection's (H1Connection.state); see the module docstring.
+# A connection's (H1Connection.state).
 IDLE = "IDLE"
 BUSY = "BUSY"
 CLOSING = "CLOSING"
@@ -203,14 +198,6 @@ class Response:
         self.retried = exchange.retried
         self._exchange: _Exchange | None = exchange
 
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of header ``name`` (any case), or None."""
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
     def pauseProducing(self) -> None:
         ex = self._exchange
         if ex is not None and ex.conn is not None:
@@ -238,9 +225,7 @@ class Response:
 class _Exchange(Machine[str, str]):
     """One request and its way to a response: the only per-request object besides the Response.
 
-    ``state`` is one of ``NEW``, ``WAITING``, ``CONNECTING``, ``SENT``,
-    ``STOPPING``, ``DONE`` (:data:`EXCHANGE_MOVES`); ``conn`` is its connection while ``SENT``
-    or ``STOPPING``.
+    ``state`` moves by :data:`EXCHANGE_MOVES`; ``conn`` is its connection while ``SENT`` or ``STOPPING``.
     """
 
     __slots__ = ("method", "data", "body", "handler", "deferred", "replayable", "timer", "conn",
@@ -278,9 +263,8 @@ class _Exchange(Machine[str, str]):
 class H1Connection(Machine[str, str], Protocol):
     """One persistent connection: runs one exchange at a time, then goes back to its pool.
 
-    ``state`` is one of ``IDLE``, ``BUSY``, ``CLOSING``, ``LOST``
-    (:data:`CONNECTION_MOVES`); ``exchange`` is the one it carries while ``BUSY``, and the
-    one being stopped while ``CLOSING`` after ``Response.stopProducing``.
+    ``state`` moves by :data:`CONNECTION_MOVES`; ``exchange`` is the one it carries while ``BUSY``, and
+    the one being stopped while ``CLOSING`` after ``Response.stopProducing``.
     """
 
     #: Set by ``makeConnection``: a TCP (or TLS) transport, its own push producer too.
@@ -455,10 +439,8 @@ def write_now(transport: Any, data: bytes) -> bool:
     """Send ``data`` on a TCP ``transport`` at once (``writeSomeData``), what the socket does not take through
     ``transport.write``; True when all of it went out at once.
 
-    A TCP transport buffers every write until the reactor's next turn finds
-    the socket writable: a write costs two ``epoll_ctl`` calls and a turn of
-    the reactor before the ``send``.  A request goes out in one write, so it
-    is sent here.  Only for a connection whose every byte so far went out
+    What a TCP transport's own write costs: edge/writer.py's module
+    docstring.  Only for a connection whose every byte so far went out
     this way (the caller keeps that fact, :attr:`H1Connection._direct`): once
     a write was left to the transport, it may still hold bytes, and a direct
     send would pass them.  Anything else (TLS, a test's transport, a closing
@@ -505,18 +487,12 @@ def client_endpoint(reactor: Any, host: str, port: int, timeout: float = 30.0) -
 class H1Pool:
     """Persistent HTTP/1.1 connections to one upstream, and requests over them.
 
-    :param reactor: the reactor (its ``callLater`` runs the timers; a Clock in tests).
-    :param host: the upstream's host (an IP literal, or a name), for the
-        connections and the ``Host`` header.
-    :param port: its port.
-    :param max_connections: connections open at once (busy, idle and being
-        made); a request beyond that waits for one to be free, in order.
-        None: no bound (each request that finds no idle connection opens one).
-    :param max_idle: idle connections kept for reuse; past it the oldest is
-        closed (None: ``max_connections``).
-    :param idle_timeout: seconds an idle connection is kept (None: no limit).
-    :param endpoint: how to connect (TLS, a unix socket, a test's endpoint);
-        by default TCP to ``host``:``port``.
+    ``max_connections`` (busy, idle and being made; None: no bound),
+    ``max_idle`` (None: ``max_connections``) and ``idle_timeout`` (seconds;
+    None: no limit) are docs/architecture.md's (*The upstream client*).
+    ``host`` (an IP literal, or a name) and ``port`` are for the connections
+    and the ``Host`` header; ``endpoint`` connects instead (TLS, a unix
+    socket, a test's endpoint).
     """
 
     def __init__(
@@ -587,8 +563,7 @@ class H1Pool:
             whatever its method; None: if its method is idempotent (see the
             module docstring).
 
-        Cancelling the Deferred (or ``stopProducing`` on the response)
-        abandons the request: its connection is aborted, never reused.
+        Cancelling the Deferred abandons the request, as :meth:`Response.stopProducing` does.
         """
         parts = [method, b" ", target, self._head_start]
         for name, value in headers:

@@ -102,10 +102,6 @@ class ResponseParser:
         self._state = _IDLE
         self._buf = b""
 
-    @property
-    def idle(self) -> bool:
-        return self._state == _IDLE
-
     def feed(self, data: bytes) -> None:
         """Parse ``data``, calling the events; raises :class:`ParseError`."""
         state = self._state

@@ -105,7 +105,8 @@ class Listener(Service):
         self.description = description
         self._reactor = reactor
         self._endpoint = serverFromString(reactor, description)
-        self._factory = factory
+        #: What serves its connections (the successor adopts handed-over connections into it).
+        self.factory = factory
         #: A listening socket of the process this one replaces (lifecycle/succession/): ``(fd, family)``,
         #: adopted instead of binding, and not accepting until :meth:`resume`.
         self._inherited = inherited
@@ -160,11 +161,6 @@ class Listener(Service):
         self._reactor.callLater(SETTLE_SECONDS, drained)
         return stopped
 
-    @property
-    def factory(self) -> IProtocolFactory:
-        """What serves its connections (the successor adopts handed-over connections into it)."""
-        return self._factory
-
     def pause(self) -> None:
         """Stop accepting; new connections wait in the socket's backlog."""
         self._paused = True
@@ -206,12 +202,12 @@ class Listener(Service):
 
     def _register(self) -> None:
         """A site with a connection cap holds its listener back while too many connections are being refused."""
-        connections = getattr(self._factory, "connections", None)
+        connections = getattr(self.factory, "connections", None)
         if connections is not None:
             connections.listening(self)
 
     def _unregister(self) -> None:
-        connections = getattr(self._factory, "connections", None)
+        connections = getattr(self.factory, "connections", None)
         if connections is not None:
             connections.stopped_listening(self)
 
@@ -225,7 +221,7 @@ class Listener(Service):
             fd, family = self._inherited
             self._inherited = None
             try:
-                self.port = self._reactor.adoptStreamPort(fd, family, self._factory)
+                self.port = self._reactor.adoptStreamPort(fd, family, self.factory)
             finally:
                 os.close(fd)
             self.pause()
@@ -233,7 +229,7 @@ class Listener(Service):
             self._say_where("taken over from the process before")
             return
         outcome: list = []
-        self._endpoint.listen(self._factory).addBoth(outcome.append)
+        self._endpoint.listen(self.factory).addBoth(outcome.append)
         if not outcome:
             raise CannotListen(f"{self.key} {self.description!r}: cannot listen: the endpoint did not bind at once")
         if isinstance(outcome[0], Failure):

@@ -17,10 +17,8 @@ The rules, one by one: docs/architecture.md (*The HTTP edge*);
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
-from typing import Any, Final, Union
+from typing import Final, Union
 
 import attrs
 
@@ -181,10 +179,6 @@ for (_state, _happened), _target in TRANSITIONS.items():
     _NEXT[_state][_happened] = _target
 del _state, _happened, _target
 
-#: The states a reader can be written down in (:meth:`RequestReader.snapshot`).
-SNAPSHOT_STATES: Final = ("idle", "done")
-SNAPSHOT_VERSION: Final = 1
-
 # -- the rules' words -------------------------------------------------------------------------
 
 #: The answer to a request that breaks no rule the reader names.
@@ -254,17 +248,13 @@ def _piece(buf: bytes | bytearray, start: int, end: int) -> bytes:
 class RequestReader:
     """Reads the requests of one connection, one after the other (module docstring).
 
-    ``feed`` only keeps bytes; ``next_event`` reads them.  After
-    :class:`EndOfMessage` the reader is ``done`` and reads nothing more
-    (pipelined bytes stay in :attr:`read_ahead`) until :meth:`start_next`;
-    after a :class:`Refusal` it is in ``error`` and drops what it is fed.
-    Whatever the bytes, it raises nothing: a misuse (bytes after
-    :meth:`feed_eof`, ``start_next`` before a request ended) raises
-    RuntimeError.
+    Pipelined bytes wait in :attr:`read_ahead` until :meth:`start_next`; after a :class:`Refusal` it drops
+    what it is fed.  Whatever the bytes, it raises nothing; a misuse (bytes after :meth:`feed_eof`,
+    ``start_next`` before a request ended) raises RuntimeError.
     """
 
     __slots__ = (
-        "limits", "_state", "_buf", "_pos", "_gone", "_eof", "_received",
+        "limits", "_state", "_buf", "_pos", "_gone", "_eof",
         # the head being read, line by line (when it does not come whole: _head_slowly)
         "_first", "_skipped", "_method", "_target", "_version", "_headers", "_head_total", "_head_bytes",
         "_scanned", "_length", "_chunked", "_close", "_expect",
@@ -282,7 +272,6 @@ class RequestReader:
         #: Bytes read (or dropped) before ``_buf``.
         self._gone = 0
         self._eof = False
-        self._received = 0
         self._remaining = 0
         self._chunks: ChunkDecoder | None = None
         self._new_head()
@@ -319,11 +308,6 @@ class RequestReader:
         if not self._target or (self._state == "head" and self._first):
             return None
         return self._method, self._target, self._version
-
-    @property
-    def received_body(self) -> int:
-        """Body bytes of the current request read so far (de-chunked): what the receiving budget weighs."""
-        return self._received
 
     @property
     def consumed(self) -> int:
@@ -366,7 +350,6 @@ class RequestReader:
     def start_next(self) -> None:
         """Read the next request (the one that ended was answered)."""
         self._to("start_next")
-        self._received = 0
         self._chunks = None
         self._new_head()
 
@@ -394,54 +377,6 @@ class RequestReader:
                 return self._incomplete()
             return event
         return PAUSED  # done, error, closed
-
-    # -- snapshots ------------------------------------------------------------------------
-
-    def snapshot(self) -> dict[str, Any]:
-        """The reader written down (JSON-able), between requests: in ``idle`` or ``done``."""
-        if self._state not in SNAPSHOT_STATES:
-            raise RuntimeError(f"a reader is written down in {' or '.join(SNAPSHOT_STATES)} only, not {self._state}")
-        return {
-            "version": SNAPSHOT_VERSION,
-            "state": self._state,
-            "read_ahead": base64.b64encode(self.read_ahead).decode("ascii"),
-            "eof": self._eof,
-            "received_body": self._received,
-            "consumed": self.consumed,
-        }
-
-    @classmethod
-    def restore(cls, snapshot: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> RequestReader:
-        """The reader :meth:`snapshot` wrote down, as it was; ValueError naming what is wrong with ``snapshot``."""
-        if not isinstance(snapshot, dict):
-            raise ValueError(f"a reader snapshot is a dict, not {type(snapshot).__name__}")
-        if snapshot.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(f"a reader snapshot's version must be {SNAPSHOT_VERSION}, not {snapshot.get('version')!r}")
-        state = snapshot.get("state")
-        if state not in SNAPSHOT_STATES:
-            raise ValueError(f"a reader snapshot's state must be one of {SNAPSHOT_STATES}, not {state!r}")
-        try:
-            read_ahead = base64.b64decode(snapshot.get("read_ahead", ""), validate=True)
-        except (binascii.Error, TypeError, ValueError):
-            raise ValueError("a reader snapshot's read_ahead must be base64") from None
-        eof = snapshot.get("eof")
-        if type(eof) is not bool:
-            raise ValueError(f"a reader snapshot's eof must be true or false, not {eof!r}")
-        numbers = {}
-        for key in ("received_body", "consumed"):
-            value = snapshot.get(key)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"a reader snapshot's {key} must be a whole number, not {value!r}")
-            numbers[key] = value
-        if state == "idle" and numbers["received_body"]:
-            raise ValueError("a reader snapshot in idle has received no body")
-        reader = cls(limits)
-        reader._state = state
-        reader._buf = read_ahead
-        reader._gone = numbers["consumed"]
-        reader._eof = eof
-        reader._received = numbers["received_body"]
-        return reader
 
     # -- moving ---------------------------------------------------------------------------
 
@@ -682,7 +617,6 @@ class RequestReader:
             data = bytes(buf[pos : pos + remaining])
             self._remaining = 0
             self._pos = pos + remaining
-        self._received += len(data)
         self._to("BodyData")
         return BodyData(data)
 
@@ -704,7 +638,6 @@ class RequestReader:
             else:
                 data = bytes(buf[start:end])
             self._pos = end
-            self._received += end - start
             self._to("BodyData")
             return BodyData(data)
         self._pos = start

@@ -2,9 +2,7 @@
 
 The connection (connection.py) hands it over whole, and its resource (the
 proxy's Klein app, the admin API's) renders it, unless :meth:`ProxyRequest._refusal`
-answers it first: a body left unread (over the body limit, or no room in the
-receiving budget), ``CONNECT``, a ``Host`` or path Klein cannot read, a ``Host``
-outside the listener's policy.  The list, with each answer: docs/architecture.md
+answers it first: what is refused, with each answer: docs/architecture.md
 (*The HTTP edge*) and docs/security.md (*What the listeners refuse*).  Form
 bodies are never parsed (a proxy forwards bodies as they are).
 """

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from twisted.web.server import Request, Site
 
-from .capacity import Connections, OverCapacity
+from .capacity import MAX_HEADER_BYTES, Connections, OverCapacity
 from .connection import LINGER_SECONDS, ServerConnection
 from .reader import Limits
 from .refusal import ErrorBody, plain_error_body
@@ -25,18 +25,13 @@ from .request import ProxyRequest
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 #: Header lines per request (Twisted allows 500; no Ollama client sends 30).
 MAX_HEADERS = 100
-#: Bytes of the request line plus every header line (Twisted's default).
-MAX_HEADER_BYTES = 16384
 
 
 class ProxySite(Site):
     """A Site serving :class:`ServerConnection`\\ s with bounded requests, TCP_NODELAY, and no access log.
 
-    A body over ``max_body_bytes`` is not read: the request is answered by
-    ``oversized(request)``, which sets the status and headers and returns the
-    body (the proxy app's 413, counted in its metrics), or, without it, by a
-    plain 413 (the admin API).  ``timeout`` (Twisted's) is the keep-alive
-    timeout: how long a connection may wait for a request.
+    ``oversized(request)`` sets the status and headers of a body over the limit and returns the body (the proxy
+    app's 413, counted in its metrics); ``timeout`` (Twisted's) is the keep-alive timeout.
     """
 
     displayTracebacks = False

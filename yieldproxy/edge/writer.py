@@ -1,26 +1,23 @@
 """What a connection writes, and when the client has it: an answer in one send, and the client's pace heard.
 
-A connection (connection.py) writes through one writer for its whole life.
-The writer knows what Twisted's transport does not say in public: whether
-bytes written are still waiting to go out (:attr:`~SocketWriter.unsent`: a
-stop waits for them, a reload hands over only a connection with none), and
-whether the client reads too slowly (:attr:`~SocketWriter.blocked`: the
-request's producer is paused, and a client that stays so is dropped).
+A connection (connection.py) writes through one writer for its whole life,
+which knows what Twisted's transport does not say in public: whether bytes
+written still wait to go out (:attr:`~SocketWriter.unsent`: a stop waits for
+them, a reload hands over only a connection with none), and whether the
+client reads too slowly (:attr:`~SocketWriter.blocked`: the request's
+producer is paused, and a client that stays so is dropped).
 
-* :class:`SocketWriter`, on a TCP transport.  A TCP transport buffers every
-  write until the reactor's next turn finds the socket writable: two
-  ``epoll_ctl`` calls and a turn of the reactor before the ``send``, more CPU
-  than the rest of a small answer's way.  So what is written while an answer
-  is made (its head and body, in the same turn) waits here and goes out in
-  one ``writeSomeData`` (the transport's own send) when the answer ends or
-  the turn does, and only what the socket does not take is handed to the
-  transport.  The writer is the transport's *pull* producer, so the transport
-  says (``resumeProducing``) each time it has sent everything it was handed:
-  until then, writes go through it, in order, and past
-  :data:`BUFFER_BYTES` the writer is blocked.
+* :class:`SocketWriter`, on a TCP transport, which buffers every write until
+  the reactor's next turn finds the socket writable (two ``epoll_ctl`` calls
+  and a turn before the ``send``: more CPU than the rest of a small answer's
+  way).  What is written in a turn goes out in one ``writeSomeData`` when the
+  answer or the turn ends; only what the socket does not take is handed to
+  the transport, and later writes go through it, in order, until it says
+  it sent all (``resumeProducing``: the writer is its pull producer); past
+  :data:`BUFFER_BYTES` handed, the writer is blocked.
 * :class:`TransportWriter`, on anything else (TLS, a test's transport):
-  writes go to the transport as they come, and the transport's own
-  backpressure (it pauses its streaming producer) is the writer's.
+  writes go to the transport as they come, and its own backpressure is the
+  writer's.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ stop*).  Each wait is on an event, not a poll: the lot and the replayers fire
 their waiters when they empty (:meth:`ParkingLot.when_empty`,
 :meth:`~yieldproxy.lot.replay.Replayer.when_idle`), as Twisted's
 ``ClientService`` fires its own.  Last it waits (at most :data:`FLUSH_SECONDS`)
-for the answers still buffered in the proxy's transports: the reactor's end
-would drop them, and a 503 written just now would reach its client as a bare
-close.
+for the answers still buffered in the proxy's transports (why: edge/capacity.py, ``Connections.flushed``).
 """
 
 from __future__ import annotations

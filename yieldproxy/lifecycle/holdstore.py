@@ -108,10 +108,6 @@ class _Document:
     extra: dict[str, Any]
 
 
-def _default_writer() -> Callable[[Path, bytes], None]:
-    return _write_atomically
-
-
 @attrs.define(eq=False)
 class HoldStore:
     """Reads and writes one holds file."""
@@ -155,7 +151,7 @@ class HoldStore:
         lambda self: boot_id() if is_monotonic(self._clock) else None, takes_self=True,
     ))
     #: Writes ``bytes`` to the path, atomically, or raises OSError (tests give one that fails).
-    write: Callable[[Path, bytes], None] = attrs.field(factory=_default_writer)
+    write: Callable[[Path, bytes], None] = attrs.field(factory=lambda: _write_atomically)
     #: Why the last write failed (None: it did not).
     error: str | None = None
     #: Top-level keys of the file read at start that this version does not know (nor a section kept here):
@@ -376,10 +372,9 @@ class HoldStore:
             return
         self._marked = True
         try:
-            os.write(fd, body)  # what failed, for the next start's line; the file's presence is what counts
-            os.fsync(fd)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # what failed, for the next start's line; its presence is what counts
+                os.write(fd, body)
+                os.fsync(fd)
         finally:
             os.close(fd)
 

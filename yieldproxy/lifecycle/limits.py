@@ -1,13 +1,9 @@
 """The process's open-file budget: enough descriptors for every connection the config allows.
 
-A Linux service starts with a soft limit of 1024, far below
-``parking.max_parked`` (10,000): once it is used up, ``accept`` fails, Twisted
-resets new clients, and the admin API cannot be reached either.  So at start
-:func:`fit_fd_limit` raises the soft limit as far as the config needs (never
-past the hard limit), and when even the hard limit is too low it lowers the
-proxy's connection cap to what fits, instead of failing later under load.  A
-default sized to the limit is no mistake (a debug line); a cap the operator set
-and cannot have is a warning: docs/configuration.md (``proxy.max_connections``).
+At start :func:`fit_fd_limit` raises the soft limit as far as the config
+needs (never past the hard limit), and when even the hard limit is too low
+it lowers the proxy's connection cap to what fits, instead of failing later
+under load: docs/security.md (*The open-file limit*).
 """
 
 from __future__ import annotations
@@ -57,13 +53,8 @@ def fd_budget(
     getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
     setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
 ) -> FdBudget:
-    """Raise the soft ``RLIMIT_NOFILE`` towards what ``config`` needs; the cap that fits.
-
-    The need: every proxy connection may have its upstream connection open
-    while it is forwarded (two descriptors each), plus the upstream pool's
-    idle connections, the admin listener's cap, the fallback's connections
-    and :data:`RESERVE`.
-    """
+    """Raise the soft ``RLIMIT_NOFILE`` towards what ``config`` needs (docs/security.md, *The open-file
+    limit*: two descriptors a proxy connection, and the rest); the cap that fits."""
     cap = proxy_max_connections(config)
     fallback = config.fallback.concurrency + 2 if config.fallback.enabled else 0
     others = config.admin.max_connections + config.upstream.max_connections + fallback + RESERVE

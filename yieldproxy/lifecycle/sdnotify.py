@@ -3,19 +3,10 @@
 The protocol is one datagram of ``KEY=VALUE`` lines sent to the unix socket
 named in ``$NOTIFY_SOCKET`` (a leading ``@`` names one in the abstract
 namespace), so it is these few lines rather than a dependency: the
-``systemd`` Python bindings need libsystemd's headers to build, and the small
-pure-Python packages do exactly this.  Without ``$NOTIFY_SOCKET`` (not under
-systemd, or a unit that is not ``Type=notify``) every call does nothing.
-
-The watchdog (``WatchdogSec=`` in the unit): systemd sets ``$WATCHDOG_USEC``
-and ``$WATCHDOG_PID``; :class:`Watchdog` sends ``WATCHDOG=1`` at half that
-interval from the reactor it is given, so a wedged event loop stops feeding
-it and systemd restarts the process.  It is fed only when ``$WATCHDOG_PID``
-is this process's (or unset), as ``sd_watchdog_enabled(3)`` says: a child
-that inherited the environment must not keep a dead parent alive.
-
-Nothing here reads ``os.environ`` or the global reactor by itself:
-``tap.py`` hands over both (``Notifier.from_environment(os.environ)``).
+``systemd`` Python bindings need libsystemd's headers to build.  What is
+sent when, the watchdog, and nothing without ``$NOTIFY_SOCKET``:
+docs/operating.md (*Under systemd*).  Nothing here reads ``os.environ`` or
+the global reactor by itself: ``tap.py`` hands over both.
 """
 
 from __future__ import annotations
@@ -121,7 +112,8 @@ def watchdog_seconds(environ: Mapping[str, str], pid: int) -> float | None:
     """The watchdog interval systemd asks of process ``pid`` (``$WATCHDOG_USEC``), or None.
 
     None when there is no watchdog, when ``$WATCHDOG_PID`` names another
-    process, or when either value is not a positive integer.
+    process (a child that inherited the environment must not keep a dead
+    parent alive), or when either value is not a positive integer.
     """
     usec, for_pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")
     if not usec:

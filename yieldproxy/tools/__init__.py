@@ -4,8 +4,7 @@
   the example config, ``check-fallback``, ``ops-files``);
 * :mod:`.demo`: ``yieldproxy demo``; :mod:`.opsfiles`: ``yieldproxy ops-files``; :mod:`.exits`: how a
   command ends (its exit statuses, ``CliError``);
-* :mod:`.broker`: the broker library (``from yieldproxy import Admin``), the standard library only,
-  and the one client of the admin API (the command and the demo call it too);
+* :mod:`.broker`: the broker library (``from yieldproxy import Admin``), the one client of the admin API;
 * :mod:`.sim`: a simulated Ollama (and OpenAI, llama.cpp, TEI, Infinity) for the demo, the
   benchmarks and the tests.
 

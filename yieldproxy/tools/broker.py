@@ -1,29 +1,9 @@
 """A Python API for brokers: hold the GPU for as long as a ``with`` block runs.
 
-A broker is the program that decides who has the GPU.  It tells the proxy
-with ``POST /yield`` and ``POST /resume`` on the admin API (docs/admin-api.md);
-this module does that for it, with the standard library only (no Twisted, no
-reactor), synchronously (:class:`Admin`) or under asyncio (:class:`AsyncAdmin`)::
-
-    from yieldproxy.tools.broker import Admin
-
-    with Admin("http://127.0.0.1:11436").hold("game", "steam: Cyberpunk 2077", lease_seconds=60):
-        run_the_game()
-
-``Admin("unix:/run/yieldproxy/admin.sock")`` reaches an admin listener on a
-unix socket (``admin.listen = "unix:/run/yieldproxy/admin.sock:mode=660"``):
-the channel for a local broker that no flood of a TCP port reaches
-(docs/security.md).
-
-:meth:`Admin.hold` takes the hold with a lease (``for_seconds``), renews it in
-the background every third of the lease, and resumes when the block ends,
-however it ends.  The lease is the dead-man's switch: if the broker dies,
-the hold ends by itself ``lease_seconds`` after the last renewal.  A renewal
-that fails is logged, kept in :attr:`Hold.error` and given to ``on_error``;
-once a whole lease has passed without one, :attr:`Hold.lost` is true (the
-proxy may have given the GPU back meanwhile).
-
-It is the one client of the admin API: ``yieldproxy status/yield/resume/reload``
+A broker (the program that decides who has the GPU) calls ``POST /yield`` and ``POST /resume`` on the admin
+API; this module does it for it with the standard library only (no Twisted, no reactor), synchronously
+(:class:`Admin`) or under asyncio (:class:`AsyncAdmin`).  The lease, its renewals and what a failed one
+does: docs/embedding.md.  It is the one client of the admin API: ``yieldproxy status/yield/resume/reload``
 (tools/cli.py) and ``yieldproxy demo`` call it too, from a reactor's thread pool.
 """
 
@@ -181,6 +161,11 @@ class Admin:
             left = max(0.01, deadline - time.monotonic())
             try:
                 code, raw, retry_after = self._once(method, path, data, headers, left)
+            except http.client.HTTPException as e:
+                # A body cut short, a status line that is not HTTP; first, as RemoteDisconnected is an OSError too.
+                raise AdminUnreachable(
+                    f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
+                ) from None
             except (urllib.error.URLError, OSError) as e:
                 # The reason names the call's whole timeout, not what was left of it for this try.
                 raise AdminUnreachable(f"cannot reach the admin API at {self.url}: {_why(e, timeout)}") from None
@@ -190,7 +175,8 @@ class Admin:
             time.sleep(wait)
 
     def _once(self, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
-        """One request: its status, its body and its Retry-After; ``URLError`` or ``OSError`` when nothing answered."""
+        """One request: its status, its body and its Retry-After; ``URLError``, ``OSError`` or ``HTTPException``
+        when nothing answered."""
         if self._unix_path is not None:
             return self._once_unix(self._unix_path, method, path, data, headers, timeout)
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
@@ -199,11 +185,6 @@ class Admin:
                 return response.status, response.read(), response.headers.get("Retry-After")
         except urllib.error.HTTPError as e:
             return e.code, e.read(), e.headers.get("Retry-After")
-        except http.client.HTTPException as e:
-            # No OSError: a body cut short (IncompleteRead), a status line that is not HTTP (BadStatusLine).
-            raise AdminUnreachable(
-                f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
-            ) from None
 
     def _once_unix(self, socket_path: str, method: str, path: str, data: bytes | None, headers: dict, timeout: float):
         """One request over the unix socket at ``socket_path`` (``Host: localhost``, which the listener answers)."""
@@ -212,10 +193,6 @@ class Admin:
             connection.request(method, path, body=data, headers=headers)
             response = connection.getresponse()
             return response.status, response.read(), response.getheader("Retry-After")
-        except http.client.HTTPException as e:
-            raise AdminUnreachable(
-                f"cannot reach the admin API at {self.url}: the answer broke off or is not HTTP ({e!r})"
-            ) from None
         finally:
             connection.close()
 
@@ -374,10 +351,14 @@ class Hold:
         if self._thread is not None:
             # A renewal under way ends first, so it cannot take the hold again after the resume.
             self._thread.join(self._call_timeout() + 1)
+        self._resume(kind is None)
+
+    def _resume(self, raising: bool) -> None:
+        """End the hold; a failure is raised when the block ended well, else logged (the lease ends the hold)."""
         try:
             self.admin.resume(self.source, self.upstream)
         except AdminError as e:
-            if kind is None:
+            if raising:
                 raise
             log.error("yieldproxy hold %s: resuming failed (the lease ends it): %s", self.source, e.message)
 
@@ -447,9 +428,4 @@ class AsyncHold:
                 pass
         if self._renewing is not None and not self._renewing.done():
             await asyncio.wait([self._renewing])
-        try:
-            await asyncio.to_thread(self.hold.admin.resume, self.hold.source, self.hold.upstream)
-        except AdminError as e:
-            if kind is None:
-                raise
-            log.error("yieldproxy hold %s: resuming failed (the lease ends it): %s", self.hold.source, e.message)
+        await asyncio.to_thread(self.hold._resume, kind is None)

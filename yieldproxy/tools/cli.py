@@ -269,6 +269,12 @@ def format_bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """``rows`` (the first one the heading) as lines indented by two, each column as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
 def _in(now: float, when: float | None) -> str:
     return "-" if when is None else "in " + format_duration(when - now)
 
@@ -297,10 +303,8 @@ def format_status(status: dict) -> str:
                 _in(now, h.get("expires_at")),
                 _in(now, h.get("expected_end")),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append(f"holds:      {len(holds)}")
-        for row in rows:
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.extend(_table(rows))
     else:
         lines.append("holds:      none")
     parked = status.get("parked") or {}
@@ -332,11 +336,7 @@ def format_upstreams(upstreams: list) -> list[str]:
             str(u.get("waiting", 0)),
             (", ".join(models[:4]) + (f" (+{len(models) - 4})" if len(models) > 4 else "")) or "-",
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"upstreams:  {len(upstreams)}"]
-    for row in rows:
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return lines + format_twins(upstreams)
+    return [f"upstreams:  {len(upstreams)}", *_table(rows), *format_twins(upstreams)]
 
 
 def format_twins(upstreams: list) -> list[str]:
@@ -357,11 +357,7 @@ def format_twins(upstreams: list) -> list[str]:
             ))
     if len(rows) < 2:
         return []
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["twins:      embeddings go to a model's reference or a verified twin"]
-    for row in rows:
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return lines
+    return ["twins:      embeddings go to a model's reference or a verified twin", *_table(rows)]
 
 
 def format_one_line(status: dict) -> str:
@@ -680,46 +676,24 @@ def serve(options: Sequence[str]) -> NoReturn:
 
 
 def example_config() -> str:
-    """The commented example config, from an installed wheel or from a source tree.
+    """The commented example config, from an installed wheel or from a source tree (as the ops files are)."""
+    from .opsfiles import ops_file
 
-    setup.cfg maps the source's ``etc/`` into the package as ``yieldproxy/etc/``
-    (package data), so a wheel carries the file; a checkout has only ``etc/``.
-    """
-    import importlib.resources
-
-    packaged = importlib.resources.files("yieldproxy").joinpath("etc", "yieldproxy.toml")
-    if packaged.is_file():
-        return packaged.read_text(encoding="utf-8")
     try:
-        return (Path(__file__).resolve().parents[2] / "etc" / "yieldproxy.toml").read_text(encoding="utf-8")
-    except OSError:
-        raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)")
+        return ops_file("yieldproxy.toml").decode("utf-8")
+    except CliError:
+        raise CliError("the example config is missing from this installation (etc/yieldproxy.toml in the source)") from None
 
 
-def _run_admin(reactor, command, args: argparse.Namespace, settings: Settings):
-    """One admin command under ``react``: its exit status, its error message on stderr."""
+def _run(reactor, command, args: argparse.Namespace, finished: list):
+    """One command under ``react``: its exit status (kept in ``finished`` too), its error message on stderr."""
 
     async def run() -> None:
         try:
-            code = await command(reactor, args, settings)
+            code = await command(reactor, args)
         except CliError as e:
             print(f"yieldproxy: {e.message}", file=sys.stderr)
             code = e.code
-        except Exception:
-            traceback.print_exc()
-            code = EXIT_ERROR
-        if code:
-            raise SystemExit(code)
-
-    return defer.Deferred.fromCoroutine(run())
-
-
-def _run_demo(reactor, args: argparse.Namespace, finished: list):
-    async def run() -> None:
-        try:
-            from .demo import demo_command
-
-            code = await demo_command(reactor, args)
         except Exception:
             traceback.print_exc()
             code = EXIT_ERROR
@@ -794,7 +768,11 @@ def main(argv: Sequence[str] | None = None, *, react: Callable[..., None] = task
         their own, already running, reactor.
     """
     with _reader_may_leave():
-        _main(list(sys.argv[1:] if argv is None else argv), react)
+        try:
+            _main(list(sys.argv[1:] if argv is None else argv), react)
+        except CliError as e:
+            print(f"yieldproxy: {e.message}", file=sys.stderr)
+            raise SystemExit(e.code) from None
 
 
 def _main(argv: list[str], react: Callable[..., None]) -> None:
@@ -811,11 +789,7 @@ def _main(argv: list[str], react: Callable[..., None]) -> None:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "example-config":
-        try:
-            sys.stdout.write(example_config())
-        except CliError as e:
-            print(f"yieldproxy: {e.message}", file=sys.stderr)
-            raise SystemExit(e.code) from None
+        sys.stdout.write(example_config())
         return
 
     if args.command == "ops-files":
@@ -828,10 +802,12 @@ def _main(argv: list[str], react: Callable[..., None]) -> None:
 
         raise SystemExit(check_command(getattr(args, "config", None)))
 
+    finished: list[int] = []
     if args.command == "demo":
-        finished: list[int] = []
+        from .demo import demo_command
+
         try:
-            react(_run_demo, (args, finished))
+            react(_run, (demo_command, args, finished))
         except SystemExit as e:
             # Interrupted (Ctrl-C stops the reactor): not a success.
             if not finished and not e.code:
@@ -840,17 +816,13 @@ def _main(argv: list[str], react: Callable[..., None]) -> None:
             raise
         return
 
-    try:
-        settings = resolve_settings(args, dict(os.environ))
-    except CliError as e:
-        print(f"yieldproxy: {e.message}", file=sys.stderr)
-        raise SystemExit(e.code) from None
+    settings = resolve_settings(args, dict(os.environ))
     for note in settings.notes:
         print(f"yieldproxy: note: {note}", file=sys.stderr)
     command = {
         "status": _status_command, "yield": _yield_command, "resume": _resume_command, "reload": _reload_command,
     }[args.command]
-    react(_run_admin, (command, args, settings))
+    react(_run, (lambda reactor, args: command(reactor, args, settings), args, finished))
 
 
 if __name__ == "__main__":

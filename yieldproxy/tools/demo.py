@@ -173,10 +173,6 @@ def _vector_ok(got: Any, expected: list[float]) -> bool:
     )
 
 
-async def _sleep(reactor, seconds: float) -> None:
-    await task.deferLater(reactor, seconds, lambda: None)
-
-
 @implementer(IAgentEndpointFactory)
 @attrs.frozen
 class NoDelayEndpoints:
@@ -488,7 +484,7 @@ class _Run(Machine[Phase, str]):
         except AdminError as e:
             self.admin_errors.append(f"yield: {e.message}")
             return
-        await _sleep(self.reactor, args.yield_for)
+        await task.deferLater(self.reactor, args.yield_for, lambda: None)
         parked = len(self.proxy.lot)
         line.say(f"{mark():6.2f}s  POST /resume: {parked} parked requests go out, at most {self.cap} at a time")
         try:

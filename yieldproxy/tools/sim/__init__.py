@@ -1,16 +1,7 @@
 """
-A simulated Ollama backend for the demo, the benchmarks and the tests.
-
-No Ollama binary and no GPU can be reached where yieldproxy is built and
-tested, yet the proxy must be checked against something that speaks Ollama's
-API, serves a bounded number of requests at once, and can fail the ways a
-real GPU server fails.  :class:`SimOllama` is that something: deterministic
-content a test can recompute (:func:`expected_embedding`,
-:func:`expected_reply`), outage modes switched at run time
-(:meth:`SimOllama.set_mode`), and the other servers' APIs (``--api``).
-Every timer goes through the injected reactor; only :func:`main` touches the
-global reactor.  What it does and where each part is:
-docs/architecture.md (*The simulated Ollama*).
+A simulated Ollama backend (and TEI, Infinity or llama.cpp, ``--api``) for the demo, the benchmarks and
+the tests.  What it does and where each part is: docs/architecture.md (*The simulated Ollama*); how it
+plays each server: docs/servers.md (*The simulated servers*).
 
 Part of tools/ (layer 12): it may import any layer below (it takes the core's
 names and the edge's TCP and listen-error helpers); nothing in the proxy imports it.

@@ -5,7 +5,7 @@ The sim's machinery (the parallel cap, model loads, outage modes, the
 listener) is the same whichever server it plays; what differs is the API:
 its routes, how it reads a request, the JSON it answers and the shape of its
 errors.  An :class:`Api` holds exactly that, and :class:`~.server.SimOllama`
-(through :class:`Sim`) asks it at each step.  Every route is one of three kinds, the same split the
+(through :class:`Sim`) asks it at each step.  Every route is one of four kinds, the same split the
 proxy's classifier follows (docs/servers.md):
 
 * ``batch``: runs the model once over every input (embeddings, rerank,

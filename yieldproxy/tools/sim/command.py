@@ -67,20 +67,13 @@ def build_parser(prog: str = "python -m yieldproxy.tools.sim") -> argparse.Argum
     return p
 
 
+#: The options that are SimOllama's settings, by the same names.
+_SETTINGS = ("latency", "per_item_latency", "parallel", "chunk_delay", "chunks", "dim", "load_seconds", "mode", "api", "models")
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The SimOllama keyword arguments the command line gives."""
-    return {
-        "latency": args.latency,
-        "per_item_latency": args.per_item_latency,
-        "parallel": args.parallel,
-        "chunk_delay": args.chunk_delay,
-        "chunks": args.chunks,
-        "dim": args.dim,
-        "load_seconds": args.load_seconds,
-        "mode": args.mode,
-        "api": args.api,
-        "models": tuple(args.models),
-    }
+    return {name: getattr(args, name) for name in _SETTINGS}
 
 
 def _run(reactor: Any, args: argparse.Namespace, prog: str) -> defer.Deferred[None]:

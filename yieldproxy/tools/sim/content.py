@@ -15,20 +15,22 @@ DEFAULT_EMBED_MODEL = "all-minilm"
 DEFAULT_CHAT_MODEL = "llama3.2"
 
 
-def _raw_embedding(text: str, model: str, dim: int) -> list[float]:
+def _seed(model: str, salt: bytes, text: str) -> bytes:
+    """sha256 of the model's canonical name, ``salt`` (one per kind of answer) and ``text``: where an answer starts."""
+    return hashlib.sha256(canonical_model(model).encode("utf-8") + salt + text.encode("utf-8", "surrogatepass")).digest()
+
+
+def raw_embedding(text: str, model: str = DEFAULT_EMBED_MODEL, dim: int = 384) -> list[float]:
     """
-    Pseudo-random values in [-1, 1) from sha256(model, text) and a counter.
+    :func:`expected_embedding` before normalisation (TEI's ``normalize: false``): pseudo-random values in
+    [-1, 1) from sha256(model, text) and a counter.
 
     Each block adds 8 values, so the first ``d`` values do not depend on
     ``dim``: ``dimensions`` truncation and a smaller ``dim`` agree.
     """
     if dim < 1:
         raise ValueError(f"dim must be at least 1, not {dim}")
-    seed = hashlib.sha256(
-        canonical_model(model).encode("utf-8")
-        + b"\0"
-        + text.encode("utf-8", "surrogatepass")
-    ).digest()
+    seed = _seed(model, b"\0", text)
     out: list[float] = []
     counter = 0
     while len(out) < dim:
@@ -49,7 +51,7 @@ def expected_embedding(
     dimensions)``, which is the full vector truncated and renormalised, as
     Ollama does.
     """
-    raw = _raw_embedding(text, model, dim)
+    raw = raw_embedding(text, model, dim)
     norm = math.sqrt(math.fsum(v * v for v in raw))
     return [v / norm for v in raw]
 
@@ -100,11 +102,7 @@ def expected_reply(
 
     For chat routes the prompt is :func:`messages_prompt` of the messages.
     """
-    seed = hashlib.sha256(
-        canonical_model(model).encode("utf-8")
-        + b"\0reply\0"
-        + prompt.encode("utf-8", "surrogatepass")
-    ).digest()
+    seed = _seed(model, b"\0reply\0", prompt)
     pieces = []
     for i in range(chunks):
         word = _WORDS[seed[i % len(seed)] % len(_WORDS)]
@@ -137,11 +135,6 @@ def messages_prompt(messages: Iterable[dict[str, Any]]) -> str:
 # For the single-model servers' other routes (TEI, Infinity, llama.cpp).
 
 
-def raw_embedding(text: str, model: str = DEFAULT_EMBED_MODEL, dim: int = 384) -> list[float]:
-    """:func:`expected_embedding` before normalisation (TEI's ``normalize: false``)."""
-    return _raw_embedding(text, model, dim)
-
-
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     """Cosine similarity of two vectors (0 when either is all zeros)."""
     dot = math.fsum(x * y for x, y in zip(a, b))
@@ -162,7 +155,7 @@ def expected_relevance(query: str, document: str, model: str = DEFAULT_EMBED_MOD
 
 def expected_labels(text: str, model: str = DEFAULT_EMBED_MODEL) -> list[tuple[str, float]]:
     """A classifier's ``(label, score)`` pairs for ``text``, highest score first, summing to 1."""
-    seed = hashlib.sha256(canonical_model(model).encode("utf-8") + b"\0label\0" + text.encode("utf-8", "surrogatepass")).digest()
+    seed = _seed(model, b"\0label\0", text)
     positive = (int.from_bytes(seed[:4], "big") + 1) / (2**32 + 2)
     pairs = [("positive", positive), ("negative", 1.0 - positive)]
     return sorted(pairs, key=lambda pair: pair[1], reverse=True)
@@ -181,6 +174,6 @@ def expected_sparse(text: str, model: str = DEFAULT_EMBED_MODEL) -> list[tuple[i
     """A sparse (SPLADE) vector of ``text``: ``(index, value)`` by index, one per distinct token."""
     out: dict[int, float] = {}
     for token_id, token, _, _ in expected_tokens(text):
-        seed = hashlib.sha256(canonical_model(model).encode("utf-8") + b"\0sparse\0" + token.encode("utf-8", "surrogatepass")).digest()
+        seed = _seed(model, b"\0sparse\0", token)
         out[token_id] = 0.05 + 2.95 * int.from_bytes(seed[:4], "big") / 2**32
     return sorted(out.items())

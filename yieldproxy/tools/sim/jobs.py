@@ -161,18 +161,8 @@ class Scheduler:
         """Release everything a job holds; idempotent."""
         if job.state == "done":
             return
-        previous, job.state = job.state, "done"
-        if job.timer is not None and job.timer.active():
-            job.timer.cancel()
-        job.timer = None
+        held_slot = self._leave(job, "done") == "serving"
         self._jobs.discard(job)
-        if previous == "queued":
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                pass
-        held_slot = previous == "serving"
-        self._serving.discard(job)
         self._retired(job, outcome, held_slot)
         if held_slot:
             self._pump()
@@ -193,19 +183,24 @@ class Scheduler:
         freed; True when it held one (its model is the caller's to let go)."""
         if job.state not in ("queued", "serving"):
             return False
+        held_slot = self._leave(job, "hung") == "serving"
+        if held_slot:
+            self._pump()
+        return held_slot
+
+    def _leave(self, job: Job, state: str) -> str:
+        """Move ``job`` to ``state``, out of the queue or its slot, its timer cancelled; the state it left."""
         if job.timer is not None and job.timer.active():
             job.timer.cancel()
         job.timer = None
-        previous, job.state = job.state, "hung"
+        previous, job.state = job.state, state
         if previous == "queued":
             try:
                 self._waiting.remove(job)
             except ValueError:
                 pass
-            return False
         self._serving.discard(job)
-        self._pump()
-        return True
+        return previous
 
     def hold(self, paths: frozenset[str] = frozenset()) -> None:
         """From now on, a step of a request to ``paths`` (any path when empty) that comes due waits until

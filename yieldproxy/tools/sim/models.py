@@ -63,7 +63,6 @@ class LoadedModel:
     """A model in (simulated) VRAM; expires lazily, no timer needed."""
 
     name: str
-    loaded_at: float
     expires_at: float
     busy: int = 0
 
@@ -139,8 +138,7 @@ class ModelStore:
             return
         load_seconds = self.load_seconds_of.get(name, self.load_seconds)
         if load_seconds <= 0:
-            now = self._clock.seconds()
-            self._loaded[name] = LoadedModel(name, now, now)
+            self._loaded[name] = LoadedModel(name, self._clock.seconds())
             ready()
             return
         load = self._loads.get(name)
@@ -187,7 +185,6 @@ class ModelStore:
     def _load_done(self, name: str) -> None:
         """The model is loaded: every request that waited for it proceeds."""
         load = self._loads.pop(name)
-        now = self._clock.seconds()
-        self._loaded[name] = LoadedModel(name, now, now + self.default_keep_alive)
+        self._loaded[name] = LoadedModel(name, self._clock.seconds() + self.default_keep_alive)
         for _, ready in list(load.waiters):
             ready()

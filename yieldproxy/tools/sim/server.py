@@ -95,18 +95,13 @@ class SimOllama:
     :param max_num_ctx: the largest ``options.num_ctx`` whose load fits in
         (simulated) VRAM; a request asking for more fails alone with
         :data:`LOAD_OOM_ERROR`, as a real one does (0: no limit).
-    :param models: the models the server has (the default: :data:`DEFAULT_MODELS`).  Ollama lists
-        them (``/api/tags``, ``/v1/models``), describes them (``/api/show``) and serves them; a model
-        route or ``/api/show`` naming another gets Ollama's 404 (``model "X" not found, try pulling it
-        first`` and the like, :func:`.ollama.model_not_found`), as a model never pulled does.  The
-        servers that serve one model (every ``api`` but ``ollama``) serve the first and answer with
-        its name whatever the request names.
-    :param api: the server to play: ``ollama`` (the default), ``tei``
-        (text-embeddings-inference), ``infinity`` or ``llamacpp``; each with
-        its own routes, answers and error shapes (docs/servers.md).  For
-        ``llamacpp``, ``load_seconds`` is its start-up load: every route but
-        the model lists answers 503 "Loading model" meanwhile, at start and
-        again after ``refuse`` or ``reset`` (a restarted server).
+    :param models: the models the server has (the default: :data:`DEFAULT_MODELS`), listed,
+        described and served; a request naming another gets Ollama's 404, as for a model never
+        pulled (:func:`.ollama.model_not_found`).  A server of one model (every ``api`` but
+        ``ollama``) serves the first, whatever the request names.
+    :param api: the server to play: ``ollama``, ``tei``, ``infinity`` or ``llamacpp``
+        (docs/servers.md, *The simulated servers*).  For ``llamacpp``, ``load_seconds`` is its
+        start-up load, paid again after ``refuse`` or ``reset`` (a restarted server).
     :param history_size: how many :class:`SimRequest` records to keep.
     :param mode: the initial outage mode (see :data:`MODES`).
     """
@@ -293,11 +288,7 @@ class SimOllama:
     # -- listening and modes -------------------------------------------------
 
     def listen(self, port: int = 0, interface: str = "127.0.0.1") -> defer.Deferred[int]:
-        """
-        Listen on ``interface:port`` (0 picks a free port).
-
-        The sim owns its port so that ``refuse`` can close it and reopen the
-        same one.
+        """Listen on ``interface:port`` (0 picks a free port), a port of its own (listening.py says why).
 
         :returns: a Deferred firing with the bound port number.
         """
@@ -337,10 +328,7 @@ class SimOllama:
         elif in_flight and mode in ("hang", "stall_head"):
             for job in self._scheduler.unanswered():
                 if self._scheduler.hang(job):
-                    self.store.cancel(job.key, job)
-                    if job.holds_model:
-                        job.holds_model = False
-                        self.store.release(job.key, job.keep_alive)
+                    self._let_go_of_model(job)
                 if mode == "stall_head":
                     job.request.setHeader(b"content-type", JSON)
                     job.request.write(b"")
@@ -566,22 +554,26 @@ class SimOllama:
         job.holds_model = True
         after = self._scheduler.after
         if job.load_only:
-            after(job, 0, self._answer_load, job)
+            after(job, 0, self._answer_whole, job)
         elif job.route.kind == "batch":
             after(job, self.latency + self.per_item_latency * len(job.texts), self._answer_batch, job)
         elif job.stream:
             after(job, self.latency, self._stream_step, job, 0)
         else:
-            after(job, self.latency + self.chunk_delay * self.chunks, self._answer_reply, job)
+            after(job, self.latency + self.chunk_delay * self.chunks, self._answer_whole, job)
 
     def _retired(self, job: Job, outcome: str, held_slot: bool) -> None:
         """A job is done: note how, and let go of its model."""
         self._finish_record(job.record, outcome)
         if held_slot:
-            self.store.cancel(job.key, job)
-            if job.holds_model:
-                job.holds_model = False
-                self.store.release(job.key, job.keep_alive)
+            self._let_go_of_model(job)
+
+    def _let_go_of_model(self, job: Job) -> None:
+        """A job that held a slot needs its model no more: its share of a load under way, or its hold of the model."""
+        self.store.cancel(job.key, job)
+        if job.holds_model:
+            job.holds_model = False
+            self.store.release(job.key, job.keep_alive)
 
     def _step_failed(self, job: Job) -> None:
         """A step raised: a 500 in the route's shape, or a reset once a stream began."""
@@ -594,14 +586,10 @@ class SimOllama:
 
     def _send(self, job: Job, reply: Reply, outcome: str = "ok") -> None:
         """Answer a job whole and free its slot."""
-        request = job.request
-        request.setResponseCode(reply.code)
-        request.setHeader(b"content-type", reply.content_type)
-        for name, value in reply.headers:
-            request.setHeader(name, value)
-        request.setHeader(b"content-length", b"%d" % len(reply.body))
+        body = self._write_reply(job.request, reply)
+        job.request.setHeader(b"content-length", b"%d" % len(body))
         job.headers_sent = True
-        request.write(reply.body)
+        job.request.write(body)
         self._end(job, outcome)
 
     def _end(self, job: Job, outcome: str = "ok") -> None:
@@ -611,20 +599,23 @@ class SimOllama:
             job.request.finish()
         self._scheduler.retire(job, outcome)
 
-    def _answer_load(self, job: Job) -> None:
-        """A load-only request: the model is in memory now."""
-        self._send(job, Reply(200, dumps(self._flavour.load_answer(self, job, "load"))))
+    def _whole_body(self, job: Job) -> bytes:
+        """The JSON of a job's whole answer: a load's (the model is in memory now), a batch's, or a reply's."""
+        if job.load_only:
+            return dumps(self._flavour.load_answer(self, job, "load"))
+        if job.route.kind == "batch":
+            return dumps(self._flavour.answer(self, job))
+        return dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
 
     def _answer_batch(self, job: Job) -> None:
-        """The model ran over every input: one JSON answer."""
-        body = self._flavour.answer(self, job)
+        """The model ran over every input: one JSON answer, its texts counted as embedded."""
+        body = self._whole_body(job)
         self.texts_embedded.update(job.texts)
-        self._send(job, Reply(200, dumps(body)))
+        self._send(job, Reply(200, body))
 
-    def _answer_reply(self, job: Job) -> None:
-        """A whole reply at once (``stream: false``)."""
-        text = "".join(expected_reply(job.prompt, job.key, self.chunks))
-        self._send(job, Reply(200, dumps(self._flavour.reply(self, job, text))))
+    def _answer_whole(self, job: Job) -> None:
+        """A load, or a reply not streamed: one JSON answer."""
+        self._send(job, Reply(200, self._whole_body(job)))
 
     def _stall_after_head(self, job: Job) -> None:
         """Mode ``stall``: the head of the answer this job would get and its first bytes, then nothing.
@@ -641,12 +632,7 @@ class SimOllama:
             pieces = expected_reply(job.prompt, job.key, self.chunks)
             request.write(self._flavour.stream_chunk(self, job, 0, pieces))
             return
-        if job.load_only:
-            body = dumps(self._flavour.load_answer(self, job, "load"))
-        elif job.route.kind == "batch":
-            body = dumps(self._flavour.answer(self, job))
-        else:
-            body = dumps(self._flavour.reply(self, job, "".join(expected_reply(job.prompt, job.key, self.chunks))))
+        body = self._whole_body(job)
         request.setResponseCode(200)
         request.setHeader(b"content-type", JSON)
         request.setHeader(b"content-length", b"%d" % len(body))
