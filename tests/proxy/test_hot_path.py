@@ -395,6 +395,7 @@ def test_every_path_enters_through_klein_and_a_parked_request_keeps_nothing_of_k
 
     from inmemory import Rig as MemoryRig
     from yieldproxy.edge.request import ProxyRequest
+    from yieldproxy.proxy.resource import _RoutedRequest
 
     routed = []
     real = Klein.execute_endpoint
@@ -427,7 +428,7 @@ def test_every_path_enters_through_klein_and_a_parked_request_keeps_nothing_of_k
     assert len(rig.proxy.lot) == 20
     gc.collect()
     live = gc.get_objects()
-    assert [o for o in live if isinstance(o, (KleinRequest, MapAdapter))] == []
+    assert [o for o in live if isinstance(o, (KleinRequest, _RoutedRequest, MapAdapter))] == []
     parked = [o for o in live if isinstance(o, ProxyRequest) and not o.finished]
     assert len(parked) == 20 and all(r.notifications == [] for r in parked)
     rig.proxy.state.release("test")

@@ -23,7 +23,7 @@ from twisted.web.server import NOT_DONE_YET
 from werkzeug.exceptions import NotFound
 from werkzeug.routing import BaseConverter
 
-from yieldproxy.proxy.resource import KleinEntry
+from yieldproxy.proxy.resource import KleinEntry, _RoutedRequest, asks_no_klein_request
 
 
 class _Leaf(Resource):
@@ -96,6 +96,12 @@ class _Toy:
         self._ran(request, "tree")
         return _Tree()
 
+    @app.route("/plain/<path:rest>")
+    @asks_no_klein_request
+    def plain(self, request, rest):
+        self._ran(request, "plain", rest)
+        return _Leaf(later=request.method == b"POST")
+
     @app.route("/later/tree", branch=True)
     def later_tree(self, request):
         self._ran(request, "later-tree")
@@ -166,7 +172,7 @@ class _Toy:
 
 PATHS = (
     "/leaf", "/leaf/", "/leaf/a/b", "/leaf//a", "/leaf/%61", "/leaf/%FF", "/tree/kid", "/tree/other", "/tree",
-    "/later/tree/kid", "/later/tree/x/y",
+    "/later/tree/kid", "/later/tree/x/y", "/plain/a", "/plain/a/b", "/plain/",
     "/bytes", "/bytes/", "/text/bob", "/text/%C3%A9", "/deferred", "/coroutine", "/url", "/post-only", "/dir",
     "/dir/", "/missing", "/boom", "/broken", "/nowhere", "/", "//leaf", "/leaf/../bytes", "/parts/a,b",
 )
@@ -235,6 +241,21 @@ def test_a_route_that_answers_with_a_resource_is_rendered_without_klein_s_deferr
     [response] = _results(http.get("http://127.0.0.1/bytes"))  # not a resource: Klein's own way
     http.flush()
     assert response.code == 200 and len(watchers) == 2 and deferreds
+
+
+def test_a_route_that_asks_nothing_of_klein_s_request_adapter_gets_none(monkeypatch):
+    """A route marked ``asks_no_klein_request`` (the proxy's) is run with no request adapter made for it; any
+    other route gets the entry's own, which binds the app's map when asked (the answers of both kinds:
+    :func:`test_every_request_is_answered_as_klein_answers_it_and_each_route_runs_once`)."""
+    made: list = []
+    real = _RoutedRequest.__init__
+    monkeypatch.setattr(_RoutedRequest, "__init__", lambda self, request, *a: made.append(request) or real(self, request, *a))
+    http = StubTreq(KleinEntry(_Toy().app))
+    for path in ("/plain/a", "/plain/a/b", "/leaf/a", "/url"):
+        [response] = _results(http.get(f"http://127.0.0.1{path}"))
+        http.flush()
+        assert response.code == 200
+    assert [request.path for request in made] == [b"/leaf/a", b"/url"]
 
 
 def test_an_ascii_host_is_known_to_be_utf_8_without_parsing_the_host_header(monkeypatch):

@@ -69,7 +69,7 @@ DEFAULT_LIMITS: Final = Limits()
 # -- events ---------------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.define  # not frozen: one per request, and a frozen __init__ costs twice (servers.base.Asked)
 class RequestHead:
     """A request line and its headers, read and checked.
 
@@ -101,7 +101,7 @@ class ChunkAnnounced:
     size: int
 
 
-@attrs.frozen
+@attrs.define  # not frozen: made for each read of body bytes (as RequestHead)
 class BodyData:
     """Body bytes, de-chunked; never empty."""
 

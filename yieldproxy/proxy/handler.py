@@ -42,7 +42,7 @@ from .attempts import AttemptLoop
 from .facts import RequestFacts
 from .outcome import Outcomes
 from .passthrough import Passthrough
-from .resource import HandlerResource, KleinEntry, routed
+from .resource import HandlerResource, KleinEntry, asks_no_klein_request
 from .target import BadTarget, parse_target
 
 
@@ -89,9 +89,13 @@ class ProxyApp:
         init=False, default=attrs.Factory(lambda app: HandlerResource(app._handle, app._internal_error), takes_self=True)
     )
 
-    @app.route("/", branch=True, strict_slashes=False)
-    def proxy(self, request):
-        return routed(request, self._entry)
+    # Every path, as two plain routes rather than one branch route: Klein runs a branch route through
+    # its request adapter (``IKleinRequest``) on every request, work the proxy's route has no use for.
+    @app.route("/", strict_slashes=False, endpoint="proxy_root")
+    @app.route("/<path:path>", strict_slashes=False, endpoint="proxy")
+    @asks_no_klein_request
+    def proxy(self, request, path: str = ""):
+        return self._entry
 
     @app.handle_errors(NotFound)
     def unroutable(self, request, failure):

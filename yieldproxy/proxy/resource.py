@@ -3,10 +3,10 @@
 :class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``): it
 routes as Klein's own ``KleinResource`` does, without the per-request work
 that decides nothing (tests/proxy/test_klein_entry.py holds the two to the
-same answers; bench/klein_entry.py measures the difference).  The app's one
-route returns :class:`HandlerResource` through :func:`routed`, which lets go
-of Klein's request adapter, so a parked request keeps nothing of Klein; the
-leaf runs the handler and writes its outcome.
+same answers; bench/klein_entry.py measures the difference).  The app's
+route returns :class:`HandlerResource` and asks nothing of Klein's request
+adapter (:func:`asks_no_klein_request`), so none is made: a parked request
+keeps nothing of Klein.  The leaf runs the handler and writes its outcome.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from klein.interfaces import IKleinRequest
 from klein.resource import KleinResource
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python import log
-from twisted.python.components import Componentized
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource, getChildForRequest
 from twisted.web.server import NOT_DONE_YET
@@ -50,8 +49,11 @@ class KleinEntry(KleinResource):
 
     def __init__(self, app: Klein):
         super().__init__(app)
-        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes).
-        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int]] = {}
+        #: (method, script name, path info) -> (endpoint, its arguments, path segments its route takes, whether
+        #: it may ask for Klein's request adapter).
+        self._routes: dict[tuple[bytes, bytes, bytes], tuple[str, dict[str, Any], int, bool]] = {}
+        #: The app's map and endpoints (Klein keeps each one object, added to in place): read per request.
+        self._map, self._endpoint_table = app.url_map, app.endpoints
         #: The app's routes when the memo was started: a route added since starts it again.
         self._endpoints = len(app.endpoints)
 
@@ -59,18 +61,19 @@ class KleinEntry(KleinResource):
         app = self._app
         script_name, path_info = _paths(request)
         route = self._route(request.method, script_name, path_info)
-        if route is None or not _host_is_utf8(request):
+        if route is None or not (getattr(request, "host_is_utf8", False) or _host_is_utf8(request)):
             # NotFound, MethodNotAllowed, a redirect, a URL that is not UTF-8: Klein decides again, and answers.
             return super().render(request)
-        endpoint, kwargs, segments = route
-        request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
+        endpoint, kwargs, segments, adapter = route
+        if adapter:
+            request.setComponent(IKleinRequest, _RoutedRequest(request, app, script_name, path_info))
         prepath, postpath = len(request.prepath), request.postpath
         request.prepath.extend(postpath[:segments])
         request.postpath = postpath[segments:]
         try:
             answer = app.execute_endpoint(endpoint, request, **kwargs)
             if IResource.providedBy(answer):
-                request.render(getChildForRequest(answer, request))
+                request.render(answer if answer.isLeaf else getChildForRequest(answer, request))
                 return NOT_DONE_YET
         except Exception:
             answer = Failure()
@@ -79,36 +82,38 @@ class KleinEntry(KleinResource):
         request.postpath = postpath
         return KleinResource(_Answered(app, answer)).render(request)
 
-    def _route(self, method: bytes, script_name: bytes, path_info: bytes) -> tuple[str, dict[str, Any], int] | None:
-        """The route the app's map matches (endpoint, arguments, segments), or None: Klein's render decides.
+    def _route(
+        self, method: bytes, script_name: bytes, path_info: bytes
+    ) -> tuple[str, dict[str, Any], int, bool] | None:
+        """The route the app's map matches (endpoint, arguments, segments, adapter), or None: Klein's render decides.
 
         Without host matching, the map matches on the method and the path
         info alone (the server name and the scheme only build URLs, and a
         redirect, which raises, is never kept).
         """
-        app = self._app
-        if app.url_map.host_matching:
+        if self._map.host_matching:
             return None
         routes = self._routes
-        if len(app.endpoints) != self._endpoints:
+        if len(self._endpoint_table) != self._endpoints:
             routes.clear()
-            self._endpoints = len(app.endpoints)
+            self._endpoints = len(self._endpoint_table)
         key = (method, script_name, path_info)
         kept = routes.get(key)
         if kept is not None:
             return kept
         try:
-            mapper = app.url_map.bind(
+            mapper = self._map.bind(
                 "", script_name.decode("utf-8"), path_info=path_info.decode("utf-8"),
                 default_method=method.decode("utf-8"), url_scheme="http",
             )
             rule, kwargs = mapper.match(return_rule=True)
         except Exception:
             return None
-        segments = getattr(app.endpoints[rule.endpoint], "segment_count", None)
+        function = self._endpoint_table[rule.endpoint]
+        segments = getattr(function, "segment_count", None)
         if segments is None:  # a route function Klein did not mark: not one this knows how to run
             return None
-        route = (rule.endpoint, dict(kwargs), segments)
+        route = (rule.endpoint, dict(kwargs), segments, not getattr(function, "asks_no_klein_request", False))
         # The arguments go to every request of the target: kept only when none can be changed by a route
         # (and a long path is not kept).
         if len(path_info) <= self.PATH_KEPT and all(type(value) in (str, int, float) for value in kwargs.values()):
@@ -200,10 +205,8 @@ def _server(request) -> tuple[str, str]:
 
 def _host_is_utf8(request) -> bool:
     """Whether the server name Klein's render decodes (``getRequestHostname``) is UTF-8: it is a part of the
-    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed, and a
-    request that says so itself (the listener's: edge/request.py refused any other) without it being read."""
-    if getattr(request, "host_is_utf8", False):
-        return True
+    ``Host`` header, so an ASCII header (any client's) says so without the header being parsed.  (A request
+    that says so itself, the listener's ``host_is_utf8``, is not asked: edge/request.py refused any other.)"""
     raw = request.getHeader(b"host")
     if raw is not None and raw.isascii():
         return True
@@ -219,12 +222,12 @@ def _utf8(text: bytes) -> bool:
     return True
 
 
-def routed(request, entry: HandlerResource) -> HandlerResource:
-    """A route's answer once Klein has matched it: ``entry``, with Klein's request adapter (and the
-    ``MapAdapter`` it holds) let go, since nothing asks for it after routing."""
-    if isinstance(request, Componentized):
-        request.unsetComponent(IKleinRequest)
-    return entry
+def asks_no_klein_request(route: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a route function (under its ``@app.route``) that never asks for Klein's request adapter
+    (``IKleinRequest``): :class:`KleinEntry` makes none for its requests, so a parked one holds nothing
+    of Klein, and none is made and let go per request."""
+    route.asks_no_klein_request = True  # type: ignore[attr-defined]
+    return route
 
 
 class HandlerResource(Resource):
@@ -248,7 +251,7 @@ class HandlerResource(Resource):
         self._on_error = on_error
 
     def render(self, request):
-        listens = _listeners(request)
+        listens = hasattr(type(request), "handler")  # _listeners(request), inline: asked of every request
         if listens:
             # Klein's finish watchers (two Deferreds and their closures per request): its routing is over,
             # and a listener's request is cancelled through ``handler``, never through notifyFinish.
@@ -305,7 +308,8 @@ def _done(request) -> None:
 
 
 def _write(result, request) -> None:
-    _done(request)
+    if hasattr(type(request), "handler"):  # _done(request), inline: every request's answer comes here
+        request.handler = None
     try:
         if isinstance(result, str):
             result = result.encode("utf-8")

@@ -167,7 +167,7 @@ class Scheduler:
             if not returning:
                 self._arrived(entry, None, refusal.reason)
             raise
-        if not returning:
+        if not returning and self._arrivals:
             self._arrived(entry, entry.released_to if admitted.called else None, None)
         return admitted
 
@@ -248,7 +248,10 @@ class Scheduler:
 
     def usable(self, member: Member, entry: Entry) -> bool:
         """Available now, and (for an embedding) the model's reference or a verified twin."""
-        return self.available(member) and self.twin_ok(member, entry)
+        # available(member), inline: asked of every eligible member of every request.
+        if self._state.yielded_for(member.name) or not member.takes_work():
+            return False
+        return self.twin_ok is any_member or self.twin_ok(member, entry)
 
     def choose(self, entry: Entry) -> Member | None:
         """The member ``entry`` goes to at once, or None: it parks.

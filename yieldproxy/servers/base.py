@@ -158,9 +158,12 @@ def unique_names(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-@attrs.frozen
+@attrs.define
 class Asked:
-    """What a server's refusal rule reads of a request, as the upstream would receive it."""
+    """What a server's refusal rule reads of a request, as the upstream would receive it.
+
+    Made for every request, so not frozen: a frozen class's ``__init__`` sets each field through
+    ``object.__setattr__``, about twice the instructions (bench/instructions.py)."""
 
     method: str
     #: The canonical decoded path (:mod:`yieldproxy.proxy.target`): what the upstream routes on.

@@ -78,7 +78,7 @@ class _TypeError(Exception):
     """The value does not decode into its field; Go's decode (and Ollama's request) fails."""
 
 
-@attrs.frozen
+@attrs.define  # not frozen: one per request (as servers.base.Asked)
 class GoRequest:
     """What Go binds for :data:`FIELDS` (absent: never set, or set to nil)."""
 
@@ -275,14 +275,9 @@ class FirstValue:
 
     def __init__(self, body: bytes) -> None:
         self.body = body
+        #: The value, and where it ends in the body decoded (-1: not parsed yet): see :func:`_first_value`.
         self._value: Any = None
         self._end = -1
-
-    def of(self, text: str) -> tuple[Any, int]:
-        """The value and where it ends in ``text`` (``body`` decoded): parsed on the first ask only."""
-        if self._end < 0:
-            self._value, self._end = _parse_first(text)
-        return self._value, self._end
 
 
 def _parse_first(text: str) -> tuple[Any, int]:
@@ -291,9 +286,12 @@ def _parse_first(text: str) -> tuple[Any, int]:
 
 
 def _first_value(body: bytes, text: str, shared: FirstValue | None) -> tuple[Any, int]:
-    if shared is not None and shared.body is body:
-        return shared.of(text)
-    return _parse_first(text)
+    """The first value of ``text`` (``body`` decoded) and where it ends: parsed once for the request's ``shared``."""
+    if shared is None or shared.body is not body:
+        return _parse_first(text)
+    if shared._end < 0:
+        shared._value, shared._end = _parse_first(text)
+    return shared._value, shared._end
 
 
 def _text(body: bytes) -> str:
@@ -480,6 +478,8 @@ class GoStruct:
         return self._folded.get(fold(key))
 
 
+#: A field of Go's ``any`` (``interface{}``): ``input``, ``format``, ...
+_ANY = "any"
 #: :func:`_judge`'s answer for a value that decodes.
 _FINE = "fine"
 #: :func:`_judge`'s answer when the proxy cannot tell exactly what Go does with the value.
@@ -523,7 +523,7 @@ def _judge(kind: str, value: Any) -> str:
         return _FINE
     if kind == "string":
         return _FINE if isinstance(value, str) else _json_kind(value)
-    if kind == "any":
+    if kind == _ANY:
         return _FINE if _fits_any(value) else _UNSURE
     found = _json_kind(value)
     if kind == "bool":
@@ -607,6 +607,8 @@ def _first_type_error(pairs: "_Pairs", struct: GoStruct) -> str | None:
         if name is None:
             continue  # Go ignores a key no field has
         kind, everywhere = fields[name]
+        if type(value) is str and (kind == STRING or kind == _ANY):
+            continue  # a text into a string or an ``any`` (most of every request), judged without a call
         verdict = _judge(kind, value)
         if verdict == _FINE:
             continue
