@@ -20,6 +20,7 @@ import socket
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IFileDescriptorReceiver, IPullProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -85,7 +86,8 @@ class Link(Protocol):
 
     def flushed(self, clock: Any = None) -> Deferred[None]:
         """Fires once every frame sent so far is in the socket (the other process reads it even if this
-        one dies next); fails with :class:`LinkClosed` if the link is gone first."""
+        one dies next); fails with :class:`LinkClosed` if the link ends before all of it is (an end this
+        side chose with :meth:`close` writes it all out first: that one fires it)."""
         done: Deferred[None] = Deferred()
         transport = self.transport
         if self.closed.called or transport is None or not getattr(transport, "connected", False):
@@ -132,8 +134,14 @@ class Link(Protocol):
 
     def connectionLost(self, reason=None) -> None:
         waiters, self._flush_waiters = self._flush_waiters, []
+        # An end this side chose, reached cleanly, came once everything was written out (:meth:`close`: the
+        # transport closes only then); any other end may have left some of it unsent.
+        written = self.ended_here and reason is not None and reason.check(ConnectionDone) is not None
         for waiter in waiters:
-            waiter.errback(LinkClosed("the other process is gone"))
+            if written:
+                waiter.callback(None)
+            else:
+                waiter.errback(LinkClosed("the other process is gone"))
         while self._fds:
             with contextlib.suppress(OSError):
                 os.close(self._fds.popleft())
@@ -151,6 +159,16 @@ class Link(Protocol):
         if transport is not None:
             transport.unregisterProducer()
             transport.loseConnection()
+
+
+    def drop(self) -> None:
+        """End the link at once, this side's choice, dropping what the transport has not written out yet (it
+        never leaves: :meth:`flushed`'s waiters fail); no farewell."""
+        transport: Any = self.transport
+        self.ended_here = True
+        if transport is not None and not self.closed.called:
+            transport.unregisterProducer()
+            transport.abortConnection()
 
 
 def adopt_link(reactor, sock: socket.socket, on_message: OnMessage, farewell: dict[str, Any] | None = None) -> Link:
