@@ -218,3 +218,24 @@ async def test_a_frame_waiting_to_be_written_is_flushed_once_written_even_if_the
         assert outcome == ["flushed"]
     finally:
         theirs.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_link_that_ends_on_a_failed_write_reads_the_other_sides_last_frames_first():
+    """The reactor's readiness of the socket says "writable" only (read before the last frames came); the other
+    process writes its last frame and closes; the write fails (EPIPE) and the transport ends.  The link still
+    reads that frame before its end is told (here the reading is paused, for the reactor to see no more)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    said: list[str] = []
+    link = adopt_link(reactor, ours, lambda message, blob, fds: said.append(message["type"]))
+    at_the_end: list[list[str]] = []
+    link.closed.addCallback(lambda _: at_the_end.append(list(said)))
+    try:
+        link.transport.stopReading()
+        theirs.sendall(encode({"type": "took", "id": 1, "fds": 0}) + encode({"type": "aborting", "why": "stop", "fds": 0}))
+        theirs.close()
+        link.send({"type": "parked", "records": []})  # a write under way, which fails
+        await wait_for(reactor, lambda: link.closed.called, timeout=5)
+        assert at_the_end == [["took", "aborting"]]
+    finally:
+        theirs.close()
