@@ -201,8 +201,8 @@ LIFECYCLE_TABLES = {
         ("starting", "idle"), ("handed_over", "idle"),
     }),
     "new process": (Stage, STAGE_MOVES, _takeover, {
-        ("waiting", "committed"), ("committed", "serving"), ("waiting", "aborted"),
-        ("committed", "waiting"), ("serving", "waiting"),
+        ("waiting", "sending"), ("sending", "committed"), ("sending", "waiting"), ("waiting", "committed"),
+        ("committed", "serving"), ("waiting", "aborted"),
     }),
     "demo controller": (demo.Phase, demo.PHASE_MOVES, _demo_run, {("waiting", "yielding")}),
 }

@@ -25,8 +25,9 @@ from twisted.python.failure import Failure
 log = Logger()
 
 
-def every(clock: IReactorTime, seconds: float, step: Callable[[], Any], what: str) -> LoopingCall:
-    """Call ``step()`` now and then every ``seconds`` on ``clock``, until the returned loop is stopped.
+def every(clock: IReactorTime, seconds: float, step: Callable[[], Any], what: str, now: bool = True) -> LoopingCall:
+    """Call ``step()`` now (``now=False``: once ``seconds`` have passed) and then every ``seconds`` on ``clock``,
+    until the returned loop is stopped.
 
     A step that returns a Deferred is not called again before it fires (a
     slow probe never overlaps the next run).  A step that raises or fails
@@ -41,5 +42,5 @@ def every(clock: IReactorTime, seconds: float, step: Callable[[], Any], what: st
 
     loop = LoopingCall(guarded)
     loop.clock = clock
-    loop.start(seconds, now=True)
+    loop.start(seconds, now=now)
     return loop

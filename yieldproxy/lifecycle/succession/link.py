@@ -8,7 +8,9 @@ next ``n`` received descriptors.  The link is its transport's *pull*
 producer, so it knows when what was sent has left this process
 (:meth:`Link.flushed`); and how it ended (:attr:`Link.ended_here`, the
 ``farewell`` said before every end this side chooses) is what the other
-side reads this process's fate from (liveness.py).
+side reads this process's fate from (liveness.py).  So the link's end is told
+only after every frame the other process wrote before it is read, even when a
+write that fails ends the transport first (:meth:`Link._read_what_is_left`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IFileDescriptorReceiver, IPullProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -55,6 +58,8 @@ class Link(Protocol):
         self._unsent = False
         #: :meth:`flushed`'s waiters, fired once the transport has written everything out.
         self._flush_waiters: list[Deferred[None]] = []
+        #: A copy of the transport's socket, kept to read what is left when the transport ends (adopt_link).
+        self._sock: socket.socket | None = None
 
     def connectionMade(self) -> None:
         # Its pull producer: told each time the transport has written out everything it was given.
@@ -85,7 +90,8 @@ class Link(Protocol):
 
     def flushed(self, clock: Any = None) -> Deferred[None]:
         """Fires once every frame sent so far is in the socket (the other process reads it even if this
-        one dies next); fails with :class:`LinkClosed` if the link is gone first."""
+        one dies next); fails with :class:`LinkClosed` if the link ends before all of it is (an end this
+        side chose with :meth:`close` writes it all out first: that one fires it)."""
         done: Deferred[None] = Deferred()
         transport = self.transport
         if self.closed.called or transport is None or not getattr(transport, "connected", False):
@@ -131,14 +137,47 @@ class Link(Protocol):
             self.close()
 
     def connectionLost(self, reason=None) -> None:
+        self._read_what_is_left()
         waiters, self._flush_waiters = self._flush_waiters, []
+        # An end this side chose, reached cleanly, came once everything was written out (:meth:`close`: the
+        # transport closes only then); any other end may have left some of it unsent.
+        written = self.ended_here and reason is not None and reason.check(ConnectionDone) is not None
         for waiter in waiters:
-            waiter.errback(LinkClosed("the other process is gone"))
+            if written:
+                waiter.callback(None)
+            else:
+                waiter.errback(LinkClosed("the other process is gone"))
         while self._fds:
             with contextlib.suppress(OSError):
                 os.close(self._fds.popleft())
         if not self.closed.called:
             self.closed.callback(None)
+
+    def _read_what_is_left(self) -> None:
+        """Before the end is told: every frame the other process wrote before it ended is read.
+
+        A transport ends on a write that fails (the other end closed: EPIPE) whatever waits unread: the
+        reactor's readiness of the socket was read before those last frames came (or their read is left for
+        later).  The link's own copy of the socket (:func:`adopt_link`) still reads them, so the end comes
+        after every frame, the other process's last words (``aborting``, ``abort``) included.  Not after an
+        end this side chose: it reads no more."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            sock.setblocking(False)
+            while not self.ended_here:
+                try:
+                    data, fds, _flags, _address = socket.recv_fds(sock, 1 << 16, 64)
+                except OSError:  # nothing more (EAGAIN), or the other end's reset once all was read
+                    break
+                for fd in fds:
+                    self.fileDescriptorReceived(fd)
+                if not data:
+                    break
+                self.dataReceived(data)
+        finally:
+            sock.close()
 
     def close(self) -> None:
         """Say the farewell, then close once what was sent is written out (a transport with a producer
@@ -152,12 +191,22 @@ class Link(Protocol):
             transport.unregisterProducer()
             transport.loseConnection()
 
+    def drop(self) -> None:
+        """End the link at once, this side's choice, dropping what the transport has not written out yet (it
+        never leaves: :meth:`flushed`'s waiters fail); no farewell."""
+        transport: Any = self.transport
+        self.ended_here = True
+        if transport is not None and not self.closed.called:
+            transport.unregisterProducer()
+            transport.abortConnection()
+
 
 def adopt_link(reactor, sock: socket.socket, on_message: OnMessage, farewell: dict[str, Any] | None = None) -> Link:
-    """Run ``sock`` (one end of a ``socketpair``) as a :class:`Link` on ``reactor``; ``sock`` is closed here."""
+    """Run ``sock`` (one end of a ``socketpair``) as a :class:`Link` on ``reactor``; ``sock`` is the link's now
+    (kept to read what is left at the end: the transport runs on a copy of it)."""
     link = Link(on_message, farewell)
     sock.setblocking(False)
     transport = reactor.adoptStreamConnection(sock.fileno(), socket.AF_UNIX, Factory.forProtocol(lambda: link))
-    sock.close()
     assert transport is not None and transport.protocol is link
+    link._sock = sock
     return link

@@ -34,6 +34,7 @@ from twisted.logger import Logger
 
 from ... import __version__
 from ...edge.sockets import family_of
+from ...periodic import every
 from ...states import Machine, Moves
 from ..sdnotify import monotonic_usec
 from . import moments
@@ -452,11 +453,7 @@ class Predecessor(Machine[Phase, str]):
         if not self._stopping_both:
             self._notify(f"MAINPID={child.pid}", "READY=1", f"STATUS=serving (version {version})")
         link.closed.addCallback(self._successor_gone)
-        self._wind_down = LoopingCall(self._wind_down_step, self._reactor.seconds())
-        self._wind_down.clock = self._reactor
-        self._wind_down.start(WIND_DOWN_STEP, now=False).addErrback(
-            lambda f: log.failure("reload: winding down failed", f)
-        )
+        self._start_wind_down()
 
     def _take_back(self) -> tuple[int, int]:
         """The successor will not commit: everything it was sent is served here again, as it was."""
@@ -744,8 +741,30 @@ class Predecessor(Machine[Phase, str]):
         log.warn("reload: the new process (pid {pid}) is gone; this process (pid {me}) answers what is left here "
                  "({refused} parked) with 503 and stops", pid=self._successor_pid, me=os.getpid(), refused=refused)
 
+    def _start_wind_down(self) -> None:
+        """After the handover: every :data:`WIND_DOWN_STEP` (the first a step from now), a winding-down step;
+        one that raises is logged and the next goes on (:func:`~yieldproxy.periodic.every`)."""
+        since = self._reactor.seconds()
+        self._wind_down = every(self._reactor, WIND_DOWN_STEP, lambda: self._wind_down_step(since),
+                                "reload: winding down", now=False)
+
     def _wind_down_step(self, since: float) -> None:
-        """After the handover: send what went idle; stop once nothing is left here."""
+        """After the handover: send what went idle; stop once nothing is left here, or once overdue (even if
+        looking raises: a process that cannot tell what is left still goes)."""
+        if self._reactor.seconds() - since > WIND_DOWN_MAX_SECONDS:
+            try:
+                left = self._wind_down_sweep()
+            except Exception:
+                log.failure("reload: winding down failed")
+                left = -1
+            self._wound_down(left)
+            return
+        if self._wind_down_sweep() or self._predecessor_alive():
+            return
+        self._wound_down(0)
+
+    def _wind_down_sweep(self) -> int:
+        """Send what went idle (or close it, the successor gone); how many requests and connections are left."""
         link = self._link
         if link is not None and not link.closed.called:
             self._send_parked(link, None, pending=False)
@@ -754,17 +773,16 @@ class Predecessor(Machine[Phase, str]):
             for connections in self._connections.values():
                 for channel in idle_connections(connections):
                     channel.loseConnection()
-        left = (
+        return (
             len(self._lot) + self._scheduler.inflight + sum(c.open for c in self._connections.values())
             + len(self._outgoing)
         )
-        before = self._predecessor_alive()
-        overdue = self._reactor.seconds() - since > WIND_DOWN_MAX_SECONDS
-        if (left or before) and not overdue:
-            return
+
+    def _wound_down(self, left: int) -> None:
+        """The winding down is over (``left``: what is still here, -1 when not known): this process stops."""
         if left:
             log.warn("reload: still {left} requests or connections here after {seconds:g}s; stopping anyway",
-                     left=left, seconds=WIND_DOWN_MAX_SECONDS)
+                     left="some" if left < 0 else left, seconds=WIND_DOWN_MAX_SECONDS)
         self._end_wind_down()
         log.info("reload: nothing left in this process (pid {pid}): it stops", pid=os.getpid())
         try:

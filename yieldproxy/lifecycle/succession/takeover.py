@@ -129,7 +129,10 @@ class Stage(enum.Enum):
 
     #: Holding what comes, untouched, until the commit (the predecessor owns it all).
     WAITING = "waiting"
-    #: Owning everything: making what it held again.
+    #: ``committed`` is sent but not known to have left this process: still holding, untouched (the
+    #: predecessor owns it all until it can read ``committed``).
+    SENDING = "sending"
+    #: Owning everything, for good: making what it held again.
     COMMITTED = "committed"
     #: Everything it held is in: it serves.
     SERVING = "serving"
@@ -137,19 +140,23 @@ class Stage(enum.Enum):
     ABORTED = "aborted"
 
 
-WAITING, COMMITTED, SERVING, ABORTED = Stage.WAITING, Stage.COMMITTED, Stage.SERVING, Stage.ABORTED
+WAITING, SENDING, COMMITTED, SERVING, ABORTED = (
+    Stage.WAITING, Stage.SENDING, Stage.COMMITTED, Stage.SERVING, Stage.ABORTED
+)
 
 #: What each event of a takeover does to the new process's stage; any other is a bug
 #: (:class:`~yieldproxy.states.Unexpected`).
+#: Only :data:`SENDING` learns whether ``committed`` left: nothing is made again before (a stop waits for it),
+#: and what is made again is never let go (no move leads back from :data:`COMMITTED` or :data:`SERVING`).
 STAGE_MOVES: Moves[Stage, str] = Moves("a handover's new process", {
-    # The predecessor's ``commit`` is read: ``committed`` is sent, and acted on once it has left.
-    (WAITING, "commit"): COMMITTED,
+    # The predecessor's ``commit`` is read: ``committed`` is sent...
+    (WAITING, "commit"): SENDING,
+    # ...and has left this process: the predecessor reads it even if this process dies next.
+    (SENDING, "owned"): COMMITTED,
+    # The link ended before ``committed`` left: the predecessor never reads it; its fate decides (liveness.py).
+    (SENDING, "unsent"): WAITING,
     # The predecessor died before the commit (liveness.py): this process takes over with what it holds.
     (WAITING, "orphaned"): COMMITTED,
-    # The link ended before ``committed`` left: nothing is acted on until the predecessor's fate is known
-    # (stopped meanwhile, its stop made what it held again: the same).
-    (COMMITTED, "unsent"): WAITING,
-    (SERVING, "unsent"): WAITING,
     # Everything held is made again (said again once a stop made the rest at once: nothing moves).
     (COMMITTED, "all_in"): SERVING,
     (SERVING, "all_in"): SERVING,
@@ -211,6 +218,8 @@ class TakeOver(Machine[Stage, str]):
     _abort_read: bool = False
     #: The link's end before the commit is being read (liveness.py): once.
     _deciding: bool = False
+    #: While ``committed`` is sent but not known out (:data:`SENDING`): fires once it is known either way.
+    _sent: Deferred | None = None
     #: A SIGTERM or SIGINT has come (noted by the signal handler itself, before the stop it starts reaches
     #: :meth:`stop`): a commit that comes meanwhile is not made.
     _stop_signalled: bool = False
@@ -272,7 +281,7 @@ class TakeOver(Machine[Stage, str]):
                 os.close(fd)
             raise BadFrame(f"{len(records)} {kind} records with {len(fds)} descriptors")
         held = [_Held(kind, record, data, fd) for (record, data), fd in zip(records, fds)]
-        if self.state is WAITING:
+        if self.state is WAITING or self.state is SENDING:
             # Not a byte read, not a byte written: the predecessor has them too.  Connections first: their
             # clients (a keep-alive one, one just accepted) are about to send, the parked ones wait anyway.
             if kind == "connections":
@@ -328,19 +337,22 @@ class TakeOver(Machine[Stage, str]):
             return
         self.fire("commit")
         self._link.send({"type": "committed", "pid": os.getpid(), "version": __version__})
-        self._link.flushed(self._reactor).addCallbacks(
-            lambda _: self._owned(message), lambda failure: self._unsent(failure, message),
-        )
+        # Assigned first: the outcome may be known at once (``_owned`` or ``_unsent`` then runs in this call).
+        sent = self._sent = self._link.flushed(self._reactor)
+        sent.addCallbacks(lambda _: self._owned(message), lambda failure: self._unsent(failure, message))
 
     def _owned(self, message: dict[str, Any]) -> None:
         """``committed`` has left this process: the predecessor reads it even if this process dies next."""
+        self._sent = None
+        self.fire("owned")
         moments.reached("acting")
         self._act(message)
 
     def _unsent(self, failure, message: dict[str, Any]) -> None:
-        """The link ended before ``committed`` left: the predecessor is gone (this process acts on the commit:
-        no one else has these connections), or ended the handover (it keeps them)."""
+        """The link ended before ``committed`` left: the predecessor never reads it.  It is gone (this process
+        acts on the commit: no one else has these connections), or ended the handover (it keeps them)."""
         failure.trap(LinkClosed)
+        self._sent = None
         self.fire("unsent")  # not acted on: until the predecessor's fate is known, nothing is made again
         self._link_ended("before it read the commit", lambda: self._act(message))
 
@@ -456,8 +468,14 @@ class TakeOver(Machine[Stage, str]):
         """This process stops: before the commit it lets go of everything; after it, what is still held is
         made again at once (the stop answers it, as it answers what is parked); the link ends.
 
+        While ``committed`` is sent but not known out (:data:`SENDING`), whose it all is is not known yet: the
+        stop waits for that, up to :data:`CLOSE_SECONDS`, and then drops ``committed`` unsent (the predecessor
+        keeps everything), so that nothing is ever made again here that the predecessor may still serve.
+
         Fires once the link has ended (what was sent on it, ``aborting`` included, is out: the predecessor
         reads why), or after :data:`CLOSE_SECONDS` if the predecessor reads nothing."""
+        if self.state is SENDING and self._sent is not None:
+            return self._stop_once_sent(self._sent)
         if self.state is WAITING:
             self._abort("this process was told to stop (SIGTERM or SIGINT)")
         elif self.state is COMMITTED and self._held:
@@ -473,6 +491,30 @@ class TakeOver(Machine[Stage, str]):
         self._link.close()
         timer = self._reactor.callLater(CLOSE_SECONDS, lambda: None if ended.called else ended.callback(None))
         return ended.addCallback(lambda _: timer.cancel() if timer.active() else None)
+
+    def _stop_once_sent(self, sent: Deferred) -> Deferred[None]:
+        """:meth:`stop` once ``committed`` is known to have left, or not."""
+        link = self._link
+        assert link is not None
+        settled: Deferred[None] = Deferred()
+        sent.addBoth(lambda result: None if settled.called else settled.callback(None))
+
+        def too_late() -> None:
+            if settled.called:
+                return
+            log.warn("reload: this process (pid {me}) stops while its 'committed' has not left it for {seconds:g}s: "
+                     "it drops it unsent, and pid {pid} keeps everything", me=os.getpid(), seconds=CLOSE_SECONDS,
+                     pid=self._inheritance.pid)
+            link.drop()  # what is not written out never will be: the flush fails, ``unsent`` follows
+
+        timer = self._reactor.callLater(CLOSE_SECONDS, too_late)
+
+        def then(_: object) -> Deferred[None]:
+            if timer.active():
+                timer.cancel()
+            return self.stop()
+
+        return settled.addCallback(then)
 
 
 def _connection(value: Any) -> dict[str, Any] | None:
