@@ -25,11 +25,9 @@ from twisted.python.failure import Failure
 
 from ...clock import same
 from ...config import VerificationConfig
-from ...edge.h1client import H1Error
 from ...lot.parking import Entry
 from ...names import canonical_model
-from ..attempt import describe_failure
-from ..control import ControlTimeout
+from ..control import backend_errors
 from ..translation import (
     BackendError,
     EmbedRequest,
@@ -489,19 +487,11 @@ class TwinVerifier(Service):
         return Deferred.fromCoroutine(self._call(member, probe, shape, json.loads(body)))
 
     async def _call(self, member: Member, probe: EmbedRequest, shape: str, body: dict) -> Embeddings:
-        try:
+        with backend_errors(member.spec.url, passing=(Postponed,)):
             path = member.server.embed_path
             answer = await self._post(member, path, body)
             if answer.code == 404:
                 answer = await self._under_another_prefix(member, path, body) or answer
-        except ControlTimeout as e:
-            raise BackendError(Reason.TIMEOUT, str(e)) from None
-        except H1Error as e:
-            raise BackendError("error", describe_failure(e, member.spec.url)) from None
-        except (CancelledError, Postponed):
-            raise
-        except Exception as e:
-            raise BackendError("error", f"{member.spec.url} failed: {type(e).__name__}: {e}") from None
         embeddings = parse_response(probe, shape, answer.code, answer.body)
         if len(embeddings.vectors) != len(probe.inputs):
             raise BackendError(
