@@ -22,6 +22,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..callbacks import call_each
+from ..clock import cancel
 from ..names import canonical_model
 from ..servers.base import ModelCall
 
@@ -368,8 +369,7 @@ class RecordKeeper(Service):
         timer, self._timer = self._timer, None
         if timer is None:
             return
-        if timer.active():
-            timer.cancel()
+        cancel(timer)
         self._written(self._clock.seconds())
 
     def _written(self, now: float) -> None:

@@ -25,6 +25,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from ..clock import cancel
 from ..lot.state import ALL, DEFAULT_MEMBER, YieldState
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
 from ..observe.metrics import Metrics
@@ -232,8 +233,7 @@ class OutageWatcher(Service):
         super().stopService()
         self._health.forget(self.upstream_result)
         self._health.forget_models(self.model_served)
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         for check in _take(self._checks):
             check.cancel()
@@ -585,8 +585,7 @@ class OutageWatcher(Service):
         self._unvouched = False
         self._outage_calls = ()
         self._turn = 0
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         self._state.release(SOURCE, self.scope)
 

@@ -23,7 +23,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from ...clock import same
+from ...clock import cancel, same
 from ...config import VerificationConfig
 from ...lot.parking import Entry
 from ...names import canonical_model
@@ -242,8 +242,7 @@ class TwinVerifier(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         if self._verifying is not None:
             self._verifying.cancel()
@@ -395,8 +394,7 @@ class TwinVerifier(Service):
             now = self._clock.seconds()
             contract.due_at.update((model, now) for model in contract.models)
             if self._verifying is None:
-                if self._timer is not None and self._timer.active():
-                    self._timer.cancel()
+                cancel(self._timer)
                 self._timer = None
                 self._start_pass()
             else:
