@@ -166,10 +166,6 @@ class ServedRecord:
         if self._entries.pop(canonical_model(model), None) is not None:
             self._changed()
 
-    def knows(self, model: str) -> bool:
-        """Whether the upstream served ``model`` (any spelling of it)."""
-        return canonical_model(model) in self._entries
-
     def recent(self) -> list[ServedModel]:
         """Every entry, the most recently served first."""
         return list(reversed(self._entries.values()))
