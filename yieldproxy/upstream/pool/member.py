@@ -333,8 +333,9 @@ class Member(Machine[Condition, str]):
             self._ready()
         self._loading_since = None
         self._loading_call = None
-        cancel(self._stuck_timer)
-        self._stuck_timer = None
+        if self._stuck_timer is not None:  # every answer comes here: no call when there is nothing to cancel
+            cancel(self._stuck_timer)
+            self._stuck_timer = None
 
     def _stuck_held(self) -> bool:
         """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
@@ -394,7 +395,8 @@ class Member(Machine[Condition, str]):
         self._tell_back(True)
 
     def _waits_for_health(self) -> bool:
-        return self.state is NOT_READY or self._stuck_held()
+        state = self.state
+        return state is NOT_READY or state is STUCK and self._stuck_held()
 
     def stop(self) -> None:
         """The proxy stops: no more checks."""
