@@ -249,7 +249,7 @@ class OutageWatcher(Service):
             "reachable": self.reachable,
             "probing": self._timer is not None or self._probe is not None or bool(self._pending),
             "next_interval_seconds": self._next_interval,
-            "outage_probe": _describe(self._follow_up()) if held and self._outage_calls else None,
+            "outage_probe": _describe(self._step_calls()[0]) if held and self._outage_calls else None,
             "outage_probes": [_describe(c) for c in self._outage_calls] if held else [],
             "probe_model": self.probe_model or None,
         }
@@ -502,10 +502,6 @@ class OutageWatcher(Service):
             self._said_unreachable = False
             log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
-    def _follow_up(self) -> ModelCall | None:
-        """The call the next follow-up probe asks (the first of the next step)."""
-        return self._step_calls()[0]
-
     def _step_calls(self) -> tuple[ModelCall | None, ...]:
         """The calls the next step probes at once: the next :data:`PROBES_PER_STEP` in turn."""
         calls = self._outage_calls or (None,)
@@ -560,7 +556,8 @@ class OutageWatcher(Service):
         if not up or up in (NOT_READY, FAILED_ANSWER):
             # The next calls in turn next time: models that stay broken cannot keep the hold.
             self._turn += count
-            self._schedule_if_held()
+            if self._held():
+                self._schedule()
             return
         self._answered()
         self._end_hold(f"it serves {_describe(target)} again", target)
@@ -588,10 +585,6 @@ class OutageWatcher(Service):
         cancel(self._timer)
         self._timer = None
         self._state.release(SOURCE, self.scope)
-
-    def _schedule_if_held(self) -> None:
-        if self._held():
-            self._schedule()
 
 
 def _serves(target: ModelCall | None, when: str = "") -> str:
