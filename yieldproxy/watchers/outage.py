@@ -534,7 +534,7 @@ class OutageWatcher(Service):
             self._schedule()
             return
         self._checks = checks = [
-            self._run_check(t).addCallback(_with_target, t).addCallback(self._follow_up_ended) for t in targets
+            self._run_check(t).addCallback(lambda up, t: (up, t), t).addCallback(self._follow_up_ended) for t in targets
         ]
         d = self._probe = _first_pass(checks)
         d.addCallback(self._probed, len(targets))
@@ -606,10 +606,6 @@ def _describe(call: ModelCall | None) -> str:
     path = getattr(call, "path", None)
     model = getattr(call, "model", None)
     return f"{path} with model {model}" if path else str(call)
-
-
-def _with_target(up: Any, target: ModelCall | None) -> tuple[Any, ModelCall | None]:
-    return up, target
 
 
 def _first_pass(checks: list[Deferred]) -> Deferred:
