@@ -14,6 +14,7 @@ from yieldproxy.config import ClassConfig, Config, ParkingConfig, ReplayConfig, 
 from yieldproxy.lot.parking import Entry, ParkingLot
 from yieldproxy.lot.replay import Replayer
 from yieldproxy.lot.state import YieldState
+from yieldproxy.names import canonical_model
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.schedule.scheduler import Scheduler
 from yieldproxy.servers import PROBE_TEXT
@@ -80,6 +81,11 @@ def release_every_hold(state: YieldState) -> None:
     """End a test's holds the way their sources would (``release``), which cancels their lease timers."""
     for hold in state.holds:
         state.release(hold.source, hold.scope)
+
+
+def knows(record, model: str) -> bool:
+    """Whether ``record`` (a :class:`~yieldproxy.upstream.served.ServedRecord`) holds ``model``, any spelling of it."""
+    return canonical_model(model) in {entry.model for entry in record.recent()}
 
 
 def make_core(config: Config | None = None, twin_ok=None, judges=None, **replay) -> Core:

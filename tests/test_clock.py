@@ -16,7 +16,7 @@ from twisted.internet.task import Clock
 
 from helpers import embedded
 from inmemory import Rig, answered
-from yieldproxy.clock import WallClock, is_monotonic, run_on_monotonic, wall_clock
+from yieldproxy.clock import WallClock, cancel, is_monotonic, run_on_monotonic, wall_clock
 from yieldproxy.lifecycle.holdstore import HoldStore, keep_holds
 from yieldproxy.lot.state import YieldState
 from yieldproxy.tools.cli import format_status
@@ -271,3 +271,19 @@ def test_the_next_process_on_this_boot_shows_the_times_the_last_one_showed(tmp_p
     state = YieldState(monotonic)
     keep_holds(state, HoldStore(monotonic, path, wall=second, boot="boot-1"), 600)
     assert state.holds[0].as_json(second.shown()) == shown
+
+
+def test_cancel_ends_a_pending_call_and_leaves_any_other_as_it_is():
+    """clock.cancel: a pending call is cancelled; None, a call that ran and one cancelled already are no error."""
+    clock = Clock()
+    ran: list[str] = []
+    pending = clock.callLater(5, ran.append, "pending")
+    fired = clock.callLater(1, ran.append, "fired")
+    gone = clock.callLater(2, ran.append, "gone")
+    gone.cancel()
+    clock.advance(1)
+    for call in (pending, fired, gone, None):
+        cancel(call)
+    assert not pending.active() and not fired.active() and not gone.active()
+    clock.advance(10)
+    assert ran == ["fired"] and clock.getDelayedCalls() == []

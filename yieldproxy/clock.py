@@ -17,10 +17,10 @@ from typing import Callable
 
 import attrs
 from twisted.internet.base import ReactorBase
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-__all__ = ["BOOT_ID_PATH", "WallClock", "boot_id", "is_monotonic", "run_on_monotonic", "same", "wall_clock"]
+__all__ = ["BOOT_ID_PATH", "WallClock", "boot_id", "cancel", "is_monotonic", "run_on_monotonic", "same", "wall_clock"]
 
 log = Logger()
 
@@ -31,6 +31,12 @@ BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 def same(t: float) -> float:
     """A time shown as it is (the elapsed clock is the wall clock: a test's Clock, an unswitched reactor)."""
     return t
+
+
+def cancel(call: IDelayedCall | None) -> None:
+    """Cancel ``call`` if it is still pending; None, or a call that ran or was cancelled, is left as it is."""
+    if call is not None and call.active():
+        call.cancel()
 
 
 def run_on_monotonic(reactor: object, monotonic: Callable[[], float] = time.monotonic) -> int:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 
-from helpers import config_with
+from helpers import config_with, knows
 from inmemory import Answer, Rig, answered
 from yieldproxy.servers.base import ModelCall
 from yieldproxy.tools.sim import expected_embedding
@@ -295,7 +295,7 @@ def test_a_burst_of_new_names_never_outranks_a_model_in_real_use():
         record.served(ModelCall("/api/embed", f"burst-{i}"))
         record.served(ModelCall("/api/embed", f"burst-{i}"))
     assert record.calls()[0].model == MODEL
-    assert record.knows(MODEL)
+    assert knows(record, MODEL)
 
 
 def test_a_redefined_model_loses_its_standing_and_a_deleted_one_leaves():
@@ -309,7 +309,7 @@ def test_a_redefined_model_loses_its_standing_and_a_deleted_one_leaves():
     record.redefined("OTHER:latest")
     assert [c.model for c in record.calls()] == [MODEL, "other"]
     record.deleted(MODEL)
-    assert not record.knows(MODEL)
+    assert not knows(record, MODEL)
 
 
 def test_the_models_a_management_call_redefines_are_read_as_ollama_reads_them():

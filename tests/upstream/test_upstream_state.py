@@ -158,3 +158,22 @@ def test_a_pool_whose_every_always_upstream_never_answered_reads_unreachable_not
     assert core.scheduler.state_name == "yielded"
     core.scheduler.stop()
     assert core.clock.getDelayedCalls() == []
+
+
+def test_an_answer_served_is_an_attempts_result_for_every_listener_and_makes_the_upstream_reachable():
+    """UpstreamHealth.served: the answer reaches the result listeners (the outage watcher's quick probes start
+    afresh on it) and the upstream reads reachable, as report(None) does; a model call also reaches the model listeners."""
+    from yieldproxy.servers.base import ModelCall
+    from yieldproxy.upstream.health import UpstreamHealth
+
+    health = UpstreamHealth("http://127.0.0.1:11434")
+    results: list = []
+    models: list = []
+    served: list = []
+    health.listen(results.append)
+    health.listen_models(lambda call, began: models.append((call.model, began)))
+    health.when_served(lambda: served.append(True))
+    health.served()
+    assert health.reachable and results == [None] and models == [] and served == [True]
+    health.served(ModelCall("/api/embed", "all-minilm"), began=3.0)
+    assert results == [None, None] and models == [("all-minilm", 3.0)] and served == [True, True]

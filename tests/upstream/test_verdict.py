@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import formatEvent
 
-from helpers import config_with
+from helpers import config_with, knows
 from inmemory import Answer, Rig, answered
 from rawhttp import LogCapture, counter_total
 from yieldproxy.lifecycle.holdstore import HoldStore, keep_holds
@@ -245,7 +245,7 @@ def test_a_broken_model_called_first_after_a_restart_fails_alone(tmp_path):
     # The process dies (no stop): a new one starts with the same holds file.
     clock = MemoryReactorClock()
     rig = verdict_rig(reactor=clock, holds=HoldStore(clock, path))
-    assert rig.proxy.health.record.knows(MODEL)
+    assert knows(rig.proxy.health.record, MODEL)
     broken_first(rig)
     rig.stop()
 
@@ -268,7 +268,7 @@ def test_a_broken_model_called_first_after_a_reload_fails_alone():
     message = json.loads(json.dumps(reload_of(old).snapshot()))
     new = verdict_rig()
     reload_of(new).restore(message)
-    assert new.proxy.health.record.knows(MODEL)
+    assert knows(new.proxy.health.record, MODEL)
     broken_first(new)
     new.stop()
     old.stop()
@@ -464,7 +464,7 @@ def test_the_record_keeps_one_entry_per_model_as_ollama_names_it():
     r = record()
     for name in ("all-minilm", "ALL-MINILM", "all-minilm:Latest", "registry.ollama.ai/library/all-minilm:latest"):
         r.served(ModelCall("/api/embed", name))
-    assert len(r) == 1 and r.knows("All-MiniLM:latest")
+    assert len(r) == 1 and knows(r, "All-MiniLM:latest")
     assert r.calls() == [ModelCall("/api/embed", "registry.ollama.ai/library/all-minilm:latest")]
     # A name no model has is never kept.
     r.served(ModelCall("/api/embed", "x" * 300))
@@ -486,9 +486,9 @@ def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
         clock.advance(0.01)
         r.served(ModelCall("/api/embed", f"flood-{i}"))
     assert len(r) == MAX_MODELS
-    assert r.knows("embedder") and r.knows("chatter")
+    assert knows(r, "embedder") and knows(r, "chatter")
     # Oldest first out among the rest: the latest flood names are there.
-    assert r.knows(f"flood-{10 * MAX_MODELS - 1}") and not r.knows("flood-0")
+    assert knows(r, f"flood-{10 * MAX_MODELS - 1}") and not knows(r, "flood-0")
     # The models in use have more standing (served in two minutes), so they are probed first, the most recently
     # served of equals first; excluding a model leaves it out.
     assert [c.model for c in r.calls()[:2]] == ["chatter", "embedder"]
@@ -501,7 +501,7 @@ def test_a_flood_of_new_names_cannot_push_out_the_models_in_use():
     for i in range(MAX_MODELS):
         full.served(ModelCall("/api/embed", f"m{i}"))
     full.served(ModelCall("/api/embed", "new"))
-    assert not full.knows("m0") and full.knows("m1") and full.knows("new")
+    assert not knows(full, "m0") and knows(full, "m1") and knows(full, "new")
 
 
 def test_a_call_no_probe_can_make_again_does_not_enter_the_record():
@@ -565,7 +565,7 @@ def test_the_holds_file_keeps_the_record_beside_the_holds_and_a_bad_record_refus
         return state, again, logs
 
     state, again, _ = restarted(document["served"])
-    assert again.knows(MODEL) and [h.source for h in state.holds] == ["broker"]
+    assert knows(again, MODEL) and [h.source for h in state.holds] == ["broker"]
     for bad in (..., "garbage", {"default": {"url": "http://127.0.0.1:11434", "models": "garbage"}},
                 {"default": {"url": "http://elsewhere:1", "models": [{"path": "/api/embed", "name": "m", "first": 1, "last": 1}]}}):
         state, again, logs = restarted(bad)
@@ -621,7 +621,7 @@ def test_after_a_reload_the_record_is_the_new_processs_and_the_old_one_writes_it
     # The old process answers one more request, of another model: its record changes, the file does not.
     assert answer_of(old, embed(old, "late", model="late"), 5).code == 200
     old_clock.advance(WRITE_DELAY)
-    assert old.proxy.health.record.knows("late")
+    assert knows(old.proxy.health.record, "late")
     assert written() == ["all-minilm:latest"]
     new.stop()
     old.stop()

@@ -214,6 +214,19 @@ def up_on_200(status: int, body: bytes) -> str:
     return UP if status == 200 else DOWN
 
 
+def openai_call(kind: ModelCall) -> MinimalCall | None:
+    """The smallest call on OpenAI's model routes: one short text embedded, one token generated; None elsewhere."""
+    model, path = kind.model, kind.path
+    if path == "/v1/embeddings":
+        return "POST", path, {"model": model, "input": PROBE_TEXT}
+    if path == "/v1/chat/completions":
+        return "POST", path, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "stream": False}
+    if path == "/v1/completions":
+        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
+    return None
+
+
 @attrs.frozen
 class Server:
     """Everything the proxy knows about one kind of server (see the module docstring).
@@ -232,7 +245,7 @@ class Server:
     health_path: str
     #: ``minimal_call(call)``: the smallest call of the failed call's kind, or
     #: None (the outage probe then uses the health route).
-    minimal_call: Callable[[ModelCall], MinimalCall | None]
+    minimal_call: Callable[[ModelCall], MinimalCall | None] = openai_call
     #: ``judge_health(status, body)``: one of :data:`HEALTH` for the health route's answer.
     judge_health: Callable[[int, bytes], str] = up_on_200
     #: ``GET`` this path for the names of the models it serves.

@@ -27,6 +27,7 @@ from .base import (
     ModelCall,
     Server,
     json_object,
+    openai_call,
     routes,
 )
 
@@ -137,19 +138,15 @@ def minimal_call(kind: ModelCall) -> MinimalCall | None:
         return "POST", path, {"prompt": "hi", "n_predict": 1, "stream": False}
     if path == "/infill":
         return "POST", path, {"input_prefix": "hi", "input_suffix": "", "n_predict": 1, "stream": False}
-    if path == "/v1/completions":
-        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
     if path in ("/chat/completions", "/v1/chat/completions", "/api/chat"):
         return "POST", path, {"model": model, "messages": _tiny_chat(), "max_tokens": 1, "stream": False}
     if path == "/v1/messages":
         return "POST", path, {"model": model, "messages": _tiny_chat(), "max_tokens": 1}
     if path in ("/embedding", "/embeddings"):
         return "POST", path, {"content": PROBE_TEXT}
-    if path == "/v1/embeddings":
-        return "POST", path, {"model": model, "input": PROBE_TEXT}
     if path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
         return "POST", path, {"query": PROBE_TEXT, "documents": [PROBE_TEXT]}
-    return None
+    return openai_call(kind)  # /v1/completions, /v1/embeddings
 
 
 SERVER = Server(

@@ -35,6 +35,7 @@ from .base import (
     Server,
     json_object,
     listed_names,
+    openai_call,
     routes,
 )
 from .cors import Origins
@@ -399,10 +400,6 @@ def parse_models(body: bytes) -> tuple[str, ...]:
 # -- probes ------------------------------------------------------------------------
 
 
-def _tiny_chat() -> list[dict[str, str]]:
-    return [{"role": "user", "content": "hi"}]
-
-
 def minimal_call(kind: ModelCall) -> MinimalCall | None:
     """``(method, path, JSON body)`` of the smallest call of ``kind``'s kind, or None for other routes.
 
@@ -420,17 +417,11 @@ def minimal_call(kind: ModelCall) -> MinimalCall | None:
         return "POST", path, {"model": model, "input": PROBE_TEXT}
     if path == "/api/embeddings":
         return "POST", path, {"model": model, "prompt": PROBE_TEXT}
-    if path == "/v1/embeddings":
-        return "POST", path, {"model": model, "input": PROBE_TEXT}
     if path == "/api/generate":
         return "POST", path, {"model": model, "prompt": "", "stream": False}
     if path == "/api/chat":
         return "POST", path, {"model": model, "messages": [], "stream": False}
-    if path == "/v1/chat/completions":
-        return "POST", path, {"model": model, "messages": _tiny_chat(), "max_tokens": 1, "stream": False}
-    if path == "/v1/completions":
-        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
-    return None
+    return openai_call(kind)
 
 
 SERVER = Server(

@@ -9,18 +9,7 @@ content can make a server send.  The table: docs/servers.md.
 
 from __future__ import annotations
 
-from .base import (
-    BUSY,
-    CALLER,
-    OK,
-    PASSTHROUGH,
-    PROBE_TEXT,
-    UPSTREAM,
-    MinimalCall,
-    ModelCall,
-    Server,
-    routes,
-)
+from .base import BUSY, CALLER, OK, PASSTHROUGH, UPSTREAM, Server, routes
 
 ROUTES = (
     *routes("openai", "batch", "POST /v1/embeddings"),
@@ -41,23 +30,9 @@ def judge(status: int, body: bytes) -> str:
     return CALLER if status < 500 else UPSTREAM
 
 
-def minimal_call(kind: ModelCall) -> MinimalCall | None:
-    """One short text for embeddings; one generated token for completions."""
-    model, path = kind.model, kind.path
-    if path == "/v1/embeddings":
-        return "POST", path, {"model": model, "input": PROBE_TEXT}
-    if path == "/v1/chat/completions":
-        return "POST", path, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                              "stream": False}
-    if path == "/v1/completions":
-        return "POST", path, {"model": model, "prompt": "hi", "max_tokens": 1, "stream": False}
-    return None
-
-
 SERVER = Server(
     api="openai",
     routes=ROUTES,
     judge=judge,
     health_path="/v1/models",
-    minimal_call=minimal_call,
 )

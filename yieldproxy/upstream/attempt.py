@@ -81,15 +81,8 @@ class UpstreamAnswer:
     #: The header lines as the upstream sent them (names as sent, repeats kept).
     headers: list[tuple[bytes, bytes]]
     body: bytes
-    #: The upstream's own body when ``body`` was rewritten for the caller (a translated
-    #: attempt's): what its server's judge reads.
-    own_body: bytes | None = None
     #: The transfer codings ``body`` is still in (``b"gzip"``), relayed with it; None when none.
     codings: bytes | None = None
-
-    @property
-    def judged_body(self) -> bytes:
-        return self.body if self.own_body is None else self.own_body
 
 
 class RetryableFailure(Exception):

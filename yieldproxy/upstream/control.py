@@ -10,14 +10,17 @@ injected reactor (``Deferred.addTimeout``) and reads the whole (small) body.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import attrs
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import CancelledError, Deferred, fail
 
-from ..edge.h1client import Collector
-from .attempt import Upstream
+from ..edge.h1client import Collector, H1Error
+from .attempt import Upstream, describe_failure, failure_reason
+from .translation import BackendError
+from .verdict import Reason
 
 #: A control call that takes longer than this is given up (unless the caller says otherwise).
 DEFAULT_TIMEOUT = 10.0
@@ -87,3 +90,21 @@ class UpstreamControl:
             raise ControlTimeout(f"{method} {path}: no answer from {self.url} within {seconds:g}s")
 
         return d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
+
+
+@contextlib.contextmanager
+def backend_errors(url: str, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """What an embedding call of the proxy's own to ``url`` raises, as a :class:`BackendError`: its timeout,
+    the client's failure (by :func:`failure_reason`), anything else as ``error``.  A cancellation, a
+    BackendError already and ``passing`` go through as they are."""
+    passed: tuple[type[BaseException], ...] = (BackendError, CancelledError, *passing)
+    try:
+        yield
+    except passed:
+        raise
+    except ControlTimeout as e:
+        raise BackendError(Reason.TIMEOUT, str(e)) from None
+    except H1Error as e:
+        raise BackendError(failure_reason(e), describe_failure(e, url)) from None
+    except Exception as e:
+        raise BackendError("error", f"{url} failed: {type(e).__name__}: {e}") from None

@@ -80,7 +80,9 @@ class UpstreamHealth:
         the upstream answers, not that the call works.  ``began``: when its attempt began (the proxy
         clock's ``seconds()``), for whoever weighs it as evidence of the GPU at that time; None: not known.
         """
-        self.report(None)
+        # What report(None) does, without the Deferred nobody reads: every answer comes here.
+        self.reachable = True
+        call_each(log, "upstream health listener failed", self._listeners, None)
         if call is not None:
             self.record.served(call)
             if self.failing:

@@ -22,6 +22,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..callbacks import call_each
+from ..clock import cancel
 from ..names import canonical_model
 from ..servers.base import ModelCall
 
@@ -164,10 +165,6 @@ class ServedRecord:
         """``model`` was deleted: nothing is served under its name any more."""
         if self._entries.pop(canonical_model(model), None) is not None:
             self._changed()
-
-    def knows(self, model: str) -> bool:
-        """Whether the upstream served ``model`` (any spelling of it)."""
-        return canonical_model(model) in self._entries
 
     def recent(self) -> list[ServedModel]:
         """Every entry, the most recently served first."""
@@ -368,8 +365,7 @@ class RecordKeeper(Service):
         timer, self._timer = self._timer, None
         if timer is None:
             return
-        if timer.active():
-            timer.cancel()
+        cancel(timer)
         self._written(self._clock.seconds())
 
     def _written(self, now: float) -> None:

@@ -158,10 +158,10 @@ class TranslatedAttempt:
             vectors = client_response(self._wanted, result, self._clock.seconds() - self._began)
             return self._write(200, b"OK", vectors)
         message = error_message(body)
-        # The member's words in the caller's shape: an Ollama client cannot read OpenAI's error object.
+        # The member's words in the caller's shape (an Ollama client cannot read OpenAI's error object);
+        # its judge reads them as the member wrote them.
         answer = UpstreamAnswer(
-            code, response.phrase, [(b"Content-Type", _JSON)],
-            error_body(self._error_shape, code, message, "upstream_error"), own_body=body,
+            code, response.phrase, [(b"Content-Type", _JSON)], error_body(self._error_shape, code, message, "upstream_error")
         )
         if not self._relay_errors:
             raise RetryableFailure(status_reason(code), f"upstream {url} answered {code}: {message[:200]}", answer)

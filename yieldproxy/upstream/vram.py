@@ -218,10 +218,6 @@ class Handover(Service):
             raise ControlTimeout("ran out of time")
         return remaining
 
-    async def _ps(self, deadline: float) -> set[str]:
-        """The keys of the models ``/api/ps`` lists."""
-        return set(await self._ps_listed(deadline))
-
     async def _ps_listed(self, deadline: float) -> dict[str, str]:
         answer = await self._control.request("GET", "/api/ps", timeout=self._remaining(deadline))
         if answer.code != 200:
@@ -234,7 +230,7 @@ class Handover(Service):
     async def _wait_ps(self, done, deadline: float) -> None:
         """Poll ``/api/ps`` until ``done(loaded)``; :class:`ControlTimeout` at the deadline."""
         while True:
-            loaded = await self._ps(deadline)
+            loaded = set(await self._ps_listed(deadline))
             if done(loaded):
                 return
             if self._clock.seconds() + self.poll_seconds >= deadline:

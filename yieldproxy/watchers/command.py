@@ -23,6 +23,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from ..clock import cancel
 from ..lot.state import ALL, YieldState
 from ..names import COMMAND_SOURCE
 from ..observe.metrics import Metrics
@@ -128,8 +129,7 @@ class CommandWatcher(Service):
         self._loop = None
         if self._current is not None:
             run, transport, timer = self._current
-            if timer.active():
-                timer.cancel()
+            cancel(timer)
             self._kill(run, transport)
             if not run.ended.called:
                 run.ended.callback(None)
@@ -179,8 +179,7 @@ class CommandWatcher(Service):
             ended = await run.ended
         finally:
             self._current = None
-            if timer.active():
-                timer.cancel()
+            cancel(timer)
         output = run.text()
         if run.timed_out:
             return "error", f"no answer within {self.timeout:g}s; killed it{_tail(output)}"

@@ -25,6 +25,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from ..clock import cancel
 from ..lot.state import ALL, DEFAULT_MEMBER, YieldState
 from ..names import OUTAGE_SOURCE, TROUBLE_SOURCES, canonical_model
 from ..observe.metrics import Metrics
@@ -232,8 +233,7 @@ class OutageWatcher(Service):
         super().stopService()
         self._health.forget(self.upstream_result)
         self._health.forget_models(self.model_served)
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         for check in _take(self._checks):
             check.cancel()
@@ -249,7 +249,7 @@ class OutageWatcher(Service):
             "reachable": self.reachable,
             "probing": self._timer is not None or self._probe is not None or bool(self._pending),
             "next_interval_seconds": self._next_interval,
-            "outage_probe": _describe(self._follow_up()) if held and self._outage_calls else None,
+            "outage_probe": _describe(self._step_calls()[0]) if held and self._outage_calls else None,
             "outage_probes": [_describe(c) for c in self._outage_calls] if held else [],
             "probe_model": self.probe_model or None,
         }
@@ -502,10 +502,6 @@ class OutageWatcher(Service):
             self._said_unreachable = False
             log.info("{upstream} answers: outage detection is armed", upstream=self.upstream)
 
-    def _follow_up(self) -> ModelCall | None:
-        """The call the next follow-up probe asks (the first of the next step)."""
-        return self._step_calls()[0]
-
     def _step_calls(self) -> tuple[ModelCall | None, ...]:
         """The calls the next step probes at once: the next :data:`PROBES_PER_STEP` in turn."""
         calls = self._outage_calls or (None,)
@@ -538,7 +534,7 @@ class OutageWatcher(Service):
             self._schedule()
             return
         self._checks = checks = [
-            self._run_check(t).addCallback(_with_target, t).addCallback(self._follow_up_ended) for t in targets
+            self._run_check(t).addCallback(lambda up, t: (up, t), t).addCallback(self._follow_up_ended) for t in targets
         ]
         d = self._probe = _first_pass(checks)
         d.addCallback(self._probed, len(targets))
@@ -560,7 +556,8 @@ class OutageWatcher(Service):
         if not up or up in (NOT_READY, FAILED_ANSWER):
             # The next calls in turn next time: models that stay broken cannot keep the hold.
             self._turn += count
-            self._schedule_if_held()
+            if self._held():
+                self._schedule()
             return
         self._answered()
         self._end_hold(f"it serves {_describe(target)} again", target)
@@ -585,14 +582,9 @@ class OutageWatcher(Service):
         self._unvouched = False
         self._outage_calls = ()
         self._turn = 0
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         self._state.release(SOURCE, self.scope)
-
-    def _schedule_if_held(self) -> None:
-        if self._held():
-            self._schedule()
 
 
 def _serves(target: ModelCall | None, when: str = "") -> str:
@@ -614,10 +606,6 @@ def _describe(call: ModelCall | None) -> str:
     path = getattr(call, "path", None)
     model = getattr(call, "model", None)
     return f"{path} with model {model}" if path else str(call)
-
-
-def _with_target(up: Any, target: ModelCall | None) -> tuple[Any, ModelCall | None]:
-    return up, target
 
 
 def _first_pass(checks: list[Deferred]) -> Deferred:

@@ -9,17 +9,21 @@ checked against those promises through the pool's own twin check.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import attrs
 from hypothesis import given, settings, strategies as st
-from twisted.internet.defer import succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 
 from helpers import clock_cooperator, config_with
 from yieldproxy.config import FallbackConfig
+from yieldproxy.edge.h1client import BadResponse, ConnectFailed, H1Error
 from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.metrics import Metrics
 from yieldproxy.service import build_heart
 from yieldproxy.tools.sim import expected_embedding
+from yieldproxy.upstream.control import ControlTimeout
 from yieldproxy.upstream.fallback import NotNow
 from yieldproxy.upstream.pool.members import FALLBACK_MEMBER
 from yieldproxy.upstream.pool.twins import TwinVerifier
@@ -134,3 +138,58 @@ def test_never_used_unverified_at_any_moment(steps):
         assert v is not None and clock.seconds() - v.at <= INTERVAL
     fallback.stopService()
     assert clock.getDelayedCalls() == []
+
+
+_URL = "http://127.0.0.1:7997"
+_FAILURES = st.one_of(
+    st.builds(ConnectFailed, st.text(max_size=20), st.sampled_from(["refused", "connect", "timeout", "tls"])),
+    st.builds(BadResponse, st.text(max_size=20)),
+    st.builds(H1Error, st.text(max_size=20)),
+    st.builds(ControlTimeout, st.text(max_size=20)),
+    st.builds(ValueError, st.text(max_size=20)),
+    st.builds(OSError, st.text(max_size=20)),
+)
+
+
+@attrs.define
+class _FailingUpstream:
+    """An Upstream (for EmbedBackend) and a member's control client (for the twins) whose call fails with ``error``."""
+
+    error: Exception
+    url: str = _URL
+
+    @property
+    def client(self):
+        return self
+
+    def target(self, path):
+        return path
+
+    def request(self, *args, **kwargs):
+        return fail(self.error)
+
+
+def _raised(coroutine) -> tuple[str, str, str]:
+    failure = []
+    Deferred.fromCoroutine(coroutine).addErrback(failure.append)
+    [raised] = failure
+    return type(raised.value).__name__, raised.value.reason, raised.value.detail
+
+
+@given(_FAILURES)
+def test_the_fallbacks_client_and_the_twins_calls_turn_a_failure_into_the_same_backend_error(error):
+    """One reading of a failed embedding call: the fallback's client and the twin verifier's call say the same
+    (reason and detail) for every failure, as the one verifier's two sides should."""
+    from yieldproxy.config import VerificationConfig
+    from yieldproxy.servers import server
+    from yieldproxy.upstream.fallback import EmbedBackend
+    from yieldproxy.upstream.translation import EmbedRequest
+
+    probe = EmbedRequest("embed", MODEL, ("one",))
+    backend = EmbedBackend(Clock(), _FailingUpstream(error), "ollama", timeout=5.0)
+    by_backend = _raised(backend.embed(probe, MODEL))
+    member = SimpleNamespace(spec=SimpleNamespace(url=_URL), server=server("ollama"), control=_FailingUpstream(error))
+    verifier = TwinVerifier(Clock(), (), VerificationConfig(), find_twins=False)
+    by_twins = _raised(verifier._call(member, probe, "ollama", {"model": MODEL, "input": ["one"]}))
+    assert by_backend == by_twins
+    assert by_backend[0] == "BackendError"

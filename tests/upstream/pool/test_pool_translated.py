@@ -310,9 +310,9 @@ def test_a_translated_answer_is_judged_in_the_members_own_words():
     loading = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}).encode()
     _, upstream, request, outcome = translated_attempt(api="llamacpp")
     upstream.answer(503, loading)
-    answer = outcome[0].value.answer
-    assert json.loads(answer.body) == {"error": "Loading model"}
-    assert server("llamacpp").judge(answer.code, answer.judged_body) == NOT_READY
+    failure = outcome[0].value
+    assert json.loads(failure.answer.body) == {"error": "Loading model"}
+    assert failure.words == server("llamacpp").judge(503, loading) == NOT_READY
 
 
 def test_the_legacy_route_goes_to_the_members_route_as_one_input():

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from ...edge.h1client import H1Error
-from ..attempt import Upstream, describe_failure, failure_reason
+from ..attempt import Upstream
+from ..control import backend_errors
 from ..translation import BackendError, EmbedRequest, Embeddings, backend_request, parse_response
 from ..verdict import Reason
 
@@ -56,14 +56,8 @@ class EmbedBackend:
             return Failure(BackendError(Reason.TIMEOUT, f"{self.url}: no answer within {seconds:g}s"))
 
         d.addTimeout(self._timeout, self._clock, onTimeoutCancel=timed_out)
-        try:
+        with backend_errors(self.url):
             response = await d
-        except H1Error as e:
-            raise BackendError(failure_reason(e), describe_failure(e, self.url)) from None
-        except (BackendError, CancelledError):
-            raise
-        except Exception as e:
-            raise BackendError("error", f"{self.url} failed: {type(e).__name__}: {e}") from None
         return parse_response(request, self.api, response.code, response.body)
 
     def close(self) -> Deferred:

@@ -20,6 +20,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ...clock import cancel
 from ...lot.state import YieldState
 from ...names import LOADING_SOURCE, TROUBLE_SOURCES
 from ...servers import NOT_READY as SAYS_NOT_READY, UP
@@ -312,9 +313,8 @@ class Member(Machine[Condition, str]):
             self.fire("loading")
             self._not_ready_since = now
             self._recheck_delay = self.recheck_seconds
-            if self._recheck is not None and self._recheck.active():
-                self._recheck.cancel()  # a refused member's longer wait: look again soon
-                self._recheck = None
+            cancel(self._recheck)  # a refused member's longer wait: look again soon
+            self._recheck = None
         if now - self._loading_since >= self.not_ready_max_seconds:
             # Its health read up in between, but its model route still loads: the bound ran out.
             self._stuck_for_too_long()
@@ -333,12 +333,9 @@ class Member(Machine[Condition, str]):
             self._ready()
         self._loading_since = None
         self._loading_call = None
-        self._cancel_stuck_timer()
-
-    def _cancel_stuck_timer(self) -> None:
-        if self._stuck_timer is not None and self._stuck_timer.active():
-            self._stuck_timer.cancel()
-        self._stuck_timer = None
+        if self._stuck_timer is not None:  # every answer comes here: no call when there is nothing to cancel
+            cancel(self._stuck_timer)
+            self._stuck_timer = None
 
     def _stuck_held(self) -> bool:
         """It holds the ``loading`` hold it took when stuck not ready (False once someone else ended it:
@@ -385,7 +382,8 @@ class Member(Machine[Condition, str]):
         self.fire("ready")
         if was is STUCK:
             self._loading_since = None
-            self._cancel_stuck_timer()
+            cancel(self._stuck_timer)
+            self._stuck_timer = None
             log.info("upstream {name} ({url}) works again: ending its loading hold", name=self.name, url=self.spec.url)
             self._yields.release(LOADING_SOURCE, self._scope)
         else:
@@ -397,15 +395,15 @@ class Member(Machine[Condition, str]):
         self._tell_back(True)
 
     def _waits_for_health(self) -> bool:
-        return self.state is NOT_READY or self._stuck_held()
+        state = self.state
+        return state is NOT_READY or state is STUCK and self._stuck_held()
 
     def stop(self) -> None:
         """The proxy stops: no more checks."""
         self._stopped = True
-        self._cancel_stuck_timer()
-        if self._recheck is not None and self._recheck.active():
-            self._recheck.cancel()
-        self._recheck = None
+        cancel(self._stuck_timer)
+        cancel(self._recheck)
+        self._stuck_timer = self._recheck = None
         if self._checking is not None:
             self._checking.cancel()
 

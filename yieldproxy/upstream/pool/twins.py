@@ -23,13 +23,11 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from ...clock import same
+from ...clock import cancel, same
 from ...config import VerificationConfig
-from ...edge.h1client import H1Error
 from ...lot.parking import Entry
 from ...names import canonical_model
-from ..attempt import describe_failure
-from ..control import ControlTimeout
+from ..control import backend_errors
 from ..translation import (
     BackendError,
     EmbedRequest,
@@ -244,8 +242,7 @@ class TwinVerifier(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel(self._timer)
         self._timer = None
         if self._verifying is not None:
             self._verifying.cancel()
@@ -397,8 +394,7 @@ class TwinVerifier(Service):
             now = self._clock.seconds()
             contract.due_at.update((model, now) for model in contract.models)
             if self._verifying is None:
-                if self._timer is not None and self._timer.active():
-                    self._timer.cancel()
+                cancel(self._timer)
                 self._timer = None
                 self._start_pass()
             else:
@@ -489,19 +485,11 @@ class TwinVerifier(Service):
         return Deferred.fromCoroutine(self._call(member, probe, shape, json.loads(body)))
 
     async def _call(self, member: Member, probe: EmbedRequest, shape: str, body: dict) -> Embeddings:
-        try:
+        with backend_errors(member.spec.url, passing=(Postponed,)):
             path = member.server.embed_path
             answer = await self._post(member, path, body)
             if answer.code == 404:
                 answer = await self._under_another_prefix(member, path, body) or answer
-        except ControlTimeout as e:
-            raise BackendError(Reason.TIMEOUT, str(e)) from None
-        except H1Error as e:
-            raise BackendError("error", describe_failure(e, member.spec.url)) from None
-        except (CancelledError, Postponed):
-            raise
-        except Exception as e:
-            raise BackendError("error", f"{member.spec.url} failed: {type(e).__name__}: {e}") from None
         embeddings = parse_response(probe, shape, answer.code, answer.body)
         if len(embeddings.vectors) != len(probe.inputs):
             raise BackendError(
