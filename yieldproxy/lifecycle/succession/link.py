@@ -4,7 +4,11 @@ Frames (wire.py) go both ways; descriptors go beside them with
 ``IUNIXTransport.sendFileDescriptor`` (Twisted sends each with one byte of
 the frame that follows) and come in through ``fileDescriptorReceived``,
 before the bytes they came with.  A frame that says ``"fds": n`` takes the
-next ``n`` received descriptors.  The link is its transport's *pull*
+next ``n`` received descriptors.  The transport names a descriptor by its number
+only when it writes it out, maybe turns later: a number closed meanwhile would
+be the next socket's, sent in its place.  So a descriptor given to
+:meth:`Link.send` is the link's, closed once everything written so far is out
+(:meth:`Link.resumeProducing`) or the link has ended, never before.  The link is its transport's *pull*
 producer, so it knows when what was sent has left this process
 (:meth:`Link.flushed`); and how it ended (:attr:`Link.ended_here`, the
 ``farewell`` said before every end this side chooses) is what the other
@@ -60,21 +64,27 @@ class Link(Protocol):
         self._flush_waiters: list[Deferred[None]] = []
         #: A copy of the transport's socket, kept to read what is left when the transport ends (adopt_link).
         self._sock: socket.socket | None = None
+        #: Descriptors given to the transport to send: the link's, closed once written out (or at the end).
+        self._in_flight: list[int] = []
 
     def connectionMade(self) -> None:
         # Its pull producer: told each time the transport has written out everything it was given.
         self.transport.registerProducer(self, False)  # type: ignore[union-attr]
 
     def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
-        """Send a frame with ``fds`` beside it (kept open by the caller until the peer says it has them).
+        """Send a frame with ``fds`` beside it; the ``fds`` are the link's from this call on (closed once
+        written out, or at once if nothing is sent: the caller never closes them).
 
-        Nothing is sent once the link has ended (the caller closes what it kept for the peer)."""
+        Nothing is sent once the link has ended."""
         transport: Any = self.transport  # a unix transport
         if self.closed.called or transport is None or not getattr(transport, "connected", False):
+            _close_all(fds)
             return
         frame = encode({**message, "fds": len(fds)}, blob)
         if len(frame) < len(fds):  # each descriptor travels with one byte of the frame
+            _close_all(fds)
             raise ValueError("a frame too short for its descriptors")
+        self._in_flight.extend(fds)
         for fd in fds:
             transport.sendFileDescriptor(fd)
         self._unsent = True
@@ -109,8 +119,11 @@ class Link(Protocol):
     # -- the transport's pull-producer interface ---------------------------------------------------
 
     def resumeProducing(self) -> None:
-        """The transport has written out everything it was given."""
+        """The transport has written out everything it was given: the descriptors it sent are named by no
+        send any more."""
         self._unsent = False
+        in_flight, self._in_flight = self._in_flight, []
+        _close_all(in_flight)
         waiters, self._flush_waiters = self._flush_waiters, []
         for waiter in waiters:
             waiter.callback(None)
@@ -147,9 +160,10 @@ class Link(Protocol):
                 waiter.callback(None)
             else:
                 waiter.errback(LinkClosed("the other process is gone"))
-        while self._fds:
-            with contextlib.suppress(OSError):
-                os.close(self._fds.popleft())
+        in_flight, self._in_flight = self._in_flight, []
+        _close_all(in_flight)  # the transport is gone: what it did not send, it never will
+        _close_all(self._fds)
+        self._fds.clear()
         if not self.closed.called:
             self.closed.callback(None)
 
@@ -199,6 +213,12 @@ class Link(Protocol):
         if transport is not None and not self.closed.called:
             transport.unregisterProducer()
             transport.abortConnection()
+
+
+def _close_all(fds: Any) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def adopt_link(reactor, sock: socket.socket, on_message: OnMessage, farewell: dict[str, Any] | None = None) -> Link:

@@ -211,8 +211,9 @@ class Predecessor(Machine[Phase, str]):
     state: Phase = attrs.field(default=IDLE, init=False)
     _link: Link | None = None
     _waiting: dict[str, Deferred] = attrs.Factory(dict)
-    #: Descriptors sent, by frame id, until the successor says it has them.
-    _unacked: dict[int, list[int]] = attrs.Factory(dict)
+    #: The frames (ids) carrying what was handed over that the successor has not said it has yet (their
+    #: descriptors are the link's: :meth:`~.link.Link.send`).
+    _unacked: set[int] = attrs.Factory(set)
     #: Waiting for the successor to have every frame sent so far.
     _taken_waiters: list[Deferred] = attrs.Factory(list)
     _frames: int = 0
@@ -493,15 +494,8 @@ class Predecessor(Machine[Phase, str]):
             self._link.close()  # with its farewell: abort
         if kill and self._child is not None:
             self._child.kill()
-        self._close_unacked()
+        self._unacked.clear()  # it will not say it has them now
         self._fire_taken()
-
-    def _close_unacked(self) -> None:
-        """Close the descriptors sent that the successor never said it has (it will not take them now)."""
-        for fds in self._unacked.values():
-            for fd in fds:
-                os.close(fd)
-        self._unacked.clear()
 
     # -- the link ---------------------------------------------------------------------------
 
@@ -530,8 +524,7 @@ class Predecessor(Machine[Phase, str]):
         self._last_heard = self._reactor.seconds()
         kind = message["type"]
         if kind == "took":
-            for fd in self._unacked.pop(int(message.get("id") or 0), []):
-                os.close(fd)
+            self._unacked.discard(int(message.get("id") or 0))
             if not self._unacked:
                 self._fire_taken()
             return
@@ -619,7 +612,7 @@ class Predecessor(Machine[Phase, str]):
 
     def _send(self, link: Link, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
         self._frames += 1
-        self._unacked[self._frames] = fds
+        self._unacked.add(self._frames)
         link.send({**message, "id": self._frames}, blob, fds)
 
     # -- what is handed over -------------------------------------------------------------------
@@ -734,7 +727,7 @@ class Predecessor(Machine[Phase, str]):
         is left here is answered 503 with Retry-After, and idle connections are closed."""
         if self._wind_down is None:
             return
-        self._close_unacked()
+        self._unacked.clear()
         self._stop_diverting()
         self._scheduler.stop_admitting()
         refused = self._scheduler.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
