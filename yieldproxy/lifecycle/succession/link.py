@@ -14,7 +14,9 @@ producer, so it knows when what was sent has left this process
 ``farewell`` said before every end this side chooses) is what the other
 side reads this process's fate from (liveness.py).  So the link's end is told
 only after every frame the other process wrote before it is read, even when a
-write that fails ends the transport first (:meth:`Link._read_what_is_left`).
+write that fails ends the transport first, or a frame this side could not
+handle ended it (:meth:`Link._read_what_is_left`): a ``committed`` the other
+process got out is never left unread, whatever ends the link.
 """
 
 from __future__ import annotations
@@ -52,8 +54,12 @@ class Link(Protocol):
         self._on_message = on_message
         #: Sent before every end this side chooses (:meth:`close`): an end without it is this process's death.
         self._farewell = farewell
-        #: This side ended the link (:meth:`close`), rather than the other process.
+        #: This side ended the link (:meth:`close`, or a frame it could not handle), rather than the other process.
         self.ended_here = False
+        #: The owner ended the link (:meth:`close`, :meth:`drop`): nothing more is read (it has moved on).
+        self._reads_no_more = False
+        #: A frame could not be read: nothing after it can be.
+        self._unreadable = False
         self._decoder = Decoder()
         self._fds: collections.deque[int] = collections.deque()
         #: Fires (with None) when the other end is gone, or this end closed.
@@ -135,6 +141,8 @@ class Link(Protocol):
         self._fds.append(descriptor)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._unreadable:
+            return
         try:
             for message, blob in self._decoder.feed(data):
                 count = message.get("fds", 0)
@@ -143,11 +151,12 @@ class Link(Protocol):
                 fds = [self._fds.popleft() for _ in range(count)]
                 self._on_message(message, blob, fds)
         except BadFrame as e:
+            self._unreadable = True
             log.error("reload: the other process sent a bad frame ({why}); closing the link", why=str(e))
-            self.close()
+            self._end()
         except Exception:
             log.failure("reload: handling a frame from the other process failed; closing the link")
-            self.close()
+            self._end()  # what follows that frame is still read, to the end (:meth:`_read_what_is_left`)
 
     def connectionLost(self, reason=None) -> None:
         self._read_what_is_left()
@@ -172,15 +181,20 @@ class Link(Protocol):
 
         A transport ends on a write that fails (the other end closed: EPIPE) whatever waits unread: the
         reactor's readiness of the socket was read before those last frames came (or their read is left for
-        later).  The link's own copy of the socket (:func:`adopt_link`) still reads them, so the end comes
-        after every frame, the other process's last words (``aborting``, ``abort``) included.  Not after an
-        end this side chose: it reads no more."""
+        later); or on a frame this side could not handle, with the frames behind it unread.  The link's own
+        copy of the socket (:func:`adopt_link`) still reads them, so the end comes after every frame, the
+        other process's last words (``aborting``, ``abort``, ``committed``) included; what it writes later
+        fails there (EPIPE: the transport shut the socket down, both ways, before telling its end), never left
+        unread here.  Not after an end the owner chose (:meth:`close`, :meth:`drop`): it reads no more."""
         sock, self._sock = self._sock, None
         if sock is None:
             return
         try:
+            if self._reads_no_more:
+                return
             sock.setblocking(False)
-            while not self.ended_here:
+            self.dataReceived(b"")  # frames in whole already, behind one that could not be handled
+            while not self._reads_no_more:
                 try:
                     data, fds, _flags, _address = socket.recv_fds(sock, 1 << 16, 64)
                 except OSError:  # nothing more (EAGAIN), or the other end's reset once all was read
@@ -195,7 +209,12 @@ class Link(Protocol):
 
     def close(self) -> None:
         """Say the farewell, then close once what was sent is written out (a transport with a producer
-        registered does not close); :attr:`closed` fires then."""
+        registered does not close); :attr:`closed` fires then, and nothing more is read."""
+        self._reads_no_more = True
+        self._end()
+
+    def _end(self) -> None:
+        """:meth:`close`, reading on to the end (a frame this side could not handle ended the link)."""
         transport: Any = self.transport  # a unix transport: a consumer, whose producer this link is
         if not self.closed.called and not self.ended_here:
             self.ended_here = True
@@ -209,7 +228,7 @@ class Link(Protocol):
         """End the link at once, this side's choice, dropping what the transport has not written out yet (it
         never leaves: :meth:`flushed`'s waiters fail); no farewell."""
         transport: Any = self.transport
-        self.ended_here = True
+        self.ended_here = self._reads_no_more = True
         if transport is not None and not self.closed.called:
             transport.unregisterProducer()
             transport.abortConnection()
