@@ -31,6 +31,7 @@ from helpers import sleep, wait_for
 from test_succession_liveness import NewProcess, Standin
 from yieldproxy.lifecycle.succession import takeover as takeover_module
 from yieldproxy.lifecycle.succession.link import LinkClosed, adopt_link
+from yieldproxy.lifecycle.succession.predecessor import HANDED_OVER, Predecessor
 from yieldproxy.lifecycle.succession.takeover import ABORTED, COMMITTED, SENDING, SERVING, WAITING
 from yieldproxy.lifecycle.succession.wire import Decoder, encode, pack
 
@@ -334,3 +335,48 @@ async def test_a_link_ended_by_a_frame_it_could_not_handle_reads_every_committed
         if not link.closed.called:
             link.drop()
 
+
+
+class _Diverted:
+    """A request read after the commit, as the old process's :meth:`Predecessor._flush_outgoing` sees it: sent on
+    with its connection, or answered here (rendered by its site's resource)."""
+
+    def __init__(self):
+        self.site = type("Site", (), {"resource": "the proxy"})()
+        self.rendered: list[str] = []
+
+    @property
+    def channel(self):
+        raise AssertionError("sent on a link that has ended: its connection let go, the request never answered")
+
+    @property
+    def content(self):
+        return self.channel
+
+    def render(self, resource) -> None:
+        self.rendered.append(resource)
+
+
+@pytest_twisted.ensureDeferred
+async def test_what_the_old_process_would_send_on_as_it_reads_the_links_last_frames_is_answered_here():
+    """``committed`` read at the link's end (the new process got it out, then the link failed): the old process
+    hands over, but nothing it would send on now can leave, so a request it read meanwhile is answered here."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    request = _Diverted()
+    old = Predecessor(reactor, [], {}, {}, {}, object(), object(), dict, lambda: None)
+    old.state = HANDED_OVER
+
+    def handle(message, blob, fds) -> None:
+        old._outgoing.append(request)
+        old._flush_outgoing()
+
+    link = old._link = adopt_link(reactor, ours, handle)
+    try:
+        link.transport.stopReading()  # the last frame is read at the link's end
+        theirs.sendall(encode({"type": "committed", "fds": 0}))
+        theirs.close()
+        link.send({"type": "took", "id": 1})  # fails (EPIPE): the transport ends
+        await wait_for(reactor, lambda: link.closed.called, timeout=5)
+        assert request.rendered == ["the proxy"]
+    finally:
+        theirs.close()

@@ -77,13 +77,20 @@ class Link(Protocol):
         # Its pull producer: told each time the transport has written out everything it was given.
         self.transport.registerProducer(self, False)  # type: ignore[union-attr]
 
+    @property
+    def open(self) -> bool:
+        """Whether a frame sent now can still leave: not once the transport has ended, even while the frames
+        read at the end are handled (:attr:`closed` fires after them)."""
+        transport: Any = self.transport
+        return not self.closed.called and transport is not None and getattr(transport, "connected", False)
+
     def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
         """Send a frame with ``fds`` beside it; the ``fds`` are the link's from this call on (closed once
         written out, or at once if nothing is sent: the caller never closes them).
 
         Nothing is sent once the link has ended."""
         transport: Any = self.transport  # a unix transport
-        if self.closed.called or transport is None or not getattr(transport, "connected", False):
+        if not self.open:
             _close_all(fds)
             return
         frame = encode({**message, "fds": len(fds)}, blob)
