@@ -21,7 +21,10 @@ import socket
 
 import pytest
 import pytest_twisted
+from hypothesis import given, settings, strategies as st
 from twisted.internet import reactor
+from twisted.internet.error import ConnectionAborted
+from twisted.python.failure import Failure
 
 from helpers import sleep, wait_for
 from yieldproxy.lifecycle.succession.link import adopt_link
@@ -114,6 +117,106 @@ async def test_the_new_process_receives_the_connections_sent_even_if_their_numbe
         assert [inodes.count(_inode(server.fileno())) for server, _client in pairs] == [1] * len(pairs)
     finally:
         for fd in decoys + received:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for server, client in pairs:
+            server.close()
+            client.close()
+        theirs.close()
+        if not link.closed.called:
+            link.drop()
+
+
+#: A step of the sequence: ``send`` a frame with this many connections, the new process ``read``s this many bytes,
+#: the transport writes what it can (``write``), or every number freed so far is the next socket's (``reuse``).
+STEPS = st.one_of(
+    st.tuples(st.just("send"), st.integers(0, 5)),
+    st.tuples(st.just("read"), st.integers(1, 1 << 17)),
+    st.tuples(st.just("write"), st.just(0)),
+    st.tuples(st.just("reuse"), st.just(0)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(STEPS, max_size=30), end=st.sampled_from(["close", "drop"]))
+def test_at_every_moment_a_descriptor_sent_is_the_connection_it_was_when_sent(steps, end):
+    """Whatever the order of sends, partial writes and reads, and numbers taken again as soon as they are free,
+    what the new process receives is, in order, the connections sent (each number closed only once written out),
+    up to where the link ended; and the link keeps none open once it has ended."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    theirs.setblocking(False)
+    link = adopt_link(reactor, ours, lambda message, blob, fds: None)
+    transport = link.transport
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+    sent: list[int] = []
+    taken: list[int] = []
+    received: list[int] = []
+
+    def write() -> None:
+        """The transport writes what it can, as the reactor would (an end it returns is its end)."""
+        why = transport.doWrite()
+        transport.stopWriting()
+        if why is not None:
+            transport.connectionLost(Failure(why))
+
+    def read(size: int) -> None:
+        with contextlib.suppress(BlockingIOError, ConnectionResetError):
+            _data, fds, _flags, _address = socket.recv_fds(theirs, size, 64)
+            received.extend(fds)
+
+    try:
+        transport.stopWriting()  # the test's steps write, not the reactor
+        for kind, n in steps:
+            if kind == "send":
+                new = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+                pairs.extend(new)
+                fds = [os.dup(server.fileno()) for server, _client in new]
+                sent.extend(fds)
+                link.send({"type": "connections", "pad": "x" * 30000}, b"", fds)
+                transport.stopWriting()
+            elif kind == "read":
+                read(n)
+            elif kind == "write" and transport.connected:
+                write()
+            elif kind == "reuse":
+                for fd in sent:
+                    try:
+                        os.fstat(fd)
+                    except OSError:
+                        decoy = socket.socket(socket.AF_INET, socket.SOCK_STREAM).detach()
+                        if decoy != fd:
+                            os.dup2(decoy, fd)
+                            os.close(decoy)
+                        taken.append(fd)
+        inodes = [_inode(server.fileno()) for server, _client in pairs]
+        assert [_inode(fd) for fd in received] == inodes[:len(received)]
+        if end == "close":
+            link.close()
+            for _ in range(1000):  # everything written out, then the orderly close
+                if not transport.connected:
+                    break
+                read(1 << 17)
+                write()
+        else:
+            link.drop()
+            transport.connectionLost(Failure(ConnectionAborted()))  # the reactor's next turn, here
+        assert link.closed.called
+        for _ in range(1000):
+            before = len(received)
+            read(1 << 17)
+            if len(received) == before:
+                break
+        assert [_inode(fd) for fd in received] == inodes[:len(received)]
+        if end == "close":
+            assert len(received) == len(inodes)
+        for fd in received:
+            os.close(fd)
+        received = []
+        open_inodes = _open_inodes()
+        assert [open_inodes.count(inode) for inode in inodes] == [1] * len(inodes)
+    finally:
+        for fd in taken + received:
             with contextlib.suppress(OSError):
                 os.close(fd)
         for server, client in pairs:
