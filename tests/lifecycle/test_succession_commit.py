@@ -31,6 +31,7 @@ from helpers import sleep, wait_for
 from test_succession_liveness import NewProcess, Standin
 from yieldproxy.lifecycle.succession import takeover as takeover_module
 from yieldproxy.lifecycle.succession.link import LinkClosed, adopt_link
+from yieldproxy.lifecycle.succession.predecessor import HANDED_OVER, Predecessor
 from yieldproxy.lifecycle.succession.takeover import ABORTED, COMMITTED, SENDING, SERVING, WAITING
 from yieldproxy.lifecycle.succession.wire import Decoder, encode, pack
 
@@ -237,5 +238,145 @@ async def test_a_link_that_ends_on_a_failed_write_reads_the_other_sides_last_fra
         link.send({"type": "parked", "records": []})  # a write under way, which fails
         await wait_for(reactor, lambda: link.closed.called, timeout=5)
         assert at_the_end == [["took", "aborting"]]
+    finally:
+        theirs.close()
+
+
+#: When the other process writes ``committed``, against this side's end on a frame it could not handle:
+#: ``with`` the frame (in one write), ``after`` this side ended the link (its farewell behind frames the other
+#: process has not read yet, so the transport is not gone), at the ``last`` moment (as the link's own copy of
+#: the socket closes, once it has read all it found), or once the link has ``ended`` here; and how many frames
+#: this side has waiting to be written out then.
+WHEN = {
+    f"{when}-{behind}-behind": (when, behind)
+    for when, behind in [
+        ("with", 0), ("with", FILLERS), ("after", FILLERS), ("last", 0), ("last", FILLERS), ("ended", 0),
+    ]
+}
+
+
+class _ClosingThen:
+    """A socket that runs ``then`` as it closes, before it is closed."""
+
+    def __init__(self, sock: socket.socket, then):
+        self._sock, self._then = sock, then
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+    def close(self) -> None:
+        self._then()
+        self._sock.close()
+
+
+@pytest.mark.parametrize(("when", "behind"), WHEN.values(), ids=WHEN.keys())
+@pytest_twisted.ensureDeferred
+async def test_a_link_ended_by_a_frame_it_could_not_handle_reads_every_committed_that_got_out(when, behind):
+    """A bug handling a frame ends the link from this side, during the commit too.  The other process owns
+    everything once its ``committed`` got into this side's socket; this side lets go only on reading it.  So
+    whenever ``committed`` is written, this side reads it before its end is told if and only if the write got
+    in (after the end, it fails there)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    said: list[str] = []
+
+    def handle(message, blob, fds) -> None:
+        said.append(message["type"])
+        if message["type"] == "took":
+            raise RuntimeError("a bug handling a frame")
+
+    link = adopt_link(reactor, ours, handle, farewell={"type": "abort"})
+    at_the_end: list[list[str]] = []
+    link.closed.addCallback(lambda _: at_the_end.append(list(said)))
+    bug, committed = encode({"type": "took", "id": 1, "fds": 0}), encode({"type": "committed", "fds": 0})
+    theirs.setblocking(False)
+    got_in: list[bool] = []
+
+    def write(data: bytes) -> bool:
+        try:
+            return theirs.send(data) == len(data)
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    async def drain() -> None:
+        """The other process reads all this side writes, until its end."""
+        for _ in range(4000):
+            try:
+                if not theirs.recv(65536):
+                    return
+            except BlockingIOError:
+                await sleep(reactor, 0.005)
+            except ConnectionResetError:
+                return
+        raise AssertionError("the link never ended")
+
+    try:
+        for _ in range(behind):
+            link.send({"type": "filler", "pad": "x" * 60000})
+        if when == "with":
+            got_in.append(write(bug + committed))
+        elif when == "last":
+            link._sock = _ClosingThen(link._sock, lambda: got_in.append(write(committed)))
+            assert write(bug)
+        else:
+            assert write(bug)
+            await wait_for(reactor, lambda: link.ended_here, timeout=5)
+            if when == "ended":
+                await drain()
+                await wait_for(reactor, lambda: link.closed.called, timeout=5)
+            got_in.append(write(committed))
+        await drain()
+        await wait_for(reactor, lambda: link.closed.called, timeout=5)
+        assert at_the_end[0][0] == "took"
+        assert ("committed" in at_the_end[0]) is got_in[0]
+        assert got_in[0] is (when in ("with", "after"))
+    finally:
+        theirs.close()
+        if not link.closed.called:
+            link.drop()
+
+
+
+class _Diverted:
+    """A request read after the commit, as the old process's :meth:`Predecessor._flush_outgoing` sees it: sent on
+    with its connection, or answered here (rendered by its site's resource)."""
+
+    def __init__(self):
+        self.site = type("Site", (), {"resource": "the proxy"})()
+        self.rendered: list[str] = []
+
+    @property
+    def channel(self):
+        raise AssertionError("sent on a link that has ended: its connection let go, the request never answered")
+
+    @property
+    def content(self):
+        return self.channel
+
+    def render(self, resource) -> None:
+        self.rendered.append(resource)
+
+
+@pytest_twisted.ensureDeferred
+async def test_what_the_old_process_would_send_on_as_it_reads_the_links_last_frames_is_answered_here():
+    """``committed`` read at the link's end (the new process got it out, then the link failed): the old process
+    hands over, but nothing it would send on now can leave, so a request it read meanwhile is answered here."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    request = _Diverted()
+    old = Predecessor(reactor, [], {}, {}, {}, object(), object(), dict, lambda: None)
+    old.state = HANDED_OVER
+
+    def handle(message, blob, fds) -> None:
+        old._outgoing.append(request)
+        old._flush_outgoing()
+
+    link = old._link = adopt_link(reactor, ours, handle)
+    try:
+        link.transport.stopReading()  # the last frame is read at the link's end
+        theirs.sendall(encode({"type": "committed", "fds": 0}))
+        theirs.close()
+        link.send({"type": "took", "id": 1})  # fails (EPIPE): the transport ends
+        await wait_for(reactor, lambda: link.closed.called, timeout=5)
+        assert request.rendered == ["the proxy"]
     finally:
         theirs.close()

@@ -35,7 +35,7 @@ FRESH = {"state": "fresh"}
 @attrs.define(eq=False)
 class Exported:
     """A connection written down for the new process; its copy here is frozen until :meth:`let_go` or
-    :meth:`resume`.  :attr:`fd` is a duplicate to send, the sender's to close once it is sent."""
+    :meth:`resume`.  :attr:`fd` is a duplicate to send, the link's once given to it (link.py closes it)."""
 
     fd: int
     family: int

@@ -4,13 +4,19 @@ Frames (wire.py) go both ways; descriptors go beside them with
 ``IUNIXTransport.sendFileDescriptor`` (Twisted sends each with one byte of
 the frame that follows) and come in through ``fileDescriptorReceived``,
 before the bytes they came with.  A frame that says ``"fds": n`` takes the
-next ``n`` received descriptors.  The link is its transport's *pull*
+next ``n`` received descriptors.  The transport names a descriptor by its number
+only when it writes it out, maybe turns later: a number closed meanwhile would
+be the next socket's, sent in its place.  So a descriptor given to
+:meth:`Link.send` is the link's, closed once everything written so far is out
+(:meth:`Link.resumeProducing`) or the link has ended, never before.  The link is its transport's *pull*
 producer, so it knows when what was sent has left this process
 (:meth:`Link.flushed`); and how it ended (:attr:`Link.ended_here`, the
 ``farewell`` said before every end this side chooses) is what the other
 side reads this process's fate from (liveness.py).  So the link's end is told
 only after every frame the other process wrote before it is read, even when a
-write that fails ends the transport first (:meth:`Link._read_what_is_left`).
+write that fails ends the transport first, or a frame this side could not
+handle ended it (:meth:`Link._read_what_is_left`): a ``committed`` the other
+process got out is never left unread, whatever ends the link.
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ class Link(Protocol):
         self._on_message = on_message
         #: Sent before every end this side chooses (:meth:`close`): an end without it is this process's death.
         self._farewell = farewell
-        #: This side ended the link (:meth:`close`), rather than the other process.
+        #: This side ended the link (:meth:`close`, or a frame it could not handle), rather than the other process.
         self.ended_here = False
+        #: The owner ended the link (:meth:`close`, :meth:`drop`): nothing more is read (it has moved on).
+        self._reads_no_more = False
+        #: A frame could not be read: nothing after it can be.
+        self._unreadable = False
         self._decoder = Decoder()
         self._fds: collections.deque[int] = collections.deque()
         #: Fires (with None) when the other end is gone, or this end closed.
@@ -60,21 +70,34 @@ class Link(Protocol):
         self._flush_waiters: list[Deferred[None]] = []
         #: A copy of the transport's socket, kept to read what is left when the transport ends (adopt_link).
         self._sock: socket.socket | None = None
+        #: Descriptors given to the transport to send: the link's, closed once written out (or at the end).
+        self._in_flight: list[int] = []
 
     def connectionMade(self) -> None:
         # Its pull producer: told each time the transport has written out everything it was given.
         self.transport.registerProducer(self, False)  # type: ignore[union-attr]
 
-    def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
-        """Send a frame with ``fds`` beside it (kept open by the caller until the peer says it has them).
+    @property
+    def open(self) -> bool:
+        """Whether a frame sent now can still leave: not once the transport has ended, even while the frames
+        read at the end are handled (:attr:`closed` fires after them)."""
+        transport: Any = self.transport
+        return not self.closed.called and transport is not None and getattr(transport, "connected", False)
 
-        Nothing is sent once the link has ended (the caller closes what it kept for the peer)."""
+    def send(self, message: dict[str, Any], blob: bytes = b"", fds: tuple[int, ...] | list[int] = ()) -> None:
+        """Send a frame with ``fds`` beside it; the ``fds`` are the link's from this call on (closed once
+        written out, or at once if nothing is sent: the caller never closes them).
+
+        Nothing is sent once the link has ended."""
         transport: Any = self.transport  # a unix transport
-        if self.closed.called or transport is None or not getattr(transport, "connected", False):
+        if not self.open:
+            _close_all(fds)
             return
         frame = encode({**message, "fds": len(fds)}, blob)
         if len(frame) < len(fds):  # each descriptor travels with one byte of the frame
+            _close_all(fds)
             raise ValueError("a frame too short for its descriptors")
+        self._in_flight.extend(fds)
         for fd in fds:
             transport.sendFileDescriptor(fd)
         self._unsent = True
@@ -109,8 +132,11 @@ class Link(Protocol):
     # -- the transport's pull-producer interface ---------------------------------------------------
 
     def resumeProducing(self) -> None:
-        """The transport has written out everything it was given."""
+        """The transport has written out everything it was given: the descriptors it sent are named by no
+        send any more."""
         self._unsent = False
+        in_flight, self._in_flight = self._in_flight, []
+        _close_all(in_flight)
         waiters, self._flush_waiters = self._flush_waiters, []
         for waiter in waiters:
             waiter.callback(None)
@@ -122,6 +148,8 @@ class Link(Protocol):
         self._fds.append(descriptor)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._unreadable:
+            return
         try:
             for message, blob in self._decoder.feed(data):
                 count = message.get("fds", 0)
@@ -130,11 +158,12 @@ class Link(Protocol):
                 fds = [self._fds.popleft() for _ in range(count)]
                 self._on_message(message, blob, fds)
         except BadFrame as e:
+            self._unreadable = True
             log.error("reload: the other process sent a bad frame ({why}); closing the link", why=str(e))
-            self.close()
+            self._end()
         except Exception:
             log.failure("reload: handling a frame from the other process failed; closing the link")
-            self.close()
+            self._end()  # what follows that frame is still read, to the end (:meth:`_read_what_is_left`)
 
     def connectionLost(self, reason=None) -> None:
         self._read_what_is_left()
@@ -147,9 +176,10 @@ class Link(Protocol):
                 waiter.callback(None)
             else:
                 waiter.errback(LinkClosed("the other process is gone"))
-        while self._fds:
-            with contextlib.suppress(OSError):
-                os.close(self._fds.popleft())
+        in_flight, self._in_flight = self._in_flight, []
+        _close_all(in_flight)  # the transport is gone: what it did not send, it never will
+        _close_all(self._fds)
+        self._fds.clear()
         if not self.closed.called:
             self.closed.callback(None)
 
@@ -158,15 +188,20 @@ class Link(Protocol):
 
         A transport ends on a write that fails (the other end closed: EPIPE) whatever waits unread: the
         reactor's readiness of the socket was read before those last frames came (or their read is left for
-        later).  The link's own copy of the socket (:func:`adopt_link`) still reads them, so the end comes
-        after every frame, the other process's last words (``aborting``, ``abort``) included.  Not after an
-        end this side chose: it reads no more."""
+        later); or on a frame this side could not handle, with the frames behind it unread.  The link's own
+        copy of the socket (:func:`adopt_link`) still reads them, so the end comes after every frame, the
+        other process's last words (``aborting``, ``abort``, ``committed``) included; what it writes later
+        fails there (EPIPE: the transport shut the socket down, both ways, before telling its end), never left
+        unread here.  Not after an end the owner chose (:meth:`close`, :meth:`drop`): it reads no more."""
         sock, self._sock = self._sock, None
         if sock is None:
             return
         try:
+            if self._reads_no_more:
+                return
             sock.setblocking(False)
-            while not self.ended_here:
+            self.dataReceived(b"")  # frames in whole already, behind one that could not be handled
+            while not self._reads_no_more:
                 try:
                     data, fds, _flags, _address = socket.recv_fds(sock, 1 << 16, 64)
                 except OSError:  # nothing more (EAGAIN), or the other end's reset once all was read
@@ -181,7 +216,12 @@ class Link(Protocol):
 
     def close(self) -> None:
         """Say the farewell, then close once what was sent is written out (a transport with a producer
-        registered does not close); :attr:`closed` fires then."""
+        registered does not close); :attr:`closed` fires then, and nothing more is read."""
+        self._reads_no_more = True
+        self._end()
+
+    def _end(self) -> None:
+        """:meth:`close`, reading on to the end (a frame this side could not handle ended the link)."""
         transport: Any = self.transport  # a unix transport: a consumer, whose producer this link is
         if not self.closed.called and not self.ended_here:
             self.ended_here = True
@@ -195,10 +235,16 @@ class Link(Protocol):
         """End the link at once, this side's choice, dropping what the transport has not written out yet (it
         never leaves: :meth:`flushed`'s waiters fail); no farewell."""
         transport: Any = self.transport
-        self.ended_here = True
+        self.ended_here = self._reads_no_more = True
         if transport is not None and not self.closed.called:
             transport.unregisterProducer()
             transport.abortConnection()
+
+
+def _close_all(fds: Any) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def adopt_link(reactor, sock: socket.socket, on_message: OnMessage, farewell: dict[str, Any] | None = None) -> Link:

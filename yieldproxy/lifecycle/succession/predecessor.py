@@ -211,8 +211,9 @@ class Predecessor(Machine[Phase, str]):
     state: Phase = attrs.field(default=IDLE, init=False)
     _link: Link | None = None
     _waiting: dict[str, Deferred] = attrs.Factory(dict)
-    #: Descriptors sent, by frame id, until the successor says it has them.
-    _unacked: dict[int, list[int]] = attrs.Factory(dict)
+    #: The frames (ids) carrying what was handed over that the successor has not said it has yet (their
+    #: descriptors are the link's: :meth:`~.link.Link.send`).
+    _unacked: set[int] = attrs.Factory(set)
     #: Waiting for the successor to have every frame sent so far.
     _taken_waiters: list[Deferred] = attrs.Factory(list)
     _frames: int = 0
@@ -403,7 +404,7 @@ class Predecessor(Machine[Phase, str]):
         entries = self._lot.entries()
         sent = 0
         for start in range(0, len(entries), BATCH_FDS):
-            if self._stop_asked is None or self._stop_asked.called or link.closed.called:
+            if self._stop_asked is None or self._stop_asked.called or not link.open:
                 break
             # One that left meanwhile (its client went, its time ran out, a release) is passed over.
             sent += self._send_parked(link, entries[start:start + BATCH_FDS], pending=True)
@@ -448,8 +449,10 @@ class Predecessor(Machine[Phase, str]):
         queued, self._queued = self._queued, []
         self._outgoing.extend(queued)
         self._flush_outgoing()
-        # What parked again while the outcome was awaited (a failed attempt).
-        self._send_parked(link, None, pending=False)
+        # What parked again while the outcome was awaited (a failed attempt); the link ended (``committed`` read at
+        # its end), it stays, answered here (:meth:`_successor_gone`).
+        if link.open:
+            self._send_parked(link, None, pending=False)
         if not self._stopping_both:
             self._notify(f"MAINPID={child.pid}", "READY=1", f"STATUS=serving (version {version})")
         link.closed.addCallback(self._successor_gone)
@@ -493,15 +496,8 @@ class Predecessor(Machine[Phase, str]):
             self._link.close()  # with its farewell: abort
         if kill and self._child is not None:
             self._child.kill()
-        self._close_unacked()
+        self._unacked.clear()  # it will not say it has them now
         self._fire_taken()
-
-    def _close_unacked(self) -> None:
-        """Close the descriptors sent that the successor never said it has (it will not take them now)."""
-        for fds in self._unacked.values():
-            for fd in fds:
-                os.close(fd)
-        self._unacked.clear()
 
     # -- the link ---------------------------------------------------------------------------
 
@@ -530,8 +526,7 @@ class Predecessor(Machine[Phase, str]):
         self._last_heard = self._reactor.seconds()
         kind = message["type"]
         if kind == "took":
-            for fd in self._unacked.pop(int(message.get("id") or 0), []):
-                os.close(fd)
+            self._unacked.discard(int(message.get("id") or 0))
             if not self._unacked:
                 self._fire_taken()
             return
@@ -619,7 +614,7 @@ class Predecessor(Machine[Phase, str]):
 
     def _send(self, link: Link, message: dict[str, Any], blob: bytes, fds: list[int]) -> None:
         self._frames += 1
-        self._unacked[self._frames] = fds
+        self._unacked.add(self._frames)
         link.send({**message, "id": self._frames}, blob, fds)
 
     # -- what is handed over -------------------------------------------------------------------
@@ -682,7 +677,7 @@ class Predecessor(Machine[Phase, str]):
         """A request read after the commit (connections.divert): the successor's to answer, with its connection."""
         if self.state is COMMITTING:
             self._queued.append(request)  # the commit's outcome first
-        elif self.state is HANDED_OVER and self._link is not None and not self._link.closed.called:
+        elif self.state is HANDED_OVER and self._link is not None and self._link.open:
             self._outgoing.append(request)
             if len(self._outgoing) == 1:
                 # At the reactor's next turn: what the client pipelined behind it is buffered by then.
@@ -693,7 +688,7 @@ class Predecessor(Machine[Phase, str]):
     def _flush_outgoing(self) -> None:
         requests, self._outgoing = self._outgoing, []
         link = self._link
-        if link is None or link.closed.called:
+        if link is None or not link.open:
             for request in requests:
                 serve_here(request)
             return
@@ -713,7 +708,7 @@ class Predecessor(Machine[Phase, str]):
         """After the handover, what this process's own predecessor still sends (two reloads in a row) goes
         straight on to the successor; False when there is none to take it."""
         link = self._link
-        if not self.handed_over or link is None or link.closed.called:
+        if not self.handed_over or link is None or not link.open:
             return False
         self._send(link, {"type": message["type"], "records": message.get("records", [])}, blob, fds)
         return True
@@ -726,7 +721,7 @@ class Predecessor(Machine[Phase, str]):
     def _send_parked_again(self) -> None:
         self._parked_flush = None
         link = self._link
-        if self.handed_over and link is not None and not link.closed.called:
+        if self.handed_over and link is not None and link.open:
             self._send_parked(link, None, pending=False)
 
     def _successor_gone(self, _: object) -> None:
@@ -734,7 +729,7 @@ class Predecessor(Machine[Phase, str]):
         is left here is answered 503 with Retry-After, and idle connections are closed."""
         if self._wind_down is None:
             return
-        self._close_unacked()
+        self._unacked.clear()
         self._stop_diverting()
         self._scheduler.stop_admitting()
         refused = self._scheduler.refuse_all_parked(f"the new process (pid {self._successor_pid}) is gone")
@@ -766,7 +761,7 @@ class Predecessor(Machine[Phase, str]):
     def _wind_down_sweep(self) -> int:
         """Send what went idle (or close it, the successor gone); how many requests and connections are left."""
         link = self._link
-        if link is not None and not link.closed.called:
+        if link is not None and link.open:
             self._send_parked(link, None, pending=False)
             self._send_connections(link, pending=False)
         else:

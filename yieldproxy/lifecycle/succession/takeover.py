@@ -319,7 +319,7 @@ class TakeOver(Machine[Stage, str]):
                 os.close(item.fd)
 
     def _ack(self, message: dict[str, Any]) -> None:
-        """The predecessor may close its copies of the descriptors of frame ``id`` now."""
+        """The predecessor has frame ``id`` taken (its prepare rounds wait for every frame to be)."""
         assert self._link is not None
         self._link.send({"type": "took", "id": message.get("id")})
 
