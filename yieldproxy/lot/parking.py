@@ -468,16 +468,6 @@ class ParkingLot:
             listener()
         return d
 
-    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
-        """The entry :meth:`release_next` would let out now (of those ``accepts`` allows)."""
-        heads = self._heads(accepts)
-        cls = self._next_class(heads)
-        return heads[cls] if cls is not None else None
-
-    def release_next(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
-        """Let out the next entry (of those ``accepts`` allows) in drain order, to ``target``."""
-        return self.release_first(self._heads(accepts), target)
-
     def release_first(self, heads: dict[str, Entry], target: str | None = None) -> Entry | None:
         """Let out, of ``heads`` (one parked entry per class: the first of each a target may take), the one
         the drain order picks (class priority and share, FIFO within a class), and fire it.
@@ -500,19 +490,6 @@ class ParkingLot:
         d.callback(entry)
         self._tell_empty()
         return entry
-
-    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
-        """Each waiting class's first entry (that ``accepts`` allows), in class order."""
-        queues = self._queues
-        if accepts is None:
-            return {cls: queue[0] for cls, queue in queues.items() if queue}
-        heads = {}
-        for cls, queue in queues.items():
-            for entry in queue:
-                if accepts(entry):
-                    heads[cls] = entry
-                    break
-        return heads
 
     def _next_class(self, heads: dict[str, Entry]) -> str | None:
         """Highest priority first, unless a waiting class has been passed over its share."""
