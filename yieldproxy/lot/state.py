@@ -28,7 +28,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..callbacks import call_each
-from ..clock import same
+from ..clock import cancel, same
 from ..names import OWN_SOURCES, check_source, name_set, name_tuple
 
 log = Logger()
@@ -415,14 +415,11 @@ class YieldState:
     def stop(self) -> None:
         """The proxy has stopped: no lease runs out any more (nothing is left to release)."""
         for call in self._leases.values():
-            if call.active():
-                call.cancel()
+            cancel(call)
         self._leases.clear()
 
     def _set_lease(self, key: tuple[str, str], for_seconds: float | None) -> None:
-        call = self._leases.pop(key, None)
-        if call is not None and call.active():
-            call.cancel()
+        cancel(self._leases.pop(key, None))
         if for_seconds is not None:
             self._leases[key] = self._clock.callLater(for_seconds, self._lease_ran_out, key)
 
