@@ -4,11 +4,10 @@ An entry waits here until it is released (its Deferred fires with the entry),
 expires past its hold bound, is abandoned by its client (its Deferred was
 cancelled), is handed over to a new process, or is answered at shutdown.
 Order is by arrival sequence number, so a request that failed mid-flight
-and comes back keeps its place.  The lot knows nothing of members: which
-entry a member may take is the scheduler's decision (yieldproxy/schedule/),
-which hands the lot the entry to let out (:meth:`ParkingLot.release_first`).
-Where an entry is, is one named state moved by :data:`ENTRY_MOVES`, a table
-that drives (yieldproxy/states.py); the Deferred is what :attr:`Stay.PARKED` holds.
+and comes back keeps its place.  What the lot leaves to the scheduler:
+docs/architecture.md, "The scheduler".  Where an entry is, is one named state
+moved by :data:`ENTRY_MOVES` (yieldproxy/states.py); the Deferred is what
+:attr:`Stay.PARKED` holds.
 """
 
 from __future__ import annotations
@@ -82,20 +81,19 @@ class Standing:
     The one record of a parked request that outlives its entry: written by
     :meth:`Entry.standing`, carried across a reload (lifecycle/succession/wire.py),
     and parked again from (:meth:`Entry.resumed`) in the new process, so each
-    field is copied in one place.  Times are the reactor's clock.
+    field is copied in one place.  Each field is :class:`Entry`'s of its name
+    (``parked_seconds`` counts the stay it is in up to when it was written).
+    Times are the reactor's clock.
     """
 
     cls: str
-    #: The caller's X-Yield-Max-Wait, if any.
     max_wait: float | None = None
     attempts: int = 0
     forgiven: int = 0
-    #: Seconds parked so far (the stay it is in counted up to when it was written).
     parked_seconds: float = 0.0
     first_parked: float | None = None
     deadline: float | None = None
     bound_by_caller: bool = False
-    #: The member its last attempt failed on (another takes it first, if it still may serve it).
     failed_on: str | None = None
 
 

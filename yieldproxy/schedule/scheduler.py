@@ -1,10 +1,7 @@
 """The scheduler: admission, the choice of member, when a member takes a parked entry, and release.
 
-Events come in as calls (a request to admit, an exchange that finished, a member taken, given back or
-back at work, a twin verified); effects go out through the lot (park, release one entry, refuse) and
-through each member's drainer (a :class:`~yieldproxy.lot.replay.Replayer`, made here, which paces the
-releases and asks back only :meth:`Scheduler._has_work` and :meth:`Scheduler._release_to`).  The rules
-are docs/pool.md's; which room owns what: docs/architecture.md ("The scheduler").
+Its events and effects, and which room owns what: docs/architecture.md ("The scheduler"); the rules
+are docs/pool.md's.
 """
 
 from __future__ import annotations
