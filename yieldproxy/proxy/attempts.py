@@ -228,16 +228,7 @@ class AttemptLoop:
         "The verdict on a failed attempt") is the policy; this gathers the facts it rests on, asks for the ones it
         asks for (the pool, when an answer said busy; the outage judge, the
         member's health, which may probe), and does what it returns: the
-        counts, the log lines and the answer.  In short: while a hold covers
-        the member any failure goes back to its place in the lot uncounted;
-        a member not ready is passed over uncounted; a busy answer goes to
-        another member that may take it now; an outage the judge recognises
-        parks the request behind its hold uncounted; a request that fails
-        alone ends after ``upstream.max_attempts`` counted attempts, with
-        the upstream's own answer (its GPU words) or a 502/504 naming its
-        model when the watcher judged that model failing alone (upstream/failing.py);
-        a 5xx in words no list has gets the upstream's answer once no outage
-        explains it, and one whose words blame the caller at once.
+        counts, the log lines and the answer.
         """
         answer = failure.answer
         facts_of_it = Facts(
@@ -342,7 +333,6 @@ class AttemptLoop:
         would: :attr:`Verdict.GIVE_UP_RELAY`), else a 502 or a 504 saying why."""
         if relay:
             assert failure.answer is not None  # the verdict relays only an answer
-            # Ollama's own words about its own failure say more than ours would.
             log.info(
                 "{cls} request gave up after {n} failed attempts ({reason}); relaying the upstream's answer",
                 cls=entry.cls, n=entry.attempts, reason=failure.reason,
