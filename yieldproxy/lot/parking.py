@@ -522,7 +522,7 @@ class ParkingLot:
         if self._timer is not None:
             if soonest == self._timer_at:
                 return
-            if self._timer.active():
+            if self._timer.active():  # clock.cancel, inline: every park runs it
                 self._timer.cancel()
             self._timer = None
         self._timer_at = soonest
@@ -607,7 +607,7 @@ class ParkingLot:
             # Nothing parked: every deadline left is stale, and no timer is needed.
             self._deadlines.clear()
             self._timer_at = math.inf
-            if self._timer is not None and self._timer.active():
+            if self._timer is not None and self._timer.active():  # clock.cancel, inline: most releases run it
                 self._timer.cancel()
             self._timer = None
         self._metrics.park_seconds.labels(entry.cls).observe(stayed)
