@@ -132,9 +132,6 @@ class Scheduler:
         """Which members may serve a request (schedule/routing.py), one shared value per key."""
         return self._eligibility.routing(method, path, cls, model, translatable)
 
-    def translates(self, method: str | None, path: str | None, cls: str) -> bool:
-        return self._eligibility.translates(method, path, cls)
-
     def passthrough_member(self, method: str, path: str, model: str | None) -> Member:
         return self._eligibility.passthrough_member(method, path, model)
 
