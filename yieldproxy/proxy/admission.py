@@ -244,8 +244,8 @@ class Admission:
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
                         model = read_request(body, shared).model
             cls = self._classifier.classify(method, path, model)
-        # Only model-loading and unload routes change class while their upstream is held.
-        if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._route_held(method, path, model):
+        # Only model-loading and unload routes change class while their upstream (where a request that runs no model goes) is held.
+        if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._scheduler.passthrough_member(method, path, model).held():
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
@@ -257,10 +257,6 @@ class Admission:
                 if is_unload(method, path, parsed):
                     return PASSTHROUGH
         return cls
-
-    def _route_held(self, method: str, path: str, model: str | None) -> bool:
-        """Whether the member a request that runs no model would go to is yielded (the GPU, with one upstream)."""
-        return self._scheduler.passthrough_member(method, path, model).held()
 
     def _trusts_header(self, request: Any) -> bool:
         mode = self._config.proxy.trust_class_header

@@ -47,11 +47,6 @@ log = Logger()
 _RETRY = object()
 
 
-def _no_verdict(value: object, timeout: float) -> None:
-    """The outage verdict was not in within the caller's budget: none (the verdict then counts it out of time)."""
-    return None
-
-
 def _bound_spent(entry: Entry, now: float) -> str:
     """"its hold bound (...) is spent" when a request's wait bound is spent at ``now``, else ""."""
     if entry.deadline is None or entry.first_parked is None or now < entry.deadline:
@@ -245,11 +240,12 @@ class AttemptLoop:
             if reason != failure.reason:
                 failure = RetryableFailure(reason, failure.detail, answer, failure.words)
             self._metrics.upstream_failures_total.labels(entry.cls, reason).inc()
-            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute).
+            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute):
+            # past it, none (None: the verdict counts it out of time).
             entry.start_waiting(self._clock.seconds(), self._config.classes[entry.cls].hold_seconds)
             assert entry.deadline is not None  # set just now, or when it first waited
             judged = member.health.report(reason, failed_call_on(target, entry, body, member))
-            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, _no_verdict)
+            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, lambda value, timeout: None)
             outage = await judged
             decided = verdict(attrs.evolve(
                 facts_of_it, reason=reason, outage=bool(outage), held=member.held(), reachable=member.health.reachable,
