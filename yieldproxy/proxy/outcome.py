@@ -99,14 +99,10 @@ class Outcomes:
         return write_error(request, api, status, message, reason, retry_after)
 
     async def broken(self, request: Any, facts: RequestFacts, api: str, why: str) -> None:
-        """The upstream failed mid-answer: end a stream in its own error form, else close what was sent.
+        """The upstream failed mid-answer: end a stream in its own error form, else close what was sent
+        (docs/admin-api.md, "When the upstream fails mid-answer").
 
-        A stream the proxy frames (no ``Content-Length``) gets its error line
-        (NDJSON) or event (SSE), its last chunk, and the connection closes.
-        Any other answer cannot be ended honestly: the connection closes
-        after what was sent (a clean close, never a reset, which would lose
-        the status line still in the buffers), so the client sees a body
-        short of its length or with no last chunk, never a complete wrong one.
+        A clean close, never a reset, which would lose the status line still in the buffers.
         """
         self.close(request, facts)
         log.warn(
