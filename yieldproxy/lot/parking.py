@@ -212,27 +212,22 @@ class Entry(Machine[Stay, str]):
 
 @attrs.frozen
 class Waiting:
-    """One parked request as a reader sees it (the admin API's ``GET /parked``): a copy, nothing to change."""
+    """One parked request as a reader sees it, a copy: a row of the admin API's ``GET /parked``, whose
+    fields docs/admin-api.md says (``eligible`` is its ``upstreams``, ``tries`` its ``attempts``,
+    ``waited``, ``bound`` and ``remaining`` its ``*_seconds``, ``bound_by_caller`` its ``bound_by``)."""
 
-    #: Its place in arrival order over the whole lot, from 1.
     position: int
-    #: Its place in its class's line, from 1: the order it drains in (FIFO within a class).
     class_position: int
     cls: str
     route: str | None
     model: str | None
-    #: The pool members that may serve it, in config order.
     eligible: tuple[str, ...]
-    #: Its client's address (an ``IAddress``), or None.
+    #: An ``IAddress``, or None.
     client: Any
-    #: Seconds since it first parked (its hold bound counts from then).
     waited: float
-    #: Its hold bound: seconds it may wait in all, and whether its caller's ``X-Yield-Max-Wait`` set it.
     bound: float
     bound_by_caller: bool
-    #: Seconds left before it expires.
     remaining: float
-    #: Failed attempts so far, counted or forgiven.
     tries: int
 
 
