@@ -270,15 +270,6 @@ class HandedOver(Exception):
         self.take = take
 
 
-def _take_deferred(entry: Entry, event: str) -> Deferred[Entry]:
-    """The Deferred a parked entry waits on, taken from it as it leaves the lot on ``event``."""
-    entry.fire(event)
-    d = entry._deferred
-    assert d is not None
-    entry._deferred = None
-    return d
-
-
 @attrs.define(eq=False)
 class ParkingLot:
     """FIFO of parked entries with global and per-class ceilings."""
@@ -477,10 +468,7 @@ class ParkingLot:
         self._passed_over[cls] = 0
         entry = heads[cls]
         entry.released_to = target
-        self._leave(entry)
-        d = _take_deferred(entry, "release")
-        self._tell_out(entry)
-        d.callback(entry)
+        self._let_out(entry, "release").callback(entry)
         self._tell_empty()
         return entry
 
@@ -550,11 +538,9 @@ class ParkingLot:
             why = f"parked past the hold bound ({deadline - first_parked:g}s for {entry.cls} requests)"
         self._fail(entry, Refused("expired", why, 503), "expire")
 
-    def _fail(self, entry: Entry, refusal: Refused, event: str = "refuse") -> None:
-        self._leave(entry)
-        d = _take_deferred(entry, event)
-        self._tell_out(entry)
-        d.errback(refusal)
+    def _fail(self, entry: Entry, error: Exception, event: str = "refuse") -> None:
+        """``entry`` leaves the lot on ``event``, its Deferred failed with ``error``."""
+        self._let_out(entry, event).errback(error)
         self._tell_empty()
 
     def hand_over(self, entry: Entry, take: Callable[..., Deferred[bool] | None]) -> None:
@@ -563,22 +549,24 @@ class ParkingLot:
         this one)."""
         if entry.state is not PARKED:
             return
-        self._leave(entry)
-        d = _take_deferred(entry, "hand")
-        self._tell_out(entry)
-        d.errback(HandedOver(take))
-        self._tell_empty()
+        self._fail(entry, HandedOver(take), "hand")
 
     def _abandon(self, entry: Entry) -> None:
         """Canceller: the client went away while parked."""
         if entry.state is not PARKED:
             return
-        self._leave(entry)
-        d = _take_deferred(entry, "abandon")
-        self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
-        d.errback(CancelledError("client went away while parked"))
-        self._tell_empty()
+        self._fail(entry, CancelledError("client went away while parked"), "abandon")
+
+    def _let_out(self, entry: Entry, event: str) -> Deferred[Entry]:
+        """``entry`` leaves the lot on ``event``, the listeners told: the Deferred it waited on, for the caller to fire."""
+        self._leave(entry)
+        entry.fire(event)
+        d = entry._deferred
+        assert d is not None
+        entry._deferred = None
+        self._tell_out(entry)
+        return d
 
     def _tell_out(self, entry: Entry) -> None:
         """Tell the listeners an entry left, before its request moves on; one failing must not stop the rest."""
