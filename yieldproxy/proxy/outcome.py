@@ -1,9 +1,7 @@
 """How a request ends: its answer in the API's shape, and its outcome written once.
 
-:meth:`Outcomes.close` is the one writer of ``requests_total``, a parked
-request's ``replay_total`` and the request log line, from the request's
-:class:`~yieldproxy.proxy.facts.RequestFacts`.  A client that goes away
-with nothing said is ``abandoned`` (code 499, as nginx logs it).
+:meth:`Outcomes.close` is the one writer of ``requests_total``, a parked request's ``replay_total``
+and the request log line (docs/metrics.md), from the request's :class:`~yieldproxy.proxy.facts.RequestFacts`.
 """
 
 from __future__ import annotations
