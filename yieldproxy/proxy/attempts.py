@@ -144,10 +144,7 @@ class AttemptLoop:
         except RelayBroken as broken:
             failed = True
             outcome = broken.reason
-            if broken.reason == Reason.STALL:
-                self._metrics.upstream_failures_total.labels(entry.cls, Reason.STALL).inc()
-            facts.say(request.code, "upstream_error", entry.tries + 1)
-            return await self._outcomes.broken(request, facts, entry.api, str(broken))
+            return await self._outcomes.broken(request, facts, entry.api, broken, entry.tries + 1)
         except ClientTooSlow as slow:
             outcome = "slow_client"
             return await self._outcomes.drop_slow_client(request, facts, slow, entry.tries + 1)

@@ -74,7 +74,7 @@ class ProxyApp:
         attempts = AttemptLoop(
             self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers, self._on_attempt
         )
-        passthrough = Passthrough(self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers)
+        passthrough = Passthrough(self._clock, self._config, self._scheduler, outcomes, buffers)
         self._admission = Admission(
             self._config, self._scheduler, self._metrics, outcomes, attempts.run, passthrough.run
         )

@@ -18,7 +18,8 @@ from ..observe.metrics import Metrics
 from ..observe.requestlog import CLIENT_GONE, log_request
 from ..schedule.scheduler import Scheduler
 from ..servers import Refusal
-from ..upstream.attempt import ClientTooSlow
+from ..upstream.attempt import ClientTooSlow, RelayBroken
+from ..upstream.verdict import Reason
 from .facts import HANDED_OVER, RequestFacts
 
 log = Logger()
@@ -96,13 +97,17 @@ class Outcomes:
         facts.say(status, reason, attempts)
         return write_error(request, api, status, message, reason, retry_after)
 
-    async def broken(self, request: Any, facts: RequestFacts, api: str, why: str) -> None:
-        """The upstream failed mid-answer: end a stream in its own error form, else close what was sent
-        (docs/admin-api.md, "When the upstream fails mid-answer").
+    async def broken(self, request: Any, facts: RequestFacts, api: str, broken: RelayBroken, attempts: int) -> None:
+        """The upstream failed mid-answer (a stall counts as an upstream failure): end a stream in its own
+        error form, else close what was sent (docs/admin-api.md, "When the upstream fails mid-answer").
 
         A clean close, never a reset, which would lose the status line still in the buffers.
         """
+        if broken.reason == Reason.STALL:
+            self._metrics.upstream_failures_total.labels(facts.cls, Reason.STALL).inc()
+        facts.say(request.code, "upstream_error", attempts)
         self.close(request, facts)
+        why = str(broken)
         log.warn(
             "{method} {path}: upstream failed mid-answer: {why}",
             method=request.method.decode("latin-1"), path=request.path.decode("latin-1"), why=why,
