@@ -89,8 +89,7 @@ class AttemptLoop:
                     facts.replay = refusal.reason if refusal.reason in ("expired", "shutdown") else "rejected"
                     return answer
                 except HandedOver as handed:
-                    # Taken, with its connection, by the process that replaces this one (lifecycle/succession/):
-                    # it ends there once that process has it (True), or parks here again, in its place (False).
+                    # Taken by the process that replaces this one, or parked here again (:class:`HandedOver` says when).
                     facts.outcome = HANDED_OVER
                     taken = handed.take(request, entry, body)
                     if taken is None or await taken:
