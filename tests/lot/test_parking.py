@@ -40,6 +40,27 @@ def released(outcomes):
     return [o for o in outcomes if "released_at" in o]
 
 
+def heads(lot, accepts=None):
+    """Each waiting class's first entry (that ``accepts`` allows): what a member's line hands ``release_first``."""
+    found = {}
+    for entry in lot.entries():
+        if entry.cls not in found and (accepts is None or accepts(entry)):
+            found[entry.cls] = entry
+    return found
+
+
+def next_out(lot, accepts=None):
+    """The entry ``release_first`` would let out now (of those ``accepts`` allows), nothing released."""
+    first = heads(lot, accepts)
+    cls = lot._next_class(first)
+    return first[cls] if cls is not None else None
+
+
+def release(lot, accepts=None, target=None):
+    """Let out the next entry (of those ``accepts`` allows) in the lot's drain order, to ``target``."""
+    return lot.release_first(heads(lot, accepts), target)
+
+
 def finish(core, outcome, failed=False):
     """The upstream exchange of a released entry ended."""
     assert "released_at" in outcome
@@ -256,7 +277,7 @@ def test_failed_attempt_goes_back_to_its_original_place():
     head.attempts = 1
     seen = []
     core.scheduler.admit(head).addCallback(seen.append)
-    assert core.lot.peek() is head
+    assert next_out(core.lot) is head
     assert [e.seq for e in core.lot.entries()] == sorted(o["entry"].seq for o in outcomes)
     core.state.release("api")
     core.run(0.01)
@@ -380,14 +401,14 @@ def test_a_target_takes_the_next_entry_it_may_serve_in_the_lots_drain_order():
         return entry.seq in mine
 
     order = []
-    while (entry := core.lot.release_next(accepts, "other")) is not None:
+    while (entry := release(core.lot, accepts, "other")) is not None:
         order.append(entries.index(entry))
         assert entry.released_to == "other" and outcomes[order[-1]]["released_at"] is not None
     # Interactive first (i5, its only one), then batch in FIFO order.
     assert order == [5, 0, 2, 4]
     # The rest kept their places, in arrival order, for the primary.
     assert [entries.index(e) for e in core.lot.entries()] == [1, 3, 6, 7]
-    assert core.lot.peek(accepts) is None
+    assert next_out(core.lot, accepts) is None
     core.state.release("api")
     core.run(0.01)
     assert [entries.index(o["entry"]) for o in released(outcomes) if o["entry"].released_to == "default"] == [1, 3, 6, 7]
@@ -401,10 +422,10 @@ def test_min_share_counts_only_the_classes_a_target_could_serve():
     # A target that serves only interactive requests does not pass batch over: batch
     # (min_share 0.25) is not "starving" when the primary comes to drain.
     for _ in range(4):
-        core.lot.release_next(lambda e: e.cls == "interactive", "other")
-    assert core.lot.peek() is inter[4]  # priority decides, as if those releases never happened
+        release(core.lot, lambda e: e.cls == "interactive", "other")
+    assert next_out(core.lot) is inter[4]  # priority decides, as if those releases never happened
     # The primary's own releases count as before: after three interactive, batch's turn.
-    order = [core.lot.release_next() for _ in range(4)]
+    order = [release(core.lot) for _ in range(4)]
     assert order == [inter[4], inter[5], inter[6], batch[0]]
 
 
@@ -415,7 +436,7 @@ def test_every_way_out_of_the_lot_is_told_once_with_its_target():
     core.lot.when_out(lambda entry: 1 / 0)  # a failing listener does not stop the others
     core.state.hold("api")
     a, b, c, d = (park(core, cls="interactive" if i == 2 else "batch") for i in range(4))
-    core.lot.release_next(lambda e: e is a["entry"], "other")
+    release(core.lot, lambda e: e is a["entry"], "other")
     b["deferred"].cancel()
     core.run(16)  # c (interactive) expires
     core.state.release("api")
@@ -432,8 +453,8 @@ def test_a_drainer_per_target_with_its_own_cap_and_its_own_opening():
 
     other = Replayer(
         core.clock, core.lot, core.state, core.metrics, clock_cooperator(core.clock), concurrency=2,
-        has_work=lambda: open_[0] and core.lot.peek(batch) is not None,
-        release=lambda: core.lot.release_next(batch, "other"),
+        has_work=lambda: open_[0] and next_out(core.lot, batch) is not None,
+        release=lambda: release(core.lot, batch, "other"),
     )
     core.lot.when_parked(other.kick)  # as service.build_heart wires each drainer
     core.state.hold("api")

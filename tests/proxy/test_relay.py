@@ -406,6 +406,21 @@ def test_a_stall_before_anything_reached_the_client_is_a_counted_retry():
 ATTEMPT = 120.0  # upstream.attempt_timeout_seconds, by default
 
 
+def test_a_passthrough_answer_that_stalls_mid_body_counts_a_stall_of_the_passthrough_class():
+    """A route that never parks, its answer cut by a stall once bytes reached the client: the same
+    count as a gated request's (``upstream_failures_total``), under the ``passthrough`` class."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    backend = ScriptedBackend((head + b'{"models": [', "stall"))
+    rig = Rig(upstream=backend)
+    peer = rig.raw()
+    peer.send(request_bytes(b"GET", b"/api/tags", [], b""))
+    rig.turn()
+    rig.run(STALL + 1)
+    assert peer.closed and peer.data.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert rig.sample("yieldproxy_upstream_failures_total", **{"class": "passthrough", "reason": "stall"}) == 1
+    assert rig.sample("yieldproxy_requests_total", **{"class": "passthrough", "code": "200"}) == 1
+
+
 class _HeldBackend(ScriptedBackend):
     """A :class:`ScriptedBackend` that keeps its last connection, for a test to write more on it later."""
 

@@ -1,19 +1,9 @@
 """Which class a request belongs to: configured route rules, then the servers' own tables.
 
-``interactive`` wants an answer in seconds, ``batch`` can wait, ``long`` can
-wait minutes; ``passthrough`` requests are never parked, so only routes known
-not to run a model are passthrough (each server's allow-list in
-:mod:`yieldproxy.servers`, and Ollama's true unloads).  A route the proxy does
-not know gets ``proxy.unknown_route_class`` (``interactive`` by default):
-during a yield it parks, since nothing says it leaves the GPU alone.  Rules
-match on method, path or path prefix, and optionally on the model named in
-the JSON body; the first rule that matches wins.  Paths are the decoded
-canonical paths of :mod:`yieldproxy.proxy.target`; bodies are read as Ollama reads
-them (:mod:`yieldproxy.servers.gojson`).
-
-The route tables are the servers' (one module per server, one source of
-truth); a classifier is built for the apis of the upstreams it fronts, in
-config order (``("ollama",)`` for a single Ollama, as before the pool).
+The rules, in order: docs/classes.md, "How a request gets its class"; why only routes known to run
+no model pass through (an unknown one parks): "Passthrough is an allow-list".
+The route tables are the servers' (one module per server, one source of truth); a classifier is
+built for the apis of the upstreams it fronts, in config order.
 """
 
 from __future__ import annotations

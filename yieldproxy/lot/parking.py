@@ -4,11 +4,10 @@ An entry waits here until it is released (its Deferred fires with the entry),
 expires past its hold bound, is abandoned by its client (its Deferred was
 cancelled), is handed over to a new process, or is answered at shutdown.
 Order is by arrival sequence number, so a request that failed mid-flight
-and comes back keeps its place.  The lot knows nothing of members: which
-entry a member may take is the scheduler's decision (yieldproxy/schedule/),
-which hands the lot the entry to let out (:meth:`ParkingLot.release_first`).
-Where an entry is, is one named state moved by :data:`ENTRY_MOVES`, a table
-that drives (yieldproxy/states.py); the Deferred is what :attr:`Stay.PARKED` holds.
+and comes back keeps its place.  What the lot leaves to the scheduler:
+docs/architecture.md, "The scheduler".  Where an entry is, is one named state
+moved by :data:`ENTRY_MOVES` (yieldproxy/states.py); the Deferred is what
+:attr:`Stay.PARKED` holds.
 """
 
 from __future__ import annotations
@@ -82,20 +81,19 @@ class Standing:
     The one record of a parked request that outlives its entry: written by
     :meth:`Entry.standing`, carried across a reload (lifecycle/succession/wire.py),
     and parked again from (:meth:`Entry.resumed`) in the new process, so each
-    field is copied in one place.  Times are the reactor's clock.
+    field is copied in one place.  Each field is :class:`Entry`'s of its name
+    (``parked_seconds`` counts the stay it is in up to when it was written).
+    Times are the reactor's clock.
     """
 
     cls: str
-    #: The caller's X-Yield-Max-Wait, if any.
     max_wait: float | None = None
     attempts: int = 0
     forgiven: int = 0
-    #: Seconds parked so far (the stay it is in counted up to when it was written).
     parked_seconds: float = 0.0
     first_parked: float | None = None
     deadline: float | None = None
     bound_by_caller: bool = False
-    #: The member its last attempt failed on (another takes it first, if it still may serve it).
     failed_on: str | None = None
 
 
@@ -214,27 +212,22 @@ class Entry(Machine[Stay, str]):
 
 @attrs.frozen
 class Waiting:
-    """One parked request as a reader sees it (the admin API's ``GET /parked``): a copy, nothing to change."""
+    """One parked request as a reader sees it, a copy: a row of the admin API's ``GET /parked``, whose
+    fields docs/admin-api.md says (``eligible`` is its ``upstreams``, ``tries`` its ``attempts``,
+    ``waited``, ``bound`` and ``remaining`` its ``*_seconds``, ``bound_by_caller`` its ``bound_by``)."""
 
-    #: Its place in arrival order over the whole lot, from 1.
     position: int
-    #: Its place in its class's line, from 1: the order it drains in (FIFO within a class).
     class_position: int
     cls: str
     route: str | None
     model: str | None
-    #: The pool members that may serve it, in config order.
     eligible: tuple[str, ...]
-    #: Its client's address (an ``IAddress``), or None.
+    #: An ``IAddress``, or None.
     client: Any
-    #: Seconds since it first parked (its hold bound counts from then).
     waited: float
-    #: Its hold bound: seconds it may wait in all, and whether its caller's ``X-Yield-Max-Wait`` set it.
     bound: float
     bound_by_caller: bool
-    #: Seconds left before it expires.
     remaining: float
-    #: Failed attempts so far, counted or forgiven.
     tries: int
 
 
@@ -275,15 +268,6 @@ class HandedOver(Exception):
         super().__init__("handed over to the process that replaces this one")
         #: ``take(request, entry, body)``.
         self.take = take
-
-
-def _take_deferred(entry: Entry, event: str) -> Deferred[Entry]:
-    """The Deferred a parked entry waits on, taken from it as it leaves the lot on ``event``."""
-    entry.fire(event)
-    d = entry._deferred
-    assert d is not None
-    entry._deferred = None
-    return d
 
 
 @attrs.define(eq=False)
@@ -468,16 +452,6 @@ class ParkingLot:
             listener()
         return d
 
-    def peek(self, accepts: Callable[[Entry], bool] | None = None) -> Entry | None:
-        """The entry :meth:`release_next` would let out now (of those ``accepts`` allows)."""
-        heads = self._heads(accepts)
-        cls = self._next_class(heads)
-        return heads[cls] if cls is not None else None
-
-    def release_next(self, accepts: Callable[[Entry], bool] | None = None, target: str | None = None) -> Entry | None:
-        """Let out the next entry (of those ``accepts`` allows) in drain order, to ``target``."""
-        return self.release_first(self._heads(accepts), target)
-
     def release_first(self, heads: dict[str, Entry], target: str | None = None) -> Entry | None:
         """Let out, of ``heads`` (one parked entry per class: the first of each a target may take), the one
         the drain order picks (class priority and share, FIFO within a class), and fire it.
@@ -494,25 +468,9 @@ class ParkingLot:
         self._passed_over[cls] = 0
         entry = heads[cls]
         entry.released_to = target
-        self._leave(entry)
-        d = _take_deferred(entry, "release")
-        self._tell_out(entry)
-        d.callback(entry)
+        self._let_out(entry, "release").callback(entry)
         self._tell_empty()
         return entry
-
-    def _heads(self, accepts: Callable[[Entry], bool] | None) -> dict[str, Entry]:
-        """Each waiting class's first entry (that ``accepts`` allows), in class order."""
-        queues = self._queues
-        if accepts is None:
-            return {cls: queue[0] for cls, queue in queues.items() if queue}
-        heads = {}
-        for cls, queue in queues.items():
-            for entry in queue:
-                if accepts(entry):
-                    heads[cls] = entry
-                    break
-        return heads
 
     def _next_class(self, heads: dict[str, Entry]) -> str | None:
         """Highest priority first, unless a waiting class has been passed over its share."""
@@ -547,7 +505,7 @@ class ParkingLot:
         if self._timer is not None:
             if soonest == self._timer_at:
                 return
-            if self._timer.active():
+            if self._timer.active():  # clock.cancel, inline: every park runs it
                 self._timer.cancel()
             self._timer = None
         self._timer_at = soonest
@@ -580,11 +538,9 @@ class ParkingLot:
             why = f"parked past the hold bound ({deadline - first_parked:g}s for {entry.cls} requests)"
         self._fail(entry, Refused("expired", why, 503), "expire")
 
-    def _fail(self, entry: Entry, refusal: Refused, event: str = "refuse") -> None:
-        self._leave(entry)
-        d = _take_deferred(entry, event)
-        self._tell_out(entry)
-        d.errback(refusal)
+    def _fail(self, entry: Entry, error: Exception, event: str = "refuse") -> None:
+        """``entry`` leaves the lot on ``event``, its Deferred failed with ``error``."""
+        self._let_out(entry, event).errback(error)
         self._tell_empty()
 
     def hand_over(self, entry: Entry, take: Callable[..., Deferred[bool] | None]) -> None:
@@ -593,22 +549,24 @@ class ParkingLot:
         this one)."""
         if entry.state is not PARKED:
             return
-        self._leave(entry)
-        d = _take_deferred(entry, "hand")
-        self._tell_out(entry)
-        d.errback(HandedOver(take))
-        self._tell_empty()
+        self._fail(entry, HandedOver(take), "hand")
 
     def _abandon(self, entry: Entry) -> None:
         """Canceller: the client went away while parked."""
         if entry.state is not PARKED:
             return
-        self._leave(entry)
-        d = _take_deferred(entry, "abandon")
-        self._tell_out(entry)
         # A canceller that does not fire the Deferred gets CancelledError fired for it.
-        d.errback(CancelledError("client went away while parked"))
-        self._tell_empty()
+        self._fail(entry, CancelledError("client went away while parked"), "abandon")
+
+    def _let_out(self, entry: Entry, event: str) -> Deferred[Entry]:
+        """``entry`` leaves the lot on ``event``, the listeners told: the Deferred it waited on, for the caller to fire."""
+        self._leave(entry)
+        entry.fire(event)
+        d = entry._deferred
+        assert d is not None
+        entry._deferred = None
+        self._tell_out(entry)
+        return d
 
     def _tell_out(self, entry: Entry) -> None:
         """Tell the listeners an entry left, before its request moves on; one failing must not stop the rest."""
@@ -632,7 +590,7 @@ class ParkingLot:
             # Nothing parked: every deadline left is stale, and no timer is needed.
             self._deadlines.clear()
             self._timer_at = math.inf
-            if self._timer is not None and self._timer.active():
+            if self._timer is not None and self._timer.active():  # clock.cancel, inline: most releases run it
                 self._timer.cancel()
             self._timer = None
         self._metrics.park_seconds.labels(entry.cls).observe(stayed)

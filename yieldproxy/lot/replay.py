@@ -4,9 +4,8 @@ When the GPU comes back, a burst of parked requests must not hit it at once:
 a drainer lets the next entry out while fewer than ``concurrency`` requests
 are in flight and no faster than ``rate`` starts a second, and backs off
 after a retryable upstream failure, so a restarting backend is not hammered.
-Which entry goes, and whether its member takes work now, is not its
-business: it asks the scheduler (yieldproxy/schedule/), which made it, through
-the two callables it was given (``has_work``, ``release``).
+Which entry goes is the scheduler's to say (``has_work``, ``release``:
+docs/architecture.md, "The scheduler").
 """
 
 from __future__ import annotations
@@ -61,11 +60,6 @@ class Replayer:
     #: Waiting for nothing to be in flight (see :meth:`when_idle`).
     _idle_waiters: list[Deferred] = attrs.Factory(list)
 
-    @property
-    def draining(self) -> bool:
-        """True while parked requests are being let out (its member takes work, some waits for it)."""
-        return self.has_work()
-
     def can_start(self) -> bool:
         """True when a request may go to the target this instant: a free slot, no pause or pacing."""
         now = self._clock.seconds()
@@ -78,7 +72,7 @@ class Replayer:
 
     def kick(self) -> None:
         """Start the release task if there is work and none is running."""
-        if self._stopped or self._task is not None or not self.draining:
+        if self._stopped or self._task is not None or not self.has_work():
             return
         self._task = self._cooperator.cooperate(self._release())
         self._task.whenDone().addBoth(self._task_ended)
@@ -160,7 +154,7 @@ class Replayer:
         A stopped task must not be woken: the Cooperator already completed it,
         and firing (or cancelling) what it waited on would complete it twice.
         """
-        if self._timer is not None and self._timer.active():
+        if self._timer is not None and self._timer.active():  # clock.cancel, inline: every request's end runs it
             self._timer.cancel()
         self._timer = None
         waiting, self._waiting = self._waiting, None
@@ -174,7 +168,7 @@ class Replayer:
         return self._waiting
 
     def _release(self):
-        while self.draining and not self._stopped:
+        while self.has_work() and not self._stopped:
             if self.inflight >= self._cap():
                 yield self._sleep(0)
                 continue
@@ -186,7 +180,7 @@ class Replayer:
             if self.rate > 0:
                 self._next_start = now + 1.0 / self.rate
             self.started()
-            # ``draining`` just saw an entry for its member, and nothing ran since.
+            # ``has_work`` just saw an entry for its member, and nothing ran since.
             self.release()
             yield None
 

@@ -1,22 +1,11 @@
 """The yield state: who holds which upstream's GPU, why, and until when.
 
-An upstream (a pool member) is yielded while *any* hold applies to it.  Each
-hold comes from a named source (``api``, ``signal``, ``file``, ...) so one
-broker resuming cannot end another's hold, and has a *scope*: one member's
-name, or :data:`ALL` (every member but the standby ones, ``use =
-"when_others_yielded"``: a CPU copy kept for yields is not itself yielded by
-a hold that names no member).  Holds are keyed by ``(source, scope)``.  A
-hold may carry a lease (``for_seconds``): it ends by itself unless renewed,
-so a broker that dies mid-yield cannot park requests forever.
-
-:attr:`YieldState.yielded` is the proxy-wide "the GPU is yielded": every
-member that is not standby is held.  With one upstream (``proxy.upstream``,
-the member ``default``) that is exactly "any source holds the GPU".
-
-Sources are names a caller chose, so they are bounded: a conservative
-character set and length (:func:`~yieldproxy.names.check_source`: nothing that can forge a log
-line or a metric label), and at most ``max_holds`` holds at once from callers
-(the proxy's own watchers are never refused).
+An upstream (a pool member) is yielded while *any* hold applies to it.  Holds are keyed by
+``(source, scope)``: a scope is one member's name, or :data:`ALL` (every member but the standby
+ones).  What a source, a scope, a lease and ``max_holds`` mean to a caller: docs/admin-api.md,
+"``POST /yield``".  :attr:`YieldState.yielded` is the proxy-wide "the GPU is yielded": every
+member that is not standby is held.  Sources are names a caller chose, so they are bounded
+(:func:`~yieldproxy.names.check_source`: nothing that can forge a log line or a metric label).
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from ..callbacks import call_each
-from ..clock import same
+from ..clock import cancel, same
 from ..names import OWN_SOURCES, check_source, name_set, name_tuple
 
 log = Logger()
@@ -239,8 +228,7 @@ class YieldState:
                 "end one (POST /resume) or renew an existing source's hold"
             )
         expires_at = now + for_seconds if for_seconds is not None else None
-        # Only expected_seconds is an estimate; a lease is a dead-man's switch that a
-        # broker may renew for hours, so it says nothing about when the yield ends.
+        # A lease says nothing about when the yield ends (docs/admin-api.md, "A lease is not an estimate").
         expected_end = now + expected_seconds if expected_seconds is not None else None
         hold = Hold(
             source=source,
@@ -415,14 +403,11 @@ class YieldState:
     def stop(self) -> None:
         """The proxy has stopped: no lease runs out any more (nothing is left to release)."""
         for call in self._leases.values():
-            if call.active():
-                call.cancel()
+            cancel(call)
         self._leases.clear()
 
     def _set_lease(self, key: tuple[str, str], for_seconds: float | None) -> None:
-        call = self._leases.pop(key, None)
-        if call is not None and call.active():
-            call.cancel()
+        cancel(self._leases.pop(key, None))
         if for_seconds is not None:
             self._leases[key] = self._clock.callLater(for_seconds, self._lease_ran_out, key)
 

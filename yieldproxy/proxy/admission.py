@@ -89,8 +89,7 @@ class Admission:
     _upstream_hosts: frozenset[str] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        # Routes are classed by the servers of the pool's members (config order); a config without
-        # [[upstreams]] keeps Ollama's table, as a single upstream always had.
+        # Routes are classed by the servers of the pool's members (config order); without [[upstreams]], Ollama's.
         apis = tuple(dict.fromkeys(m.api for m in self._config.upstreams)) or ("ollama",)
         self._classifier = Classifier.from_rules(self._config.routes, self._config.proxy.unknown_route_class, apis)
         self._refusal = refuser(apis)
@@ -105,8 +104,7 @@ class Admission:
         ``carried``: what the process this one replaced said of an adopted request.
         """
         refuse = self._outcomes.refuse
-        # One canonical target, to classify and to forward: the upstream sees
-        # exactly the path the class was decided on (proxy/target.py).
+        # One canonical target, to classify and to forward (proxy/target.py).
         try:
             target = parse_target(request.uri)
         except BadTarget as e:
@@ -192,11 +190,8 @@ class Admission:
     ) -> bytes | None:
         """The upstream's own answer, given at once, to a request it would refuse at once; else None.
 
-        Every new request is asked once, before its class is decided and
-        before it may park (:func:`yieldproxy.servers.refusal`: the upstream's
-        CORS check, an unknown route of a server whose routes are all known, a
-        body its decoder refuses), so no web page and no typo holds a place in
-        the lot, and a caller's mistake is answered without waiting out a yield.
+        Asked once, before the class and before it may park (:func:`yieldproxy.servers.refusal`), so no web
+        page and no typo holds a place in the lot, and a caller's mistake is not kept waiting out a yield.
         """
         origin = (request.requestHeaders.getRawHeaders(b"origin") or [b""])[0]
         asked = Asked(
@@ -230,18 +225,9 @@ class Admission:
     def _class_of(
         self, method: str, target: Target, body: bytes, wanted: str | None, model: str | None, shared: FirstValue
     ) -> str:
-        """The request's class: a trusted header, else the route rules and the allow-list.
-
-        The body is read as Ollama's Go decoder reads it (servers/gojson.py): whole when
-        small, scanned for its model when large.  The scan never decides
-        passthrough alone: a model rule that would pass the request is
-        confirmed on the whole body.  While the GPU is yielded, two refinements
-        keep Ollama from touching it: model pulls and builds wait (as ``long``)
-        instead of passing through, and a true unload request (see
-        :func:`~yieldproxy.lot.classify.is_unload`, decided only on a small body
-        read whole) passes through instead of waiting, since it only frees
-        memory.  In a pool, "yielded" is said of the member such a request
-        would go to.
+        """The request's class: a trusted header, else the route rules and the allow-list, and the two
+        refinements while its member is yielded (docs/classes.md, "How a request gets its class" and
+        "Bodies are read as Ollama reads them"; in a pool, "yielded" is said of the member it would go to).
         """
         path = target.path
         if wanted is not None:
@@ -258,8 +244,8 @@ class Admission:
                     if self._classifier.classify(method, path, model) == PASSTHROUGH:
                         model = read_request(body, shared).model
             cls = self._classifier.classify(method, path, model)
-        # Only model-loading and unload routes change class while their upstream is held.
-        if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._route_held(method, path, model):
+        # Only model-loading and unload routes change class while their upstream (where a request that runs no model goes) is held.
+        if (path in MODEL_LOADING_PATHS or path in UNLOAD_PATHS) and self._scheduler.passthrough_member(method, path, model).held():
             if cls == PASSTHROUGH and path in MODEL_LOADING_PATHS:
                 return "long"
             # An unload request is a few bytes; a large body is never one.
@@ -271,10 +257,6 @@ class Admission:
                 if is_unload(method, path, parsed):
                     return PASSTHROUGH
         return cls
-
-    def _route_held(self, method: str, path: str, model: str | None) -> bool:
-        """Whether the member a request that runs no model would go to is yielded (the GPU, with one upstream)."""
-        return self._scheduler.passthrough_member(method, path, model).held()
 
     def _trusts_header(self, request: Any) -> bool:
         mode = self._config.proxy.trust_class_header

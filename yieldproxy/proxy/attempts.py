@@ -47,11 +47,6 @@ log = Logger()
 _RETRY = object()
 
 
-def _no_verdict(value: object, timeout: float) -> None:
-    """The outage verdict was not in within the caller's budget: none (the verdict then counts it out of time)."""
-    return None
-
-
 def _bound_spent(entry: Entry, now: float) -> str:
     """"its hold bound (...) is spent" when a request's wait bound is spent at ``now``, else ""."""
     if entry.deadline is None or entry.first_parked is None or now < entry.deadline:
@@ -94,8 +89,7 @@ class AttemptLoop:
                     facts.replay = refusal.reason if refusal.reason in ("expired", "shutdown") else "rejected"
                     return answer
                 except HandedOver as handed:
-                    # Taken, with its connection, by the process that replaces this one (lifecycle/succession/):
-                    # it ends there once that process has it (True), or parks here again, in its place (False).
+                    # Taken by the process that replaces this one, or parked here again (:class:`HandedOver` says when).
                     facts.outcome = HANDED_OVER
                     taken = handed.take(request, entry, body)
                     if taken is None or await taken:
@@ -149,10 +143,7 @@ class AttemptLoop:
         except RelayBroken as broken:
             failed = True
             outcome = broken.reason
-            if broken.reason == Reason.STALL:
-                self._metrics.upstream_failures_total.labels(entry.cls, Reason.STALL).inc()
-            facts.say(request.code, "upstream_error", entry.tries + 1)
-            return await self._outcomes.broken(request, facts, entry.api, str(broken))
+            return await self._outcomes.broken(request, facts, entry.api, broken, entry.tries + 1)
         except ClientTooSlow as slow:
             outcome = "slow_client"
             return await self._outcomes.drop_slow_client(request, facts, slow, entry.tries + 1)
@@ -228,16 +219,7 @@ class AttemptLoop:
         "The verdict on a failed attempt") is the policy; this gathers the facts it rests on, asks for the ones it
         asks for (the pool, when an answer said busy; the outage judge, the
         member's health, which may probe), and does what it returns: the
-        counts, the log lines and the answer.  In short: while a hold covers
-        the member any failure goes back to its place in the lot uncounted;
-        a member not ready is passed over uncounted; a busy answer goes to
-        another member that may take it now; an outage the judge recognises
-        parks the request behind its hold uncounted; a request that fails
-        alone ends after ``upstream.max_attempts`` counted attempts, with
-        the upstream's own answer (its GPU words) or a 502/504 naming its
-        model when the watcher judged that model failing alone (upstream/failing.py);
-        a 5xx in words no list has gets the upstream's answer once no outage
-        explains it, and one whose words blame the caller at once.
+        counts, the log lines and the answer.
         """
         answer = failure.answer
         facts_of_it = Facts(
@@ -254,11 +236,12 @@ class AttemptLoop:
             if reason != failure.reason:
                 failure = RetryableFailure(reason, failure.detail, answer, failure.words)
             self._metrics.upstream_failures_total.labels(entry.cls, reason).inc()
-            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute).
+            # The verdict is waited for within the caller's budget, as any wait (a probe may take a minute):
+            # past it, none (None: the verdict counts it out of time).
             entry.start_waiting(self._clock.seconds(), self._config.classes[entry.cls].hold_seconds)
             assert entry.deadline is not None  # set just now, or when it first waited
             judged = member.health.report(reason, failed_call_on(target, entry, body, member))
-            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, _no_verdict)
+            judged.addTimeout(max(0.0, entry.deadline - self._clock.seconds()), self._clock, lambda value, timeout: None)
             outage = await judged
             decided = verdict(attrs.evolve(
                 facts_of_it, reason=reason, outage=bool(outage), held=member.held(), reachable=member.health.reachable,
@@ -342,7 +325,6 @@ class AttemptLoop:
         would: :attr:`Verdict.GIVE_UP_RELAY`), else a 502 or a 504 saying why."""
         if relay:
             assert failure.answer is not None  # the verdict relays only an answer
-            # Ollama's own words about its own failure say more than ours would.
             log.info(
                 "{cls} request gave up after {n} failed attempts ({reason}); relaying the upstream's answer",
                 cls=entry.cls, n=entry.attempts, reason=failure.reason,

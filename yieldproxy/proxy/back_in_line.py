@@ -1,10 +1,7 @@
 """Back in line, not counted: the verdicts after which a failed attempt returns to its place in the lot.
 
-Six verdicts (:class:`~yieldproxy.upstream.verdict.Verdict`) mean the same
-move for six reasons: the attempt is forgiven (not counted against
-``upstream.max_attempts``), the member it failed on is passed over for it,
-and another eligible member may take it.  :data:`BACK_IN_LINE` says, for
-each, what is counted, what is logged and what the member is told;
+Six verdicts mean the same move for six reasons (docs/architecture.md, "The verdict on a failed
+attempt"); :data:`BACK_IN_LINE` says, for each, what is counted, logged and told the member, and
 :func:`back_in_line` does it.
 """
 

@@ -1,9 +1,4 @@
-"""A request's call as a pool member takes it, and what a call tells the member's health.
-
-The body with the member's own name for the model (its ``model_map``); the
-call an outage probe should test after a failure; what a model-management
-call or an unload changes in the record of what the member served.
-"""
+"""A request's call as a pool member takes it, and what a call tells the member's health."""
 
 from __future__ import annotations
 

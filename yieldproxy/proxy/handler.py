@@ -4,13 +4,8 @@ The listener (:class:`~yieldproxy.edge.site.ProxySite`) hands each request
 to the Klein app here, whose one route hands it to :meth:`ProxyApp._handle`
 (proxy/resource.py) and whose error handler answers what it cannot route.
 When the client goes away the listener's request cancels the handler's
-Deferred (edge/request.py, ``connectionLost``).
-
-Each request ends in exactly one outcome: relayed from the upstream, or an
-explicit error in its API's shape (400/413/502/503/504...).  The rooms:
-:mod:`.admission` decides what a request is, :mod:`.attempts` serves a gated
-one, :mod:`.passthrough` one that never parks, :mod:`.outcome` answers and
-writes the outcome once, from the request's :mod:`.facts`.
+Deferred (edge/request.py, ``connectionLost``).  The rooms it hands a
+request to: docs/architecture.md, "The proxy app".
 """
 
 from __future__ import annotations
@@ -79,7 +74,7 @@ class ProxyApp:
         attempts = AttemptLoop(
             self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers, self._on_attempt
         )
-        passthrough = Passthrough(self._clock, self._config, self._scheduler, self._metrics, outcomes, buffers)
+        passthrough = Passthrough(self._clock, self._config, self._scheduler, outcomes, buffers)
         self._admission = Admission(
             self._config, self._scheduler, self._metrics, outcomes, attempts.run, passthrough.run
         )

@@ -1,9 +1,7 @@
 """How a request ends: its answer in the API's shape, and its outcome written once.
 
-:meth:`Outcomes.close` is the one writer of ``requests_total``, a parked
-request's ``replay_total`` and the request log line, from the request's
-:class:`~yieldproxy.proxy.facts.RequestFacts`.  A client that goes away
-with nothing said is ``abandoned`` (code 499, as nginx logs it).
+:meth:`Outcomes.close` is the one writer of ``requests_total``, a parked request's ``replay_total``
+and the request log line (docs/metrics.md), from the request's :class:`~yieldproxy.proxy.facts.RequestFacts`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from ..observe.metrics import Metrics
 from ..observe.requestlog import CLIENT_GONE, log_request
 from ..schedule.scheduler import Scheduler
 from ..servers import Refusal
-from ..upstream.attempt import ClientTooSlow
+from ..upstream.attempt import ClientTooSlow, RelayBroken
+from ..upstream.verdict import Reason
 from .facts import HANDED_OVER, RequestFacts
 
 log = Logger()
@@ -98,17 +97,17 @@ class Outcomes:
         facts.say(status, reason, attempts)
         return write_error(request, api, status, message, reason, retry_after)
 
-    async def broken(self, request: Any, facts: RequestFacts, api: str, why: str) -> None:
-        """The upstream failed mid-answer: end a stream in its own error form, else close what was sent.
+    async def broken(self, request: Any, facts: RequestFacts, api: str, broken: RelayBroken, attempts: int) -> None:
+        """The upstream failed mid-answer (a stall counts as an upstream failure): end a stream in its own
+        error form, else close what was sent (docs/admin-api.md, "When the upstream fails mid-answer").
 
-        A stream the proxy frames (no ``Content-Length``) gets its error line
-        (NDJSON) or event (SSE), its last chunk, and the connection closes.
-        Any other answer cannot be ended honestly: the connection closes
-        after what was sent (a clean close, never a reset, which would lose
-        the status line still in the buffers), so the client sees a body
-        short of its length or with no last chunk, never a complete wrong one.
+        A clean close, never a reset, which would lose the status line still in the buffers.
         """
+        if broken.reason == Reason.STALL:
+            self._metrics.upstream_failures_total.labels(facts.cls, Reason.STALL).inc()
+        facts.say(request.code, "upstream_error", attempts)
         self.close(request, facts)
+        why = str(broken)
         log.warn(
             "{method} {path}: upstream failed mid-answer: {why}",
             method=request.method.decode("latin-1"), path=request.path.decode("latin-1"), why=why,

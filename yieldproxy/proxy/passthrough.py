@@ -14,14 +14,12 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.interfaces import IReactorTime
 
 from ..config import Config
-from ..lot.classify import PASSTHROUGH
-from ..observe.metrics import Metrics
 from ..schedule.scheduler import Scheduler
 from ..upstream.attempt import Attempt, ClientBuffers, ClientTooSlow, RelayBroken, RetryableFailure
 from ..upstream.pool.lists import UNION_PATHS, union_list
 from ..upstream.pool.member import Member
 from ..upstream.served import MANAGEMENT_PATHS
-from ..upstream.verdict import Reason, gateway_status
+from ..upstream.verdict import gateway_status
 from .calls import body_for, managed
 from .facts import RequestFacts
 from .outcome import Outcomes
@@ -35,7 +33,6 @@ class Passthrough:
     _clock: IReactorTime
     _config: Config
     _scheduler: Scheduler
-    _metrics: Metrics
     _outcomes: Outcomes
     #: Answers waiting in memory for slow clients (proxy.slow_client_buffer_*).
     _buffers: ClientBuffers
@@ -77,10 +74,7 @@ class Passthrough:
                 request, facts, api, gateway_status(failure.reason), "upstream_error", failure.detail, attempts=1
             )
         except RelayBroken as broken:
-            if broken.reason == Reason.STALL:
-                self._metrics.upstream_failures_total.labels(PASSTHROUGH, Reason.STALL).inc()
-            facts.say(request.code, "upstream_error", 1)
-            return await self._outcomes.broken(request, facts, api, str(broken))
+            return await self._outcomes.broken(request, facts, api, broken, 1)
         except ClientTooSlow as slow:
             return await self._outcomes.drop_slow_client(request, facts, slow, 1)
         member.health.report(None)

@@ -1,12 +1,8 @@
 """The proxy listener's entry: Klein routes every request, a leaf resource answers it.
 
-:class:`KleinEntry` is the Klein app's resource (``ProxyApp.resource``): it
-routes as Klein's own ``KleinResource`` does, without the per-request work
-that decides nothing (tests/proxy/test_klein_entry.py holds the two to the
-same answers; bench/klein_entry.py measures the difference).  The app's
-route returns :class:`HandlerResource` and asks nothing of Klein's request
-adapter (:func:`asks_no_klein_request`), so none is made: a parked request
-keeps nothing of Klein.  The leaf runs the handler and writes its outcome.
+:class:`KleinEntry` routes as Klein's own ``KleinResource`` does, without the per-request work that
+decides nothing (tests/proxy/test_klein_entry.py holds the two to the same answers; bench/klein_entry.py
+measures the difference).  :class:`HandlerResource`, the leaf, runs the handler and writes its outcome.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One request target, read the way Ollama's Go server reads it, or refused.
 
-The class is decided on exactly the path that is forwarded, as Ollama will route
-on it: :func:`parse_target` gives one canonical form, decoded to classify
-(:attr:`Target.path`) and re-encoded as Go encodes it to forward
-(:attr:`Target.raw`), or :class:`BadTarget` for what servers read differently.
-Otherwise a disguised route (``/api/%65mbed``) would pass a yield.  The rules and
-why each is safe: docs/classes.md, "One target to classify and to forward".
+:func:`parse_target` gives one canonical form, decoded to classify (:attr:`Target.path`) and
+re-encoded as Go encodes it to forward (:attr:`Target.raw`), or :class:`BadTarget` for what servers
+read differently.  Why (a disguised route would pass a yield), and the rules: docs/classes.md,
+"One target to classify and to forward".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The scheduler: admission, the choice of member, when a member takes a parked entry, and release.
 
-Events come in as calls (a request to admit, an exchange that finished, a member taken, given back or
-back at work, a twin verified); effects go out through the lot (park, release one entry, refuse) and
-through each member's drainer (a :class:`~yieldproxy.lot.replay.Replayer`, made here, which paces the
-releases and asks back only :meth:`Scheduler._has_work` and :meth:`Scheduler._release_to`).  The rules
-are docs/pool.md's; which room owns what: docs/architecture.md ("The scheduler").
+Its events and effects, and which room owns what: docs/architecture.md ("The scheduler"); the rules
+are docs/pool.md's.
 """
 
 from __future__ import annotations
@@ -135,9 +132,6 @@ class Scheduler:
         """Which members may serve a request (schedule/routing.py), one shared value per key."""
         return self._eligibility.routing(method, path, cls, model, translatable)
 
-    def translates(self, method: str | None, path: str | None, cls: str) -> bool:
-        return self._eligibility.translates(method, path, cls)
-
     def passthrough_member(self, method: str, path: str, model: str | None) -> Member:
         return self._eligibility.passthrough_member(method, path, model)
 
@@ -229,16 +223,14 @@ class Scheduler:
         """The proxy is stopping: refuse every request from now on, new or coming back."""
         self.shutting_down = True
 
-    def refuse_all_parked(self, why: str) -> int:
-        """Answer every parked request with 503 (shutdown, its time is up)."""
-        return self._lot.refuse_all(lambda entry: Refused("shutdown", why, 503, self.retry_after()))
+    def refuse_all_parked(self, why: str, which: Callable[[Entry], bool] | None = None) -> int:
+        """Answer every parked request (``which`` allows) with 503 (shutdown, its time is up)."""
+        return self._lot.refuse_all(lambda entry: Refused("shutdown", why, 503, self.retry_after()), which)
 
     def refuse_held_parked(self, why: str) -> int:
         """Answer with 503 every parked request whose every upstream that may serve it is held (shutdown):
         no yield ends for it before the proxy is gone, so it need not wait out the drain's timeout."""
-        return self._lot.refuse_all(
-            lambda entry: Refused("shutdown", why, 503, self.retry_after()), self.none_coming_back,
-        )
+        return self.refuse_all_parked(why, self.none_coming_back)
 
     # -- the choice of member ------------------------------------------------------------------------------
 
@@ -364,9 +356,7 @@ class Scheduler:
     def member_changed(self, name: str, yielded: bool) -> None:
         """A member was taken or given back: its backoff starts afresh, and every drainer looks again
         (a standby member's turn depends on the others)."""
-        if not yielded:
-            self._drainers[name].reset_backoff()
-        self.kick()
+        self.member_back(name, fresh=not yielded)
 
     def member_back(self, name: str, fresh: bool) -> None:
         """A member may take work again (upstream/pool/member.py's ``when_back``)."""

@@ -19,6 +19,7 @@ from twisted.internet.task import Clock
 from helpers import Core, advance_through, clock_cooperator, config_with, make_pool_core, pool_config
 from yieldproxy.lot.parking import Entry
 from yieldproxy.observe.metrics import Metrics
+from yieldproxy.schedule.routing import Eligibility
 from yieldproxy.service import build_heart
 from yieldproxy.tools.sim import expected_embedding
 from yieldproxy.upstream.control import Answer
@@ -50,7 +51,7 @@ def test_a_member_of_another_dialect_is_eligible_only_for_the_embeddings_of_a_mo
     untranslatable = scheduler.routing("POST", "/api/embed", "batch", MODEL, translatable=False)
     assert untranslatable.eligible == ("desktop",) and untranslatable.translated == frozenset()
     # Never a passthrough (a GET on an embedding path runs no model).
-    assert not scheduler.translates("GET", "/api/embed", "batch")
+    assert not Eligibility.translates("GET", "/api/embed", "batch")
 
 
 def test_a_translated_member_needs_a_known_model_and_its_class():
