@@ -50,6 +50,34 @@ def _open_inodes() -> list[int]:
     return inodes
 
 
+def _take_freed(numbers: list[int]) -> list[int]:
+    """Every number of ``numbers`` closed by now is the next socket's (an accept meanwhile): those numbers."""
+    taken = []
+    for fd in numbers:
+        try:
+            os.fstat(fd)
+        except OSError:
+            decoy = socket.socket(socket.AF_INET, socket.SOCK_STREAM).detach()  # maybe that very number
+            if decoy != fd:
+                os.dup2(decoy, fd)
+                os.close(decoy)
+            taken.append(fd)
+    return taken
+
+
+def _close_all(fds: list[int], pairs: list[tuple[socket.socket, socket.socket]], theirs: socket.socket, link) -> None:
+    """The test's own descriptors and sockets, and the link if it has not ended."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    for server, client in pairs:
+        server.close()
+        client.close()
+    theirs.close()
+    if not link.closed.called:
+        link.drop()
+
+
 async def _read_until(theirs: socket.socket, last: str) -> tuple[list[str], list[int]]:
     """What the new process's end reads, up to the frame ``last``: the frames' types and the descriptors."""
     decoder, kinds, fds = Decoder(), [], []
@@ -95,16 +123,7 @@ async def test_the_new_process_receives_the_connections_sent_even_if_their_numbe
             old._message({"type": "took", "id": frame, "fds": 0}, b"", [])
         old._give_up(kill=False)  # the old process ends the handover: ``abort``, then the link closes
         # Every number freed now is the next socket's (an accept meanwhile).
-        for fd in sent:
-            try:
-                os.fstat(fd)
-            except OSError:
-                decoy = socket.socket(socket.AF_INET, socket.SOCK_STREAM).detach()  # maybe that very number
-                if decoy != fd:
-                    os.dup2(decoy, fd)
-                    os.close(decoy)
-                decoys.append(fd)
-
+        decoys = _take_freed(sent)
         kinds, received = await _read_until(theirs, "abort")
         assert kinds.count("connections") == FRAMES
         assert [_inode(fd) for fd in received] == [_inode(server.fileno()) for server, _client in pairs]
@@ -116,15 +135,7 @@ async def test_the_new_process_receives_the_connections_sent_even_if_their_numbe
         inodes = _open_inodes()
         assert [inodes.count(_inode(server.fileno())) for server, _client in pairs] == [1] * len(pairs)
     finally:
-        for fd in decoys + received:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        for server, client in pairs:
-            server.close()
-            client.close()
-        theirs.close()
-        if not link.closed.called:
-            link.drop()
+        _close_all(decoys + received, pairs, theirs, link)
 
 
 #: A step of the sequence: ``send`` a frame with this many connections, the new process ``read``s this many bytes,
@@ -180,15 +191,7 @@ def test_at_every_moment_a_descriptor_sent_is_the_connection_it_was_when_sent(st
             elif kind == "write" and transport.connected:
                 write()
             elif kind == "reuse":
-                for fd in sent:
-                    try:
-                        os.fstat(fd)
-                    except OSError:
-                        decoy = socket.socket(socket.AF_INET, socket.SOCK_STREAM).detach()
-                        if decoy != fd:
-                            os.dup2(decoy, fd)
-                            os.close(decoy)
-                        taken.append(fd)
+                taken.extend(_take_freed(sent))
         inodes = [_inode(server.fileno()) for server, _client in pairs]
         assert [_inode(fd) for fd in received] == inodes[:len(received)]
         if end == "close":
@@ -216,12 +219,4 @@ def test_at_every_moment_a_descriptor_sent_is_the_connection_it_was_when_sent(st
         open_inodes = _open_inodes()
         assert [open_inodes.count(inode) for inode in inodes] == [1] * len(inodes)
     finally:
-        for fd in taken + received:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        for server, client in pairs:
-            server.close()
-            client.close()
-        theirs.close()
-        if not link.closed.called:
-            link.drop()
+        _close_all(taken + received, pairs, theirs, link)
