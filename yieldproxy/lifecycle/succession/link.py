@@ -116,13 +116,12 @@ class Link(Protocol):
         one dies next); fails with :class:`LinkClosed` if the link ends before all of it is (an end this
         side chose with :meth:`close` writes it all out first: that one fires it)."""
         done: Deferred[None] = Deferred()
-        transport = self.transport
-        if self.closed.called or transport is None or not getattr(transport, "connected", False):
+        if not self.open:
             done.errback(LinkClosed("the other process is gone"))
             return done
         if self._unsent:
             # At once, not at the reactor's next turn (a no-op when nothing waits to be written).
-            transport.doWrite()  # type: ignore[attr-defined]  # a FileDescriptor
+            self.transport.doWrite()  # type: ignore[union-attr]  # a FileDescriptor
         if not self._unsent:
             done.callback(None)
         else:
