@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 
@@ -281,11 +282,30 @@ def in_thread(reactor, function, *args, timeout: float = 120.0, **kwargs):
 
 
 
+#: Ports :func:`free_port` hands out: below the kernel's ephemeral range (ip_local_port_range, 32768 up), so
+#: no listener on port 0 and no outgoing connection takes one between the handing out and the child's bind
+#: (an Infinity takes 20 s to bind); each pytest-xdist worker its own slice, so no two workers share one.
+_PORTS_FROM, _PORTS_TO, _PORTS_PER_WORKER = 20000, 32768, 1000
+#: This process's slice (its first port) and how many of it were handed out.
+_handed: list[int] = []
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for child processes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, free now, from this process's slice, in turn (for child processes)."""
+    if not _handed:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        first = _PORTS_FROM + (int(worker) if worker.isdigit() else 0) * _PORTS_PER_WORKER
+        _handed.extend((min(first, _PORTS_TO - _PORTS_PER_WORKER), 0))
+    for _ in range(_PORTS_PER_WORKER):
+        port = _handed[0] + _handed[1] % _PORTS_PER_WORKER
+        _handed[1] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # another process's: the next
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def log_tail(path: str) -> str:
